@@ -1,0 +1,31 @@
+"""AdamW with weight decay on matrices only."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay the weight matrices of linear layers; never norms, biases or embedding tables.
+
+    Embeddings are excluded because decay pulls rarely seen tokens' rows to zero.
+    """
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.ndim >= 2 and id(param) not in embedding_params:
+            decay.append(param)
+        else:
+            no_decay.append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_adamw(model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
+                weight_decay: float) -> torch.optim.Optimizer:
+    # foreach is the fast path on every device and works with DTensor parameters.
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps,
+                             foreach=True)

@@ -1,0 +1,79 @@
+"""Turn a checked recipe into objects through the registry: tokenizer, model, optimizer, data."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nsa_titan import registry
+from nsa_titan.config.schema import Recipe
+from nsa_titan.runtime import Runtime
+from components.optim import lr_factor
+
+
+def build_part(kind: str, name: str, args):
+    part = registry.get(kind, name)
+    return part.build(args) if part.args is not None else part.build()
+
+
+def build_tokenizer(recipe: Recipe):
+    return build_part("tokenizer", recipe.data.tokenizer, recipe.data.tokenizer_args)
+
+
+def build_source(recipe: Recipe):
+    source = build_part("data_source", recipe.data.source, recipe.data.source_args)
+    check = getattr(source, "check", None)
+    if callable(check):
+        check()
+    return source
+
+
+def build_model_on_meta(recipe: Recipe, vocab_size: int) -> nn.Module:
+    """The model's structure without memory; parallelism is applied before weights exist."""
+    part = registry.get("model", recipe.model.name)
+    with torch.device("meta"):
+        return part.build(recipe.model.args, vocab_size)
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate the weights on the device and initialise them from the run's seed."""
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        model.init_weights()
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once), whatever their sharding."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
+    opt = recipe.optimizer
+    return registry.get("optimizer", opt.name).build(model, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                                      weight_decay=opt.weight_decay)
+
+
+def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Stepped once per optimizer step; the factor for 1-based step s is used by update s."""
+    sched = recipe.lr_scheduler
+
+    def factor(completed_steps: int) -> float:
+        return lr_factor(completed_steps + 1, warmup_steps=sched.warmup_steps, total_steps=recipe.training.steps,
+                         decay=sched.decay_type, min_lr_factor=sched.min_lr_factor)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_loader(recipe: Recipe, runtime: Runtime, source, tokenizer, *, dp_rank: int, dp_size: int,
+                 split: str, batch_size: int):
+    from components.data import build_dataloader
+
+    data = recipe.data
+    return build_dataloader(source, tokenizer, seq_len=recipe.training.seq_len, batch_size=batch_size,
+                            dp_rank=dp_rank, dp_world_size=dp_size, logical_shards=data.logical_shards,
+                            split=split, seed=recipe.job.seed, num_workers=data.num_workers,
+                            prefetch_factor=data.prefetch_factor if data.num_workers > 0 else None,
+                            pin_memory=data.pin_memory and runtime.device.type == "cuda")

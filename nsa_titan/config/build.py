@@ -1,0 +1,233 @@
+"""Turn the merged recipe table into typed dataclasses, collecting every problem on the way.
+
+Nothing is silent: an unknown key (with a did-you-mean), a wrong type, a value out of range or not
+among the choices, and a table for a part that the recipe did not choose are all problems.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any
+
+from nsa_titan import registry
+from nsa_titan.config.errors import Problem
+from nsa_titan.config.fields import default_of, is_dataclass_type, resolved_types, type_name
+from nsa_titan.config.overrides import CliText
+
+_BOOL_TEXT = {"true": True, "false": False}
+
+
+class _Invalid(Exception):
+    def __init__(self, why: str, fix: str):
+        super().__init__(why)
+        self.why, self.fix = why, fix
+
+
+class RecipeBuilder:
+    def __init__(self, origin: dict[str, str], problems: list[Problem]):
+        self.origin = origin
+        self.problems = problems
+
+    # -- reporting ---------------------------------------------------------------------------
+    def source_of(self, path: str) -> str:
+        if path in self.origin:
+            return self.origin[path]
+        for key, source in self.origin.items():
+            if key.startswith(path + "."):
+                return source
+        return "defaults"
+
+    def problem(self, path: str, value: Any, why: str, fix: str) -> None:
+        shown = str(value) if isinstance(value, CliText) else value
+        self.problems.append(Problem(self.source_of(path), path, shown, why, fix))
+
+    # -- building ----------------------------------------------------------------------------
+    def build(self, cls: type, table: Any, path: str = "") -> Any:
+        """Build an instance of the dataclass `cls` from `table`; problems go to the list."""
+        if not isinstance(table, dict):
+            self.problem(path, table, "must be a table", f"write it as [{path}] with fields under it")
+            table = {}
+        hints = resolved_types(cls)
+        values: dict[str, Any] = {}
+        known: set[str] = set()
+        deferred: list[dataclasses.Field] = []
+        for fld in dataclasses.fields(cls):
+            if "args_for" in fld.metadata:
+                deferred.append(fld)
+                continue
+            known.add(fld.name)
+            values[fld.name] = self._field(fld, hints[fld.name], table, _join(path, fld.name))
+        by_name = {fld.name: fld for fld in dataclasses.fields(cls)}
+        for fld in deferred:
+            kind = by_name[fld.metadata["args_for"]].metadata["component"]
+            values[fld.name] = self._part_args(fld, kind, values, table, path, known)
+        self._unknown_keys(table, known, path)
+        obj = cls(**values)
+        self._cross_checks(obj, path)
+        return obj
+
+    def _field(self, fld: dataclasses.Field, tp: Any, table: dict, path: str) -> Any:
+        default = default_of(fld)
+        if is_dataclass_type(tp):
+            return self.build(tp, table.get(fld.name, {}), path)
+        if fld.name not in table:
+            if default is dataclasses.MISSING:
+                self.problem(path, None, "is required", f"set {path} in the recipe")
+            return default
+        raw = table[fld.name]
+        try:
+            value = coerce(raw, tp)
+            check_bounds(value, fld.metadata)
+            if "component" in fld.metadata:
+                registry.get(fld.metadata["component"], value)
+        except _Invalid as bad:
+            self.problem(path, raw, bad.why, bad.fix)
+            return default
+        except registry.UnknownPartError as unknown:
+            names = registry.available(unknown.kind)
+            self.problem(path, raw, f"is not a registered {unknown.kind}" + _suggest(value, names),
+                         f"choose one of: {', '.join(names)} (job.plugins can register more)")
+            return default
+        return value
+
+    def _part_args(self, fld: dataclasses.Field, kind: str, values: dict, table: dict, path: str,
+                   known: set[str]) -> Any:
+        """Arguments of the part chosen by the sibling field, inline or in a sub-table."""
+        name_field = fld.metadata["args_for"]
+        chosen = values[name_field]
+        try:
+            part = registry.get(kind, chosen)
+        except registry.UnknownPartError:
+            part = None  # already reported on the name field
+        if fld.metadata.get("placement") == "inline":
+            args_cls = part.args if part else None
+            arg_names = {f.name for f in dataclasses.fields(args_cls)} if args_cls else set()
+            known.update(arg_names)
+            if part is None:
+                known.update(k for k in table if k not in known)  # nothing more to say about them
+                return None
+            sub = {k: v for k, v in table.items() if k in arg_names}
+            return self.build(args_cls, sub, path) if args_cls else None
+        # placement == "table": [section.<chosen>] holds the arguments
+        for other in registry.available(kind):
+            if other in table and other != chosen:
+                known.add(other)
+                self.problem(_join(path, other), None,
+                             f"is set but {_join(path, name_field)} = {chosen!r}, so it would be ignored",
+                             f"remove [{_join(path, other)}] or set {_join(path, name_field)} = {other!r}")
+        if part is None:
+            known.add(chosen)
+            return None
+        known.add(chosen)
+        if part.args is None:
+            if chosen in table:
+                self.problem(_join(path, chosen), None, f"{kind} {chosen!r} takes no arguments",
+                             f"remove [{_join(path, chosen)}]")
+            return None
+        return self.build(part.args, table.get(chosen, {}), _join(path, chosen))
+
+    def _unknown_keys(self, table: dict, known: set[str], path: str) -> None:
+        for key in table:
+            if key in known:
+                continue
+            full = _join(path, key)
+            self.problem(full, None, "is not a recipe field" + _suggest(key, sorted(known)),
+                         f"remove it, or see `nsa-titan train --help` for the fields of [{path or 'top level'}]")
+
+    def _cross_checks(self, obj: Any, path: str) -> None:
+        check = getattr(obj, "check", None)
+        if not callable(check):
+            return
+        for rel, message in check() or []:
+            full = _join(path, rel)
+            value = _lookup(obj, rel)
+            self.problems.append(Problem(self.source_of(full), full, value, *_split_fix(message)))
+
+
+def coerce(raw: Any, tp: Any) -> Any:
+    """Give a recipe or command-line value the field's type, or say why it cannot be."""
+    origin = typing.get_origin(tp)
+    if origin in (list, typing.List):
+        (inner,) = typing.get_args(tp) or (Any,)
+        if isinstance(raw, CliText):
+            items = [CliText(p.strip()) for p in raw.split(",")] if raw.strip() else []
+        elif isinstance(raw, list):
+            items = raw
+        else:
+            raise _Invalid(f"expected a list ({type_name(tp)}), got {_kind(raw)}",
+                           "write a TOML list like [1, 2] or, on the command line, a comma-separated list")
+        return [coerce(item, inner) for item in items]
+    if tp is bool:
+        if isinstance(raw, CliText):
+            if raw.lower() in _BOOL_TEXT:
+                return _BOOL_TEXT[raw.lower()]
+            raise _Invalid(f"expected true or false, got {raw!r}", "write =true or =false")
+        if isinstance(raw, bool):
+            return raw
+        raise _Invalid(f"expected a boolean, got {_kind(raw)}", "write true or false")
+    if tp is int:
+        if isinstance(raw, CliText):
+            try:
+                return int(raw)
+            except ValueError:
+                raise _Invalid(f"expected a whole number, got {raw!r}", "write an integer such as 20") from None
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        raise _Invalid(f"expected a whole number, got {_kind(raw)}", "write an integer such as 20, without quotes")
+    if tp is float:
+        if isinstance(raw, CliText):
+            try:
+                return float(raw)
+            except ValueError:
+                raise _Invalid(f"expected a number, got {raw!r}", "write a number such as 3e-4") from None
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        raise _Invalid(f"expected a number, got {_kind(raw)}", "write a number such as 3e-4, without quotes")
+    if tp is str:
+        if isinstance(raw, str):
+            return str(raw)
+        raise _Invalid(f"expected text, got {_kind(raw)}", 'write it in quotes, e.g. "value"')
+    raise _Invalid(f"has unsupported type {type_name(tp)}", "report this field's declaration as a bug")
+
+
+def check_bounds(value: Any, meta: typing.Mapping[str, Any]) -> None:
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise _Invalid(f"must be one of {', '.join(map(repr, choices))}" + _suggest(str(value), list(map(str, choices))),
+                       f"choose one of {', '.join(map(str, choices))}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for key, ok, words in (("ge", lambda v, b: v >= b, "at least"), ("gt", lambda v, b: v > b, "greater than"),
+                               ("le", lambda v, b: v <= b, "at most")):
+            if key in meta and not ok(value, meta[key]):
+                raise _Invalid(f"must be {words} {meta[key]}", f"use a value {words} {meta[key]}")
+
+
+def _suggest(word: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(str(word), candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _kind(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "text", list: "a list", dict: "a table"}
+    return f"{names.get(type(value), type(value).__name__)} {value!r}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _lookup(obj: Any, rel: str) -> Any:
+    for part in rel.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _split_fix(message: str) -> tuple[str, str]:
+    """Components write 'why; fix' or 'why. Fix: fix'; split it for the uniform report."""
+    for sep in (". Fix: ", "; fix: ", "; "):
+        if sep in message:
+            why, fix = message.split(sep, 1)
+            return why.rstrip("."), fix.rstrip(".")
+    return message.rstrip("."), "see the field's doc in `nsa-titan train --help`"

@@ -1,0 +1,72 @@
+"""Recipe fields: one helper to declare them and a few to read their metadata back.
+
+Every recipe field is a dataclass field whose metadata carries a one-line "doc" and, where it
+applies, "choices" and numeric bounds ("ge", "gt", "le"). Components declare their argument
+dataclasses with plain `dataclasses.field(metadata=...)` in the same convention, so they need not
+import the engine.
+
+Two metadata keys are the engine's own:
+- "component": the field names a registered part of this kind ("model", "data_source", ...).
+- "args_for": the field holds the arguments of the part named by the sibling field given here;
+  "placement" says where they live in TOML: "inline" (the rest of the same table, as in [model])
+  or "table" (a sub-table named after the chosen part, as in [data.text_files]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+
+def f(default: Any = dataclasses.MISSING, doc: str = "", *, choices=None, ge=None, gt=None,
+      le=None, component: str | None = None, args_for: str | None = None,
+      placement: str | None = None) -> Any:
+    """Declare a recipe field with its one-line doc and constraints."""
+    if not doc:
+        raise ValueError("every recipe field needs a one-line doc")
+    meta = {"doc": doc}
+    for key, value in (("choices", choices), ("ge", ge), ("gt", gt), ("le", le),
+                       ("component", component), ("args_for", args_for),
+                       ("placement", placement)):
+        if value is not None:
+            meta[key] = tuple(value) if key == "choices" else value
+    if isinstance(default, list):
+        items = list(default)
+        return dataclasses.field(default_factory=lambda: list(items), metadata=meta)
+    if dataclasses.is_dataclass(default) and isinstance(default, type):
+        return dataclasses.field(default_factory=default, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def doc_of(fld: dataclasses.Field) -> str:
+    return fld.metadata.get("doc", "")
+
+
+def resolved_types(cls: type) -> dict[str, Any]:
+    """Field name -> real type annotation (strings from `from __future__ import annotations` resolved)."""
+    return typing.get_type_hints(cls)
+
+
+def default_of(fld: dataclasses.Field) -> Any:
+    if fld.default is not dataclasses.MISSING:
+        return fld.default
+    if fld.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return fld.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (list, typing.List):
+        (inner,) = typing.get_args(tp) or (Any,)
+        return f"list[{type_name(inner)}]"
+    if dataclasses.is_dataclass(tp):
+        return "table"
+    if tp is Any:
+        return "table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)

@@ -1,0 +1,88 @@
+"""Command-line overrides: `--section.field=value` or `--section.field value`, nested fields included.
+
+Values stay text here; the schema gives them their type when the recipe is built, so one parser
+serves ints, floats (3e-4), booleans (true / false), comma-separated lists and choices alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nsa_titan.config.errors import Problem
+
+ACTIONS = {"--help": "help", "-h": "help", "--print-config": "print_config"}
+
+
+class CliText(str):
+    """A value typed on the command line: text to parse into the field's type."""
+
+
+@dataclass
+class CommandLine:
+    recipe: str | None
+    overrides: list[tuple[str, str, CliText]]  # (flag as typed, dotted key, value)
+    actions: set[str]
+
+
+def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
+    recipe: str | None = None
+    overrides: list[tuple[str, str, CliText]] = []
+    actions: set[str] = set()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ACTIONS:
+            actions.add(ACTIONS[arg])
+            continue
+        if not arg.startswith("-"):
+            if recipe is None:
+                recipe = arg
+            else:
+                problems.append(Problem(f"argument {arg!r}", "recipe", None,
+                                        f"a second recipe path after {recipe!r}",
+                                        "give one recipe; compose others with extends = [...] inside it"))
+            continue
+        if not arg.startswith("--") or len(arg) == 2:
+            problems.append(Problem(f"flag {arg!r}", "override", None, "is not an override",
+                                    "write overrides as --section.field=value, e.g. --training.steps=20"))
+            continue
+        key, sep, value = arg[2:].partition("=")
+        flag = arg
+        if not sep:
+            if i < len(argv) and not argv[i].startswith("--"):
+                value = argv[i]
+                flag = f"{arg} {value}"
+                i += 1
+            else:
+                problems.append(Problem(f"flag {arg!r}", key, None, "has no value",
+                                        f"write {arg}=VALUE (booleans take =true or =false)"))
+                continue
+        if not key or any(not part for part in key.split(".")):
+            problems.append(Problem(f"flag {arg!r}", key, None, "is not a field path",
+                                    "name a field as section.field, e.g. --training.steps=20"))
+            continue
+        overrides.append((flag, key, CliText(value)))
+    return CommandLine(recipe, overrides, actions)
+
+
+def apply_overrides(table: dict, origin: dict[str, str], overrides: list[tuple[str, str, CliText]],
+                    problems: list[Problem]) -> None:
+    """Write each override into the merged recipe table; the schema check comes later."""
+    for flag, key, value in overrides:
+        parts = key.split(".")
+        node = table
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                problems.append(Problem(f"flag {flag!r}", ".".join(parts[: depth + 1]), child,
+                                        "is a value, not a table", "override the value itself"))
+                break
+            node = child
+        else:
+            if isinstance(node.get(parts[-1]), dict):
+                problems.append(Problem(f"flag {flag!r}", key, None, "is a table, not a value",
+                                        f"override one of its fields, e.g. --{key}.FIELD=VALUE"))
+                continue
+            node[parts[-1]] = value
+            origin[key] = f"flag {flag!r}"

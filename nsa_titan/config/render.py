@@ -1,0 +1,27 @@
+"""Write a typed Recipe back as the nested table its TOML would hold."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def recipe_to_table(obj: Any) -> dict:
+    """Every field, defaults included, in recipe order; parts' arguments where the TOML puts them."""
+    table: dict[str, Any] = {}
+    fields = {fld.name: fld for fld in dataclasses.fields(obj)}
+    for fld in fields.values():
+        value = getattr(obj, fld.name)
+        if "args_for" in fld.metadata:
+            if value is None:
+                continue
+            args = recipe_to_table(value)
+            if fld.metadata.get("placement") == "inline":
+                table.update(args)
+            else:
+                table[getattr(obj, fld.metadata["args_for"])] = args
+        elif dataclasses.is_dataclass(value):
+            table[fld.name] = recipe_to_table(value)
+        else:
+            table[fld.name] = list(value) if isinstance(value, (list, tuple)) else value
+    return table

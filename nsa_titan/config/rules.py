@@ -1,0 +1,75 @@
+"""Rules that span sections, checked once the whole recipe is typed."""
+
+from __future__ import annotations
+
+from nsa_titan.config.errors import Problem
+from nsa_titan.config.schema import Recipe
+
+
+def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int] | str:
+    """(replicate, shard) degrees for this world size, or why they cannot be resolved."""
+    par = recipe.parallelism
+    rep, shard = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
+    if rep == -1 and shard == -1:
+        return "only one of the two degrees may be -1"
+    if rep == -1 or shard == -1:
+        known = shard if rep == -1 else rep
+        if known == 0 or world_size % known:
+            return f"the world size {world_size} is not divisible by the fixed degree {known}"
+        fill = world_size // known
+        return (fill, shard) if rep == -1 else (rep, fill)
+    if rep * shard != world_size:
+        return f"replicate x shard = {rep} x {shard} = {rep * shard}, but the world size is {world_size}"
+    return rep, shard
+
+
+def check_rules(recipe: Recipe, world_size: int, source_of, problems: list[Problem]) -> None:
+    def add(field: str, value, why: str, fix: str) -> None:
+        problems.append(Problem(source_of(field), field, value, why, fix))
+
+    degrees = data_parallel_degrees(recipe, world_size)
+    if isinstance(degrees, str):
+        add("parallelism.data_parallel_shard_degree", recipe.parallelism.data_parallel_shard_degree, degrees,
+            "make replicate x shard equal the number of processes (NGPU x NNODES), or set one of them to -1")
+        dp = world_size
+    else:
+        for name, value in zip(("data_parallel_replicate_degree", "data_parallel_shard_degree"), degrees):
+            if value < 1:
+                add(f"parallelism.{name}", value, "must be at least 1 (or -1 to fill)", "use a positive degree or -1")
+        dp = degrees[0] * degrees[1]
+
+    t = recipe.training
+    per_step = t.local_batch_size * dp
+    if t.global_batch_size != -1 and t.global_batch_size % per_step:
+        add("training.global_batch_size", t.global_batch_size,
+            f"is not a multiple of local_batch_size x data-parallel size = {t.local_batch_size} x {dp} = {per_step}",
+            f"use a multiple of {per_step} (e.g. {per_step * max(1, round(t.global_batch_size / per_step))}) or -1")
+    if recipe.data.logical_shards % dp:
+        add("data.logical_shards", recipe.data.logical_shards,
+            f"is not divisible by the data-parallel size {dp}, so ranks cannot own equal shards",
+            f"use a multiple of {dp}, e.g. {dp * max(1, recipe.data.logical_shards // dp)}")
+
+    max_len = getattr(recipe.model.args, "max_seq_len", None)
+    if isinstance(max_len, int) and t.seq_len > max_len:
+        add("training.seq_len", t.seq_len, f"exceeds the model's max_seq_len = {max_len}",
+            f"lower training.seq_len or raise model.max_seq_len to at least {t.seq_len}")
+
+    if recipe.optimizer.betas and (len(recipe.optimizer.betas) != 2 or
+                                   not all(0.0 <= b < 1.0 for b in recipe.optimizer.betas)):
+        add("optimizer.betas", recipe.optimizer.betas, "must be two numbers in [0, 1)", "write betas = [0.9, 0.95]")
+    if recipe.checkpoint.keep_latest_k == 1:
+        add("checkpoint.keep_latest_k", 1, "keeping one checkpoint loses it while the next one is written",
+            "use 2 or more, or 0 to keep all")
+    if recipe.lr_scheduler.warmup_steps > t.steps:
+        add("lr_scheduler.warmup_steps", recipe.lr_scheduler.warmup_steps,
+            f"is longer than the run (training.steps = {t.steps})", "shorten the warmup or train longer")
+    if recipe.lr_scheduler.decay_type == "constant" and source_of("lr_scheduler.min_lr_factor") != "defaults":
+        add("lr_scheduler.min_lr_factor", recipe.lr_scheduler.min_lr_factor,
+            "has no effect with decay_type = 'constant'", "remove it, or choose decay_type 'cosine' or 'linear'")
+    if recipe.data.num_workers == 0 and source_of("data.prefetch_factor") != "defaults":
+        add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
+            "remove it, or set data.num_workers > 0")
+    if recipe.activation_checkpoint.mode != "selective" and source_of("activation_checkpoint.selective_every") != "defaults":
+        add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
+            f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
+            "remove it, or set activation_checkpoint.mode = 'selective'")

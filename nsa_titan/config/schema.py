@@ -1,0 +1,137 @@
+"""The recipe schema: one dataclass per TOML section, every field typed and documented.
+
+Field names follow torchtitan's where the concept is the same. Parts chosen by name (model, data
+source, tokenizer, optimizer, LR schedule) bring their own argument dataclasses from the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nsa_titan.config.fields import f
+
+
+@dataclass
+class JobConfig:
+    name: str = f("debug", "Run name, shown in logs and the run manifest.")
+    description: str = f("", "Free text describing the run.")
+    dump_folder: str = f("./outputs/debug", "Folder for this run's recipe, metrics, checkpoints and logs.")
+    seed: int = f(0, "Seed for model init, data order and dropout-free training randomness.", ge=0)
+    plugins: list[str] = f([], "Python modules imported before the recipe is checked; they may register parts.")
+
+
+@dataclass
+class ModelConfig:
+    name: str = f("transformer", "Registered model builder.", component="model")
+    args: Any = f(None, "The chosen model's arguments, written inline in [model].",
+                  args_for="name", placement="inline")
+
+
+@dataclass
+class ParallelismConfig:
+    data_parallel_shard_degree: int = f(-1, "FSDP shard degree; -1 fills what the replicate degree leaves.", ge=-1)
+    data_parallel_replicate_degree: int = f(1, "Replicas (DDP, or HSDP when sharding too); -1 fills the rest.", ge=-1)
+    fsdp_reshard_after_forward: str = f("default", "Free gathered parameters after forward: default, always or never.",
+                                        choices=("default", "always", "never"))
+    init_timeout_seconds: int = f(300, "Seconds to wait for all ranks at start-up before failing.", gt=0)
+
+
+@dataclass
+class DataConfig:
+    source: str = f("python_stdlib", "Registered document source.", component="data_source")
+    tokenizer: str = f("byte", "Registered tokenizer; its vocabulary size sets the model's.", component="tokenizer")
+    logical_shards: int = f(64, "Fixed shards of the corpus; ranks own disjoint ones; the world size must divide it.", ge=1)
+    num_workers: int = f(0, "Data loader worker processes per rank (0 reads in the training process).", ge=0)
+    prefetch_factor: int = f(2, "Batches each worker prepares ahead (needs num_workers > 0).", ge=1)
+    pin_memory: bool = f(True, "Pin host batches for faster copies to a CUDA device (ignored on CPU by design).")
+    source_args: Any = f(None, "The chosen source's arguments, in the table [data.<source>].",
+                         args_for="source", placement="table")
+    tokenizer_args: Any = f(None, "The chosen tokenizer's arguments, in the table [data.<tokenizer>].",
+                            args_for="tokenizer", placement="table")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = f(100, "Optimizer steps to train for.", ge=1)
+    seq_len: int = f(256, "Tokens per sample.", ge=1)
+    local_batch_size: int = f(8, "Samples per micro-batch on each data-parallel rank.", ge=1)
+    global_batch_size: int = f(-1, "Samples per optimizer step over all ranks; -1 means local x data-parallel size.", ge=-1)
+    max_norm: float = f(1.0, "Clip the global gradient norm to this; 0 disables clipping.", ge=0.0)
+    device: str = f("auto", "Where to train: auto (CUDA when present, else CPU), cpu or cuda.",
+                    choices=("auto", "cpu", "cuda"))
+    dtype: str = f("auto", "Compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU), float32 or bfloat16.",
+                   choices=("auto", "float32", "bfloat16"))
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = f("adamw", "Registered optimizer.", component="optimizer")
+    lr: float = f(3e-4, "Peak learning rate.", gt=0.0)
+    betas: list[float] = f([0.9, 0.95], "Adam betas (beta1, beta2).")
+    eps: float = f(1e-8, "Adam epsilon.", gt=0.0)
+    weight_decay: float = f(0.1, "Decoupled weight decay for matrices; norms, biases and embeddings get none.", ge=0.0)
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = f(0, "Steps of linear warmup from 0 to the peak learning rate.", ge=0)
+    decay_type: str = f("cosine", "Decay after warmup.", component="lr_schedule")
+    min_lr_factor: float = f(0.1, "Final learning rate as a fraction of the peak.", ge=0.0, le=1.0)
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = f(False, "Save distributed checkpoints and resume from them.")
+    folder: str = f("checkpoint", "Checkpoint folder inside job.dump_folder.")
+    interval: int = f(500, "Save every this many steps (and always at the last step).", ge=1)
+    keep_latest_k: int = f(3, "Keep this many newest checkpoints (>= 2); 0 keeps all.", ge=0)
+    load_step: int = f(-1, "Resume from this step's checkpoint; -1 resumes from the newest complete one.", ge=-1)
+    initial_load_path: str = f("", "Start from these weights only (a checkpoint folder) when no checkpoint exists.")
+    async_mode: str = f("disabled", "disabled, or async to overlap saving with training.",
+                        choices=("disabled", "async"))
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = f(10, "Log metrics every this many steps.", ge=1)
+    enable_tensorboard: bool = f(False, "Also write TensorBoard event files.")
+    save_tb_folder: str = f("tb", "TensorBoard folder inside job.dump_folder.")
+    telemetry_freq: int = f(0, "Collect attention telemetry every this many steps; 0 disables.", ge=0)
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = f(False, "Evaluate on the held-out stream during training.")
+    freq: int = f(100, "Validate every this many steps.", ge=1)
+    steps: int = f(10, "Batches per validation.", ge=1)
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = f(False, "torch.compile each transformer block in place.")
+    fullgraph: bool = f(True, "Require one graph per block: a graph break is an error.")
+    backend: str = f("inductor", "torch.compile backend.", choices=("inductor", "aot_eager", "eager"))
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = f("none", "Recompute activations in backward: none, full (every block) or selective.",
+                  choices=("none", "full", "selective"))
+    selective_every: int = f(2, "With mode = selective, checkpoint every this many blocks.", ge=1)
+
+
+@dataclass
+class Recipe:
+    job: JobConfig = f(JobConfig, "The run's identity and output folder.")
+    model: ModelConfig = f(ModelConfig, "The model and its arguments.")
+    parallelism: ParallelismConfig = f(ParallelismConfig, "Data-parallel layout.")
+    data: DataConfig = f(DataConfig, "Documents, tokenizer and loading.")
+    training: TrainingConfig = f(TrainingConfig, "Steps, batch, sequence length, precision.")
+    optimizer: OptimizerConfig = f(OptimizerConfig, "The optimizer.")
+    lr_scheduler: LRSchedulerConfig = f(LRSchedulerConfig, "Learning-rate warmup and decay.")
+    checkpoint: CheckpointConfig = f(CheckpointConfig, "Distributed checkpoints and resume.")
+    metrics: MetricsConfig = f(MetricsConfig, "Logging.")
+    validation: ValidationConfig = f(ValidationConfig, "Held-out evaluation.")
+    compile: CompileConfig = f(CompileConfig, "torch.compile.")
+    activation_checkpoint: ActivationCheckpointConfig = f(ActivationCheckpointConfig, "Activation checkpointing.")

@@ -1,0 +1,150 @@
+"""Reading recipes (with `extends` composition) and writing the resolved recipe back as TOML."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from nsa_titan.config.errors import Problem
+
+EXTENDS_KEY = "extends"
+
+
+def load_composed(path: str, problems: list[Problem]) -> tuple[dict, dict[str, str]]:
+    """Load a recipe and the files it extends, merged in order; later files and tables win.
+
+    Returns the merged table and, for every leaf key path, the file that set it last.
+    """
+    merged: dict = {}
+    origin: dict[str, str] = {}
+    _load_into(os.path.abspath(path), merged, origin, problems, chain=())
+    return merged, origin
+
+
+def _load_into(path: str, merged: dict, origin: dict[str, str], problems: list[Problem],
+               chain: tuple[str, ...]) -> None:
+    shown = shown_path(path)
+    if path in chain:
+        cycle = " -> ".join(shown_path(p) for p in chain + (path,))
+        problems.append(Problem(shown, EXTENDS_KEY, None, f"extends itself in a cycle ({cycle})",
+                                "remove one of the extends entries"))
+        return
+    table = read_toml(path, problems, where=(shown_path(chain[-1]) if chain else "command line"))
+    if table is None:
+        return
+    bases = table.pop(EXTENDS_KEY, [])
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        problems.append(Problem(shown, EXTENDS_KEY, bases, "must be a file path or a list of file paths",
+                                'write extends = ["presets/model.toml"]'))
+        bases = []
+    for base in bases:
+        _load_into(os.path.normpath(os.path.join(os.path.dirname(path), base)), merged, origin,
+                   problems, chain + (path,))
+    _merge(merged, table, origin, shown, prefix="")
+
+
+def shown_path(path: str) -> str:
+    """A path as the user would type it: relative to here when inside it, else absolute."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def read_toml(path: str, problems: list[Problem], where: str) -> dict | None:
+    if not os.path.isfile(path):
+        problems.append(Problem(where, "recipe", path, "file not found",
+                                "check the path; recipes live in recipes/ (e.g. recipes/debug.toml)"))
+        return None
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        problems.append(Problem(shown_path(path), "recipe", None, f"is not valid TOML: {exc}",
+                                "fix the syntax at the line and column given"))
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(Problem(shown_path(path), "recipe", None, f"cannot be read: {exc}",
+                                "check the file's permissions and encoding (UTF-8)"))
+    return None
+
+
+def _merge(into: dict, table: dict, origin: dict[str, str], source: str, prefix: str) -> None:
+    for key, value in table.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value, origin, source, prefix=f"{path}.")
+        else:
+            into[key] = _copy(value)
+            _record(origin, path, value, source)
+
+
+def _record(origin: dict[str, str], path: str, value: Any, source: str) -> None:
+    for stale in [k for k in origin if k == path or k.startswith(path + ".")]:
+        del origin[stale]
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _record(origin, f"{path}.{key}", inner, source)
+        if not value:
+            origin[path] = source
+    else:
+        origin[path] = source
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def dumps(table: dict) -> str:
+    """Render nested dicts of TOML scalars and scalar lists as TOML, tables after plain keys."""
+    lines: list[str] = []
+    _dump_table(table, [], lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _dump_table(table: dict, path: list[str], lines: list[str]) -> None:
+    plain = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    nested = {k: v for k, v in table.items() if isinstance(v, dict)}
+    if path and (plain or not nested):
+        lines.append("")
+        lines.append("[" + ".".join(_key(p) for p in path) + "]")
+    for key, value in plain.items():
+        lines.append(f"{_key(key)} = {toml_value(value)}")
+    for key, value in nested.items():
+        _dump_table(value, path + [key], lines)
+
+
+def _key(key: str) -> str:
+    bare = key.replace("_", "").replace("-", "").isalnum() and key.isascii()
+    return key if bare else json.dumps(key)
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        text = repr(value)
+        return text if any(c in text for c in ".en") else text + ".0"
+    if isinstance(value, str):
+        # JSON string escapes are TOML's, once raw non-ASCII is kept (no surrogate pairs) and DEL escaped.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -1,0 +1,1 @@
+"""What a run shows: console lines, metrics.jsonl, TensorBoard."""

@@ -1,0 +1,34 @@
+"""The rank-0 console: one line per logged step, with progress and ETA."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _eta(seconds: float) -> str:
+    return str(timedelta(seconds=int(max(seconds, 0))))
+
+
+def step_line(record: dict, total_steps: int) -> str:
+    parts = [f"step {record['step']:>{len(str(total_steps))}}/{total_steps}",
+             f"loss {record['loss']:.4f}",
+             f"lr {record['lr']:.2e}",
+             f"gnorm {record['grad_norm']:.3f}",
+             f"{record['tokens_per_second']:,.0f} tok/s",
+             f"step {record['step_time_s'] * 1000:.0f} ms",
+             f"data {record['data_wait_s'] * 1000:.0f} ms"]
+    if "mfu_percent" in record:
+        parts.append(f"mfu {record['mfu_percent']:.1f}%")
+    if "max_memory_gib" in record:
+        parts.append(f"mem {record['max_memory_gib']:.1f} GiB")
+    parts.append(f"eta {_eta(record.get('eta_s', 0.0))}")
+    return " | ".join(parts)

@@ -1,0 +1,1 @@
+"""How a model is spread and sped up: activation checkpointing, per-block compile, data parallelism."""

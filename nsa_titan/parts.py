@@ -1,0 +1,21 @@
+"""The built-in parts: what a recipe can name without plugins."""
+
+from __future__ import annotations
+
+from nsa_titan.registry import register
+
+
+def register_builtins() -> None:
+    from components import data, models, nsa, optim
+
+    register("model", "transformer", models.build_transformer, args=models.TransformerArgs,
+             doc="decoder-only transformer; attention = 'nsa' or 'dense'")
+    for name in nsa.BACKENDS:
+        register("attention_backend", name, lambda name=name: name, doc=f"NSA op backend {name!r}")
+    for name, (args_cls, factory) in data.SOURCES.items():
+        register("data_source", name, factory, args=args_cls)
+    for name, (args_cls, factory) in data.TOKENIZERS.items():
+        register("tokenizer", name, factory, args=args_cls)
+    register("optimizer", "adamw", optim.build_adamw, doc="AdamW, weight decay on matrices only")
+    for name, shape in optim.SCHEDULES.items():
+        register("lr_schedule", name, shape)

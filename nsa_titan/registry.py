@@ -1,0 +1,72 @@
+"""Named builders: the recipe names parts, the registry turns names into objects.
+
+Kinds: model, attention_backend, data_source, tokenizer, optimizer, lr_schedule. A part has a
+builder and, optionally, an argument dataclass whose fields become recipe fields. User modules
+listed in job.plugins call `register` to add their own parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+KINDS = ("model", "attention_backend", "data_source", "tokenizer", "optimizer", "lr_schedule")
+
+
+@dataclass(frozen=True)
+class Part:
+    kind: str
+    name: str
+    build: Callable[..., Any]
+    args: type | None = None
+    doc: str = ""
+
+
+_PARTS: dict[str, dict[str, Part]] = {kind: {} for kind in KINDS}
+
+
+class UnknownPartError(KeyError):
+    def __init__(self, kind: str, name: str):
+        self.kind, self.name = kind, name
+        super().__init__(f"unknown {kind} {name!r}; available: {', '.join(available(kind)) or 'none'}")
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def register(kind: str, name: str, build: Callable[..., Any], *, args: type | None = None,
+             doc: str = "", replace: bool = False) -> Part:
+    """Add a part. Registering a taken name is an error unless replace=True."""
+    if kind not in _PARTS:
+        raise ValueError(f"unknown part kind {kind!r}; kinds are {', '.join(KINDS)}")
+    if name in _PARTS[kind] and not replace:
+        raise ValueError(f"{kind} {name!r} is already registered; pass replace=True to override it")
+    part = Part(kind, name, build, args, doc)
+    _PARTS[kind][name] = part
+    return part
+
+
+def get(kind: str, name: str) -> Part:
+    ensure_builtins()
+    try:
+        return _PARTS[kind][name]
+    except KeyError:
+        raise UnknownPartError(kind, name) from None
+
+
+def available(kind: str) -> list[str]:
+    ensure_builtins()
+    return sorted(_PARTS[kind])
+
+
+_builtins_loaded = False
+
+
+def ensure_builtins() -> None:
+    """Register the built-in parts once, on first use (keeps `import nsa_titan` light)."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        from nsa_titan import parts
+
+        parts.register_builtins()

@@ -1,0 +1,54 @@
+"""Where this process runs: rank, world size, device and compute dtype."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from components.errors import UserError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # None: compute in the parameters' dtype (fp32)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+
+def launch_world() -> tuple[int, int, int]:
+    """(rank, local rank, world size) as torchrun set them; one process when launched directly."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def make_runtime(device_choice: str, dtype_choice: str) -> Runtime:
+    rank, local_rank, world_size = launch_world()
+    has_cuda = torch.cuda.is_available()
+    if device_choice == "cuda" and not has_cuda:
+        raise UserError("training.device = 'cuda' but no CUDA device is visible. Fix: set "
+                        "--training.device=cpu (or auto), or run on a machine with a GPU.")
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and has_cuda)
+    if use_cuda:
+        device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if dtype_choice == "bfloat16" or (dtype_choice == "auto" and use_cuda):
+        autocast_dtype = torch.bfloat16
+    else:
+        autocast_dtype = None
+    return Runtime(rank, local_rank, world_size, device, autocast_dtype)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite, set-up included: ./run_tests.sh [pytest arguments]
+set -euo pipefail
+root=$(cd "$(dirname "$0")" && pwd)
+py=$("$root/scripts/ensure_env.sh")
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+cd "$root"
+exec "$py" -m pytest -q "$@"

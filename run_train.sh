@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Train from a recipe: ./run_train.sh [RECIPE.toml] [--section.field=VALUE ...]
+#
+# Launch variables (the only environment that matters; the recipe holds everything computed):
+#   NGPU           processes on this node (default: the GPU count, else 1 CPU process)
+#   NNODES         nodes in the job (default 1)
+#   NODE_RANK      this node's index (default 0)
+#   RDZV_ENDPOINT  host:port of the c10d rendezvous for multi-node runs (default: this node)
+# Other commands of the nsa-titan tool (inspect, doctor, ...) run as: ./run_train.sh COMMAND ARGS.
+set -euo pipefail
+root=$(cd "$(dirname "$0")" && pwd)
+py=$("$root/scripts/ensure_env.sh")
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+
+command=train
+case "${1:-}" in
+  train|inspect|doctor|export|sample|plot) command=$1; shift ;;
+esac
+if [ $# -eq 0 ] || [[ "${1:-}" == -* ]]; then
+  set -- "$root/recipes/debug.toml" "$@"
+fi
+for arg in "$@"; do
+  case "$arg" in --help|-h|--print-config) exec "$py" -m nsa_titan.cli "$command" "$@" ;; esac
+done
+if [ "$command" != train ]; then
+  exec "$py" -m nsa_titan.cli "$command" "$@"
+fi
+
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$( (command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -c ^GPU) || true)
+  [ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+export PYTHONUNBUFFERED=1
+if [ "$NNODES" -gt 1 ]; then
+  : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port (the rendezvous node) for a multi-node run}"
+  exec "$py" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NGPU" \
+    --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-nsa_titan}" \
+    -m nsa_titan.cli train "$@"
+fi
+exec "$py" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m nsa_titan.cli train "$@"

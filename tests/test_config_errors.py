@@ -1,0 +1,185 @@
+"""Bad recipes and overrides: each gives exit code 2 and a message naming source, field, value and fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from nsa_titan import cli
+from tests.conftest import REPO_ROOT
+
+BASE = """
+[job]
+dump_folder = "{dump}"
+
+[model]
+dim = 64
+n_layers = 1
+n_heads = 4
+n_kv_heads = 2
+max_seq_len = 128
+
+[model.nsa]
+block_size = 16
+block_stride = 8
+sel_block_size = 32
+num_selected = 2
+window_size = 32
+
+[training]
+steps = 2
+seq_len = 64
+local_batch_size = 2
+"""
+
+
+def write(tmp_path, text: str, name: str = "recipe.toml", base: bool = True) -> str:
+    path = tmp_path / name
+    body = (BASE.format(dump=tmp_path / "out") if base else "") + textwrap.dedent(text)
+    path.write_text(body)
+    return str(path)
+
+
+def run_cli(capsys, args: list[str]) -> tuple[int, str]:
+    code = cli.main(["train", *args])
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+# (name, recipe text appended to BASE (None: BASE alone), overrides, expected fragments of the message)
+CASES = [
+    ("unknown section", "[trainig]\nsteps = 3\n", [], ["trainig", "is not a recipe field", "did you mean 'training'"]),
+    ("unknown key", "[metrics]\nlog_frq = 3\n", [], ["metrics.log_frq", "did you mean 'log_freq'"]),
+    ("string for int", "[checkpoint]\ninterval = \"ten\"\n", [], ["checkpoint.interval", "expected a whole number", "'ten'"]),
+    ("float for int", "[metrics]\nlog_freq = 1.5\n", [], ["metrics.log_freq", "expected a whole number"]),
+    ("bool for int", "[validation]\nsteps = true\n", [], ["validation.steps", "expected a whole number", "True"]),
+    ("out of range", "[validation]\nfreq = 0\n", [], ["validation.freq", "must be at least 1"]),
+    ("choice", "[compile]\nbackend = \"tvm\"\n", [], ["compile.backend", "must be one of", "inductor"]),
+    ("bad dtype choice", "", ["--training.dtype=fp8"], ["training.dtype", "must be one of", "bfloat16", "flag"]),
+    ("unknown model", "", ["--model.name=gpt"], ["model.name", "is not a registered model", "transformer"]),
+    ("unknown source", "[data]\nsource = \"s3\"\n", [], ["data.source", "is not a registered data_source", "python_stdlib"]),
+    ("table for another source", "[data.text_files]\npaths = [\"a.txt\"]\n", [],
+     ["data.text_files", "would be ignored", "data.source = 'text_files'"]),
+    ("unknown tokenizer", "", ["--data.tokenizer=sentencepiece"], ["data.tokenizer", "registered tokenizer", "byte"]),
+    ("stride does not divide block", "", ["--model.nsa.block_stride=5"],
+     ["model.nsa.block_stride", "must divide block_size"]),
+    ("sel block smaller than block", "", ["--model.nsa.sel_block_size=8"], ["model.nsa.sel_block_size", "block_size"]),
+    ("heads do not divide dim", "", ["--model.n_heads=5"], ["model.n_heads", "must divide dim"]),
+    ("kv heads do not divide heads", "", ["--model.n_kv_heads=3"], ["model.n_kv_heads", "must divide n_heads"]),
+    ("global batch not divisible", "", ["--training.global_batch_size=5"],
+     ["training.global_batch_size", "not a multiple of", "local_batch_size"]),
+    ("seq_len beyond model", "", ["--training.seq_len=256"], ["training.seq_len", "max_seq_len = 128"]),
+    ("dense with nsa settings", "", ["--model.attention=dense"], ["model.nsa", "ignores them", "attention = 'nsa'"]),
+    ("unknown override", "", ["--training.step=5"], ["training.step", "did you mean 'steps'"]),
+    ("bad int override", "", ["--training.steps=abc"], ["training.steps", "expected a whole number", "'abc'"]),
+    ("bad bool override", "", ["--compile.enable=yes"], ["compile.enable", "expected true or false"]),
+    ("override without value", "", ["--training.steps"], ["training.steps", "has no value"]),
+    ("override of a table", "", ["--training=5"], ["training", "is a table"]),
+    ("override below a value", "", ["--training.steps.x=5"], ["training.steps", "is a value, not a table"]),
+    ("not an override", "", ["-x"], ["'-x'", "is not an override"]),
+    ("two recipes", "", ["other.toml"], ["a second recipe path"]),
+    ("betas wrong length", "[optimizer]\nbetas = [0.9]\n", [], ["optimizer.betas", "two numbers"]),
+    ("betas not a list", "[optimizer]\nbetas = 0.9\n", [], ["optimizer.betas", "expected a list"]),
+    ("keep one checkpoint", "[checkpoint]\nkeep_latest_k = 1\n", [], ["checkpoint.keep_latest_k", "use 2 or more"]),
+    ("warmup longer than run", "[lr_scheduler]\nwarmup_steps = 10\n", [], ["lr_scheduler.warmup_steps", "longer than the run"]),
+    ("min lr factor above one", "[lr_scheduler]\nmin_lr_factor = 1.5\n", [], ["lr_scheduler.min_lr_factor", "at most 1.0"]),
+    ("min lr with constant", "[lr_scheduler]\ndecay_type = \"constant\"\nmin_lr_factor = 0.2\n", [],
+     ["lr_scheduler.min_lr_factor", "no effect"]),
+    ("unknown schedule", "[lr_scheduler]\ndecay_type = \"cosin\"\n", [], ["lr_scheduler.decay_type", "did you mean 'cosine'"]),
+    ("prefetch without workers", "[data]\nprefetch_factor = 4\n", [], ["data.prefetch_factor", "without worker processes"]),
+    ("selective_every without selective", "[activation_checkpoint]\nselective_every = 3\n", [],
+     ["activation_checkpoint.selective_every", "mode = 'selective'"]),
+    ("negative workers", "[data]\nnum_workers = -1\n", [], ["data.num_workers", "at least 0"]),
+    ("plugin missing", "", ["--job.plugins=no_such_module_xyz"], ["job.plugins", "could not be imported"]),
+    ("unknown optimizer", "", ["--optimizer.name=lion"], ["optimizer.name", "adamw"]),
+    ("byte tokenizer takes no arguments", "[data.byte]\nx = 1\n", [], ["data.byte", "takes no arguments"]),
+    ("impossible degrees", "[parallelism]\ndata_parallel_shard_degree = 2\ndata_parallel_replicate_degree = 2\n", [],
+     ["parallelism.data_parallel_shard_degree", "world size is 1"]),
+]
+
+
+@pytest.mark.parametrize("name,text,overrides,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_recipe_is_reported(tmp_path, capsys, name, text, overrides, expected):
+    path = write(tmp_path, text)
+    code, err = run_cli(capsys, [path, *overrides])
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.startswith("error: the recipe has")
+    for fragment in expected:
+        assert fragment in err, f"{fragment!r} missing from:\n{err}"
+    assert "Fix:" in err
+
+
+def test_there_are_at_least_thirty_distinct_cases():
+    assert len({c[0] for c in CASES}) >= 30
+
+
+def test_every_problem_is_reported_at_once(tmp_path, capsys):
+    path = write(tmp_path, "[trainig]\nsteps = 3\n[metrics]\nlog_freq = 0\n")
+    code, err = run_cli(capsys, [path, "--training.steps=abc"])
+    assert code == 2
+    assert "3 problems" in err
+    assert "trainig" in err and "metrics.log_freq" in err and "training.steps" in err
+
+
+def test_problem_names_the_file_it_came_from(tmp_path, capsys):
+    base = write(tmp_path, "[metrics]\nlog_freq = -3\n", name="base.toml", base=False)
+    top = tmp_path / "top.toml"
+    top.write_text(f'extends = ["{os.path.basename(base)}"]\n' + BASE.format(dump=tmp_path / "out"))
+    code, err = run_cli(capsys, [str(top)])
+    assert code == 2
+    assert "base.toml: metrics.log_freq = -3" in err
+
+
+def test_section_that_is_not_a_table(tmp_path, capsys):
+    path = write(tmp_path, "model = 3\n", base=False)
+    code, err = run_cli(capsys, [path])
+    assert code == 2 and "model = 3: must be a table" in err
+
+
+def test_invalid_toml(tmp_path, capsys):
+    path = tmp_path / "broken.toml"
+    path.write_text("[training\nsteps = 3\n")
+    code, err = run_cli(capsys, [str(path)])
+    assert code == 2 and "is not valid TOML" in err and "broken.toml" in err
+
+
+def test_missing_recipe_file(tmp_path, capsys):
+    code, err = run_cli(capsys, [str(tmp_path / "nope.toml")])
+    assert code == 2 and "file not found" in err and "nope.toml" in err
+
+
+def test_extends_missing_file(tmp_path, capsys):
+    path = write(tmp_path, 'extends = ["presets/absent.toml"]\n', base=False)
+    code, err = run_cli(capsys, [path])
+    assert code == 2 and "absent.toml" in err and "file not found" in err
+
+
+def test_extends_cycle(tmp_path, capsys):
+    (tmp_path / "a.toml").write_text('extends = ["b.toml"]\n')
+    (tmp_path / "b.toml").write_text('extends = ["a.toml"]\n')
+    code, err = run_cli(capsys, [str(tmp_path / "a.toml")])
+    assert code == 2 and "cycle" in err
+
+
+def test_logical_shards_must_split_over_ranks(tmp_path):
+    from nsa_titan.config import RecipeError, resolve
+
+    path = write(tmp_path, "[data]\nlogical_shards = 3\n")
+    with pytest.raises(RecipeError) as info:
+        resolve([path], world_size=2)
+    assert "data.logical_shards" in info.value.render() and "data-parallel size 2" in info.value.render()
+
+
+def test_process_exit_code_and_no_traceback(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 0\n", base=False)
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-m", "nsa_titan.cli", "train", path], capture_output=True, text=True,
+                          env=env, cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "training.steps = 0: must be at least 1" in proc.stderr

@@ -1,0 +1,119 @@
+"""Recipes load, compose and take overrides with the documented precedence."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import pytest
+
+from nsa_titan import cli, registry
+from nsa_titan.config import resolve
+from nsa_titan.config.help import help_text
+from nsa_titan.config.schema import Recipe
+from nsa_titan.config.toml_io import dumps, tomllib
+from tests.conftest import REPO_ROOT
+
+
+def test_defaults_without_a_recipe_file():
+    resolved = resolve([])
+    assert resolved.recipe == resolve([]).recipe
+    assert resolved.recipe.training.steps == Recipe().training.steps
+
+
+def test_precedence_cli_over_recipe_over_extends_over_defaults(tmp_path):
+    (tmp_path / "base.toml").write_text("[training]\nsteps = 7\nseq_len = 32\nlocal_batch_size = 3\n")
+    (tmp_path / "top.toml").write_text('extends = "base.toml"\n[training]\nseq_len = 48\n')
+    recipe = resolve([str(tmp_path / "top.toml"), "--training.local_batch_size", "5"]).recipe
+    assert recipe.training.steps == 7  # from the extended file
+    assert recipe.training.seq_len == 48  # the recipe beats the file it extends
+    assert recipe.training.local_batch_size == 5  # the command line beats both
+    assert recipe.training.max_norm == 1.0  # the default
+
+
+def test_later_extends_override_earlier(tmp_path):
+    (tmp_path / "a.toml").write_text("[training]\nsteps = 1\nseq_len = 16\n")
+    (tmp_path / "b.toml").write_text("[training]\nsteps = 2\n")
+    (tmp_path / "top.toml").write_text('extends = ["a.toml", "b.toml"]\n')
+    recipe = resolve([str(tmp_path / "top.toml")]).recipe
+    assert (recipe.training.steps, recipe.training.seq_len) == (2, 16)
+
+
+def test_override_types():
+    recipe = resolve(["--optimizer.lr=3e-4", "--compile.enable=true", "--optimizer.betas=0.8,0.99",
+                      "--job.plugins=", "--training.dtype=bfloat16", "--model.nsa.num_selected=3",
+                      "--checkpoint.enable=false"]).recipe
+    assert recipe.optimizer.lr == pytest.approx(3e-4)
+    assert recipe.compile.enable is True
+    assert recipe.optimizer.betas == [0.8, 0.99]
+    assert recipe.job.plugins == []
+    assert recipe.training.dtype == "bfloat16"
+    assert recipe.model.args.nsa.num_selected == 3
+    assert recipe.checkpoint.enable is False
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    argv = [os.path.join(REPO_ROOT, "recipes", "debug.toml"), "--training.steps=31"]
+    assert cli.main(["train", *argv, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    first = resolve(argv)
+    assert printed.startswith(f"# resolved recipe, hash {first.hash}")
+    (tmp_path / "again.toml").write_text(printed)
+    again = resolve([str(tmp_path / "again.toml")])
+    assert again.recipe == first.recipe and again.hash == first.hash
+
+
+def test_hash_changes_with_any_field():
+    assert resolve([]).hash == resolve([]).hash
+    assert resolve([]).hash != resolve(["--training.steps=99"]).hash
+
+
+def test_dumps_parses_back():
+    table = {"a": {"x": 1, "y": 2.5, "z": "q\"uote ü", "b": [1, 2], "t": True, "n": {"k": 1e-8}}}
+    assert tomllib.loads(dumps(table)) == table
+
+
+def test_help_lists_every_field(capsys):
+    text = help_text()
+    for section in ("job", "model", "parallelism", "data", "training", "optimizer", "lr_scheduler", "checkpoint",
+                    "metrics", "validation", "compile", "activation_checkpoint"):
+        assert f"[{section}]" in text
+    for flag in ("--training.steps: int = 100", "--model.nsa.block_size: int", "--optimizer.betas: list[float]",
+                 "--checkpoint.async_mode: str", "--model.attention: str"):
+        assert flag in text
+    assert cli.main(["train", "--help"]) == 0
+    assert "--training.global_batch_size" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "recipes", "*.toml"))))
+def test_shipped_recipes_validate(path):
+    resolved = resolve([path])
+    assert resolved.recipe.model.name == "transformer"
+
+
+def test_nsa_and_dense_125m_differ_only_in_attention():
+    nsa = resolve([os.path.join(REPO_ROOT, "recipes", "nsa_125m.toml")]).recipe
+    dense = resolve([os.path.join(REPO_ROOT, "recipes", "dense_125m.toml")]).recipe
+    assert nsa.model.args.attention == "nsa" and dense.model.args.attention == "dense"
+    assert (nsa.model.args.dim, nsa.model.args.n_layers, nsa.model.args.n_heads) == (768, 12, 12)
+    assert nsa.training == dense.training and nsa.optimizer == dense.optimizer
+    nsa_args = nsa.model.args.nsa
+    assert (nsa_args.block_size, nsa_args.block_stride, nsa_args.sel_block_size, nsa_args.num_selected,
+            nsa_args.window_size) == (32, 16, 64, 16, 512)
+
+
+def test_plugin_registers_a_part(tmp_path, monkeypatch):
+    plugin = tmp_path / "my_parts.py"
+    plugin.write_text(
+        "from nsa_titan.registry import register\n"
+        "from components.optim import build_adamw\n"
+        "register('optimizer', 'my_adamw', build_adamw, replace=True)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        recipe = resolve(["--job.plugins=my_parts", "--optimizer.name=my_adamw"]).recipe
+        assert recipe.optimizer.name == "my_adamw"
+        assert "my_adamw" in registry.available("optimizer")
+    finally:
+        registry._PARTS["optimizer"].pop("my_adamw", None)
+        sys.modules.pop("my_parts", None)
