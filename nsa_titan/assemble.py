@@ -35,14 +35,32 @@ def build_model_on_meta(recipe: Recipe, vocab_size: int) -> nn.Module:
         return part.build(recipe.model.args, vocab_size)
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate the weights on the device and initialise them from the run's seed."""
+def materialize(model: nn.Module, device: torch.device, seed: int, *, build_reference, distributed: bool) -> None:
+    """Allocate the weights on the device and initialise them from the run's seed.
+
+    The weights are always drawn on the CPU from a full, unsharded model, so a run starts from the
+    same weights whatever its device count or data-parallel layout; rank 0 draws them and the
+    others receive their shards from it.
+    """
     model.to_empty(device=device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        model.init_weights()
+        model.init_weights()  # buffers (e.g. RoPE tables) on every rank; parameters follow below
+    full_state = {}
+    if not distributed or torch.distributed.get_rank() == 0:
+        reference = build_reference()
+        reference.to_empty(device="cpu")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            reference.init_weights()
+        full_state = reference.state_dict()
+    if distributed:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, full_state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        model.load_state_dict(full_state)
 
 
 def count_parameters(model: nn.Module) -> int:

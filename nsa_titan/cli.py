@@ -9,6 +9,9 @@ from nsa_titan.config import RecipeError, resolve
 
 COMMANDS = {
     "train": "train from a recipe: nsa-titan train RECIPE.toml [--section.field=VALUE ...]",
+    "export": "consolidate a run's checkpoint: nsa-titan export RECIPE.toml [overrides] --output FILE",
+    "sample": "generate text: nsa-titan sample EXPORTED_FILE [--prompt TEXT] [--max-new-tokens N] "
+              "[--temperature T] [--top-k K] [--seed S]",
 }
 
 INPUT_ERROR = 2
@@ -54,13 +57,70 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+def _take_option(argv: list[str], name: str, default: str | None = None) -> str | None:
+    """Remove `--name VALUE` or `--name=VALUE` from argv and return VALUE."""
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+            del argv[i:i + 2]
+            return value
+        if arg.startswith(name + "="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return default
+
+
+def export(argv: list[str]) -> int:
+    from nsa_titan.export import export_checkpoint
+
+    output = _take_option(argv, "--output")
+    if not output:
+        return _fail("error: export needs --output FILE. Fix: e.g. `nsa-titan export recipes/debug.toml "
+                     "--output outputs/debug/model.pt`.")
+    resolved = resolve(argv)
+    path, step = export_checkpoint(resolved, output)
+    print(f"exported step {step} to {path}")
+    return 0
+
+
+def sample(argv: list[str]) -> int:
+    import torch
+
+    from components.models import generate
+    from nsa_titan import assemble
+    from nsa_titan.config.resolve import resolve_text
+    from nsa_titan.export import load_exported
+
+    prompt = _take_option(argv, "--prompt", "")
+    numbers = {}
+    for name, kind, default in (("--max-new-tokens", int, "200"), ("--temperature", float, "0.8"),
+                                ("--top-k", int, "0"), ("--seed", int, "0")):
+        text = _take_option(argv, name, default)
+        try:
+            numbers[name] = kind(text)
+        except ValueError:
+            return _fail(f"error: {name} = {text!r} is not a {kind.__name__}. Fix: e.g. {name}={default}.")
+    if len(argv) != 1:
+        return _fail("error: sample takes one exported model file. Fix: `nsa-titan sample outputs/debug/model.pt "
+                     "--prompt 'def '`.")
+    model, meta = load_exported(argv[0])
+    tokenizer = assemble.build_tokenizer(resolve_text(meta["recipe_toml"]).recipe)
+    ids = [tokenizer.bos_id] if not prompt else tokenizer.encode(prompt)
+    generator = torch.Generator().manual_seed(numbers["--seed"])
+    with torch.no_grad():
+        out = generate(model, torch.tensor([ids], dtype=torch.long), numbers["--max-new-tokens"],
+                       temperature=numbers["--temperature"], top_k=numbers["--top-k"] or None, generator=generator)
+    print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else INPUT_ERROR
     command, rest = argv[0], argv[1:]
-    handlers = {"train": train}
+    handlers = {"train": train, "export": export, "sample": sample}
     if command not in handlers:
         return _fail(f"error: unknown command {command!r}. Fix: use one of {', '.join(handlers)} "
                      f"(`nsa-titan --help` describes them).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -13,8 +14,14 @@ from nsa_titan import assemble
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.observe.console import say, step_line
 from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog
+from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
 from nsa_titan.parallel.compile import compile_blocks
+from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
+from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
+from nsa_titan.parallel.grad_clip import clip_grad_norm
+from nsa_titan.checkpoint import Checkpointer, RunState
+from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.run_folder import prepare_run_folder
 from nsa_titan.runtime import Runtime
 
@@ -26,35 +33,76 @@ class Trainer:
         self.runtime = runtime
         t = recipe.training
 
+        init_process_group(runtime, recipe.parallelism.init_timeout_seconds)
+        replicate, shard = data_parallel_degrees(recipe, runtime.world_size)
+        self.mesh = build_mesh(runtime, replicate, shard)
         self.dp_rank, self.dp_size = runtime.rank, runtime.world_size
         self.global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * self.dp_size
         self.grad_accum = self.global_batch // (t.local_batch_size * self.dp_size)
         self.tokens_per_step = self.global_batch * t.seq_len
+        self.local_tokens_per_step = self.tokens_per_step // self.dp_size
 
         if runtime.is_main:
             prepare_run_folder(recipe.job.dump_folder, resolved)
         self.tokenizer = assemble.build_tokenizer(recipe)
         self.source = assemble.build_source(recipe)
 
-        self.model = assemble.build_model_on_meta(recipe, self.tokenizer.vocab_size)
+        # torchtitan's order: activation checkpointing, then per-block compile, then data parallelism.
+        def build_on_meta():
+            return assemble.build_model_on_meta(recipe, self.tokenizer.vocab_size)
+
+        self.model = build_on_meta()
         self.num_params = assemble.count_parameters(self.model)
         apply_activation_checkpointing(self.model.layers, recipe.activation_checkpoint.mode,
                                        recipe.activation_checkpoint.selective_every)
         if recipe.compile.enable:
             compile_blocks(self.model.layers, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend)
-        assemble.materialize(self.model, runtime.device, recipe.job.seed)
+        if self.mesh is not None:
+            apply_data_parallel(self.model, self.mesh, param_dtype=runtime.autocast_dtype,
+                                reshard_after_forward=recipe.parallelism.fsdp_reshard_after_forward)
+        assemble.materialize(self.model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
+                             distributed=self.mesh is not None)
 
         self.optimizer = assemble.build_optimizer(recipe, self.model)
         self.lr_scheduler = assemble.build_lr_scheduler(recipe, self.optimizer)
         self.train_loader = assemble.build_loader(recipe, runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
                                                   dp_size=self.dp_size, split="train",
                                                   batch_size=t.local_batch_size)
-        self.step = 0
-        self.tokens_seen = 0
+        self.state = RunState(self.model, self.optimizer, self.lr_scheduler, self.train_loader)
+        self.checkpointer = None
+        ckpt = recipe.checkpoint
+        if ckpt.enable or ckpt.initial_load_path:
+            self.checkpointer = Checkpointer(os.path.join(recipe.job.dump_folder, ckpt.folder),
+                                             keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
+                                             rank=runtime.rank, world_size=runtime.world_size, say=self._say)
+        self._restore()
+        self.stop = GracefulStop(recipe.job.dump_folder)
         self.metrics = MetricsLog(os.path.join(recipe.job.dump_folder, "metrics.jsonl")) if runtime.is_main else None
         self.tensorboard = None
         if runtime.is_main and recipe.metrics.enable_tensorboard:
             self.tensorboard = TensorBoardLog(os.path.join(recipe.job.dump_folder, recipe.metrics.save_tb_folder))
+
+    def _restore(self) -> None:
+        """Resume from the newest complete checkpoint (or checkpoint.load_step), else initial weights."""
+        ckpt = self.recipe.checkpoint
+        if self.checkpointer is None:
+            return
+        step = self.checkpointer.find_resume_step(ckpt.load_step) if ckpt.enable else None
+        if step is not None:
+            self.checkpointer.load(self.state, step, reshard_data=self._reshard_data)
+            self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
+        elif ckpt.initial_load_path:
+            self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
+            self._say(f"initial weights from {ckpt.initial_load_path}")
+
+    def _reshard_data(self, old_rank_states: list[dict], loader) -> None:
+        from components.data import reshard_loader_state
+
+        loader.load_state_dict(reshard_loader_state(old_rank_states, dp_rank=self.dp_rank, dp_world_size=self.dp_size))
+
+    def _say(self, message: str) -> None:
+        if self.runtime.is_main:
+            say(message)
 
     # -- one optimizer step ----------------------------------------------------------------------
     def _next_batch(self, iterator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,24 +111,24 @@ class Trainer:
         return (batch["input"].to(device, non_blocking=True), batch["target"].to(device, non_blocking=True))
 
     def train_step(self, iterator) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Returns (summed loss over this rank's tokens / global tokens, grad norm, seconds waiting for data)."""
+        """Returns (this rank's mean loss, global grad norm, seconds waiting for data)."""
         self.model.train()
         loss_total = torch.zeros((), device=self.runtime.device, dtype=torch.float32)
         data_wait = 0.0
-        for _ in range(self.grad_accum):
+        for micro in range(self.grad_accum):
             start = time.perf_counter()
             inputs, targets = self._next_batch(iterator)
             data_wait += time.perf_counter() - start
-            with self.runtime.autocast():
+            set_gradient_sync(self.model, self.mesh, last_micro_batch=micro == self.grad_accum - 1)
+            with self._autocast():
                 logits = self.model(inputs)
-            # Normalised by the global token count, so summing over micro-batches and ranks gives the mean.
+            # Every rank sees the same number of tokens, so dividing by the rank's token count and
+            # averaging gradients over ranks (as data parallelism does) gives the global token mean.
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-            loss = loss / self.tokens_per_step
+            loss = loss / self.local_tokens_per_step
             loss.backward()
             loss_total += loss.detach()
-        max_norm = self.recipe.training.max_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf,
-                                                   foreach=True)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.training.max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
@@ -99,51 +147,68 @@ class Trainer:
         iterator = iter(loader)
         for _ in range(recipe.validation.steps):
             inputs, targets = self._next_batch(iterator)
-            with self.runtime.autocast():
+            with self._autocast():
                 logits = self.model(inputs)
             total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").double()
             count += targets.numel()
-        loss = total.item() / count
+        loss = all_reduce_mean(total).item() / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
-        recipe, t = self.recipe, self.recipe.training
-        if self.runtime.is_main:
-            say(f"model {recipe.model.name}: {self.num_params:,} parameters | recipe {self.resolved.hash} | "
-                f"{self.runtime.world_size} process(es) on {self.runtime.device.type} | "
-                f"global batch {self.global_batch} x {t.seq_len} tokens, {self.grad_accum} micro-batch(es)/step")
+        recipe, t, state = self.recipe, self.recipe.training, self.state
+        self._say(f"model {recipe.model.name}: {self.num_params:,} parameters | recipe {self.resolved.hash} | "
+                  f"{self.runtime.world_size} process(es) on {self.runtime.device.type} | "
+                  f"global batch {self.global_batch} x {t.seq_len} tokens, {self.grad_accum} micro-batch(es)/step")
         iterator = iter(self.train_loader)
         run_start = time.perf_counter()
-        window_start, window_tokens, window_wait = run_start, 0, 0.0
-        while self.step < t.steps:
+        first_step = state.step
+        window_start, window_tokens = run_start, 0
+        while state.step < t.steps:
             step_start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm, data_wait = self.train_step(iterator)
-            self.step += 1
-            self.tokens_seen += self.tokens_per_step
+            state.step += 1
+            state.tokens_seen += self.tokens_per_step
             window_tokens += self.tokens_per_step
-            window_wait += data_wait
-            if self.step % recipe.metrics.log_freq == 0 or self.step in (1, t.steps):
+            log_now = state.step % recipe.metrics.log_freq == 0 or state.step in (first_step + 1, t.steps)
+            if log_now:
                 now = time.perf_counter()
-                elapsed = now - window_start
                 record = {
-                    "step": self.step,
-                    "loss": loss.item(),
+                    "step": state.step,
+                    "loss": all_reduce_mean(loss).item(),
                     "lr": lr,
                     "grad_norm": grad_norm.item(),
-                    "tokens_per_second": window_tokens / elapsed,
-                    "tokens_per_second_per_device": window_tokens / elapsed / self.runtime.world_size,
-                    "tokens_seen": self.tokens_seen,
+                    "tokens_per_second": window_tokens / (now - window_start),
+                    "tokens_per_second_per_device": window_tokens / (now - window_start) / self.runtime.world_size,
+                    "tokens_seen": state.tokens_seen,
                     "step_time_s": now - step_start,
                     "data_wait_s": data_wait,
                     "elapsed_s": now - run_start,
-                    "eta_s": (now - run_start) / self.step * (t.steps - self.step),
+                    "eta_s": (now - run_start) / (state.step - first_step) * (t.steps - state.step),
                 }
                 self._log(record)
-                window_start, window_tokens, window_wait = now, 0, 0.0
-            if recipe.validation.enable and (self.step % recipe.validation.freq == 0 or self.step == t.steps):
-                self._log({"step": self.step, **self.validate()}, console=False)
+                window_start, window_tokens = now, 0
+            if recipe.validation.enable and (state.step % recipe.validation.freq == 0 or state.step == t.steps):
+                self._log({"step": state.step, **self.validate()}, console=False)
+            stopping = self.stop.requested(self.runtime.device, agree_now=log_now) and state.step < t.steps
+            if self.checkpointer is not None and recipe.checkpoint.enable:
+                self.checkpointer.poll()
+                if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
+                    self.checkpointer.save(state, wait=stopping or state.step == t.steps)
+            if stopping:
+                self._say(f"stopping after step {state.step} ({self.stop.reason})"
+                          + ("; the checkpoint above resumes it" if recipe.checkpoint.enable else
+                             "; checkpoint.enable is false, so nothing was saved"))
+                if self.runtime.is_main:
+                    self.stop.consume_halt_file()
+                break
+        if self.checkpointer is not None:
+            self.checkpointer.finish_pending()
+
+    def _autocast(self):
+        # With data parallelism the mixed-precision policy casts parameters; autocast is for one process.
+        return self.runtime.autocast() if self.mesh is None else contextlib.nullcontext()
 
     def _log(self, record: dict, console: bool = True) -> None:
         if not self.runtime.is_main:
@@ -158,6 +223,7 @@ class Trainer:
             self.tensorboard.write(record)
 
     def close(self) -> None:
+        self.stop.restore()
         for sink in (self.metrics, self.tensorboard):
             if sink is not None:
                 sink.close()

@@ -15,7 +15,7 @@ from nsa_titan.config.overrides import CommandLine, apply_overrides, parse_args
 from nsa_titan.config.render import recipe_to_table
 from nsa_titan.config.rules import check_rules
 from nsa_titan.config.schema import Recipe
-from nsa_titan.config.toml_io import dumps, load_composed
+from nsa_titan.config.toml_io import dumps, load_composed, tomllib
 
 
 @dataclass
@@ -37,6 +37,23 @@ def resolve(argv: list[str], *, world_size: int = 1, default_recipe: str | None 
     if path is not None:
         table, origin = load_composed(path, problems)
     apply_overrides(table, origin, cmd.overrides, problems)
+    return _finish(table, origin, problems, world_size, path, cmd)
+
+
+def resolve_text(text: str, *, world_size: int = 1) -> ResolvedRecipe:
+    """Check a recipe held as TOML text (e.g. the one saved with a run or an export)."""
+    problems: list[Problem] = []
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError([Problem("saved recipe", "recipe", None, f"is not valid TOML: {exc}",
+                                   "export or train again to write a fresh one")]) from None
+    origin = {key: "saved recipe" for key in table}
+    return _finish(table, origin, problems, world_size, None, CommandLine(None, [], set()))
+
+
+def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_size: int, path: str | None,
+            cmd: CommandLine) -> ResolvedRecipe:
     _import_plugins(table, origin, problems)
     builder = RecipeBuilder(origin, problems)
     recipe = builder.build(Recipe, table)

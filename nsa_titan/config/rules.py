@@ -6,6 +6,11 @@ from nsa_titan.config.errors import Problem
 from nsa_titan.config.schema import Recipe
 
 
+def _changed(section, name: str) -> bool:
+    """Whether a field differs from its default: a non-default value that is ignored is a mistake."""
+    return getattr(section, name) != getattr(type(section)(), name)
+
+
 def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int] | str:
     """(replicate, shard) degrees for this world size, or why they cannot be resolved."""
     par = recipe.parallelism
@@ -60,16 +65,22 @@ def check_rules(recipe: Recipe, world_size: int, source_of, problems: list[Probl
     if recipe.checkpoint.keep_latest_k == 1:
         add("checkpoint.keep_latest_k", 1, "keeping one checkpoint loses it while the next one is written",
             "use 2 or more, or 0 to keep all")
+    ckpt = recipe.checkpoint
+    if not ckpt.enable:
+        for name in ("load_step", "interval", "keep_latest_k", "async_mode"):
+            if _changed(ckpt, name) and source_of(f"checkpoint.{name}").startswith("flag"):
+                add(f"checkpoint.{name}", getattr(ckpt, name), "is set on the command line but checkpoint.enable "
+                    "is false, so it would be ignored", "add --checkpoint.enable=true")
     if recipe.lr_scheduler.warmup_steps > t.steps:
         add("lr_scheduler.warmup_steps", recipe.lr_scheduler.warmup_steps,
             f"is longer than the run (training.steps = {t.steps})", "shorten the warmup or train longer")
-    if recipe.lr_scheduler.decay_type == "constant" and source_of("lr_scheduler.min_lr_factor") != "defaults":
+    if recipe.lr_scheduler.decay_type == "constant" and _changed(recipe.lr_scheduler, "min_lr_factor"):
         add("lr_scheduler.min_lr_factor", recipe.lr_scheduler.min_lr_factor,
             "has no effect with decay_type = 'constant'", "remove it, or choose decay_type 'cosine' or 'linear'")
-    if recipe.data.num_workers == 0 and source_of("data.prefetch_factor") != "defaults":
+    if recipe.data.num_workers == 0 and _changed(recipe.data, "prefetch_factor"):
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
             "remove it, or set data.num_workers > 0")
-    if recipe.activation_checkpoint.mode != "selective" and source_of("activation_checkpoint.selective_every") != "defaults":
+    if recipe.activation_checkpoint.mode != "selective" and _changed(recipe.activation_checkpoint, "selective_every"):
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
             f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
             "remove it, or set activation_checkpoint.mode = 'selective'")

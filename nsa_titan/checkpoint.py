@@ -1,0 +1,258 @@
+"""Distributed checkpoints: save everything a run needs to continue, and find the newest complete one.
+
+A checkpoint is the folder {dump_folder}/{checkpoint.folder}/step-N holding
+- model/: DCP shards of the model and optimizer (they reshard to any world size or layout on load);
+- train_state.json: step, tokens seen, LR schedule, the world size and degrees that wrote it;
+- ranks/rank-R.pt: rank R's dataloader state and RNG states;
+- COMPLETE: written last and atomically, once every other file is on disk. Only folders with it count.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from components.errors import UserError
+
+COMPLETE = "COMPLETE"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class RunState:
+    """What the trainer hands over to be saved, and gets back restored."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    dataloader: Any  # a StatefulDataLoader
+    step: int = 0
+    tokens_seen: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Steps with a complete checkpoint, ascending."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        match = STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(folder, name, COMPLETE)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def incomplete_steps(folder: str) -> list[int]:
+    if not os.path.isdir(folder):
+        return []
+    done = set(complete_steps(folder))
+    return sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(folder)) if m and int(m.group(1)) not in done)
+
+
+class Checkpointer:
+    def __init__(self, folder: str, *, keep_latest_k: int, async_mode: str, rank: int, world_size: int,
+                 say: Callable[[str], None]):
+        self.folder = folder
+        self.keep_latest_k = keep_latest_k
+        self.async_mode = async_mode
+        self.rank = rank
+        self.world_size = world_size
+        self.say = say
+        self._pending: tuple[int, Future] | None = None
+        self._async_group = None
+        if async_mode == "async" and dist.is_initialized():
+            # Background saves must not share a communicator with training's collectives.
+            self._async_group = dist.new_group(backend="gloo")
+
+    # -- paths -----------------------------------------------------------------------------------
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save(self, state: RunState, *, wait: bool = False) -> None:
+        """Save the run at state.step; with async_mode the model/optimizer write overlaps training."""
+        self.finish_pending()  # one save in flight at a time; also completes the previous one
+        path = self.step_dir(state.step)
+        if self.rank == 0 and os.path.isdir(path):
+            shutil.rmtree(path)  # a leftover incomplete folder from a crash at this very step
+        _barrier()
+        os.makedirs(os.path.join(path, "ranks"), exist_ok=True)
+        self._save_rank_state(state, path)
+        if self.rank == 0:
+            self._save_train_state(state, path)
+        tensors = {"model": get_model_state_dict(state.model),
+                   "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
+        checkpoint_id = os.path.join(path, "model")
+        no_dist = not dist.is_initialized()
+        if self.async_mode == "async" and not wait:
+            future = dcp.async_save(tensors, checkpoint_id=checkpoint_id, process_group=self._async_group,
+                                    no_dist=no_dist)
+            future = getattr(future, "upload_completion", future)
+            self._pending = (state.step, future)
+        else:
+            dcp.save(tensors, checkpoint_id=checkpoint_id, no_dist=no_dist)
+            _barrier()  # every rank's files are on disk before the checkpoint is declared complete
+            self._mark_complete(state.step)
+
+    def poll(self) -> None:
+        """Complete a finished background save (call once per step)."""
+        if self._pending is not None and self._pending[1].done():
+            self.finish_pending()
+
+    def finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        future.result()
+        _barrier(self._async_group)
+        self._mark_complete(step)
+
+    def _save_rank_state(self, state: RunState, path: str) -> None:
+        payload = {"dataloader": state.dataloader.state_dict(), "rng": _rng_state(), "rank": self.rank,
+                   "world_size": self.world_size}
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        _write_atomically(os.path.join(path, "ranks", f"rank-{self.rank}.pt"), buffer.getvalue())
+
+    def _save_train_state(self, state: RunState, path: str) -> None:
+        record = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size,
+                  "lr_scheduler": state.lr_scheduler.state_dict(), "saved_at": time.time(), **state.extra}
+        _write_atomically(os.path.join(path, "train_state.json"), json.dumps(record, indent=1).encode())
+
+    def _mark_complete(self, step: int) -> None:
+        if self.rank == 0:
+            path = self.step_dir(step)
+            _write_atomically(os.path.join(path, COMPLETE), json.dumps({"step": step, "time": time.time()}).encode())
+            _fsync_dir(path)
+            self.say(f"checkpoint saved: {path}")
+            self._retain()
+
+    def _retain(self) -> None:
+        if self.keep_latest_k <= 0:
+            return
+        done = complete_steps(self.folder)
+        for step in done[: -self.keep_latest_k]:
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        newest = done[-1] if done else None
+        for step in incomplete_steps(self.folder):
+            if newest is not None and step < newest:
+                shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+    # -- loading ---------------------------------------------------------------------------------
+    def find_resume_step(self, load_step: int) -> int | None:
+        """The step to resume from: load_step when given (it must exist), else the newest complete one."""
+        done = complete_steps(self.folder)
+        partial = incomplete_steps(self.folder)
+        if load_step >= 0:
+            if load_step not in done:
+                why = ("is incomplete (no COMPLETE marker: the save was interrupted)" if load_step in partial
+                       else "does not exist")
+                listing = ", ".join(map(str, done)) or "none"
+                raise UserError(f"checkpoint.load_step = {load_step}: {self.step_dir(load_step)} {why}. "
+                                f"Fix: choose one of the complete steps ({listing}), or -1 for the newest.")
+            return load_step
+        newer_partial = [s for s in partial if not done or s > done[-1]]
+        for step in newer_partial:
+            self.say(f"skipping incomplete checkpoint {self.step_dir(step)} (interrupted save)")
+        return done[-1] if done else None
+
+    def load(self, state: RunState, step: int, *, reshard_data: Callable[[list[dict], Any], None] | None) -> dict:
+        path = self.step_dir(step)
+        try:
+            with open(os.path.join(path, "train_state.json"), encoding="utf-8") as fh:
+                record = json.load(fh)
+            tensors = {"model": get_model_state_dict(state.model),
+                       "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
+            dcp.load(tensors, checkpoint_id=os.path.join(path, "model"), no_dist=not dist.is_initialized())
+            set_model_state_dict(state.model, tensors["model"])
+            set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
+            state.lr_scheduler.load_state_dict(record["lr_scheduler"])
+            old_world = int(record["world_size"])
+            if old_world == self.world_size:
+                mine = _load_rank_file(path, self.rank)
+                state.dataloader.load_state_dict(mine["dataloader"])
+                _set_rng_state(mine["rng"])
+            else:
+                if reshard_data is None:
+                    raise UserError(f"checkpoint {path} was written by {old_world} processes and this run has "
+                                    f"{self.world_size}, and this data source cannot continue exactly at another "
+                                    f"world size. Fix: resume with {old_world} processes.")
+                reshard_data([_load_rank_file(path, r)["dataloader"] for r in range(old_world)], state.dataloader)
+        except (OSError, KeyError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            raise UserError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}). Fix: resume from "
+                            f"another step with --checkpoint.load_step=N, or move this folder aside.") from None
+        state.step = int(record["step"])
+        state.tokens_seen = int(record["tokens_seen"])
+        return record
+
+    def load_weights_only(self, model: nn.Module, path: str) -> None:
+        """checkpoint.initial_load_path: the model weights of a checkpoint folder, nothing else."""
+        model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
+        if not os.path.isfile(os.path.join(model_dir, ".metadata")):
+            raise UserError(f"checkpoint.initial_load_path = {path!r} holds no checkpoint (no .metadata found). "
+                            f"Fix: point it at a step-N folder of an earlier run.")
+        state = {"model": get_model_state_dict(model)}
+        try:
+            dcp.load(state, checkpoint_id=model_dir, no_dist=not dist.is_initialized())
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise UserError(f"checkpoint.initial_load_path = {path!r} does not fit this model ({exc}). Fix: use a "
+                            f"checkpoint of the same model architecture.") from None
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+
+
+def _load_rank_file(path: str, rank: int) -> dict:
+    file = os.path.join(path, "ranks", f"rank-{rank}.pt")
+    return torch.load(file, map_location="cpu", weights_only=False)
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)

@@ -1,0 +1,47 @@
+"""Process group and device mesh: gloo on CPU and NCCL on CUDA from the same code."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from nsa_titan.runtime import Runtime
+
+REPLICATE, SHARD = "dp_replicate", "dp_shard"
+
+
+def init_process_group(runtime: Runtime, timeout_seconds: int) -> None:
+    """Join the job; a rank that never arrives makes the others fail after `timeout_seconds`."""
+    if runtime.world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if runtime.device.type == "cuda" else "gloo"
+    kwargs = {"device_id": runtime.device} if runtime.device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds), **kwargs)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_mesh(runtime: Runtime, replicate: int, shard: int) -> DeviceMesh | None:
+    if runtime.world_size == 1:
+        return None
+    return init_device_mesh(runtime.device.type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD))
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean over all ranks (a no-op in a single process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return value
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

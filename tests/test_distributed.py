@@ -1,0 +1,95 @@
+"""Data parallelism on CPU with gloo: every layout trains like one process, and failures end cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch import DEBUG, TINY, env, free_port, losses, train
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+# Same global batch (4 samples) in every layout: one process accumulates 2 micro-batches of 2.
+COMMON = [DEBUG, *TINY, f"--training.steps={STEPS}", "--training.local_batch_size=2",
+          "--training.global_batch_size=4"]
+# fp32 on CPU; only the order of floating-point reductions differs between layouts.
+RTOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    proc = train([*COMMON, f"--job.dump_folder={out}"])
+    assert proc.returncode == 0, proc.stderr
+    return losses(out)
+
+
+LAYOUTS = {
+    "fsdp": (2, ["--parallelism.data_parallel_shard_degree=2", "--parallelism.data_parallel_replicate_degree=1"]),
+    "ddp": (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2"]),
+    "hsdp": (4, ["--parallelism.data_parallel_shard_degree=2", "--parallelism.data_parallel_replicate_degree=2",
+                 "--training.local_batch_size=1"]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_single_process(tmp_path, single_process_losses, layout):
+    nproc, flags = LAYOUTS[layout]
+    proc = train([*COMMON, *flags, f"--job.dump_folder={tmp_path}"], nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, expected in single_process_losses.items():
+        assert got[step] == pytest.approx(expected, rel=RTOL), (layout, step, got, single_process_losses)
+
+
+def test_compile_matches_eager(tmp_path, single_process_losses):
+    proc = train([*COMMON, "--compile.enable=true", "--compile.backend=aot_eager", f"--job.dump_folder={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = losses(tmp_path)
+    for step, expected in single_process_losses.items():
+        assert got[step] == pytest.approx(expected, rel=RTOL)
+
+
+def test_two_node_launch_on_loopback(tmp_path):
+    port = free_port()
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+               "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+               "--rdzv_id=loopback", "-m", "nsa_titan.cli", "train", *COMMON, f"--job.dump_folder={tmp_path}"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()))
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-4000:]
+    assert sorted(losses(tmp_path)) == list(range(1, STEPS + 1))
+
+
+def test_killed_rank_makes_the_other_exit(tmp_path):
+    """kill -9 one rank mid-run: the survivor must exit non-zero soon, not hang."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *COMMON,
+           "--training.steps=100000", "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                            start_new_session=True)
+    metrics = os.path.join(tmp_path, "metrics.jsonl")
+    deadline = time.time() + 180
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+        assert time.time() < deadline and proc.poll() is None, "training never started"
+        time.sleep(0.5)
+    children = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "nsa_titan.cli"], capture_output=True, text=True)
+    pids = [int(p) for p in children.stdout.split()]
+    assert len(pids) == 2, children.stdout
+    os.kill(pids[1], signal.SIGKILL)
+    try:
+        proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the surviving rank hung after its peer was killed")
+    assert proc.returncode != 0

@@ -1,0 +1,83 @@
+"""The trainer end to end in one process: it trains, logs, and reports what it built."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nsa_titan import cli
+from nsa_titan.config import resolve
+from tests.launch import DEBUG
+from tests.launch import TINY as _TINY
+from tests.launch import metrics as read_metrics
+
+TINY = [*_TINY, "--training.local_batch_size=2"]
+
+
+def test_debug_recipe_trains_and_logs(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [DEBUG, *TINY, "--training.steps=4", f"--job.dump_folder={out}"]
+    assert cli.main(["train", *argv]) == 0
+    stdout = capsys.readouterr().out
+
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_second", "elapsed_s"):
+            assert key in record
+        assert record["tokens_per_second"] > 0
+        assert 0 < record["loss"] < 20
+    assert records[0]["lr"] == pytest.approx(3e-3 / 2)  # the first of two warmup steps
+
+    # The start line names the model, its parameter count and the recipe hash.
+    resolved = resolve(argv)
+    match = re.search(r"model transformer: ([\d,]+) parameters \| recipe ([0-9a-f]{12})", stdout)
+    assert match, stdout
+    from components.models import build_transformer
+    from components.data import TOKENIZERS
+
+    vocab = TOKENIZERS["byte"][1]().vocab_size
+    model = build_transformer(resolved.recipe.model.args, vocab)
+    assert int(match.group(1).replace(",", "")) == sum(p.numel() for p in model.parameters())
+    assert match.group(2) == resolved.hash
+    saved = (out / "recipe.toml").read_text()
+    assert saved.startswith(f"# resolved recipe, hash {resolved.hash}")
+
+
+def test_changed_recipe_keeps_the_earlier_one(tmp_path):
+    out = tmp_path / "run"
+    base = [DEBUG, *TINY, "--training.steps=2", f"--job.dump_folder={out}"]
+    assert cli.main(["train", *base]) == 0
+    first_hash = resolve(base).hash
+    assert cli.main(["train", *base, "--optimizer.lr=1e-3"]) == 0
+    assert (out / f"recipe.{first_hash}.toml").exists()
+
+
+def test_loss_falls_on_real_text(tmp_path):
+    out = tmp_path / "run"
+    argv = [DEBUG, *TINY, "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--training.steps=40",
+            "--lr_scheduler.warmup_steps=5", f"--job.dump_folder={out}"]
+    assert cli.main(["train", *argv]) == 0
+    losses = [r["loss"] for r in read_metrics(out)]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
+
+
+def test_validation_is_logged(tmp_path):
+    out = tmp_path / "run"
+    argv = [DEBUG, *TINY, "--training.steps=2", "--validation.enable=true", "--validation.freq=2",
+            "--validation.steps=2", f"--job.dump_folder={out}"]
+    assert cli.main(["train", *argv]) == 0
+    val = [r for r in read_metrics(out) if "val_loss" in r]
+    assert len(val) == 1 and val[0]["step"] == 2
+    assert val[0]["val_perplexity"] == pytest.approx(2.718281828 ** val[0]["val_loss"], rel=1e-6)
+
+
+def test_missing_cuda_is_a_clear_error(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code = cli.main(["train", DEBUG, *TINY, "--training.device=cuda", f"--job.dump_folder={tmp_path}"])
+    assert code == 2
+    assert "no CUDA device" in capsys.readouterr().err
