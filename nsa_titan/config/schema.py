@@ -98,6 +98,18 @@ class MetricsConfig:
     enable_tensorboard: bool = f(False, "Also write TensorBoard event files.")
     save_tb_folder: str = f("tb", "TensorBoard folder inside job.dump_folder.")
     telemetry_freq: int = f(0, "Collect attention telemetry every this many steps; 0 disables.", ge=0)
+    peak_tflops: float = f(0.0, "Peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU up (no MFU on CPU).",
+                           ge=0.0)
+
+
+@dataclass
+class FaultConfig:
+    step_timeout_seconds: float = f(900.0, "Dump every thread's stack and exit when no step completes this long; "
+                                    "0 disables.", ge=0.0)
+    first_step_timeout_seconds: float = f(3600.0, "The same for the first step, which includes compilation; 0 disables.",
+                                          ge=0.0)
+    max_bad_steps: int = f(0, "Skip up to this many steps whose loss or gradient norm is NaN/Inf before stopping.",
+                           ge=0)
 
 
 @dataclass
@@ -135,3 +147,4 @@ class Recipe:
     validation: ValidationConfig = f(ValidationConfig, "Held-out evaluation.")
     compile: CompileConfig = f(CompileConfig, "torch.compile.")
     activation_checkpoint: ActivationCheckpointConfig = f(ActivationCheckpointConfig, "Activation checkpointing.")
+    fault: FaultConfig = f(FaultConfig, "Hangs and numerical faults.")

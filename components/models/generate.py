@@ -1,0 +1,63 @@
+"""Autoregressive sampling with the KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from components.errors import UserError
+
+
+def sample_next(
+    logits: torch.Tensor, *, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """logits [B, V] -> next tokens [B]; argmax when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Continue prompt [B, T0] by max_new_tokens tokens; returns [B, T0 + max_new_tokens].
+
+    The prompt is prefilled in one `forward_step`, then one token per step. temperature == 0 is
+    greedy decoding; otherwise softmax(logits / temperature), restricted to the top_k logits when
+    given, sampled with `generator` (the global RNG when None).
+    """
+    if prompt.dim() != 2 or prompt.shape[1] < 1:
+        raise UserError(f"prompt must be [batch, tokens] with at least one token, got shape {tuple(prompt.shape)}")
+    if max_new_tokens < 0:
+        raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"top_k must be >= 1 or None, got {top_k}")
+    B, T0 = prompt.shape
+    total = T0 + max_new_tokens
+    if total > model.args.max_seq_len:
+        raise UserError(f"prompt + new tokens = {total} exceeds max_seq_len {model.args.max_seq_len}; "
+                        f"generate fewer tokens or shorten the prompt")
+    out = prompt.new_empty(B, total)
+    out[:, :T0] = prompt
+    if max_new_tokens == 0:
+        return out
+    cache = model.new_kv_cache(B, capacity=total)
+    logits = model.forward_step(prompt, cache)[:, -1]
+    for t in range(T0, total):
+        out[:, t] = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
+        if t + 1 < total:
+            logits = model.forward_step(out[:, t:t + 1], cache)[:, -1]
+    return out

@@ -1,0 +1,174 @@
+"""NSA attention layer: projections, compression, gates and RoPE around the NSA op.
+
+The op (components.nsa) does no RoPE and no projection; this module rotates q and the
+selection/window keys at their token positions and compressed key i at i*d + l - 1, exactly as
+NSA_SPEC.md prescribes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from components.models.args import TransformerArgs
+from components.models.kv_cache import LayerKV
+from components.models.rope import apply_rope
+from components.nsa import nsa_attention, nsa_attention_at, select_blocks
+from components.nsa.compression import KVCompressor, compressed_block_positions, num_compressed_blocks
+
+BRANCHES = ("cmp", "sel", "win")
+
+
+class _Projected:
+    """One call's projections: rotated q and sel/win keys, raw (un-rotated) keys/values for compression."""
+
+    __slots__ = ("q", "k_raw", "v_raw", "k_sel", "v_sel", "k_win", "v_win")
+
+    def __init__(self, **tensors: torch.Tensor):
+        for name, value in tensors.items():
+            setattr(self, name, value)
+
+
+class NSAAttention(nn.Module):
+    """Native Sparse Attention over H query heads and Hkv key/value heads (any G = H / Hkv).
+
+    `wkv` is one fused projection whose output splits, in order, into
+    (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win) with kv_per_branch, else into one (k, v) pair that
+    the three branches share (compression included).
+    Gates: sigmoid of `gate(x)`, 3 per query head ordered (cmp, sel, win).
+    """
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        nsa = args.nsa
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.kv_per_branch = nsa.kv_per_branch
+        self.backend = nsa.backend
+        self.block_size, self.block_stride = nsa.block_size, nsa.block_stride
+        self.selection = dict(
+            block_size=nsa.block_size, block_stride=nsa.block_stride,
+            sel_block_size=nsa.sel_block_size, num_selected=nsa.num_selected,
+        )
+        self.hyper = dict(self.selection, window_size=nsa.window_size)
+
+        kv_dim = self.n_kv_heads * self.head_dim
+        num_kv = 6 if self.kv_per_branch else 2
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(args.dim, num_kv * kv_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.compress_k = KVCompressor(nsa.compress, nsa.block_size, nsa.block_stride, self.head_dim)
+        self.compress_v = KVCompressor(nsa.compress, nsa.block_size, nsa.block_stride, self.head_dim)
+        gate_out = 3 * self.n_heads
+        if nsa.gate == "linear":
+            self.gate = nn.Linear(args.dim, gate_out)
+        else:
+            hidden = max(args.dim // 4, 1)
+            self.gate = nn.Sequential(nn.Linear(args.dim, hidden), nn.SiLU(), nn.Linear(hidden, gate_out))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.wq.weight, std=std)
+        nn.init.normal_(self.wkv.weight, std=std)
+        nn.init.normal_(self.wo.weight, std=out_std)
+        for m in self.gate.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                nn.init.zeros_(m.bias)  # gates start near 0.5: every branch contributes
+        self.compress_k.reset_parameters()
+        self.compress_v.reset_parameters()
+
+    # ---- pieces shared by training, decoding and telemetry --------------------------------
+    def _project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> _Projected:
+        B, T, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), cos, sin, positions)
+        kv = self.wkv(x).view(B, T, -1, self.n_kv_heads, self.head_dim).unbind(2)
+        if self.kv_per_branch:
+            k_raw, v_raw, k_sel, v_sel, k_win, v_win = kv
+            k_sel = apply_rope(k_sel, cos, sin, positions)
+            k_win = apply_rope(k_win, cos, sin, positions)
+        else:
+            k_raw, v_raw = kv
+            k_sel = k_win = apply_rope(k_raw, cos, sin, positions)
+            v_sel = v_win = v_raw
+        return _Projected(q=q, k_raw=k_raw, v_raw=v_raw, k_sel=k_sel, v_sel=v_sel, k_win=k_win, v_win=v_win)
+
+    def _compressed_keys(self, k_raw: torch.Tensor, cos, sin, first_block: int = 0) -> torch.Tensor:
+        """Compressed keys of the complete blocks in k_raw (the first has absolute index
+        `first_block`), rotated at each block's last token."""
+        k_cmp = self.compress_k(k_raw)
+        num = first_block + k_cmp.shape[1]
+        positions = compressed_block_positions(num, self.block_size, self.block_stride, k_cmp.device)[first_block:]
+        return apply_rope(k_cmp, cos, sin, positions)
+
+    def gates(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, 3] in (0, 1), ordered (cmp, sel, win)."""
+        B, T, _ = x.shape
+        return torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
+
+    # ---- training forward -------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        p = self._project(x, cos, sin, torch.arange(T, device=x.device))
+        k_cmp, v_cmp = self._compressed_keys(p.k_raw, cos, sin), self.compress_v(p.v_raw)
+        o = nsa_attention(
+            p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, self.gates(x),
+            **self.hyper, backend=self.backend,
+        )
+        return self.wo(o.reshape(B, T, -1))
+
+    @torch.no_grad()
+    def gates_and_selection(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For telemetry: the gates [B, T, H, 3] and the selected blocks [B, T, Hkv, n] (-1 unused)
+        that the forward on this input x uses."""
+        T = x.shape[1]
+        p = self._project(x, cos, sin, torch.arange(T, device=x.device))
+        k_cmp = self._compressed_keys(p.k_raw, cos, sin)
+        return self.gates(x), select_blocks(p.q, k_cmp, **self.selection)
+
+    # ---- incremental decoding -------------------------------------------------------------
+    def new_layer_cache(self, batch_size: int, capacity: int, device, dtype) -> LayerKV:
+        tokens = (batch_size, capacity, self.n_kv_heads, self.head_dim)
+        blocks = (batch_size, num_compressed_blocks(capacity, self.block_size, self.block_stride),
+                  self.n_kv_heads, self.head_dim)
+        # shared K/V: "k" holds the rotated keys of sel/win, "v_raw" serves every branch
+        names = ("k_raw", "v_raw", "k_sel", "v_sel", "k_win", "v_win") if self.kv_per_branch else ("k_raw", "v_raw", "k")
+        buffers = {name: torch.zeros(tokens, device=device, dtype=dtype) for name in names}
+        buffers.update({name: torch.zeros(blocks, device=device, dtype=dtype) for name in ("k_cmp", "v_cmp")})
+        return LayerKV(buffers)
+
+    def forward_step(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV, start: int
+    ) -> torch.Tensor:
+        """New tokens x [B, Tn, dim] at positions start..start+Tn-1 against the cache plus themselves.
+
+        Compressed keys/values are emitted as their blocks complete, from the cached raw keys/values.
+        """
+        B, Tn, _ = x.shape
+        end = start + Tn
+        p = self._project(x, cos, sin, torch.arange(start, end, device=x.device))
+        if self.kv_per_branch:
+            cache.write(start, k_raw=p.k_raw, v_raw=p.v_raw, k_sel=p.k_sel, v_sel=p.v_sel, k_win=p.k_win, v_win=p.v_win)
+            k_sel, v_sel = cache.read("k_sel", end), cache.read("v_sel", end)
+            k_win, v_win = cache.read("k_win", end), cache.read("v_win", end)
+        else:
+            cache.write(start, k_raw=p.k_raw, v_raw=p.v_raw, k=p.k_sel)
+            k_sel = k_win = cache.read("k", end)
+            v_sel = v_win = cache.read("v_raw", end)
+
+        done = cache.num_compressed
+        total = num_compressed_blocks(end, self.block_size, self.block_stride)
+        if total > done:
+            # blocks done..total-1 span tokens [done*d, (total-1)*d + l)
+            lo, hi = done * self.block_stride, (total - 1) * self.block_stride + self.block_size
+            k_raw, v_raw = cache.buffers["k_raw"][:, lo:hi], cache.buffers["v_raw"][:, lo:hi]
+            cache.buffers["k_cmp"][:, done:total] = self._compressed_keys(k_raw, cos, sin, first_block=done)
+            cache.buffers["v_cmp"][:, done:total] = self.compress_v(v_raw)
+            cache.num_compressed = total
+        o = nsa_attention_at(
+            p.q, cache.buffers["k_cmp"][:, :total], cache.buffers["v_cmp"][:, :total],
+            k_sel, v_sel, k_win, v_win, self.gates(x), q_start=start, **self.hyper,
+        )
+        return self.wo(o.reshape(B, Tn, -1))

@@ -1,0 +1,93 @@
+"""NSA telemetry: gate statistics and how far back the selected blocks lie, per layer.
+
+The training forward is left untouched (no hooks, no extra outputs, so compiled graphs stay as
+they are). The trainer calls `collect_nsa_telemetry` at its own frequency: a separate no-grad
+forward that runs each block's plain `forward` (eager even after `block.compile()`) and asks each
+NSA layer for its gates and selection on the same input its forward sees. Results are tensors
+on the model's device; the caller decides when to copy them to the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from components.errors import UserError
+from components.models.nsa_attention import BRANCHES, NSAAttention
+
+COLLAPSE_LOW, COLLAPSE_HIGH = 0.05, 0.95
+
+
+def gate_stats(gates: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gates [..., 3] -> per branch: mean, mean binary entropy in bits (1 = undecided, 0 = saturated),
+    and the collapse fraction (share of gates < 0.05 or > 0.95)."""
+    g = gates.float()
+    entropy = -(torch.special.xlogy(g, g) + torch.special.xlogy(1 - g, 1 - g)) / math.log(2)
+    collapsed = ((g < COLLAPSE_LOW) | (g > COLLAPSE_HIGH)).float()
+    stats = {}
+    for i, branch in enumerate(BRANCHES):
+        stats[f"{branch}/gate_mean"] = g[..., i].mean()
+        stats[f"{branch}/gate_entropy"] = entropy[..., i].mean()
+        stats[f"{branch}/gate_collapse"] = collapsed[..., i].mean()
+    return stats
+
+
+def distance_bucket_labels(num_buckets: int) -> list[str]:
+    """'0', '1', '2-3', '4-7', ..., '2^(num_buckets-2)+' (distances in selection blocks)."""
+    labels = ["0"] + [f"{2 ** (b - 1)}-{2 ** b - 1}" if b > 1 else "1" for b in range(1, num_buckets - 1)]
+    return labels + [f"{2 ** (num_buckets - 2)}+"]
+
+
+def selection_distance_hist(selected: torch.Tensor, sel_block_size: int, num_buckets: int = 8) -> torch.Tensor:
+    """selected [B, T, Hkv, n] (-1 unused) -> [num_buckets] share of the selected blocks at each
+    distance (query's current block minus selected block), bucketed as `distance_bucket_labels`."""
+    T = selected.shape[1]
+    current = (torch.arange(T, device=selected.device) // sel_block_size)[None, :, None, None]
+    valid = selected >= 0
+    distance = torch.where(valid, current - selected, torch.zeros_like(selected))
+    edges = 2 ** torch.arange(num_buckets - 1, device=selected.device)  # 1, 2, 4, ...
+    bucket = torch.searchsorted(edges, distance.flatten().contiguous(), right=True)
+    counts = torch.zeros(num_buckets, device=selected.device).scatter_add_(0, bucket, valid.flatten().float())
+    return counts / counts.sum().clamp(min=1)
+
+
+@contextlib.contextmanager
+def _unsharded(model: nn.Module):
+    """FSDP2-sharded modules (anything with unshard/reshard) are gathered while the eager calls run."""
+    sharded = [m for m in (model, *model.layers) if callable(getattr(m, "unshard", None))]
+    for m in sharded:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.reshard()
+
+
+@torch.no_grad()
+def collect_nsa_telemetry(model: nn.Module, tokens: torch.Tensor, *, num_buckets: int = 8) -> dict[str, torch.Tensor]:
+    """Per NSA layer i, 0-d tensors keyed 'nsa/layer{i}/{cmp|sel|win}/gate_{mean|entropy|collapse}'
+    and 'nsa/layer{i}/sel_distance/{bucket label}' (shares summing to 1).
+
+    `model` is the Transformer itself (unwrap DDP's `.module`); tokens [B, T] as for forward.
+    """
+    if num_buckets < 2:
+        raise UserError(f"num_buckets must be >= 2 (distance 0 and the rest), got {num_buckets}")
+    stats: dict[str, torch.Tensor] = {}
+    cos, sin = model.rope.cos, model.rope.sin
+    labels = distance_bucket_labels(num_buckets)
+    with _unsharded(model):
+        h = model.tok_embeddings(tokens)
+        for i, block in enumerate(model.layers):
+            attention = block.attention
+            if isinstance(attention, NSAAttention):
+                gates, selected = attention.gates_and_selection(block.attention_norm(h), cos, sin)
+                prefix = f"nsa/layer{i}/"
+                stats.update({prefix + key: value for key, value in gate_stats(gates).items()})
+                hist = selection_distance_hist(selected, attention.selection["sel_block_size"], num_buckets)
+                stats.update({f"{prefix}sel_distance/{label}": hist[b] for b, label in enumerate(labels)})
+            h = block.forward(h, cos, sin)
+    return stats

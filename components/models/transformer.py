@@ -1,0 +1,154 @@
+"""Decoder-only transformer language model with NSA or dense attention.
+
+Everything outside the attention module is identical for both kinds. Built for the engine:
+`tok_embeddings`, `layers` (one module per block, to compile / shard / checkpoint each),
+`norm`, `output`; constructible on the meta device, then `to_empty` + `init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from components.errors import UserError
+from components.models.args import TransformerArgs, find_problems
+from components.models.dense_attention import DenseAttention
+from components.models.kv_cache import KVCache, LayerKV
+from components.models.mlp import SwiGLU
+from components.models.norms import RMSNorm
+from components.models.nsa_attention import NSAAttention
+from components.models.rope import RotaryEmbedding
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then x + feed_forward(norm(x))."""
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = NSAAttention(args) if args.attention == "nsa" else DenseAttention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = SwiGLU(args.dim, args.mlp_hidden_dim())
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward_step(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV, start: int
+    ) -> torch.Tensor:
+        x = x + self.attention.forward_step(self.attention_norm(x), cos, sin, cache, start)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: TransformerArgs, vocab_size: int):
+        super().__init__()
+        self.args, self.vocab_size = args, vocab_size
+        self.tok_embeddings = nn.Embedding(vocab_size, args.dim)
+        self.rope = RotaryEmbedding(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, vocab_size, bias=False)
+        self._tie()
+        if not self.norm.weight.is_meta:
+            self.init_weights()
+
+    def _tie(self) -> None:
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device, recurse: bool = True):
+        # Materialising may give tied modules separate storage; share the weight again.
+        super().to_empty(device=device, recurse=recurse)
+        self._tie()
+        return self
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Full deterministic init from the global torch RNG (same seed -> same weights).
+
+        normal(0, init_std) for embeddings and projections; the projections that write into the
+        residual stream (attention wo, MLP w2) use init_std / sqrt(2 * n_layers) so the stream's
+        variance does not grow with depth; norms start at one; RoPE tables are recomputed.
+        """
+        self._tie()
+        std = self.args.init_std
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        self.rope.reset_parameters()
+        for layer in self.layers:
+            layer.init_weights(std, out_std)
+        self.norm.reset_parameters()
+        if not self.args.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (a tied weight counts once); optionally without the token embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def _check_length(self, end: int) -> None:
+        if end > self.args.max_seq_len:
+            raise UserError(
+                f"sequence length {end} exceeds max_seq_len {self.args.max_seq_len}; "
+                f"raise model max_seq_len or use shorter sequences"
+            )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] long -> logits [B, T, vocab_size]."""
+        self._check_length(tokens.shape[1])
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope.cos, self.rope.sin)
+        return self.output(self.norm(h))
+
+    # ---- incremental decoding -------------------------------------------------------------
+    def new_kv_cache(self, batch_size: int, capacity: int | None = None) -> KVCache:
+        """An empty cache for up to `capacity` tokens (default max_seq_len), on the model's device/dtype."""
+        capacity = self.args.max_seq_len if capacity is None else capacity
+        if not 1 <= capacity <= self.args.max_seq_len:
+            raise UserError(f"KV-cache capacity {capacity} must be in 1..max_seq_len ({self.args.max_seq_len}); "
+                            f"lower it or raise max_seq_len")
+        ref = self.norm.weight
+        layers = [layer.attention.new_layer_cache(batch_size, capacity, ref.device, ref.dtype) for layer in self.layers]
+        return KVCache(layers, batch_size, capacity)
+
+    @torch.no_grad()
+    def forward_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Append tokens [B, Tnew] to the cache and return their logits [B, Tnew, vocab_size].
+
+        Inference only (no autograd). Equals `forward` on the whole sequence so far, at the new positions.
+        """
+        B, Tn = tokens.shape
+        start = cache.length
+        if B != cache.batch_size:
+            raise UserError(f"batch size {B} does not match the cache's {cache.batch_size}; make a new cache")
+        if start + Tn > cache.capacity:
+            raise UserError(f"{start + Tn} tokens exceed the cache capacity {cache.capacity}; "
+                            f"make the cache larger (new_kv_cache(capacity=...))")
+        h = self.tok_embeddings(tokens)
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            h = layer.forward_step(h, self.rope.cos, self.rope.sin, layer_cache, start)
+        cache.length = start + Tn
+        return self.output(self.norm(h))
+
+
+def build_transformer(args: TransformerArgs, vocab_size: int) -> Transformer:
+    """Check the arguments (UserError listing every problem), then build on the current device."""
+    problems = find_problems(args)
+    if vocab_size < 1:
+        problems.append(("vocab_size", f"vocab_size must be >= 1, got {vocab_size}; check the tokenizer"))
+    if problems:
+        raise UserError("invalid model arguments: " + "; ".join(f"{path}: {msg}" for path, msg in problems))
+    return Transformer(args, vocab_size)
