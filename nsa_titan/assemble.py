@@ -86,12 +86,13 @@ def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer) -> torc
 
 
 def build_loader(recipe: Recipe, runtime: Runtime, source, tokenizer, *, dp_rank: int, dp_size: int,
-                 split: str, batch_size: int):
+                 split: str, batch_size: int, shard_states: dict | None = None):
     from components.data import build_dataloader
 
     data = recipe.data
     return build_dataloader(source, tokenizer, seq_len=recipe.training.seq_len, batch_size=batch_size,
                             dp_rank=dp_rank, dp_world_size=dp_size, logical_shards=data.logical_shards,
                             split=split, seed=recipe.job.seed, num_workers=data.num_workers,
-                            prefetch_factor=data.prefetch_factor if data.num_workers > 0 else None,
-                            pin_memory=data.pin_memory and runtime.device.type == "cuda")
+                            prefetch_factor=data.prefetch_factor,
+                            pin_memory=data.pin_memory and runtime.device.type == "cuda", add_bos=data.add_bos,
+                            shard_states=shard_states)

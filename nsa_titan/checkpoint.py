@@ -116,7 +116,7 @@ class Checkpointer:
         return os.path.join(self.folder, f"step-{step}")
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, state: RunState, *, wait: bool = False) -> None:
+    def save(self, state: RunState, *, data_layout: dict, wait: bool = False) -> None:
         """Save the run at state.step; with async_mode the model/optimizer write overlaps training."""
         self.finish_pending()  # one save in flight at a time; also completes the previous one
         path = self.step_dir(state.step)
@@ -126,7 +126,7 @@ class Checkpointer:
         os.makedirs(os.path.join(path, "ranks"), exist_ok=True)
         self._save_rank_state(state, path)
         if self.rank == 0:
-            self._save_train_state(state, path)
+            self._save_train_state(state, path, data_layout)
         tensors = {"model": get_model_state_dict(state.model),
                    "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
         checkpoint_id = os.path.join(path, "model")
@@ -162,8 +162,9 @@ class Checkpointer:
         torch.save(payload, buffer)
         _write_atomically(os.path.join(path, "ranks", f"rank-{self.rank}.pt"), buffer.getvalue())
 
-    def _save_train_state(self, state: RunState, path: str) -> None:
+    def _save_train_state(self, state: RunState, path: str, data_layout: dict) -> None:
         record = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size,
+                  "data_layout": data_layout,
                   "lr_scheduler": state.lr_scheduler.state_dict(), "saved_at": time.time(), **state.extra}
         _write_atomically(os.path.join(path, "train_state.json"), json.dumps(record, indent=1).encode())
 
@@ -204,7 +205,13 @@ class Checkpointer:
             self.say(f"skipping incomplete checkpoint {self.step_dir(step)} (interrupted save)")
         return done[-1] if done else None
 
-    def load(self, state: RunState, step: int, *, reshard_data: Callable[[list[dict], Any], None] | None) -> dict:
+    def load(self, state: RunState, step: int, *, data_layout: dict,
+             reshard_data: Callable[[list[dict]], Any] | None) -> dict:
+        """Restore everything saved at `step` into `state`.
+
+        The data continues exactly when the data layout (world size, workers) is unchanged; otherwise
+        `reshard_data(old rank states)` must return a loader that continues every old rank's stream.
+        """
         path = self.step_dir(step)
         try:
             with open(os.path.join(path, "train_state.json"), encoding="utf-8") as fh:
@@ -216,16 +223,19 @@ class Checkpointer:
             set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
             state.lr_scheduler.load_state_dict(record["lr_scheduler"])
             old_world = int(record["world_size"])
-            if old_world == self.world_size:
+            if record.get("data_layout") == data_layout:
                 mine = _load_rank_file(path, self.rank)
                 state.dataloader.load_state_dict(mine["dataloader"])
                 _set_rng_state(mine["rng"])
             else:
                 if reshard_data is None:
-                    raise UserError(f"checkpoint {path} was written by {old_world} processes and this run has "
-                                    f"{self.world_size}, and this data source cannot continue exactly at another "
-                                    f"world size. Fix: resume with {old_world} processes.")
-                reshard_data([_load_rank_file(path, r)["dataloader"] for r in range(old_world)], state.dataloader)
+                    raise UserError(f"checkpoint {path} was written with data layout {record.get('data_layout')} "
+                                    f"and this run has {data_layout}; the data cannot continue exactly. Fix: resume "
+                                    f"with the original world size and data.num_workers.")
+                old = [_load_rank_file(path, r) for r in range(old_world)]
+                state.dataloader = reshard_data([o["dataloader"] for o in old])
+                if self.rank < old_world:
+                    _set_rng_state(old[self.rank]["rng"])
         except (OSError, KeyError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
             raise UserError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}). Fix: resume from "
                             f"another step with --checkpoint.load_step=N, or move this folder aside.") from None

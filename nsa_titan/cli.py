@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 from components.errors import UserError
 from nsa_titan.config import RecipeError, resolve
@@ -12,6 +13,8 @@ COMMANDS = {
     "export": "consolidate a run's checkpoint: nsa-titan export RECIPE.toml [overrides] --output FILE",
     "sample": "generate text: nsa-titan sample EXPORTED_FILE [--prompt TEXT] [--max-new-tokens N] "
               "[--temperature T] [--top-k K] [--seed S]",
+    "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE --text TEXT|--text-file FILE "
+            "[--layer N] --out DIR",
 }
 
 INPUT_ERROR = 2
@@ -114,13 +117,47 @@ def sample(argv: list[str]) -> int:
     return 0
 
 
+def plot(argv: list[str]) -> int:
+    from nsa_titan.observe.plots import plot_exported
+
+    text, text_file = _take_option(argv, "--text"), _take_option(argv, "--text-file")
+    layer_text, out = _take_option(argv, "--layer", "0"), _take_option(argv, "--out")
+    usage = "`nsa-titan plot outputs/debug/model.pt --text 'def f(x):' --out plots/`"
+    if len(argv) != 1:
+        return _fail(f"error: plot takes one exported model file. Fix: {usage}.")
+    if (text is None) == (text_file is None):
+        return _fail(f"error: plot needs exactly one of --text TEXT or --text-file FILE. Fix: {usage}.")
+    if not out:
+        return _fail(f"error: plot needs --out DIR for the pictures. Fix: {usage}.")
+    try:
+        layer = int(layer_text)
+    except ValueError:
+        return _fail(f"error: --layer = {layer_text!r} is not a layer number. Fix: e.g. --layer 0.")
+    if text_file is not None:
+        try:
+            with open(text_file, encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+        except OSError as exc:
+            return _fail(f"error: cannot read --text-file {text_file!r} ({exc.strerror}). Fix: give a readable file.")
+    paths, note = plot_exported(argv[0], text, layer, out)
+    print(f"plotted {note}: " + ", ".join(paths.values()))
+    return 0
+
+
+def _quiet_known_warnings() -> None:
+    """Warnings about the libraries' own internals that a user can do nothing about."""
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_known_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else INPUT_ERROR
     command, rest = argv[0], argv[1:]
-    handlers = {"train": train, "export": export, "sample": sample}
+    handlers = {"train": train, "export": export, "sample": sample, "plot": plot}
     if command not in handlers:
         return _fail(f"error: unknown command {command!r}. Fix: use one of {', '.join(handlers)} "
                      f"(`nsa-titan --help` describes them).")

@@ -89,16 +89,26 @@ class Trainer:
             return
         step = self.checkpointer.find_resume_step(ckpt.load_step) if ckpt.enable else None
         if step is not None:
-            self.checkpointer.load(self.state, step, reshard_data=self._reshard_data)
+            self.checkpointer.load(self.state, step, data_layout=self._data_layout(), reshard_data=self._reshard_data)
+            self.train_loader = self.state.dataloader
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
         elif ckpt.initial_load_path:
             self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
             self._say(f"initial weights from {ckpt.initial_load_path}")
 
-    def _reshard_data(self, old_rank_states: list[dict], loader) -> None:
-        from components.data import reshard_loader_state
+    def _data_layout(self) -> dict:
+        """What must match for a saved loader state to continue exactly as it is."""
+        return {"world_size": self.dp_size, "num_workers": self.recipe.data.num_workers,
+                "logical_shards": self.recipe.data.logical_shards}
 
-        loader.load_state_dict(reshard_loader_state(old_rank_states, dp_rank=self.dp_rank, dp_world_size=self.dp_size))
+    def _reshard_data(self, old_rank_states: list[dict]):
+        """A loader for this rank that continues every old rank's logical shards where they stopped."""
+        from components.data import loader_state_by_logical_shard, merge_shard_states
+
+        merged = merge_shard_states(*(loader_state_by_logical_shard(s) for s in old_rank_states))
+        return assemble.build_loader(self.recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
+                                     dp_size=self.dp_size, split="train",
+                                     batch_size=self.recipe.training.local_batch_size, shard_states=merged)
 
     def _say(self, message: str) -> None:
         if self.runtime.is_main:
@@ -195,7 +205,8 @@ class Trainer:
             if self.checkpointer is not None and recipe.checkpoint.enable:
                 self.checkpointer.poll()
                 if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
-                    self.checkpointer.save(state, wait=stopping or state.step == t.steps)
+                    self.checkpointer.save(state, data_layout=self._data_layout(),
+                                           wait=stopping or state.step == t.steps)
             if stopping:
                 self._say(f"stopping after step {state.step} ({self.stop.reason})"
                           + ("; the checkpoint above resumes it" if recipe.checkpoint.enable else

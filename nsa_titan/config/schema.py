@@ -44,7 +44,8 @@ class DataConfig:
     logical_shards: int = f(64, "Fixed shards of the corpus; ranks own disjoint ones; the world size must divide it.", ge=1)
     num_workers: int = f(0, "Data loader worker processes per rank (0 reads in the training process).", ge=0)
     prefetch_factor: int = f(2, "Batches each worker prepares ahead (needs num_workers > 0).", ge=1)
-    pin_memory: bool = f(True, "Pin host batches for faster copies to a CUDA device (ignored on CPU by design).")
+    pin_memory: bool = f(True, "Pin host batches for faster copies to a CUDA device (no effect on CPU).")
+    add_bos: bool = f(False, "Start every document with the tokenizer's BOS token (documents always end with EOS).")
     source_args: Any = f(None, "The chosen source's arguments, in the table [data.<source>].",
                          args_for="source", placement="table")
     tokenizer_args: Any = f(None, "The chosen tokenizer's arguments, in the table [data.<tokenizer>].",

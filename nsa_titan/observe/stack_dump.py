@@ -1,0 +1,57 @@
+"""`kill -USR1 PID` writes every thread's stack to a file and stderr; the run goes on.
+
+For a run that is slow or looks stuck but has not hit the watchdog yet. faulthandler writes the
+stacks from its C signal handler, so the file is written even while the main thread is stuck in
+a C call (a collective, a CUDA synchronisation). faulthandler holds one file per signal, so the
+copy to stderr comes from a Python handler chained after it; that one runs when the main thread
+next executes Python code, which a truly stuck thread never does, hence the file comes first.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import time
+
+_installed: dict = {}
+
+
+def install_sigusr1(dump_path: str) -> None:
+    """Append all threads' stacks to dump_path (then copy them to stderr) on every SIGUSR1.
+
+    Call from the main thread. Calling again moves the dump to the new path.
+    """
+    uninstall_sigusr1()
+    os.makedirs(os.path.dirname(os.path.abspath(dump_path)), exist_ok=True)
+    fh = open(dump_path, "ab", buffering=0)  # unbuffered: faulthandler writes to the descriptor itself
+    state = {"file": fh, "path": dump_path, "echoed": fh.tell()}
+
+    def echo_to_stderr(signum, frame) -> None:
+        with open(state["path"], "rb") as reader:
+            reader.seek(state["echoed"])
+            text = reader.read()
+        # The C handler cannot write a header; a footer with the time separates successive dumps.
+        footer = f"--- end of SIGUSR1 stack dump, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n"
+        state["file"].write(footer.encode("utf-8"))
+        state["echoed"] += len(text) + len(footer.encode("utf-8"))
+        stream = sys.stderr or sys.__stderr__
+        stream.write(f"\nstacks of every thread (SIGUSR1), also in {state['path']}:\n"
+                     + text.decode("utf-8", errors="replace"))
+        stream.flush()
+
+    state["previous"] = signal.signal(signal.SIGUSR1, echo_to_stderr)
+    # chain=True: after writing the file, faulthandler hands the signal to the Python handler above.
+    faulthandler.register(signal.SIGUSR1, file=fh, all_threads=True, chain=True)
+    _installed.update(state)
+
+
+def uninstall_sigusr1() -> None:
+    """Restore the SIGUSR1 handling from before install_sigusr1 and close the dump file."""
+    if not _installed:
+        return
+    faulthandler.unregister(signal.SIGUSR1)
+    signal.signal(signal.SIGUSR1, _installed["previous"])
+    _installed["file"].close()
+    _installed.clear()
