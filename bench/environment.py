@@ -1,0 +1,52 @@
+"""What a benchmark result was measured on: device, library versions and the commit."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import subprocess
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def git_commit() -> str:
+    root = os.path.dirname(RESULTS_DIR)
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def describe_environment() -> dict:
+    info = {
+        "time": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,
+                    gpu_count=torch.cuda.device_count())
+    return info
+
+
+def results_path(name: str) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    device = torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else "cpu"
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join(RESULTS_DIR, f"{name}-{device}-{stamp}.json")

@@ -1,0 +1,25 @@
+"""Data: sources, tokenizers, packing and the resumable per-rank sharded loader."""
+
+from components.data.args import LoaderArgs
+from components.data.loader import build_dataloader, stream_id
+from components.data.sharding import (
+    loader_state_by_logical_shard,
+    merge_shard_states,
+    shards_of_rank,
+)
+from components.data.sources import SOURCES
+from components.data.tokenizers import TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer
+
+__all__ = [
+    "SOURCES",
+    "TOKENIZERS",
+    "ByteTokenizer",
+    "LoaderArgs",
+    "TiktokenArgs",
+    "TiktokenTokenizer",
+    "build_dataloader",
+    "loader_state_by_logical_shard",
+    "merge_shard_states",
+    "shards_of_rank",
+    "stream_id",
+]

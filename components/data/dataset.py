@@ -1,0 +1,130 @@
+"""The iterable dataset of one data-parallel rank: its logical shards, packed and interleaved.
+
+It runs inside each DataLoader worker (tokenization happens there) on that worker's shards, and its
+state_dict()/load_state_dict() are what StatefulDataLoader snapshots per worker after every batch.
+The stream never ends: shards restart in a new epoch with a new order when their documents run out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from components.errors import UserError
+from components.data.packing import ShardPacker, document_tokens, fresh_shard_state
+from components.data.sharding import next_shard, shards_of_worker
+from components.data.tokenizers import encode_array
+
+_STATE_KEYS = ("epoch", "cursor", "skip", "windows", "empty")
+
+
+class PackedShardsDataset(IterableDataset):
+    def __init__(
+        self,
+        source,
+        tokenizer,
+        *,
+        seq_len: int,
+        rank_shards: list[int],
+        logical_shards: int,
+        split: str,
+        seed: int,
+        add_bos: bool,
+        stream_id: str,
+        dp_rank: int,
+        shard_states: dict[int, dict] | None = None,
+    ):
+        self.source = source
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.rank_shards = list(rank_shards)
+        self.logical_shards = logical_shards
+        self.split = split
+        self.seed = seed
+        self.bos_id = tokenizer.bos_id if add_bos else None
+        self.stream_id = stream_id
+        self.dp_rank = dp_rank
+        self._states: dict[int, dict] = {s: fresh_shard_state() for s in self.rank_shards}
+        if shard_states is not None:
+            self._adopt(shard_states, require_all=True)
+        self._packers: dict[int, ShardPacker] | None = None
+
+    # ----- state ---------------------------------------------------------------------------------
+    def _adopt(self, states: dict[int, dict], require_all: bool) -> None:
+        mine = [s for s in self.rank_shards if s in states]
+        if require_all and len(mine) != len(self.rank_shards):
+            missing = sorted(set(self.rank_shards) - set(states))
+            raise UserError(
+                f"the data state lacks logical shards {missing} of rank {self.dp_rank}; merge the states of "
+                "every rank of the checkpoint (merge_shard_states) before rebuilding"
+            )
+        for s in mine:
+            state = states[s]
+            self.check_stream(state.get("stream", self.stream_id))
+            self._states[s] = {k: state[k] for k in _STATE_KEYS}
+
+    def check_stream(self, saved: str) -> None:
+        if saved != self.stream_id:
+            raise UserError(
+                "the data state was written for another data stream and cannot continue this one:\n"
+                f"  saved:   {saved}\n  current: {self.stream_id}\n"
+                "restore the data settings of that run (source, tokenizer, add_bos, seed, logical_shards, "
+                "split) or start the data from the beginning"
+            )
+
+    def _my_shards(self) -> list[int]:
+        info = get_worker_info()
+        if info is None:
+            return self.rank_shards
+        return shards_of_worker(self.rank_shards, info.id, info.num_workers)
+
+    def _sync_states(self) -> None:
+        if self._packers is not None:
+            for s, packer in self._packers.items():
+                self._states[s] = packer.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._sync_states()
+        return {
+            "stream": self.stream_id,
+            "shards": {str(s): dict(self._states[s]) for s in self._my_shards()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shards = {int(k): {**v, "stream": state["stream"]} for k, v in state["shards"].items()}
+        self._adopt(shards, require_all=False)
+        self._packers = None
+
+    # ----- iteration -----------------------------------------------------------------------------
+    def _open_documents(self, shard: int):
+        def open_documents(epoch: int, cursor: Any):
+            for doc, cursor_after in self.source.documents(
+                shard, self.logical_shards, self.split, self.seed, epoch, cursor
+            ):
+                tokens = encode_array(self.tokenizer, doc) if isinstance(doc, str) else doc
+                yield document_tokens(tokens, self.bos_id, self.tokenizer.eos_id), cursor_after
+
+        return open_documents
+
+    def __iter__(self):
+        self._sync_states()  # iterating again continues where the last iteration stopped
+        shards = self._my_shards()
+        self._packers = {s: ShardPacker(self._open_documents(s), self.seq_len, self._states[s]) for s in shards}
+        return self._windows(self._packers)
+
+    def _windows(self, packers: dict[int, ShardPacker]):
+        while True:
+            live = {s: p.windows for s, p in packers.items() if not p.empty}
+            if not live:
+                raise UserError(
+                    f"data split {self.split!r}: logical shards {sorted(packers)} of rank {self.dp_rank} hold no "
+                    f"documents, so this rank has nothing to train on; add data, lower logical_shards "
+                    f"({self.logical_shards}) or num_workers, or raise the validation fraction for validation"
+                )
+            window = packers[next_shard(live)].next_window()
+            if window is None:
+                continue
+            tokens = torch.from_numpy(window)
+            yield {"input": tokens[:-1], "target": tokens[1:]}

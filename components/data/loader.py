@@ -1,0 +1,130 @@
+"""build_dataloader: the resumable, per-rank sharded StatefulDataLoader.
+
+Batches are {"input": LongTensor[B, seq_len], "target": LongTensor[B, seq_len]} for every batch
+size including 1. The stream is endless: iterate it once and keep the iterator.
+
+Resuming:
+  - same source, tokenizer, seed, logical_shards, split, world size and num_workers:
+    loader.load_state_dict(saved) on a freshly built loader gives exactly the batches that would
+    have followed;
+  - another world size or num_workers: build with shard_states=merge_shard_states(...) of the
+    per-shard states of every old rank (loader_state_by_logical_shard). Each shard's stream goes on
+    exactly where it stopped; the interleave rule of components.data.sharding orders them.
+seq_len may change on resume: positions are kept in tokens, not windows.
+
+Validation: the validation stream is as endless as the training one; for the same validation
+batches at every evaluation, build the validation loader afresh each time (or keep its initial
+state_dict() and load it) and take a fixed number of batches.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from components.errors import UserError
+from components.data.dataset import PackedShardsDataset
+from components.data.sharding import loader_state_by_logical_shard, shards_of_rank, validate_layout
+from components.data.sources.base import SPLITS
+
+
+class ShardedStatefulDataLoader(StatefulDataLoader):
+    """A StatefulDataLoader that checks a saved state fits this rank before accepting it."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict:
+            with_workers = "_snapshot" in state_dict
+            if with_workers != (self.num_workers > 0):
+                raise UserError(
+                    f"the saved loader state was taken with {'some' if with_workers else 'no'} worker processes "
+                    f"but this loader has num_workers={self.num_workers}; keep num_workers, or resume through "
+                    "loader_state_by_logical_shard(...) and build_dataloader(shard_states=...)"
+                )
+            dataset = self.dataset
+            for shard, state in loader_state_by_logical_shard(state_dict).items():
+                if shard not in dataset.rank_shards:
+                    raise UserError(
+                        f"the saved loader state holds logical shard {shard}, which rank {dataset.dp_rank} does not "
+                        "own; load each rank's own state, or reshard through loader_state_by_logical_shard(...) "
+                        "and build_dataloader(shard_states=...)"
+                    )
+                dataset.check_stream(state["stream"])
+        super().load_state_dict(state_dict)
+
+
+def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, add_bos: bool) -> str:
+    """Everything that fixes a shard's token stream; a saved state only continues an equal stream."""
+    return (
+        f"{source.fingerprint()}|tokenizer={tokenizer.name}:{tokenizer.vocab_size}|add_bos={add_bos}"
+        f"|seed={seed}|logical_shards={logical_shards}|split={split}"
+    )
+
+
+def build_dataloader(
+    source,
+    tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    logical_shards: int = 64,
+    split: str = "train",
+    seed: int = 0,
+    num_workers: int = 0,
+    prefetch_factor: int = 2,
+    pin_memory: bool = False,
+    add_bos: bool = False,
+    shard_states: dict[int, dict] | None = None,
+    check_source: bool = True,
+) -> StatefulDataLoader:
+    """The loader of data-parallel rank dp_rank; `shard_states` restarts from per-shard states.
+
+    dp_rank / dp_world_size are data-parallel coordinates: ranks that share a model replica's
+    batch (tensor or pipeline peers) pass the same dp_rank.
+    """
+    if seq_len < 1 or batch_size < 1:
+        raise UserError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
+    if split not in SPLITS:
+        raise UserError(f"data split {split!r} is unknown; use one of {SPLITS}")
+    if seed < 0:
+        raise UserError(f"data seed must be >= 0 (got {seed})")
+    validate_layout(dp_rank, dp_world_size, logical_shards, num_workers)
+    has_split = getattr(source, "has_split", None)
+    if has_split is not None and not has_split(split):
+        raise UserError(
+            f"the data source holds out no {split} documents (validation_fraction = 0); set "
+            "validation_fraction > 0 or turn validation off"
+        )
+    if check_source:
+        source.check()
+    check_tokenizer = getattr(source, "check_tokenizer", None)
+    if check_tokenizer is not None:
+        check_tokenizer(tokenizer)
+    dataset = PackedShardsDataset(
+        source,
+        tokenizer,
+        seq_len=seq_len,
+        rank_shards=shards_of_rank(dp_rank, dp_world_size, logical_shards),
+        logical_shards=logical_shards,
+        split=split,
+        seed=seed,
+        add_bos=add_bos,
+        stream_id=stream_id(source, tokenizer, split=split, seed=seed, logical_shards=logical_shards, add_bos=add_bos),
+        dp_rank=dp_rank,
+        shard_states=shard_states,
+    )
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls a deprecated torch telemetry hook in its constructor; nothing to act on.
+        warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
+        return ShardedStatefulDataLoader(
+            dataset,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            pin_memory=bool(pin_memory and torch.cuda.is_available()),
+            persistent_workers=num_workers > 0,
+            snapshot_every_n_steps=1,
+        )

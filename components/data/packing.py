@@ -1,0 +1,115 @@
+"""Packing one logical shard's documents into training windows, resumably.
+
+The shard's token stream is its documents in epoch order, each as [BOS]? + tokens + [EOS], epoch
+after epoch without end. Window k is stream[k*L : k*L + L + 1] for seq_len L: the model reads
+input = window[:-1] and predicts target = window[1:]. Consecutive windows share exactly one token
+(the last of one is the first of the next), so the targets of one shard, concatenated, are the
+stream itself from its second token: nothing is truncated, dropped or predicted twice. Documents
+longer than a window simply continue in the next one.
+
+State is a position in the stream, independent of L: (epoch, cursor) of the first document not yet
+fully consumed, `skip` tokens into it, plus the count of windows emitted and whether the shard
+turned out to hold no documents. Resuming re-reads (and re-tokenizes) that one document.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+OpenDocuments = Callable[[int, Any], Iterator[tuple[np.ndarray, Any]]]
+
+
+def fresh_shard_state() -> dict:
+    return {"epoch": 0, "cursor": None, "skip": 0, "windows": 0, "empty": False}
+
+
+class ShardPacker:
+    """Windows of seq_len + 1 tokens from one shard; `open_documents(epoch, cursor)` gives token arrays."""
+
+    def __init__(self, open_documents: OpenDocuments, seq_len: int, state: dict | None = None):
+        state = dict(state or fresh_shard_state())
+        self._open = open_documents
+        self.seq_len = seq_len
+        self.windows = int(state["windows"])
+        self.empty = bool(state["empty"])
+        # Buffered documents: (tokens, epoch, cursor before the document).
+        self._buffer: deque[tuple[np.ndarray, int, Any]] = deque()
+        self._buffered = 0
+        self._offset = int(state["skip"])
+        self._read_epoch = int(state["epoch"])
+        self._read_cursor = state["cursor"]
+        self._reader: Iterator | None = None
+        self._reader_from_start = False
+        self._reader_count = 0
+
+    def state_dict(self) -> dict:
+        if self._buffer:
+            _, epoch, cursor = self._buffer[0]
+        else:
+            epoch, cursor = self._read_epoch, self._read_cursor
+        return {
+            "epoch": epoch,
+            "cursor": cursor,
+            "skip": self._offset,
+            "windows": self.windows,
+            "empty": self.empty,
+        }
+
+    def _read_document(self) -> bool:
+        """Buffer the next document, crossing into the next epoch when one ends. False: no documents."""
+        while True:
+            if self._reader is None:
+                self._reader = iter(self._open(self._read_epoch, self._read_cursor))
+                self._reader_from_start = self._read_cursor is None
+                self._reader_count = 0
+            item = next(self._reader, None)
+            if item is not None:
+                break
+            if self._reader_from_start and self._reader_count == 0:
+                self.empty = True  # a whole epoch without documents: the shard owns none
+                return False
+            self._read_epoch += 1
+            self._read_cursor = None
+            self._reader = None
+        tokens, cursor_after = item
+        self._buffer.append((tokens, self._read_epoch, self._read_cursor))
+        self._buffered += len(tokens)
+        self._read_cursor = cursor_after
+        self._reader_count += 1
+        return True
+
+    def next_window(self) -> np.ndarray | None:
+        """The next window (int64, seq_len + 1 tokens), or None when the shard has no documents."""
+        need = self.seq_len + 1
+        if self.empty:
+            return None
+        while self._buffered - self._offset < need:
+            if not self._read_document():
+                return None
+        parts = []
+        start, remaining = self._offset, need
+        for tokens, _, _ in self._buffer:
+            take = tokens[start : start + remaining]
+            parts.append(take)
+            remaining -= len(take)
+            start = 0
+            if remaining == 0:
+                break
+        window = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        # Advance by seq_len, keeping the window's last token as the next window's first.
+        self._offset += self.seq_len
+        while self._buffer and self._offset >= len(self._buffer[0][0]):
+            first = self._buffer.popleft()[0]
+            self._offset -= len(first)
+            self._buffered -= len(first)
+        self.windows += 1
+        return window
+
+
+def document_tokens(tokens: np.ndarray, bos_id: int | None, eos_id: int) -> np.ndarray:
+    """One document's contribution to the stream: [BOS]? + tokens + [EOS]."""
+    head = [bos_id] if bos_id is not None else []
+    return np.concatenate([np.asarray(head, dtype=np.int64), tokens.astype(np.int64, copy=False), [eos_id]])

@@ -1,0 +1,60 @@
+"""What a document source is, and the rules every source shares.
+
+A source is a picklable object with:
+  - `check()`: raises UserError early (before training) when the data cannot be read; cheap.
+  - `fingerprint()`: a short string naming the corpus, stored with loader state so that a state
+    is never applied to another corpus.
+  - optionally `has_split(split)`: False when the split is empty by construction (e.g. no
+    validation held out), so the loader can refuse it before training;
+  - optionally `check_tokenizer(tokenizer)`: raises UserError when the source cannot feed it;
+  - `documents(shard, num_shards, split, seed, epoch, cursor)`: the documents of one logical shard
+    for one epoch, in that epoch's order, as (document, cursor_after) pairs. A document is a str
+    (tokenized by the loader) or an int64 array of token ids. `cursor` is None at the start of the
+    epoch, or a cursor_after returned earlier: iteration then continues right after that document.
+    Cursors are small (ints or lists of ints) and go into checkpoints.
+
+Logical shards partition the corpus: each document belongs to exactly one shard, and the set of
+documents of a shard is the same in every epoch (only their order changes, seeded by seed, shard
+and epoch). Train and validation partition it too, so the two splits never share a document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterator, Protocol, Union
+
+import numpy as np
+
+Document = Union[str, np.ndarray]
+SPLITS = ("train", "validation")
+
+
+class DocumentSource(Protocol):
+    def check(self) -> None: ...
+
+    def fingerprint(self) -> str: ...
+
+    def documents(
+        self, shard: int, num_shards: int, split: str, seed: int, epoch: int, cursor: Any
+    ) -> Iterator[tuple[Document, Any]]: ...
+
+
+def unit_hash(key: str) -> float:
+    """A stable hash of `key` in [0, 1): the same on every machine, process and Python run."""
+    digest = hashlib.blake2b(key.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def digest(text: str) -> str:
+    """A short stable hex digest, for fingerprints."""
+    return hashlib.blake2b(text.encode("utf-8", errors="surrogatepass"), digest_size=8).hexdigest()
+
+
+def split_of(key: str, validation_fraction: float) -> str:
+    """The split a document with this key belongs to: validation iff its hash < the fraction."""
+    return "validation" if unit_hash(key) < validation_fraction else "train"
+
+
+def order_rng(seed: int, *stream: int) -> np.random.Generator:
+    """The generator that orders one stream (e.g. shard, epoch); independent across streams."""
+    return np.random.default_rng([seed, *stream])

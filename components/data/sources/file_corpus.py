@@ -1,0 +1,309 @@
+"""A corpus of local files cut into pieces that logical shards own.
+
+File kinds: whole-file documents (.txt, .py, ...: one file is one document), .jsonl (one JSON
+object per line, text in `text_field`) and .parquet (one row per document, text in column
+`text_field`).
+
+Pieces are the unit of ownership, so a shard opens only its own pieces and never reads the rest:
+  - a whole-file document is one piece;
+  - a .jsonl file is cut into byte ranges; a range owns the lines that start inside it;
+  - a .parquet file is cut into row ranges that never cross a row group.
+Ranges are sized from the corpus and the number of logical shards (about four pieces per shard,
+at most 1 MiB or 1024 rows) so small corpora still spread over every shard. Piece p belongs to
+logical shard p % num_shards.
+
+Train/validation: a whole-file document is validation iff unit_hash(its path relative to the
+corpus root) < validation_fraction, decided before pieces are dealt so both splits spread over all
+shards. A .jsonl/.parquet record is validation iff unit_hash(its text) < validation_fraction, so
+identical records always land in the same split.
+
+Epoch order: the shard's pieces are permuted by (seed, shard, epoch), and the documents inside each
+piece by (seed, shard, epoch, piece). The cursor is [piece position, document position].
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from components.errors import UserError
+from components.data.sources.base import digest, order_rng, split_of
+
+MAX_PIECE_BYTES = 1 << 20
+MAX_PIECE_ROWS = 1024
+PIECES_PER_SHARD = 4
+_CHECK_RECORD_BUDGET = 1000
+
+
+@dataclass(frozen=True)
+class CorpusFile:
+    path: str
+    kind: str  # "whole" | "jsonl" | "parquet"
+    key: str  # path relative to the corpus root: stable when the corpus folder moves
+
+
+def kind_of(path: str) -> str | None:
+    lower = path.lower()
+    if lower.endswith(".jsonl"):
+        return "jsonl"
+    if lower.endswith(".parquet"):
+        return "parquet"
+    if lower.endswith((".txt", ".text", ".md", ".py")):
+        return "whole"
+    return None
+
+
+def expand_paths(entries: list[str], what: str) -> list[str]:
+    """Files named by `entries` (files, folders searched recursively, or glob patterns), sorted."""
+    if not entries:
+        raise UserError(f"{what}: paths is empty; list .txt, .jsonl or .parquet files, folders or globs")
+    found: set[str] = set()
+    for entry in entries:
+        path = os.path.expanduser(entry)
+        if glob.has_magic(path):
+            matches = [m for m in glob.glob(path, recursive=True) if os.path.isfile(m)]
+            if not matches:
+                raise UserError(f"{what}: the pattern {entry!r} matches no file; fix the pattern or the folder")
+            found.update(os.path.abspath(m) for m in matches if kind_of(m) is not None)
+            if not any(kind_of(m) for m in matches):
+                raise UserError(
+                    f"{what}: the pattern {entry!r} matches no .txt, .md, .py, .jsonl or .parquet file"
+                )
+        elif os.path.isdir(path):
+            inside = [
+                os.path.join(d, f) for d, _, files in os.walk(path) for f in files if kind_of(f) is not None
+            ]
+            if not inside:
+                raise UserError(f"{what}: the folder {entry!r} holds no .txt, .md, .py, .jsonl or .parquet file")
+            found.update(os.path.abspath(p) for p in inside)
+        elif os.path.isfile(path):
+            if kind_of(path) is None:
+                raise UserError(
+                    f"{what}: {entry!r} is not a .txt, .md, .py, .jsonl or .parquet file; convert it or remove it"
+                )
+            found.add(os.path.abspath(path))
+        else:
+            raise UserError(f"{what}: the path {entry!r} does not exist; fix the path or remove it")
+    return sorted(found)
+
+
+def corpus_files(paths: list[str]) -> list[CorpusFile]:
+    root = os.path.commonpath([os.path.dirname(p) for p in paths])
+    return [CorpusFile(p, kind_of(p), os.path.relpath(p, root)) for p in paths]
+
+
+def _line_number(path: str, offset: int) -> int:
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+class FileCorpus:
+    """Pieces and documents of a list of local files. Picklable; caches metadata per process."""
+
+    def __init__(self, files: list[CorpusFile], text_field: str, validation_fraction: float, what: str):
+        self.files = files
+        self.text_field = text_field
+        self.validation_fraction = validation_fraction
+        self.what = what
+        self._meta: list[tuple] | None = None
+        self._pieces: dict[tuple[int, str], list[tuple[int, int, int, int]]] = {}
+
+    # ----- metadata and pieces -------------------------------------------------------------
+    def meta(self) -> list[tuple]:
+        """Per file: ("whole"|"jsonl", byte size) or ("parquet", rows per row group)."""
+        if self._meta is None:
+            self._meta = [self._file_meta(f) for f in self.files]
+        return self._meta
+
+    def _file_meta(self, f: CorpusFile) -> tuple:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            if f.kind != "parquet":
+                return (f.kind, os.path.getsize(f.path))
+            md = pq.ParquetFile(f.path).metadata
+        except (OSError, ValueError, pa.ArrowException) as e:
+            raise UserError(
+                f"{self.what}: cannot read {f.path} ({type(e).__name__}: {e}); replace or remove the file"
+            ) from e
+        names = md.schema.names
+        if self.text_field not in names:
+            raise UserError(
+                f"{self.what}: {f.path} has no column {self.text_field!r}; its columns are {names}; "
+                "set text_field to the column holding the text"
+            )
+        return ("parquet", [md.row_group(g).num_rows for g in range(md.num_row_groups)])
+
+    def pieces(self, split: str, num_shards: int) -> list[tuple[int, int, int, int]]:
+        cached = self._pieces.get((num_shards, split))
+        if cached is not None:
+            return cached
+        meta = self.meta()
+        jsonl_bytes = sum(m[1] for m in meta if m[0] == "jsonl")
+        parquet_rows = sum(sum(m[1]) for m in meta if m[0] == "parquet")
+        target = PIECES_PER_SHARD * num_shards
+        chunk = min(MAX_PIECE_BYTES, max(1, jsonl_bytes // target))
+        rows = min(MAX_PIECE_ROWS, max(1, math.ceil(parquet_rows / target)))
+        out: list[tuple[int, int, int, int]] = []
+        for i, (f, m) in enumerate(zip(self.files, meta)):
+            if f.kind == "whole":
+                if split_of(f.key, self.validation_fraction) == split:
+                    out.append((i, 0, 0, 0))
+            elif f.kind == "jsonl":
+                out.extend((i, a, min(a + chunk, m[1]), 0) for a in range(0, m[1], chunk))
+            else:
+                for g, n in enumerate(m[1]):
+                    out.extend((i, g, a, min(a + rows, n)) for a in range(0, n, rows))
+        self._pieces[(num_shards, split)] = out
+        return out
+
+    # ----- reading ---------------------------------------------------------------------------
+    def _text_of(self, record, path: str, offset: int) -> str:
+        if isinstance(record, dict) and isinstance(record.get(self.text_field), str):
+            return record[self.text_field]
+        where = f"line {_line_number(path, offset)}"  # counted only on the error path
+        if not isinstance(record, dict):
+            raise UserError(f"{self.what}: {path} {where} is a JSON {type(record).__name__}, not an object")
+        if self.text_field not in record:
+            raise UserError(
+                f"{self.what}: {path} {where} has no field {self.text_field!r}; its fields are "
+                f"{sorted(record)}; set text_field to the field holding the text"
+            )
+        text = record[self.text_field]
+        if text is None:
+            return ""
+        if not isinstance(text, str):
+            raise UserError(
+                f"{self.what}: {path} {where}: field {self.text_field!r} is a {type(text).__name__}, not a string"
+            )
+        return text
+
+    def _jsonl_texts(self, path: str, start: int, end: int):
+        """Texts of the lines that start in [start, end), with their byte offsets."""
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise UserError(f"{self.what}: cannot read {path} ({e}); fix its permissions or remove it") from e
+        with f:
+            if start > 0:
+                f.seek(start - 1)
+                if f.read(1) != b"\n":
+                    f.readline()  # the line in progress belongs to the previous range
+            while True:
+                offset = f.tell()
+                if offset >= end:
+                    return
+                line = f.readline()
+                if not line:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    raise UserError(
+                        f"{self.what}: {path} line {_line_number(path, offset)} is not valid JSON ({e}); "
+                        "fix or remove that line"
+                    ) from e
+                yield self._text_of(record, path, offset), offset
+
+    def _parquet_texts(self, path: str, group: int, start: int, end: int) -> list:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        # The whole row group's column is decoded: pieces cap at MAX_PIECE_ROWS, so row groups much
+        # larger than that are read several times (once per piece).
+        try:
+            column = pq.ParquetFile(path).read_row_group(group, columns=[self.text_field]).column(0)
+        except (OSError, ValueError, pa.ArrowException) as e:
+            raise UserError(
+                f"{self.what}: cannot read row group {group} of {path} ({type(e).__name__}: {e}); "
+                "replace or remove the file"
+            ) from e
+        values = column.slice(start, end - start).to_pylist()
+        for v in values:
+            if v is not None and not isinstance(v, str):
+                raise UserError(
+                    f"{self.what}: {path} column {self.text_field!r} holds {type(v).__name__} values, not strings; "
+                    "set text_field to a text column"
+                )
+        return values
+
+    def read_piece(self, piece: tuple[int, int, int, int], split: str) -> list[str]:
+        """The non-empty documents of `split` in one piece, in file order."""
+        i, a, b, c = piece
+        f = self.files[i]
+        if f.kind == "whole":
+            try:
+                with open(f.path, encoding="utf-8", errors="replace") as fh:
+                    text = fh.read()
+            except OSError as e:
+                raise UserError(f"{self.what}: cannot read {f.path} ({e}); fix its permissions or remove it") from e
+            return [text] if text else []
+        if f.kind == "jsonl":
+            texts = [t for t, _ in self._jsonl_texts(f.path, a, b)]
+        else:
+            texts = [t for t in self._parquet_texts(f.path, a, b, c) if t]
+        return [t for t in texts if t and split_of(t, self.validation_fraction) == split]
+
+    def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        owned = self.pieces(split, num_shards)[shard::num_shards]
+        order = order_rng(seed, shard, epoch).permutation(len(owned))
+        piece_pos, doc_pos = (0, 0) if cursor is None else (int(cursor[0]), int(cursor[1]))
+        for position in range(piece_pos, len(order)):
+            piece_index = int(order[position])
+            docs = self.read_piece(owned[piece_index], split)
+            inner = order_rng(seed, shard, epoch, piece_index + 1).permutation(len(docs))
+            first = doc_pos if position == piece_pos else 0
+            for j in range(first, len(docs)):
+                yield docs[int(inner[j])], [position, j + 1]
+
+    # ----- checks -----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Metadata of every file, then records in order until one non-empty document is seen."""
+        meta = self.meta()
+        budget = _CHECK_RECORD_BUDGET
+        for f, m in zip(self.files, meta):
+            if budget <= 0:
+                return
+            if f.kind == "whole":
+                if m[1] > 0:
+                    try:
+                        with open(f.path, encoding="utf-8", errors="replace") as fh:
+                            if fh.read(4096):
+                                return
+                    except OSError as e:
+                        raise UserError(f"{self.what}: cannot read {f.path} ({e}); fix its permissions") from e
+                budget -= 1
+            elif f.kind == "jsonl":
+                for text, _ in self._jsonl_texts(f.path, 0, m[1]):
+                    if text:
+                        return
+                    budget -= 1
+                    if budget <= 0:
+                        return
+            else:
+                for g, n in enumerate(m[1]):
+                    take = min(n, budget)
+                    if take and any(self._parquet_texts(f.path, g, 0, take)):
+                        return
+                    budget -= take
+                    if budget <= 0:
+                        return
+        raise UserError(
+            f"{self.what}: the files hold no text (every document is empty), so the data yields no tokens; "
+            "point paths at non-empty files"
+        )
+
+    def fingerprint(self) -> str:
+        keys = "\n".join(f.key for f in self.files)
+        return f"{len(self.files)} files {digest(keys)}"
+
+
+def member_documents(corpus: FileCorpus, split: str) -> list[str]:
+    """Every document of `split`, read piece by piece (for tests and inspection; reads everything)."""
+    return [d for piece in corpus.pieces(split, 1) for d in corpus.read_piece(piece, split)]

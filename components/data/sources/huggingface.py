@@ -1,0 +1,191 @@
+"""A Hugging Face dataset, streamed: datasets.load_dataset(..., streaming=True).
+
+Logical shard s of S reads only its own data sources (files or parquet row groups):
+  - when the dataset has a multiple of S sources: datasets.distributed.split_dataset_by_node(ds, s, S);
+  - else, after splitting parquet files into row groups (IterableDataset.reshard, where available),
+    when there are at least S sources: ds.shard(S, s, contiguous=False) (uneven but disjoint);
+  - else every shard reads the whole stream and keeps one example in S (split_dataset_by_node's
+    example strategy), which multiplies reading by S: a warning says so.
+Order: the shard's stream goes through a shuffle buffer seeded by (seed, shard, epoch). The cursor is
+the number of documents already yielded in the epoch; resuming replays the stream up to it (reads,
+but does not tokenize, what it skips).
+Validation: `validation_split` names a split of the dataset; when empty, a document is validation
+iff unit_hash(its text) < validation_fraction.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from components.errors import UserError
+from components.data.sources.base import order_rng, split_of
+
+log = logging.getLogger(__name__)
+_READ_BATCH = 64
+
+
+@dataclass
+class HuggingFaceArgs:
+    """A dataset on the Hugging Face Hub (or a local builder such as path='parquet' + data_files)."""
+
+    path: str = field(
+        default="HuggingFaceFW/fineweb-edu",
+        metadata={"doc": "dataset id on the Hub, or a builder name such as 'parquet' with data_files"},
+    )
+    name: str = field(default="sample-10BT", metadata={"doc": "dataset configuration name ('' for none)"})
+    split: str = field(default="train", metadata={"doc": "the dataset split to train on"})
+    validation_split: str = field(
+        default="",
+        metadata={"doc": "dataset split to validate on; '' holds out validation_fraction of `split` by hash"},
+    )
+    validation_fraction: float = field(
+        default=0.001,
+        metadata={"doc": "share of `split` held out for validation when validation_split is ''", "ge": 0.0, "le": 0.5},
+    )
+    text_field: str = field(default="text", metadata={"doc": "the column holding each document's text"})
+    data_files: list[str] = field(
+        default_factory=list, metadata={"doc": "data files for builders such as 'parquet' (globs allowed)"}
+    )
+    shuffle_buffer: int = field(
+        default=512, metadata={"doc": "documents held per logical shard to shuffle the stream (0: keep order)", "ge": 0}
+    )
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.validation_split and self.validation_split == self.split:
+            problems.append(
+                ("validation_split", f"equals split {self.split!r}, so validation would repeat training data; "
+                 "name another split or leave it '' to hold out validation_fraction by hash")
+            )
+        if self.path in ("parquet", "json", "csv", "text", "arrow") and not self.data_files:
+            problems.append(("data_files", f"builder {self.path!r} needs data_files (paths or globs of local files)"))
+        return problems
+
+
+def buffered_shuffle(items, size: int, rng):
+    """Stream shuffle: hold `size` items, emit a random one as each new item arrives."""
+    buffer = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        j = int(rng.integers(size))
+        yield buffer[j]
+        buffer[j] = item
+    for j in rng.permutation(len(buffer)):
+        yield buffer[int(j)]
+
+
+class HuggingFaceSource:
+    def __init__(self, args: HuggingFaceArgs | None = None):
+        self.args = args or HuggingFaceArgs()
+        self._loaded: dict[str, object] = {}
+        self._warned = False
+
+    def __getstate__(self):
+        # Workers started by fork inherit the loaded streams; other start methods reload them.
+        return {"args": self.args, "_loaded": {}, "_warned": self._warned}
+
+    def has_split(self, split: str) -> bool:
+        return split == "train" or bool(self.args.validation_split) or self.args.validation_fraction > 0
+
+    def _what(self) -> str:
+        return f"data source huggingface ({self.args.path}{'/' + self.args.name if self.args.name else ''})"
+
+    def _hf_split(self, split: str) -> str:
+        return self.args.validation_split if split == "validation" and self.args.validation_split else self.args.split
+
+    def _load(self, hf_split: str):
+        if hf_split not in self._loaded:
+            import datasets
+
+            a = self.args
+            try:
+                ds = datasets.load_dataset(
+                    a.path, a.name or None, split=hf_split, streaming=True, data_files=list(a.data_files) or None
+                )
+            except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+                raise UserError(
+                    f"{self._what()}: cannot open split {hf_split!r} ({type(e).__name__}: {e}). Without network, "
+                    "download the parquet files once and use data source text_files with paths = "
+                    "['<folder>/*.parquet'] (or huggingface with path = 'parquet' and data_files)"
+                ) from e
+            self._loaded[hf_split] = ds
+        return self._loaded[hf_split]
+
+    def _shard_dataset(self, shard: int, num_shards: int, hf_split: str):
+        from datasets.distributed import split_dataset_by_node
+
+        key = f"{hf_split}/resharded-for-{num_shards}"
+        if key not in self._loaded:
+            base = self._load(hf_split)
+            if base.num_shards % num_shards and hasattr(base, "reshard"):
+                base = base.reshard()  # parquet: one source per row group
+            self._loaded[key] = base
+        base = self._loaded[key]
+        if base.num_shards % num_shards == 0:
+            return split_dataset_by_node(base, rank=shard, world_size=num_shards)
+        if base.num_shards >= num_shards:
+            return base.shard(num_shards=num_shards, index=shard, contiguous=False)
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "%s has %d data sources, fewer than logical_shards=%d: every logical shard reads the whole "
+                "stream and keeps one document in %d. Use text_files over local parquet files or fewer "
+                "logical shards to read each file once.",
+                self._what(), base.num_shards, num_shards, num_shards,
+            )
+        return split_dataset_by_node(base, rank=shard, world_size=num_shards)
+
+    def _texts(self, dataset):
+        field_name = self.args.text_field
+        try:
+            for batch in dataset.iter(batch_size=_READ_BATCH):
+                if field_name not in batch:
+                    raise UserError(
+                        f"{self._what()}: no field {field_name!r}; the fields are {sorted(batch)}; "
+                        "set text_field to the one holding the text"
+                    )
+                yield from batch[field_name]
+        except UserError:
+            raise
+        except Exception as e:  # network and decoding failures surface here during streaming
+            raise UserError(f"{self._what()}: reading failed ({type(e).__name__}: {e})") from e
+
+    def check(self) -> None:
+        for name, problem in self.args.check():
+            raise UserError(f"{self._what()}: {name}: {problem}")
+        splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
+        for hf_split in splits:
+            first = next(iter(self._texts(self._load(hf_split))), None)
+            if first is None:
+                raise UserError(f"{self._what()}: split {hf_split!r} has no records, so it yields no tokens")
+            if not isinstance(first, str):
+                raise UserError(
+                    f"{self._what()}: field {self.args.text_field!r} holds {type(first).__name__} values, not text; "
+                    "set text_field to a text column"
+                )
+
+    def fingerprint(self) -> str:
+        a = self.args
+        return (
+            f"huggingface({a.path},{a.name},{a.split},{a.validation_split},{a.validation_fraction},"
+            f"{a.text_field},{sorted(a.data_files)},buffer={a.shuffle_buffer})"
+        )
+
+    def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        hf_split = self._hf_split(split)
+        texts = (t for t in self._texts(self._shard_dataset(shard, num_shards, hf_split)) if t)
+        if not self.args.validation_split:
+            texts = (t for t in texts if split_of(t, self.args.validation_fraction) == split)
+        if self.args.shuffle_buffer > 1:
+            texts = buffered_shuffle(texts, self.args.shuffle_buffer, order_rng(seed, shard, epoch))
+        start = 0 if cursor is None else int(cursor)
+        for position, text in enumerate(texts):
+            if position >= start:
+                yield text, position + 1
+
+
+def build_huggingface_source(args: HuggingFaceArgs) -> HuggingFaceSource:
+    return HuggingFaceSource(args)

@@ -1,0 +1,80 @@
+"""Deterministic random token documents: a corpus for speed tests that never touches the disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from components.errors import UserError
+from components.data.sources.base import order_rng
+
+# Separate content streams for the two splits: validation documents are drawn from other seeds.
+_SPLIT_STREAM = {"train": 0, "validation": 1}
+
+
+@dataclass
+class SyntheticArgs:
+    """Random documents of random lengths; document i of a split is a pure function of (seed, i)."""
+
+    num_documents: int = field(default=4096, metadata={"doc": "training documents in the corpus", "ge": 1})
+    validation_documents: int = field(
+        default=256, metadata={"doc": "validation documents (drawn from a different seed stream)", "ge": 1}
+    )
+    min_length: int = field(default=64, metadata={"doc": "shortest document, in tokens", "ge": 1})
+    max_length: int = field(default=1024, metadata={"doc": "longest document, in tokens", "ge": 1})
+    vocab_size: int = field(
+        default=256,
+        metadata={"doc": "token ids are drawn from [0, vocab_size); keep it below the tokenizer's BOS/EOS", "ge": 1},
+    )
+    seed: int = field(default=0, metadata={"doc": "seed of the document contents", "ge": 0})
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.min_length > self.max_length:
+            return [("min_length", f"min_length {self.min_length} exceeds max_length {self.max_length}; lower it")]
+        return []
+
+
+class SyntheticSource:
+    """Document i of a split belongs to logical shard i % num_shards."""
+
+    def __init__(self, args: SyntheticArgs | None = None):
+        self.args = args or SyntheticArgs()
+
+    def check(self) -> None:
+        problems = self.args.check()
+        if problems:
+            raise UserError(f"data source synthetic: {problems[0][0]}: {problems[0][1]}")
+
+    def check_tokenizer(self, tokenizer) -> None:
+        limit = min(tokenizer.bos_id, tokenizer.eos_id)
+        if self.args.vocab_size > limit:
+            raise UserError(
+                f"data source synthetic: vocab_size {self.args.vocab_size} reaches the special ids of "
+                f"tokenizer {tokenizer.name} (ordinary ids are below {limit}); set vocab_size <= {limit}"
+            )
+
+    def fingerprint(self) -> str:
+        a = self.args
+        return (
+            f"synthetic(n={a.num_documents},val={a.validation_documents},len={a.min_length}-{a.max_length},"
+            f"vocab={a.vocab_size},seed={a.seed})"
+        )
+
+    def document(self, split: str, index: int) -> np.ndarray:
+        a = self.args
+        rng = order_rng(a.seed, _SPLIT_STREAM[split], index)
+        length = int(rng.integers(a.min_length, a.max_length + 1))
+        return rng.integers(0, a.vocab_size, size=length, dtype=np.int64)
+
+    def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        total = self.args.num_documents if split == "train" else self.args.validation_documents
+        members = np.arange(shard, total, num_shards)
+        order = members[order_rng(seed, shard, epoch).permutation(len(members))]
+        start = 0 if cursor is None else int(cursor)
+        for position in range(start, len(order)):
+            yield self.document(split, int(order[position])), position + 1
+
+
+def build_synthetic_source(args: SyntheticArgs) -> SyntheticSource:
+    return SyntheticSource(args)

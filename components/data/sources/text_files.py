@@ -1,0 +1,63 @@
+"""Local .txt / .jsonl / .parquet files (or folders and globs of them) as a document source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from components.errors import UserError
+from components.data.sources.file_corpus import FileCorpus, corpus_files, expand_paths
+
+
+@dataclass
+class TextFilesArgs:
+    """Local files: .txt/.md/.py are one document each; .jsonl lines and .parquet rows are documents."""
+
+    paths: list[str] = field(
+        default_factory=list,
+        metadata={"doc": "files, folders (searched recursively) or glob patterns (** allowed)"},
+    )
+    text_field: str = field(
+        default="text", metadata={"doc": "the JSON field / parquet column holding each document's text"}
+    )
+    validation_fraction: float = field(
+        default=0.01,
+        metadata={"doc": "share of documents held out for validation (by a stable hash)", "ge": 0.0, "le": 0.5},
+    )
+
+    def check(self) -> list[tuple[str, str]]:
+        if not self.paths:
+            return [("paths", "no files given; list .txt/.jsonl/.parquet files, folders or globs")]
+        return []
+
+
+class TextFilesSource:
+    def __init__(self, args: TextFilesArgs):
+        self.args = args
+        self._corpus: FileCorpus | None = None
+
+    def has_split(self, split: str) -> bool:
+        return split == "train" or self.args.validation_fraction > 0
+
+    def corpus(self) -> FileCorpus:
+        if self._corpus is None:
+            files = corpus_files(expand_paths(list(self.args.paths), "data source text_files"))
+            self._corpus = FileCorpus(
+                files, self.args.text_field, self.args.validation_fraction, "data source text_files"
+            )
+        return self._corpus
+
+    def check(self) -> None:
+        for name, problem in self.args.check():
+            raise UserError(f"data source text_files: {name}: {problem}")
+        self.corpus().check()
+
+    def fingerprint(self) -> str:
+        a = self.args
+        return f"text_files({self.corpus().fingerprint()},field={a.text_field},val={a.validation_fraction})"
+
+    def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
+
+
+def build_text_files_source(args: TextFilesArgs) -> TextFilesSource:
+    return TextFilesSource(args)

