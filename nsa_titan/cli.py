@@ -15,6 +15,9 @@ COMMANDS = {
               "[--temperature T] [--top-k K] [--seed S]",
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE --text TEXT|--text-file FILE "
             "[--layer N] --out DIR",
+    "inspect": "compile-graph inspection: nsa-titan inspect RECIPE.toml [overrides] [--seq-lens 64,96] "
+               "[--fail-on-break]",
+    "doctor": "preflight checks: nsa-titan doctor RECIPE.toml [overrides] [--world-size N]",
 }
 
 INPUT_ERROR = 2
@@ -50,13 +53,22 @@ def train(argv: list[str]) -> int:
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer
 
+    from nsa_titan.parallel.distributed import destroy_process_group
+    from nsa_titan.trainer import TrainingFault
+
     recipe = resolved.recipe
     runtime = make_runtime(recipe.training.device, recipe.training.dtype)
-    trainer = Trainer(resolved, runtime)
     try:
-        trainer.run()
+        trainer = Trainer(resolved, runtime)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+    except TrainingFault as fault:
+        print(f"error: {fault}", file=sys.stderr, flush=True)
+        return fault.exit_code
     finally:
-        trainer.close()
+        destroy_process_group()
     return 0
 
 
@@ -150,6 +162,18 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
+def inspect(argv: list[str]) -> int:
+    from nsa_titan.inspect import run_command
+
+    return run_command(argv)
+
+
+def doctor(argv: list[str]) -> int:
+    from nsa_titan.doctor import run_command
+
+    return run_command(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_known_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -157,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else INPUT_ERROR
     command, rest = argv[0], argv[1:]
-    handlers = {"train": train, "export": export, "sample": sample, "plot": plot}
+    handlers = {"train": train, "export": export, "sample": sample, "plot": plot, "inspect": inspect,
+                "doctor": doctor}
     if command not in handlers:
         return _fail(f"error: unknown command {command!r}. Fix: use one of {', '.join(handlers)} "
                      f"(`nsa-titan --help` describes them).")

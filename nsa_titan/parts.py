@@ -9,7 +9,9 @@ def register_builtins() -> None:
     from components import data, models, nsa, optim
 
     register("model", "transformer", models.build_transformer, args=models.TransformerArgs,
-             doc="decoder-only transformer; attention = 'nsa' or 'dense'")
+             doc="decoder-only transformer; attention = 'nsa' or 'dense'",
+             flops_per_token=models.flops_per_token, telemetry=models.collect_nsa_telemetry,
+             telemetry_applies=lambda args: args.attention == "nsa")
     for name in nsa.BACKENDS:
         register("attention_backend", name, lambda name=name: name, doc=f"NSA op backend {name!r}")
     for name, (args_cls, factory) in data.SOURCES.items():

@@ -20,6 +20,11 @@ class Part:
     build: Callable[..., Any]
     args: type | None = None
     doc: str = ""
+    # Models only, both optional: FLOPs per trained token (args, vocab_size, seq_len) -> float, for MFU;
+    # and attention telemetry (model, tokens) -> {name: 0-d tensor}, with telemetry_applies(args) -> bool.
+    flops_per_token: Callable[..., float] | None = None
+    telemetry: Callable[..., dict] | None = None
+    telemetry_applies: Callable[[Any], bool] | None = None
 
 
 _PARTS: dict[str, dict[str, Part]] = {kind: {} for kind in KINDS}
@@ -35,13 +40,16 @@ class UnknownPartError(KeyError):
 
 
 def register(kind: str, name: str, build: Callable[..., Any], *, args: type | None = None,
-             doc: str = "", replace: bool = False) -> Part:
-    """Add a part. Registering a taken name is an error unless replace=True."""
+             doc: str = "", replace: bool = False, **model_hooks: Callable[..., Any]) -> Part:
+    """Add a part. Registering a taken name is an error unless replace=True.
+
+    Models may pass flops_per_token=, telemetry= and telemetry_applies= (see Part).
+    """
     if kind not in _PARTS:
         raise ValueError(f"unknown part kind {kind!r}; kinds are {', '.join(KINDS)}")
     if name in _PARTS[kind] and not replace:
         raise ValueError(f"{kind} {name!r} is already registered; pass replace=True to override it")
-    part = Part(kind, name, build, args, doc)
+    part = Part(kind, name, build, args, doc, **model_hooks)
     _PARTS[kind][name] = part
     return part
 

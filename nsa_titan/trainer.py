@@ -1,29 +1,47 @@
-"""The training loop: accumulate, clip, step, log, validate."""
+"""The training loop: accumulate, clip, step, log, validate, checkpoint."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from nsa_titan import assemble
+from nsa_titan import assemble, registry
+from nsa_titan.checkpoint import Checkpointer, RunState
 from nsa_titan.config import ResolvedRecipe
-from nsa_titan.observe.console import say, step_line
-from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog
 from nsa_titan.config.rules import data_parallel_degrees
+from nsa_titan.graceful_stop import GracefulStop
+from nsa_titan.observe.console import say, step_line, warn
+from nsa_titan.observe.heartbeat import Heartbeat
+from nsa_titan.observe.manifest import write_manifest
+from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog
+from nsa_titan.observe.mfu import mfu_percent, peak_flops_per_second
+from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard
+from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
+from nsa_titan.observe.telemetry_log import telemetry_line, telemetry_records
+from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
 from nsa_titan.parallel.compile import compile_blocks
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
-from nsa_titan.checkpoint import Checkpointer, RunState
-from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.run_folder import prepare_run_folder
 from nsa_titan.runtime import Runtime
+
+NUMERICAL_FAULT_EXIT = 3
+
+
+class TrainingFault(Exception):
+    """The run cannot go on (e.g. NaN losses); the message says why, the last checkpoint is kept."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class Trainer:
@@ -31,7 +49,7 @@ class Trainer:
         self.resolved = resolved
         self.recipe = recipe = resolved.recipe
         self.runtime = runtime
-        t = recipe.training
+        t, dump = recipe.training, recipe.job.dump_folder
 
         init_process_group(runtime, recipe.parallelism.init_timeout_seconds)
         replicate, shard = data_parallel_degrees(recipe, runtime.world_size)
@@ -43,11 +61,50 @@ class Trainer:
         self.local_tokens_per_step = self.tokens_per_step // self.dp_size
 
         if runtime.is_main:
-            prepare_run_folder(recipe.job.dump_folder, resolved)
+            prepare_run_folder(dump, resolved)
+            write_manifest(dump, recipe_toml=resolved.toml, recipe_hash=resolved.hash, argv=sys.argv,
+                           world_size=runtime.world_size, device=runtime.device)
+        self.stacks_path = os.path.join(dump, "stacks", f"rank-{runtime.rank}.txt")
+        install_sigusr1(self.stacks_path)
+        self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0)
+        self.nan_guard = NanGuard(recipe.fault.max_bad_steps)
+
         self.tokenizer = assemble.build_tokenizer(recipe)
         self.source = assemble.build_source(recipe)
+        self.model_part = registry.get("model", recipe.model.name)
+        self._build_model()
 
-        # torchtitan's order: activation checkpointing, then per-block compile, then data parallelism.
+        self.peak_flops = peak_flops_per_second(runtime.device, recipe.metrics.peak_tflops)
+        self.flops_per_token = None
+        if self.model_part.flops_per_token is not None:
+            self.flops_per_token = self.model_part.flops_per_token(recipe.model.args, self.tokenizer.vocab_size,
+                                                                   t.seq_len)
+
+        self.optimizer = assemble.build_optimizer(recipe, self.model)
+        self.lr_scheduler = assemble.build_lr_scheduler(recipe, self.optimizer)
+        self.train_loader = assemble.build_loader(recipe, runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
+                                                  dp_size=self.dp_size, split="train",
+                                                  batch_size=t.local_batch_size)
+        self.state = RunState(self.model, self.optimizer, self.lr_scheduler, self.train_loader)
+        self.checkpointer = None
+        ckpt = recipe.checkpoint
+        if ckpt.enable or ckpt.initial_load_path:
+            self.checkpointer = Checkpointer(os.path.join(dump, ckpt.folder), keep_latest_k=ckpt.keep_latest_k,
+                                             async_mode=ckpt.async_mode, rank=runtime.rank,
+                                             world_size=runtime.world_size, say=self._say)
+        self._restore()
+        self.stop = GracefulStop(dump)
+        self.metrics = MetricsLog(os.path.join(dump, "metrics.jsonl")) if runtime.is_main else None
+        self.tensorboard = None
+        if runtime.is_main and recipe.metrics.enable_tensorboard:
+            self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder))
+        self.watchdog: Watchdog | None = None
+        self._probe: torch.Tensor | None = None  # a fixed batch for attention telemetry
+
+    def _build_model(self) -> None:
+        """torchtitan's order: activation checkpointing, then per-block compile, then data parallelism."""
+        recipe, runtime = self.recipe, self.runtime
+
         def build_on_meta():
             return assemble.build_model_on_meta(recipe, self.tokenizer.vocab_size)
 
@@ -63,25 +120,7 @@ class Trainer:
         assemble.materialize(self.model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
                              distributed=self.mesh is not None)
 
-        self.optimizer = assemble.build_optimizer(recipe, self.model)
-        self.lr_scheduler = assemble.build_lr_scheduler(recipe, self.optimizer)
-        self.train_loader = assemble.build_loader(recipe, runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
-                                                  dp_size=self.dp_size, split="train",
-                                                  batch_size=t.local_batch_size)
-        self.state = RunState(self.model, self.optimizer, self.lr_scheduler, self.train_loader)
-        self.checkpointer = None
-        ckpt = recipe.checkpoint
-        if ckpt.enable or ckpt.initial_load_path:
-            self.checkpointer = Checkpointer(os.path.join(recipe.job.dump_folder, ckpt.folder),
-                                             keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
-                                             rank=runtime.rank, world_size=runtime.world_size, say=self._say)
-        self._restore()
-        self.stop = GracefulStop(recipe.job.dump_folder)
-        self.metrics = MetricsLog(os.path.join(recipe.job.dump_folder, "metrics.jsonl")) if runtime.is_main else None
-        self.tensorboard = None
-        if runtime.is_main and recipe.metrics.enable_tensorboard:
-            self.tensorboard = TensorBoardLog(os.path.join(recipe.job.dump_folder, recipe.metrics.save_tb_folder))
-
+    # -- resume ----------------------------------------------------------------------------------
     def _restore(self) -> None:
         """Resume from the newest complete checkpoint (or checkpoint.load_step), else initial weights."""
         ckpt = self.recipe.checkpoint
@@ -110,18 +149,14 @@ class Trainer:
                                      dp_size=self.dp_size, split="train",
                                      batch_size=self.recipe.training.local_batch_size, shard_states=merged)
 
-    def _say(self, message: str) -> None:
-        if self.runtime.is_main:
-            say(message)
-
     # -- one optimizer step ----------------------------------------------------------------------
     def _next_batch(self, iterator) -> tuple[torch.Tensor, torch.Tensor]:
         batch = next(iterator)
         device = self.runtime.device
         return (batch["input"].to(device, non_blocking=True), batch["target"].to(device, non_blocking=True))
 
-    def train_step(self, iterator) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Returns (this rank's mean loss, global grad norm, seconds waiting for data)."""
+    def train_step(self, iterator) -> tuple[torch.Tensor, torch.Tensor, float, str]:
+        """Returns (this rank's mean loss, global grad norm, seconds waiting for data, NaN-guard decision)."""
         self.model.train()
         loss_total = torch.zeros((), device=self.runtime.device, dtype=torch.float32)
         data_wait = 0.0
@@ -129,6 +164,8 @@ class Trainer:
             start = time.perf_counter()
             inputs, targets = self._next_batch(iterator)
             data_wait += time.perf_counter() - start
+            if self._probe is None:
+                self._probe = inputs[:2].clone()
             set_gradient_sync(self.model, self.mesh, last_micro_batch=micro == self.grad_accum - 1)
             with self._autocast():
                 logits = self.model(inputs)
@@ -139,14 +176,18 @@ class Trainer:
             loss.backward()
             loss_total += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.training.max_norm)
-        self.optimizer.step()
+        decision = self.nan_guard.check(loss_total, grad_norm, step=self.state.step + 1)
+        if decision == OK:
+            self.optimizer.step()
+        # A skipped step still uses its batch and its place in the LR schedule.
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        return loss_total, grad_norm, data_wait
+        return loss_total, grad_norm, data_wait, decision
 
-    # -- validation ------------------------------------------------------------------------------
+    # -- validation and telemetry ----------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
+        """Loss on the first validation.steps batches of the held-out stream (the same batches every time)."""
         recipe = self.recipe
         loader = assemble.build_loader(recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
                                        dp_size=self.dp_size, split="validation",
@@ -164,12 +205,23 @@ class Trainer:
         loss = all_reduce_mean(total).item() / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
+    def telemetry(self) -> dict[str, float]:
+        """Attention telemetry on a fixed batch; runs on every rank (sharded models gather for it)."""
+        self.model.eval()
+        with self._autocast():
+            stats = self.model_part.telemetry(self.model, self._probe)
+        return telemetry_records(stats)
+
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
-        recipe, t, state = self.recipe, self.recipe.training, self.state
+        recipe, t, state, fault = self.recipe, self.recipe.training, self.state, self.recipe.fault
         self._say(f"model {recipe.model.name}: {self.num_params:,} parameters | recipe {self.resolved.hash} | "
                   f"{self.runtime.world_size} process(es) on {self.runtime.device.type} | "
                   f"global batch {self.global_batch} x {t.seq_len} tokens, {self.grad_accum} micro-batch(es)/step")
+        rank = self.runtime.rank
+        self.watchdog = Watchdog(fault.step_timeout_seconds, fault.first_step_timeout_seconds, self.stacks_path,
+                                 on_timeout_message=lambda stall: f"rank {rank}: {describe_stall(stall)}",
+                                 start_step=state.step)
         iterator = iter(self.train_loader)
         run_start = time.perf_counter()
         first_step = state.step
@@ -177,36 +229,57 @@ class Trainer:
         while state.step < t.steps:
             step_start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
-            loss, grad_norm, data_wait = self.train_step(iterator)
+            loss, grad_norm, data_wait, decision = self.train_step(iterator)
             state.step += 1
             state.tokens_seen += self.tokens_per_step
             window_tokens += self.tokens_per_step
+            if decision == STOP:
+                raise TrainingFault(self.nan_guard.stop_message(state.step), NUMERICAL_FAULT_EXIT)
+            if decision == SKIP and self.runtime.is_main:
+                warn(self.nan_guard.skip_message(state.step))
+            self.watchdog.beat(state.step)
+            self.heartbeat.beat(state.step, force=state.step == t.steps)
+
             log_now = state.step % recipe.metrics.log_freq == 0 or state.step in (first_step + 1, t.steps)
             if log_now:
                 now = time.perf_counter()
+                rate = window_tokens / (now - window_start)
                 record = {
                     "step": state.step,
                     "loss": all_reduce_mean(loss).item(),
                     "lr": lr,
                     "grad_norm": grad_norm.item(),
-                    "tokens_per_second": window_tokens / (now - window_start),
-                    "tokens_per_second_per_device": window_tokens / (now - window_start) / self.runtime.world_size,
+                    "tokens_per_second": rate,
+                    "tokens_per_second_per_device": rate / self.runtime.world_size,
                     "tokens_seen": state.tokens_seen,
                     "step_time_s": now - step_start,
                     "data_wait_s": data_wait,
                     "elapsed_s": now - run_start,
                     "eta_s": (now - run_start) / (state.step - first_step) * (t.steps - state.step),
+                    "skipped_steps": self.nan_guard.total_bad,
                 }
+                if self.peak_flops and self.flops_per_token:
+                    record["mfu_percent"] = mfu_percent(record["tokens_per_second_per_device"],
+                                                        self.flops_per_token, self.peak_flops)
+                if self.runtime.device.type == "cuda":
+                    record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
                 self._log(record)
                 window_start, window_tokens = now, 0
             if recipe.validation.enable and (state.step % recipe.validation.freq == 0 or state.step == t.steps):
-                self._log({"step": state.step, **self.validate()}, console=False)
+                self._log({"step": state.step, **self.validate()})
+                self.watchdog.beat(state.step)
+            if recipe.metrics.telemetry_freq and state.step % recipe.metrics.telemetry_freq == 0:
+                records = self.telemetry()
+                self._say(telemetry_line(state.step, records))
+                self._log({"step": state.step, **records}, console=False)
+
             stopping = self.stop.requested(self.runtime.device, agree_now=log_now) and state.step < t.steps
             if self.checkpointer is not None and recipe.checkpoint.enable:
                 self.checkpointer.poll()
                 if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
                     self.checkpointer.save(state, data_layout=self._data_layout(),
                                            wait=stopping or state.step == t.steps)
+                    self.watchdog.beat(state.step)
             if stopping:
                 self._say(f"stopping after step {state.step} ({self.stop.reason})"
                           + ("; the checkpoint above resumes it" if recipe.checkpoint.enable else
@@ -217,16 +290,21 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.finish_pending()
 
+    # -- helpers ---------------------------------------------------------------------------------
     def _autocast(self):
         # With data parallelism the mixed-precision policy casts parameters; autocast is for one process.
         return self.runtime.autocast() if self.mesh is None else contextlib.nullcontext()
+
+    def _say(self, message: str) -> None:
+        if self.runtime.is_main:
+            say(message)
 
     def _log(self, record: dict, console: bool = True) -> None:
         if not self.runtime.is_main:
             return
         if console and "loss" in record:
             say(step_line(record, self.recipe.training.steps))
-        elif "val_loss" in record:
+        elif console and "val_loss" in record:
             say(f"validation at step {record['step']}: loss {record['val_loss']:.4f} | "
                 f"perplexity {record['val_perplexity']:.2f}")
         self.metrics.write(record)
@@ -234,6 +312,9 @@ class Trainer:
             self.tensorboard.write(record)
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        uninstall_sigusr1()
         self.stop.restore()
         for sink in (self.metrics, self.tensorboard):
             if sink is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,8 @@ class Problem:
     fix: str
 
     def render(self) -> str:
-        shown = "" if self.value is None else f" = {self.value!r}"
+        plain = self.value is None or dataclasses.is_dataclass(self.value)
+        shown = "" if plain else f" = {self.value!r}"
         return f"{self.source}: {self.field}{shown}: {self.why}. Fix: {self.fix}."
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nsa_titan import registry
 from nsa_titan.config.errors import Problem
 from nsa_titan.config.schema import Recipe
 
@@ -53,6 +54,13 @@ def check_rules(recipe: Recipe, world_size: int, source_of, problems: list[Probl
         add("data.logical_shards", recipe.data.logical_shards,
             f"is not divisible by the data-parallel size {dp}, so ranks cannot own equal shards",
             f"use a multiple of {dp}, e.g. {dp * max(1, recipe.data.logical_shards // dp)}")
+
+    if recipe.metrics.telemetry_freq > 0:
+        part = registry.get("model", recipe.model.name)
+        if part.telemetry is None or not (part.telemetry_applies is None or part.telemetry_applies(recipe.model.args)):
+            add("metrics.telemetry_freq", recipe.metrics.telemetry_freq,
+                f"model {recipe.model.name!r} with these arguments has no attention telemetry (e.g. dense attention)",
+                "set metrics.telemetry_freq = 0")
 
     max_len = getattr(recipe.model.args, "max_seq_len", None)
     if isinstance(max_len, int) and t.seq_len > max_len:

@@ -164,6 +164,9 @@ def plot_exported(path: str, text: str, layer: int, out_dir: str) -> tuple[dict[
     from nsa_titan.export import load_exported
 
     model, meta = load_exported(path)
+    for block in model.layers:
+        if isinstance(block.attention, NSAAttention):
+            block.attention.backend = "reference"  # same results; the model is on the CPU here
     tokenizer = assemble.build_tokenizer(resolve_text(meta["recipe_toml"]).recipe)
     ids = tokenizer.encode(text)
     if not ids:

@@ -1,0 +1,59 @@
+"""A recipe plugin registering two transformers that torch.compile cannot compile whole.
+
+`breaking_transformer`: each block reads a tensor value into Python (`float(...)`, a host sync)
+between attention and the feed-forward, which Dynamo cannot trace: every block compiles as two
+graphs with a break between them. `eager_transformer`: each block opts out of compilation, so
+compiling it changes nothing. `nsa-titan inspect` must report both, with reasons and source lines.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from components.models import Transformer, TransformerArgs, TransformerBlock
+from nsa_titan.registry import register
+
+
+class BreakingBlock(TransformerBlock):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        scale = max(float(x.detach().abs().amax()), 1.0)  # the deliberate graph break
+        return x + self.feed_forward(self.ffn_norm(x)) / scale
+
+
+class BreakingTransformer(Transformer):
+    def __init__(self, args: TransformerArgs, vocab_size: int):
+        super().__init__(args, vocab_size)
+        self.layers = nn.ModuleList(BreakingBlock(args) for _ in range(args.n_layers))
+        if not self.norm.weight.is_meta:
+            self.init_weights()
+
+
+class EagerBlock(TransformerBlock):
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, cos, sin)
+
+
+class EagerTransformer(Transformer):
+    def __init__(self, args: TransformerArgs, vocab_size: int):
+        super().__init__(args, vocab_size)
+        self.layers = nn.ModuleList(EagerBlock(args) for _ in range(args.n_layers))
+        if not self.norm.weight.is_meta:
+            self.init_weights()
+
+
+def build_breaking_transformer(args: TransformerArgs, vocab_size: int) -> BreakingTransformer:
+    return BreakingTransformer(args, vocab_size)
+
+
+def build_eager_transformer(args: TransformerArgs, vocab_size: int) -> EagerTransformer:
+    return EagerTransformer(args, vocab_size)
+
+
+# The plugin is imported again whenever a recipe naming it is resolved (e.g. once per test).
+register("model", "breaking_transformer", build_breaking_transformer, args=TransformerArgs,
+         doc="transformer whose blocks read a tensor into Python (a graph break)", replace=True)
+register("model", "eager_transformer", build_eager_transformer, args=TransformerArgs,
+         doc="transformer whose blocks opt out of torch.compile", replace=True)

@@ -1,0 +1,57 @@
+"""Heartbeat files: content, atomic replacement, rate limit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import torch
+
+from nsa_titan.observe.heartbeat import Heartbeat, process_rss_bytes
+
+
+def _vm_rss_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line")
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def test_beat_writes_the_rank_file(tmp_path):
+    hb = Heartbeat(str(tmp_path), rank=3, device=torch.device("cpu"))
+    before = time.time()
+    assert hb.beat(7)
+    path = tmp_path / "heartbeat" / "rank-3.json"
+    record = _read(path)
+    assert record["rank"] == 3 and record["step"] == 7
+    assert before <= record["time"] <= time.time()
+    assert record["host"] == socket.gethostname()
+    assert record["pid"] == os.getpid()
+    assert record["memory_kind"] == "process_rss"
+    # against the kernel's own figure, read independently; allow for allocations in between
+    assert abs(record["memory_bytes"] - _vm_rss_bytes()) < 64 * 2**20
+    assert hb.beat(8)
+    assert _read(path)["step"] == 8
+    assert sorted(os.listdir(tmp_path / "heartbeat")) == ["rank-3.json"]  # no temporary files left
+
+
+def test_rate_limit_and_force(tmp_path):
+    hb = Heartbeat(str(tmp_path), rank=0, min_interval_s=3600)
+    assert hb.beat(1)
+    assert not hb.beat(2)
+    assert _read(hb.path)["step"] == 1
+    assert hb.beat(3, force=True)
+    assert _read(hb.path)["step"] == 3
+
+
+def test_rss_is_plausible():
+    rss = process_rss_bytes()
+    assert 10 * 2**20 < rss < 64 * 2**30  # a Python process with torch loaded

@@ -1,0 +1,64 @@
+"""manifest.json: contents, and git information that never raises."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+
+import torch
+
+from nsa_titan.observe.manifest import git_state, write_manifest
+from tests.conftest import REPO_ROOT
+
+RECIPE = '[job]\nname = "m"\n'
+
+
+def _independent_commit() -> str:
+    if shutil.which("git") is None:
+        return "unknown"
+    done = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        return "unknown"
+    top, commit = done.stdout.split()
+    return commit if os.path.realpath(top) == os.path.realpath(REPO_ROOT) else "unknown"
+
+
+def test_manifest_contents(tmp_path):
+    argv = ["nsa_titan/cli.py", "train", "recipes/debug.toml", "--training.steps=5"]
+    path = write_manifest(str(tmp_path / "run"), recipe_toml=RECIPE, recipe_hash="abc123", argv=argv, world_size=4,
+                          device=torch.device("cpu"))
+    assert path == str(tmp_path / "run" / "manifest.json")
+    with open(path, encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    assert manifest["recipe_toml"] == RECIPE and manifest["recipe_hash"] == "abc123"
+    assert manifest["command_line"] == argv and manifest["world_size"] == 4 and manifest["device"] == "cpu"
+    assert manifest["git"]["commit"] == _independent_commit()
+    versions = manifest["versions"]
+    assert versions["torch"] == torch.__version__ and versions["python"] == platform.python_version()
+    assert set(versions) == {"torch", "triton", "torchdata", "tiktoken", "datasets", "numpy", "python"}
+    assert manifest["cuda"] == torch.version.cuda
+    assert len(manifest["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert manifest["hostname"] and manifest["start_time"]
+    assert os.listdir(tmp_path / "run") == ["manifest.json"]
+
+
+def test_git_unknown_outside_a_checkout(tmp_path):
+    assert git_state(str(tmp_path)) == {"commit": "unknown", "dirty": None}
+
+
+def test_git_unknown_for_a_folder_inside_another_checkout():
+    # a package installed somewhere inside a repository must not report that repository's commit
+    assert git_state(os.path.join(REPO_ROOT, "nsa_titan"))["commit"] == "unknown"
+
+
+def test_git_missing_is_not_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git executable to be found
+    assert git_state(REPO_ROOT) == {"commit": "unknown", "dirty": None}
+    path = write_manifest(str(tmp_path), recipe_toml=RECIPE, recipe_hash="h", argv=[], world_size=1,
+                          device=torch.device("cpu"))
+    with open(path, encoding="utf-8") as fh:
+        assert json.load(fh)["git"]["commit"] == "unknown"

@@ -1,0 +1,61 @@
+"""SIGUSR1 writes every thread's stack to the dump file and stderr, and the run goes on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.conftest import REPO_ROOT
+
+CHILD = """
+import os, sys, threading, time
+from nsa_titan.observe.stack_dump import install_sigusr1
+install_sigusr1(sys.argv[1])
+
+def side_worker():
+    time.sleep(60)
+
+threading.Thread(target=side_worker, name="side", daemon=True).start()
+
+def waiting_for_signal(sentinel):
+    print("ready", flush=True)  # from inside, so that every dump finds the main thread here
+    end = time.monotonic() + 30
+    while not os.path.exists(sentinel) and time.monotonic() < end:
+        time.sleep(0.02)
+
+waiting_for_signal(sys.argv[2])
+print("finished normally", flush=True)
+"""
+
+
+def _wait_for(predicate, seconds=15.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigusr1_dumps_and_continues(tmp_path):
+    dump, sentinel = tmp_path / "stacks" / "rank-0.txt", tmp_path / "go"
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(dump), str(sentinel)], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        for n in (1, 2):
+            os.kill(proc.pid, signal.SIGUSR1)
+            assert _wait_for(lambda: dump.exists() and dump.read_text().count("end of SIGUSR1 stack dump") == n)
+        sentinel.touch()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "finished normally" in out
+    text = dump.read_text()
+    assert text.count("waiting_for_signal") == 2 and text.count("side_worker") == 2  # all threads, both times
+    assert err.count("waiting_for_signal") == 2 and "(SIGUSR1)" in err

@@ -1,0 +1,120 @@
+"""Observability wired into real training runs: metrics, MFU, TensorBoard, telemetry, faults."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from components.data import TOKENIZERS
+from components.models import flops_per_token
+from nsa_titan import cli
+from nsa_titan.checkpoint import complete_steps
+from nsa_titan.config import resolve
+from nsa_titan.observe.watchdog import HANG_EXIT_CODE
+from nsa_titan.trainer import NUMERICAL_FAULT_EXIT
+from tests.launch import DEBUG, TINY, env, metrics, train
+
+BASE = [DEBUG, *TINY, "--training.local_batch_size=2"]
+
+
+def test_metrics_schema_mfu_tensorboard_telemetry_and_manifest(tmp_path):
+    out = tmp_path / "run"
+    argv = [*BASE, "--training.steps=4", "--metrics.peak_tflops=0.001", "--metrics.enable_tensorboard=true",
+            "--metrics.telemetry_freq=2", f"--job.dump_folder={out}"]
+    assert cli.main(["train", *argv]) == 0
+    records = metrics(out)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    recipe = resolve(argv).recipe
+    fpt = flops_per_token(recipe.model.args, TOKENIZERS["byte"][1]().vocab_size, recipe.training.seq_len)
+    for r in steps:
+        assert r["tokens_per_second"] > 0 and r["step_time_s"] > 0 and r["data_wait_s"] >= 0
+        expected_mfu = 100 * r["tokens_per_second_per_device"] * fpt / 1e9
+        assert r["mfu_percent"] == pytest.approx(expected_mfu, rel=1e-9)
+    telemetry = [r for r in records if any(k.startswith("telemetry/") for k in r)]
+    assert [r["step"] for r in telemetry] == [2, 4]
+    gate_means = [v for k, v in telemetry[0].items() if k.endswith("gate_mean")]
+    assert gate_means and all(0 < v < 1 for v in gate_means)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("loss")]
+    assert losses == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recipe_hash"] == resolve(argv).hash
+    assert manifest["world_size"] == 1 and "torch" in manifest["versions"]
+    assert os.path.exists(out / "heartbeat" / "rank-0.json")
+
+
+def test_telemetry_on_dense_model_is_a_recipe_error(tmp_path, capsys):
+    dense = DEBUG.replace("debug.toml", "debug_dense.toml")
+    code = cli.main(["train", dense, *TINY[:4], "--training.seq_len=64",
+                     "--metrics.telemetry_freq=5", f"--job.dump_folder={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "metrics.telemetry_freq" in err and "no attention telemetry" in err
+
+
+def test_planted_hang_dumps_stacks_and_exits(tmp_path):
+    out = tmp_path / "run"
+    proc = train([*BASE, "--training.steps=50", "--job.plugins=tests.plugins.hang", "--data.source=hang_after",
+                  "--data.hang_after.after_batches=2", "--data.hang_after.batch_size=2",
+                  "--data.hang_after.seq_len=64", "--fault.step_timeout_seconds=3",
+                  f"--job.dump_folder={out}"], timeout=240)
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
+    assert "fault.step_timeout_seconds" in proc.stderr and "after step 2" in proc.stderr
+    dump = (out / "stacks" / "rank-0.txt").read_text()
+    assert "_blocked_forever" in dump  # the stuck frame is in the dump
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = train([*BASE, "--training.steps=10", "--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step",
+                  "--model.nan_at_step=4", "--model.nan_steps=0", "--checkpoint.enable=true",
+                  "--checkpoint.interval=2", f"--job.dump_folder={out}"])
+    assert proc.returncode == NUMERICAL_FAULT_EXIT, proc.stderr[-3000:]
+    assert "NaN" in proc.stderr and "step 4" in proc.stderr
+    assert complete_steps(str(out / "checkpoint")) == [2]
+    assert all(r["step"] < 4 for r in metrics(out) if "loss" in r)
+
+
+def test_bad_steps_can_be_skipped(tmp_path):
+    out = tmp_path / "run"
+    proc = train([*BASE, "--training.steps=6", "--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step",
+                  "--model.nan_at_step=3", "--model.nan_steps=1", "--fault.max_bad_steps=1",
+                  f"--job.dump_folder={out}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "update was skipped" in proc.stderr
+    records = {r["step"]: r for r in metrics(out) if "loss" in r}
+    assert records[6]["skipped_steps"] == 1 and records[6]["loss"] == records[6]["loss"]  # finite again
+
+
+def test_sigusr1_writes_stacks_without_stopping(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nsa_titan.cli", "train", *BASE, "--training.steps=400", f"--job.dump_folder={out}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        deadline = time.time() + 180
+        while not glob.glob(str(out / "metrics.jsonl")) or not os.path.getsize(out / "metrics.jsonl"):
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        stacks = out / "stacks" / "rank-0.txt"
+        while not (stacks.exists() and "File" in stacks.read_text()):
+            assert proc.poll() is None, "SIGUSR1 stopped the run"
+            assert time.time() < deadline
+            time.sleep(0.2)
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    assert proc.returncode == 0
