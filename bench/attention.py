@@ -1,0 +1,200 @@
+"""Time NSA backends against dense causal SDPA (its best CUDA backend) on one GPU; write JSON.
+
+    python -m bench.attention [--preset 125m|paper] [--seq-lens 2048 4096 ...] [--backends triton]
+                              [--modes fwd bwd fwd+bwd] [--heads H --kv-heads Hkv --head-dim D]
+
+Presets: 125m = 12 query heads, 12 KV heads, head dim 64 (the default); paper = 64 query heads,
+4 KV heads, head dim 128. --heads/--kv-heads/--head-dim override the preset. NSA uses the paper's
+hyperparameters unless overridden. SDPA is timed with cuDNN and with flash attention separately
+(each where it runs) and the faster one is reported as "sdpa". Results go to
+bench/results/attention-<gpu>-<time>.json with the GPU name, torch/triton/CUDA versions and the
+git commit. Needs CUDA: exits with status 2 and a message otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+PRESETS = {"125m": (12, 12, 64), "paper": (64, 4, 128)}
+SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
+MODES = ("fwd", "bwd", "fwd+bwd")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="125m", help="head layout (default 125m)")
+    p.add_argument("--heads", type=int, help="query heads (overrides the preset)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (overrides the preset)")
+    p.add_argument("--head-dim", type=int, help="head dim (overrides the preset)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
+    p.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "reference"],
+                   help="NSA backends to time (the reference is slow at long lengths)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA baseline")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-stride", type=int, default=16)
+    p.add_argument("--sel-block-size", type=int, default=64)
+    p.add_argument("--num-selected", type=int, default=16)
+    p.add_argument("--window-size", type=int, default=512)
+    p.add_argument("--rep-ms", type=int, default=200, help="time budget per measurement (triton.testing.do_bench)")
+    p.add_argument("--out", help="output JSON path (default bench/results/attention-<gpu>-<time>.json)")
+    args = p.parse_args(argv)
+    h, hkv, d = PRESETS[args.preset]
+    args.heads = args.heads or h
+    args.kv_heads = args.kv_heads or hkv
+    args.head_dim = args.head_dim or d
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    return args
+
+
+def git_commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
+def nsa_flops(args, T: int) -> float:
+    """Forward FLOPs NSA really does (two matmuls per visible key), counting causal halves."""
+    l, d, lp, n, w = args.block_size, args.block_stride, args.sel_block_size, args.num_selected, args.window_size
+    tc = max(0, (T - l) // d + 1)
+    keys_per_query = tc / 2 + min(n * lp, T / 2) + min(w, T / 2)
+    return 4.0 * args.batch * args.heads * T * keys_per_query * args.head_dim
+
+
+def dense_flops(args, T: int) -> float:
+    return 4.0 * args.batch * args.heads * T * (T / 2) * args.head_dim
+
+
+def nsa_case(args, T: int, backend: str, dtype: torch.dtype):
+    from components.nsa import nsa_attention, num_compressed_blocks
+
+    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
+    tc = num_compressed_blocks(T, args.block_size, args.block_stride)
+    shapes = [(B, T, H, D), (B, tc, Hkv, D), (B, tc, Hkv, D)] + [(B, T, Hkv, D)] * 4
+    xs = [torch.randn(*s, device="cuda", dtype=dtype).requires_grad_() for s in shapes]
+    xs.append(torch.rand(B, T, H, 3, device="cuda", dtype=dtype).requires_grad_())
+    hyper = dict(block_size=args.block_size, block_stride=args.block_stride, sel_block_size=args.sel_block_size,
+                 num_selected=args.num_selected, window_size=args.window_size)
+    return (lambda: nsa_attention(*xs, **hyper, backend=backend)), xs
+
+
+def sdpa_case(args, T: int, dtype: torch.dtype, gqa: bool):
+    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
+    q = torch.randn(B, H, T, D, device="cuda", dtype=dtype).requires_grad_()
+    kv_heads = Hkv if gqa else H
+    k, v = (torch.randn(B, kv_heads, T, D, device="cuda", dtype=dtype).requires_grad_() for _ in range(2))
+    extra = {"enable_gqa": True} if gqa and Hkv != H else {}
+    return (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)), [q, k, v]
+
+
+def time_modes(make, modes, rep_ms: int) -> dict:
+    """{mode: {"ms": median, "peak_gib": peak memory}} for one case; the forward builds the graph."""
+    from triton.testing import do_bench
+
+    fn, inputs = make()
+    out = fn()
+    grad = torch.randn_like(out)
+    results = {}
+    for mode in modes:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if mode == "fwd":
+            with torch.no_grad():
+                ms = do_bench(fn, rep=rep_ms)
+        elif mode == "bwd":
+            out = fn()
+            ms = do_bench(lambda: out.backward(grad, retain_graph=True), rep=rep_ms, grad_to_none=inputs)
+        else:
+            ms = do_bench(lambda: fn().backward(grad), rep=rep_ms, grad_to_none=inputs)
+        results[mode] = {"ms": ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return results
+
+
+def sdpa_best(args, T: int, dtype: torch.dtype, modes) -> dict:
+    """Fastest of cuDNN and flash attention for each mode; GQA natively when supported."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    candidates = {}
+    for name, kernel in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        for gqa in (True, False):
+            try:
+                with sdpa_kernel([kernel]):
+                    candidates[(name, gqa)] = time_modes(lambda: sdpa_case(args, T, dtype, gqa), modes, args.rep_ms)
+                break
+            except RuntimeError as exc:  # this kernel rejects the shape or GQA: try the next form
+                print(f"  sdpa {name} (gqa={gqa}) unavailable at T={T}: {str(exc).splitlines()[0]}", file=sys.stderr)
+    best = {}
+    for mode in modes:
+        runs = [(r[mode]["ms"], key, r[mode]) for key, r in candidates.items()]
+        if runs:
+            ms, (name, gqa), rec = min(runs, key=lambda x: x[0])
+            best[mode] = dict(rec, kernel=name, native_gqa=gqa)
+    return best
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.attention needs a CUDA GPU (torch.cuda.is_available() is False); run it on a GPU machine",
+              file=sys.stderr)
+        return 2
+    import triton
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    gpu = torch.cuda.get_device_name(0)
+    report = {
+        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "git_commit": git_commit(), "time": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "config": vars(args), "results": [],
+    }
+    for T in args.seq_lens:
+        cases = [(f"nsa-{b}", lambda b=b: time_modes(lambda: nsa_case(args, T, b, dtype), args.modes, args.rep_ms),
+                  nsa_flops(args, T)) for b in args.backends]
+        if not args.no_sdpa:
+            cases.append(("sdpa", lambda: sdpa_best(args, T, dtype, args.modes), dense_flops(args, T)))
+        for name, run, flops in cases:
+            try:
+                timings = run()
+            except torch.cuda.OutOfMemoryError:
+                print(f"T={T:6d} {name:14s} out of memory", file=sys.stderr)
+                report["results"].append({"seq_len": T, "backend": name, "error": "out of memory"})
+                torch.cuda.empty_cache()
+                continue
+            for mode, rec in timings.items():
+                # Backward does about 2.5x the forward's matmul work.
+                work = flops * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
+                rec = dict(rec, seq_len=T, backend=name, mode=mode, tflops=work / rec["ms"] / 1e9)
+                report["results"].append(rec)
+                print(f"T={T:6d} {name:14s} {mode:8s} {rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s "
+                      f"peak {rec['peak_gib']:6.2f} GiB")
+            torch.cuda.empty_cache()
+
+    out = args.out or os.path.join(
+        RESULTS_DIR, f"attention-{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}-"
+                     f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""NSA with Triton kernels: the same function as the reference (NSA_SPEC.md), only faster.
+
+Forward: the compressed branch (with its log-sum-exp) -> block selection from that log-sum-exp
+-> selected attention -> window attention -> gates. The branch outputs are gated in fp32 by
+ordinary torch ops, so autograd (and torch.compile) derive the gate gradients and route each
+branch's share of dO into its op's backward. Selection is discrete: its inputs are detached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from components.nsa.hyperparams import check_hyperparameters
+from components.nsa.op import check_attention_inputs, check_selection_inputs
+from components.nsa.triton import ops
+from components.nsa.triton.launch import check_head_dim, check_kernel_device, check_kernel_dtype
+
+
+def _check_kernel_inputs(q: torch.Tensor) -> None:
+    check_kernel_device(q)
+    check_kernel_dtype(q)
+    check_head_dim(q.shape[-1])
+
+
+def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
+                         sel_block_size: int, num_selected: int, window_size: int) -> torch.Tensor:
+    """o [B, T, H, D] in q's dtype; shapes and semantics as components.nsa.nsa_attention."""
+    check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, window_size)
+    check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0,
+                           block_size=block_size, block_stride=block_stride)
+    _check_kernel_inputs(q)
+    # tl.dot wants one dtype per product; a no-op (and no copy) in the usual all-same case.
+    k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (x.to(q.dtype) for x in (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
+    sm_scale = q.shape[-1] ** -0.5
+
+    o_cmp, lse2_cmp = ops.interval_attention(q, k_cmp, v_cmp, block_stride, block_size - 1, 0, sm_scale)
+    selection = ops.select_blocks(q.detach(), k_cmp.detach(), lse2_cmp.detach(), block_size, block_stride,
+                                  sel_block_size, num_selected, sm_scale)
+    o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, sel_block_size, sm_scale)
+    o_win, _ = ops.interval_attention(q, k_win, v_win, 1, 0, window_size, sm_scale)
+
+    g = gates.float().unsqueeze(-1)  # [B, T, H, 3, 1]
+    o = g[..., 0, :] * o_cmp.float() + g[..., 1, :] * o_sel.float() + g[..., 2, :] * o_win.float()
+    return o.to(q.dtype)
+
+
+@torch.no_grad()
+def select_blocks_triton(q, k_cmp, *, block_size: int, block_stride: int, sel_block_size: int,
+                         num_selected: int) -> torch.Tensor:
+    """LongTensor [B, T, Hkv, n], ascending, -1 for unused slots; as components.nsa.select_blocks."""
+    check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, 1)
+    check_selection_inputs(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride)
+    _check_kernel_inputs(q)
+    k_cmp = k_cmp.to(q.dtype)
+    sm_scale = q.shape[-1] ** -0.5
+    # Only the log-sum-exp of the compressed branch is needed; k_cmp stands in for v_cmp.
+    _, lse2_cmp = ops.interval_attention(q, k_cmp, k_cmp, block_stride, block_size - 1, 0, sm_scale)
+    return ops.select_blocks(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_size, num_selected, sm_scale)

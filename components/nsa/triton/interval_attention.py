@@ -1,0 +1,317 @@
+"""Flash attention where each query sees one contiguous run of keys: the compressed and window branches.
+
+Key i stands at position kpos(i) = i * key_stride + key_offset; query t sees key i iff
+    t - window < kpos(i) <= t.
+Compressed branch: key_stride = d, key_offset = l - 1 (a block's last token), unbounded window.
+Window branch: key_stride = 1, key_offset = 0, window = w.
+
+Layouts: q/o/dq [B, T, H, D]; k/v/dk/dv [B, NK, Hkv, D] (last dim dense, other strides free);
+lse2/delta [B, H, T] fp32. lse2 is the base-2 logsumexp of the scaled logits, +inf for a query
+that sees no key (so exp2(s - lse2) is 0 there without a NaN anywhere); such a query gets o = 0.
+Offsets are formed in int64 so that B*T*H*D beyond 2**31 elements cannot overflow.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block
+from components.nsa.triton.softmax_delta import softmax_delta
+
+
+@triton.jit
+def _interval_attn_fwd_kernel(
+    Q, K, V, O, LSE2,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
+    T, NK, H, G, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = (h // G).to(tl.int64)
+    h64 = h.to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < T
+    d_ok = offs_d < D
+    q = tl.load(Q + b * sqb + h64 * sqh + offs_m.to(tl.int64)[:, None] * sqt + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys any query of the tile can see: kpos in (t_first - window, t_last]. The max(.., 0) keeps
+    # every division non-negative (Triton's integer division truncates toward zero).
+    t_first = pid_m * BLOCK_M
+    t_last = tl.minimum(t_first + BLOCK_M, T) - 1
+    n_hi = tl.minimum(NK, tl.maximum(t_last - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE)
+    n_lo = tl.maximum(t_first - WINDOW - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    for start in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        kpos = offs_n * KEY_STRIDE + KEY_OFFSET
+        seen = (kpos[None, :] <= offs_m[:, None]) & (kpos[None, :] > offs_m[:, None] - WINDOW) & n_ok[None, :]
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen nothing yet keeps max -inf; shifting by 0 keeps exp2 at 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    seen_any = l_i > 0.0
+    o = acc / tl.where(seen_any, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("inf"))
+    tl.store(O + b * sob + h64 * soh + offs_m.to(tl.int64)[:, None] * sot + offs_d[None, :],
+             o.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE2 + (b * H + h64) * T + offs_m, lse2, mask=m_ok)
+
+
+@triton.jit
+def _interval_attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE2, DELTA, DQ,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh,
+    T, NK, H, G, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = (h // G).to(tl.int64)
+    h64 = h.to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < T
+    d_ok = offs_d < D
+    row_mask = m_ok[:, None] & d_ok[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    q = tl.load(Q + b * sqb + h64 * sqh + rows * sqt + offs_d[None, :], mask=row_mask, other=0.0)
+    do = tl.load(DO + b * sdob + h64 * sdoh + rows * sdot + offs_d[None, :], mask=row_mask, other=0.0)
+    lse2 = tl.load(LSE2 + (b * H + h64) * T + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(DELTA + (b * H + h64) * T + offs_m, mask=m_ok, other=0.0)
+
+    t_first = pid_m * BLOCK_M
+    t_last = tl.minimum(t_first + BLOCK_M, T) - 1
+    n_hi = tl.minimum(NK, tl.maximum(t_last - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE)
+    n_lo = tl.maximum(t_first - WINDOW - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    for start in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        kpos = offs_n * KEY_STRIDE + KEY_OFFSET
+        seen = (kpos[None, :] <= offs_m[:, None]) & (kpos[None, :] > offs_m[:, None] - WINDOW) & n_ok[None, :]
+        p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+    tl.store(DQ + b * sdqb + h64 * sdqh + rows * sdqt + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _interval_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE2, DELTA, DK, DV,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
+    sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
+    T, NK, H, G, HO, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # One program per (key tile, output head). HO output heads: Hkv (each program sums its G
+    # query heads itself) or H (one query head each; the caller sums groups in a fixed order).
+    # Either way no two programs write the same element: deterministic, no atomics.
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HO).to(tl.int64)
+    ho = pid_bh % HO
+    heads_per_program = H // HO
+    h_first = ho * heads_per_program
+    hk = (h_first // G).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < NK
+    d_ok = offs_d < D
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    keys = offs_n.to(tl.int64)[:, None]
+    k = tl.load(K + b * skb + hk * skh + keys * skt + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + keys * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+    kpos = offs_n * KEY_STRIDE + KEY_OFFSET
+
+    # Queries that see any key of the tile: t in [kpos(first), kpos(last) + window).
+    n_last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, NK) - 1
+    t_lo = tl.minimum(pid_n * BLOCK_N * KEY_STRIDE + KEY_OFFSET, T)
+    t_hi = tl.minimum(n_last * KEY_STRIDE + KEY_OFFSET + tl.minimum(WINDOW, T), T)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for i in range(heads_per_program):
+        h64 = (h_first + i).to(tl.int64)
+        for start in range(t_lo, t_hi, BLOCK_M):
+            offs_m = start + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < t_hi
+            row_mask = m_ok[:, None] & d_ok[None, :]
+            rows = offs_m.to(tl.int64)[:, None]
+            q = tl.load(Q + b * sqb + h64 * sqh + rows * sqt + offs_d[None, :], mask=row_mask, other=0.0)
+            do = tl.load(DO + b * sdob + h64 * sdoh + rows * sdot + offs_d[None, :], mask=row_mask, other=0.0)
+            lse2 = tl.load(LSE2 + (b * H + h64) * T + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(DELTA + (b * H + h64) * T + offs_m, mask=m_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            seen = (kpos[None, :] <= offs_m[:, None]) & (kpos[None, :] > offs_m[:, None] - WINDOW)
+            seen = seen & n_ok[None, :] & m_ok[:, None]
+            p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+
+    ho64 = ho.to(tl.int64)
+    tl.store(DK + b * sdkb + ho64 * sdkh + keys * sdkt + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+             mask=kv_mask)
+    tl.store(DV + b * sdvb + ho64 * sdvh + keys * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+# Tile shapes (rows, keys, num_warps, num_stages) chosen from sm_90 ptxas register reports: the
+# largest tiles that compile without register spills (wide heads spill a little whatever the tile).
+def _fwd_tiles(head_dim: int) -> tuple[int, int, int, int]:
+    """Forward: (queries per tile, keys per tile, num_warps, num_stages)."""
+    if head_dim <= 64:
+        return 128, 64, 8, 3
+    if head_dim <= 128:
+        return 128, 32, 8, 3
+    return 64, 32, 8, 2
+
+
+def _dq_tiles(head_dim: int) -> tuple[int, int, int, int]:
+    if head_dim <= 64:
+        return 128, 32, 8, 2
+    if head_dim <= 128:
+        return 64, 32, 8, 2
+    return 32, 64, 8, 2
+
+
+def _dkdv_tiles(head_dim: int) -> tuple[int, int, int, int]:
+    """The key tile holds two fp32 accumulators [keys, D]: fewer keys for wider heads."""
+    if head_dim <= 64:
+        return 32, 128, 8, 2
+    if head_dim <= 128:
+        return 32, 64, 8, 2
+    return 32, 32, 8, 2
+
+
+def _nonempty(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """No keys (T < l leaves no compressed block): kernels load nothing, but still need real addresses."""
+    if k.shape[1] > 0:
+        return k, v
+    stand_in = k.new_zeros(k.shape[0], 1, *k.shape[2:])
+    return stand_in, stand_in
+
+
+def _effective_window(window: int, num_queries: int) -> int:
+    """0 means unbounded; any window past T + 1 hides nothing, and a small one avoids int overflow."""
+    return num_queries + 1 if window <= 0 or window > num_queries else window
+
+
+def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_stride: int, key_offset: int,
+                           window: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, T, H, D] in q's dtype, lse2 [B, H, T] fp32) of the interval-masked attention."""
+    B, T, H, D = q.shape
+    NK, Hkv = k.shape[1], k.shape[2]
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse2 = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    if B * T * H == 0:
+        return o, lse2
+    k, v = _nonempty(k, v)
+    block_m, block_n, warps, stages = _fwd_tiles(D)
+    grid = (cdiv(T, block_m), B * H)
+    _interval_attn_fwd_kernel[grid](
+        q, k, v, o, lse2,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        T, NK, H, H // Hkv, key_stride, key_offset, _effective_window(window, T), sm_scale * LOG2E,
+        D=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    return o, lse2
+
+
+def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                           lse2: torch.Tensor, key_stride: int, key_offset: int, window: int, sm_scale: float,
+                           per_head: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the dtypes of (q, k, v). `per_head` forces how dK/dV work is split (one
+    program per query head, or per KV group); by default it follows the amount of parallelism."""
+    B, T, H, D = q.shape
+    NK, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    if B * T * H == 0:
+        return dq.zero_(), dk, dv
+    delta = softmax_delta(do, o)  # [B, H, T]
+    k, v = _nonempty(k, v)
+    window = _effective_window(window, T)
+    common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype))
+
+    block_m, block_n, warps, stages = _dq_tiles(D)
+    _interval_attn_bwd_dq_kernel[(cdiv(T, block_m), B * H)](
+        q, k, v, do, lse2, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        T, NK, H, G, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
+    )
+    if NK == 0:
+        return dq, dk, dv
+
+    # Few key tiles (the compressed branch has T/d keys) leave the GPU idle when a program owns
+    # a whole group; then give each query head its own program and sum the group afterwards.
+    block_m, block_n, warps, stages = _dkdv_tiles(D)
+    key_tiles = cdiv(NK, block_n)
+    if per_head is None:
+        per_head = G > 1 and B * Hkv * key_tiles < 1024
+    if per_head:
+        dk_out = torch.empty(B, NK, H, D, device=q.device, dtype=torch.float32)
+        dv_out = torch.empty(B, NK, H, D, device=q.device, dtype=torch.float32)
+    else:
+        dk_out, dv_out = dk, dv
+    HO = dk_out.shape[2]
+    _interval_attn_bwd_dkdv_kernel[(key_tiles, B * HO)](
+        q, k, v, do, lse2, delta, dk_out, dv_out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
+        T, NK, H, G, HO, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
+    )
+    if per_head:
+        dk = dk_out.view(B, NK, Hkv, G, D).sum(3).to(k.dtype)
+        dv = dv_out.view(B, NK, Hkv, G, D).sum(3).to(v.dtype)
+    return dq, dk, dv

@@ -1,0 +1,68 @@
+"""Small helpers shared by the NSA Triton launchers: tile sizes, dot precision, device checks."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from components.errors import UserError
+
+# Natural-log <-> base-2 conversion: kernels keep softmax statistics in base 2 (exp2 is the
+# hardware instruction), so every logsumexp tensor the launchers pass around is log2-sum-exp2
+# of the scaled logits.
+LOG2E = 1.4426950408889634
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def head_block(head_dim: int) -> int:
+    """Padded head dim: a power of two and at least 16 (tl.dot's minimum inner size)."""
+    return max(16, next_pow2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get true fp32 products (TF32 would change results); half types are exact anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (it reads TRITON_INTERPRET itself)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_kernel_device(x: torch.Tensor) -> None:
+    """Triton kernels need CUDA tensors; CPU tensors only work under Triton's interpreter."""
+    if x.is_cuda or (x.device.type == "cpu" and interpreting()):
+        return
+    raise UserError(
+        f"NSA backend 'triton' needs CUDA tensors, got tensors on {x.device}; move the model to a GPU "
+        "or choose backend 'reference'"
+    )
+
+
+def check_kernel_dtype(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise UserError(
+            f"NSA backend 'triton' supports float16, bfloat16 and float32, got {x.dtype}; cast the inputs "
+            "or choose backend 'reference' (it also handles float64)"
+        )
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim > 256:
+        raise UserError(
+            f"NSA backend 'triton' supports head dims up to 256, got {head_dim}; use smaller heads or "
+            "backend 'reference'"
+        )
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Kernels take strides for every dim but the last, which must be dense."""
+    return x if x.stride(-1) == 1 else x.contiguous()

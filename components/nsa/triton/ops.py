@@ -1,0 +1,138 @@
+"""The NSA Triton kernels as torch.library custom ops, with fake (meta) kernels and autograd.
+
+torch.compile treats each op as one opaque node: the fake kernels give it output shapes without
+running anything, so a compiled model calling nsa_attention_triton has no graph break, and the
+backward ops appear in the compiled backward graph the same way. Every output is freshly
+allocated and contiguous, matching the fake kernels.
+
+    nsa_triton::interval_attention(q, k, v, key_stride, key_offset, window, sm_scale) -> (o, lse2)
+    nsa_triton::select_blocks(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_size,
+                              num_selected, sm_scale) -> LongTensor [B, T, Hkv, n]
+    nsa_triton::selected_attention(q, k, v, sel_idx, sel_block_size, sm_scale) -> (o, lse2)
+and the two backward ops. lse2 outputs carry no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from components.nsa.triton.interval_attention import interval_attention_bwd, interval_attention_fwd
+from components.nsa.triton.launch import last_dim_contiguous
+from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
+from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
+from components.nsa.triton.selection_kernel import select_blocks_kernel
+
+Tensor = torch.Tensor
+
+
+def _dense(*tensors: Tensor) -> list[Tensor]:
+    return [last_dim_contiguous(x) for x in tensors]
+
+
+def _lse_like(q: Tensor) -> Tensor:
+    B, T, H, _ = q.shape
+    return q.new_empty((B, H, T), dtype=torch.float32)
+
+
+# ---- compressed and window branches ------------------------------------------------------------
+
+@torch.library.custom_op("nsa_triton::interval_attention", mutates_args=())
+def interval_attention(q: Tensor, k: Tensor, v: Tensor, key_stride: int, key_offset: int, window: int,
+                       sm_scale: float) -> tuple[Tensor, Tensor]:
+    q, k, v = _dense(q, k, v)
+    return interval_attention_fwd(q, k, v, key_stride, key_offset, window, sm_scale)
+
+
+@interval_attention.register_fake
+def _interval_attention_fake(q, k, v, key_stride, key_offset, window, sm_scale):
+    return q.new_empty(q.shape), _lse_like(q)
+
+
+@torch.library.custom_op("nsa_triton::interval_attention_backward", mutates_args=())
+def interval_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse2: Tensor,
+                                key_stride: int, key_offset: int, window: int,
+                                sm_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    do, q, k, v, o = _dense(do, q, k, v, o)
+    return interval_attention_bwd(do, q, k, v, o, lse2, key_stride, key_offset, window, sm_scale)
+
+
+@interval_attention_backward.register_fake
+def _interval_attention_backward_fake(do, q, k, v, o, lse2, key_stride, key_offset, window, sm_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _interval_setup(ctx, inputs, output):
+    q, k, v, key_stride, key_offset, window, sm_scale = inputs
+    o, lse2 = output
+    ctx.save_for_backward(q, k, v, o, lse2)
+    ctx.mask = (key_stride, key_offset, window, sm_scale)
+    ctx.mark_non_differentiable(lse2)
+
+
+def _interval_backward(ctx, do, _dlse2):
+    q, k, v, o, lse2 = ctx.saved_tensors
+    dq, dk, dv = interval_attention_backward(do, q, k, v, o, lse2, *ctx.mask)
+    return dq, dk, dv, None, None, None, None
+
+
+interval_attention.register_autograd(_interval_backward, setup_context=_interval_setup)
+
+
+# ---- selection ---------------------------------------------------------------------------------
+
+@torch.library.custom_op("nsa_triton::select_blocks", mutates_args=())
+def select_blocks(q: Tensor, k_cmp: Tensor, lse2_cmp: Tensor, block_size: int, block_stride: int,
+                  sel_block_size: int, num_selected: int, sm_scale: float) -> Tensor:
+    q, k_cmp = _dense(q, k_cmp)
+    return select_blocks_kernel(q, k_cmp, lse2_cmp.contiguous(), block_size=block_size, block_stride=block_stride,
+                                sel_block_size=sel_block_size, num_selected=num_selected, sm_scale=sm_scale)
+
+
+@select_blocks.register_fake
+def _select_blocks_fake(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_size, num_selected, sm_scale):
+    B, T = q.shape[0], q.shape[1]
+    return q.new_empty((B, T, k_cmp.shape[2], num_selected), dtype=torch.int64)
+
+
+# ---- selected branch ---------------------------------------------------------------------------
+
+@torch.library.custom_op("nsa_triton::selected_attention", mutates_args=())
+def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel_idx: Tensor, sel_block_size: int,
+                       sm_scale: float) -> tuple[Tensor, Tensor]:
+    q, k, v = _dense(q, k, v)
+    return selected_attention_fwd(q, k, v, sel_idx.contiguous(), sel_block_size, sm_scale)
+
+
+@selected_attention.register_fake
+def _selected_attention_fake(q, k, v, sel_idx, sel_block_size, sm_scale):
+    return q.new_empty(q.shape), _lse_like(q)
+
+
+@torch.library.custom_op("nsa_triton::selected_attention_backward", mutates_args=())
+def selected_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse2: Tensor,
+                                sel_idx: Tensor, sel_block_size: int,
+                                sm_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    do, q, k, v, o = _dense(do, q, k, v, o)
+    return selected_attention_bwd(do, q, k, v, o, lse2, sel_idx.contiguous(), sel_block_size, sm_scale)
+
+
+@selected_attention_backward.register_fake
+def _selected_attention_backward_fake(do, q, k, v, o, lse2, sel_idx, sel_block_size, sm_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _selected_setup(ctx, inputs, output):
+    q, k, v, sel_idx, sel_block_size, sm_scale = inputs
+    o, lse2 = output
+    ctx.save_for_backward(q, k, v, o, lse2, sel_idx)
+    ctx.params = (sel_block_size, sm_scale)
+    ctx.mark_non_differentiable(lse2)
+
+
+def _selected_backward(ctx, do, _dlse2):
+    q, k, v, o, lse2, sel_idx = ctx.saved_tensors
+    dq, dk, dv = selected_attention_backward(do, q, k, v, o, lse2, sel_idx, *ctx.params)
+    return dq, dk, dv, None, None, None
+
+
+selected_attention.register_autograd(_selected_backward, setup_context=_selected_setup)

@@ -1,0 +1,257 @@
+"""Selected-branch attention backward, deterministic and without an O(T^2) scan.
+
+dQ: one program per (query, batch, KV group), the forward's walk over the n selected blocks,
+recomputing P from the saved lse2.
+
+dK/dV: the selection is inverted into per-key-block lists of queries (a stable sort in torch,
+queries ascending inside a list), so each key block visits exactly the queries that chose it.
+Block 0 (and other popular blocks) are chosen by most queries, so long lists are cut into work
+items of at most SEGMENT queries; each item writes its own fp32 partial dK/dV and a second kernel
+sums a block's partials in item order. No atomics, no dependence on scheduling: bitwise
+reproducible. Everything is sized from shapes alone, so there is no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
+from components.nsa.triton.selected_attention_fwd import key_tile
+from components.nsa.triton.softmax_delta import softmax_delta
+
+
+@triton.jit
+def _selected_attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE2, DELTA, IDX, DQ,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sib, sit, sih, sdqb, sdqt, sdqh,
+    T, H, HKV, G, NUM_SEL, SEL_BLOCK, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = pid_bh % HKV
+    t64 = t.to(tl.int64)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    heads = (hk * G + offs_g).to(tl.int64)
+    row_mask = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * sqb + t64 * sqt + heads[:, None] * sqh + offs_d[None, :], mask=row_mask, other=0.0)
+    do = tl.load(DO + b * sdob + t64 * sdot + heads[:, None] * sdoh + offs_d[None, :], mask=row_mask, other=0.0)
+    lse2 = tl.load(LSE2 + (b * H + heads) * T + t64, mask=g_ok, other=float("inf"))
+    delta = tl.load(DELTA + (b * H + heads) * T + t64, mask=g_ok, other=0.0)
+
+    dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_base = K + b * skb + hk.to(tl.int64) * skh
+    v_base = V + b * svb + hk.to(tl.int64) * svh
+    idx_base = IDX + b * sib + t64 * sit + hk.to(tl.int64) * sih
+    for slot in range(NUM_SEL):
+        blk = tl.load(idx_base + slot)
+        for sub in tl.static_range(SUB_BLOCKS):
+            in_block = sub * BLOCK_K + offs_k
+            pos = blk * SEL_BLOCK + in_block
+            k_ok = (in_block < SEL_BLOCK) & (pos >= 0) & (pos <= t)  # pos < 0 for an unused slot (-1)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + pos.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + pos.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            p = tl.where(k_ok[None, :], tl.exp2(s - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+    tl.store(DQ + b * sdqb + t64 * sdqt + heads[:, None] * sdqh + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _selected_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE2, DELTA, QUERY_LIST, LIST_START, ITEM_BIN, ITEM_START, PART_DK, PART_DV,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
+    T, H, HKV, G, NUM_BINS, NUM_SEL_BLOCKS, SEL_BLOCK, SEGMENT, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, QUERIES: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    item = tl.program_id(0)
+    sub = tl.program_id(1)
+    bin_id = tl.load(ITEM_BIN + item)
+    if bin_id < NUM_BINS:  # the grid is an upper bound on the number of items
+        seg = item - tl.load(ITEM_START + bin_id)
+        list_end = tl.load(LIST_START + bin_id + 1)
+        e_lo = tl.load(LIST_START + bin_id) + seg * SEGMENT
+        e_hi = tl.minimum(list_end, e_lo + SEGMENT)
+        blk = bin_id % NUM_SEL_BLOCKS
+        bh = bin_id // NUM_SEL_BLOCKS
+        hk = (bh % HKV).to(tl.int64)
+        b = (bh // HKV).to(tl.int64)
+
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        in_block = sub * BLOCK_K + tl.arange(0, BLOCK_K)
+        pos = blk * SEL_BLOCK + in_block
+        k_ok = (in_block < SEL_BLOCK) & (pos < T)
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + b * skb + hk * skh + pos.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + b * svb + hk * svh + pos.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        # Rows are (query slot, head) pairs: QUERIES queries of the list times the G heads.
+        rows = tl.arange(0, QUERIES * BLOCK_G)
+        slot = rows // BLOCK_G
+        g = rows % BLOCK_G
+        heads = (hk * G + g).to(tl.int64)
+        dk = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+        for e0 in range(e_lo, e_hi, QUERIES):
+            entry = e0 + slot
+            r_ok = (entry < e_hi) & (g < G)
+            t = tl.load(QUERY_LIST + entry, mask=r_ok, other=0).to(tl.int64)
+            row_mask = r_ok[:, None] & d_ok[None, :]
+            q_ptrs = Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + offs_d[None, :]
+            do_ptrs = DO + b * sdob + t[:, None] * sdot + heads[:, None] * sdoh + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+            do = tl.load(do_ptrs, mask=row_mask, other=0.0)
+            lse2 = tl.load(LSE2 + (b * H + heads) * T + t, mask=r_ok, other=float("inf"))
+            delta = tl.load(DELTA + (b * H + heads) * T + t, mask=r_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            seen = r_ok[:, None] & k_ok[None, :] & (pos.to(tl.int64)[None, :] <= t[:, None])
+            p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+
+        offs_r = sub * BLOCK_K + tl.arange(0, BLOCK_K)
+        part = item.to(tl.int64) * (SUB_BLOCKS * BLOCK_K * BLOCK_D) + offs_r[:, None] * BLOCK_D + offs_d[None, :]
+        tl.store(PART_DK + part, dk * sm_scale)
+        tl.store(PART_DV + part, dv)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    PART_DK, PART_DV, ITEM_START, DK, DV,
+    sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
+    T, HKV, NUM_SEL_BLOCKS, SEL_BLOCK,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PART_ROWS: tl.constexpr,
+):
+    # One program per (key block, ROWS rows of it); a partial holds PART_ROWS rows per item.
+    bin_id = tl.program_id(0)
+    sub = tl.program_id(1)
+    blk = bin_id % NUM_SEL_BLOCKS
+    bh = bin_id // NUM_SEL_BLOCKS
+    hk = (bh % HKV).to(tl.int64)
+    b = (bh // HKV).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_r = sub * ROWS + tl.arange(0, ROWS)
+    pos = blk * SEL_BLOCK + offs_r
+    mask = ((offs_r < SEL_BLOCK) & (pos < T))[:, None] & (offs_d < D)[None, :]
+    in_part = (offs_r < PART_ROWS)[:, None]
+
+    dk = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    dv = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    tile = offs_r[:, None] * BLOCK_D + offs_d[None, :]
+    first = tl.load(ITEM_START + bin_id).to(tl.int64)
+    for i in range(tl.load(ITEM_START + bin_id + 1) - first):
+        base = (first + i) * (PART_ROWS * BLOCK_D)
+        dk += tl.load(PART_DK + base + tile, mask=in_part, other=0.0)
+        dv += tl.load(PART_DV + base + tile, mask=in_part, other=0.0)
+    rows = pos.to(tl.int64)[:, None]
+    tl.store(DK + b * sdkb + hk * sdkh + rows * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + b * sdvb + hk * sdvh + rows * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
+
+
+def invert_selection(sel_idx: torch.Tensor, num_sel_blocks: int, segment: int):
+    """Per-(batch, KV group, selection block) query lists and their cut into work items.
+
+    Returns (query_list [E] int32, list_start [bins + 1], item_bin [max_items], item_start
+    [bins + 1], max_items) where bin = (b * Hkv + g) * Ts + j and list bin holds, ascending, the
+    queries whose selection for group g contains block j. Unused slots sort past the last bin.
+    """
+    B, T, HKV, N = sel_idx.shape
+    device = sel_idx.device
+    num_bins = B * HKV * num_sel_blocks
+    # Entries ordered (b, g, t, slot): a stable sort by bin keeps each list's queries ascending.
+    idx = sel_idx.permute(0, 2, 1, 3).to(torch.int64)
+    bh = torch.arange(B * HKV, device=device).view(B, HKV, 1, 1) * num_sel_blocks
+    bins = torch.where(idx >= 0, bh + idx, num_bins).reshape(-1)
+    sorted_bins, order = torch.sort(bins, stable=True)
+    query_list = (order // N % T).to(torch.int32)
+    probes = torch.arange(num_bins + 1, device=device)
+    list_start = torch.searchsorted(sorted_bins, probes)
+    counts = list_start[1:] - list_start[:-1]
+    items_per_bin = (counts + segment - 1) // segment
+    item_end = torch.cumsum(items_per_bin, 0)
+    item_start = torch.cat([item_end.new_zeros(1), item_end])
+    # Items number at most E / segment + bins; unused grid slots get bin = num_bins and exit.
+    max_items = bins.numel() // segment + num_bins
+    item_bin = torch.searchsorted(item_end, torch.arange(max_items, device=device), right=True)
+    return query_list, list_start, item_bin, item_start, max_items
+
+
+def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                           lse2: torch.Tensor, sel_idx: torch.Tensor, sel_block_size: int, sm_scale: float,
+                           segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the dtypes of (q, k, v). `segment` (queries per dK/dV work item) only
+    changes the work split, not the result beyond fp32 summation order."""
+    B, T, H, D = q.shape
+    HKV = k.shape[2]
+    G = H // HKV
+    num_sel = sel_idx.shape[-1]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if B * T * H == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = softmax_delta(do, o)  # [B, H, T]
+    block_d = head_block(D)
+    precision = dot_precision(q.dtype)
+    # Tile sizes: the largest without register spills in sm_90 ptxas reports.
+    block_k = key_tile(sel_block_size, 32 if block_d == 128 else 64)
+    sub_blocks = cdiv(sel_block_size, block_k)
+
+    _selected_attn_bwd_dq_kernel[(T, B * HKV)](
+        q, k, v, do, lse2, delta, sel_idx, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        sel_idx.stride(0), sel_idx.stride(1), sel_idx.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+        T, H, HKV, G, num_sel, sel_block_size, sm_scale * LOG2E, sm_scale,
+        D=D, BLOCK_D=block_d, BLOCK_G=max(16, next_pow2(G)), BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
+        PRECISION=precision, num_warps=8, num_stages=2,
+    )
+
+    num_sel_blocks = cdiv(T, sel_block_size)
+    block_k = key_tile(sel_block_size, 64 if block_d <= 128 else 32)
+    sub_blocks = cdiv(sel_block_size, block_k)
+    block_g = next_pow2(G)
+    queries = max(1, (32 if block_d <= 128 else 16) // block_g)  # (query, head) rows per step
+    if segment is None:
+        # At most 512 steps per work item: short enough to balance the GPU when block 0's list
+        # holds every query, long enough to keep the fp32 partials near the size of dK + dV.
+        segment = queries * 512
+    query_list, list_start, item_bin, item_start, max_items = invert_selection(sel_idx, num_sel_blocks, segment)
+    part_rows = sub_blocks * block_k
+    part_shape = (max_items, part_rows, block_d)
+    part_dk = torch.empty(part_shape, device=q.device, dtype=torch.float32)
+    part_dv = torch.empty(part_shape, device=q.device, dtype=torch.float32)
+    _selected_attn_bwd_dkdv_kernel[(max_items, sub_blocks)](
+        q, k, v, do, lse2, delta, query_list, list_start, item_bin, item_start, part_dk, part_dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        T, H, HKV, G, B * HKV * num_sel_blocks, num_sel_blocks, sel_block_size, segment, sm_scale * LOG2E, sm_scale,
+        D=D, BLOCK_D=block_d, BLOCK_G=block_g, QUERIES=queries, BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
+        PRECISION=precision, num_warps=8, num_stages=2,
+    )
+    sum_rows = min(part_rows, 2048 // block_d)
+    _sum_partials_kernel[(B * HKV * num_sel_blocks, cdiv(part_rows, sum_rows))](
+        part_dk, part_dv, item_start, dk, dv,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        T, HKV, num_sel_blocks, sel_block_size,
+        D=D, BLOCK_D=block_d, ROWS=sum_rows, PART_ROWS=part_rows, num_warps=4,
+    )
+    return dq, dk, dv

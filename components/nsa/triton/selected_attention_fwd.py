@@ -1,0 +1,101 @@
+"""Selected-branch attention forward: each query attends to the tokens s <= t of its n blocks.
+
+One program per (query, batch, KV group). The G query heads of the group share the selection,
+so the program loads them all as the rows of one tile (padded to at least 16 rows for tl.dot),
+walks the n selected blocks in sub-tiles of BLOCK_K keys and keeps an fp32 online softmax.
+Unused slots (-1) are masked off. lse2 [B, H, T] (base-2, +inf for an empty row) is saved for
+the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
+
+
+@triton.jit
+def _selected_attn_fwd_kernel(
+    Q, K, V, IDX, O, LSE2,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sib, sit, sih, sob, sot, soh,
+    T, H, HKV, G, NUM_SEL, SEL_BLOCK, qk_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = pid_bh % HKV
+    t64 = t.to(tl.int64)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    heads = (hk * G + offs_g).to(tl.int64)
+    row_mask = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * sqb + t64 * sqt + heads[:, None] * sqh + offs_d[None, :], mask=row_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_base = K + b * skb + hk.to(tl.int64) * skh
+    v_base = V + b * svb + hk.to(tl.int64) * svh
+    idx_base = IDX + b * sib + t64 * sit + hk.to(tl.int64) * sih
+    for slot in range(NUM_SEL):
+        blk = tl.load(idx_base + slot)
+        for sub in tl.static_range(SUB_BLOCKS):
+            in_block = sub * BLOCK_K + offs_k
+            pos = blk * SEL_BLOCK + in_block
+            k_ok = (in_block < SEL_BLOCK) & (pos >= 0) & (pos <= t)  # pos < 0 for an unused slot (-1)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + pos.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + pos.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_shift)
+            p = tl.exp2(s - m_shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+    seen_any = l_i > 0.0
+    o = acc / tl.where(seen_any, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("inf"))
+    tl.store(O + b * sob + t64 * sot + heads[:, None] * soh + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_mask)
+    tl.store(LSE2 + (b * H + heads) * T + t64, lse2, mask=g_ok)
+
+
+def key_tile(sel_block_size: int, cap: int) -> int:
+    """Keys per sub-tile of a selection block: the whole block, up to `cap`."""
+    return max(16, min(cap, next_pow2(sel_block_size)))
+
+
+def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel_idx: torch.Tensor,
+                           sel_block_size: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, T, H, D] in q's dtype, lse2 [B, H, T] fp32) for the selection sel_idx [B, T, Hkv, n]."""
+    B, T, H, D = q.shape
+    HKV = k.shape[2]
+    G = H // HKV
+    num_sel = sel_idx.shape[-1]
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse2 = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    if B * T * H == 0:
+        return o, lse2
+    block_k = key_tile(sel_block_size, 64)
+    _selected_attn_fwd_kernel[(T, B * HKV)](
+        q, k, v, sel_idx, o, lse2,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), sel_idx.stride(0), sel_idx.stride(1), sel_idx.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        T, H, HKV, G, num_sel, sel_block_size, sm_scale * LOG2E,
+        D=D, BLOCK_D=head_block(D), BLOCK_G=max(16, next_pow2(G)), BLOCK_K=block_k,
+        SUB_BLOCKS=cdiv(sel_block_size, block_k), PRECISION=dot_precision(q.dtype),
+        num_warps=4 if head_block(D) <= 64 else 8, num_stages=2,  # no register spills on sm_90
+    )
+    return o, lse2

@@ -1,0 +1,202 @@
+"""The Triton NSA backend against the reference backend, on tiny odd-length problems.
+
+Without a GPU the kernels run under Triton's interpreter (tests/conftest.py sets it), which runs
+programs one after another: these tests prove the arithmetic, masking and indexing, not the
+absence of races. fp32 and fp16 only: the interpreter's bf16 dot is not faithful.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from components.errors import UserError
+from components.nsa import nsa_attention, num_compressed_blocks, select_blocks
+from components.nsa.reference import compressed_attention, window_attention
+from components.nsa.selection import selection_scores_at
+from components.nsa.triton import nsa_attention_triton, select_blocks_triton
+from components.nsa.triton.interval_attention import interval_attention_bwd, interval_attention_fwd
+from components.nsa.triton.launch import interpreting
+from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
+from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or interpreting()),
+    reason="Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)",
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (B, T, H, Hkv, D, block_size, block_stride, sel_block_size, num_selected, window_size, dtype)
+CASES = [
+    pytest.param(2, 37, 1, 1, 16, 8, 4, 16, 3, 10, torch.float32, id="G1-B2-T37-fp32"),
+    pytest.param(1, 63, 2, 1, 32, 8, 4, 8, 4, 7, torch.float32, id="G2-T63-fp32"),
+    pytest.param(1, 70, 5, 1, 16, 16, 8, 16, 2, 20, torch.float32, id="G5-T70-fp32"),
+    pytest.param(1, 63, 5, 1, 16, 8, 4, 16, 3, 12, torch.float16, id="G5-T63-fp16"),
+    pytest.param(2, 37, 2, 1, 32, 8, 4, 8, 5, 9, torch.float16, id="G2-B2-T37-fp16"),
+    pytest.param(1, 40, 17, 1, 24, 8, 4, 24, 2, 6, torch.float32, id="G17-D24-lsel24-fp32"),
+    pytest.param(1, 5, 2, 1, 16, 8, 4, 8, 2, 3, torch.float32, id="T-below-block-Tc0"),
+]
+
+
+def _hyper(l, d, lp, n, w):
+    return dict(block_size=l, block_stride=d, sel_block_size=lp, num_selected=n, window_size=w)
+
+
+def _make_inputs(B, T, H, Hkv, D, l, d, dtype):
+    Tc = num_compressed_blocks(T, l, d)
+    shapes = [(B, T, H, D), (B, Tc, Hkv, D), (B, Tc, Hkv, D)] + [(B, T, Hkv, D)] * 4
+    xs = [torch.randn(*s, device=DEVICE).to(dtype) for s in shapes]
+    xs.append(torch.rand(B, T, H, 3, device=DEVICE).to(dtype))
+    return [x.requires_grad_() for x in xs]
+
+
+def _rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def _assert_matches(mine, ref, dtype, what):
+    assert mine.shape == ref.shape, what
+    assert torch.isfinite(mine).all(), what
+    if dtype == torch.float32:
+        torch.testing.assert_close(mine.float(), ref.float(), atol=5e-5, rtol=5e-5, msg=what)
+    else:  # fp16 rounding of inputs/outputs/probabilities: about half an fp16 epsilon RMS
+        assert _rel_rms(mine, ref) < 2e-3, f"{what}: relative RMS error {_rel_rms(mine, ref):.2e}"
+
+
+@pytest.mark.parametrize("B,T,H,Hkv,D,l,d,lp,n,w,dtype", CASES)
+def test_output_and_gradients_match_reference(B, T, H, Hkv, D, l, d, lp, n, w, dtype):
+    hyper = _hyper(l, d, lp, n, w)
+    xs = _make_inputs(B, T, H, Hkv, D, l, d, dtype)
+    # The reference runs in fp32 on the very same (rounded) values.
+    xr = [x.detach().float().requires_grad_() for x in xs]
+    sel_hyper = {k: v for k, v in hyper.items() if k != "window_size"}
+    assert torch.equal(select_blocks_triton(xs[0].detach(), xs[1].detach(), **sel_hyper),
+                       select_blocks(xr[0].detach(), xr[1].detach(), **sel_hyper))
+
+    ref = nsa_attention(*xr, **hyper, backend="reference")
+    grad_out = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, xr, grad_out)
+    out = nsa_attention(*xs, **hyper, backend="triton")
+    assert out.dtype == dtype
+    grads = torch.autograd.grad(out, xs, grad_out.to(dtype))
+
+    _assert_matches(out, ref, dtype, "o")
+    names = ["dq", "dk_cmp", "dv_cmp", "dk_sel", "dv_sel", "dk_win", "dv_win", "dgates"]
+    for name, g, rg in zip(names, grads, ref_grads):
+        if rg.numel():
+            _assert_matches(g, rg, dtype, name)
+
+
+SELECTION_CASES = [
+    # (T, H, Hkv, D, l, d, lp, n)
+    pytest.param(70, 4, 2, 16, 8, 4, 16, 3, id="n3"),
+    pytest.param(130, 5, 1, 32, 32, 16, 64, 2, id="paper-blocks-n2"),
+    pytest.param(63, 2, 2, 16, 4, 2, 8, 5, id="d2"),
+    pytest.param(45, 2, 1, 16, 8, 4, 8, 16, id="n-exceeds-blocks"),
+    pytest.param(50, 3, 1, 16, 8, 4, 8, 1, id="n1-forced-order"),
+    pytest.param(200, 3, 1, 16, 8, 4, 8, 4, id="several-chunks"),
+]
+
+
+@pytest.mark.parametrize("T,H,Hkv,D,l,d,lp,n", SELECTION_CASES)
+def test_selected_blocks_match_reference(T, H, Hkv, D, l, d, lp, n):
+    B = 2
+    q = torch.randn(B, T, H, D, device=DEVICE)
+    k_cmp = torch.randn(B, num_compressed_blocks(T, l, d), Hkv, D, device=DEVICE)
+    hyper = dict(block_size=l, block_stride=d, sel_block_size=lp, num_selected=n)
+    mine = select_blocks_triton(q, k_cmp, **hyper)
+    ref = select_blocks(q, k_cmp, **hyper)
+    assert mine.dtype == torch.int64 and mine.shape == ref.shape
+    differ = (mine != ref).any(-1)
+    if differ.any():  # only allowed where the swapped blocks' scores tie within fp32 rounding
+        scores = selection_scores_at(q, k_cmp, q_start=0, block_size=l, block_stride=d, sel_block_size=lp)
+        for b, t, g in differ.nonzero().tolist():
+            gained = set(mine[b, t, g].tolist()) - set(ref[b, t, g].tolist())
+            lost = set(ref[b, t, g].tolist()) - set(mine[b, t, g].tolist())
+            row = scores[b, t, g]
+            spread = max(abs(row[i] - row[j]).item() for i in gained for j in lost)
+            assert spread <= 1e-5 * row.abs().max().item(), (b, t, g, gained, lost)
+
+
+def test_selection_layout():
+    """Ascending block ids, -1 only after the used slots, forced blocks always present."""
+    T, lp, n = 70, 8, 4
+    q = torch.randn(1, T, 2, 16, device=DEVICE)
+    k_cmp = torch.randn(1, num_compressed_blocks(T, 8, 4), 1, 16, device=DEVICE)
+    sel = select_blocks_triton(q, k_cmp, block_size=8, block_stride=4, sel_block_size=lp, num_selected=n)[0, :, 0]
+    for t in range(T):
+        row = sel[t].tolist()
+        used = [j for j in row if j >= 0]
+        assert row == used + [-1] * (n - len(used))
+        assert used == sorted(set(used)) and len(used) == min(n, t // lp + 1)
+        assert {0, t // lp, max(0, t // lp - 1)} <= set(used)
+
+
+def test_selected_dkdv_work_items_sum_to_the_same_gradients():
+    """Cutting long query lists into many work items (block 0's list holds every query) only
+    regroups fp32 sums."""
+    B, T, H, Hkv, D, l, d, lp, n = 1, 40, 2, 1, 16, 8, 4, 8, 3
+    q, k, v = (torch.randn(B, T, h, D, device=DEVICE) for h in (H, Hkv, Hkv))
+    k_cmp = torch.randn(B, num_compressed_blocks(T, l, d), Hkv, D, device=DEVICE)
+    sel = select_blocks(q, k_cmp, block_size=l, block_stride=d, sel_block_size=lp, num_selected=n)
+    scale = D**-0.5
+    o, lse2 = selected_attention_fwd(q, k, v, sel, lp, scale)
+    do = torch.randn_like(o)
+    whole = selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, scale)
+    for segment in (5, 16):
+        split = selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, scale, segment=segment)
+        for a, b in zip(split, whole):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("branch", ["compressed", "window"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["group-per-program", "head-per-program"])
+def test_interval_branches_both_dkdv_splits_match_reference(branch, per_head):
+    B, T, H, Hkv, D, l, d, w = 1, 45, 6, 2, 16, 8, 4, 11
+    Tk = num_compressed_blocks(T, l, d) if branch == "compressed" else T
+    q = torch.randn(B, T, H, D, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(B, Tk, Hkv, D, device=DEVICE, requires_grad=True) for _ in range(2))
+    if branch == "compressed":
+        ref = compressed_attention(q, k, v, q_start=0, block_size=l, block_stride=d)
+        mask = (d, l - 1, 0)
+    else:
+        ref = window_attention(q, k, v, q_start=0, window_size=w)
+        mask = (1, 0, w)
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    o, lse2 = interval_attention_fwd(q.detach(), k.detach(), v.detach(), *mask, D**-0.5)
+    grads = interval_attention_bwd(do, q.detach(), k.detach(), v.detach(), o, lse2, *mask, D**-0.5, per_head=per_head)
+    for name, mine, theirs in zip(("o", "dq", "dk", "dv"), (o, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(mine, theirs, atol=5e-5, rtol=5e-5, msg=name)
+
+
+@pytest.mark.parametrize("branch", ["selected", "window"])
+def test_full_coverage_equals_dense_causal_attention(branch):
+    """n >= Ts makes the selected branch, w >= T the window branch, plain causal attention."""
+    B, T, H, Hkv, D = 1, 40, 2, 1, 16
+    xs = _make_inputs(B, T, H, Hkv, D, 8, 4, torch.float32)
+    gate = torch.tensor([0.0, 1.0, 0.0] if branch == "selected" else [0.0, 0.0, 1.0], device=DEVICE)
+    xs[7] = gate.expand(B, T, H, 3).clone().requires_grad_()
+    # T = 40 has Ts = 5 selection blocks of 8 tokens.
+    hyper = _hyper(8, 4, 8, 5, 3) if branch == "selected" else _hyper(8, 4, 8, 2, T)
+    out = nsa_attention_triton(*xs, **hyper)
+    k, v = (xs[3], xs[4]) if branch == "selected" else (xs[5], xs[6])
+    dense = F.scaled_dot_product_attention(
+        xs[0].transpose(1, 2), k.repeat_interleave(H // Hkv, 2).transpose(1, 2),
+        v.repeat_interleave(H // Hkv, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, dense, atol=5e-5, rtol=5e-5)
+
+
+def test_rejects_float64():
+    xs = _make_inputs(1, 16, 2, 1, 16, 8, 4, torch.float64)
+    with pytest.raises(UserError, match="float64"):
+        nsa_attention(*xs, **_hyper(8, 4, 8, 2, 4), backend="triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for CPU tensors without the interpreter")
+def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
+    xs = _make_inputs(1, 16, 2, 1, 16, 8, 4, torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UserError, match="CUDA"):
+        nsa_attention_triton(*xs, **_hyper(8, 4, 8, 2, 4))
