@@ -3,7 +3,7 @@
     python -m bench.attention [--preset 125m|paper] [--seq-lens 2048 4096 ...] [--backends triton]
                               [--modes fwd bwd fwd+bwd] [--heads H --kv-heads Hkv --head-dim D]
 
-Presets: 125m = 12 query heads, 12 KV heads, head dim 64 (the default); paper = 64 query heads,
+Presets: 125m = 12 query heads, 4 KV heads, head dim 64 (recipes/nsa_125m.toml; the default); paper = 64 query heads,
 4 KV heads, head dim 128. --heads/--kv-heads/--head-dim override the preset. NSA uses the paper's
 hyperparameters unless overridden. SDPA is timed with cuDNN and with flash attention separately
 (each where it runs) and the faster one is reported as "sdpa". Results go to
@@ -14,20 +14,18 @@ git commit. Needs CUDA: exits with status 2 and a message otherwise.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import re
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
 
-PRESETS = {"125m": (12, 12, 64), "paper": (64, 4, 128)}
+from bench.environment import describe_environment, results_path
+
+PRESETS = {"125m": (12, 4, 64), "paper": (64, 4, 128)}
 SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 MODES = ("fwd", "bwd", "fwd+bwd")
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,15 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     return args
-
-
-def git_commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip()
 
 
 def nsa_flops(args, T: int) -> float:
@@ -154,16 +143,9 @@ def main(argv=None) -> int:
         print("bench.attention needs a CUDA GPU (torch.cuda.is_available() is False); run it on a GPU machine",
               file=sys.stderr)
         return 2
-    import triton
-
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    gpu = torch.cuda.get_device_name(0)
-    report = {
-        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "git_commit": git_commit(), "time": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "config": vars(args), "results": [],
-    }
+    report = {"benchmark": "attention", "environment": describe_environment(), "config": vars(args), "results": []}
     for T in args.seq_lens:
         cases = [(f"nsa-{b}", lambda b=b: time_modes(lambda: nsa_case(args, T, b, dtype), args.modes, args.rep_ms),
                   nsa_flops(args, T)) for b in args.backends]
@@ -186,9 +168,7 @@ def main(argv=None) -> int:
                       f"peak {rec['peak_gib']:6.2f} GiB")
             torch.cuda.empty_cache()
 
-    out = args.out or os.path.join(
-        RESULTS_DIR, f"attention-{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}-"
-                     f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    out = args.out or results_path("attention")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=2)

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+
+def _checkpointed(forward):
+    # A plain Python function (not functools.partial of `checkpoint`, which dynamo skips) so that a
+    # compiled block traces through it and emits one graph with the checkpointed region inside.
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int) -> int:
@@ -19,6 +26,6 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int)
     wrapped = 0
     for index, block in enumerate(blocks):
         if mode == "full" or (mode == "selective" and index % every == 0):
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            block.forward = _checkpointed(block.forward)
             wrapped += 1
     return wrapped

@@ -1,0 +1,233 @@
+"""The preflight checks, each returning one verdict line: ok, warn or fail, with what it saw.
+
+Order: what the machine has (versions, devices), then what the recipe asks of it (the recipe
+itself, its data, its output folder, its NSA backend on this device, its memory). A check that
+needs a valid recipe is reported as skipped (warn) when the recipe does not validate.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from components.errors import UserError
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+SUPPORTED_TORCH = ((2, 11), (2, 13))
+MIN_FREE_DISK = 2 * 1024**3  # below this a run cannot keep even small checkpoints and logs comfortably
+GiB = 1024**3
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+
+    def line(self) -> str:
+        head = f"{self.status:<4}  {self.name}: "
+        return head + self.detail.replace("\n", "\n" + " " * len(head))
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def check_versions() -> Check:
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    status, notes = OK, []
+    low, high = SUPPORTED_TORCH
+    if not low <= _version_tuple(torch.__version__) <= high:
+        status = WARN
+        notes.append(f"torch {torch.__version__} is outside the supported {low[0]}.{low[1]}-{high[0]}.{high[1]}")
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        parts.append("triton not installed (NSA backend 'triton' unavailable)")
+    parts.append(f"CUDA {torch.version.cuda}" if torch.version.cuda else "CUDA none (CPU build of torch)")
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        nccl = torch.cuda.nccl.version()
+        parts.append("NCCL " + (".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)))
+    return Check("versions", status, ", ".join(parts) + ("" if not notes else "; " + "; ".join(notes)))
+
+
+def _host_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_memory(device: torch.device) -> tuple[int | None, str]:
+    """(bytes a process can use on this device, a description)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total, f"{torch.cuda.get_device_name(device)} {total / GiB:.1f} GiB ({free / GiB:.1f} GiB free)"
+    host = _host_memory()
+    return host, f"host memory {host / GiB:.1f} GiB" if host else "host memory unknown"
+
+
+def check_devices(device_choice: str | None, world_size: int) -> Check:
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        names = [device_memory(torch.device("cuda", i))[1] for i in range(count)]
+        status, note = OK, ""
+        if world_size > count:
+            status, note = WARN, (f"; {world_size} processes need {world_size} GPUs, this node has {count} "
+                                  "(fine across several nodes)")
+        return Check("devices", status, f"{count} CUDA device(s): " + "; ".join(names) + note)
+    cpus = os.cpu_count() or 1
+    detail = f"no CUDA device; {cpus} CPU core(s), {device_memory(torch.device('cpu'))[1]}"
+    if device_choice == "cuda":
+        return Check("devices", FAIL, detail + ". The recipe sets training.device = 'cuda'. Fix: run on a GPU "
+                                               "machine or set --training.device=cpu (or auto)")
+    return Check("devices", OK, detail + " (training runs on the CPU)")
+
+
+def check_data(recipe, runtime) -> tuple[Check, object | None]:
+    """Build the tokenizer and source and take one batch, as training would; also returns the tokenizer
+    (None when it cannot be built), which the memory estimate needs for the vocabulary size."""
+    from nsa_titan import assemble
+
+    start = time.perf_counter()
+    name = f"data ({recipe.data.source}, tokenizer {recipe.data.tokenizer})"
+    try:
+        tokenizer = assemble.build_tokenizer(recipe)
+    except UserError as exc:
+        return Check(name, FAIL, f"tokenizer: {exc}"), None
+    try:
+        source = assemble.build_source(recipe)
+        loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0, dp_size=1, split="train",
+                                       batch_size=recipe.training.local_batch_size)
+        batch = next(iter(loader))
+    except UserError as exc:
+        return Check(name, FAIL, str(exc)), tokenizer
+    inputs = batch["input"]
+    detail = (f"one batch {tuple(inputs.shape)} of token ids {int(inputs.min())}..{int(inputs.max())} "
+              f"(vocab {tokenizer.vocab_size}) in {time.perf_counter() - start:.1f} s")
+    expected = (recipe.training.local_batch_size, recipe.training.seq_len)
+    if tuple(inputs.shape) != expected or int(inputs.max()) >= tokenizer.vocab_size or int(inputs.min()) < 0:
+        return Check(name, FAIL, detail + f"; expected shape {expected} and ids in 0..{tokenizer.vocab_size - 1}"), tokenizer
+    return Check(name, OK, detail), tokenizer
+
+
+def _existing_ancestor(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def checkpoint_bytes(num_params: int, keep: int) -> int:
+    """fp32 weights and two AdamW moments per checkpoint, times the checkpoints kept (0 keeps all: count 2)."""
+    return 12 * num_params * max(keep if keep > 0 else 2, 1)
+
+
+def check_dump_folder(folder: str, needed: int) -> Check:
+    """Writable (tried with a real file) and with room: at least MIN_FREE_DISK and what checkpoints need."""
+    target = _existing_ancestor(folder)
+    shown = folder if target == os.path.abspath(folder) else f"{folder} (to be created under {target})"
+    if not os.path.isdir(target):
+        return Check("dump folder", FAIL, f"{target} exists but is not a folder. Fix: set --job.dump_folder to a "
+                                          "folder path")
+    try:
+        with tempfile.NamedTemporaryFile(dir=target, prefix=".nsa_titan_doctor_") as fh:
+            fh.write(b"ok")
+            fh.flush()
+    except OSError as exc:
+        return Check("dump folder", FAIL, f"{shown} is not writable ({exc.strerror or exc}). Fix: choose a "
+                                          "writable --job.dump_folder")
+    free = shutil.disk_usage(target).free
+    floor = max(MIN_FREE_DISK, needed)
+    detail = f"{shown} is writable, {free / GiB:.1f} GiB free"
+    if free < floor:
+        return Check("dump folder", WARN, detail + f"; under {floor / GiB:.1f} GiB (2 GiB or the checkpoints this "
+                                                   f"recipe keeps, ~{needed / GiB:.1f} GiB). Fix: free space or "
+                                                   "move --job.dump_folder")
+    return Check("dump folder", OK, detail)
+
+
+def check_nsa(recipe, device: torch.device) -> Check:
+    from components.nsa.triton.launch import interpreting
+    from nsa_titan.doctor.nsa_check import check_backend
+
+    args = recipe.model.args
+    nsa = getattr(args, "nsa", None)
+    if getattr(args, "attention", None) != "nsa" or nsa is None:
+        return Check("NSA backend", OK, f"not used (model {recipe.model.name} has attention "
+                                        f"{getattr(args, 'attention', '?')!r})")
+    name = f"NSA backend {nsa.backend!r} on {device.type}"
+    if nsa.backend == "triton" and device.type != "cuda" and not interpreting():
+        return Check(name, WARN, "skipped: the Triton kernels need a CUDA GPU (or Triton's interpreter, "
+                                 "TRITON_INTERPRET=1); training here would fail. Fix: run on a GPU or use "
+                                 "--model.nsa.backend=reference")
+    hyper = dict(block_size=nsa.block_size, block_stride=nsa.block_stride, sel_block_size=nsa.sel_block_size,
+                 num_selected=nsa.num_selected, window_size=nsa.window_size)
+    start = time.perf_counter()
+    try:
+        failures = check_backend(nsa.backend, hyper, args.n_heads, args.n_kv_heads, args.head_dim, device)
+    except UserError as exc:
+        return Check(name, FAIL, str(exc))
+    what = "causality, full coverage = dense attention" + ("" if nsa.backend == "reference" else ", parity with "
+                                                            "the reference (outputs and gradients)")
+    if nsa.backend == "triton" and device.type != "cuda":
+        what += " under Triton's interpreter"
+    if failures:
+        return Check(name, FAIL, "; ".join(failures))
+    return Check(name, OK, f"{what}: passed in {time.perf_counter() - start:.1f} s")
+
+
+def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
+    """The estimate of nsa_titan/doctor/memory.py against what one device (or one process's share of the host) has."""
+    from nsa_titan import assemble
+    from nsa_titan.config.rules import data_parallel_degrees
+    from nsa_titan.doctor.memory import estimate_memory
+
+    args = recipe.model.args
+    missing = [name for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden_dim")
+               if not hasattr(args, name)]
+    if missing:
+        return Check("memory estimate", WARN, f"no estimate: the formula needs a transformer's arguments and model "
+                                              f"{recipe.model.name!r} has no {', '.join(missing)}")
+    degrees = data_parallel_degrees(recipe, world_size)
+    shard = degrees[1] if isinstance(degrees, tuple) else 1
+    model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
+    blocks = getattr(model, "layers", None)
+    block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) if blocks else 0
+    ac = recipe.activation_checkpoint
+    t = recipe.training
+    estimate = estimate_memory(args=args, num_params=assemble.count_parameters(model),
+                               block_params=block_params, vocab_size=tokenizer.vocab_size, shard=shard,
+                               tokens=t.local_batch_size * t.seq_len, bf16=runtime.autocast_dtype is not None,
+                               ac_mode=ac.mode, ac_every=ac.selective_every)
+    capacity, where = device_memory(runtime.device)
+    if runtime.device.type == "cpu" and capacity:
+        capacity //= world_size  # the processes of one node share its memory
+        where += f", {world_size} process(es)"
+    detail = f"{estimate.describe()}; device: {where} (formula: nsa_titan/doctor/memory.py)"
+    if not capacity:
+        return Check("memory estimate", WARN, detail + "; device capacity unknown")
+    share = estimate.total / capacity
+    detail += f"; {share:.0%} of it"
+    if share > 1.2:
+        return Check("memory estimate", FAIL, detail + ". Fix: raise parallelism.data_parallel_shard_degree, set "
+                                                      "activation_checkpoint.mode = 'full', or lower "
+                                                      "training.local_batch_size")
+    if share > 0.8:
+        return Check("memory estimate", WARN, detail + "; little headroom for allocator fragmentation")
+    return Check("memory estimate", OK, detail)

@@ -1,0 +1,105 @@
+"""The `doctor` command: run every check, print one line each, exit 1 when any fails."""
+
+from __future__ import annotations
+
+from components.errors import UserError
+from nsa_titan.doctor.checks import FAIL, OK, WARN, Check
+
+NEEDS_RECIPE = ("data", "dump folder", "NSA backend", "memory estimate")
+USAGE = ("nsa-titan doctor RECIPE.toml [--section.field=VALUE ...] [--world-size N]\n"
+         "  --world-size N   check the recipe for N processes (default: this launch's WORLD_SIZE, else 1)\n"
+         "Prints one line per check (ok / warn / fail); exit 1 when a check fails, 2 on bad input.")
+
+
+def _pop_world_size(argv: list[str]) -> int | None:
+    for i, arg in enumerate(argv):
+        if arg == "--world-size" or arg.startswith("--world-size="):
+            text = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            del argv[i:i + (1 if "=" in arg else 2)]
+            if not text.isdigit() or int(text) < 1:
+                raise UserError(f"--world-size {text!r} is not a positive whole number. Fix: e.g. --world-size 8.")
+            return int(text)
+    return None
+
+
+def _guarded(name: str, fn) -> Check:
+    """Run one check; an unexpected error is that check's failure, shown with its type and message."""
+    try:
+        return fn()
+    except UserError as exc:
+        return Check(name, FAIL, str(exc))
+    except Exception as exc:  # a preflight tool reports what broke and goes on to the next check
+        return Check(name, FAIL, f"{type(exc).__name__}: {exc}")
+
+
+def run_checks(argv: list[str], world_size: int) -> list[Check]:
+    from nsa_titan.config import RecipeError, resolve
+    from nsa_titan.doctor import checks
+    from nsa_titan.runtime import make_runtime
+
+    results = [_guarded("versions", checks.check_versions)]
+    try:
+        resolved = resolve(argv, world_size=world_size)
+    except RecipeError as exc:
+        recipe_check, resolved = Check("recipe", FAIL, exc.render()), None
+    else:
+        if resolved.path is None:
+            raise UserError("no recipe given. Fix: name one, e.g. `nsa-titan doctor recipes/debug.toml`.")
+        recipe_check = Check("recipe", OK, f"{resolved.path} validates for {world_size} process(es) "
+                                           f"(hash {resolved.hash})")
+    recipe = resolved.recipe if resolved else None
+    devices = _guarded("devices", lambda: checks.check_devices(recipe.training.device if recipe else None, world_size))
+    results += [devices, recipe_check]
+    if recipe is None:
+        results += [Check(name, WARN, "skipped: the recipe does not validate") for name in NEEDS_RECIPE]
+        return results
+
+    runtime = make_runtime(recipe.training.device, recipe.training.dtype) if devices.status != FAIL else None
+    if runtime is None:
+        results += [Check(name, WARN, "skipped: no device to run on") for name in NEEDS_RECIPE]
+        return results
+    data_check, tokenizer = _data(recipe, runtime)
+    results.append(data_check)
+    results.append(_guarded("dump folder", lambda: _dump_folder(recipe, tokenizer)))
+    results.append(_guarded("NSA backend", lambda: checks.check_nsa(recipe, runtime.device)))
+    if tokenizer is None:
+        results.append(Check("memory estimate", WARN, "skipped: the tokenizer (vocabulary size) could not be built"))
+    else:
+        results.append(_guarded("memory estimate", lambda: checks.check_memory(recipe, world_size, runtime, tokenizer)))
+    return results
+
+
+def _data(recipe, runtime):
+    from nsa_titan.doctor.checks import check_data
+
+    try:
+        return check_data(recipe, runtime)
+    except Exception as exc:  # reported as the data check's failure, with its type
+        return Check("data", FAIL, f"{type(exc).__name__}: {exc}"), None
+
+
+def _dump_folder(recipe, tokenizer) -> Check:
+    from nsa_titan import assemble
+    from nsa_titan.doctor.checks import check_dump_folder, checkpoint_bytes
+
+    needed = 0
+    if recipe.checkpoint.enable and tokenizer is not None:
+        params = assemble.count_parameters(assemble.build_model_on_meta(recipe, tokenizer.vocab_size))
+        needed = checkpoint_bytes(params, recipe.checkpoint.keep_latest_k)
+    return check_dump_folder(recipe.job.dump_folder, needed)
+
+
+def run_command(argv: list[str]) -> int:
+    from nsa_titan.runtime import launch_world
+
+    argv = list(argv)
+    if "--help" in argv or "-h" in argv:
+        print(USAGE + "\nRecipe fields and overrides: `nsa-titan train --help`.")
+        return 0
+    world_size = _pop_world_size(argv) or launch_world()[2]
+    results = run_checks(argv, world_size)
+    for check in results:
+        print(check.line(), flush=True)
+    counts = {status: sum(c.status == status for c in results) for status in (OK, WARN, FAIL)}
+    print(f"doctor: {counts[OK]} ok, {counts[WARN]} warn, {counts[FAIL]} fail")
+    return 1 if counts[FAIL] else 0

@@ -1,0 +1,123 @@
+"""Does the recipe's NSA backend compute NSA on this device? Three short numerical checks.
+
+On a small random problem with the recipe's hyperparameters (block sizes, n, w) and head shape:
+1. causality: changing every input after position t changes no output at positions <= t, and
+   does change later outputs (so the perturbation was real);
+2. full coverage against plain attention written here: with n >= Ts and only the selected branch
+   gated on, and with w >= T and only the window branch gated on, NSA is dense causal attention;
+3. parity with the reference backend, outputs and gradients (only when the backend is not the
+   reference itself).
+fp32 throughout, so the tolerances are those of fp32 arithmetic, not of a half type.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from components.nsa import nsa_attention, num_compressed_blocks, num_selection_blocks
+
+ATOL = RTOL = 5e-5  # fp32 kernels against the fp32 reference, as the backend tests use
+
+
+def problem_size(sel_block_size: int, block_size: int, window_size: int) -> int:
+    """Long enough for several selection blocks, a partial last block and a window edge, yet small."""
+    return max(2 * sel_block_size + sel_block_size // 2 + 3, block_size + 3, min(window_size + 5, 300))
+
+
+def _inputs(T: int, H: int, Hkv: int, D: int, block_size: int, block_stride: int, device, generator):
+    Tc = num_compressed_blocks(T, block_size, block_stride)
+    shapes = [(1, T, H, D), (1, Tc, Hkv, D), (1, Tc, Hkv, D)] + [(1, T, Hkv, D)] * 4
+    xs = [torch.randn(s, generator=generator).to(device) for s in shapes]
+    xs.append(torch.rand((1, T, H, 3), generator=generator).to(device))
+    return xs
+
+
+def _perturb_after(xs: list[torch.Tensor], t: int, block_size: int, block_stride: int, generator) -> list[torch.Tensor]:
+    """New values for everything a query at position <= t must not see."""
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = (x.clone() for x in xs)
+    first_hidden_block = max(0, math.ceil((t + 2 - block_size) / block_stride))  # i*d + l - 1 > t
+    for x in (q, k_sel, v_sel, k_win, v_win):
+        x[:, t + 1:] = torch.randn(x[:, t + 1:].shape, generator=generator).to(x.device) * 3
+    gates[:, t + 1:] = torch.rand(gates[:, t + 1:].shape, generator=generator).to(gates.device)
+    for x in (k_cmp, v_cmp):
+        x[:, first_hidden_block:] = torch.randn(x[:, first_hidden_block:].shape, generator=generator).to(x.device) * 3
+    return [q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates]
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v over keys s <= t, query heads sharing their group's key/value head."""
+    H, Hkv, T, D = q.shape[2], k.shape[2], q.shape[1], q.shape[3]
+    k = k.repeat_interleave(H // Hkv, dim=2)
+    v = v.repeat_interleave(H // Hkv, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(D)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhts,bshd->bthd", probs, v)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
+    err = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    return bool(torch.allclose(a.float(), b.float(), atol=ATOL, rtol=RTOL)), err
+
+
+def check_backend(backend: str, hyper: dict, n_heads: int, n_kv_heads: int, head_dim: int,
+                  device: torch.device, seed: int = 0) -> list[str]:
+    """The failed properties, each one line; an empty list means the backend passed all three checks."""
+    generator = torch.Generator().manual_seed(seed)
+    G = n_heads // n_kv_heads
+    H, Hkv, D = min(G, 4), 1, head_dim  # one group keeps it small; G > 1 still shares a selection
+    l, d, lp = hyper["block_size"], hyper["block_stride"], hyper["sel_block_size"]
+    T = problem_size(lp, l, hyper["window_size"])
+    failures = []
+
+    def run(xs, **override):
+        return nsa_attention(*xs, **{**hyper, **override}, backend=backend)
+
+    xs = _inputs(T, H, Hkv, D, l, d, device, generator)
+    with torch.no_grad():
+        out = run(xs)
+        t = T // 2
+        changed = run(_perturb_after(xs, t, l, d, generator))
+    same, err = _close(out[:, :t + 1], changed[:, :t + 1])
+    if not same:
+        failures.append(f"causality: outputs at positions <= {t} moved by {err:.2e} when only later inputs changed")
+    if torch.allclose(out[:, t + 1:], changed[:, t + 1:]):
+        failures.append(f"causality check is void: changing inputs after position {t} left later outputs unchanged")
+
+    every_block = num_selection_blocks(T, lp)
+    with torch.no_grad():
+        dense = dense_causal_attention(xs[0], xs[3], xs[4])
+        gates = torch.zeros_like(xs[7])
+        gates[..., 1] = 1.0
+        sel_only = run([*xs[:7], gates], num_selected=every_block)
+        dense_win = dense_causal_attention(xs[0], xs[5], xs[6])
+        gates = torch.zeros_like(xs[7])
+        gates[..., 2] = 1.0
+        win_only = run([*xs[:7], gates], window_size=T)
+    for what, mine, ref in (("selected branch with n >= Ts", sel_only, dense), ("window branch with w >= T", win_only, dense_win)):
+        same, err = _close(mine, ref)
+        if not same:
+            failures.append(f"{what} is not dense causal attention (max error {err:.2e})")
+
+    if backend != "reference":
+        failures += _parity(xs, hyper, backend, generator)
+    return failures
+
+
+def _parity(xs: list[torch.Tensor], hyper: dict, backend: str, generator) -> list[str]:
+    mine_in = [x.clone().requires_grad_() for x in xs]
+    ref_in = [x.clone().requires_grad_() for x in xs]
+    mine = nsa_attention(*mine_in, **hyper, backend=backend)
+    ref = nsa_attention(*ref_in, **hyper, backend="reference")
+    grad_out = torch.randn(ref.shape, generator=generator).to(ref.device)
+    mine_grads = torch.autograd.grad(mine, mine_in, grad_out)
+    ref_grads = torch.autograd.grad(ref, ref_in, grad_out)
+    failures = []
+    names = ["o", "dq", "dk_cmp", "dv_cmp", "dk_sel", "dv_sel", "dk_win", "dv_win", "dgates"]
+    for name, a, b in zip(names, (mine, *mine_grads), (ref, *ref_grads)):
+        same, err = _close(a, b)
+        if not same:
+            failures.append(f"{name} differs from the reference by up to {err:.2e} (tolerance {ATOL:g})")
+    return failures

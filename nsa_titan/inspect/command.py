@@ -1,0 +1,74 @@
+"""The `inspect` command line: options, the report on stdout and in the run folder, the exit code."""
+
+from __future__ import annotations
+
+import os
+
+from components.errors import UserError
+
+USAGE = ("nsa-titan inspect RECIPE.toml [--section.field=VALUE ...] [--seq-lens 64,96] [--fail-on-break]\n"
+         "  --seq-lens L1,L2,...  run forward + backward at these sequence lengths (default: training.seq_len)\n"
+         "                        to see which length changes recompile and which guard failed\n"
+         "  --fail-on-break       exit 1 when a block does not compile to whole graphs (a break, a failed\n"
+         "                        frame, or a block that ran eagerly)\n"
+         "Exit codes: 0 inspected, 1 compilation failed (or a problem with --fail-on-break), 2 bad input.")
+
+FAILED = 1
+
+
+def _pop_flag(argv: list[str], name: str) -> bool:
+    found = name in argv
+    argv[:] = [a for a in argv if a != name]
+    return found
+
+
+def _pop_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name:
+            if i + 1 >= len(argv):
+                raise UserError(f"{name} needs a value. Fix: e.g. `{name} 64,96`.")
+            value = argv[i + 1]
+            del argv[i:i + 2]
+            return value
+        if arg.startswith(name + "="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def parse_seq_lens(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or any(n < 1 for n in lengths):
+        raise UserError(f"--seq-lens {text!r} is not a comma-separated list of positive lengths. Fix: e.g. "
+                        "`--seq-lens 64,96`.")
+    return lengths
+
+
+def run_command(argv: list[str]) -> int:
+    from nsa_titan.config import resolve
+    from nsa_titan.inspect.report import problems, render
+    from nsa_titan.inspect.run import inspect_recipe
+    from nsa_titan.runtime import launch_world
+
+    argv = list(argv)
+    if "--help" in argv or "-h" in argv:
+        print(USAGE + "\nRecipe fields and overrides: `nsa-titan train --help`.")
+        return 0
+    fail_on_break = _pop_flag(argv, "--fail-on-break")
+    lengths_text = _pop_value(argv, "--seq-lens")
+    seq_lens = parse_seq_lens(lengths_text) if lengths_text is not None else None
+    resolved = resolve(argv, world_size=launch_world()[2])
+    if resolved.path is None:
+        raise UserError("no recipe given. Fix: name one, e.g. `nsa-titan inspect recipes/debug.toml`.")
+
+    result = inspect_recipe(resolved, seq_lens)
+    text = render(result, resolved.path)
+    with open(os.path.join(result.folder, "report.txt"), "w", encoding="utf-8") as fh:
+        fh.write(text)
+    print(text, end="", flush=True)
+    if result.crashed or (fail_on_break and problems(result)):
+        return FAILED
+    return 0

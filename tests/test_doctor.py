@@ -1,0 +1,164 @@
+"""`nsa-titan doctor`: one line per check, exit 1 on a failure; the NSA and memory checks measure real things."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from components.nsa import nsa_attention
+from nsa_titan import assemble, cli
+from nsa_titan.config import resolve
+from nsa_titan.doctor import checks, nsa_check
+from nsa_titan.doctor.memory import activation_elements_per_token, estimate_memory
+from tests.launch import DEBUG
+
+CHECKS = ("versions", "devices", "recipe", "data", "dump folder", "NSA backend", "memory estimate")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _doctor(capsys, *argv) -> tuple[int, dict[str, tuple[str, str]]]:
+    code = cli.main(["doctor", *argv])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("doctor: "), out
+    lines, last = {}, None
+    for line in out[:-1]:
+        if line.startswith(" "):  # a multi-line detail goes on, indented
+            status, rest = lines[last]
+            lines[last] = (status, rest + "\n" + line.strip())
+            continue
+        status, rest = line.split(None, 1)
+        last = next(n for n in CHECKS if rest.startswith(n))
+        lines[last] = (status, rest)
+    assert list(lines) == list(CHECKS), out
+    return code, lines
+
+
+def test_debug_recipe_passes_on_this_machine(tmp_path, capsys):
+    code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path / 'run'}")
+    assert code == 0
+    assert all(status in ("ok", "warn") for status, _ in lines.values()), lines
+    for name in ("versions", "recipe", "data", "NSA backend", "memory estimate"):
+        assert lines[name][0] == "ok", lines[name]
+    assert f"torch {torch.__version__}" in lines["versions"][1]
+    assert "one batch (8, 256)" in lines["data"][1]
+    assert "causality" in lines["NSA backend"][1]
+    assert not (tmp_path / "run").exists()  # the writability probe leaves nothing behind
+
+
+def test_missing_data_path_fails_clearly(tmp_path, capsys):
+    missing = tmp_path / "no_such_corpus"
+    code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--data.source=text_files",
+                          f"--data.text_files.paths={missing}")
+    assert code == 1
+    status, text = lines["data"]
+    assert status == "fail" and str(missing) in text and "does not exist" in text
+    assert lines["recipe"][0] == "ok" and lines["memory estimate"][0] == "ok"
+
+
+def test_invalid_recipe_fails_and_skips_what_depends_on_it(tmp_path, capsys):
+    code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--model.nsa.block_stride=5")
+    assert code == 1
+    assert lines["recipe"][0] == "fail" and "block_stride" in lines["recipe"][1]
+    for name in ("data", "dump folder", "NSA backend", "memory estimate"):
+        assert lines[name] == ("warn", f"{name}: skipped: the recipe does not validate")
+
+
+def test_dump_folder_under_a_file_fails(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    check = checks.check_dump_folder(str(blocker / "run"), needed=0)
+    assert check.status == "fail" and "not a folder" in check.detail
+
+
+def test_world_size_shards_the_optimizer_states(tmp_path, capsys):
+    def states(argv) -> float:
+        _, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", *argv)
+        return float(lines["memory estimate"][1].split("states ")[1].split()[0])
+
+    one, two = states([]), states(["--world-size", "2"])
+    assert two == pytest.approx(one / 2, abs=0.011)  # GiB printed with two decimals
+
+
+HYPER = dict(block_size=8, block_stride=4, sel_block_size=16, num_selected=2, window_size=12)
+
+
+def test_nsa_check_passes_the_reference():
+    assert nsa_check.check_backend("reference", HYPER, 4, 2, 16, torch.device("cpu")) == []
+
+
+def test_nsa_check_catches_a_backend_that_sees_the_future(monkeypatch):
+    def leaky(*args, **kwargs):
+        out = nsa_attention(*args, **kwargs)
+        return out + 1e-3 * out.mean(dim=1, keepdim=True)  # every position gets the whole sequence's mean
+
+    monkeypatch.setattr(nsa_check, "nsa_attention", leaky)
+    failures = nsa_check.check_backend("reference", HYPER, 4, 2, 16, torch.device("cpu"))
+    assert any(f.startswith("causality:") for f in failures), failures
+    assert any("is not dense causal attention" in f for f in failures), failures
+
+
+def test_dense_attention_matches_softmax_attention_written_out():
+    q, k, v = torch.randn(1, 7, 4, 8), torch.randn(1, 7, 2, 8), torch.randn(1, 7, 2, 8)
+    out = nsa_check.dense_causal_attention(q, k, v)
+    for t in (0, 3, 6):
+        for h in range(4):
+            g = h // 2
+            w = torch.softmax(k[0, : t + 1, g] @ q[0, t, h] / math.sqrt(8), dim=0)
+            torch.testing.assert_close(out[0, t, h], w @ v[0, : t + 1, g])
+
+
+def _saved_bytes_per_token(recipe) -> float:
+    """Bytes one block saves for backward per token, measured with saved-tensor hooks."""
+    tokenizer = assemble.build_tokenizer(recipe)
+    model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
+    assemble.materialize(model, torch.device("cpu"), 0, distributed=False,
+                         build_reference=lambda: assemble.build_model_on_meta(recipe, tokenizer.vocab_size))
+    fixed = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in fixed:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    B, T = 2, recipe.training.seq_len
+    x = torch.randn(B, T, recipe.model.args.dim, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[0](x, model.rope.cos, model.rope.sin)
+    return sum(saved.values()) / (B * T)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_activation_estimate_is_near_what_a_block_saves(attention, tmp_path):
+    path = tmp_path / "recipe.toml"
+    path.write_text(f'extends = "{DEBUG}"\n[model]\nattention = "nsa"\n' if attention == "nsa" else
+                    '[model]\nname = "transformer"\ndim = 128\nn_heads = 4\nn_kv_heads = 2\nattention = "dense"\n'
+                    'max_seq_len = 256\n')
+    recipe = resolve([str(path), "--training.seq_len=128"]).recipe
+    measured = _saved_bytes_per_token(recipe)
+    estimated = activation_elements_per_token(recipe.model.args) * 4  # fp32 on the CPU
+    assert abs(estimated - measured) / measured < 0.2, (estimated, measured)
+
+
+def test_memory_estimate_follows_its_formula():
+    recipe = resolve([DEBUG]).recipe
+    args = recipe.model.args
+    common = dict(args=args, num_params=1000, block_params=100, vocab_size=256, tokens=512, bf16=False, ac_every=2)
+    plain = estimate_memory(shard=1, ac_mode="none", **common)
+    assert plain.states == 16 * 1000 and plain.gathered == 0
+    assert plain.activations == 512 * args.n_layers * activation_elements_per_token(args) * 4
+    assert plain.logits == 512 * 256 * (4 + 8)
+    sharded = estimate_memory(shard=4, ac_mode="none", **common)
+    assert sharded.states == plain.states / 4 and sharded.gathered == 2 * 100 * 4
+    full = estimate_memory(shard=1, ac_mode="full", **common)
+    assert full.activations == 512 * args.n_layers * args.dim * 4 + plain.activations / args.n_layers

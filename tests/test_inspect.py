@@ -1,0 +1,197 @@
+"""`nsa-titan inspect` on tiny recipes on the CPU, mostly with backend aot_eager (one Inductor case: its C++
+compile costs 10-20 s even for one small block).
+
+Each case builds and compiles a real model through the command line and checks the report, the
+exit code and the files against facts known independently: the seq_lens asked for, the source
+line written in the plugin, the number of graphs in the TORCH_TRACE file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from components.nsa.triton.launch import interpreting
+from nsa_titan import cli
+from tests.conftest import REPO_ROOT
+from tests.launch import DEBUG
+
+PLUGIN = os.path.join(REPO_ROOT, "tests", "plugins", "breaking_model.py")
+TINY_NSA = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=2", "--model.n_kv_heads=1",
+            "--model.max_seq_len=64", "--model.nsa.window_size=16", "--training.seq_len=32",
+            "--training.local_batch_size=2", "--data.logical_shards=4", "--compile.backend=aot_eager"]
+
+DENSE_RECIPE = """
+[job]
+name = "dense_tiny"
+[model]
+name = "transformer"
+dim = 32
+n_layers = 2
+n_heads = 2
+n_kv_heads = 1
+max_seq_len = 64
+attention = "dense"
+[data]
+source = "python_stdlib"
+tokenizer = "byte"
+logical_shards = 4
+[training]
+seq_len = 32
+local_batch_size = 2
+[compile]
+backend = "aot_eager"
+"""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny ops on a shared 2-core machine run far faster on one thread; nothing computed changes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def dense_recipe(tmp_path):
+    path = tmp_path / "dense_tiny.toml"
+    path.write_text(DENSE_RECIPE)
+    return str(path)
+
+
+def _inspect(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main(["inspect", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _verdict(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith("verdict:")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def _trace_records(folder: str) -> list[dict]:
+    """The JSON head of every TORCH_TRACE record (payload lines start with a tab)."""
+    logs = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".log")]
+    assert len(logs) == 1, logs
+    records = []
+    with open(logs[0], encoding="utf-8") as fh:
+        for line in fh:
+            if line.startswith("\t") or not line.strip():
+                continue
+            records.append(json.loads(line[line.index("{"):]))
+    return records
+
+
+def test_nsa_blocks_compile_whole_and_a_new_seq_len_recompiles(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    code, out, _ = _inspect(capsys, DEBUG, *TINY_NSA, f"--job.dump_folder={out_dir}", "--seq-lens", "32,48",
+                            "--fail-on-break")
+    assert code == 0, out
+    assert _verdict(out) == "verdict: 0 graph breaks, 2 graphs, 1 recompile"
+    assert "graph breaks: none" in out
+    # The recompile names the guard that failed: the sequence dimension went from 32 to 48.
+    recompile = re.search(r"compile (\d+/\d+) \(block 0, step 2\); failed guard: (.*)", out)
+    assert recompile, out
+    assert "size mismatch at index 1" in recompile.group(2) and "expected 32, actual 48" in recompile.group(2)
+    # Both blocks ran compiled code (block 1 reuses what block 0 compiled: same code, same guards).
+    assert "(eager)" not in out and "ran eagerly" not in out
+    for block in (0, 1):
+        assert re.search(rf"block {block}: compiled .*; ran graph \d", out), out
+
+    inspect_dir = out_dir / "inspect"
+    assert (inspect_dir / "report.txt").read_text() == out
+    graphs = os.listdir(inspect_dir / "graphs")
+    dynamo = [g for g in graphs if g.endswith(".dynamo.txt")]
+    assert len(dynamo) == 2
+    assert all("class GraphModule" in (inspect_dir / "graphs" / g).read_text() for g in dynamo)
+    assert sum(g.endswith(".aot_forward.txt") for g in graphs) == 2
+    assert sum(g.endswith(".aot_backward.txt") for g in graphs) == 2
+    # The structured trace is the TORCH_TRACE format: it holds the same two Dynamo graphs.
+    records = _trace_records(str(inspect_dir / "trace"))
+    assert sum("dynamo_output_graph" in r for r in records) == 2
+    assert any("compilation_metrics" in r for r in records)
+    trace_line = next(line for line in out.splitlines() if line.startswith("trace: "))
+    assert str(inspect_dir / "trace") in trace_line and "tlparse" in trace_line
+
+
+def test_dense_blocks_compile_whole(dense_recipe, tmp_path, capsys):
+    code, out, _ = _inspect(capsys, dense_recipe, f"--job.dump_folder={tmp_path}", "--fail-on-break")
+    assert code == 0, out
+    assert _verdict(out) == "verdict: 0 graph breaks, 1 graph, 0 recompiles"
+    assert "attention dense" in out
+    assert "custom ops in the graphs: none" in out
+
+
+def test_inductor_reports_its_fallbacks_and_writes_its_code(dense_recipe, tmp_path, capsys):
+    code, out, _ = _inspect(capsys, dense_recipe, "--model.n_layers=1", "--compile.backend=inductor",
+                            f"--job.dump_folder={tmp_path}", "--fail-on-break")
+    assert code == 0, out
+    assert _verdict(out) == "verdict: 0 graph breaks, 1 graph, 0 recompiles"
+    # Inductor has no lowering for the fused attention kernels behind F.scaled_dot_product_attention:
+    # the generated code calls the ATen kernel, forward and backward.
+    fallbacks = next(line for line in out.splitlines() if line.startswith("inductor fallbacks"))
+    assert fallbacks.count("aten::_scaled_dot_product") == 2, fallbacks
+    graphs = tmp_path / "inspect" / "graphs"
+    code_files = [f for f in os.listdir(graphs) if ".inductor_output_code." in f]
+    assert len(code_files) == 2  # the forward and the backward graph
+    for name in code_files:
+        text = (graphs / name).read_text()
+        compile(text, name, "exec")  # Python source, as Inductor wrote it
+        assert "def call(" in text
+
+
+def test_a_graph_break_is_reported_with_its_reason_and_line(dense_recipe, tmp_path, capsys):
+    argv = [dense_recipe, f"--job.plugins={PLUGIN}", "--model.name=breaking_transformer",
+            f"--job.dump_folder={tmp_path}"]
+    code, out, _ = _inspect(capsys, *argv, "--fail-on-break")
+    assert code == 1, out
+    with open(PLUGIN, encoding="utf-8") as fh:
+        line = next(n for n, text in enumerate(fh, 1) if "the deliberate graph break" in text)
+    where = f"breaking_model.py:{line}"
+    verdict = _verdict(out)
+    assert verdict.startswith("verdict: 1 problem") and re.search(rf"graph break at \S*{where} ", verdict), verdict
+    assert "Tensor.item()" in verdict
+    breaks = out.split("graph breaks: ", 1)[1].splitlines()
+    assert breaks[0] == "1"
+    assert re.match(rf"  \S*{where} .* in blocks 0, 1: ", breaks[1]), breaks[1]
+    # The break is reported, not fatal: without the flag the command succeeds.
+    assert _inspect(capsys, *argv)[0] == 0
+
+
+def test_blocks_that_run_eagerly_are_a_problem(dense_recipe, tmp_path, capsys):
+    code, out, _ = _inspect(capsys, dense_recipe, f"--job.plugins={PLUGIN}", "--model.name=eager_transformer",
+                            f"--job.dump_folder={tmp_path}", "--fail-on-break")
+    assert code == 1, out
+    assert "graphs (0):" in out
+    assert "verdict: 1 problem (0 graphs, 0 recompiles): blocks 0, 1 ran eagerly" in out
+
+
+@pytest.mark.parametrize("lengths, message", [("32,x", "--seq-lens '32,x'"), ("0", "--seq-lens '0'"),
+                                              ("32,65", "--seq-lens value 65 is outside 1..max_seq_len (64)")])
+def test_bad_seq_lens_are_input_errors(tmp_path, capsys, lengths, message):
+    code, _, err = _inspect(capsys, DEBUG, *TINY_NSA, f"--job.dump_folder={tmp_path}", f"--seq-lens={lengths}")
+    assert code == 2
+    assert message in err and "Fix:" in err
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
+                    reason="the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_triton_backend_shows_its_custom_ops(tmp_path, capsys):
+    one_block = [a for a in TINY_NSA if not a.startswith("--model.n_layers=")] + ["--model.n_layers=1"]
+    argv = [DEBUG, *one_block, "--model.nsa.backend=triton", f"--job.dump_folder={tmp_path}"]
+    code, out, _ = _inspect(capsys, *argv, "--fail-on-break")
+    assert code == 0, out
+    assert _verdict(out) == "verdict: 0 graph breaks, 1 graph, 0 recompiles"
+    ops = next(line for line in out.splitlines() if line.startswith("custom ops in the graphs: "))
+    # The kernels registered by components/nsa/triton/ops.py, forward ones in the Dynamo graph and
+    # backward ones in AOTAutograd's backward graph.
+    for op in ("interval_attention", "select_blocks", "selected_attention", "interval_attention_backward",
+               "selected_attention_backward"):
+        assert f"nsa_triton::{op}" in ops.split(": ", 1)[1].split(", "), ops
