@@ -195,3 +195,10 @@ def test_triton_backend_shows_its_custom_ops(tmp_path, capsys):
     for op in ("interval_attention", "select_blocks", "selected_attention", "interval_attention_backward",
                "selected_attention_backward"):
         assert f"nsa_triton::{op}" in ops.split(": ", 1)[1].split(", "), ops
+
+
+def test_activation_checkpointed_blocks_still_compile(dense_recipe, tmp_path, capsys):
+    code, out, _ = _inspect(capsys, dense_recipe, "--activation_checkpoint.mode=full", f"--job.dump_folder={tmp_path}",
+                            "--fail-on-break")
+    assert code == 0, out
+    assert "0 graph breaks" in out and "ran eagerly" not in out
