@@ -6,6 +6,7 @@ import sys
 import warnings
 
 from components.errors import UserError
+from nsa_titan.command_options import take_option
 from nsa_titan.config import RecipeError, resolve
 
 COMMANDS = {
@@ -72,23 +73,10 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-def _take_option(argv: list[str], name: str, default: str | None = None) -> str | None:
-    """Remove `--name VALUE` or `--name=VALUE` from argv and return VALUE."""
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            value = argv[i + 1]
-            del argv[i:i + 2]
-            return value
-        if arg.startswith(name + "="):
-            del argv[i]
-            return arg.split("=", 1)[1]
-    return default
-
-
 def export(argv: list[str]) -> int:
     from nsa_titan.export import export_checkpoint
 
-    output = _take_option(argv, "--output")
+    output = take_option(argv, "--output")
     if not output:
         return _fail("error: export needs --output FILE. Fix: e.g. `nsa-titan export recipes/debug.toml "
                      "--output outputs/debug/model.pt`.")
@@ -106,11 +94,11 @@ def sample(argv: list[str]) -> int:
     from nsa_titan.config.resolve import resolve_text
     from nsa_titan.export import load_exported
 
-    prompt = _take_option(argv, "--prompt", "")
+    prompt = take_option(argv, "--prompt", "")
     numbers = {}
     for name, kind, default in (("--max-new-tokens", int, "200"), ("--temperature", float, "0.8"),
                                 ("--top-k", int, "0"), ("--seed", int, "0")):
-        text = _take_option(argv, name, default)
+        text = take_option(argv, name, default)
         try:
             numbers[name] = kind(text)
         except ValueError:
@@ -132,8 +120,8 @@ def sample(argv: list[str]) -> int:
 def plot(argv: list[str]) -> int:
     from nsa_titan.observe.plots import plot_exported
 
-    text, text_file = _take_option(argv, "--text"), _take_option(argv, "--text-file")
-    layer_text, out = _take_option(argv, "--layer", "0"), _take_option(argv, "--out")
+    text, text_file = take_option(argv, "--text"), take_option(argv, "--text-file")
+    layer_text, out = take_option(argv, "--layer", "0"), take_option(argv, "--out")
     usage = "`nsa-titan plot outputs/debug/model.pt --text 'def f(x):' --out plots/`"
     if len(argv) != 1:
         return _fail(f"error: plot takes one exported model file. Fix: {usage}.")

@@ -1,6 +1,5 @@
 """Data: sources, tokenizers, packing and the resumable per-rank sharded loader."""
 
-from components.data.args import LoaderArgs
 from components.data.loader import build_dataloader, stream_id
 from components.data.sharding import (
     loader_state_by_logical_shard,
@@ -14,7 +13,6 @@ __all__ = [
     "SOURCES",
     "TOKENIZERS",
     "ByteTokenizer",
-    "LoaderArgs",
     "TiktokenArgs",
     "TiktokenTokenizer",
     "build_dataloader",

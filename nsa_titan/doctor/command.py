@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from components.errors import UserError
+from nsa_titan.command_options import take_option
 from nsa_titan.doctor.checks import FAIL, OK, WARN, Check
 
 NEEDS_RECIPE = ("data", "dump folder", "NSA backend", "memory estimate")
@@ -12,14 +13,12 @@ USAGE = ("nsa-titan doctor RECIPE.toml [--section.field=VALUE ...] [--world-size
 
 
 def _pop_world_size(argv: list[str]) -> int | None:
-    for i, arg in enumerate(argv):
-        if arg == "--world-size" or arg.startswith("--world-size="):
-            text = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            del argv[i:i + (1 if "=" in arg else 2)]
-            if not text.isdigit() or int(text) < 1:
-                raise UserError(f"--world-size {text!r} is not a positive whole number. Fix: e.g. --world-size 8.")
-            return int(text)
-    return None
+    text = take_option(argv, "--world-size")
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"--world-size {text!r} is not a positive whole number. Fix: e.g. --world-size 8.")
+    return int(text)
 
 
 def _guarded(name: str, fn) -> Check:

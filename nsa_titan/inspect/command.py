@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from components.errors import UserError
+from nsa_titan.command_options import take_option
 
 USAGE = ("nsa-titan inspect RECIPE.toml [--section.field=VALUE ...] [--seq-lens 64,96] [--fail-on-break]\n"
          "  --seq-lens L1,L2,...  run forward + backward at these sequence lengths (default: training.seq_len)\n"
@@ -20,20 +21,6 @@ def _pop_flag(argv: list[str], name: str) -> bool:
     found = name in argv
     argv[:] = [a for a in argv if a != name]
     return found
-
-
-def _pop_value(argv: list[str], name: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == name:
-            if i + 1 >= len(argv):
-                raise UserError(f"{name} needs a value. Fix: e.g. `{name} 64,96`.")
-            value = argv[i + 1]
-            del argv[i:i + 2]
-            return value
-        if arg.startswith(name + "="):
-            del argv[i]
-            return arg.split("=", 1)[1]
-    return None
 
 
 def parse_seq_lens(text: str) -> list[int]:
@@ -58,7 +45,7 @@ def run_command(argv: list[str]) -> int:
         print(USAGE + "\nRecipe fields and overrides: `nsa-titan train --help`.")
         return 0
     fail_on_break = _pop_flag(argv, "--fail-on-break")
-    lengths_text = _pop_value(argv, "--seq-lens")
+    lengths_text = take_option(argv, "--seq-lens")
     seq_lens = parse_seq_lens(lengths_text) if lengths_text is not None else None
     resolved = resolve(argv, world_size=launch_world()[2])
     if resolved.path is None:

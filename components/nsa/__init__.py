@@ -1,0 +1,38 @@
+"""Native Sparse Attention: the op contract of NSA_SPEC.md and its exact PyTorch reference.
+
+    nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size, block_stride,
+                  sel_block_size, num_selected, window_size, backend="reference") -> o [B, T, H, D]
+    nsa_attention_at(..., *, q_start, ...)   the same for queries at q_start .. q_start + Tq - 1 (decode)
+    select_blocks(q, k_cmp, *, ...)          -> LongTensor [B, T, Hkv, n], ascending, -1 unused
+    select_blocks_at(q, k_cmp, *, q_start, ...)
+
+Query head h belongs to key/value group h // G (G = H / Hkv). The caller compresses (KVCompressor)
+and rotates; the op applies no RoPE.
+"""
+
+from components.nsa.compression import (
+    COMPRESS_MODES,
+    KVCompressor,
+    compressed_block_positions,
+    num_compressed_blocks,
+)
+from components.nsa.hyperparams import check_hyperparameters, hyperparameter_problems, num_selection_blocks
+from components.nsa.op import BACKENDS, nsa_attention, nsa_attention_at, select_blocks, select_blocks_at
+from components.nsa.selection import overlap_tokens, overlap_weights
+
+__all__ = [
+    "BACKENDS",
+    "COMPRESS_MODES",
+    "KVCompressor",
+    "check_hyperparameters",
+    "compressed_block_positions",
+    "hyperparameter_problems",
+    "nsa_attention",
+    "nsa_attention_at",
+    "num_compressed_blocks",
+    "num_selection_blocks",
+    "overlap_tokens",
+    "overlap_weights",
+    "select_blocks",
+    "select_blocks_at",
+]

@@ -1,0 +1,80 @@
+"""The exact NSA reference in PyTorch: three branches, gated (NSA_SPEC.md).
+
+Inputs are assumed validated (components.nsa.op does that). Softmax statistics and branch
+outputs are computed in fp32 (fp64 for fp64 inputs); the result comes back in q's dtype. Every
+function takes queries at absolute positions q_start .. q_start + Tq - 1 and keys at 0 .. Tk - 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from components.nsa.chunked_attention import chunked_attention, key_layout, query_chunk_size, query_layout
+from components.nsa.masks import CompressedRule, SelectedRule, WindowRule
+from components.nsa.selection import score_dtype, select_blocks_at_reference
+
+
+def _heads_out(o: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, Tq, G, D] -> [B, Tq, H, D]."""
+    B, Hkv, Tq, G, D = o.shape
+    return o.permute(0, 2, 1, 3, 4).reshape(B, Tq, Hkv * G, D).contiguous()
+
+
+def _attend(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule, q_start: int, key_span: int) -> torch.Tensor:
+    B, Hkv, Tq, G, _ = qh.shape
+    chunk = query_chunk_size(B, Hkv * G, key_span, Tq)
+    return chunked_attention(qh, key_layout(k, qh.dtype), key_layout(v, qh.dtype), rule, q_start, chunk)
+
+
+def _compressed(qh, k_cmp, v_cmp, q_start: int, block_size: int, block_stride: int) -> torch.Tensor:
+    rule = CompressedRule(block_size, block_stride, k_cmp.shape[1], qh.device)
+    return _attend(qh, k_cmp, v_cmp, rule, q_start, max(1, k_cmp.shape[1]))
+
+
+def _selected(qh, k_sel, v_sel, selection, q_start: int, sel_block_size: int) -> torch.Tensor:
+    rule = SelectedRule(selection, sel_block_size, q_start)
+    return _attend(qh, k_sel, v_sel, rule, q_start, k_sel.shape[1])
+
+
+def _window(qh, k_win, v_win, q_start: int, window_size: int) -> torch.Tensor:
+    rule = WindowRule(window_size, qh.device)
+    return _attend(qh, k_win, v_win, rule, q_start, min(k_win.shape[1], window_size + 64))
+
+
+def compressed_attention(q, k_cmp, v_cmp, *, q_start: int, block_size: int, block_stride: int) -> torch.Tensor:
+    """o_cmp [B, Tq, H, D] in the compute dtype; a query that sees no compressed block gets 0."""
+    qh = query_layout(q, k_cmp.shape[2], score_dtype(q.dtype))
+    return _heads_out(_compressed(qh, k_cmp, v_cmp, q_start, block_size, block_stride))
+
+
+def selected_attention(q, k_sel, v_sel, selection, *, q_start: int, sel_block_size: int) -> torch.Tensor:
+    """o_sel [B, Tq, H, D]: attention over the tokens s <= t of the blocks in `selection` [B, Tq, Hkv, n]."""
+    qh = query_layout(q, k_sel.shape[2], score_dtype(q.dtype))
+    return _heads_out(_selected(qh, k_sel, v_sel, selection, q_start, sel_block_size))
+
+
+def window_attention(q, k_win, v_win, *, q_start: int, window_size: int) -> torch.Tensor:
+    """o_win [B, Tq, H, D]: attention over keys max(0, t - w + 1) <= s <= t."""
+    qh = query_layout(q, k_win.shape[2], score_dtype(q.dtype))
+    return _heads_out(_window(qh, k_win, v_win, q_start, window_size))
+
+
+def nsa_attention_at_reference(
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
+    block_size: int, block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
+) -> torch.Tensor:
+    """o [B, Tq, H, D] = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win, in q's dtype."""
+    selection = select_blocks_at_reference(
+        q, k_cmp, q_start=q_start, block_size=block_size, block_stride=block_stride,
+        sel_block_size=sel_block_size, num_selected=num_selected,
+    )
+    Hkv = k_sel.shape[2]
+    qh = query_layout(q, Hkv, score_dtype(q.dtype))
+    o_cmp = _compressed(qh, k_cmp, v_cmp, q_start, block_size, block_stride)
+    o_sel = _selected(qh, k_sel, v_sel, selection, q_start, sel_block_size)
+    o_win = _window(qh, k_win, v_win, q_start, window_size)
+    # Gate in the branches' own layout [B, Hkv, Tq, G, D], then one transpose back.
+    B, Tq, H, _ = gates.shape
+    g = gates.to(qh.dtype).reshape(B, Tq, Hkv, H // Hkv, 3).permute(0, 2, 1, 3, 4).unsqueeze(-1)
+    out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win
+    return _heads_out(out).to(q.dtype)
