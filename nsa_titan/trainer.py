@@ -222,6 +222,10 @@ class Trainer:
         self.watchdog = Watchdog(fault.step_timeout_seconds, fault.first_step_timeout_seconds, self.stacks_path,
                                  on_timeout_message=lambda stall: f"rank {rank}: {describe_stall(stall)}",
                                  start_step=state.step)
+        if state.step >= t.steps:
+            self._say(f"nothing to do: the run already reached training.steps = {t.steps}. Fix: raise "
+                      f"--training.steps to train on, or use another --job.dump_folder to start afresh.")
+            return
         iterator = iter(self.train_loader)
         run_start = time.perf_counter()
         first_step = state.step

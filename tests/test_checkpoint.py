@@ -122,6 +122,14 @@ def test_keep_latest_k(tmp_path):
     assert sorted(os.listdir(ckpt_dir(folder))) == ["step-4", "step-5"]
 
 
+def test_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
+    argv = [*BASE, "--training.steps=2", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *argv]) == 0
+    assert "nothing to do: the run already reached training.steps = 2" in capsys.readouterr().out
+
+
 def test_async_save_resumes_exactly(tmp_path):
     straight, folder = tmp_path / "straight", tmp_path / "run"
     assert cli.main(["train", *BASE, "--training.steps=4", "--metrics.log_freq=1", f"--job.dump_folder={straight}"]) == 0
