@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.environment import describe_environment, results_path  # noqa: E402
 from components.nsa import nsa_attention, num_compressed_blocks  # noqa: E402
 from components.nsa.reference import compressed_attention, selected_attention, window_attention  # noqa: E402
 from components.nsa.selection import select_blocks_at_reference  # noqa: E402
@@ -110,15 +110,20 @@ def main() -> None:
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     results = [bench_config(a.seq_len, a.heads, hkv, a.head_dim, a.repeats) for hkv in a.kv_heads]
-    print(json.dumps({
+    report = {
         "benchmark": "nsa_reference_vs_sdpa_cpu",
-        "torch": torch.__version__,
+        "environment": describe_environment(),
         "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
         "batch": 1, "seq_len": a.seq_len, "heads": a.heads, "head_dim": a.head_dim, "dtype": "float32",
         "hyperparameters": HYPER,
         "results": results,
-    }, indent=2))
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    path = results_path("reference_vs_sdpa_cpu")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text + "\n")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
