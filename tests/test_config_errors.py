@@ -166,6 +166,15 @@ def test_extends_cycle(tmp_path, capsys):
     assert code == 2 and "cycle" in err
 
 
+def test_workers_must_have_shards_to_read(tmp_path):
+    from nsa_titan.config import RecipeError, resolve
+
+    path = write(tmp_path, "[data]\nlogical_shards = 8\nnum_workers = 4\n")
+    with pytest.raises(RecipeError) as info:
+        resolve([path], world_size=4)
+    assert "data.num_workers" in info.value.render() and "2 logical shards" in info.value.render()
+
+
 def test_logical_shards_must_split_over_ranks(tmp_path):
     from nsa_titan.config import RecipeError, resolve
 

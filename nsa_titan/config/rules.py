@@ -62,6 +62,12 @@ def check_rules(recipe: Recipe, world_size: int, source_of, problems: list[Probl
                 f"model {recipe.model.name!r} with these arguments has no attention telemetry (e.g. dense attention)",
                 "set metrics.telemetry_freq = 0")
 
+    per_rank = recipe.data.logical_shards // dp if recipe.data.logical_shards % dp == 0 else None
+    if per_rank is not None and recipe.data.num_workers > per_rank:
+        add("data.num_workers", recipe.data.num_workers,
+            f"exceeds the {per_rank} logical shards each of the {dp} data-parallel ranks owns, so workers would idle",
+            f"use at most {per_rank} workers, or raise data.logical_shards (fixed for the life of a run)")
+
     max_len = getattr(recipe.model.args, "max_seq_len", None)
     if isinstance(max_len, int) and t.seq_len > max_len:
         add("training.seq_len", t.seq_len, f"exceeds the model's max_seq_len = {max_len}",
