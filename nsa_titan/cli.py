@@ -122,9 +122,11 @@ def plot(argv: list[str]) -> int:
 
     text, text_file = take_option(argv, "--text"), take_option(argv, "--text-file")
     layer_text, out = take_option(argv, "--layer", "0"), take_option(argv, "--out")
-    usage = "`nsa-titan plot outputs/debug/model.pt --text 'def f(x):' --out plots/`"
-    if len(argv) != 1:
-        return _fail(f"error: plot takes one exported model file. Fix: {usage}.")
+    usage = ("`nsa-titan plot outputs/debug/model.pt --text 'def f(x):' --out plots/` or, from the run's newest "
+             "checkpoint, `nsa-titan plot recipes/debug.toml [overrides] --text ... --out plots/`")
+    from_recipe = bool(argv) and argv[0].endswith(".toml")
+    if not argv or (len(argv) != 1 and not from_recipe):
+        return _fail(f"error: plot takes one exported model file or a recipe. Fix: {usage}.")
     if (text is None) == (text_file is None):
         return _fail(f"error: plot needs exactly one of --text TEXT or --text-file FILE. Fix: {usage}.")
     if not out:
@@ -139,7 +141,15 @@ def plot(argv: list[str]) -> int:
                 text = fh.read()
         except OSError as exc:
             return _fail(f"error: cannot read --text-file {text_file!r} ({exc.strerror}). Fix: give a readable file.")
-    paths, note = plot_exported(argv[0], text, layer, out)
+    if from_recipe:
+        from nsa_titan.export import load_checkpoint_model
+        from nsa_titan.observe.plots import plot_model
+
+        model, tokenizer, step = load_checkpoint_model(resolve(argv))
+        paths, note = plot_model(model, tokenizer, text, layer, out)
+        note += f", checkpoint step {step}"
+    else:
+        paths, note = plot_exported(argv[0], text, layer, out)
     print(f"plotted {note}: " + ", ".join(paths.values()))
     return 0
 

@@ -24,7 +24,12 @@ from nsa_titan.config.errors import RecipeError
 FORMAT = "nsa_titan.export.v1"
 
 
-def export_checkpoint(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
+def load_checkpoint_model(resolved: ResolvedRecipe):
+    """The run's newest complete checkpoint (or checkpoint.load_step) as a full model on the CPU.
+
+    Returns (model in eval mode, tokenizer, step). Needs no process group: DCP reads the shards of
+    any layout into the unsharded model.
+    """
     recipe = resolved.recipe
     folder = os.path.join(recipe.job.dump_folder, recipe.checkpoint.folder)
     steps = complete_steps(folder)
@@ -40,6 +45,12 @@ def export_checkpoint(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=os.path.join(folder, f"step-{step}", "model"), no_dist=True)
     model.load_state_dict(state["model"], strict=True)
+    return model.eval(), tokenizer, step
+
+
+def export_checkpoint(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
+    recipe = resolved.recipe
+    model, tokenizer, step = load_checkpoint_model(resolved)
     payload = {
         "format": FORMAT,
         "model_name": recipe.model.name,

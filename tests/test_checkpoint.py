@@ -232,5 +232,8 @@ def test_export_round_trip_gives_the_same_logits(tmp_path, capsys):
     tokens = torch.randint(0, meta["vocab_size"], (2, 40))
     with torch.no_grad():
         assert torch.equal(model(tokens), reference.eval()(tokens))
-    # And the file samples.
+    # The file samples, and the checkpoint plots straight from the recipe.
     assert cli.main(["sample", str(out_file), "--prompt", "def ", "--max-new-tokens", "8"]) == 0
+    plots = tmp_path / "plots"
+    assert cli.main(["plot", *argv, "--text", "def f(x):\n    return x", "--out", str(plots)]) == 0
+    assert (plots / "selection_layer0.png").read_bytes().startswith(b"\x89PNG")

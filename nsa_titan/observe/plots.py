@@ -157,17 +157,11 @@ def render_plots(model: nn.Module, tokens: torch.Tensor, layer: int, out_dir: st
     return paths
 
 
-def plot_exported(path: str, text: str, layer: int, out_dir: str) -> tuple[dict[str, str], str]:
-    """Load an exported model, tokenize text (cut to max_seq_len) and render_plots; returns (paths, note)."""
-    from nsa_titan import assemble
-    from nsa_titan.config.resolve import resolve_text
-    from nsa_titan.export import load_exported
-
-    model, meta = load_exported(path)
+def plot_model(model: nn.Module, tokenizer, text: str, layer: int, out_dir: str) -> tuple[dict[str, str], str]:
+    """Tokenize text (cut to max_seq_len) and render_plots on the CPU; returns (paths, note)."""
     for block in model.layers:
         if isinstance(block.attention, NSAAttention):
             block.attention.backend = "reference"  # same results; the model is on the CPU here
-    tokenizer = assemble.build_tokenizer(resolve_text(meta["recipe_toml"]).recipe)
     ids = tokenizer.encode(text)
     if not ids:
         raise UserError("the text to plot is empty. Fix: pass some text with --text or --text-file.")
@@ -177,3 +171,14 @@ def plot_exported(path: str, text: str, layer: int, out_dir: str) -> tuple[dict[
         note = f"the text's first {limit} of {len(ids)} tokens (the model's max_seq_len)"
         ids = ids[:limit]
     return render_plots(model, torch.tensor([ids], dtype=torch.long), layer, out_dir), note
+
+
+def plot_exported(path: str, text: str, layer: int, out_dir: str) -> tuple[dict[str, str], str]:
+    """plot_model on an exported model file."""
+    from nsa_titan import assemble
+    from nsa_titan.config.resolve import resolve_text
+    from nsa_titan.export import load_exported
+
+    model, meta = load_exported(path)
+    tokenizer = assemble.build_tokenizer(resolve_text(meta["recipe_toml"]).recipe)
+    return plot_model(model, tokenizer, text, layer, out_dir)
