@@ -20,3 +20,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _seed_everything():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny ops on a shared 2-core machine: a second thread only adds synchronisation (and, when the
+    machine is busy, waits for a descheduled thread); nothing computed changes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

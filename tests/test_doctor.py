@@ -17,12 +17,7 @@ from tests.launch import DEBUG
 CHECKS = ("versions", "devices", "recipe", "data", "dump folder", "NSA backend", "memory estimate")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _doctor(capsys, *argv) -> tuple[int, dict[str, tuple[str, str]]]:

@@ -48,13 +48,7 @@ backend = "aot_eager"
 """
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops on a shared 2-core machine run far faster on one thread; nothing computed changes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -24,14 +24,7 @@ from tests.test_nsa_bruteforce import (
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These shapes are tiny: a second thread only adds synchronisation, and on a busy machine
-    # the wait for a descheduled thread makes gradcheck's thousands of forwards crawl.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hyper(l, d, lp, n, w):
