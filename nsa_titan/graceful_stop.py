@@ -9,9 +9,6 @@ from __future__ import annotations
 import os
 import signal
 
-import torch
-import torch.distributed as dist
-
 HALT_FILE = "HALT"
 
 
@@ -31,24 +28,17 @@ class GracefulStop:
             raise KeyboardInterrupt
         self.reason = signal.Signals(signum).name
 
-    def requested(self, device: torch.device, *, agree_now: bool) -> bool:
-        """Whether to stop after this step, the same answer on every rank.
-
-        With several ranks the answer needs an all-reduce; it is asked only on steps where
-        `agree_now` is true (the logging steps, which synchronise anyway), so a stop waits at most
-        metrics.log_freq steps.
-        """
+    def local_request(self) -> bool:
+        """Whether this process was asked to stop (a signal, or the halt file appearing)."""
         if self.reason is None and os.path.exists(self.halt_path):
             self.reason = f"halt file {self.halt_path}"
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.reason is not None
-        if not agree_now:
-            return False
-        flag = torch.tensor([1 if self.reason else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.reason is None:
+        return self.reason is not None
+
+    def agree(self, any_rank_asked: bool) -> bool:
+        """Record the all-ranks answer (the trainer's per-step agreement carries it) and return it."""
+        if any_rank_asked and self.reason is None:
             self.reason = "another rank was asked to stop"
-        return bool(flag.item())
+        return any_rank_asked
 
     def consume_halt_file(self) -> None:
         """Keep the halt file from stopping the resumed run, without deleting what the user wrote."""

@@ -21,7 +21,7 @@ from nsa_titan.observe.heartbeat import Heartbeat
 from nsa_titan.observe.manifest import write_manifest
 from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog
 from nsa_titan.observe.mfu import mfu_percent, peak_flops_per_second
-from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard
+from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
 from nsa_titan.observe.telemetry_log import telemetry_line, telemetry_records
 from nsa_titan.observe.watchdog import Watchdog, describe_stall
@@ -94,6 +94,7 @@ class Trainer:
                                              world_size=runtime.world_size, say=self._say)
         self._restore()
         self.stop = GracefulStop(dump)
+        self._stop_agreed = False
         self.metrics = MetricsLog(os.path.join(dump, "metrics.jsonl")) if runtime.is_main else None
         self.tensorboard = None
         if runtime.is_main and recipe.metrics.enable_tensorboard:
@@ -176,13 +177,24 @@ class Trainer:
             loss.backward()
             loss_total += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.training.max_norm)
-        decision = self.nan_guard.check(loss_total, grad_norm, step=self.state.step + 1)
+        bad, self._stop_agreed = self._agree(loss_total, grad_norm)
+        decision = self.nan_guard.decide(bad, step=self.state.step + 1)
         if decision == OK:
             self.optimizer.step()
         # A skipped step still uses its batch and its place in the LR schedule.
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         return loss_total, grad_norm, data_wait, decision
+
+    def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
+        """Once per step, every rank learns (any rank's loss or gradient norm is NaN/Inf, any rank was
+        asked to stop): one small MAX all-reduce and one host sync carry both answers."""
+        flags = torch.stack([nonfinite_flag(loss, grad_norm).reshape(()),
+                             torch.tensor(float(self.stop.local_request()), device=loss.device)])
+        if self.mesh is not None:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        bad, stop = flags.tolist()
+        return bool(bad), self.stop.agree(bool(stop))
 
     # -- validation and telemetry ----------------------------------------------------------------
     @torch.no_grad()
@@ -277,7 +289,7 @@ class Trainer:
                 self._say(telemetry_line(state.step, records))
                 self._log({"step": state.step, **records}, console=False)
 
-            stopping = self.stop.requested(self.runtime.device, agree_now=log_now) and state.step < t.steps
+            stopping = self._stop_agreed and state.step < t.steps
             if self.checkpointer is not None and recipe.checkpoint.enable:
                 self.checkpointer.poll()
                 if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,3 +105,23 @@ def test_killed_rank_makes_the_other_exit(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("the surviving rank hung after its peer was killed")
     assert proc.returncode != 0
+
+
+def test_halt_file_stops_every_rank_at_the_same_step(tmp_path):
+    """The stop request rides on the per-step agreement, so ranks stop together, between log steps too."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *COMMON,
+           "--training.steps=100000", "--metrics.log_freq=100000", "--checkpoint.enable=true",
+           "--checkpoint.interval=100000", "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    metrics_file = os.path.join(tmp_path, "metrics.jsonl")
+    deadline = time.time() + 180
+    while not (os.path.exists(metrics_file) and os.path.getsize(metrics_file) > 0):
+        assert time.time() < deadline and proc.poll() is None, "training never started"
+        time.sleep(0.2)
+    open(os.path.join(tmp_path, "HALT"), "w").close()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = re.search(r"stopping after step (\d+)", out)
+    assert stopped, out
+    assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))

@@ -43,7 +43,11 @@ class NanGuard:
         flag = nonfinite_flag(loss, grad_norm)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0:
+        return self.decide(bool(flag.item()), step)
+
+    def decide(self, bad: bool, step: int | None = None) -> str:
+        """The decision for a step whose badness all ranks already agree on (see `check`)."""
+        if not bad:
             self.consecutive_bad = 0
             return OK
         self.consecutive_bad += 1
