@@ -13,7 +13,7 @@ def register_builtins() -> None:
              flops_per_token=models.flops_per_token, telemetry=models.collect_nsa_telemetry,
              telemetry_applies=lambda args: args.attention == "nsa")
     for name in nsa.BACKENDS:
-        register("attention_backend", name, lambda name=name: name, doc=f"NSA op backend {name!r}")
+        register("attention_backend", name, nsa.nsa_attention, doc=f"built-in NSA backend {name!r}")
     for name, (args_cls, factory) in data.SOURCES.items():
         register("data_source", name, factory, args=args_cls)
     for name, (args_cls, factory) in data.TOKENIZERS.items():

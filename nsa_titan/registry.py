@@ -43,12 +43,20 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
              doc: str = "", replace: bool = False, **model_hooks: Callable[..., Any]) -> Part:
     """Add a part. Registering a taken name is an error unless replace=True.
 
+    An attention_backend's build is the op itself, with nsa_attention's signature minus `backend`;
+    it must compute the reference's function (see tests/test_nsa_reference.py for the properties).
     Models may pass flops_per_token=, telemetry= and telemetry_applies= (see Part).
     """
     if kind not in _PARTS:
         raise ValueError(f"unknown part kind {kind!r}; kinds are {', '.join(KINDS)}")
     if name in _PARTS[kind] and not replace:
         raise ValueError(f"{kind} {name!r} is already registered; pass replace=True to override it")
+    if kind == "attention_backend":
+        # The op dispatches by name inside components.nsa; a new backend is added to its table too.
+        from components.nsa import BACKENDS, register_backend
+
+        if name not in BACKENDS:
+            register_backend(name, build)
     part = Part(kind, name, build, args, doc, **model_hooks)
     _PARTS[kind][name] = part
     return part

@@ -117,3 +117,31 @@ def test_plugin_registers_a_part(tmp_path, monkeypatch):
     finally:
         registry._PARTS["optimizer"].pop("my_adamw", None)
         sys.modules.pop("my_parts", None)
+
+
+def test_plugin_registers_an_attention_backend(tmp_path, monkeypatch, capsys):
+    plugin = tmp_path / "my_backend.py"
+    plugin.write_text(
+        "from components.nsa import nsa_attention\n"
+        "from nsa_titan.registry import register\n"
+        "CALLS = []\n"
+        "def attention(*args, **hyper):\n"
+        "    CALLS.append(1)\n"
+        "    return nsa_attention(*args, backend='reference', **hyper)\n"
+        "register('attention_backend', 'counting', attention, replace=True)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from components.nsa import op
+    from tests.launch import DEBUG, TINY
+
+    try:
+        argv = [DEBUG, *TINY, "--training.steps=2", "--job.plugins=my_backend", "--model.nsa.backend=counting",
+                f"--job.dump_folder={tmp_path / 'run'}"]
+        assert cli.main(["train", *argv]) == 0
+        assert len(sys.modules["my_backend"].CALLS) >= 2 * 2  # two layers, two steps
+        code = cli.main(["train", DEBUG, "--model.nsa.backend=countin", "--job.plugins=my_backend"])
+        err = capsys.readouterr().err
+        assert code == 2 and "did you mean 'counting'" in err
+    finally:
+        registry._PARTS["attention_backend"].pop("counting", None)
+        op._EXTRA_BACKENDS.pop("counting", None)
+        sys.modules.pop("my_backend", None)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from components.nsa import BACKENDS
+from components.nsa import available_backends
+
+
 
 
 def _divisors(n: int) -> list[int]:
@@ -59,7 +61,7 @@ class NSAArgs:
     )
     backend: str = field(
         default="reference",
-        metadata={"doc": "NSA kernel backend; all compute the same result", "choices": tuple(BACKENDS)},
+        metadata={"doc": "NSA kernel backend; all compute the same result", "choices": available_backends},
     )
 
     def check(self) -> list[tuple[str, str]]:
@@ -178,8 +180,10 @@ def find_problems(args, prefix: str = "") -> list[tuple[str, str]]:
             nested += find_problems(value, path + ".")
             continue
         meta = f.metadata
-        if "choices" in meta and value not in meta["choices"]:
-            problems.append((path, f"{value!r} is not one of {list(meta['choices'])}; pick one of those"))
+        choices = meta.get("choices")
+        choices = choices() if callable(choices) else choices
+        if choices is not None and value not in choices:
+            problems.append((path, f"{value!r} is not one of {list(choices)}; pick one of those"))
         if "ge" in meta and value < meta["ge"]:
             problems.append((path, f"{value!r} must be >= {meta['ge']}; raise it"))
         if "gt" in meta and value <= meta["gt"]:

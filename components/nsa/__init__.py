@@ -17,11 +17,14 @@ from components.nsa.compression import (
     num_compressed_blocks,
 )
 from components.nsa.hyperparams import check_hyperparameters, hyperparameter_problems, num_selection_blocks
-from components.nsa.op import BACKENDS, nsa_attention, nsa_attention_at, select_blocks, select_blocks_at
+from components.nsa.op import (BACKENDS, available_backends, nsa_attention, nsa_attention_at, register_backend,
+                              select_blocks, select_blocks_at)
 from components.nsa.selection import overlap_tokens, overlap_weights
 
 __all__ = [
     "BACKENDS",
+    "available_backends",
+    "register_backend",
     "COMPRESS_MODES",
     "KVCompressor",
     "check_hyperparameters",

@@ -14,7 +14,20 @@ from components.nsa.hyperparams import check_hyperparameters
 from components.nsa.reference import nsa_attention_at_reference
 from components.nsa.selection import select_blocks_at_reference
 
-BACKENDS = ("reference", "triton")
+BACKENDS = ("reference", "triton")  # the built-in backends, proven equal by the test suite
+_EXTRA_BACKENDS: dict = {}  # name -> nsa_attention-like callable (same signature, no `backend`)
+
+
+def register_backend(name: str, attention) -> None:
+    """Add a backend: `attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size,
+    block_stride, sel_block_size, num_selected, window_size)` computing the reference's function."""
+    if name in BACKENDS:
+        raise ValueError(f"NSA backend {name!r} is built in and cannot be replaced")
+    _EXTRA_BACKENDS[name] = attention
+
+
+def available_backends() -> tuple[str, ...]:
+    return BACKENDS + tuple(sorted(_EXTRA_BACKENDS))
 
 
 def _triton_module():
@@ -29,8 +42,8 @@ def _triton_module():
 
 
 def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise UserError(f"unknown NSA backend {backend!r}; available backends: {', '.join(BACKENDS)}")
+    if backend not in available_backends():
+        raise UserError(f"unknown NSA backend {backend!r}; available backends: {', '.join(available_backends())}")
 
 
 def _check_q_start(q_start: int) -> None:
@@ -110,6 +123,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_s
                  num_selected=num_selected, window_size=window_size)
     if backend == "triton":
         return _triton_module().nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
+    if backend in _EXTRA_BACKENDS:
+        return _EXTRA_BACKENDS[backend](q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
     return nsa_attention_at_reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, **hyper)
 
 

@@ -193,7 +193,7 @@ def coerce(raw: Any, tp: Any) -> Any:
 
 
 def check_bounds(value: Any, meta: typing.Mapping[str, Any]) -> None:
-    choices = meta.get("choices")
+    choices = choices_of(meta)
     if choices is not None and value not in choices:
         raise _Invalid(f"must be one of {', '.join(map(repr, choices))}" + _suggest(str(value), list(map(str, choices))),
                        f"choose one of {', '.join(map(str, choices))}")
@@ -202,6 +202,12 @@ def check_bounds(value: Any, meta: typing.Mapping[str, Any]) -> None:
                                ("le", lambda v, b: v <= b, "at most")):
             if key in meta and not ok(value, meta[key]):
                 raise _Invalid(f"must be {words} {meta[key]}", f"use a value {words} {meta[key]}")
+
+
+def choices_of(meta: typing.Mapping[str, Any]) -> tuple | None:
+    """A field's allowed values; a callable gives those known when the recipe is checked (e.g. plugins')."""
+    choices = meta.get("choices")
+    return tuple(choices()) if callable(choices) else choices
 
 
 def _suggest(word: str, candidates: list[str]) -> str:

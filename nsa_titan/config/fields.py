@@ -6,6 +6,8 @@ dataclasses with plain `dataclasses.field(metadata=...)` in the same convention,
 import the engine.
 
 Two metadata keys are the engine's own:
+"choices" may be a callable returning the allowed values when the recipe is checked.
+
 - "component": the field names a registered part of this kind ("model", "data_source", ...).
 - "args_for": the field holds the arguments of the part named by the sibling field given here;
   "placement" says where they live in TOML: "inline" (the rest of the same table, as in [model])
@@ -30,7 +32,7 @@ def f(default: Any = dataclasses.MISSING, doc: str = "", *, choices=None, ge=Non
                        ("component", component), ("args_for", args_for),
                        ("placement", placement)):
         if value is not None:
-            meta[key] = tuple(value) if key == "choices" else value
+            meta[key] = tuple(value) if key == "choices" and not callable(value) else value
     if isinstance(default, list):
         items = list(default)
         return dataclasses.field(default_factory=lambda: list(items), metadata=meta)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from nsa_titan import registry
+from nsa_titan.config.build import choices_of
 from nsa_titan.config.fields import default_of, doc_of, is_dataclass_type, resolved_types, type_name
 from nsa_titan.config.schema import Recipe
 from nsa_titan.config.toml_io import toml_value
@@ -47,7 +48,7 @@ def _describe(cls: type, path: str, lines: list[str]) -> None:
         extra = ""
         meta = fld.metadata
         if "choices" in meta:
-            extra = f" (one of: {', '.join(map(str, meta['choices']))})"
+            extra = f" (one of: {', '.join(map(str, choices_of(meta)))})"
         elif "component" in meta:
             extra = f" (registered: {', '.join(registry.available(meta['component']))})"
         default = default_of(fld)
