@@ -60,20 +60,27 @@ def chunk_probabilities(q, k, rule, p0: int, p1: int, c0: int, c1: int, k0: int,
     return probs
 
 
+def chunked_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule, q_start: int,
+                              chunk: int) -> torch.Tensor:
+    """The forward alone, no autograd: out [B, Hkv, Tq, G, Dv]."""
+    B, Hkv, Tq, G, D = q.shape
+    Dv = v.shape[-1]
+    out = q.new_zeros(B, Hkv, Tq, G, Dv)
+    for c0, c1 in _chunks(Tq, chunk):
+        p0, p1 = q_start + c0, q_start + c1
+        k0, k1 = rule.key_range(p0, p1)
+        if k1 <= k0:
+            continue  # nobody in this chunk sees a key: output 0
+        probs = chunk_probabilities(q, k, rule, p0, p1, c0, c1, k0, k1)
+        C, K = c1 - c0, k1 - k0
+        out[:, :, c0:c1] = torch.matmul(probs.view(B, Hkv, C * G, K), v[:, :, k0:k1]).view(B, Hkv, C, G, Dv)
+    return out
+
+
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rule, q_start: int, chunk: int):
-        B, Hkv, Tq, G, D = q.shape
-        Dv = v.shape[-1]
-        out = q.new_zeros(B, Hkv, Tq, G, Dv)
-        for c0, c1 in _chunks(Tq, chunk):
-            p0, p1 = q_start + c0, q_start + c1
-            k0, k1 = rule.key_range(p0, p1)
-            if k1 <= k0:
-                continue  # nobody in this chunk sees a key: output 0
-            probs = chunk_probabilities(q, k, rule, p0, p1, c0, c1, k0, k1)
-            C, K = c1 - c0, k1 - k0
-            out[:, :, c0:c1] = torch.matmul(probs.view(B, Hkv, C * G, K), v[:, :, k0:k1]).view(B, Hkv, C, G, Dv)
+        out = chunked_attention_forward(q, k, v, rule, q_start, chunk)
         ctx.save_for_backward(q, k, v, out)
         ctx.rule, ctx.q_start, ctx.chunk = rule, q_start, chunk
         return out
@@ -82,28 +89,33 @@ class _ChunkedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out = ctx.saved_tensors
-        rule, q_start, chunk = ctx.rule, ctx.q_start, ctx.chunk
-        B, Hkv, Tq, G, D = q.shape
-        Dv = v.shape[-1]
-        grad_out = grad_out.to(out.dtype)
-        delta = (grad_out * out).sum(dim=-1)  # [B, Hkv, Tq, G]
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for c0, c1 in _chunks(Tq, chunk):
-            p0, p1 = q_start + c0, q_start + c1
-            k0, k1 = rule.key_range(p0, p1)
-            if k1 <= k0:
-                continue
-            C, K = c1 - c0, k1 - k0
-            probs = chunk_probabilities(q, k, rule, p0, p1, c0, c1, k0, k1).view(B, Hkv, C * G, K)
-            qc = q[:, :, c0:c1].reshape(B, Hkv, C * G, D)
-            kc, vc = k[:, :, k0:k1], v[:, :, k0:k1]
-            go = grad_out[:, :, c0:c1].reshape(B, Hkv, C * G, Dv)
-            dv[:, :, k0:k1] += torch.matmul(probs.transpose(-1, -2), go)
-            dscores = torch.matmul(go, vc.transpose(-1, -2))
-            dscores.sub_(delta[:, :, c0:c1].reshape(B, Hkv, C * G, 1)).mul_(probs)
-            dq[:, :, c0:c1] = torch.matmul(dscores, kc).view(B, Hkv, C, G, D)
-            dk[:, :, k0:k1] += torch.matmul(dscores.transpose(-1, -2), qc)
+        dq, dk, dv = chunked_attention_backward(q, k, v, out, grad_out, ctx.rule, ctx.q_start, ctx.chunk)
         return dq, dk, dv, None, None, None
+
+
+def chunked_attention_backward(q, k, v, out, grad_out, rule, q_start: int, chunk: int):
+    """(dq, dk, dv) of chunked attention, recomputing each chunk's probabilities (flash-style)."""
+    B, Hkv, Tq, G, D = q.shape
+    Dv = v.shape[-1]
+    grad_out = grad_out.to(out.dtype)
+    delta = (grad_out * out).sum(dim=-1)  # [B, Hkv, Tq, G]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for c0, c1 in _chunks(Tq, chunk):
+        p0, p1 = q_start + c0, q_start + c1
+        k0, k1 = rule.key_range(p0, p1)
+        if k1 <= k0:
+            continue
+        C, K = c1 - c0, k1 - k0
+        probs = chunk_probabilities(q, k, rule, p0, p1, c0, c1, k0, k1).view(B, Hkv, C * G, K)
+        qc = q[:, :, c0:c1].reshape(B, Hkv, C * G, D)
+        kc, vc = k[:, :, k0:k1], v[:, :, k0:k1]
+        go = grad_out[:, :, c0:c1].reshape(B, Hkv, C * G, Dv)
+        dv[:, :, k0:k1] += torch.matmul(probs.transpose(-1, -2), go)
+        dscores = torch.matmul(go, vc.transpose(-1, -2))
+        dscores.sub_(delta[:, :, c0:c1].reshape(B, Hkv, C * G, 1)).mul_(probs)
+        dq[:, :, c0:c1] = torch.matmul(dscores, kc).view(B, Hkv, C, G, D)
+        dk[:, :, k0:k1] += torch.matmul(dscores.transpose(-1, -2), qc)
+    return dq, dk, dv
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule, q_start: int,

@@ -12,6 +12,7 @@ from components.errors import UserError
 from components.nsa.compression import num_compressed_blocks
 from components.nsa.hyperparams import check_hyperparameters
 from components.nsa.reference import nsa_attention_at_reference
+from components.nsa.reference_op import reference_attention
 from components.nsa.selection import select_blocks_at_reference
 
 BACKENDS = ("reference", "triton")  # the built-in backends, proven equal by the test suite
@@ -125,7 +126,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_s
         return _triton_module().nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
     if backend in _EXTRA_BACKENDS:
         return _EXTRA_BACKENDS[backend](q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
-    return nsa_attention_at_reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, **hyper)
+    return reference_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_size, block_stride,
+                               sel_block_size, num_selected, window_size)
 
 
 def nsa_attention_at(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int, block_size: int,

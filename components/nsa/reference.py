@@ -20,43 +20,57 @@ def _heads_out(o: torch.Tensor) -> torch.Tensor:
     return o.permute(0, 2, 1, 3, 4).reshape(B, Tq, Hkv * G, D).contiguous()
 
 
-def _attend(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule, q_start: int, key_span: int) -> torch.Tensor:
+def compressed_plan(qh, k_cmp, v_cmp, *, block_size: int, block_stride: int) -> tuple:
+    """(k, v, visibility rule, keys one query can span) of the compressed branch."""
+    return k_cmp, v_cmp, CompressedRule(block_size, block_stride, k_cmp.shape[1], qh.device), max(1, k_cmp.shape[1])
+
+
+def selected_plan(qh, k_sel, v_sel, selection, *, q_start: int, sel_block_size: int) -> tuple:
+    return k_sel, v_sel, SelectedRule(selection, sel_block_size, q_start), k_sel.shape[1]
+
+
+def window_plan(qh, k_win, v_win, *, window_size: int) -> tuple:
+    return k_win, v_win, WindowRule(window_size, qh.device), min(k_win.shape[1], window_size + 64)
+
+
+def branch_plans(qh, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, selection, *, q_start: int, block_size: int,
+                 block_stride: int, sel_block_size: int, window_size: int) -> list[tuple]:
+    """The compressed, selected and window branches' plans, in the gates' order."""
+    return [compressed_plan(qh, k_cmp, v_cmp, block_size=block_size, block_stride=block_stride),
+            selected_plan(qh, k_sel, v_sel, selection, q_start=q_start, sel_block_size=sel_block_size),
+            window_plan(qh, k_win, v_win, window_size=window_size)]
+
+
+def branch_chunk(qh: torch.Tensor, key_span: int) -> int:
+    """Queries per chunk for a branch whose queries see at most key_span keys."""
     B, Hkv, Tq, G, _ = qh.shape
-    chunk = query_chunk_size(B, Hkv * G, key_span, Tq)
-    return chunked_attention(qh, key_layout(k, qh.dtype), key_layout(v, qh.dtype), rule, q_start, chunk)
+    return query_chunk_size(B, Hkv * G, key_span, Tq)
 
 
-def _compressed(qh, k_cmp, v_cmp, q_start: int, block_size: int, block_stride: int) -> torch.Tensor:
-    rule = CompressedRule(block_size, block_stride, k_cmp.shape[1], qh.device)
-    return _attend(qh, k_cmp, v_cmp, rule, q_start, max(1, k_cmp.shape[1]))
-
-
-def _selected(qh, k_sel, v_sel, selection, q_start: int, sel_block_size: int) -> torch.Tensor:
-    rule = SelectedRule(selection, sel_block_size, q_start)
-    return _attend(qh, k_sel, v_sel, rule, q_start, k_sel.shape[1])
-
-
-def _window(qh, k_win, v_win, q_start: int, window_size: int) -> torch.Tensor:
-    rule = WindowRule(window_size, qh.device)
-    return _attend(qh, k_win, v_win, rule, q_start, min(k_win.shape[1], window_size + 64))
+def _attend(qh: torch.Tensor, plan: tuple, q_start: int) -> torch.Tensor:
+    k, v, rule, key_span = plan
+    return chunked_attention(qh, key_layout(k, qh.dtype), key_layout(v, qh.dtype), rule, q_start,
+                             branch_chunk(qh, key_span))
 
 
 def compressed_attention(q, k_cmp, v_cmp, *, q_start: int, block_size: int, block_stride: int) -> torch.Tensor:
     """o_cmp [B, Tq, H, D] in the compute dtype; a query that sees no compressed block gets 0."""
     qh = query_layout(q, k_cmp.shape[2], score_dtype(q.dtype))
-    return _heads_out(_compressed(qh, k_cmp, v_cmp, q_start, block_size, block_stride))
+    return _heads_out(_attend(qh, compressed_plan(qh, k_cmp, v_cmp, block_size=block_size,
+                                                  block_stride=block_stride), q_start))
 
 
 def selected_attention(q, k_sel, v_sel, selection, *, q_start: int, sel_block_size: int) -> torch.Tensor:
     """o_sel [B, Tq, H, D]: attention over the tokens s <= t of the blocks in `selection` [B, Tq, Hkv, n]."""
     qh = query_layout(q, k_sel.shape[2], score_dtype(q.dtype))
-    return _heads_out(_selected(qh, k_sel, v_sel, selection, q_start, sel_block_size))
+    return _heads_out(_attend(qh, selected_plan(qh, k_sel, v_sel, selection, q_start=q_start,
+                                                sel_block_size=sel_block_size), q_start))
 
 
 def window_attention(q, k_win, v_win, *, q_start: int, window_size: int) -> torch.Tensor:
     """o_win [B, Tq, H, D]: attention over keys max(0, t - w + 1) <= s <= t."""
     qh = query_layout(q, k_win.shape[2], score_dtype(q.dtype))
-    return _heads_out(_window(qh, k_win, v_win, q_start, window_size))
+    return _heads_out(_attend(qh, window_plan(qh, k_win, v_win, window_size=window_size), q_start))
 
 
 def nsa_attention_at_reference(
@@ -70,9 +84,10 @@ def nsa_attention_at_reference(
     )
     Hkv = k_sel.shape[2]
     qh = query_layout(q, Hkv, score_dtype(q.dtype))
-    o_cmp = _compressed(qh, k_cmp, v_cmp, q_start, block_size, block_stride)
-    o_sel = _selected(qh, k_sel, v_sel, selection, q_start, sel_block_size)
-    o_win = _window(qh, k_win, v_win, q_start, window_size)
+    plans = branch_plans(qh, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, selection, q_start=q_start,
+                         block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
+                         window_size=window_size)
+    o_cmp, o_sel, o_win = (_attend(qh, plan, q_start) for plan in plans)
     # Gate in the branches' own layout [B, Hkv, Tq, G, D], then one transpose back.
     B, Tq, H, _ = gates.shape
     g = gates.to(qh.dtype).reshape(B, Tq, Hkv, H // Hkv, 3).permute(0, 2, 1, 3, 4).unsqueeze(-1)
