@@ -118,6 +118,9 @@ class PackedShardsDataset(IterableDataset):
         while True:
             live = {s: p.windows for s, p in packers.items() if not p.empty}
             if not live:
+                worker = torch.utils.data.get_worker_info()
+                if worker is not None and worker.num_workers > 1:
+                    return  # this worker's shards are empty; the rank's other workers go on (the loader checks the rank)
                 raise UserError(
                     f"data split {self.split!r}: logical shards {sorted(packers)} of rank {self.dp_rank} hold no "
                     f"documents, so this rank has nothing to train on; add data, lower logical_shards "

@@ -19,6 +19,7 @@ state_dict() and load it) and take a fixed number of batches.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -127,4 +128,15 @@ def build_dataloader(
             pin_memory=bool(pin_memory and torch.cuda.is_available()),
             persistent_workers=num_workers > 0,
             snapshot_every_n_steps=1,
+            worker_init_fn=_leave_process_group if num_workers > 0 else None,
         )
+
+
+def _leave_process_group(worker_id: int) -> None:
+    """Workers leave the training process's process group, so a stop signal reaches only the trainer.
+
+    Launchers (torchrun) and terminals (Ctrl-C) signal the whole group; a worker killed that way
+    would take the loader down before the training process could finish its step and save. The
+    loader still ends its workers itself, and they exit when the training process dies.
+    """
+    os.setsid()

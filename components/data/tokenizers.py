@@ -28,6 +28,12 @@ CL100K_SPLIT_PATTERN = (
 )
 
 
+def _utf8(text: str) -> bytes:
+    # JSON may hold lone surrogates ("\\ud83d"), which UTF-8 cannot encode; they become "?" rather
+    # than stopping the run at that document on every resume.
+    return text.encode("utf-8", errors="replace")
+
+
 class ByteTokenizer:
     """UTF-8 bytes 0..255, then BOS = 256 and EOS = 257 (vocab_size 258). Needs no files."""
 
@@ -37,10 +43,10 @@ class ByteTokenizer:
     eos_id = 257
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(_utf8(text))
 
     def encode_array(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        return np.frombuffer(_utf8(text), dtype=np.uint8).astype(np.int64)
 
     def decode(self, ids) -> str:
         # Specials are rendered by name; a cut multi-byte character decodes to U+FFFD.
@@ -139,7 +145,17 @@ class TiktokenTokenizer:
         return np.asarray(self._enc.encode_ordinary(text), dtype=np.int64)
 
     def decode(self, ids) -> str:
-        return self._enc.decode([int(i) for i in ids])
+        # Some ids below n_vocab name no token (cl100k: 100256, 100261..100275); render them by number.
+        known = self._enc.n_vocab
+        parts, run = [], []
+        for i in (int(x) for x in ids):
+            try:
+                self._enc.decode_single_token_bytes(i)
+                run.append(i)
+            except KeyError:
+                parts += [self._enc.decode(run), f"<|{i}|>" if i < known else f"<|out of range {i}|>"]
+                run = []
+        return "".join(parts + [self._enc.decode(run)])
 
 
 def build_byte_tokenizer() -> ByteTokenizer:

