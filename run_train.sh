@@ -27,12 +27,19 @@ if [ "$command" != train ]; then
 fi
 
 if [ -z "${NGPU:-}" ]; then
-  NGPU=$( (command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -c ^GPU) || true)
+  # The GPUs this process may use (CUDA_VISIBLE_DEVICES respected), else one CPU process.
+  NGPU=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   [ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 export PYTHONUNBUFFERED=1
+if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
+  # One process needs no launcher; its own exit code (2 bad input, 3 NaN stop, 124 hang) comes back.
+  exec "$py" -m nsa_titan.cli train "$@"
+fi
+# Check the recipe once, for the whole job's world size, before starting any process.
+WORLD_SIZE=$((NGPU * NNODES)) "$py" -m nsa_titan.cli train "$@" --print-config >/dev/null || exit $?
 if [ "$NNODES" -gt 1 ]; then
   : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port (the rendezvous node) for a multi-node run}"
   exec "$py" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NGPU" \

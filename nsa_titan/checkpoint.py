@@ -141,9 +141,17 @@ class Checkpointer:
             _barrier()  # every rank's files are on disk before the checkpoint is declared complete
             self._mark_complete(state.step)
 
-    def poll(self) -> None:
-        """Complete a finished background save (call once per step)."""
-        if self._pending is not None and self._pending[1].done():
+    def save_in_flight(self) -> bool:
+        """Whether this rank's background save is still writing (False when none is pending)."""
+        return self._pending is not None and not self._pending[1].done()
+
+    def complete_if_written(self, still_writing_anywhere: bool) -> None:
+        """Complete a pending background save once no rank is still writing it.
+
+        Every rank must take the same decision at the same step (completion waits at a barrier), so
+        the caller passes the all-ranks answer of save_in_flight(), agreed by a collective.
+        """
+        if self._pending is not None and not still_writing_anywhere:
             self.finish_pending()
 
     def finish_pending(self) -> None:
@@ -188,6 +196,25 @@ class Checkpointer:
                 shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     # -- loading ---------------------------------------------------------------------------------
+    def agree_resume_step(self, load_step: int) -> int | None:
+        """find_resume_step on rank 0, broadcast: every rank loads the same step (or none)."""
+        choice = [self.find_resume_step(load_step) if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        return choice[0]
+
+    def abandon_after(self, step: int) -> None:
+        """Resuming from an older step starts a new branch of the run: the newer checkpoints move into
+        abandoned-<time>/ (kept, never deleted), so no later resume returns to them."""
+        newer = [s for s in complete_steps(self.folder) + incomplete_steps(self.folder) if s > step]
+        if self.rank == 0 and newer:
+            aside = os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.makedirs(aside, exist_ok=True)
+            for later in sorted(set(newer)):
+                os.replace(self.step_dir(later), os.path.join(aside, f"step-{later}"))
+            self.say(f"resuming from step {step}: moved the newer checkpoints {sorted(set(newer))} to {aside}")
+        _barrier()
+
     def find_resume_step(self, load_step: int) -> int | None:
         """The step to resume from: load_step when given (it must exist), else the newest complete one."""
         done = complete_steps(self.folder)

@@ -80,7 +80,7 @@ def export(argv: list[str]) -> int:
     if not output:
         return _fail("error: export needs --output FILE. Fix: e.g. `nsa-titan export recipes/debug.toml "
                      "--output outputs/debug/model.pt`.")
-    resolved = resolve(argv)
+    resolved = resolve(argv, world_size=None)
     path, step = export_checkpoint(resolved, output)
     print(f"exported step {step} to {path}")
     return 0
@@ -145,7 +145,7 @@ def plot(argv: list[str]) -> int:
         from nsa_titan.export import load_checkpoint_model
         from nsa_titan.observe.plots import plot_model
 
-        model, tokenizer, step = load_checkpoint_model(resolve(argv))
+        model, tokenizer, step = load_checkpoint_model(resolve(argv, world_size=None))
         paths, note = plot_model(model, tokenizer, text, layer, out)
         note += f", checkpoint step {step}"
     else:

@@ -55,6 +55,10 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
         # The op dispatches by name inside components.nsa; a new backend is added to its table too.
         from components.nsa import BACKENDS, register_backend
 
+        ensure_builtins()  # the built-in backends are known before anyone may claim their names
+        if name in BACKENDS and name in _PARTS[kind]:
+            raise ValueError(f"NSA backend {name!r} is built in and cannot be replaced; register yours under a new "
+                             f"name and choose it with model.nsa.backend")
         if name not in BACKENDS:
             register_backend(name, build)
     part = Part(kind, name, build, args, doc, **model_hooks)

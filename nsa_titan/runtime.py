@@ -43,7 +43,11 @@ def make_runtime(device_choice: str, dtype_choice: str) -> Runtime:
                         "--training.device=cpu (or auto), or run on a machine with a GPU.")
     use_cuda = device_choice == "cuda" or (device_choice == "auto" and has_cuda)
     if use_cuda:
-        device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"local rank {local_rank} has no GPU of its own: {torch.cuda.device_count()} visible "
+                            f"on this node. Fix: launch at most that many processes per node (NGPU), or make "
+                            f"more GPUs visible (CUDA_VISIBLE_DEVICES).")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -11,6 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from components.errors import UserError
+
 from nsa_titan import assemble, registry
 from nsa_titan.checkpoint import Checkpointer, RunState
 from nsa_titan.config import ResolvedRecipe
@@ -51,7 +53,9 @@ class Trainer:
         self.runtime = runtime
         t, dump = recipe.training, recipe.job.dump_folder
 
-        init_process_group(runtime, recipe.parallelism.init_timeout_seconds)
+        fault = recipe.fault
+        init_process_group(runtime, max(recipe.parallelism.init_timeout_seconds, fault.step_timeout_seconds + 60,
+                                        fault.first_step_timeout_seconds + 60))
         replicate, shard = data_parallel_degrees(recipe, runtime.world_size)
         self.mesh = build_mesh(runtime, replicate, shard)
         self.dp_rank, self.dp_size = runtime.rank, runtime.world_size
@@ -92,6 +96,8 @@ class Trainer:
             self.checkpointer = Checkpointer(os.path.join(dump, ckpt.folder), keep_latest_k=ckpt.keep_latest_k,
                                              async_mode=ckpt.async_mode, rank=runtime.rank,
                                              world_size=runtime.world_size, say=self._say)
+        if recipe.validation.enable:
+            self._check_validation_data()
         self._restore()
         self.stop = GracefulStop(dump)
         self._stop_agreed = False
@@ -121,20 +127,45 @@ class Trainer:
         assemble.materialize(self.model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
                              distributed=self.mesh is not None)
 
+    def _check_validation_data(self) -> None:
+        """Fail at start-up, not after validation.freq steps, when the held-out stream is empty."""
+        loader = assemble.build_loader(self.recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
+                                       dp_size=self.dp_size, split="validation",
+                                       batch_size=self.recipe.training.local_batch_size)
+        self._next_batch(iter(loader), "validation")
+
     # -- resume ----------------------------------------------------------------------------------
     def _restore(self) -> None:
         """Resume from the newest complete checkpoint (or checkpoint.load_step), else initial weights."""
         ckpt = self.recipe.checkpoint
         if self.checkpointer is None:
             return
-        step = self.checkpointer.find_resume_step(ckpt.load_step) if ckpt.enable else None
+        step = self.checkpointer.agree_resume_step(ckpt.load_step) if ckpt.enable else None
         if step is not None:
             self.checkpointer.load(self.state, step, data_layout=self._data_layout(), reshard_data=self._reshard_data)
+            self.checkpointer.abandon_after(step)
             self.train_loader = self.state.dataloader
+            self._apply_recipe_optimizer_settings()
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
         elif ckpt.initial_load_path:
             self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
             self._say(f"initial weights from {ckpt.initial_load_path}")
+
+    def _apply_recipe_optimizer_settings(self) -> None:
+        """The recipe, not the checkpoint, says lr, betas, eps and weight decay: a resumed run may change them.
+
+        Loading an optimizer state restores its param_groups' settings, and the LR schedule its
+        base_lrs; both are set back from the recipe (unchanged values leave the run bit-identical).
+        """
+        opt = self.recipe.optimizer
+        fresh = assemble.build_optimizer(self.recipe, self.model).param_groups
+        for group, wanted in zip(self.optimizer.param_groups, fresh):
+            group.update(betas=tuple(opt.betas), eps=opt.eps, weight_decay=wanted["weight_decay"], initial_lr=opt.lr)
+        self.lr_scheduler.base_lrs = [opt.lr] * len(self.optimizer.param_groups)
+        factor = self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = opt.lr * factor
+        self.lr_scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def _data_layout(self) -> dict:
         """What must match for a saved loader state to continue exactly as it is."""
@@ -151,8 +182,13 @@ class Trainer:
                                      batch_size=self.recipe.training.local_batch_size, shard_states=merged)
 
     # -- one optimizer step ----------------------------------------------------------------------
-    def _next_batch(self, iterator) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = next(iterator)
+    def _next_batch(self, iterator, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            raise UserError(f"the {split} data of rank {self.dp_rank} holds no documents (every logical shard "
+                            f"it owns is empty). Fix: add data, lower data.logical_shards or data.num_workers, or "
+                            f"for validation raise the source's validation fraction.") from None
         device = self.runtime.device
         return (batch["input"].to(device, non_blocking=True), batch["target"].to(device, non_blocking=True))
 
@@ -187,13 +223,17 @@ class Trainer:
         return loss_total, grad_norm, data_wait, decision
 
     def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
-        """Once per step, every rank learns (any rank's loss or gradient norm is NaN/Inf, any rank was
-        asked to stop): one small MAX all-reduce and one host sync carry both answers."""
-        flags = torch.stack([nonfinite_flag(loss, grad_norm).reshape(()),
-                             torch.tensor(float(self.stop.local_request()), device=loss.device)])
+        """Once per step, every rank learns whether any rank's loss or gradient norm is NaN/Inf, any
+        rank was asked to stop, and any rank is still writing a background checkpoint: one small MAX
+        all-reduce and one host sync carry the three answers."""
+        writing = self.checkpointer is not None and self.checkpointer.save_in_flight()
+        flags = torch.tensor([0.0, float(self.stop.local_request()), float(writing)], device=loss.device)
+        flags[0] = nonfinite_flag(loss, grad_norm).reshape(())
         if self.mesh is not None:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        bad, stop = flags.tolist()
+        bad, stop, writing_anywhere = flags.tolist()
+        if self.checkpointer is not None:
+            self.checkpointer.complete_if_written(bool(writing_anywhere))
         return bool(bad), self.stop.agree(bool(stop))
 
     # -- validation and telemetry ----------------------------------------------------------------
@@ -209,7 +249,7 @@ class Trainer:
         count = 0
         iterator = iter(loader)
         for _ in range(recipe.validation.steps):
-            inputs, targets = self._next_batch(iterator)
+            inputs, targets = self._next_batch(iterator, "validation")
             with self._autocast():
                 logits = self.model(inputs)
             total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").double()
@@ -289,9 +329,10 @@ class Trainer:
                 self._say(telemetry_line(state.step, records))
                 self._log({"step": state.step, **records}, console=False)
 
+            if self._stop_agreed and self.runtime.is_main:
+                self.stop.consume_halt_file()
             stopping = self._stop_agreed and state.step < t.steps
             if self.checkpointer is not None and recipe.checkpoint.enable:
-                self.checkpointer.poll()
                 if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
                     self.checkpointer.save(state, data_layout=self._data_layout(),
                                            wait=stopping or state.step == t.steps)
@@ -300,8 +341,6 @@ class Trainer:
                 self._say(f"stopping after step {state.step} ({self.stop.reason})"
                           + ("; the checkpoint above resumes it" if recipe.checkpoint.enable else
                              "; checkpoint.enable is false, so nothing was saved"))
-                if self.runtime.is_main:
-                    self.stop.consume_halt_file()
                 break
         if self.checkpointer is not None:
             self.checkpointer.finish_pending()

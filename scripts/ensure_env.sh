@@ -17,11 +17,13 @@ echo "setting up $root/.venv (first run only) ..." >&2
 py="$root/.venv/bin/python"
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "$py" -m pip install -q torch >&2
+    "$py" -m pip install -q "torch>=2.11,<2.14" >&2
   else
-    # A CPU-only machine: pin the CPU build so pip does not pull several GB of CUDA packages.
-    "$py" -m pip install -q "torch==2.13.0" >&2 || "$py" -m pip install -q "torch==2.13.0" \
-      --index-url https://download.pytorch.org/whl/cpu >&2
+    # A CPU-only machine: the CPU build, so pip does not pull several GB of CUDA packages. PyTorch's
+    # CPU index first; where only the package registry is reachable, its pinned wheel.
+    "$py" -m pip install -q --timeout 15 --retries 0 "torch==2.13.0" \
+      --index-url https://download.pytorch.org/whl/cpu >&2 2>/dev/null \
+      || "$py" -m pip install -q "torch==2.13.0" >&2
   fi
 fi
 "$py" -m pip install -q -e "$root[test]" >&2

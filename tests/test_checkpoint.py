@@ -237,3 +237,38 @@ def test_export_round_trip_gives_the_same_logits(tmp_path, capsys):
     plots = tmp_path / "plots"
     assert cli.main(["plot", *argv, "--text", "def f(x):\n    return x", "--out", str(plots)]) == 0
     assert (plots / "selection_layer0.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_resume_takes_optimizer_settings_from_the_recipe(tmp_path):
+    from components.optim import lr_factor
+
+    argv = [*BASE, "--training.steps=4", "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv]) == 0
+    rewind_to(tmp_path, 2)
+    assert cli.main(["train", *argv, "--optimizer.lr=1e-5", "--metrics.log_freq=1"]) == 0
+    logged = {r["step"]: r["lr"] for r in json_records(tmp_path) if "lr" in r}
+    for step in (3, 4):
+        expected = 1e-5 * lr_factor(step, warmup_steps=2, total_steps=4, decay="cosine", min_lr_factor=0.1)
+        assert logged[step] == pytest.approx(expected, rel=1e-12)
+
+
+def test_resuming_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys):
+    argv = [*BASE, "--training.steps=4", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv]) == 0
+    assert cli.main(["train", *argv, "--checkpoint.load_step=2"]) == 0
+    assert "moved the newer checkpoints [3, 4]" in capsys.readouterr().out
+    assert complete_steps(ckpt_dir(tmp_path)) == [1, 2, 3, 4]  # 3 and 4 written again by the new branch
+    (aside,) = [d for d in os.listdir(ckpt_dir(tmp_path)) if d.startswith("abandoned-")]
+    assert sorted(os.listdir(os.path.join(ckpt_dir(tmp_path), aside))) == ["step-3", "step-4"]
+
+
+@pytest.mark.slow
+def test_async_saves_on_two_ranks_complete(tmp_path):
+    run(tmp_path, "--checkpoint.interval=1", "--checkpoint.async_mode=async",
+        "--parallelism.data_parallel_shard_degree=2", nproc=2, steps=4)
+    assert complete_steps(ckpt_dir(tmp_path)) == [1, 2, 3, 4]
+
+
+def json_records(folder):
+    with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh]

@@ -145,3 +145,9 @@ def test_plugin_registers_an_attention_backend(tmp_path, monkeypatch, capsys):
         registry._PARTS["attention_backend"].pop("counting", None)
         op._EXTRA_BACKENDS.pop("counting", None)
         sys.modules.pop("my_backend", None)
+
+
+def test_a_built_in_backend_cannot_be_replaced():
+    with pytest.raises(ValueError, match="built in"):
+        registry.register("attention_backend", "reference", lambda *a, **k: None, replace=True)
+    assert registry.get("attention_backend", "reference").doc.startswith("built-in")

@@ -125,3 +125,22 @@ def test_halt_file_stops_every_rank_at_the_same_step(tmp_path):
     stopped = re.search(r"stopping after step (\d+)", out)
     assert stopped, out
     assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))
+
+
+def test_sigterm_to_the_launcher_saves_even_with_loader_workers(tmp_path):
+    """torchrun signals each worker's whole process group; loader workers must not die of it first."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *COMMON,
+           "--training.steps=100000", "--checkpoint.enable=true", "--checkpoint.interval=100000",
+           "--data.num_workers=2", "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    metrics_file = os.path.join(tmp_path, "metrics.jsonl")
+    deadline = time.time() + 180
+    while not (os.path.exists(metrics_file) and os.path.getsize(metrics_file) > 0):
+        assert time.time() < deadline and proc.poll() is None, "training never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    stopped = re.search(r"stopping after step (\d+) \(SIGTERM\)", out)
+    assert stopped, (out[-2000:], err[-3000:])
+    assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))

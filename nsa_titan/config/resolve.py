@@ -27,8 +27,12 @@ class ResolvedRecipe:
     command_line: CommandLine
 
 
-def resolve(argv: list[str], *, world_size: int = 1, default_recipe: str | None = None) -> ResolvedRecipe:
-    """Parse, compose and check a recipe; raise RecipeError listing every problem at once."""
+def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str | None = None) -> ResolvedRecipe:
+    """Parse, compose and check a recipe; raise RecipeError listing every problem at once.
+
+    world_size=None checks everything but the layout rules (for commands that read a run's files
+    in one process, such as export, whatever layout trained it).
+    """
     problems: list[Problem] = []
     cmd = parse_args(argv, problems)
     path = cmd.recipe or default_recipe
@@ -40,7 +44,7 @@ def resolve(argv: list[str], *, world_size: int = 1, default_recipe: str | None 
     return _finish(table, origin, problems, world_size, path, cmd)
 
 
-def resolve_text(text: str, *, world_size: int = 1) -> ResolvedRecipe:
+def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
     """Check a recipe held as TOML text (e.g. the one saved with a run or an export)."""
     problems: list[Problem] = []
     try:
@@ -52,7 +56,7 @@ def resolve_text(text: str, *, world_size: int = 1) -> ResolvedRecipe:
     return _finish(table, origin, problems, world_size, None, CommandLine(None, [], set()))
 
 
-def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_size: int, path: str | None,
+def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_size: int | None, path: str | None,
             cmd: CommandLine) -> ResolvedRecipe:
     _import_plugins(table, origin, problems)
     builder = RecipeBuilder(origin, problems)

@@ -29,11 +29,15 @@ def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int] | 
     return rep, shard
 
 
-def check_rules(recipe: Recipe, world_size: int, source_of, problems: list[Problem]) -> None:
+def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: list[Problem]) -> None:
+    """world_size None: a one-process reader of a run (export, plot); the layout rules do not apply."""
     def add(field: str, value, why: str, fix: str) -> None:
         problems.append(Problem(source_of(field), field, value, why, fix))
 
-    degrees = data_parallel_degrees(recipe, world_size)
+    if world_size is None:
+        degrees = (1, 1)
+    else:
+        degrees = data_parallel_degrees(recipe, world_size)
     if isinstance(degrees, str):
         add("parallelism.data_parallel_shard_degree", recipe.parallelism.data_parallel_shard_degree, degrees,
             "make replicate x shard equal the number of processes (NGPU x NNODES), or set one of them to -1")

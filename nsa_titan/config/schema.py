@@ -34,7 +34,8 @@ class ParallelismConfig:
     data_parallel_replicate_degree: int = f(1, "Replicas (DDP, or HSDP when sharding too); -1 fills the rest.", ge=-1)
     fsdp_reshard_after_forward: str = f("default", "Free gathered parameters after forward: default, always or never.",
                                         choices=("default", "always", "never"))
-    init_timeout_seconds: int = f(300, "Seconds to wait for all ranks at start-up before failing.", gt=0)
+    init_timeout_seconds: int = f(300, "Seconds to wait for all ranks at start-up (collectives get at least the "
+                                   "fault timeouts plus a minute).", gt=0)
 
 
 @dataclass

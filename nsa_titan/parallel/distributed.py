@@ -13,8 +13,10 @@ from nsa_titan.runtime import Runtime
 REPLICATE, SHARD = "dp_replicate", "dp_shard"
 
 
-def init_process_group(runtime: Runtime, timeout_seconds: int) -> None:
-    """Join the job; a rank that never arrives makes the others fail after `timeout_seconds`."""
+def init_process_group(runtime: Runtime, timeout_seconds: float) -> None:
+    """Join the job; a rank that never arrives, or a collective that never completes, fails after
+    `timeout_seconds` (the caller makes it outlast the watchdog's limits, so a hang is diagnosed
+    with stack dumps before the communicator gives up)."""
     if runtime.world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if runtime.device.type == "cuda" else "gloo"
