@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from tests.conftest import REPO_ROOT
 
@@ -27,14 +28,31 @@ def env() -> dict:
     return dict(os.environ, PYTHONPATH=REPO_ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
-def train(args: list[str], nproc: int = 1, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
+def train_command(args: list[str], nproc: int = 1) -> list[str]:
+    """`nsa-titan train ARGS` in one process, or through torchrun on loopback with nproc ranks."""
     if nproc == 1:
-        cmd = [sys.executable, "-m", "nsa_titan.cli", "train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train",
-               *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=timeout, **popen)
+        return [sys.executable, "-m", "nsa_titan.cli", "train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *args]
+
+
+def train(args: list[str], nproc: int = 1, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(args, nproc), capture_output=True, text=True, env=env(), cwd=REPO_ROOT,
+                          timeout=timeout, **popen)
+
+
+def start_training(args: list[str], folder, nproc: int = 1, timeout: float = 180, **popen) -> subprocess.Popen:
+    """Launch a run in the background and return once its first step is logged in folder/metrics.jsonl."""
+    proc = subprocess.Popen(train_command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(), cwd=REPO_ROOT, **popen)
+    path = os.path.join(folder, "metrics.jsonl")
+    deadline = time.time() + timeout
+    while not (os.path.exists(path) and os.path.getsize(path) > 0):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"training never started:\n{proc.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    return proc
 
 
 def metrics(folder) -> list[dict]:

@@ -7,11 +7,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.launch import DEBUG, TINY, env, free_port, losses, metrics, train
+from tests.launch import DEBUG, TINY, env, free_port, losses, metrics, start_training, train
 
 pytestmark = pytest.mark.slow
 
@@ -85,16 +84,8 @@ def test_two_node_launch_on_loopback(tmp_path):
 
 def test_killed_rank_makes_the_other_exit(tmp_path):
     """kill -9 one rank mid-run: the survivor must exit non-zero soon, not hang."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *COMMON,
-           "--training.steps=100000", "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
-                            start_new_session=True)
-    metrics = os.path.join(tmp_path, "metrics.jsonl")
-    deadline = time.time() + 180
-    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
-        assert time.time() < deadline and proc.poll() is None, "training never started"
-        time.sleep(0.5)
+    proc = start_training([*COMMON, "--training.steps=100000", "--parallelism.data_parallel_shard_degree=2",
+                           f"--job.dump_folder={tmp_path}"], tmp_path, nproc=2, start_new_session=True)
     children = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "nsa_titan.cli"], capture_output=True, text=True)
     pids = [int(p) for p in children.stdout.split()]
     assert len(pids) == 2, children.stdout
@@ -109,16 +100,9 @@ def test_killed_rank_makes_the_other_exit(tmp_path):
 
 def test_halt_file_stops_every_rank_at_the_same_step(tmp_path):
     """The stop request rides on the per-step agreement, so ranks stop together, between log steps too."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *COMMON,
-           "--training.steps=100000", "--metrics.log_freq=100000", "--checkpoint.enable=true",
-           "--checkpoint.interval=100000", "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
-    metrics_file = os.path.join(tmp_path, "metrics.jsonl")
-    deadline = time.time() + 180
-    while not (os.path.exists(metrics_file) and os.path.getsize(metrics_file) > 0):
-        assert time.time() < deadline and proc.poll() is None, "training never started"
-        time.sleep(0.2)
+    proc = start_training([*COMMON, "--training.steps=100000", "--metrics.log_freq=100000", "--checkpoint.enable=true",
+                           "--checkpoint.interval=100000", "--parallelism.data_parallel_shard_degree=2",
+                           f"--job.dump_folder={tmp_path}"], tmp_path, nproc=2)
     open(os.path.join(tmp_path, "HALT"), "w").close()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -129,16 +113,10 @@ def test_halt_file_stops_every_rank_at_the_same_step(tmp_path):
 
 def test_sigterm_to_the_launcher_saves_even_with_loader_workers(tmp_path):
     """torchrun signals each worker's whole process group; loader workers must not die of it first."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *COMMON,
-           "--training.steps=100000", "--checkpoint.enable=true", "--checkpoint.interval=100000",
-           "--data.num_workers=2", "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
-    metrics_file = os.path.join(tmp_path, "metrics.jsonl")
-    deadline = time.time() + 180
-    while not (os.path.exists(metrics_file) and os.path.getsize(metrics_file) > 0):
-        assert time.time() < deadline and proc.poll() is None, "training never started"
-        time.sleep(0.2)
+    proc = start_training([*COMMON, "--training.steps=100000", "--checkpoint.enable=true",
+                           "--checkpoint.interval=100000", "--data.num_workers=2",
+                           "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path}"],
+                          tmp_path, nproc=2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     stopped = re.search(r"stopping after step (\d+) \(SIGTERM\)", out)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -19,7 +16,7 @@ from nsa_titan.checkpoint import complete_steps
 from nsa_titan.config import resolve
 from nsa_titan.observe.watchdog import HANG_EXIT_CODE
 from nsa_titan.trainer import NUMERICAL_FAULT_EXIT
-from tests.launch import DEBUG, TINY, env, metrics, train
+from tests.launch import DEBUG, TINY, metrics, start_training, train
 
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2"]
 
@@ -106,13 +103,9 @@ def test_bad_steps_can_be_skipped(tmp_path):
 
 def test_sigusr1_writes_stacks_without_stopping(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "nsa_titan.cli", "train", *BASE, "--training.steps=400", f"--job.dump_folder={out}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    proc = start_training([*BASE, "--training.steps=400", f"--job.dump_folder={out}"], out)
     try:
         deadline = time.time() + 180
-        while not glob.glob(str(out / "metrics.jsonl")) or not os.path.getsize(out / "metrics.jsonl"):
-            assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.2)
         proc.send_signal(signal.SIGUSR1)
         stacks = out / "stacks" / "rank-0.txt"
         while not (stacks.exists() and "File" in stacks.read_text()):
