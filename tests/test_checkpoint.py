@@ -160,8 +160,9 @@ def test_sigterm_and_kill_lose_nothing_beyond_the_last_checkpoint(tmp_path):
     folder = tmp_path / "run"
     straight = tmp_path / "straight"
     run(straight, "--checkpoint.interval=100", steps=30)
+    # Slow steps (same numbers) keep each interrupted run going well past the moment the test acts.
     cmd = [sys.executable, "-m", "nsa_titan.cli", "train", *BASE, "--training.steps=30", "--checkpoint.interval=4",
-           f"--job.dump_folder={folder}"]
+           f"--job.dump_folder={folder}", "--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]
     # SIGTERM: finish the step, save, exit 0.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     _wait_for(lambda: complete_steps(ckpt_dir(folder)), proc)

@@ -103,7 +103,8 @@ def test_bad_steps_can_be_skipped(tmp_path):
 
 def test_sigusr1_writes_stacks_without_stopping(tmp_path):
     out = tmp_path / "run"
-    proc = start_training([*BASE, "--training.steps=400", f"--job.dump_folder={out}"], out)
+    slow = ["--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]  # still running when polled
+    proc = start_training([*BASE, "--training.steps=400", *slow, f"--job.dump_folder={out}"], out)
     try:
         deadline = time.time() + 180
         proc.send_signal(signal.SIGUSR1)

@@ -1,0 +1,36 @@
+"""AdamW that takes at least a set time per step: room for a test to act between two steps.
+
+Load it and name it as the optimizer; the numbers it computes are AdamW's, to the bit:
+
+    --job.plugins=tests.plugins.slow_steps --optimizer.name=slow_adamw
+
+Tests that signal, kill or halt a run once it reaches a step need the run to still be going when
+the signal lands; a tiny model on a fast machine can otherwise finish in the polling interval.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from components.optim.adamw import build_adamw
+from nsa_titan.registry import register
+
+SECONDS_PER_STEP = 0.2
+
+
+class SlowAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        time.sleep(SECONDS_PER_STEP)
+        return super().step(closure)
+
+
+def build_slow_adamw(model, **kwargs):
+    optimizer = build_adamw(model, **kwargs)
+    optimizer.__class__ = SlowAdamW  # the same object and state, only slower
+    return optimizer
+
+
+register("optimizer", "slow_adamw", build_slow_adamw, replace=True,
+         doc=f"test only: AdamW that sleeps {SECONDS_PER_STEP} s before every step")
