@@ -208,12 +208,13 @@ def _fwd_tiles(head_dim: int) -> tuple[int, int, int, int]:
     return 64, 32, 8, 2
 
 
-def _dq_tiles(head_dim: int) -> tuple[int, int, int, int]:
+def _dq_tiles(head_dim: int, element_bytes: int) -> tuple[int, int, int, int]:
     if head_dim <= 64:
         return 128, 32, 8, 2
     if head_dim <= 128:
         return 64, 32, 8, 2
-    return 32, 64, 8, 2
+    # fp32 rows this wide need 200 KiB of shared memory at 64 keys: more than an A100 has.
+    return (32, 64, 8, 2) if element_bytes <= 2 else (32, 32, 8, 2)
 
 
 def _dkdv_tiles(head_dim: int) -> tuple[int, int, int, int]:
@@ -279,7 +280,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     window = _effective_window(window, T)
     common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype))
 
-    block_m, block_n, warps, stages = _dq_tiles(D)
+    block_m, block_n, warps, stages = _dq_tiles(D, q.element_size())
     _interval_attn_bwd_dq_kernel[(cdiv(T, block_m), B * H)](
         q, k, v, do, lse2, delta, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

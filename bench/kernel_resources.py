@@ -1,0 +1,104 @@
+"""Compile every NSA Triton kernel of one forward + backward for a GPU target and report its resources.
+
+    python -m bench.kernel_resources [--arch 90 80] [--head-dims 32 64 128 256] [--dtypes bf16 fp16 fp32]
+                                     [--heads 12 --kv-heads 4] [--json FILE]
+
+No GPU needed: Triton compiles for the named architecture (sm_90 = H100/H200, sm_80 = A100) with the
+ptxas it ships, and nothing runs. Per kernel: warps, shared memory against the architecture's limit,
+registers and local memory per thread (register spills). Exit status 1 when a kernel does not compile
+or needs more shared memory than the architecture has: such a kernel would fail at launch.
+Run without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import traceback
+
+import torch
+
+from components.nsa.triton import nsa_attention_triton
+from components.nsa.triton.offline_compile import compile_only, target_for
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", type=int, nargs="+", default=[90], help="CUDA compute capabilities (90, 80, ...)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"])
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    # Lengths and NSA sizes only shape the launch, not the kernels; odd ones exercise the masks.
+    p.add_argument("--seq-len", type=int, default=300)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-stride", type=int, default=16)
+    p.add_argument("--sel-block-size", type=int, default=64)
+    p.add_argument("--num-selected", type=int, default=16)
+    p.add_argument("--window-size", type=int, default=512)
+    p.add_argument("--json", help="also write the rows as JSON to this file")
+    return p.parse_args(argv)
+
+
+def compile_one(args: argparse.Namespace, arch: int, head_dim: int, dtype: torch.dtype) -> list:
+    """The kernels one forward + backward launches, compiled for sm_<arch>."""
+    T, H, Hkv, D = args.seq_len, args.heads, args.kv_heads, head_dim
+    num_cmp = max(0, (T - args.block_size) // args.block_stride + 1)
+
+    def leaf(*shape):
+        return torch.zeros(*shape, dtype=dtype, requires_grad=True)
+
+    tensors = [leaf(1, T, H, D), leaf(1, num_cmp, Hkv, D), leaf(1, num_cmp, Hkv, D)]
+    tensors += [leaf(1, T, Hkv, D) for _ in range(4)]
+    gates = torch.zeros(1, T, H, 3, requires_grad=True)
+    with compile_only(target_for(arch)) as kernels:
+        o = nsa_attention_triton(*tensors, gates, block_size=args.block_size, block_stride=args.block_stride,
+                                 sel_block_size=args.sel_block_size, num_selected=args.num_selected,
+                                 window_size=args.window_size)
+        o.float().sum().backward()
+    return kernels
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows, failures = [], []
+    print(f"{'target':7} {'dtype':5} {'D':>4}  {'kernel':32} {'warps':>5} {'shared KiB':>10} {'limit':>6} "
+          f"{'regs':>4} {'local B':>7}")
+    for arch in args.arch:
+        for name in args.dtypes:
+            for head_dim in args.head_dims:
+                try:
+                    kernels = compile_one(args, arch, head_dim, DTYPES[name])
+                except Exception:  # a compile error: report it with the configuration, go on
+                    failures.append(f"sm_{arch} {name} D={head_dim}: does not compile:\n{traceback.format_exc()}")
+                    continue
+                seen = set()
+                for k in kernels:
+                    key = (k.name, tuple(sorted(k.constants.items())))
+                    if key in seen:  # the same specialization launched again (e.g. per branch)
+                        continue
+                    seen.add(key)
+                    rows.append({"dtype": name, "head_dim": head_dim, **dataclasses.asdict(k),
+                                 "shared_limit_bytes": k.shared_limit_bytes})
+                    over = k.shared_bytes > k.shared_limit_bytes
+                    if over:
+                        failures.append(f"{k.target} {name} D={head_dim}: {k.name} needs {k.shared_bytes} B of "
+                                        f"shared memory, the limit is {k.shared_limit_bytes} B")
+                    print(f"{k.target:7} {name:5} {head_dim:>4}  {k.name:32} {k.num_warps:>5} "
+                          f"{k.shared_bytes / 1024:>10.1f} {k.shared_limit_bytes / 1024:>6.0f} "
+                          f"{k.registers if k.registers is not None else '?':>4} "
+                          f"{k.local_bytes if k.local_bytes is not None else '?':>7}" + ("  OVER" if over else ""))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"rows": rows, "failures": failures}, fh, indent=1, default=str)
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

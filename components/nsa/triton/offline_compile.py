@@ -1,0 +1,98 @@
+"""Compile the NSA kernels for a GPU that is not here: the build check a CPU-only machine can do.
+
+Triton's interpreter runs a kernel's Python, so it cannot see what only the compiler checks:
+types that change across loop iterations, tl.dot shape rules, shared memory that a tile needs
+beyond a GPU's limit, register spills. This module runs the real launchers on CPU tensors with
+every kernel launch replaced by an ahead-of-time compile for a named target (Triton ships ptxas),
+and reports each compiled kernel's resources. Nothing is launched and the outputs hold no values.
+
+    with compile_only(target) as kernels:
+        nsa_attention_triton(...).sum().backward()
+    for k in kernels: print(k.name, k.shared_bytes, k.registers, k.local_bytes)
+
+Run it in a process where TRITON_INTERPRET is unset: under the interpreter there is nothing to
+compile. `python -m bench.kernel_resources` prints the table for the usual shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime import jit
+
+from components.nsa.triton import launch
+
+# Largest dynamic shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+SHARED_LIMIT_BYTES = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    name: str
+    target: str
+    constants: dict
+    num_warps: int
+    shared_bytes: int
+    registers: int | None
+    local_bytes: int | None  # local memory per thread (register spills land here); None without cuobjdump
+
+    @property
+    def shared_limit_bytes(self) -> int:
+        return SHARED_LIMIT_BYTES[int(self.target.split("_")[1])]
+
+
+def target_for(arch: int) -> GPUTarget:
+    return GPUTarget("cuda", arch, 32)
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, local-memory bytes) per thread, from cuobjdump's resource report of the cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        report = subprocess.run([tool, "--dump-resource-usage", fh.name], capture_output=True, text=True).stdout
+    registers = re.search(r"REG:(\d+)", report)
+    local = re.search(r"LOCAL:(\d+)", report)
+    return (int(registers.group(1)) if registers else None, int(local.group(1)) if local else None)
+
+
+@contextlib.contextmanager
+def compile_only(target: GPUTarget):
+    """Within the block, launching any Triton kernel compiles it for `target` instead."""
+    if launch.interpreting():
+        raise RuntimeError("offline compilation needs TRITON_INTERPRET unset")
+    backend = make_backend(target)
+    compiled: list[CompiledKernel] = []
+    original_run, original_interpreting = jit.JITFunction.run, launch.interpreting
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        binder = jit.create_function_from_signature(self.signature, self.params, backend)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
+        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                                options=options.__dict__)
+        registers, local_bytes = _resource_usage(kernel.asm["cubin"])
+        names = [p.name for p in self.params]
+        constants = {names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+        compiled.append(CompiledKernel(self.fn.__name__, f"sm_{target.arch}", constants, options.num_warps,
+                                       kernel.metadata.shared, registers, local_bytes))
+        return None
+
+    jit.JITFunction.run = compile_instead
+    launch.interpreting = lambda: True  # let the launchers accept CPU tensors
+    try:
+        yield compiled
+    finally:
+        jit.JITFunction.run = original_run
+        launch.interpreting = original_interpreting
