@@ -4,7 +4,9 @@
     python -m bench.train_throughput --recipes recipes/nsa_125m.toml --seq-lens 2048 --steps 30
 
 Each case trains on the synthetic source (so data never limits the speed) with the recipe's own
-model, precision and compile settings, one process, checkpoints and validation off. The result is
+model, precision and compile settings, one process, checkpoints and validation off. The vocabulary
+is a stand-in BPE file of --vocab-size entries (default GPT-2's 50257, the 125M recipes' tokenizer),
+so the embedding and output layer cost what they cost in the real run, with no download. The result is
 the median tokens/s over the steps after warmup (compilation and autotuning excluded), written as
 JSON into bench/results/ with the GPU, library versions and the commit.
 """
@@ -12,6 +14,7 @@ JSON into bench/results/ with the GPU, library versions and the commit.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import statistics
@@ -26,15 +29,30 @@ from bench.environment import describe_environment, results_path
 DEFAULT_RECIPES = ["recipes/nsa_125m.toml", "recipes/dense_125m.toml"]
 
 
-def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batch: int, extra: list[str]) -> dict:
+def write_standin_bpe(path: str, vocab_size: int) -> None:
+    """A .tiktoken file whose encoding has `vocab_size` ids (<|endoftext|> is the last): the 256
+    bytes, then distinct two-byte tokens. Only its size matters; synthetic data encodes no text."""
+    if not 258 <= vocab_size <= 256 + 65536:
+        raise ValueError(f"--vocab-size must be in [258, {256 + 65536}], got {vocab_size}")
+    tokens = [bytes([i]) for i in range(256)] + [bytes(divmod(i, 256)) for i in range(vocab_size - 257)]
+    with open(path, "w", encoding="ascii") as fh:
+        fh.writelines(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens))
+
+
+def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batch: int, vocab_size: int,
+             extra: list[str]) -> dict:
     from nsa_titan.config import resolve
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as dump:
+        bpe = os.path.join(dump, "standin.tiktoken")
+        write_standin_bpe(bpe, vocab_size)
         argv = [recipe_path, f"--training.seq_len={seq_len}", f"--model.max_seq_len={max(seq_len, 2048)}",
                 f"--training.steps={steps}", f"--training.local_batch_size={local_batch}",
-                f"--training.global_batch_size={local_batch}", "--data.source=synthetic", "--data.tokenizer=byte",
+                f"--training.global_batch_size={local_batch}", "--data.source=synthetic",
+                "--data.tokenizer=tiktoken", f"--data.tiktoken.encoding={bpe}",
+                f"--data.synthetic.vocab_size={vocab_size - 1}",
                 "--data.num_workers=2", "--checkpoint.enable=false", "--validation.enable=false",
                 "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--metrics.telemetry_freq=0",
                 "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={dump}", *extra]
@@ -62,6 +80,7 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
         "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if runtime.device.type == "cuda" else None,
         "wall_seconds": wall,
         "parameters": trainer.num_params,
+        "vocab_size": vocab_size,
         "final_loss": records[-1]["loss"] if records else None,
         "overrides": extra,
     }
@@ -74,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-step", type=int, default=65536, help="local batch = this / seq_len (>= 1)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--vocab-size", type=int, default=50257, help="stand-in vocabulary size (GPT-2: 50257)")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test, not a benchmark)")
     args = parser.parse_args(argv)
@@ -89,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             if seq_len > 8192:
                 extra.append("--activation_checkpoint.mode=full")
             try:
-                result = run_case(recipe, seq_len, args.steps, args.warmup, batch, extra)
+                result = run_case(recipe, seq_len, args.steps, args.warmup, batch, args.vocab_size, extra)
             except torch.OutOfMemoryError as exc:
                 result = {"recipe": recipe, "seq_len": seq_len, "local_batch_size": batch, "error": f"OOM: {exc}"}
             print(json.dumps(result), flush=True)

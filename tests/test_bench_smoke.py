@@ -10,16 +10,27 @@ import pytest
 from bench import train_throughput
 
 
+def _debug_model_parameters(vocab_size: int) -> int:
+    from nsa_titan import assemble
+    from nsa_titan.config import resolve
+
+    model = assemble.build_model_on_meta(resolve(["recipes/debug.toml"]).recipe, vocab_size)
+    return sum(p.numel() for p in model.parameters())
+
+
 def test_train_throughput_writes_a_result(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("bench.train_throughput.results_path",
                         lambda name: os.path.join(tmp_path, f"{name}.json"))
     code = train_throughput.main(["--recipes", "recipes/debug.toml", "--seq-lens", "64", "--steps", "3",
-                                  "--warmup", "1", "--tokens-per-step", "128", "--allow-cpu",
+                                  "--warmup", "1", "--tokens-per-step", "128", "--allow-cpu", "--vocab-size", "1000",
                                   "--override=--model.nsa.window_size=16"])
     assert code == 0
     result = json.loads((tmp_path / "train_throughput.json").read_text())
     (case,) = result["results"]
     assert case["tokens_per_second"] > 0 and case["local_batch_size"] == 2
+    # The stand-in vocabulary sized the model: embedding and output layer of 1000 rows each.
+    assert case["vocab_size"] == 1000
+    assert case["parameters"] == _debug_model_parameters(vocab_size=1000)
     assert result["environment"]["torch"] and result["environment"]["commit"]
 
 
