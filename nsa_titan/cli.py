@@ -43,11 +43,15 @@ def train(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text(), end="")
         return 0
-    _, _, world_size = launch_world()
+    rank, _, world_size = launch_world()
     resolved = resolve(argv, world_size=world_size)
     if "print_config" in resolved.command_line.actions:
-        print(f"# resolved recipe, hash {resolved.hash}\n{resolved.toml}", end="")
+        notes = "".join(f"# note: {note}\n" for note in resolved.notes)
+        print(f"# resolved recipe, hash {resolved.hash}\n{notes}{resolved.toml}", end="")
         return 0
+    if rank == 0:
+        for note in resolved.notes:
+            print(f"note: {note}", flush=True)
     if resolved.path is None:
         return _fail("error: no recipe given. Fix: name one, e.g. `nsa-titan train recipes/debug.toml`.")
 

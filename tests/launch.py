@@ -12,7 +12,9 @@ import time
 from tests.conftest import REPO_ROOT
 
 DEBUG = os.path.join(REPO_ROOT, "recipes", "debug.toml")
-TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=2", "--model.n_kv_heads=1",
+# The tiny model on the CPU wherever the suite runs: two gloo ranks need no GPU each, and bitwise
+# comparisons between layouts hold on the CPU. GPU behaviour has its own tests (test_nsa_triton_gpu).
+TINY = ["--training.device=cpu", "--model.dim=32", "--model.n_layers=2", "--model.n_heads=2", "--model.n_kv_heads=1",
         "--training.seq_len=64", "--model.max_seq_len=64", "--model.nsa.window_size=16",
         "--lr_scheduler.warmup_steps=2", "--data.logical_shards=4", "--metrics.log_freq=1",
         "--checkpoint.enable=false", "--validation.enable=false"]

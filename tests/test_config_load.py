@@ -10,6 +10,7 @@ import pytest
 
 from nsa_titan import cli, registry
 from nsa_titan.config import resolve
+from nsa_titan.config.errors import RecipeError
 from nsa_titan.config.help import help_text
 from nsa_titan.config.schema import Recipe
 from nsa_titan.config.toml_io import dumps, tomllib
@@ -38,6 +39,33 @@ def test_later_extends_override_earlier(tmp_path):
     (tmp_path / "top.toml").write_text('extends = ["a.toml", "b.toml"]\n')
     recipe = resolve([str(tmp_path / "top.toml")]).recipe
     assert (recipe.training.steps, recipe.training.seq_len) == (2, 16)
+
+
+def test_a_later_layer_choosing_another_part_overrides_the_earlier_parts_table(tmp_path, capsys):
+    (tmp_path / "preset.toml").write_text('[data]\nsource = "text_files"\n[data.text_files]\npaths = ["a.txt"]\n')
+    (tmp_path / "top.toml").write_text('extends = "preset.toml"\n[data]\nsource = "synthetic"\n')
+    resolved = resolve([str(tmp_path / "top.toml")])
+    assert resolved.recipe.data.source == "synthetic"
+    (note,) = resolved.notes
+    assert "[data.text_files] from" in note and "preset.toml is not used" in note and "top.toml" in note
+    # The same from the command line, and the note reaches the user.
+    (tmp_path / "plain.toml").write_text('[data]\nsource = "text_files"\n[data.text_files]\npaths = ["a.txt"]\n')
+    assert cli.main(["train", str(tmp_path / "plain.toml"), "--data.source=synthetic", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "# note: [data.text_files] from" in out and "flag '--data.source=synthetic'" in out
+    assert "text_files" not in out.split("\n", 3)[3]  # the resolved recipe holds only what is used
+
+
+def test_a_parts_table_in_the_same_layer_as_another_choice_is_an_error(tmp_path):
+    (tmp_path / "r.toml").write_text('[data]\nsource = "synthetic"\n[data.text_files]\npaths = ["a.txt"]\n')
+    with pytest.raises(RecipeError, match="would be ignored"):
+        resolve([str(tmp_path / "r.toml")])
+    # Flags are one layer, whatever their order; a table with the default choice is an error too.
+    for flags in (["--data.text_files.paths=a.txt", "--data.source=synthetic"],
+                  ["--data.source=synthetic", "--data.text_files.paths=a.txt"],
+                  ["--data.text_files.paths=a.txt"]):
+        with pytest.raises(RecipeError, match="data.text_files.*would be ignored"):
+            resolve(flags)
 
 
 def test_override_types():

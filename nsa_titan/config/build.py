@@ -27,8 +27,9 @@ class _Invalid(Exception):
 
 class RecipeBuilder:
     def __init__(self, origin: dict[str, str], problems: list[Problem]):
-        self.origin = origin
+        self.origin = origin  # field path -> where it was set, in the order of the last writes
         self.problems = problems
+        self.notes: list[str] = []  # overrides worth saying out loud (a part's table made unused)
 
     # -- reporting ---------------------------------------------------------------------------
     def source_of(self, path: str) -> str:
@@ -38,6 +39,17 @@ class RecipeBuilder:
             if key.startswith(path + "."):
                 return source
         return "defaults"
+
+    def _superseded(self, table_path: str, choice_path: str) -> bool:
+        """A part's table set in an earlier layer (an extended preset, or the recipe under command-line
+        flags) than the layer that chose another part is overridden like any field, not a mistake."""
+        order = list(self.origin)
+        if choice_path not in self.origin:
+            return False  # the choice is the default: nothing overrode the table
+        keys = [k for k in order if k == table_path or k.startswith(table_path + ".")]
+        choice_layer = _layer(self.origin[choice_path])
+        position = order.index(choice_path)
+        return all(_layer(self.origin[k]) != choice_layer and order.index(k) < position for k in keys)
 
     def problem(self, path: str, value: Any, why: str, fix: str) -> None:
         shown = str(value) if isinstance(value, CliText) else value
@@ -114,9 +126,13 @@ class RecipeBuilder:
         for other in registry.available(kind):
             if other in table and other != chosen:
                 known.add(other)
-                self.problem(_join(path, other), None,
-                             f"is set but {_join(path, name_field)} = {chosen!r}, so it would be ignored",
-                             f"remove [{_join(path, other)}] or set {_join(path, name_field)} = {other!r}")
+                table_path, choice_path = _join(path, other), _join(path, name_field)
+                if self._superseded(table_path, choice_path):
+                    self.notes.append(f"[{table_path}] from {self.source_of(table_path)} is not used: "
+                                      f"{self.source_of(choice_path)} chose {choice_path} = {chosen!r}")
+                    continue
+                self.problem(table_path, None, f"is set but {choice_path} = {chosen!r}, so it would be ignored",
+                             f"remove [{table_path}] or set {choice_path} = {other!r}")
         if part is None:
             known.add(chosen)
             return None
@@ -218,6 +234,11 @@ def _suggest(word: str, candidates: list[str]) -> str:
 def _kind(value: Any) -> str:
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "text", list: "a list", dict: "a table"}
     return f"{names.get(type(value), type(value).__name__)} {value!r}"
+
+
+def _layer(source: str) -> str:
+    """Every command-line flag is one layer; every file is its own."""
+    return "flags" if source.startswith("flag ") else source
 
 
 def _join(path: str, key: str) -> str:

@@ -85,4 +85,5 @@ def apply_overrides(table: dict, origin: dict[str, str], overrides: list[tuple[s
                                         f"override one of its fields, e.g. --{key}.FIELD=VALUE"))
                 continue
             node[parts[-1]] = value
+            origin.pop(key, None)  # re-inserted last: origin's order is the order of the last writes
             origin[key] = f"flag {flag!r}"

@@ -25,6 +25,7 @@ class ResolvedRecipe:
     hash: str  # first 12 hex digits of the SHA-256 of `toml`
     path: str | None
     command_line: CommandLine
+    notes: tuple[str, ...] = ()  # overrides worth telling the user about
 
 
 def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str | None = None) -> ResolvedRecipe:
@@ -67,7 +68,7 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
         raise RecipeError(problems)
     text = dumps(recipe_to_table(recipe))
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    return ResolvedRecipe(recipe, text, digest, path, cmd)
+    return ResolvedRecipe(recipe, text, digest, path, cmd, tuple(builder.notes))
 
 
 def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]) -> None:

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The checks and benchmarks that need a CUDA GPU, in one go: ./bench/gpu_suite.sh [PHASE ...]
+#
+#   check      the GPU tests (Triton kernels in bf16 at 2k-32k against the reference, and under
+#              compile), `doctor` on the 125M recipe, `inspect --fail-on-break` and a 200-step
+#              run of the debug model with the Triton backend, compiled, in bf16
+#   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens
+#   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k
+#
+# No phase named: all three. JSON results go to bench/results/, each phase's log to
+# bench/results/logs/<phase>.log. Exit status: the number of phases that failed.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+py=$("$root/scripts/ensure_env.sh") || exit 1
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+logs="$root/bench/results/logs"
+mkdir -p "$logs"
+
+phase_check() {
+  local dump
+  dump=$(mktemp -d)
+  "$py" -m pytest -q -x tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py tests/test_nsa_triton_compile.py &&
+  "$py" -m nsa_titan.cli doctor recipes/nsa_125m.toml --data.source=synthetic --data.tokenizer=byte &&
+  "$py" -m nsa_titan.cli inspect recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
+    --compile.enable=true --job.dump_folder="$dump/inspect" --fail-on-break &&
+  "$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
+    --compile.enable=true --training.steps=200 --job.dump_folder="$dump/train"
+}
+phase_attention() { "$py" -m bench.attention --seq-lens 2048 8192 32768 65536; }
+phase_train() { "$py" -m bench.train_throughput --seq-lens 2048 32768; }
+
+phases=("$@")
+[ ${#phases[@]} -gt 0 ] || phases=(check attention train)
+failed=0
+for phase in "${phases[@]}"; do
+  if ! declare -F "phase_$phase" >/dev/null; then
+    echo "error: unknown phase '$phase'; choose from: check attention train" >&2
+    exit 2
+  fi
+  echo "== $phase ($(date -u +%H:%M:%S))"
+  start=$SECONDS
+  if "phase_$phase" 2>&1 | tee "$logs/$phase.log"; then
+    echo "== $phase: ok in $((SECONDS - start)) s"
+  else
+    echo "== $phase: FAILED after $((SECONDS - start)) s (log: $logs/$phase.log)"
+    failed=$((failed + 1))
+  fi
+done
+exit "$failed"
