@@ -35,6 +35,9 @@ CASES = [
     pytest.param(2, 37, 2, 1, 32, 8, 4, 8, 5, 9, torch.float16, id="G2-B2-T37-fp16"),
     pytest.param(1, 40, 17, 1, 24, 8, 4, 24, 2, 6, torch.float32, id="G17-D24-lsel24-fp32"),
     pytest.param(1, 5, 2, 1, 16, 8, 4, 8, 2, 3, torch.float32, id="T-below-block-Tc0"),
+    # Several KV groups: every kernel's group offsets (and the dK/dV bins per group and batch).
+    pytest.param(2, 45, 6, 2, 16, 8, 4, 8, 3, 11, torch.float32, id="Hkv2-G3-B2-fp32"),
+    pytest.param(1, 52, 3, 3, 16, 8, 4, 16, 2, 10, torch.float16, id="Hkv3-G1-fp16"),
 ]
 
 
