@@ -39,11 +39,39 @@ if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
   exec "$py" -m nsa_titan.cli train "$@"
 fi
 # Check the recipe once, for the whole job's world size, before starting any process.
-WORLD_SIZE=$((NGPU * NNODES)) "$py" -m nsa_titan.cli train "$@" --print-config >/dev/null || exit $?
+config=$(WORLD_SIZE=$((NGPU * NNODES)) "$py" -m nsa_titan.cli train "$@" --print-config) || exit $?
+dump=$(printf '%s' "$config" | "$py" -c \
+  'import sys; from nsa_titan.config.toml_io import tomllib; print(tomllib.loads(sys.stdin.read())["job"]["dump_folder"])')
 if [ "$NNODES" -gt 1 ]; then
   : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port (the rendezvous node) for a multi-node run}"
-  exec "$py" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NGPU" \
-    --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-nsa_titan}" \
-    -m nsa_titan.cli train "$@"
+  launcher=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"
+            --rdzv_id="${RDZV_ID:-nsa_titan}")
+else
+  launcher=(--standalone)
 fi
-exec "$py" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m nsa_titan.cli train "$@"
+
+# A stop request (SIGTERM from a scheduler, Ctrl-C, hang-up) becomes the halt file: every rank
+# finishes its step, saves and exits 0, however long the save takes, and torchrun exits 0 with
+# them. torchrun runs in its own session so that the request reaches this script alone (torchrun
+# itself would kill its workers 30 s after a signal). A second request stops torchrun at once.
+setsid "$py" -m torch.distributed.run "${launcher[@]}" --nproc_per_node="$NGPU" -m nsa_titan.cli train "$@" &
+child=$!
+stopping=0
+request_stop() {
+  if [ "$stopping" -eq 0 ]; then
+    stopping=1
+    mkdir -p "$dump" && : > "$dump/HALT"
+    echo "run_train.sh: stop requested; every rank stops after its current step and saves. Again to stop now." >&2
+  else
+    kill -TERM "$child" 2>/dev/null || true
+  fi
+}
+trap request_stop TERM INT HUP
+while :; do
+  rc=0
+  wait "$child" || rc=$?
+  kill -0 "$child" 2>/dev/null || break  # returned for a signal: the launcher is still running
+done
+# A halt the run never read (it had already ended) must not stop the next run.
+[ "$stopping" -eq 0 ] || rm -f "$dump/HALT"
+exit "$rc"

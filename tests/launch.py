@@ -43,10 +43,13 @@ def train(args: list[str], nproc: int = 1, timeout: float = 300, **popen) -> sub
                           timeout=timeout, **popen)
 
 
-def start_training(args: list[str], folder, nproc: int = 1, timeout: float = 180, **popen) -> subprocess.Popen:
-    """Launch a run in the background and return once its first step is logged in folder/metrics.jsonl."""
-    proc = subprocess.Popen(train_command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env(), cwd=REPO_ROOT, **popen)
+def start_training(args: list[str], folder, nproc: int = 1, timeout: float = 180, command: list[str] | None = None,
+                   extra_env: dict | None = None, **popen) -> subprocess.Popen:
+    """Launch a run in the background and return once its first step is logged in folder/metrics.jsonl.
+    `command` replaces the usual `python -m nsa_titan.cli train` (or torchrun) prefix of args."""
+    argv = [*command, *args] if command else train_command(args, nproc)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env(), **(extra_env or {})}, cwd=REPO_ROOT, **popen)
     path = os.path.join(folder, "metrics.jsonl")
     deadline = time.time() + timeout
     while not (os.path.exists(path) and os.path.getsize(path) > 0):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.launch import DEBUG, TINY, env, free_port, losses, metrics, start_training, train
+from tests.launch import DEBUG, REPO_ROOT, TINY, env, free_port, losses, metrics, start_training, train
 
 pytestmark = pytest.mark.slow
 
@@ -122,3 +122,20 @@ def test_sigterm_to_the_launcher_saves_even_with_loader_workers(tmp_path):
     stopped = re.search(r"stopping after step (\d+) \(SIGTERM\)", out)
     assert stopped, (out[-2000:], err[-3000:])
     assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))
+
+
+def test_run_train_sh_turns_a_stop_signal_into_a_clean_stop_of_every_rank(tmp_path):
+    """SIGTERM to run_train.sh (a scheduler's preemption, Ctrl-C) halts all ranks after a step and a
+    save, and the whole launch exits 0: torchrun never sees the signal, so it kills nobody."""
+    proc = start_training([*COMMON, "--training.steps=100000", "--checkpoint.enable=true",
+                           "--checkpoint.interval=100000", "--parallelism.data_parallel_shard_degree=2",
+                           f"--job.dump_folder={tmp_path}"], tmp_path,
+                          command=[os.path.join(REPO_ROOT, "run_train.sh")], extra_env={"NGPU": "2"})
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = re.search(r"stopping after step (\d+) \(halt file", out)
+    assert stopped, (out[-2000:], err[-3000:])
+    assert "stop requested" in err
+    assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))
+    assert not os.path.exists(os.path.join(tmp_path, "HALT"))  # the next run is not stopped by it
