@@ -19,6 +19,26 @@ import triton.language as tl
 
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block
 from components.nsa.triton.softmax_delta import softmax_delta
+from components.nsa.triton.tiles import load_rows, online_softmax_step, softmax_grads, softmax_result
+
+
+@triton.jit
+def _visible(offs_m, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW):
+    """[queries, keys] mask: key n sits at KEY_OFFSET + n * KEY_STRIDE and is seen by the queries
+    at or after it, up to WINDOW - 1 positions later."""
+    kpos = offs_n * KEY_STRIDE + KEY_OFFSET
+    return (kpos[None, :] <= offs_m[:, None]) & (kpos[None, :] > offs_m[:, None] - WINDOW)
+
+
+@triton.jit
+def _visible_key_range(t_first, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW):
+    """[n_lo, n_hi): the keys any query of the tile t_first .. t_first + BLOCK_M - 1 can see, i.e.
+    kpos in (t_first - WINDOW, t_last]. max(.., 0) keeps every division non-negative (Triton's
+    integer division truncates toward zero)."""
+    t_last = tl.minimum(t_first + BLOCK_M, T) - 1
+    n_hi = tl.minimum(NK, tl.maximum(t_last - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE)
+    n_lo = tl.maximum(t_first - WINDOW - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE
+    return n_lo, n_hi
 
 
 @triton.jit
@@ -40,15 +60,11 @@ def _interval_attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < T
     d_ok = offs_d < D
-    q = tl.load(Q + b * sqb + h64 * sqh + offs_m.to(tl.int64)[:, None] * sqt + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    row_mask = m_ok[:, None] & d_ok[None, :]
+    rows = offs_m.to(tl.int64)
+    q = load_rows(Q + b * sqb + h64 * sqh, rows, sqt, offs_d, row_mask)
 
-    # Keys any query of the tile can see: kpos in (t_first - window, t_last]. The max(.., 0) keeps
-    # every division non-negative (Triton's integer division truncates toward zero).
-    t_first = pid_m * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, T) - 1
-    n_hi = tl.minimum(NK, tl.maximum(t_last - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE)
-    n_lo = tl.maximum(t_first - WINDOW - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE
+    n_lo, n_hi = _visible_key_range(pid_m * BLOCK_M, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -59,26 +75,15 @@ def _interval_attn_fwd_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_hi
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_rows(k_base, offs_n.to(tl.int64), skt, offs_d, kv_mask)
+        v = load_rows(v_base, offs_n.to(tl.int64), svt, offs_d, kv_mask)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        kpos = offs_n * KEY_STRIDE + KEY_OFFSET
-        seen = (kpos[None, :] <= offs_m[:, None]) & (kpos[None, :] > offs_m[:, None] - WINDOW) & n_ok[None, :]
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen nothing yet keeps max -inf; shifting by 0 keeps exp2 at 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        seen = _visible(offs_m, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, tl.where(seen, s, float("-inf")), v, PRECISION)
 
-    seen_any = l_i > 0.0
-    o = acc / tl.where(seen_any, l_i, 1.0)[:, None]
-    lse2 = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("inf"))
-    tl.store(O + b * sob + h64 * soh + offs_m.to(tl.int64)[:, None] * sot + offs_d[None, :],
-             o.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    o, lse2 = softmax_result(m_i, l_i, acc)
+    tl.store(O + b * sob + h64 * soh + rows[:, None] * sot + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=row_mask)
     tl.store(LSE2 + (b * H + h64) * T + offs_m, lse2, mask=m_ok)
 
 
@@ -102,16 +107,13 @@ def _interval_attn_bwd_dq_kernel(
     m_ok = offs_m < T
     d_ok = offs_d < D
     row_mask = m_ok[:, None] & d_ok[None, :]
-    rows = offs_m.to(tl.int64)[:, None]
-    q = tl.load(Q + b * sqb + h64 * sqh + rows * sqt + offs_d[None, :], mask=row_mask, other=0.0)
-    do = tl.load(DO + b * sdob + h64 * sdoh + rows * sdot + offs_d[None, :], mask=row_mask, other=0.0)
+    rows = offs_m.to(tl.int64)
+    q = load_rows(Q + b * sqb + h64 * sqh, rows, sqt, offs_d, row_mask)
+    do = load_rows(DO + b * sdob + h64 * sdoh, rows, sdot, offs_d, row_mask)
     lse2 = tl.load(LSE2 + (b * H + h64) * T + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * H + h64) * T + offs_m, mask=m_ok, other=0.0)
 
-    t_first = pid_m * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, T) - 1
-    n_hi = tl.minimum(NK, tl.maximum(t_last - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE)
-    n_lo = tl.maximum(t_first - WINDOW - KEY_OFFSET + KEY_STRIDE, 0) // KEY_STRIDE
+    n_lo, n_hi = _visible_key_range(pid_m * BLOCK_M, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + b * skb + hk * skh
@@ -120,17 +122,13 @@ def _interval_attn_bwd_dq_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_hi
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        kpos = offs_n * KEY_STRIDE + KEY_OFFSET
-        seen = (kpos[None, :] <= offs_m[:, None]) & (kpos[None, :] > offs_m[:, None] - WINDOW) & n_ok[None, :]
-        p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
+        k = load_rows(k_base, offs_n.to(tl.int64), skt, offs_d, kv_mask)
+        v = load_rows(v_base, offs_n.to(tl.int64), svt, offs_d, kv_mask)
+        seen = _visible(offs_m, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
+        _, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
-    tl.store(DQ + b * sdqb + h64 * sdqh + rows * sdqt + offs_d[None, :],
+    tl.store(DQ + b * sdqb + h64 * sdqh + rows[:, None] * sdqt + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)
 
 
@@ -159,10 +157,9 @@ def _interval_attn_bwd_dkdv_kernel(
     n_ok = offs_n < NK
     d_ok = offs_d < D
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    keys = offs_n.to(tl.int64)[:, None]
-    k = tl.load(K + b * skb + hk * skh + keys * skt + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + keys * svt + offs_d[None, :], mask=kv_mask, other=0.0)
-    kpos = offs_n * KEY_STRIDE + KEY_OFFSET
+    keys = offs_n.to(tl.int64)
+    k = load_rows(K + b * skb + hk * skh, keys, skt, offs_d, kv_mask)
+    v = load_rows(V + b * svb + hk * svh, keys, svt, offs_d, kv_mask)
 
     # Queries that see any key of the tile: t in [kpos(first), kpos(last) + window).
     n_last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, NK) - 1
@@ -177,24 +174,21 @@ def _interval_attn_bwd_dkdv_kernel(
             offs_m = start + tl.arange(0, BLOCK_M)
             m_ok = offs_m < t_hi
             row_mask = m_ok[:, None] & d_ok[None, :]
-            rows = offs_m.to(tl.int64)[:, None]
-            q = tl.load(Q + b * sqb + h64 * sqh + rows * sqt + offs_d[None, :], mask=row_mask, other=0.0)
-            do = tl.load(DO + b * sdob + h64 * sdoh + rows * sdot + offs_d[None, :], mask=row_mask, other=0.0)
+            rows = offs_m.to(tl.int64)
+            q = load_rows(Q + b * sqb + h64 * sqh, rows, sqt, offs_d, row_mask)
+            do = load_rows(DO + b * sdob + h64 * sdoh, rows, sdot, offs_d, row_mask)
             lse2 = tl.load(LSE2 + (b * H + h64) * T + offs_m, mask=m_ok, other=float("inf"))
             delta = tl.load(DELTA + (b * H + h64) * T + offs_m, mask=m_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            seen = (kpos[None, :] <= offs_m[:, None]) & (kpos[None, :] > offs_m[:, None] - WINDOW)
-            seen = seen & n_ok[None, :] & m_ok[:, None]
-            p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)
+            seen = _visible(offs_m, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :] & m_ok[:, None]
+            p, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
 
     ho64 = ho.to(tl.int64)
-    tl.store(DK + b * sdkb + ho64 * sdkh + keys * sdkt + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+    tl.store(DK + b * sdkb + ho64 * sdkh + keys[:, None] * sdkt + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * sdvb + ho64 * sdvh + keys[:, None] * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=kv_mask)
-    tl.store(DV + b * sdvb + ho64 * sdvh + keys * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 # Tile shapes (rows, keys, num_warps, num_stages) chosen from sm_90 ptxas register reports: the

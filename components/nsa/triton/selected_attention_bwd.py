@@ -20,6 +20,7 @@ import triton.language as tl
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
 from components.nsa.triton.selected_attention_fwd import key_tile
 from components.nsa.triton.softmax_delta import softmax_delta
+from components.nsa.triton.tiles import load_rows, softmax_grads
 
 
 @triton.jit
@@ -43,8 +44,8 @@ def _selected_attn_bwd_dq_kernel(
     d_ok = offs_d < D
     heads = (hk * G + offs_g).to(tl.int64)
     row_mask = g_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * sqb + t64 * sqt + heads[:, None] * sqh + offs_d[None, :], mask=row_mask, other=0.0)
-    do = tl.load(DO + b * sdob + t64 * sdot + heads[:, None] * sdoh + offs_d[None, :], mask=row_mask, other=0.0)
+    q = load_rows(Q + b * sqb + t64 * sqt, heads, sqh, offs_d, row_mask)
+    do = load_rows(DO + b * sdob + t64 * sdot, heads, sdoh, offs_d, row_mask)
     lse2 = tl.load(LSE2 + (b * H + heads) * T + t64, mask=g_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * H + heads) * T + t64, mask=g_ok, other=0.0)
 
@@ -59,12 +60,9 @@ def _selected_attn_bwd_dq_kernel(
             pos = blk * SEL_BLOCK + in_block
             k_ok = (in_block < SEL_BLOCK) & (pos >= 0) & (pos <= t)  # pos < 0 for an unused slot (-1)
             kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + pos.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + pos.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            p = tl.where(k_ok[None, :], tl.exp2(s - lse2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
+            k = load_rows(k_base, pos.to(tl.int64), skt, offs_d, kv_mask)
+            v = load_rows(v_base, pos.to(tl.int64), svt, offs_d, kv_mask)
+            _, ds = softmax_grads(q, k, v, do, lse2, delta, k_ok[None, :], qk_scale, PRECISION)
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
     tl.store(DQ + b * sdqb + t64 * sdqt + heads[:, None] * sdqh + offs_d[None, :],
@@ -98,8 +96,8 @@ def _selected_attn_bwd_dkdv_kernel(
         pos = blk * SEL_BLOCK + in_block
         k_ok = (in_block < SEL_BLOCK) & (pos < T)
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + b * skb + hk * skh + pos.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + b * svb + hk * svh + pos.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_rows(K + b * skb + hk * skh, pos.to(tl.int64), skt, offs_d, kv_mask)
+        v = load_rows(V + b * svb + hk * svh, pos.to(tl.int64), svt, offs_d, kv_mask)
 
         # Rows are (query slot, head) pairs: QUERIES queries of the list times the G heads.
         rows = tl.arange(0, QUERIES * BLOCK_G)
@@ -119,12 +117,9 @@ def _selected_attn_bwd_dkdv_kernel(
             do = tl.load(do_ptrs, mask=row_mask, other=0.0)
             lse2 = tl.load(LSE2 + (b * H + heads) * T + t, mask=r_ok, other=float("inf"))
             delta = tl.load(DELTA + (b * H + heads) * T + t, mask=r_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             seen = r_ok[:, None] & k_ok[None, :] & (pos.to(tl.int64)[None, :] <= t[:, None])
-            p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)
+            p, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
 
         offs_r = sub * BLOCK_K + tl.arange(0, BLOCK_K)

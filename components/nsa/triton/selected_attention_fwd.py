@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
+from components.nsa.triton.tiles import load_rows, online_softmax_step, softmax_result
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def _selected_attn_fwd_kernel(
     d_ok = offs_d < D
     heads = (hk * G + offs_g).to(tl.int64)
     row_mask = g_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * sqb + t64 * sqt + heads[:, None] * sqh + offs_d[None, :], mask=row_mask, other=0.0)
+    q = load_rows(Q + b * sqb + t64 * sqt, heads, sqh, offs_d, row_mask)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -52,21 +53,13 @@ def _selected_attn_fwd_kernel(
             pos = blk * SEL_BLOCK + in_block
             k_ok = (in_block < SEL_BLOCK) & (pos >= 0) & (pos <= t)  # pos < 0 for an unused slot (-1)
             kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + pos.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + pos.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = load_rows(k_base, pos.to(tl.int64), skt, offs_d, kv_mask)
+            v = load_rows(v_base, pos.to(tl.int64), svt, offs_d, kv_mask)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            s = tl.where(k_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_shift)
-            p = tl.exp2(s - m_shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, tl.where(k_ok[None, :], s, float("-inf")), v,
+                                                PRECISION)
 
-    seen_any = l_i > 0.0
-    o = acc / tl.where(seen_any, l_i, 1.0)[:, None]
-    lse2 = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("inf"))
+    o, lse2 = softmax_result(m_i, l_i, acc)
     tl.store(O + b * sob + t64 * sot + heads[:, None] * soh + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_mask)
     tl.store(LSE2 + (b * H + heads) * T + t64, lse2, mask=g_ok)
 

@@ -1,0 +1,49 @@
+"""Tile steps the NSA attention kernels share, as @triton.jit functions (inlined where called).
+
+Logits are base 2 (the caller scales q.k by sm_scale * log2(e)); lse2 is the matching
+log2-sum-exp2, +inf for a row that saw no key.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_rows(base, rows, stride, offs_d, mask):
+    """A [len(rows), BLOCK_D] tile: row r at base + rows[r] * stride, the head dim dense; 0 where masked."""
+    return tl.load(base + rows[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, acc, s, v, PRECISION: tl.constexpr):
+    """Fold one tile of logits s [M, N] (-inf where hidden) and its values v [N, D] into the running
+    row max m_i, sum l_i and unnormalised output acc; returns the three updated."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen nothing yet keeps max -inf; shifting by 0 keeps exp2 at 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_result(m_i, l_i, acc):
+    """(normalised output, lse2) of finished rows; a row that saw no key gets 0 and +inf."""
+    seen_any = l_i > 0.0
+    o = acc / tl.where(seen_any, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("inf"))
+    return o, lse2
+
+
+@triton.jit
+def softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION: tl.constexpr):
+    """Backward of one (rows x keys) tile: the probabilities P recomputed from lse2 (0 where not
+    seen) and dS = P * (dO.V^T - delta), with delta = rowsum(dO * O)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    return p, p * (dp - delta[:, None])
