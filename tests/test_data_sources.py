@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -235,6 +236,52 @@ def test_huggingface_cursor_replays_to_the_same_place(hf_parquet):
     full = list(source.documents(1, 4, "train", 9, 0, None))
     tail = [d for d, _ in source.documents(1, 4, "train", 9, 0, full[4][1])]
     assert tail == [d for d, _ in full[5:]]
+
+
+class _FlakyStream:
+    """A streamed dataset whose first `failures` iterations break after `after` batches."""
+
+    def __init__(self, inner, failures, after):
+        self.inner, self.failures, self.after = inner, failures, after
+
+    def iter(self, batch_size):
+        for i, batch in enumerate(self.inner.iter(batch_size=batch_size)):
+            if i == self.after and self.failures > 0:
+                self.failures -= 1
+                raise ConnectionError("connection reset by peer")
+            yield batch
+
+
+def test_huggingface_read_failures_are_retried_from_the_same_document(hf_parquet, monkeypatch, caplog):
+    source, _ = hf_parquet
+    expected = list(source.documents(1, 2, "train", 9, 0, None))
+    flaky = HuggingFaceSource(HuggingFaceArgs(**{**source.args.__dict__, "read_retries": 3}))
+    original = flaky._shard_dataset
+    streams = {}
+
+    def flaky_shard(shard, num_shards, hf_split):
+        key = (shard, num_shards, hf_split)
+        streams.setdefault(key, _FlakyStream(original(shard, num_shards, hf_split), failures=2, after=5))
+        return streams[key]
+
+    monkeypatch.setattr(flaky, "_shard_dataset", flaky_shard)
+    pauses = []
+    monkeypatch.setattr("components.data.sources.huggingface.time.sleep", pauses.append)
+    monkeypatch.setattr("components.data.sources.huggingface._READ_BATCH", 4)
+    with caplog.at_level("WARNING"):
+        assert list(flaky.documents(1, 2, "train", 9, 0, None)) == expected
+    assert pauses == [2, 4]
+    assert "retry 1 of 3" in caplog.text and "connection reset by peer" in caplog.text
+    # It broke mid-stream: documents had been yielded, and the retry skipped exactly those.
+    resumed_at = [int(m) for m in re.findall(r"from document (\d+)", caplog.text)]
+    assert len(resumed_at) == 2 and 0 < resumed_at[0] < len(expected)
+
+    # A failure that does not go away: a clear error once the retries are spent.
+    stubborn = HuggingFaceSource(HuggingFaceArgs(**{**source.args.__dict__, "read_retries": 2}))
+    stream = _FlakyStream(stubborn._shard_dataset(1, 2, "train"), failures=10, after=0)
+    monkeypatch.setattr(stubborn, "_shard_dataset", lambda *a: stream)
+    with pytest.raises(UserError, match="failed 3 times in a row.*resumes from the last checkpoint"):
+        list(stubborn.documents(1, 2, "train", 9, 0, None))
 
 
 def test_huggingface_errors(hf_parquet, monkeypatch):

@@ -11,11 +11,15 @@ the number of documents already yielded in the epoch; resuming replays the strea
 but does not tokenize, what it skips).
 Validation: `validation_split` names a split of the dataset; when empty, a document is validation
 iff unit_hash(its text) < validation_fraction.
+Streaming over a network fails now and then; a read that fails is retried (read_retries times, with
+growing pauses) by reopening the shard's stream and replaying it to the same document, so the
+documents are the same as without the failure.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from components.errors import UserError
@@ -50,6 +54,10 @@ class HuggingFaceArgs:
     shuffle_buffer: int = field(
         default=512, metadata={"doc": "documents held per logical shard to shuffle the stream (0: keep order)", "ge": 0}
     )
+    read_retries: int = field(
+        default=6,
+        metadata={"doc": "times a failed read is retried (pauses 2, 4, ... 60 s) before the run stops", "ge": 0},
+    )
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -75,6 +83,10 @@ def buffered_shuffle(items, size: int, rng):
         buffer[j] = item
     for j in rng.permutation(len(buffer)):
         yield buffer[int(j)]
+
+
+class _ReadFailed(Exception):
+    """A read of the stream failed in a way another attempt may not repeat (network, remote files)."""
 
 
 class HuggingFaceSource:
@@ -151,14 +163,17 @@ class HuggingFaceSource:
         except UserError:
             raise
         except Exception as e:  # network and decoding failures surface here during streaming
-            raise UserError(f"{self._what()}: reading failed ({type(e).__name__}: {e})") from e
+            raise _ReadFailed(f"{type(e).__name__}: {e}") from e
 
     def check(self) -> None:
         for name, problem in self.args.check():
             raise UserError(f"{self._what()}: {name}: {problem}")
         splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
         for hf_split in splits:
-            first = next(iter(self._texts(self._load(hf_split))), None)
+            try:
+                first = next(iter(self._texts(self._load(hf_split))), None)
+            except _ReadFailed as e:
+                raise UserError(f"{self._what()}: reading split {hf_split!r} failed ({e})") from e
             if first is None:
                 raise UserError(f"{self._what()}: split {hf_split!r} has no records, so it yields no tokens")
             if not isinstance(first, str):
@@ -175,6 +190,28 @@ class HuggingFaceSource:
         )
 
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        position = 0 if cursor is None else int(cursor)
+        failures = 0
+        while True:
+            try:
+                for text, position in self._documents_once(shard, num_shards, split, seed, epoch, position):
+                    failures = 0
+                    yield text, position
+                return
+            except _ReadFailed as e:
+                failures += 1
+                if failures > self.args.read_retries:
+                    raise UserError(
+                        f"{self._what()}: reading logical shard {shard} failed {failures} times in a row ({e}). "
+                        "Fix: check the network and the dataset, then run again: training resumes from the "
+                        "last checkpoint. Offline, use data source text_files over downloaded parquet files"
+                    ) from e
+                pause = min(60, 2**failures)
+                log.warning("%s: reading logical shard %d failed (%s); retry %d of %d in %d s, from document %d",
+                            self._what(), shard, e, failures, self.args.read_retries, pause, position)
+                time.sleep(pause)
+
+    def _documents_once(self, shard, num_shards, split, seed, epoch, cursor):
         hf_split = self._hf_split(split)
         texts = (t for t in self._texts(self._shard_dataset(shard, num_shards, hf_split)) if t)
         if not self.args.validation_split:
