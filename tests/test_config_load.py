@@ -10,6 +10,7 @@ import pytest
 
 from nsa_titan import cli, registry
 from nsa_titan.config import resolve
+from nsa_titan.config.resolve import resolve_text
 from nsa_titan.config.errors import RecipeError
 from nsa_titan.config.help import help_text
 from nsa_titan.config.schema import Recipe
@@ -54,6 +55,16 @@ def test_a_later_layer_choosing_another_part_overrides_the_earlier_parts_table(t
     out = capsys.readouterr().out
     assert "# note: [data.text_files] from" in out and "flag '--data.source=synthetic'" in out
     assert "text_files" not in out.split("\n", 3)[3]  # the resolved recipe holds only what is used
+
+
+def test_dense_attention_from_the_command_line_overrides_the_recipes_nsa_settings():
+    resolved = resolve([os.path.join(REPO_ROOT, "recipes", "debug.toml"), "--model.attention=dense"])
+    assert resolved.recipe.model.args.attention == "dense"
+    assert resolved.recipe.model.args.nsa == type(resolved.recipe.model.args.nsa)()  # not used, left at defaults
+    (note,) = resolved.notes
+    assert note.startswith("model.nsa from ") and "nsa_debug.toml is not used" in note
+    # The saved recipe (every field written out, model.nsa at its defaults) resolves again, silently.
+    assert resolve_text(resolved.toml).recipe == resolved.recipe and resolve_text(resolved.toml).notes == ()
 
 
 def test_a_parts_table_in_the_same_layer_as_another_choice_is_an_error(tmp_path):

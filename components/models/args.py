@@ -122,7 +122,8 @@ class TransformerArgs:
         metadata={"doc": "attention kind: 'nsa' (sparse) or 'dense' (causal SDPA)", "choices": ("nsa", "dense")},
     )
     nsa: NSAArgs = field(
-        default_factory=NSAArgs, metadata={"doc": "NSA hyperparameters (used when attention = 'nsa')"}
+        default_factory=NSAArgs,
+        metadata={"doc": "NSA hyperparameters (used when attention = 'nsa')", "used_when": ("attention", "nsa")},
     )
     tie_embeddings: bool = field(
         default=False, metadata={"doc": "share the token embedding with the output projection"}

@@ -75,6 +75,9 @@ class RecipeBuilder:
         for fld in deferred:
             kind = by_name[fld.metadata["args_for"]].metadata["component"]
             values[fld.name] = self._part_args(fld, kind, values, table, path, known)
+        for fld in dataclasses.fields(cls):
+            if "used_when" in fld.metadata:
+                values[fld.name] = self._unused_when_switched_off(fld, values, table, path)
         self._unknown_keys(table, known, path)
         obj = cls(**values)
         self._cross_checks(obj, path)
@@ -103,6 +106,24 @@ class RecipeBuilder:
                          f"choose one of: {', '.join(names)} (job.plugins can register more)")
             return default
         return value
+
+    def _unused_when_switched_off(self, fld: dataclasses.Field, values: dict, table: dict, path: str) -> Any:
+        """A field used only while a sibling has a given value (metadata used_when = (sibling, value)),
+        e.g. model.nsa while model.attention = 'nsa': set while switched off, it is overridden by a
+        later layer (a note) or a mistake in the same layer (a problem); either way it is not used."""
+        sibling, wanted = fld.metadata["used_when"]
+        default = default_of(fld)
+        # Only values that differ from the default count as set: a rendered recipe writes every field.
+        if values[sibling] == wanted or values[fld.name] == default:
+            return values[fld.name]
+        field_path, switch_path = _join(path, fld.name), _join(path, sibling)
+        if self._superseded(field_path, switch_path):
+            self.notes.append(f"{field_path} from {self.source_of(field_path)} is not used: "
+                              f"{self.source_of(switch_path)} chose {switch_path} = {values[sibling]!r}")
+        else:
+            self.problem(field_path, None, f"is set but {switch_path} = {values[sibling]!r}, so it would be ignored",
+                         f"remove {field_path} or set {switch_path} = {wanted!r}")
+        return default
 
     def _part_args(self, fld: dataclasses.Field, kind: str, values: dict, table: dict, path: str,
                    known: set[str]) -> Any:
