@@ -36,6 +36,8 @@ from nsa_titan.run_folder import prepare_run_folder
 from nsa_titan.runtime import Runtime
 
 NUMERICAL_FAULT_EXIT = 3
+# Validation batches kept in host memory between evaluations when they fit (2 int32 tensors per batch).
+VALIDATION_CACHE_BYTES = 1 << 30
 
 
 class TrainingFault(Exception):
@@ -107,6 +109,7 @@ class Trainer:
             self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder))
         self.watchdog: Watchdog | None = None
         self._probe: torch.Tensor | None = None  # a fixed batch for attention telemetry
+        self._validation_cache: list | None = None  # the validation batches once read (see validate)
 
     def _build_model(self) -> None:
         """torchtitan's order: activation checkpointing, then per-block compile, then data parallelism."""
@@ -240,22 +243,41 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Loss on the first validation.steps batches of the held-out stream (the same batches every time)."""
-        recipe = self.recipe
-        loader = assemble.build_loader(recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
-                                       dp_size=self.dp_size, split="validation",
-                                       batch_size=recipe.training.local_batch_size)
         self.model.eval()
         total = torch.zeros((), device=self.runtime.device, dtype=torch.float64)
         count = 0
-        iterator = iter(loader)
-        for _ in range(recipe.validation.steps):
-            inputs, targets = self._next_batch(iterator, "validation")
+        for inputs, targets in self._validation_batches():
             with self._autocast():
                 logits = self.model(inputs)
             total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").double()
             count += targets.numel()
         loss = all_reduce_mean(total).item() / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+
+    def _validation_batches(self):
+        """The held-out batches, read once and then kept in host memory (int32) when they fit in
+        VALIDATION_CACHE_BYTES: a source that holds out a small share of a stream (the huggingface
+        hash split) would otherwise stream a thousand training documents per held-out one again at
+        every evaluation."""
+        recipe, device = self.recipe, self.runtime.device
+        if self._validation_cache is not None:
+            for inputs, targets in self._validation_cache:
+                yield inputs.to(device, non_blocking=True).long(), targets.to(device, non_blocking=True).long()
+            return
+        loader = assemble.build_loader(recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
+                                       dp_size=self.dp_size, split="validation",
+                                       batch_size=recipe.training.local_batch_size)
+        tokens = recipe.validation.steps * recipe.training.local_batch_size * recipe.training.seq_len
+        keep = 2 * 4 * tokens <= VALIDATION_CACHE_BYTES and self.tokenizer.vocab_size < 2**31
+        kept = []
+        iterator = iter(loader)
+        for _ in range(recipe.validation.steps):
+            inputs, targets = self._next_batch(iterator, "validation")
+            if keep:
+                kept.append((inputs.to("cpu", torch.int32), targets.to("cpu", torch.int32)))
+            yield inputs, targets
+        if keep:
+            self._validation_cache = kept
 
     def telemetry(self) -> dict[str, float]:
         """Attention telemetry on a fixed batch; runs on every rank (sharded models gather for it)."""

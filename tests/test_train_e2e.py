@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from nsa_titan import cli
 from nsa_titan.config import resolve
@@ -71,6 +72,38 @@ def test_validation_is_logged(tmp_path):
     val = [r for r in read_metrics(out) if "val_loss" in r]
     assert len(val) == 1 and val[0]["step"] == 2
     assert val[0]["val_perplexity"] == pytest.approx(2.718281828 ** val[0]["val_loss"], rel=1e-6)
+
+
+def test_validation_reads_its_batches_once_and_evaluates_the_same_ones(tmp_path, monkeypatch):
+    from nsa_titan import assemble, trainer
+
+    built, seen = [], []
+    build_loader = assemble.build_loader
+
+    def counting_build_loader(*args, split="train", **kwargs):
+        built.append(split)
+        return build_loader(*args, split=split, **kwargs)
+
+    monkeypatch.setattr(assemble, "build_loader", counting_build_loader)
+    original = trainer.Trainer._validation_batches
+
+    def recording(self):
+        for inputs, targets in original(self):
+            seen.append((inputs.clone(), targets.clone()))
+            yield inputs, targets
+
+    monkeypatch.setattr(trainer.Trainer, "_validation_batches", recording)
+    out = tmp_path / "run"
+    argv = [DEBUG, *TINY, "--training.steps=3", "--validation.enable=true", "--validation.freq=1",
+            "--validation.steps=2", f"--job.dump_folder={out}"]
+    assert cli.main(["train", *argv]) == 0
+    assert [r["step"] for r in read_metrics(out) if "val_loss" in r] == [1, 2, 3]
+    # Built for the start-up check and the first evaluation only, yet every evaluation saw the same batches.
+    assert built.count("validation") == 2, built
+    assert len(seen) == 6
+    for i in (2, 4):
+        for a, b in zip(seen[i:i + 2], seen[:2]):
+            assert a[0].dtype == b[0].dtype == torch.int64 and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_missing_cuda_is_a_clear_error(tmp_path, capsys):
