@@ -43,3 +43,25 @@ def test_attention_bench_refuses_without_cuda(capsys):
         pytest.skip("this machine has CUDA: the benchmark would run for real")
     assert attention.main(["--seq-lens", "2048"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_attention_stages_times_every_stage(tmp_path):
+    """Under the interpreter (the CPU suite's Triton): every stage runs forward and, but for
+    selection, backward; the shares add up. No time is asserted."""
+    from components.nsa.triton.launch import interpreting
+
+    from bench import attention_stages
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    out = tmp_path / "stages.json"
+    code = attention_stages.main(["--allow-cpu", "--seq-lens", "40", "--dtype", "fp32", "--heads", "2",
+                                  "--kv-heads", "1", "--head-dim", "16", "--block-size", "8", "--block-stride", "4",
+                                  "--sel-block-size", "8", "--num-selected", "2", "--window-size", "8",
+                                  "--out", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["stage"] for r in rows] == ["compressed", "selection", "selected", "window", "gating"]
+    assert all(r["fwd_ms"] > 0 for r in rows) and "bwd_ms" not in rows[1]
+    assert all(r["bwd_ms"] > 0 for r in rows if r["stage"] != "selection")
+    assert abs(sum(r["share_of_fwd"] for r in rows) - 1) < 1e-9

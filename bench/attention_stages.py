@@ -1,0 +1,147 @@
+"""Where the Triton NSA op spends its time: each stage's forward and backward, timed on its own.
+
+    python -m bench.attention_stages [--preset 125m|paper] [--seq-lens 8192 65536] [--dtype bf16]
+
+Stages, in the order the op runs them: the compressed branch (interval attention over the
+compressed keys), block selection, the selected branch, the window branch, and the gating. Each is
+timed forward, and backward from a random output gradient (selection has no backward). Results go
+to bench/results/attention_stages-<gpu>-<time>.json with the environment. Needs CUDA; --allow-cpu
+runs it under Triton's interpreter at tiny sizes as a smoke test (times mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from bench.attention import PRESETS
+from bench.environment import describe_environment, results_path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="125m", help="head layout (default 125m)")
+    p.add_argument("--heads", type=int, help="query heads (overrides the preset)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (overrides the preset)")
+    p.add_argument("--head-dim", type=int, help="head dim (overrides the preset)")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-stride", type=int, default=16)
+    p.add_argument("--sel-block-size", type=int, default=64)
+    p.add_argument("--num-selected", type=int, default=16)
+    p.add_argument("--window-size", type=int, default=512)
+    p.add_argument("--rep-ms", type=int, default=200, help="time budget per measurement (triton.testing.do_bench)")
+    p.add_argument("--allow-cpu", action="store_true", help="smoke test under TRITON_INTERPRET=1 (not a benchmark)")
+    p.add_argument("--out", help="output JSON path (default bench/results/attention_stages-<gpu>-<time>.json)")
+    args = p.parse_args(argv)
+    h, hkv, d = PRESETS[args.preset]
+    args.heads, args.kv_heads, args.head_dim = args.heads or h, args.kv_heads or hkv, args.head_dim or d
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    return args
+
+
+def timer(device: str, rep_ms: int):
+    """Milliseconds per call: do_bench on CUDA, one wall-clock call on the CPU smoke path."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, rep=rep_ms)
+
+    def once(fn):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return once
+
+
+def stage_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
+    from components.nsa import num_compressed_blocks
+    from components.nsa.triton import ops
+
+    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
+    l, d, lp, n, w = args.block_size, args.block_stride, args.sel_block_size, args.num_selected, args.window_size
+    scale = D ** -0.5
+    tc = num_compressed_blocks(T, l, d)
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_()
+
+    q, k_cmp, v_cmp = leaf(B, T, H, D), leaf(B, tc, Hkv, D), leaf(B, tc, Hkv, D)
+    k_sel, v_sel, k_win, v_win = (leaf(B, T, Hkv, D) for _ in range(4))
+    gates = torch.rand(B, T, H, 3, device=device, dtype=dtype).requires_grad_()
+    o_cmp, lse_cmp = ops.interval_attention(q, k_cmp, v_cmp, d, l - 1, 0, scale)
+    selection = ops.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), l, d, lp, n, scale)
+    o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, lp, scale)
+    o_win, _ = ops.interval_attention(q, k_win, v_win, 1, 0, w, scale)
+
+    def gate():
+        g = gates.float().unsqueeze(-1)
+        return (g[..., 0, :] * o_cmp.float() + g[..., 1, :] * o_sel.float() + g[..., 2, :] * o_win.float()).to(dtype)
+
+    stages = {
+        "compressed": (lambda: ops.interval_attention(q, k_cmp, v_cmp, d, l - 1, 0, scale)[0], [q, k_cmp, v_cmp]),
+        "selection": (lambda: ops.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), l, d, lp, n, scale),
+                      None),
+        "selected": (lambda: ops.selected_attention(q, k_sel, v_sel, selection, lp, scale)[0], [q, k_sel, v_sel]),
+        "window": (lambda: ops.interval_attention(q, k_win, v_win, 1, 0, w, scale)[0], [q, k_win, v_win]),
+        "gating": (gate, [gates]),
+    }
+    measure = timer(device, args.rep_ms)
+    rows = []
+    for name, (fn, inputs) in stages.items():
+        with torch.no_grad():
+            row = {"seq_len": T, "stage": name, "fwd_ms": measure(fn)}
+        if inputs is not None:
+            out = fn()
+            grad = torch.randn_like(out)
+            row["bwd_ms"] = measure(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
+        rows.append(row)
+    total_fwd = sum(r["fwd_ms"] for r in rows)
+    total_bwd = sum(r.get("bwd_ms", 0.0) for r in rows)
+    for r in rows:
+        r["share_of_fwd"] = r["fwd_ms"] / total_fwd
+        if "bwd_ms" in r:
+            r["share_of_bwd"] = r["bwd_ms"] / total_bwd
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from components.nsa.triton.launch import interpreting
+
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif args.allow_cpu and interpreting():
+        device = "cpu"
+    else:
+        print("bench.attention_stages needs a CUDA GPU (or --allow-cpu with TRITON_INTERPRET=1 for a smoke test)",
+              file=sys.stderr)
+        return 2
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    report = {"benchmark": "attention_stages", "environment": describe_environment(), "config": vars(args),
+              "results": []}
+    for T in args.seq_lens:
+        for row in stage_times(args, T, dtype, device):
+            report["results"].append(row)
+            bwd = f"{row['bwd_ms']:9.3f} ms bwd" if "bwd_ms" in row else " " * 16
+            print(f"T={T:6d} {row['stage']:11s} {row['fwd_ms']:9.3f} ms fwd ({row['share_of_fwd']:5.1%})  {bwd}",
+                  flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    out = args.out or results_path("attention_stages")
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
