@@ -137,6 +137,20 @@ def sdpa_best(args, T: int, dtype: torch.dtype, modes) -> dict:
     return best
 
 
+def speedups(results: list[dict]) -> list[dict]:
+    """SDPA time / NSA time per (length, NSA backend, mode): above 1, NSA is faster."""
+    sdpa = {(r["seq_len"], r["mode"]): r for r in results if r.get("backend") == "sdpa" and "ms" in r}
+    rows = []
+    for r in results:
+        if not r.get("backend", "").startswith("nsa-") or "ms" not in r:
+            continue
+        base = sdpa.get((r["seq_len"], r["mode"]))
+        if base is not None:
+            rows.append({"seq_len": r["seq_len"], "backend": r["backend"], "mode": r["mode"],
+                         "speedup_vs_sdpa": base["ms"] / r["ms"], "sdpa_kernel": base.get("kernel")})
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -168,6 +182,10 @@ def main(argv=None) -> int:
                       f"peak {rec['peak_gib']:6.2f} GiB")
             torch.cuda.empty_cache()
 
+    report["speedups"] = speedups(report["results"])
+    for row in report["speedups"]:
+        print(f"T={row['seq_len']:6d} {row['backend']:14s} {row['mode']:8s} {row['speedup_vs_sdpa']:6.2f}x SDPA's "
+              f"speed ({row['sdpa_kernel']})")
     out = args.out or results_path("attention")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

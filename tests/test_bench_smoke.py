@@ -65,3 +65,20 @@ def test_attention_stages_times_every_stage(tmp_path):
     assert all(r["fwd_ms"] > 0 for r in rows) and "bwd_ms" not in rows[1]
     assert all(r["bwd_ms"] > 0 for r in rows if r["stage"] != "selection")
     assert abs(sum(r["share_of_fwd"] for r in rows) - 1) < 1e-9
+
+
+def test_attention_speedups_pair_each_nsa_timing_with_sdpa_at_the_same_length_and_mode():
+    from bench.attention import speedups
+
+    results = [
+        {"seq_len": 8192, "backend": "nsa-triton", "mode": "fwd", "ms": 2.0},
+        {"seq_len": 8192, "backend": "sdpa", "mode": "fwd", "ms": 3.0, "kernel": "cudnn"},
+        {"seq_len": 8192, "backend": "nsa-triton", "mode": "fwd+bwd", "ms": 8.0},
+        {"seq_len": 8192, "backend": "sdpa", "mode": "fwd+bwd", "ms": 6.0, "kernel": "flash"},
+        {"seq_len": 65536, "backend": "nsa-triton", "mode": "fwd", "ms": 10.0},  # no SDPA row: no ratio
+        {"seq_len": 65536, "backend": "sdpa", "error": "out of memory"},
+    ]
+    assert speedups(results) == [
+        {"seq_len": 8192, "backend": "nsa-triton", "mode": "fwd", "speedup_vs_sdpa": 1.5, "sdpa_kernel": "cudnn"},
+        {"seq_len": 8192, "backend": "nsa-triton", "mode": "fwd+bwd", "speedup_vs_sdpa": 0.75, "sdpa_kernel": "flash"},
+    ]
