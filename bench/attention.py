@@ -14,48 +14,71 @@ git commit. Needs CUDA: exits with status 2 and a message otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from bench.environment import describe_environment, results_path
+from bench.environment import describe_environment, write_report
 
 PRESETS = {"125m": (12, 4, 64), "paper": (64, 4, 128)}
 SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """Head layout (a preset, each part overridable), batch and NSA hyperparameters (the paper's)."""
     p.add_argument("--preset", choices=sorted(PRESETS), default="125m", help="head layout (default 125m)")
     p.add_argument("--heads", type=int, help="query heads (overrides the preset)")
     p.add_argument("--kv-heads", type=int, help="key/value heads (overrides the preset)")
     p.add_argument("--head-dim", type=int, help="head dim (overrides the preset)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
-    p.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "reference"],
-                   help="NSA backends to time (the reference is slow at long lengths)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA baseline")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--block-stride", type=int, default=16)
     p.add_argument("--sel-block-size", type=int, default=64)
     p.add_argument("--num-selected", type=int, default=16)
     p.add_argument("--window-size", type=int, default=512)
     p.add_argument("--rep-ms", type=int, default=200, help="time budget per measurement (triton.testing.do_bench)")
-    p.add_argument("--out", help="output JSON path (default bench/results/attention-<gpu>-<time>.json)")
-    args = p.parse_args(argv)
+
+
+def finish_shape_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill heads, kv_heads and head_dim from the preset where not given; check the grouping."""
     h, hkv, d = PRESETS[args.preset]
-    args.heads = args.heads or h
-    args.kv_heads = args.kv_heads or hkv
-    args.head_dim = args.head_dim or d
+    args.heads, args.kv_heads, args.head_dim = args.heads or h, args.kv_heads or hkv, args.head_dim or d
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     return args
+
+
+def nsa_hyper(args) -> dict:
+    return dict(block_size=args.block_size, block_stride=args.block_stride, sel_block_size=args.sel_block_size,
+                num_selected=args.num_selected, window_size=args.window_size)
+
+
+def nsa_inputs(args, T: int, dtype: torch.dtype, device: str = "cuda") -> list[torch.Tensor]:
+    """Leaf tensors (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates) of the op, random."""
+    from components.nsa import num_compressed_blocks
+
+    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
+    tc = num_compressed_blocks(T, args.block_size, args.block_stride)
+    shapes = [(B, T, H, D), (B, tc, Hkv, D), (B, tc, Hkv, D)] + [(B, T, Hkv, D)] * 4
+    xs = [torch.randn(*s, device=device, dtype=dtype).requires_grad_() for s in shapes]
+    xs.append(torch.rand(B, T, H, 3, device=device, dtype=dtype).requires_grad_())
+    return xs
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_args(p)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
+    p.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "reference"],
+                   help="NSA backends to time (the reference is slow at long lengths)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA baseline")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--out", help="output JSON path (default bench/results/attention-<gpu>-<time>.json)")
+    return finish_shape_args(p, p.parse_args(argv))
 
 
 def nsa_flops(args, T: int) -> float:
@@ -71,16 +94,10 @@ def dense_flops(args, T: int) -> float:
 
 
 def nsa_case(args, T: int, backend: str, dtype: torch.dtype):
-    from components.nsa import nsa_attention, num_compressed_blocks
+    from components.nsa import nsa_attention
 
-    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
-    tc = num_compressed_blocks(T, args.block_size, args.block_stride)
-    shapes = [(B, T, H, D), (B, tc, Hkv, D), (B, tc, Hkv, D)] + [(B, T, Hkv, D)] * 4
-    xs = [torch.randn(*s, device="cuda", dtype=dtype).requires_grad_() for s in shapes]
-    xs.append(torch.rand(B, T, H, 3, device="cuda", dtype=dtype).requires_grad_())
-    hyper = dict(block_size=args.block_size, block_stride=args.block_stride, sel_block_size=args.sel_block_size,
-                 num_selected=args.num_selected, window_size=args.window_size)
-    return (lambda: nsa_attention(*xs, **hyper, backend=backend)), xs
+    xs = nsa_inputs(args, T, dtype)
+    return (lambda: nsa_attention(*xs, **nsa_hyper(args), backend=backend)), xs
 
 
 def sdpa_case(args, T: int, dtype: torch.dtype, gqa: bool):
@@ -186,11 +203,7 @@ def main(argv=None) -> int:
     for row in report["speedups"]:
         print(f"T={row['seq_len']:6d} {row['backend']:14s} {row['mode']:8s} {row['speedup_vs_sdpa']:6.2f}x SDPA's "
               f"speed ({row['sdpa_kernel']})")
-    out = args.out or results_path("attention")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {out}")
+    write_report(report, "attention", args.out)
     return 0
 
 

@@ -12,39 +12,23 @@ runs it under Triton's interpreter at tiny sizes as a smoke test (times mean not
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
-from bench.attention import PRESETS
-from bench.environment import describe_environment, results_path
+from bench.attention import add_shape_args, finish_shape_args, nsa_inputs
+from bench.environment import describe_environment, write_report
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="125m", help="head layout (default 125m)")
-    p.add_argument("--heads", type=int, help="query heads (overrides the preset)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (overrides the preset)")
-    p.add_argument("--head-dim", type=int, help="head dim (overrides the preset)")
+    add_shape_args(p)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
-    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--block-stride", type=int, default=16)
-    p.add_argument("--sel-block-size", type=int, default=64)
-    p.add_argument("--num-selected", type=int, default=16)
-    p.add_argument("--window-size", type=int, default=512)
-    p.add_argument("--rep-ms", type=int, default=200, help="time budget per measurement (triton.testing.do_bench)")
     p.add_argument("--allow-cpu", action="store_true", help="smoke test under TRITON_INTERPRET=1 (not a benchmark)")
     p.add_argument("--out", help="output JSON path (default bench/results/attention_stages-<gpu>-<time>.json)")
-    args = p.parse_args(argv)
-    h, hkv, d = PRESETS[args.preset]
-    args.heads, args.kv_heads, args.head_dim = args.heads or h, args.kv_heads or hkv, args.head_dim or d
-    if args.heads % args.kv_heads:
-        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    return args
+    return finish_shape_args(p, p.parse_args(argv))
 
 
 def timer(device: str, rep_ms: int):
@@ -63,20 +47,11 @@ def timer(device: str, rep_ms: int):
 
 
 def stage_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
-    from components.nsa import num_compressed_blocks
     from components.nsa.triton import ops
 
-    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
     l, d, lp, n, w = args.block_size, args.block_stride, args.sel_block_size, args.num_selected, args.window_size
-    scale = D ** -0.5
-    tc = num_compressed_blocks(T, l, d)
-
-    def leaf(*shape):
-        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_()
-
-    q, k_cmp, v_cmp = leaf(B, T, H, D), leaf(B, tc, Hkv, D), leaf(B, tc, Hkv, D)
-    k_sel, v_sel, k_win, v_win = (leaf(B, T, Hkv, D) for _ in range(4))
-    gates = torch.rand(B, T, H, 3, device=device, dtype=dtype).requires_grad_()
+    scale = args.head_dim ** -0.5
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = nsa_inputs(args, T, dtype, device)
     o_cmp, lse_cmp = ops.interval_attention(q, k_cmp, v_cmp, d, l - 1, 0, scale)
     selection = ops.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), l, d, lp, n, scale)
     o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, lp, scale)
@@ -136,10 +111,7 @@ def main(argv=None) -> int:
                   flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-    out = args.out or results_path("attention_stages")
-    with open(out, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1)
-    print(f"wrote {out}")
+    write_report(report, "attention_stages", args.out)
     return 0
 
 

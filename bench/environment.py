@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import subprocess
@@ -50,3 +51,14 @@ def results_path(name: str) -> str:
     device = torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else "cpu"
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return os.path.join(RESULTS_DIR, f"{name}-{device}-{stamp}.json")
+
+
+def write_report(report: dict, name: str, out: str | None = None) -> str:
+    """Write a benchmark's JSON to `out` (default bench/results/<name>-<device>-<time>.json); say where."""
+    path = out or results_path(name)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=str)
+        fh.write("\n")
+    print(f"wrote {path}")
+    return path

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import traceback
 
 import torch
 
+from bench.environment import write_report
 from components.nsa.triton import nsa_attention_triton
 from components.nsa.triton.offline_compile import compile_only, target_for
 
@@ -93,8 +93,7 @@ def main(argv=None) -> int:
                           f"{k.registers if k.registers is not None else '?':>4} "
                           f"{k.local_bytes if k.local_bytes is not None else '?':>7}" + ("  OVER" if over else ""))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"rows": rows, "failures": failures}, fh, indent=1, default=str)
+        write_report({"rows": rows, "failures": failures}, "kernel_resources", args.json)
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     return 1 if failures else 0

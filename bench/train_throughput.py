@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.environment import describe_environment, results_path
+from bench.environment import describe_environment, write_report
 
 DEFAULT_RECIPES = ["recipes/nsa_125m.toml", "recipes/dense_125m.toml"]
 
@@ -115,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result), flush=True)
             results.append(result)
     payload = {"benchmark": "train_throughput", "environment": describe_environment(), "results": results}
-    path = results_path("train_throughput")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(payload, fh, indent=1)
-    print(f"wrote {path}")
+    write_report(payload, "train_throughput")
     return 0
 
 

@@ -19,7 +19,7 @@ def _debug_model_parameters(vocab_size: int) -> int:
 
 
 def test_train_throughput_writes_a_result(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("bench.train_throughput.results_path",
+    monkeypatch.setattr("bench.environment.results_path",
                         lambda name: os.path.join(tmp_path, f"{name}.json"))
     code = train_throughput.main(["--recipes", "recipes/debug.toml", "--seq-lens", "64", "--steps", "3",
                                   "--warmup", "1", "--tokens-per-step", "128", "--allow-cpu", "--vocab-size", "1000",
