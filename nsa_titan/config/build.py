@@ -41,15 +41,24 @@ class RecipeBuilder:
         return "defaults"
 
     def _superseded(self, table_path: str, choice_path: str) -> bool:
-        """A part's table set in an earlier layer (an extended preset, or the recipe under command-line
-        flags) than the layer that chose another part is overridden like any field, not a mistake."""
-        order = list(self.origin)
+        """A table set in an earlier layer (an extended preset, or the recipe under command-line flags)
+        than the layer that switched it off is overridden like any field, not a mistake."""
         if choice_path not in self.origin:
             return False  # the choice is the default: nothing overrode the table
-        keys = [k for k in order if k == table_path or k.startswith(table_path + ".")]
+        position = {key: i for i, key in enumerate(self.origin)}
         choice_layer = _layer(self.origin[choice_path])
-        position = order.index(choice_path)
-        return all(_layer(self.origin[k]) != choice_layer and order.index(k) < position for k in keys)
+        return all(_layer(source) != choice_layer and position[key] < position[choice_path]
+                   for key, source in self.origin.items() if key == table_path or key.startswith(table_path + "."))
+
+    def _set_but_unused(self, path: str, shown: str, switch_path: str, chosen: Any, wanted: Any) -> None:
+        """`path` (written as `shown`) is set, but `switch_path` = chosen leaves it unused: a note when a
+        later layer made that choice, else a problem whose fix is removing it or choosing `wanted`."""
+        if self._superseded(path, switch_path):
+            self.notes.append(f"{shown} from {self.source_of(path)} is not used: "
+                              f"{self.source_of(switch_path)} chose {switch_path} = {chosen!r}")
+        else:
+            self.problem(path, None, f"is set but {switch_path} = {chosen!r}, so it would be ignored",
+                         f"remove {shown} or set {switch_path} = {wanted!r}")
 
     def problem(self, path: str, value: Any, why: str, fix: str) -> None:
         shown = str(value) if isinstance(value, CliText) else value
@@ -109,20 +118,14 @@ class RecipeBuilder:
 
     def _unused_when_switched_off(self, fld: dataclasses.Field, values: dict, table: dict, path: str) -> Any:
         """A field used only while a sibling has a given value (metadata used_when = (sibling, value)),
-        e.g. model.nsa while model.attention = 'nsa': set while switched off, it is overridden by a
-        later layer (a note) or a mistake in the same layer (a problem); either way it is not used."""
+        e.g. model.nsa while model.attention = 'nsa': set while switched off, it is not used."""
         sibling, wanted = fld.metadata["used_when"]
         default = default_of(fld)
         # Only values that differ from the default count as set: a rendered recipe writes every field.
         if values[sibling] == wanted or values[fld.name] == default:
             return values[fld.name]
-        field_path, switch_path = _join(path, fld.name), _join(path, sibling)
-        if self._superseded(field_path, switch_path):
-            self.notes.append(f"{field_path} from {self.source_of(field_path)} is not used: "
-                              f"{self.source_of(switch_path)} chose {switch_path} = {values[sibling]!r}")
-        else:
-            self.problem(field_path, None, f"is set but {switch_path} = {values[sibling]!r}, so it would be ignored",
-                         f"remove {field_path} or set {switch_path} = {wanted!r}")
+        field_path = _join(path, fld.name)
+        self._set_but_unused(field_path, field_path, _join(path, sibling), values[sibling], wanted)
         return default
 
     def _part_args(self, fld: dataclasses.Field, kind: str, values: dict, table: dict, path: str,
@@ -147,13 +150,8 @@ class RecipeBuilder:
         for other in registry.available(kind):
             if other in table and other != chosen:
                 known.add(other)
-                table_path, choice_path = _join(path, other), _join(path, name_field)
-                if self._superseded(table_path, choice_path):
-                    self.notes.append(f"[{table_path}] from {self.source_of(table_path)} is not used: "
-                                      f"{self.source_of(choice_path)} chose {choice_path} = {chosen!r}")
-                    continue
-                self.problem(table_path, None, f"is set but {choice_path} = {chosen!r}, so it would be ignored",
-                             f"remove [{table_path}] or set {choice_path} = {other!r}")
+                table_path = _join(path, other)
+                self._set_but_unused(table_path, f"[{table_path}]", _join(path, name_field), chosen, other)
         if part is None:
             known.add(chosen)
             return None
