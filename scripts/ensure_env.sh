@@ -27,4 +27,15 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 "$py" -m pip install -q -e "$root[test]" >&2
+# The suite runs the kernels in Triton's interpreter, which before Triton 3.7 cannot run with NumPy 2.4+
+# (torch 2.11 pins Triton 3.6).
+interpreter_probe='
+try:
+    from components.nsa.triton.launch import INTERPRETER_PROBLEM
+except ImportError:
+    INTERPRETER_PROBLEM = None
+raise SystemExit(1 if INTERPRETER_PROBLEM else 0)'
+if ! (cd "$root" && "$py" -c "$interpreter_probe" >/dev/null 2>&1); then
+  "$py" -m pip install -q "numpy<2.4" >&2
+fi
 echo "$py"

@@ -15,7 +15,7 @@ from components.nsa.reference import compressed_attention, window_attention
 from components.nsa.selection import selection_scores_at
 from components.nsa.triton import nsa_attention_triton, select_blocks_triton
 from components.nsa.triton.interval_attention import interval_attention_bwd, interval_attention_fwd
-from components.nsa.triton.launch import interpreting
+from components.nsa.triton.launch import interpreter_problem, interpreting
 from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
 from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
 
@@ -203,3 +203,15 @@ def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(UserError, match="CUDA"):
         nsa_attention_triton(*xs, **_hyper(8, 4, 8, 2, 4))
+
+
+@pytest.mark.parametrize("triton_version, numpy_version, refused", [
+    ("3.6.0", "2.4.6", True), ("3.3.1", "2.4.0rc1", True),
+    ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False), ("3.10.1", "2.4.0", False), ("4.0.0", "3.0.0", False),
+])
+def test_interpreter_refuses_the_triton_numpy_pair_it_cannot_run(triton_version, numpy_version, refused):
+    problem = interpreter_problem(triton_version, numpy_version)
+    if refused:
+        assert f"NumPy {numpy_version}" in problem and "install numpy<2.4 or triton>=3.7" in problem
+    else:
+        assert problem is None

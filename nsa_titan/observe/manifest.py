@@ -51,6 +51,8 @@ def package_versions() -> dict[str, str | None]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
+    # The installed metadata drops the build tag (+cpu, +cu130) that tells two torch builds apart.
+    versions["torch"] = torch.__version__
     versions["python"] = platform.python_version()
     return versions
 

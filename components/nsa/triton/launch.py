@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
+import numpy
 import torch
+import triton
 
 from components.errors import UserError
 
@@ -37,9 +39,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def interpreter_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Triton's interpreter before 3.7 turns one-element arrays into loop bounds with int(array),
+    which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars")."""
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run with NumPy "
+                f"{numpy_version}; install numpy<2.4 or triton>=3.7 (on a GPU the compiled kernels are not affected)")
+    return None
+
+
+INTERPRETER_PROBLEM = interpreter_problem(triton.__version__, numpy.__version__)
+
+
 def check_kernel_device(x: torch.Tensor) -> None:
     """Triton kernels need CUDA tensors; CPU tensors only work under Triton's interpreter."""
-    if x.is_cuda or (x.device.type == "cpu" and interpreting()):
+    if x.is_cuda:
+        return
+    if x.device.type == "cpu" and interpreting():
+        if INTERPRETER_PROBLEM:
+            raise UserError(INTERPRETER_PROBLEM)
         return
     raise UserError(
         f"NSA backend 'triton' needs CUDA tensors, got tensors on {x.device}; move the model to a GPU "
