@@ -5,7 +5,7 @@
 
 No GPU needed: Triton compiles for the named architecture (sm_90 = H100/H200, sm_80 = A100) with the
 ptxas it ships, and nothing runs. Per kernel: warps, shared memory against the architecture's limit,
-registers and local memory per thread (register spills). Exit status 1 when a kernel does not compile
+registers and stack frame per thread (register spills and arrays kept in local memory). Exit status 1 when a kernel does not compile
 or needs more shared memory than the architecture has: such a kernel would fail at launch.
 Run without TRITON_INTERPRET.
 """
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rows, failures = [], []
     print(f"{'target':7} {'dtype':5} {'D':>4}  {'kernel':32} {'warps':>5} {'shared KiB':>10} {'limit':>6} "
-          f"{'regs':>4} {'local B':>7}")
+          f"{'regs':>4} {'stack B':>7}")
     for arch in args.arch:
         for name in args.dtypes:
             for head_dim in args.head_dims:
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
                     print(f"{k.target:7} {name:5} {head_dim:>4}  {k.name:32} {k.num_warps:>5} "
                           f"{k.shared_bytes / 1024:>10.1f} {k.shared_limit_bytes / 1024:>6.0f} "
                           f"{k.registers if k.registers is not None else '?':>4} "
-                          f"{k.local_bytes if k.local_bytes is not None else '?':>7}" + ("  OVER" if over else ""))
+                          f"{k.stack_bytes if k.stack_bytes is not None else '?':>7}" + ("  OVER" if over else ""))
     if args.json:
         write_report({"rows": rows, "failures": failures}, "kernel_resources", args.json)
     for failure in failures:

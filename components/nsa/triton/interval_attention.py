@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block
 from components.nsa.triton.softmax_delta import softmax_delta
 from components.nsa.triton.tiles import load_rows, online_softmax_step, softmax_grads, softmax_result
@@ -191,35 +192,6 @@ def _interval_attn_bwd_dkdv_kernel(
              mask=kv_mask)
 
 
-# Tile shapes (rows, keys, num_warps, num_stages) chosen from sm_90 ptxas register reports: the
-# largest tiles that compile without register spills (wide heads spill a little whatever the tile).
-def _fwd_tiles(head_dim: int) -> tuple[int, int, int, int]:
-    """Forward: (queries per tile, keys per tile, num_warps, num_stages)."""
-    if head_dim <= 64:
-        return 128, 64, 8, 3
-    if head_dim <= 128:
-        return 128, 32, 8, 3
-    return 64, 32, 8, 2
-
-
-def _dq_tiles(head_dim: int, element_bytes: int) -> tuple[int, int, int, int]:
-    if head_dim <= 64:
-        return 128, 32, 8, 2
-    if head_dim <= 128:
-        return 64, 32, 8, 2
-    # fp32 rows this wide need 200 KiB of shared memory at 64 keys: more than an A100 has.
-    return (32, 64, 8, 2) if element_bytes <= 2 else (32, 32, 8, 2)
-
-
-def _dkdv_tiles(head_dim: int) -> tuple[int, int, int, int]:
-    """The key tile holds two fp32 accumulators [keys, D]: fewer keys for wider heads."""
-    if head_dim <= 64:
-        return 32, 128, 8, 2
-    if head_dim <= 128:
-        return 32, 64, 8, 2
-    return 32, 32, 8, 2
-
-
 def _nonempty(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """No keys (T < l leaves no compressed block): kernels load nothing, but still need real addresses."""
     if k.shape[1] > 0:
@@ -243,7 +215,7 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     if B * T * H == 0:
         return o, lse2
     k, v = _nonempty(k, v)
-    block_m, block_n, warps, stages = _fwd_tiles(D)
+    block_m, block_n, warps, stages = tile_configs.interval_fwd(head_block(D), q.element_size())
     grid = (cdiv(T, block_m), B * H)
     _interval_attn_fwd_kernel[grid](
         q, k, v, o, lse2,
@@ -274,7 +246,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     window = _effective_window(window, T)
     common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype))
 
-    block_m, block_n, warps, stages = _dq_tiles(D, q.element_size())
+    block_m, block_n, warps, stages = tile_configs.interval_dq(head_block(D), q.element_size())
     _interval_attn_bwd_dq_kernel[(cdiv(T, block_m), B * H)](
         q, k, v, do, lse2, delta, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -288,7 +260,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
     # Few key tiles (the compressed branch has T/d keys) leave the GPU idle when a program owns
     # a whole group; then give each query head its own program and sum the group afterwards.
-    block_m, block_n, warps, stages = _dkdv_tiles(D)
+    block_m, block_n, warps, stages = tile_configs.interval_dkdv(head_block(D), q.element_size())
     key_tiles = cdiv(NK, block_n)
     if per_head is None:
         per_head = G > 1 and B * Hkv * key_tiles < 1024

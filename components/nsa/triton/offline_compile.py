@@ -8,7 +8,7 @@ and reports each compiled kernel's resources. Nothing is launched and the output
 
     with compile_only(target) as kernels:
         nsa_attention_triton(...).sum().backward()
-    for k in kernels: print(k.name, k.shared_bytes, k.registers, k.local_bytes)
+    for k in kernels: print(k.name, k.shared_bytes, k.registers, k.stack_bytes)
 
 Run it in a process where TRITON_INTERPRET is unset: under the interpreter there is nothing to
 compile. `python -m bench.kernel_resources` prints the table for the usual shapes.
@@ -42,7 +42,9 @@ class CompiledKernel:
     num_warps: int
     shared_bytes: int
     registers: int | None
-    local_bytes: int | None  # local memory per thread (register spills land here); None without cuobjdump
+    # Per-thread stack frame: ptxas puts register spills and arrays it cannot keep in registers there,
+    # in local memory (slow). None without cuobjdump.
+    stack_bytes: int | None
 
     @property
     def shared_limit_bytes(self) -> int:
@@ -54,7 +56,7 @@ def target_for(arch: int) -> GPUTarget:
 
 
 def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
-    """(registers, local-memory bytes) per thread, from cuobjdump's resource report of the cubin."""
+    """(registers, stack-frame bytes) per thread, from cuobjdump's resource report of the cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         return None, None
@@ -63,8 +65,8 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
         fh.flush()
         report = subprocess.run([tool, "--dump-resource-usage", fh.name], capture_output=True, text=True).stdout
     registers = re.search(r"REG:(\d+)", report)
-    local = re.search(r"LOCAL:(\d+)", report)
-    return (int(registers.group(1)) if registers else None, int(local.group(1)) if local else None)
+    stack = re.search(r"STACK:(\d+)", report)
+    return (int(registers.group(1)) if registers else None, int(stack.group(1)) if stack else None)
 
 
 @contextlib.contextmanager
@@ -82,11 +84,11 @@ def compile_only(target: GPUTarget):
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
         kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
                                 options=options.__dict__)
-        registers, local_bytes = _resource_usage(kernel.asm["cubin"])
+        registers, stack_bytes = _resource_usage(kernel.asm["cubin"])
         names = [p.name for p in self.params]
         constants = {names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
         compiled.append(CompiledKernel(self.fn.__name__, f"sm_{target.arch}", constants, options.num_warps,
-                                       kernel.metadata.shared, registers, local_bytes))
+                                       kernel.metadata.shared, registers, stack_bytes))
         return None
 
     jit.JITFunction.run = compile_instead

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
 from components.nsa.triton.selected_attention_fwd import key_tile
 from components.nsa.triton.softmax_delta import softmax_delta
@@ -206,10 +207,8 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     delta = softmax_delta(do, o)  # [B, H, T]
     block_d = head_block(D)
     precision = dot_precision(q.dtype)
-    # Tile sizes: the largest without register spills in sm_90 ptxas reports (and, for fp32 rows
-    # of 256, within an A100's shared memory).
-    narrow = block_d == 128 or (block_d == 256 and q.element_size() > 2)
-    block_k = key_tile(sel_block_size, 32 if narrow else 64)
+    tiles = tile_configs.selected_dq(block_d, q.element_size())
+    block_k = key_tile(sel_block_size, tiles.keys)
     sub_blocks = cdiv(sel_block_size, block_k)
 
     _selected_attn_bwd_dq_kernel[(T, B * HKV)](
@@ -219,14 +218,15 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         sel_idx.stride(0), sel_idx.stride(1), sel_idx.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         T, H, HKV, G, num_sel, sel_block_size, sm_scale * LOG2E, sm_scale,
         D=D, BLOCK_D=block_d, BLOCK_G=max(16, next_pow2(G)), BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
-        PRECISION=precision, num_warps=8, num_stages=2,
+        PRECISION=precision, num_warps=tiles.warps, num_stages=tiles.stages,
     )
 
     num_sel_blocks = cdiv(T, sel_block_size)
-    block_k = key_tile(sel_block_size, 64 if block_d <= 128 else 32)
+    tiles = tile_configs.selected_dkdv(block_d, q.element_size())
+    block_k = key_tile(sel_block_size, tiles.keys)
     sub_blocks = cdiv(sel_block_size, block_k)
     block_g = next_pow2(G)
-    queries = max(1, (32 if block_d <= 128 else 16) // block_g)  # (query, head) rows per step
+    queries = max(1, tiles.rows // block_g)  # (query, head) rows per step
     if segment is None:
         # At most 512 steps per work item: short enough to balance the GPU when block 0's list
         # holds every query, long enough to keep the fp32 partials near the size of dK + dV.
@@ -242,7 +242,7 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         T, H, HKV, G, B * HKV * num_sel_blocks, num_sel_blocks, sel_block_size, segment, sm_scale * LOG2E, sm_scale,
         D=D, BLOCK_D=block_d, BLOCK_G=block_g, QUERIES=queries, BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
-        PRECISION=precision, num_warps=8, num_stages=2,
+        PRECISION=precision, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     sum_rows = min(part_rows, 2048 // block_d)
     _sum_partials_kernel[(B * HKV * num_sel_blocks, cdiv(part_rows, sum_rows))](

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
 from components.nsa.triton.tiles import load_rows, online_softmax_step, softmax_result
 
@@ -80,7 +81,8 @@ def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     lse2 = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     if B * T * H == 0:
         return o, lse2
-    block_k = key_tile(sel_block_size, 64)
+    tiles = tile_configs.selected_fwd(head_block(D), q.element_size())
+    block_k = key_tile(sel_block_size, tiles.keys)
     _selected_attn_fwd_kernel[(T, B * HKV)](
         q, k, v, sel_idx, o, lse2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -89,6 +91,6 @@ def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
         T, H, HKV, G, num_sel, sel_block_size, sm_scale * LOG2E,
         D=D, BLOCK_D=head_block(D), BLOCK_G=max(16, next_pow2(G)), BLOCK_K=block_k,
         SUB_BLOCKS=cdiv(sel_block_size, block_k), PRECISION=dot_precision(q.dtype),
-        num_warps=4 if head_block(D) <= 64 else 8, num_stages=2,  # no register spills on sm_90
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return o, lse2

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from components.nsa.triton import tile_configs
 from components.nsa.triton.bitonic_sort import sort_descending
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
 
@@ -120,16 +121,16 @@ def select_blocks_kernel(q: torch.Tensor, k_cmp: torch.Tensor, lse2_cmp: torch.T
     if TC == 0:
         k_cmp = q.new_zeros(B, 1, HKV, D)  # every load is masked off; the kernel only needs an address
     top_pad, block_c, chunk = _chunk_sizes(block_size, block_stride, sel_block_size, num_selected)
-    block_t = 64 if head_block(D) <= 128 else 32  # with 8 warps: no register spills on sm_90
-    grid = (cdiv(T, block_t), B * HKV)
+    tiles = tile_configs.selection(head_block(D), q.element_size())
+    grid = (cdiv(T, tiles.rows), B * HKV)
     _select_blocks_kernel[grid](
         q, k_cmp, lse2_cmp, out,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         T, TC, H, HKV, H // HKV, sm_scale * LOG2E,
         block_size, block_stride, sel_block_size, num_selected, chunk,
-        D=D, BLOCK_D=head_block(D), BLOCK_T=block_t, BLOCK_C=block_c, TOP_PAD=top_pad,
+        D=D, BLOCK_D=head_block(D), BLOCK_T=tiles.rows, BLOCK_C=block_c, TOP_PAD=top_pad,
         TOP_LOG=top_pad.bit_length() - 1,
-        PRECISION=dot_precision(q.dtype), num_warps=8, num_stages=2,
+        PRECISION=dot_precision(q.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
