@@ -15,7 +15,9 @@ from components.nsa.reference import compressed_attention, window_attention
 from components.nsa.selection import selection_scores_at
 from components.nsa.triton import nsa_attention_triton, select_blocks_triton
 from components.nsa.triton.interval_attention import interval_attention_bwd, interval_attention_fwd
-from components.nsa.triton.launch import interpreter_problem, interpreting
+from components.nsa.triton import launch
+from components.nsa.triton.launch import check_kernel_device, interpreter_problem, interpreting
+from components.nsa.triton.offline_compile import compile_only, target_for
 from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
 from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
 
@@ -215,3 +217,15 @@ def test_interpreter_refuses_the_triton_numpy_pair_it_cannot_run(triton_version,
         assert f"NumPy {numpy_version}" in problem and "install numpy<2.4 or triton>=3.7" in problem
     else:
         assert problem is None
+
+
+def test_interpreter_problem_stops_the_interpreter_but_not_offline_compilation(monkeypatch):
+    monkeypatch.setattr(launch, "INTERPRETER_PROBLEM", "Triton 3.6.0's interpreter cannot run with NumPy 2.4.6")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(UserError, match="cannot run with NumPy"):
+        check_kernel_device(torch.zeros(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with compile_only(target_for(90)):
+        check_kernel_device(torch.zeros(1))  # compiles only: the interpreter's trouble does not apply
+    with pytest.raises(UserError, match="needs CUDA tensors"):
+        check_kernel_device(torch.zeros(1))

@@ -56,12 +56,18 @@ def interpreter_problem(triton_version: str, numpy_version: str) -> str | None:
 INTERPRETER_PROBLEM = interpreter_problem(triton.__version__, numpy.__version__)
 
 
+def cpu_tensors_allowed() -> bool:
+    """Whether launchers may take CPU tensors: under the interpreter (offline compilation patches
+    this too, since it only compiles)."""
+    return interpreting()
+
+
 def check_kernel_device(x: torch.Tensor) -> None:
     """Triton kernels need CUDA tensors; CPU tensors only work under Triton's interpreter."""
     if x.is_cuda:
         return
-    if x.device.type == "cpu" and interpreting():
-        if INTERPRETER_PROBLEM:
+    if x.device.type == "cpu" and cpu_tensors_allowed():
+        if interpreting() and INTERPRETER_PROBLEM:
             raise UserError(INTERPRETER_PROBLEM)
         return
     raise UserError(

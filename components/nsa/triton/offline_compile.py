@@ -76,7 +76,7 @@ def compile_only(target: GPUTarget):
         raise RuntimeError("offline compilation needs TRITON_INTERPRET unset")
     backend = make_backend(target)
     compiled: list[CompiledKernel] = []
-    original_run, original_interpreting = jit.JITFunction.run, launch.interpreting
+    original_run, original_cpu_tensors_allowed = jit.JITFunction.run, launch.cpu_tensors_allowed
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
         binder = jit.create_function_from_signature(self.signature, self.params, backend)
@@ -92,9 +92,9 @@ def compile_only(target: GPUTarget):
         return None
 
     jit.JITFunction.run = compile_instead
-    launch.interpreting = lambda: True  # let the launchers accept CPU tensors
+    launch.cpu_tensors_allowed = lambda: True
     try:
         yield compiled
     finally:
         jit.JITFunction.run = original_run
-        launch.interpreting = original_interpreting
+        launch.cpu_tensors_allowed = original_cpu_tensors_allowed
