@@ -215,7 +215,7 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     if B * T * H == 0:
         return o, lse2
     k, v = _nonempty(k, v)
-    block_m, block_n, warps, stages = tile_configs.interval_fwd(head_block(D), q.element_size())
+    block_m, block_n, warps, stages = tile_configs.tiles("interval_fwd", head_block(D), q.element_size())
     grid = (cdiv(T, block_m), B * H)
     _interval_attn_fwd_kernel[grid](
         q, k, v, o, lse2,
@@ -246,7 +246,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     window = _effective_window(window, T)
     common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype))
 
-    block_m, block_n, warps, stages = tile_configs.interval_dq(head_block(D), q.element_size())
+    block_m, block_n, warps, stages = tile_configs.tiles("interval_dq", head_block(D), q.element_size())
     _interval_attn_bwd_dq_kernel[(cdiv(T, block_m), B * H)](
         q, k, v, do, lse2, delta, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -260,7 +260,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
     # Few key tiles (the compressed branch has T/d keys) leave the GPU idle when a program owns
     # a whole group; then give each query head its own program and sum the group afterwards.
-    block_m, block_n, warps, stages = tile_configs.interval_dkdv(head_block(D), q.element_size())
+    block_m, block_n, warps, stages = tile_configs.tiles("interval_dkdv", head_block(D), q.element_size())
     key_tiles = cdiv(NK, block_n)
     if per_head is None:
         per_head = G > 1 and B * Hkv * key_tiles < 1024

@@ -207,7 +207,7 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     delta = softmax_delta(do, o)  # [B, H, T]
     block_d = head_block(D)
     precision = dot_precision(q.dtype)
-    tiles = tile_configs.selected_dq(block_d, q.element_size())
+    tiles = tile_configs.tiles("selected_dq", block_d, q.element_size())
     block_k = key_tile(sel_block_size, tiles.keys)
     sub_blocks = cdiv(sel_block_size, block_k)
 
@@ -222,7 +222,7 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     )
 
     num_sel_blocks = cdiv(T, sel_block_size)
-    tiles = tile_configs.selected_dkdv(block_d, q.element_size())
+    tiles = tile_configs.tiles("selected_dkdv", block_d, q.element_size())
     block_k = key_tile(sel_block_size, tiles.keys)
     sub_blocks = cdiv(sel_block_size, block_k)
     block_g = next_pow2(G)

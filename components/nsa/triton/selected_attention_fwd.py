@@ -81,7 +81,7 @@ def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     lse2 = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     if B * T * H == 0:
         return o, lse2
-    tiles = tile_configs.selected_fwd(head_block(D), q.element_size())
+    tiles = tile_configs.tiles("selected_fwd", head_block(D), q.element_size())
     block_k = key_tile(sel_block_size, tiles.keys)
     _selected_attn_fwd_kernel[(T, B * HKV)](
         q, k, v, sel_idx, o, lse2,

@@ -121,7 +121,7 @@ def select_blocks_kernel(q: torch.Tensor, k_cmp: torch.Tensor, lse2_cmp: torch.T
     if TC == 0:
         k_cmp = q.new_zeros(B, 1, HKV, D)  # every load is masked off; the kernel only needs an address
     top_pad, block_c, chunk = _chunk_sizes(block_size, block_stride, sel_block_size, num_selected)
-    tiles = tile_configs.selection(head_block(D), q.element_size())
+    tiles = tile_configs.tiles("selection", head_block(D), q.element_size())
     grid = (cdiv(T, tiles.rows), B * HKV)
     _select_blocks_kernel[grid](
         q, k_cmp, lse2_cmp, out,
