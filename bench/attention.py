@@ -25,6 +25,7 @@ from bench.environment import describe_environment, write_report
 PRESETS = {"125m": (12, 4, 64), "paper": (64, 4, 128)}
 SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 MODES = ("fwd", "bwd", "fwd+bwd")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:
@@ -34,12 +35,17 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, help="key/value heads (overrides the preset)")
     p.add_argument("--head-dim", type=int, help="head dim (overrides the preset)")
     p.add_argument("--batch", type=int, default=1)
+    add_nsa_args(p)
+    p.add_argument("--rep-ms", type=int, default=200, help="time budget per measurement (triton.testing.do_bench)")
+
+
+def add_nsa_args(p: argparse.ArgumentParser) -> None:
+    """The NSA block sizes, the paper's by default; nsa_hyper() reads them back."""
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--block-stride", type=int, default=16)
     p.add_argument("--sel-block-size", type=int, default=64)
     p.add_argument("--num-selected", type=int, default=16)
     p.add_argument("--window-size", type=int, default=512)
-    p.add_argument("--rep-ms", type=int, default=200, help="time budget per measurement (triton.testing.do_bench)")
 
 
 def finish_shape_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    dtype = DTYPES[args.dtype]
     report = {"benchmark": "attention", "environment": describe_environment(), "config": vars(args), "results": []}
     for T in args.seq_lens:
         cases = [(f"nsa-{b}", lambda b=b: time_modes(lambda: nsa_case(args, T, b, dtype), args.modes, args.rep_ms),

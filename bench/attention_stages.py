@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.attention import add_shape_args, finish_shape_args, nsa_inputs
+from bench.attention import DTYPES, add_shape_args, finish_shape_args, nsa_inputs
 from bench.environment import describe_environment, write_report
 
 
@@ -25,7 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_shape_args(p)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--allow-cpu", action="store_true", help="smoke test under TRITON_INTERPRET=1 (not a benchmark)")
     p.add_argument("--out", help="output JSON path (default bench/results/attention_stages-<gpu>-<time>.json)")
     return finish_shape_args(p, p.parse_args(argv))
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         print("bench.attention_stages needs a CUDA GPU (or --allow-cpu with TRITON_INTERPRET=1 for a smoke test)",
               file=sys.stderr)
         return 2
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     report = {"benchmark": "attention_stages", "environment": describe_environment(), "config": vars(args),
               "results": []}
     for T in args.seq_lens:

@@ -5,8 +5,9 @@
 
 No GPU needed: Triton compiles for the named architecture (sm_90 = H100/H200, sm_80 = A100) with the
 ptxas it ships, and nothing runs. Per kernel: warps, shared memory against the architecture's limit,
-registers and stack frame per thread (register spills and arrays kept in local memory). Exit status 1 when a kernel does not compile
-or needs more shared memory than the architecture has: such a kernel would fail at launch.
+registers and stack frame per thread (register spills and arrays kept in local memory). Exit
+status 1 when a kernel does not compile or needs more shared memory than the architecture has:
+such a kernel would fail at launch.
 Run without TRITON_INTERPRET.
 """
 
@@ -19,12 +20,10 @@ import traceback
 
 import torch
 
+from bench.attention import DTYPES, add_nsa_args, nsa_hyper, nsa_inputs
 from bench.environment import write_report
 from components.nsa.triton import nsa_attention_triton
 from components.nsa.triton.offline_compile import compile_only, target_for
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -35,30 +34,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4)
     # Lengths and NSA sizes only shape the launch, not the kernels; odd ones exercise the masks.
     p.add_argument("--seq-len", type=int, default=300)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--block-stride", type=int, default=16)
-    p.add_argument("--sel-block-size", type=int, default=64)
-    p.add_argument("--num-selected", type=int, default=16)
-    p.add_argument("--window-size", type=int, default=512)
+    add_nsa_args(p)
     p.add_argument("--json", help="also write the rows as JSON to this file")
     return p.parse_args(argv)
 
 
 def compile_one(args: argparse.Namespace, arch: int, head_dim: int, dtype: torch.dtype) -> list:
     """The kernels one forward + backward launches, compiled for sm_<arch>."""
-    T, H, Hkv, D = args.seq_len, args.heads, args.kv_heads, head_dim
-    num_cmp = max(0, (T - args.block_size) // args.block_stride + 1)
-
-    def leaf(*shape):
-        return torch.zeros(*shape, dtype=dtype, requires_grad=True)
-
-    tensors = [leaf(1, T, H, D), leaf(1, num_cmp, Hkv, D), leaf(1, num_cmp, Hkv, D)]
-    tensors += [leaf(1, T, Hkv, D) for _ in range(4)]
-    gates = torch.zeros(1, T, H, 3, requires_grad=True)
+    shape = argparse.Namespace(**vars(args), batch=1, head_dim=head_dim)
+    inputs = nsa_inputs(shape, args.seq_len, dtype, device="cpu")
     with compile_only(target_for(arch)) as kernels:
-        o = nsa_attention_triton(*tensors, gates, block_size=args.block_size, block_stride=args.block_stride,
-                                 sel_block_size=args.sel_block_size, num_selected=args.num_selected,
-                                 window_size=args.window_size)
+        o = nsa_attention_triton(*inputs, **nsa_hyper(args))
         o.float().sum().backward()
     return kernels
 
