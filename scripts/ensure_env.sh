@@ -34,8 +34,10 @@ try:
     from components.nsa.triton.launch import INTERPRETER_PROBLEM
 except ImportError:
     INTERPRETER_PROBLEM = None
-raise SystemExit(1 if INTERPRETER_PROBLEM else 0)'
-if ! (cd "$root" && "$py" -c "$interpreter_probe" >/dev/null 2>&1); then
+raise SystemExit(3 if INTERPRETER_PROBLEM else 0)'
+probe_rc=0
+(cd "$root" && "$py" -c "$interpreter_probe" >/dev/null 2>&1) || probe_rc=$?
+if [ "$probe_rc" -eq 3 ]; then
   "$py" -m pip install -q "numpy<2.4" >&2
 fi
 echo "$py"
