@@ -36,7 +36,8 @@ class GracefulStop:
 
     def agree(self, any_rank_asked: bool) -> bool:
         """Record the all-ranks answer (the trainer's per-step agreement carries it) and return it."""
-        if any_rank_asked and self.reason is None:
+        # The halt file may have appeared after this rank looked: name it rather than another rank.
+        if any_rank_asked and not self.local_request():
             self.reason = "another rank was asked to stop"
         return any_rank_asked
 

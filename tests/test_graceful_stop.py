@@ -1,0 +1,26 @@
+"""The reason a rank gives for a stop the ranks agreed on."""
+
+import os
+
+from nsa_titan.graceful_stop import GracefulStop
+
+
+def _stop(folder) -> GracefulStop:
+    stop = GracefulStop(str(folder))
+    stop.restore()  # the test process keeps its own signal handlers
+    return stop
+
+
+def test_a_halt_file_seen_first_by_another_rank_is_still_named(tmp_path):
+    stop = _stop(tmp_path)
+    assert not stop.local_request()
+    open(os.path.join(tmp_path, "HALT"), "w").close()  # appears after this rank looked; another rank saw it
+    assert stop.agree(True)
+    assert stop.reason == f"halt file {tmp_path / 'HALT'}"
+
+
+def test_a_stop_asked_of_another_rank_alone_says_so(tmp_path):
+    stop = _stop(tmp_path)
+    assert not stop.local_request()
+    assert stop.agree(True) and stop.reason == "another rank was asked to stop"
+    assert not _stop(tmp_path).agree(False)
