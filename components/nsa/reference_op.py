@@ -3,7 +3,8 @@
 Traced by torch.compile, the reference's Python loops over query chunks would be unrolled (compile
 time growing with T / 64) and its chunk bounds would pin every sequence length (a recompile per
 length). As a custom op it is one node in the graph with a shape-only fake, and its backward is the
-same flash-style recomputation the eager path uses. The numbers are those of
+same flash-style recomputation the eager path uses. Every output is contiguous, in the real and the
+fake kernels alike: inductor checks the real strides against the fake's promise. The numbers are those of
 nsa_attention_at_reference, which the tests hold against brute force.
 """
 
@@ -22,10 +23,10 @@ def reference_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tenso
                         v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
                         block_size: int, block_stride: int, sel_block_size: int, num_selected: int,
                         window_size: int) -> torch.Tensor:
-    return nsa_attention_at_reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0,
-                                      block_size=block_size, block_stride=block_stride,
-                                      sel_block_size=sel_block_size, num_selected=num_selected,
-                                      window_size=window_size)
+    o = nsa_attention_at_reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0,
+                                   block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
+                                   num_selected=num_selected, window_size=window_size)
+    return o.contiguous()
 
 
 @reference_attention.register_fake
@@ -65,13 +66,13 @@ def reference_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k_cmp: t
         dkv += [dk_b.permute(0, 2, 1, 3).to(k.dtype), dv_b.permute(0, 2, 1, 3).to(v.dtype)]
     dq = (dqh * D**-0.5).permute(0, 2, 1, 3, 4).reshape(B, T, H, D).to(q.dtype)
     dg = torch.stack(dgates, dim=-1).permute(0, 2, 1, 3, 4).reshape(B, T, H, 3).to(gates.dtype)
-    return [dq, *dkv, dg]
+    return [x.contiguous() for x in (dq, *dkv, dg)]
 
 
 @reference_attention_backward.register_fake
 def _(grad_o, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_size, block_stride, sel_block_size,
       num_selected, window_size):
-    return [torch.empty_like(x) for x in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)]
+    return [x.new_empty(x.shape) for x in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)]
 
 
 def _setup_context(ctx, inputs, output):
