@@ -40,6 +40,9 @@ CASES = [
     # Several KV groups: every kernel's group offsets (and the dK/dV bins per group and batch).
     pytest.param(2, 45, 6, 2, 16, 8, 4, 8, 3, 11, torch.float32, id="Hkv2-G3-B2-fp32"),
     pytest.param(1, 52, 3, 3, 16, 8, 4, 16, 2, 10, torch.float16, id="Hkv3-G1-fp16"),
+    # fp32 at head dim <= 16 with 64 < l' <= 96: three key sub-tiles of 32 rows, which the dK/dV
+    # partial sums must round up to a power of two.
+    pytest.param(1, 100, 1, 1, 16, 16, 8, 96, 2, 20, torch.float32, id="lsel96-D16-fp32"),
 ]
 
 
@@ -191,6 +194,31 @@ def test_full_coverage_equals_dense_causal_attention(branch):
         xs[0].transpose(1, 2), k.repeat_interleave(H // Hkv, 2).transpose(1, 2),
         v.repeat_interleave(H // Hkv, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
     torch.testing.assert_close(out, dense, atol=5e-5, rtol=5e-5)
+
+
+def test_every_launch_fits_cuda_grid_limits(monkeypatch):
+    """70000 (batch x KV head) rows: more than CUDA's 65535 on grid axes 1 and 2, so every launcher
+    must put them on axis 0 (limit 2^31 - 1). Launches are recorded, not run."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    grids = {}
+
+    def record(self, *args, grid, warmup, **kwargs):
+        grids[self.fn.__name__] = grid(kwargs) if callable(grid) else grid
+
+    monkeypatch.setattr(InterpretedFunction, "run", record)
+    B, T, D, lp = 70_000, 2, 16, 16
+    q, k, v, do = (torch.randn(B, T, 1, D, device=DEVICE) for _ in range(4))
+    sel = torch.zeros(B, T, 1, 1, dtype=torch.int64, device=DEVICE)
+    o, lse2 = interval_attention_fwd(q, k, v, 1, 0, 2, 0.25)
+    interval_attention_bwd(do, q, k, v, o, lse2, 1, 0, 2, 0.25)
+    select_blocks_triton(q, k[:, :0], block_size=8, block_stride=4, sel_block_size=lp, num_selected=1)
+    o, lse2 = selected_attention_fwd(q, k, v, sel, lp, 0.25)
+    selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, 0.25)
+    assert len(grids) == 9, sorted(grids)  # every kernel of the forward and backward
+    for name, grid in grids.items():
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        assert grid[0] <= 2**31 - 1 and grid[1] <= 65535 and grid[2] <= 65535, (name, grid)
 
 
 def test_rejects_float64():

@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from components.nsa.triton import tile_configs
-from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block
+from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block
 from components.nsa.triton.softmax_delta import softmax_delta
-from components.nsa.triton.tiles import load_rows, online_softmax_step, softmax_grads, softmax_result
+from components.nsa.triton.tiles import grid_position, load_rows, online_softmax_step, softmax_grads, softmax_result
 
 
 @triton.jit
@@ -50,8 +50,7 @@ def _interval_attn_fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = grid_position(tl.cdiv(T, BLOCK_M))
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     hk = (h // G).to(tl.int64)
@@ -96,8 +95,7 @@ def _interval_attn_bwd_dq_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = grid_position(tl.cdiv(T, BLOCK_M))
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     hk = (h // G).to(tl.int64)
@@ -145,8 +143,7 @@ def _interval_attn_bwd_dkdv_kernel(
     # One program per (key tile, output head). HO output heads: Hkv (each program sums its G
     # query heads itself) or H (one query head each; the caller sums groups in a fixed order).
     # Either way no two programs write the same element: deterministic, no atomics.
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_n, pid_bh = grid_position(tl.cdiv(NK, BLOCK_N))
     b = (pid_bh // HO).to(tl.int64)
     ho = pid_bh % HO
     heads_per_program = H // HO
@@ -216,8 +213,7 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
         return o, lse2
     k, v = _nonempty(k, v)
     block_m, block_n, warps, stages = tile_configs.tiles("interval_fwd", head_block(D), q.element_size())
-    grid = (cdiv(T, block_m), B * H)
-    _interval_attn_fwd_kernel[grid](
+    _interval_attn_fwd_kernel[flat_grid(cdiv(T, block_m), B * H)](
         q, k, v, o, lse2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -247,7 +243,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype))
 
     block_m, block_n, warps, stages = tile_configs.tiles("interval_dq", head_block(D), q.element_size())
-    _interval_attn_bwd_dq_kernel[(cdiv(T, block_m), B * H)](
+    _interval_attn_bwd_dq_kernel[flat_grid(cdiv(T, block_m), B * H)](
         q, k, v, do, lse2, delta, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -270,7 +266,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     else:
         dk_out, dv_out = dk, dv
     HO = dk_out.shape[2]
-    _interval_attn_bwd_dkdv_kernel[(key_tiles, B * HO)](
+    _interval_attn_bwd_dkdv_kernel[flat_grid(key_tiles, B * HO)](
         q, k, v, do, lse2, delta, dk_out, dv_out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),

@@ -29,6 +29,21 @@ def head_block(head_dim: int) -> int:
     return max(16, next_pow2(head_dim))
 
 
+# CUDA caps grid axis 0 at 2^31 - 1 programs and axes 1 and 2 at 65535: batch x heads alone can pass
+# 65535 (a large batch of short rows), so launches use axis 0 only.
+MAX_GRID_PROGRAMS = 2**31 - 1
+
+
+def flat_grid(tiles: int, rows: int) -> tuple[int]:
+    """A one-axis launch of `tiles` programs for each of `rows` (batch x heads); decoded in the
+    kernel by tiles.grid_position."""
+    programs = tiles * rows
+    if programs > MAX_GRID_PROGRAMS:
+        raise UserError(f"an NSA kernel launch needs {programs} programs, more than a GPU grid holds "
+                        f"({MAX_GRID_PROGRAMS}); use a smaller batch or sequence per step")
+    return (programs,)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get true fp32 products (TF32 would change results); half types are exact anyway."""
     return "ieee" if dtype == torch.float32 else "tf32"

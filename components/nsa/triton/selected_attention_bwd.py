@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 
 from components.nsa.triton import tile_configs
-from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
+from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
 from components.nsa.triton.selected_attention_fwd import key_tile
 from components.nsa.triton.softmax_delta import softmax_delta
-from components.nsa.triton.tiles import load_rows, softmax_grads
+from components.nsa.triton.tiles import grid_position, load_rows, softmax_grads
 
 
 @triton.jit
@@ -32,8 +32,7 @@ def _selected_attn_bwd_dq_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    t, pid_bh = grid_position(T)
     b = (pid_bh // HKV).to(tl.int64)
     hk = pid_bh % HKV
     t64 = t.to(tl.int64)
@@ -211,7 +210,7 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     block_k = key_tile(sel_block_size, tiles.keys)
     sub_blocks = cdiv(sel_block_size, block_k)
 
-    _selected_attn_bwd_dq_kernel[(T, B * HKV)](
+    _selected_attn_bwd_dq_kernel[flat_grid(T, B * HKV)](
         q, k, v, do, lse2, delta, sel_idx, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -244,7 +243,8 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         D=D, BLOCK_D=block_d, BLOCK_G=block_g, QUERIES=queries, BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
         PRECISION=precision, num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    sum_rows = min(part_rows, 2048 // block_d)
+    # Both powers of two (tl.arange needs one); rows past part_rows are masked off in the kernel.
+    sum_rows = min(next_pow2(part_rows), 2048 // block_d)
     _sum_partials_kernel[(B * HKV * num_sel_blocks, cdiv(part_rows, sum_rows))](
         part_dk, part_dv, item_start, dk, dv,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from components.nsa.triton import tile_configs
-from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
-from components.nsa.triton.tiles import load_rows, online_softmax_step, softmax_result
+from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
+from components.nsa.triton.tiles import grid_position, load_rows, online_softmax_step, softmax_result
 
 
 @triton.jit
@@ -26,8 +26,7 @@ def _selected_attn_fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    t, pid_bh = grid_position(T)
     b = (pid_bh // HKV).to(tl.int64)
     hk = pid_bh % HKV
     t64 = t.to(tl.int64)
@@ -83,7 +82,7 @@ def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
         return o, lse2
     tiles = tile_configs.tiles("selected_fwd", head_block(D), q.element_size())
     block_k = key_tile(sel_block_size, tiles.keys)
-    _selected_attn_fwd_kernel[(T, B * HKV)](
+    _selected_attn_fwd_kernel[flat_grid(T, B * HKV)](
         q, k, v, sel_idx, o, lse2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), sel_idx.stride(0), sel_idx.stride(1), sel_idx.stride(2),

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from components.nsa.triton import tile_configs
 from components.nsa.triton.bitonic_sort import sort_descending
-from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, head_block, next_pow2
+from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
+from components.nsa.triton.tiles import grid_position
 
 @triton.jit
 def _select_blocks_kernel(
@@ -29,8 +30,7 @@ def _select_blocks_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     TOP_PAD: tl.constexpr, TOP_LOG: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_t, pid_bh = grid_position(tl.cdiv(T, BLOCK_T))
     b = (pid_bh // HKV).to(tl.int64)
     hk = pid_bh % HKV
 
@@ -122,8 +122,7 @@ def select_blocks_kernel(q: torch.Tensor, k_cmp: torch.Tensor, lse2_cmp: torch.T
         k_cmp = q.new_zeros(B, 1, HKV, D)  # every load is masked off; the kernel only needs an address
     top_pad, block_c, chunk = _chunk_sizes(block_size, block_stride, sel_block_size, num_selected)
     tiles = tile_configs.tiles("selection", head_block(D), q.element_size())
-    grid = (cdiv(T, tiles.rows), B * HKV)
-    _select_blocks_kernel[grid](
+    _select_blocks_kernel[flat_grid(cdiv(T, tiles.rows), B * HKV)](
         q, k_cmp, lse2_cmp, out,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         out.stride(0), out.stride(1), out.stride(2),

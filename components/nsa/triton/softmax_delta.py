@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from components.nsa.triton.launch import cdiv, head_block
+from components.nsa.triton.launch import cdiv, flat_grid, head_block
+from components.nsa.triton.tiles import grid_position
 
 
 @triton.jit
@@ -18,8 +19,7 @@ def _softmax_delta_kernel(
     DO, O, DELTA, sdob, sdot, sdoh, sob, sot, soh, T, H,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_t, pid_bh = grid_position(tl.cdiv(T, BLOCK_T))
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -38,7 +38,7 @@ def softmax_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     if delta.numel() == 0:
         return delta
     block_t = min(128, 4096 // head_block(D))  # about 32 values per thread per operand
-    _softmax_delta_kernel[(cdiv(T, block_t), B * H)](
+    _softmax_delta_kernel[flat_grid(cdiv(T, block_t), B * H)](
         do, o, delta, do.stride(0), do.stride(1), do.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H,
         D=D, BLOCK_D=head_block(D), BLOCK_T=block_t, num_warps=4,
     )

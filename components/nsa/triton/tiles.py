@@ -11,6 +11,14 @@ import triton.language as tl
 
 
 @triton.jit
+def grid_position(NUM_TILES):
+    """(tile, row) of this program in a launch of flat_grid(NUM_TILES, rows): tiles vary fastest,
+    so neighbouring programs share a row's keys, as the axis-0 order of a 2-D grid would."""
+    pid = tl.program_id(0)
+    return pid % NUM_TILES, pid // NUM_TILES
+
+
+@triton.jit
 def load_rows(base, rows, stride, offs_d, mask):
     """A [len(rows), BLOCK_D] tile: row r at base + rows[r] * stride, the head dim dense; 0 where masked."""
     return tl.load(base + rows[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
