@@ -28,7 +28,7 @@ from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
 from nsa_titan.observe.telemetry_log import telemetry_line, telemetry_records
 from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
-from nsa_titan.parallel.compile import compile_blocks
+from nsa_titan.parallel.compile import compile_blocks, compile_counters
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
@@ -339,6 +339,8 @@ class Trainer:
                 if self.peak_flops and self.flops_per_token:
                     record["mfu_percent"] = mfu_percent(record["tokens_per_second_per_device"],
                                                         self.flops_per_token, self.peak_flops)
+                if recipe.compile.enable:
+                    record.update(compile_counters())
                 if self.runtime.device.type == "cuda":
                     record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
                 self._log(record)

@@ -115,6 +115,17 @@ def test_nsa_blocks_compile_whole_and_a_new_seq_len_recompiles(tmp_path, capsys)
     assert str(inspect_dir / "trace") in trace_line and "tlparse" in trace_line
 
 
+def test_debug_recipe_compiles_whole_under_inductor(tmp_path, capsys):
+    """What a user runs: the shipped debug recipe as it is, with compile's default backend."""
+    code, out, _ = _inspect(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--fail-on-break")
+    assert code == 0, out
+    assert _verdict(out) == "verdict: 0 graph breaks, 1 graph, 0 recompiles"
+    assert "compile: backend inductor per block" in out
+    assert "ran eagerly" not in out
+    ops = next(line for line in out.splitlines() if line.startswith("custom ops in the graphs: "))
+    assert "nsa_reference::attention" in ops and "nsa_reference::attention_backward" in ops, ops
+
+
 def test_dense_blocks_compile_whole(dense_recipe, tmp_path, capsys):
     code, out, _ = _inspect(capsys, dense_recipe, f"--job.dump_folder={tmp_path}", "--fail-on-break")
     assert code == 0, out

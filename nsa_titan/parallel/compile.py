@@ -12,3 +12,12 @@ from torch import nn
 def compile_blocks(blocks: nn.ModuleList, *, fullgraph: bool, backend: str) -> None:
     for block in blocks:
         block.compile(fullgraph=fullgraph, backend=backend)
+
+
+def compile_counters() -> dict[str, int]:
+    """Graphs Dynamo has captured in this process so far, and the graph breaks it met. Logged with
+    each step: a count that grows after the first step is a recompile (a new shape, a failed guard)."""
+    from torch._dynamo.utils import counters
+
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}

@@ -1,0 +1,75 @@
+"""The compiled path users get: the debug recipe with compile.enable = true and compile's default backend
+(inductor), trained on the CPU in one process and as 2-process FSDP2 over gloo, for each attention
+backend. Compiled runs must compute what eager runs compute, with no graph break and no recompile
+after the first step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from components.nsa.triton.launch import interpreting
+from tests.launch import DEBUG, TINY, losses, metrics, train
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+# Adam's first updates are sign-like (g / sqrt(g^2) when eps is tiny), so a gradient component of
+# 1e-9 that a fused kernel computes as -1e-9 moves a weight by 2 x lr; a larger eps makes the
+# comparison measure the model's numerics rather than that amplification.
+COMMON = [DEBUG, *TINY, f"--training.steps={STEPS}", "--optimizer.eps=1e-4"]
+# fp32 on the CPU: inductor fuses and reorders reductions, nothing else differs.
+RTOL = 2e-4
+BACKENDS = {
+    "reference": ["--training.local_batch_size=2", "--training.global_batch_size=4"],
+    # Triton's interpreter runs each kernel program in Python (about 4 s for the forward and backward of
+    # one block over 2 x 32 tokens): one block, short rows, two samples a step.
+    "triton": ["--model.nsa.backend=triton", "--model.n_layers=1", "--training.seq_len=32",
+               "--training.local_batch_size=1", "--training.global_batch_size=2"],
+    # The flag layer may not set [model.nsa] beside a dense model: drop TINY's window.
+    "dense": ["--model.attention=dense", "--training.local_batch_size=2", "--training.global_batch_size=4"],
+}
+COMPILED = ["--compile.enable=true"]  # and nothing else: the backend is the default
+FSDP = ["--parallelism.data_parallel_shard_degree=2", "--parallelism.data_parallel_replicate_degree=1"]
+
+
+def _run(folder, flags, nproc=1) -> dict[int, dict]:
+    common = COMMON
+    if "--model.attention=dense" in flags:
+        common = [a for a in COMMON if not a.startswith("--model.nsa.")]
+    proc = train([*common, *flags, f"--job.dump_folder={folder}"], nproc=nproc, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r["step"]: r for r in metrics(folder) if "loss" in r}
+
+
+def _assert_same_losses(got: dict, expected: dict, what: str) -> None:
+    assert sorted(got) == list(range(1, STEPS + 1)), what
+    for step in expected:
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=RTOL), (what, step)
+
+
+def _assert_one_compile(records: dict, what: str) -> None:
+    """Every logged step reports the same number of graphs as the first: nothing recompiled."""
+    counts = {step: (r["compiled_graphs"], r["graph_breaks"]) for step, r in records.items()}
+    first = counts[1]
+    assert first[0] >= 1 and first[1] == 0, (what, counts)
+    assert all(c == first for c in counts.values()), (what, counts)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_compiled_training_matches_eager_in_one_and_two_processes(tmp_path, backend):
+    if backend == "triton" and not interpreting():
+        pytest.skip("the CPU form of this test runs the Triton kernels under the interpreter")
+    flags = BACKENDS[backend]
+    eager = _run(tmp_path / "eager", flags)
+    assert "compiled_graphs" not in eager[1]
+
+    compiled = _run(tmp_path / "compiled", [*flags, *COMPILED])
+    assert compiled[1]["grad_norm"] == pytest.approx(eager[1]["grad_norm"], rel=1e-5)
+    _assert_same_losses(compiled, eager, f"{backend}, one process")
+    _assert_one_compile(compiled, f"{backend}, one process")
+
+    sharded = _run(tmp_path / "fsdp", [*flags, *COMPILED, *FSDP], nproc=2)
+    _assert_same_losses(sharded, eager, f"{backend}, FSDP2 x 2")
+    _assert_one_compile(sharded, f"{backend}, FSDP2 x 2")
+    assert losses(tmp_path / "fsdp")[STEPS] < losses(tmp_path / "fsdp")[1]
