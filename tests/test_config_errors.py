@@ -86,7 +86,11 @@ CASES = [
     ("betas wrong length", "[optimizer]\nbetas = [0.9]\n", [], ["optimizer.betas", "two numbers"]),
     ("betas not a list", "[optimizer]\nbetas = 0.9\n", [], ["optimizer.betas", "expected a list"]),
     ("keep one checkpoint", "[checkpoint]\nkeep_latest_k = 1\n", [], ["checkpoint.keep_latest_k", "use 2 or more"]),
-    ("warmup longer than run", "[lr_scheduler]\nwarmup_steps = 10\n", [], ["lr_scheduler.warmup_steps", "longer than the run"]),
+    ("infinite lr in a file", "[optimizer]\nlr = inf\n", [], ["optimizer.lr = inf", "finite number"]),
+    ("nan in a file", "[fault]\nstep_timeout_seconds = nan\n", [], ["fault.step_timeout_seconds = nan", "finite"]),
+    ("infinite lr flag", "", ["--optimizer.lr=inf"], ["flag '--optimizer.lr=inf'", "finite number, got inf"]),
+    ("negative infinity flag", "", ["--training.max_norm=-inf"], ["training.max_norm", "finite number, got -inf"]),
+    ("nan in a list", "", ["--optimizer.betas=0.9,nan"], ["optimizer.betas", "finite number, got nan"]),
     ("min lr factor above one", "[lr_scheduler]\nmin_lr_factor = 1.5\n", [], ["lr_scheduler.min_lr_factor", "at most 1.0"]),
     ("min lr with constant", "[lr_scheduler]\ndecay_type = \"constant\"\nmin_lr_factor = 0.2\n", [],
      ["lr_scheduler.min_lr_factor", "no effect"]),
@@ -113,6 +117,19 @@ def test_bad_recipe_is_reported(tmp_path, capsys, name, text, overrides, expecte
     for fragment in expected:
         assert fragment in err, f"{fragment!r} missing from:\n{err}"
     assert "Fix:" in err
+
+
+def test_warmup_longer_than_the_run_is_a_note_not_an_error(tmp_path):
+    """A run shortened to try something still runs: it ends in warmup, and says so."""
+    path = write(tmp_path, "[lr_scheduler]\nwarmup_steps = 10\n[checkpoint]\nenable = false\n")
+    proc = subprocess.run([sys.executable, "-m", "nsa_titan.cli", "train", path, "--model.dim=32", "--model.n_heads=2",
+                           "--model.n_kv_heads=1", "--training.seq_len=32", "--data.logical_shards=4"],
+                          capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1"), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    note = next(line for line in proc.stdout.splitlines() if line.startswith("note: lr_scheduler.warmup_steps"))
+    assert "= 10 from" in note and "longer than the run (training.steps = 2)" in note and "20% of optimizer.lr" in note
+    assert "step 2/2" in proc.stdout
 
 
 def test_there_are_at_least_thirty_distinct_cases():

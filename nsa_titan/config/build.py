@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from typing import Any
 
@@ -214,17 +215,24 @@ def coerce(raw: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(raw, CliText):
             try:
-                return float(raw)
+                return _finite(float(raw))
             except ValueError:
                 raise _Invalid(f"expected a number, got {raw!r}", "write a number such as 3e-4") from None
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
+            return _finite(float(raw))
         raise _Invalid(f"expected a number, got {_kind(raw)}", "write a number such as 3e-4, without quotes")
     if tp is str:
         if isinstance(raw, str):
             return str(raw)
         raise _Invalid(f"expected text, got {_kind(raw)}", 'write it in quotes, e.g. "value"')
     raise _Invalid(f"has unsupported type {type_name(tp)}", "report this field's declaration as a bug")
+
+
+def _finite(value: float) -> float:
+    """TOML and Python both read inf and nan as numbers; no recipe field means either."""
+    if not math.isfinite(value):
+        raise _Invalid(f"must be a finite number, got {value}", "write a finite number such as 3e-4")
+    return value
 
 
 def check_bounds(value: Any, meta: typing.Mapping[str, Any]) -> None:

@@ -63,7 +63,7 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
     builder = RecipeBuilder(origin, problems)
     recipe = builder.build(Recipe, table)
     if not problems:
-        check_rules(recipe, world_size, builder.source_of, problems)
+        check_rules(recipe, world_size, builder.source_of, problems, builder.notes)
     if problems:
         raise RecipeError(problems)
     text = dumps(recipe_to_table(recipe))

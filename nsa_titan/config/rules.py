@@ -29,8 +29,12 @@ def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int] | 
     return rep, shard
 
 
-def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: list[Problem]) -> None:
-    """world_size None: a one-process reader of a run (export, plot); the layout rules do not apply."""
+def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: list[Problem],
+                notes: list[str] | None = None) -> None:
+    """world_size None: a one-process reader of a run (export, plot); the layout rules do not apply.
+    Settings that are legal but worth saying out loud are appended to `notes`."""
+    notes = [] if notes is None else notes
+
     def add(field: str, value, why: str, fix: str) -> None:
         problems.append(Problem(source_of(field), field, value, why, fix))
 
@@ -90,8 +94,11 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                 add(f"checkpoint.{name}", getattr(ckpt, name), "is set on the command line but checkpoint.enable "
                     "is false, so it would be ignored", "add --checkpoint.enable=true")
     if recipe.lr_scheduler.warmup_steps > t.steps:
-        add("lr_scheduler.warmup_steps", recipe.lr_scheduler.warmup_steps,
-            f"is longer than the run (training.steps = {t.steps})", "shorten the warmup or train longer")
+        # A run shortened to try something (--training.steps=3) is still a run: it ends mid-warmup.
+        notes.append(f"lr_scheduler.warmup_steps = {recipe.lr_scheduler.warmup_steps} from "
+                     f"{source_of('lr_scheduler.warmup_steps')} is longer than the run (training.steps = {t.steps}): "
+                     f"the learning rate stays in warmup and peaks at "
+                     f"{t.steps / recipe.lr_scheduler.warmup_steps:.0%} of optimizer.lr")
     if recipe.lr_scheduler.decay_type == "constant" and _changed(recipe.lr_scheduler, "min_lr_factor"):
         add("lr_scheduler.min_lr_factor", recipe.lr_scheduler.min_lr_factor,
             "has no effect with decay_type = 'constant'", "remove it, or choose decay_type 'cosine' or 'linear'")
