@@ -75,6 +75,7 @@ def test_planted_hang_dumps_stacks_and_exits(tmp_path):
                   f"--job.dump_folder={out}"], timeout=240)
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
     assert "fault.step_timeout_seconds" in proc.stderr and "after step 2" in proc.stderr
+    assert "error: rank 0: the run looks hung" in proc.stderr and "error: error:" not in proc.stderr
     dump = (out / "stacks" / "rank-0.txt").read_text()
     assert "_blocked_forever" in dump  # the stuck frame is in the dump
 
@@ -86,6 +87,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
                   "--checkpoint.interval=2", f"--job.dump_folder={out}"])
     assert proc.returncode == NUMERICAL_FAULT_EXIT, proc.stderr[-3000:]
     assert "NaN" in proc.stderr and "step 4" in proc.stderr
+    assert proc.stderr.count("error:") == 1 and "error: stopping at step 4" in proc.stderr, proc.stderr[-3000:]
     assert complete_steps(str(out / "checkpoint")) == [2]
     assert all(r["step"] < 4 for r in metrics(out) if "loss" in r)
 

@@ -62,7 +62,7 @@ class NanGuard:
 
     def stop_message(self, step: int) -> str:
         """The message for a run stopped by the guard: what happened and what to change."""
-        return (f"error: stopping at step {step}: the loss or gradient norm was NaN/Inf for "
+        return (f"stopping at step {step}: the loss or gradient norm was NaN/Inf for "
                 f"{self.consecutive_bad} step(s) in a row ({self.total_bad} in total), more than "
                 f"fault.max_bad_steps = {self.max_bad_steps}; no update of a bad step was applied. "
                 f"Fix: lower optimizer.lr or raise lr_scheduler.warmup_steps, set training.max_norm > 0 to clip "

@@ -44,7 +44,7 @@ def describe_stall(stall: Stall) -> str:
     else:
         what = (f"no training step completed for {stall.waited_s:.0f} s after step {stall.step} "
                 f"({stall.field} = {stall.limit_s:g})")
-    return (f"error: the run looks hung: {what}. Every thread's stack is above and in {stall.dump_path}; the "
+    return (f"the run looks hung: {what}. Every thread's stack is above and in {stall.dump_path}; the "
             f"main thread's stack shows the stuck call (a data read, a collective waiting for another rank, I/O). "
             f"Fix: remove the cause, or if steps are legitimately this slow raise {stall.field} (0 disables it). "
             f"Exiting with code {HANG_EXIT_CODE}.")
@@ -105,7 +105,7 @@ class Watchdog:
         header = (f"\n=== nsa_titan watchdog: stacks of every thread of pid {os.getpid()} at "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')} (last completed step: {stall.step}) ===\n")
         dump_all_stacks(2, header)
-        message = self._message(stall)
+        message = "error: " + self._message(stall)
         try:
             folder = os.path.dirname(os.path.abspath(self.dump_path))
             os.makedirs(folder, exist_ok=True)
