@@ -23,12 +23,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 from components.errors import UserError
+from nsa_titan.checkpoint_checks import shape_mismatches, tensor_shapes, truncated_shards
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -240,35 +242,86 @@ class Checkpointer:
         `reshard_data(old rank states)` must return a loader that continues every old rank's stream.
         """
         path = self.step_dir(step)
+        record = self._read_train_state(step)
+        model_dir = os.path.join(path, "model")
         try:
-            with open(os.path.join(path, "train_state.json"), encoding="utf-8") as fh:
-                record = json.load(fh)
-            tensors = {"model": get_model_state_dict(state.model),
-                       "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
-            dcp.load(tensors, checkpoint_id=os.path.join(path, "model"), no_dist=not dist.is_initialized())
-            set_model_state_dict(state.model, tensors["model"])
-            set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
-            state.lr_scheduler.load_state_dict(record["lr_scheduler"])
-            old_world = int(record["world_size"])
-            if record.get("data_layout") == data_layout:
-                mine = _load_rank_file(path, self.rank)
-                state.dataloader.load_state_dict(mine["dataloader"])
-                _set_rng_state(mine["rng"])
-            else:
-                if reshard_data is None:
-                    raise UserError(f"checkpoint {path} was written with data layout {record.get('data_layout')} "
-                                    f"and this run has {data_layout}; the data cannot continue exactly. Fix: resume "
-                                    f"with the original world size and data.num_workers.")
-                old = [_load_rank_file(path, r) for r in range(old_world)]
-                state.dataloader = reshard_data([o["dataloader"] for o in old])
-                if self.rank < old_world:
-                    _set_rng_state(old[self.rank]["rng"])
-        except (OSError, KeyError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
-            raise UserError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}). Fix: resume from "
-                            f"another step with --checkpoint.load_step=N, or move this folder aside.") from None
+            metadata = dcp.FileSystemReader(model_dir).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - any failure to read it means the same to the user
+            raise self._unreadable(step, os.path.join(model_dir, ".metadata"), _reason(exc)) from None
+        truncated = truncated_shards(model_dir, metadata)
+        if truncated:
+            raise self._unreadable(step, truncated[0], "is cut short") from None
+        tensors = {"model": get_model_state_dict(state.model),
+                   "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
+        mismatches = shape_mismatches(tensor_shapes(tensors), metadata)
+        if mismatches:
+            raise self._mismatch(step, mismatches)
+        try:
+            dcp.load(tensors, checkpoint_id=model_dir, no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise self._unreadable(step, model_dir, _reason(exc)) from None
+        set_model_state_dict(state.model, tensors["model"])
+        set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
+        state.lr_scheduler.load_state_dict(record["lr_scheduler"])
+        old_world = int(record["world_size"])
+        if record.get("data_layout") == data_layout:
+            mine = self._read_rank_file(step, self.rank)
+            state.dataloader.load_state_dict(mine["dataloader"])
+            _set_rng_state(mine["rng"])
+        else:
+            if reshard_data is None:
+                raise UserError(f"checkpoint {path} was written with data layout {record.get('data_layout')} "
+                                f"and this run has {data_layout}; the data cannot continue exactly. Fix: resume "
+                                f"with the original world size and data.num_workers.")
+            old = [self._read_rank_file(step, r) for r in range(old_world)]
+            state.dataloader = reshard_data([o["dataloader"] for o in old])
+            if self.rank < old_world:
+                _set_rng_state(old[self.rank]["rng"])
         state.step = int(record["step"])
         state.tokens_seen = int(record["tokens_seen"])
         return record
+
+    def _read_train_state(self, step: int) -> dict:
+        file = os.path.join(self.step_dir(step), "train_state.json")
+        try:
+            with open(file, encoding="utf-8") as fh:
+                record = json.load(fh)
+            for key in ("step", "tokens_seen", "lr_scheduler", "world_size"):
+                record[key]  # noqa: B018 - present, or the file is not ours
+            return record
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise self._unreadable(step, file, _reason(exc)) from None
+
+    def _read_rank_file(self, step: int, rank: int) -> dict:
+        file = os.path.join(self.step_dir(step), "ranks", f"rank-{rank}.pt")
+        try:
+            return torch.load(file, map_location="cpu", weights_only=False)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+            raise self._unreadable(step, file, _reason(exc)) from None
+
+    def _unreadable(self, step: int, file: str, why: str) -> UserError:
+        """A damaged checkpoint: name the file, and the older complete steps one can resume from instead."""
+        older = [s for s in complete_steps(self.folder) if s < step]
+        if older:
+            fix = (f"resume from an older complete step ({', '.join(map(str, older))}) with "
+                   f"--checkpoint.load_step=N (newer checkpoints are moved aside, not deleted), or restore the file")
+        else:
+            fix = ("restore the file, or start afresh with another --job.dump_folder (no older complete step "
+                   "exists to resume from)")
+        return UserError(f"checkpoint step {step} cannot be read: {file} {why}. Fix: {fix}.")
+
+    def _mismatch(self, step: int, mismatches: list[str]) -> UserError:
+        """A checkpoint of another model or optimizer: name the first differences and the ways on."""
+        shown = "; ".join(mismatches[:3]) + (f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
+        run_folder = os.path.dirname(os.path.abspath(self.folder))
+        model_fits = not any(m.startswith("model.") for m in mismatches)
+        weights = (f" To keep its weights with a new optimizer, start in another --job.dump_folder with "
+                   f"--checkpoint.initial_load_path={self.step_dir(step)}." if model_fits else "")
+        return UserError(
+            f"checkpoint {self.step_dir(step)} does not fit this run's "
+            f"{'optimizer' if model_fits else 'model'}: {shown}. Fix: resume with the recipe that wrote it "
+            f"(kept in {run_folder} as recipe.toml, or recipe.<hash>.toml when a later run changed it), or "
+            f"start afresh with another --job.dump_folder.{weights}")
 
     def load_weights_only(self, model: nn.Module, path: str) -> None:
         """checkpoint.initial_load_path: the model weights of a checkpoint folder, nothing else."""
@@ -285,9 +338,16 @@ class Checkpointer:
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
 
-def _load_rank_file(path: str, rank: int) -> dict:
-    file = os.path.join(path, "ranks", f"rank-{rank}.pt")
-    return torch.load(file, map_location="cpu", weights_only=False)
+def _reason(exc: BaseException) -> str:
+    """An exception as the end of a sentence about a file; DCP wraps each rank's error in its own."""
+    if isinstance(exc, CheckpointException):
+        wrapped = next(iter(exc.failures.values()), None)  # (exception, stack)
+        if wrapped is not None:
+            exc = wrapped[0]
+    if isinstance(exc, FileNotFoundError):
+        return "is missing"
+    text = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+    return f"cannot be read ({type(exc).__name__}{': ' + text if text else ''})"
 
 
 def _barrier(group=None) -> None:

@@ -101,7 +101,71 @@ def test_partial_checkpoint_is_skipped_and_corrupt_one_refused(tmp_path, capsys)
         fh.write("{not json")
     code = cli.main(["train", *argv[:-2], "--training.steps=4", f"--job.dump_folder={folder}"])
     err = capsys.readouterr().err
-    assert code == 2 and "cannot be loaded" in err and "step-3" in err and "load_step" in err
+    assert code == 2 and "checkpoint step 3 cannot be read" in err and "train_state.json" in err
+    assert "older complete step (1, 2)" in err and "--checkpoint.load_step=N" in err
+
+
+@pytest.fixture(scope="module")
+def three_checkpoints(tmp_path_factory):
+    """A run with complete checkpoints at steps 1, 2 and 3 (copied by each test that damages one)."""
+    folder = tmp_path_factory.mktemp("three") / "run"
+    proc = run(folder, "--checkpoint.interval=1", steps=3)
+    assert complete_steps(ckpt_dir(folder)) == [1, 2, 3], proc.stderr
+    return folder
+
+
+def _damage_shard(step_dir):
+    shard = next(f for f in os.listdir(os.path.join(step_dir, "model")) if f.endswith(".distcp"))
+    path = os.path.join(step_dir, "model", shard)
+    os.truncate(path, os.path.getsize(path) // 2)
+    return shard
+
+
+def _damage_rank_file(step_dir):
+    path = os.path.join(step_dir, "ranks", "rank-0.pt")
+    os.truncate(path, os.path.getsize(path) // 2)
+    return "rank-0.pt"
+
+
+def _damage_metadata(step_dir):
+    with open(os.path.join(step_dir, "model", ".metadata"), "wb") as fh:
+        fh.write(b"\x80garbage")
+    return ".metadata"
+
+
+@pytest.mark.parametrize("damage", [_damage_shard, _damage_rank_file, _damage_metadata],
+                         ids=["truncated shard", "truncated rank file", "corrupt metadata"])
+def test_a_damaged_checkpoint_names_its_file_and_the_older_steps(tmp_path, capsys, three_checkpoints, damage):
+    folder = tmp_path / "run"
+    shutil.copytree(three_checkpoints, folder)
+    name = damage(os.path.join(ckpt_dir(folder), "step-3"))
+    before = sorted(os.listdir(ckpt_dir(folder)))
+    capsys.readouterr()
+    code = cli.main(["train", *BASE, "--training.steps=4", f"--job.dump_folder={folder}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: checkpoint step 3 cannot be read: ") and name in err, err
+    assert "Traceback" not in err and err.count("error:") == 1
+    assert "older complete step (1, 2)" in err and "--checkpoint.load_step=N" in err
+    assert sorted(os.listdir(ckpt_dir(folder))) == before  # nothing deleted or moved
+    # The way out the message names works.
+    assert cli.main(["train", *BASE, "--training.steps=4", "--checkpoint.load_step=2",
+                     f"--job.dump_folder={folder}"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
+def test_resume_into_another_model_names_the_first_mismatches(tmp_path, capsys, three_checkpoints):
+    folder = tmp_path / "run"
+    shutil.copytree(three_checkpoints, folder)
+    capsys.readouterr()
+    code = cli.main(["train", *BASE, "--training.steps=4", "--model.dim=64", f"--job.dump_folder={folder}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1
+    assert "step-3 does not fit this run's model: model.tok_embeddings.weight is [258, 32] in the checkpoint " \
+           "but [258, 64] here" in err, err
+    assert "another --job.dump_folder" in err and "recipe.toml" in err
+    assert complete_steps(ckpt_dir(folder)) == [1, 2, 3]
 
 
 def test_load_step_missing_is_an_error(tmp_path, capsys):
