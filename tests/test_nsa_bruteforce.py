@@ -76,12 +76,15 @@ def brute_force_group_scores(q, k_cmp, b, t, g, hyper):
 
 
 def brute_force_selection_row(scores, t, lp, n):
-    """Chosen blocks for query t from {j: score}: forced first (0, current, previous), then by
-    score, ties to the smaller j; returns the ascending list."""
-    current = t // lp
-    forced = {0, current, current - 1} & set(scores)
-    ranked = sorted(scores, key=lambda j: (0 if j in forced else 1, 0.0 if j in forced else -scores[j], j))
+    """Chosen blocks for query t from {j: score}: forced first (the current block, then block 0, then
+    the previous one), then by score, ties to the smaller j; returns the ascending list."""
+    ranked = sorted(scores, key=lambda j: (forced_priority(j, t // lp), -scores[j], j))
     return sorted(ranked[:n])
+
+
+def forced_priority(j, current):
+    """0, 1, 2 for the current block, block 0 and the previous block; 3 for every other block."""
+    return 0 if j == current else 1 if j == 0 else 2 if j == current - 1 else 3
 
 
 def brute_force_selection(q, k_cmp, hyper):

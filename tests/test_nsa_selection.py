@@ -11,6 +11,7 @@ from components.nsa.selection import top_blocks
 from tests.test_nsa_bruteforce import (
     brute_force_selection,
     count_compressed_blocks,
+    forced_priority,
     make_inputs,
     shared_tokens,
 )
@@ -140,21 +141,23 @@ def test_ties_go_to_the_smaller_block(n):
     assert torch.equal(sel32, sel)
 
 
-def test_top_blocks_ties_on_integer_scores_match_python_sort():
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_top_blocks_ties_on_integer_scores_match_python_sort(n):
+    """n = 1 and 2 keep fewer blocks than are forced: the current block, then block 0, then the previous."""
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):
         scores = torch.randint(0, 3, (2, 50, 3, 7), generator=gen).to(dtype)  # many exact ties
-        got = top_blocks(scores, q_start=0, sel_block_size=8, num_selected=4).tolist()
+        got = top_blocks(scores, q_start=0, sel_block_size=8, num_selected=n).tolist()
         for b in range(2):
             for t in range(50):
                 for g in range(3):
                     current = t // 8
-                    forced = {0, current, current - 1} & set(range(current + 1))
                     row = scores[b, t, g].tolist()
-                    ranked = sorted(range(current + 1),
-                                    key=lambda j: (j not in forced, -row[j] if j not in forced else 0, j))
-                    want = sorted(ranked[:4]) + [-1] * (4 - min(4, current + 1))
-                    assert got[b][t][g] == want, (dtype, b, t, g)
+                    ranked = sorted(range(current + 1), key=lambda j: (forced_priority(j, current), -row[j], j))
+                    want = sorted(ranked[:n]) + [-1] * (n - min(n, current + 1))
+                    assert got[b][t][g] == want, (dtype, n, b, t, g)
+                    if n == 1:
+                        assert want == [current]
 
 
 def test_fewer_valid_blocks_than_n_selects_all():

@@ -105,23 +105,33 @@ def _best_first(ranked: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def forced_ranks(dtype: torch.dtype) -> tuple[float, float, float]:
+    """Scores that place the current block, block 0 and the previous block above every real score, in
+    that order: +inf, the largest finite value and the one below it."""
+    largest = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
+    below = torch.nextafter(largest, torch.zeros((), dtype=dtype))
+    return float("inf"), largest.item(), below.item()
+
+
 def top_blocks(scores: torch.Tensor, *, q_start: int, sel_block_size: int, num_selected: int) -> torch.Tensor:
     """Pick n blocks per row of group scores [B, Tq, Hkv, Ts] (all >= 0) -> LongTensor [B, Tq, Hkv, n].
 
-    Valid blocks for query t: j <= t // l'. Block 0, the current block and the previous one rank
-    above every score; the rest go by score, ties to the smaller j (which also orders the forced
-    blocks among themselves when n < 3). Output ascending, -1 after the last chosen block when
-    fewer than n blocks are valid.
+    Valid blocks for query t: j <= t // l'. The current block, block 0 and the previous one rank
+    above every score, in that order (it decides which survive when n < 3); the rest go by score,
+    ties to the smaller j. Output ascending, -1 after the last chosen block when fewer than n
+    blocks are valid.
     """
     B, Tq, Hkv, Ts = scores.shape
     device = scores.device
     current = torch.arange(q_start, q_start + Tq, device=device) // sel_block_size  # [Tq]
     j = torch.arange(Ts, device=device)
     valid = j[None, :] <= current[:, None]
-    forced = (j[None, :] == 0) | (j[None, :] == current[:, None]) | (j[None, :] == current[:, None] - 1)
-    # +inf forces, -inf rules out; adding +0.0 elsewhere also turns a -0.0 score into +0.0.
+    # Forced blocks get the three largest values of the dtype (any score plus one of them rounds back
+    # to it: scores are at most G * l / d), -inf rules out; adding +0.0 also turns -0.0 into +0.0.
+    top, second, third = forced_ranks(scores.dtype)
     bias = torch.zeros(Tq, Ts, dtype=scores.dtype, device=device)
-    bias = bias.masked_fill_(forced, float("inf")).masked_fill_(~valid, float("-inf"))
+    bias = bias.masked_fill_(j[None, :] == current[:, None] - 1, third).masked_fill_(j[None, :] == 0, second)
+    bias = bias.masked_fill_(j[None, :] == current[:, None], top).masked_fill_(~valid, float("-inf"))
     order = _best_first(scores + bias[None, :, None, :], min(num_selected, Ts))
     if order.shape[-1] < num_selected:
         order = torch.cat([order, order.new_zeros(B, Tq, Hkv, num_selected - order.shape[-1])], dim=-1)

@@ -6,8 +6,9 @@ from the compressed branch's saved log-sum-exp (no [T, Tc] matrix in memory), su
 folds them onto the chunk's selection blocks with one small matmul by the overlap weights, and
 merges the chunk into a running top-n. Scores ride in the high 32 bits of an int64 sort key and
 (2**31 - 1 - j) in the low bits, so a descending sort orders by score and breaks ties toward the
-smaller block. Non-negative floats order like their bit patterns; forced blocks get +inf's
-pattern, invalid ones the key -1.
+smaller block. Non-negative floats order like their bit patterns; the forced blocks get the three
+largest patterns (+inf, then the largest finite floats) in their priority order, invalid ones the
+key -1.
 """
 
 from __future__ import annotations
@@ -74,9 +75,12 @@ def _select_blocks_kernel(
 
         valid = (offs_j[None, :] <= current[:, None]) & (cols < CHUNK_SEL)[None, :]
         jj = offs_j[None, :]
-        forced = (jj == 0) | (jj == current[:, None]) | (jj == current[:, None] - 1)
+        # Forced blocks above every score, in priority order: the current block (+inf's pattern),
+        # block 0 (the largest finite float's), the previous block (the one below it).
         bits = tl.maximum(score.to(tl.int32, bitcast=True), 0)
-        bits = tl.where(forced, 0x7F800000, bits).to(tl.int64)
+        bits = tl.where(jj == current[:, None] - 1, 0x7F7FFFFE, bits)
+        bits = tl.where(jj == 0, 0x7F7FFFFF, bits)
+        bits = tl.where(jj == current[:, None], 0x7F800000, bits).to(tl.int64)
         key = (bits << 32) | (2147483647 - offs_j).to(tl.int64)[None, :]  # 2**31 - 1 - j
         key = tl.where(valid, key, -1)
 
