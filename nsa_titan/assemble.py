@@ -8,6 +8,7 @@ from torch import nn
 from nsa_titan import registry
 from nsa_titan.config.schema import Recipe
 from nsa_titan.runtime import Runtime
+from components.model_hooks import ParallelPlan
 from components.optim import lr_factor
 
 
@@ -33,6 +34,12 @@ def build_model_on_meta(recipe: Recipe, vocab_size: int) -> nn.Module:
     part = registry.get("model", recipe.model.name)
     with torch.device("meta"):
         return part.build(recipe.model.args, vocab_size)
+
+
+def parallel_plan(part: registry.Part, model: nn.Module) -> ParallelPlan:
+    """The model part's plan (its blocks and separately sharded groups); a part without the hook
+    has no blocks: nothing is checkpointed or compiled, and data parallelism wraps the root alone."""
+    return part.parallel_plan(model) if part.parallel_plan is not None else ParallelPlan(())
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, *, build_reference, distributed: bool) -> None:

@@ -12,9 +12,7 @@ def register_builtins(register) -> None:
     from components import data, models, optim
 
     register("model", "transformer", models.build_transformer, args=models.TransformerArgs,
-             doc="decoder-only transformer; attention = 'nsa' or 'dense'",
-             flops_per_token=models.flops_per_token, telemetry=models.collect_nsa_telemetry,
-             telemetry_applies=lambda args: args.attention == "nsa")
+             doc="decoder-only transformer; attention = 'nsa' or 'dense'", **models.transformer_hooks())
     for name, (args_cls, factory) in data.SOURCES.items():
         register("data_source", name, factory, args=args_cls)
     for name, (args_cls, factory) in data.TOKENIZERS.items():

@@ -120,12 +120,13 @@ class Trainer:
 
         self.model = build_on_meta()
         self.num_params = assemble.count_parameters(self.model)
-        apply_activation_checkpointing(self.model.layers, recipe.activation_checkpoint.mode,
+        plan = assemble.parallel_plan(self.model_part, self.model)
+        apply_activation_checkpointing(plan.blocks, recipe.activation_checkpoint.mode,
                                        recipe.activation_checkpoint.selective_every)
         if recipe.compile.enable:
-            compile_blocks(self.model.layers, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend)
+            compile_blocks(plan.blocks, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend)
         if self.mesh is not None:
-            apply_data_parallel(self.model, self.mesh, param_dtype=runtime.autocast_dtype,
+            apply_data_parallel(self.model, plan, self.mesh, param_dtype=runtime.autocast_dtype,
                                 reshard_after_forward=recipe.parallelism.fsdp_reshard_after_forward)
         assemble.materialize(self.model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
                              distributed=self.mesh is not None)
