@@ -176,15 +176,17 @@ def check_model(recipe, device: torch.device) -> Check:
 def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     """The estimate of nsa_titan/doctor/memory.py against what one device (or one process's share of the host) has."""
     from nsa_titan import assemble, registry
-    from nsa_titan.config.rules import data_parallel_degrees
+    from nsa_titan.config.rules import LayoutError, data_parallel_degrees
     from nsa_titan.doctor.memory import estimate_memory
 
     part = registry.get("model", recipe.model.name)
     if part.activation_memory is None:
         return Check("memory estimate", WARN, f"no estimate: model {recipe.model.name!r} registers no "
                                               "activation_memory hook")
-    degrees = data_parallel_degrees(recipe, world_size)
-    shard = degrees[1] if isinstance(degrees, tuple) else 1
+    try:
+        shard = data_parallel_degrees(recipe, world_size)[1]
+    except LayoutError:
+        shard = 1
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
     blocks = assemble.parallel_plan(part, model).blocks
     block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
