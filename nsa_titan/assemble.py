@@ -8,6 +8,7 @@ from torch import nn
 from nsa_titan import registry
 from nsa_titan.config.schema import Recipe
 from nsa_titan.runtime import Runtime
+from components.model_hooks import ParallelPlan
 from components.optim import lr_factor
 
 
@@ -21,6 +22,7 @@ def build_tokenizer(recipe: Recipe):
 
 
 def build_source(recipe: Recipe):
+    """The data source, checked once here (the loaders built from it do not check it again)."""
     source = build_part("data_source", recipe.data.source, recipe.data.source_args)
     check = getattr(source, "check", None)
     if callable(check):
@@ -33,6 +35,12 @@ def build_model_on_meta(recipe: Recipe, vocab_size: int) -> nn.Module:
     part = registry.get("model", recipe.model.name)
     with torch.device("meta"):
         return part.build(recipe.model.args, vocab_size)
+
+
+def parallel_plan(part: registry.Part, model: nn.Module) -> ParallelPlan:
+    """The model part's plan (its blocks and separately sharded groups); a part without the hook
+    has no blocks: nothing is checkpointed or compiled, and data parallelism wraps the root alone."""
+    return part.parallel_plan(model) if part.parallel_plan is not None else ParallelPlan(())
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, *, build_reference, distributed: bool) -> None:
@@ -74,19 +82,26 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
                                                       weight_decay=opt.weight_decay)
 
 
-def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    """Stepped once per optimizer step; the factor for 1-based step s is used by update s."""
+def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer,
+                       completed_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """Stepped once per optimizer step; the factor for 1-based step s is used by update s.
+
+    completed_steps > 0 continues a schedule at that point from the param groups' initial_lr (the
+    optimizer's lr is set to initial_lr x the factor there), as a resumed run with new settings needs.
+    """
     sched = recipe.lr_scheduler
 
-    def factor(completed_steps: int) -> float:
-        return lr_factor(completed_steps + 1, warmup_steps=sched.warmup_steps, total_steps=recipe.training.steps,
+    def factor(completed: int) -> float:
+        return lr_factor(completed + 1, warmup_steps=sched.warmup_steps, total_steps=recipe.training.steps,
                          decay=sched.decay_type, min_lr_factor=sched.min_lr_factor)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    # A scheduler steps once when built: last_epoch = completed_steps - 1 lands it on completed_steps.
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=completed_steps - 1)
 
 
 def build_loader(recipe: Recipe, runtime: Runtime, source, tokenizer, *, dp_rank: int, dp_size: int,
                  split: str, batch_size: int, shard_states: dict | None = None):
+    """A loader over a source from build_source (already checked)."""
     from components.data import build_dataloader
 
     data = recipe.data
@@ -95,4 +110,4 @@ def build_loader(recipe: Recipe, runtime: Runtime, source, tokenizer, *, dp_rank
                             split=split, seed=recipe.job.seed, num_workers=data.num_workers,
                             prefetch_factor=data.prefetch_factor,
                             pin_memory=data.pin_memory and runtime.device.type == "cuda", add_bos=data.add_bos,
-                            shard_states=shard_states)
+                            shard_states=shard_states, check_source=False)

@@ -149,8 +149,9 @@ def plot(argv: list[str]) -> int:
         from nsa_titan.export import load_checkpoint_model
         from nsa_titan.observe.plots import plot_model
 
-        model, tokenizer, step = load_checkpoint_model(resolve(argv, world_size=None))
-        paths, note = plot_model(model, tokenizer, text, layer, out)
+        resolved = resolve(argv, world_size=None)
+        model, tokenizer, step = load_checkpoint_model(resolved)
+        paths, note = plot_model(model, resolved.recipe.model, tokenizer, text, layer, out)
         note += f", checkpoint step {step}"
     else:
         paths, note = plot_exported(argv[0], text, layer, out)

@@ -1,19 +1,18 @@
-"""The built-in parts: what a recipe can name without plugins."""
+"""The built-in parts: what a recipe can name without plugins.
+
+The registry calls `register_builtins(register)` on first use, handing over its `register` (so
+this module needs nothing from the registry). NSA backends are not listed: the registry reads
+components.nsa's backend table directly.
+"""
 
 from __future__ import annotations
 
-from nsa_titan.registry import register
 
-
-def register_builtins() -> None:
-    from components import data, models, nsa, optim
+def register_builtins(register) -> None:
+    from components import data, models, optim
 
     register("model", "transformer", models.build_transformer, args=models.TransformerArgs,
-             doc="decoder-only transformer; attention = 'nsa' or 'dense'",
-             flops_per_token=models.flops_per_token, telemetry=models.collect_nsa_telemetry,
-             telemetry_applies=lambda args: args.attention == "nsa")
-    for name in nsa.BACKENDS:
-        register("attention_backend", name, nsa.nsa_attention, doc=f"built-in NSA backend {name!r}")
+             doc="decoder-only transformer; attention = 'nsa' or 'dense'", **models.transformer_hooks())
     for name, (args_cls, factory) in data.SOURCES.items():
         register("data_source", name, factory, args=args_cls)
     for name, (args_cls, factory) in data.TOKENIZERS.items():

@@ -3,12 +3,17 @@
 Kinds: model, attention_backend, data_source, tokenizer, optimizer, lr_schedule. A part has a
 builder and, optionally, an argument dataclass whose fields become recipe fields. User modules
 listed in job.plugins call `register` to add their own parts.
+
+NSA backends have one table, components.nsa's: the attention_backend kind reads and writes it
+rather than keeping a copy here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from components import nsa
 
 KINDS = ("model", "attention_backend", "data_source", "tokenizer", "optimizer", "lr_schedule")
 
@@ -20,14 +25,18 @@ class Part:
     build: Callable[..., Any]
     args: type | None = None
     doc: str = ""
-    # Models only, both optional: FLOPs per trained token (args, vocab_size, seq_len) -> float, for MFU;
-    # and attention telemetry (model, tokens) -> {name: 0-d tensor}, with telemetry_applies(args) -> bool.
-    flops_per_token: Callable[..., float] | None = None
-    telemetry: Callable[..., dict] | None = None
-    telemetry_applies: Callable[[Any], bool] | None = None
+    # Models only, all optional: how the engine reaches into a model without knowing its insides.
+    # The records they return, and what each is for, are in components/model_hooks.py.
+    flops_per_token: Callable[..., float] | None = None  # (args, vocab_size, seq_len) -> float, for MFU
+    telemetry: Callable[..., dict] | None = None  # (model, tokens) -> {name: 0-d tensor}
+    telemetry_applies: Callable[[Any], bool] | None = None  # (args) -> whether telemetry has anything to say
+    parallel_plan: Callable[..., Any] | None = None  # (model) -> ParallelPlan: blocks and shard groups
+    activation_memory: Callable[..., Any] | None = None  # (args) -> ActivationMemory, for doctor's estimate
+    self_check: Callable[..., Any] | None = None  # (args, device) -> SelfCheck, run by doctor
+    attention_maps: Callable[..., dict] | None = None  # (model, tokens) -> {layer: AttentionMap}, for plots
 
 
-_PARTS: dict[str, dict[str, Part]] = {kind: {} for kind in KINDS}
+_PARTS: dict[str, dict[str, Part]] = {kind: {} for kind in KINDS if kind != "attention_backend"}
 
 
 class UnknownPartError(KeyError):
@@ -45,28 +54,27 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
 
     An attention_backend's build is the op itself, with nsa_attention's signature minus `backend`;
     it must compute the reference's function (see tests/test_nsa_reference.py for the properties).
-    Models may pass flops_per_token=, telemetry= and telemetry_applies= (see Part).
+    Models may pass the hooks of Part (flops_per_token=, telemetry=, telemetry_applies=,
+    parallel_plan=, activation_memory=, self_check=, attention_maps=); a transformer-shaped model
+    passes **components.models.transformer_hooks().
     """
-    if kind not in _PARTS:
+    if kind not in KINDS:
         raise ValueError(f"unknown part kind {kind!r}; kinds are {', '.join(KINDS)}")
+    if kind == "attention_backend":
+        nsa.register_backend(name, build, doc=doc, replace=replace)
+        return _backend_part(name)
     if name in _PARTS[kind] and not replace:
         raise ValueError(f"{kind} {name!r} is already registered; pass replace=True to override it")
-    if kind == "attention_backend":
-        # The op dispatches by name inside components.nsa; a new backend is added to its table too.
-        from components.nsa import BACKENDS, register_backend
-
-        ensure_builtins()  # the built-in backends are known before anyone may claim their names
-        if name in BACKENDS and name in _PARTS[kind]:
-            raise ValueError(f"NSA backend {name!r} is built in and cannot be replaced; register yours under a new "
-                             f"name and choose it with model.nsa.backend")
-        if name not in BACKENDS:
-            register_backend(name, build)
     part = Part(kind, name, build, args, doc, **model_hooks)
     _PARTS[kind][name] = part
     return part
 
 
 def get(kind: str, name: str) -> Part:
+    if kind == "attention_backend":
+        if name not in nsa.available_backends():
+            raise UnknownPartError(kind, name)
+        return _backend_part(name)
     ensure_builtins()
     try:
         return _PARTS[kind][name]
@@ -75,8 +83,17 @@ def get(kind: str, name: str) -> Part:
 
 
 def available(kind: str) -> list[str]:
+    if kind == "attention_backend":
+        return sorted(nsa.available_backends())
     ensure_builtins()
     return sorted(_PARTS[kind])
+
+
+def _backend_part(name: str) -> Part:
+    """A view of components.nsa's backend table entry as a part."""
+    backend = nsa.get_backend(name)
+    doc = f"built-in NSA backend {name!r}: {backend.doc}" if backend.built_in else backend.doc
+    return Part("attention_backend", name, backend.attention, None, doc)
 
 
 _builtins_loaded = False
@@ -89,4 +106,4 @@ def ensure_builtins() -> None:
         _builtins_loaded = True
         from nsa_titan import parts
 
-        parts.register_builtins()
+        parts.register_builtins(register)

@@ -88,9 +88,7 @@ class Trainer:
 
         self.optimizer = assemble.build_optimizer(recipe, self.model)
         self.lr_scheduler = assemble.build_lr_scheduler(recipe, self.optimizer)
-        self.train_loader = assemble.build_loader(recipe, runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
-                                                  dp_size=self.dp_size, split="train",
-                                                  batch_size=t.local_batch_size)
+        self.train_loader = self._loader("train")
         self.state = RunState(self.model, self.optimizer, self.lr_scheduler, self.train_loader)
         self.checkpointer = None
         ckpt = recipe.checkpoint
@@ -120,22 +118,26 @@ class Trainer:
 
         self.model = build_on_meta()
         self.num_params = assemble.count_parameters(self.model)
-        apply_activation_checkpointing(self.model.layers, recipe.activation_checkpoint.mode,
+        plan = assemble.parallel_plan(self.model_part, self.model)
+        apply_activation_checkpointing(plan.blocks, recipe.activation_checkpoint.mode,
                                        recipe.activation_checkpoint.selective_every)
         if recipe.compile.enable:
-            compile_blocks(self.model.layers, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend)
+            compile_blocks(plan.blocks, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend)
         if self.mesh is not None:
-            apply_data_parallel(self.model, self.mesh, param_dtype=runtime.autocast_dtype,
+            apply_data_parallel(self.model, plan, self.mesh, param_dtype=runtime.autocast_dtype,
                                 reshard_after_forward=recipe.parallelism.fsdp_reshard_after_forward)
         assemble.materialize(self.model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
                              distributed=self.mesh is not None)
 
+    def _loader(self, split: str, shard_states: dict | None = None):
+        """This rank's loader of one split, at the recipe's batch size (shard_states: continue from those)."""
+        return assemble.build_loader(self.recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
+                                     dp_size=self.dp_size, split=split,
+                                     batch_size=self.recipe.training.local_batch_size, shard_states=shard_states)
+
     def _check_validation_data(self) -> None:
         """Fail at start-up, not after validation.freq steps, when the held-out stream is empty."""
-        loader = assemble.build_loader(self.recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
-                                       dp_size=self.dp_size, split="validation",
-                                       batch_size=self.recipe.training.local_batch_size)
-        self._next_batch(iter(loader), "validation")
+        self._next_batch(iter(self._loader("validation")), "validation")
 
     # -- resume ----------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -158,17 +160,16 @@ class Trainer:
         """The recipe, not the checkpoint, says lr, betas, eps and weight decay: a resumed run may change them.
 
         Loading an optimizer state restores its param_groups' settings, and the LR schedule its
-        base_lrs; both are set back from the recipe (unchanged values leave the run bit-identical).
+        base_lrs; both are set back from the recipe (unchanged values leave the run bit-identical):
+        the schedule is built again from the recipe at the step it had reached.
         """
         opt = self.recipe.optimizer
         fresh = assemble.build_optimizer(self.recipe, self.model).param_groups
         for group, wanted in zip(self.optimizer.param_groups, fresh):
             group.update(betas=tuple(opt.betas), eps=opt.eps, weight_decay=wanted["weight_decay"], initial_lr=opt.lr)
-        self.lr_scheduler.base_lrs = [opt.lr] * len(self.optimizer.param_groups)
-        factor = self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
-        for group in self.optimizer.param_groups:
-            group["lr"] = opt.lr * factor
-        self.lr_scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.lr_scheduler = assemble.build_lr_scheduler(self.recipe, self.optimizer,
+                                                        completed_steps=self.lr_scheduler.last_epoch)
+        self.state.lr_scheduler = self.lr_scheduler
 
     def _data_layout(self) -> dict:
         """What must match for a saved loader state to continue exactly as it is."""
@@ -180,9 +181,7 @@ class Trainer:
         from components.data import loader_state_by_logical_shard, merge_shard_states
 
         merged = merge_shard_states(*(loader_state_by_logical_shard(s) for s in old_rank_states))
-        return assemble.build_loader(self.recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
-                                     dp_size=self.dp_size, split="train",
-                                     batch_size=self.recipe.training.local_batch_size, shard_states=merged)
+        return self._loader("train", shard_states=merged)
 
     # -- one optimizer step ----------------------------------------------------------------------
     def _next_batch(self, iterator, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,9 +263,7 @@ class Trainer:
             for inputs, targets in self._validation_cache:
                 yield inputs.to(device, non_blocking=True).long(), targets.to(device, non_blocking=True).long()
             return
-        loader = assemble.build_loader(recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
-                                       dp_size=self.dp_size, split="validation",
-                                       batch_size=recipe.training.local_batch_size)
+        loader = self._loader("validation")
         tokens = recipe.validation.steps * recipe.training.local_batch_size * recipe.training.seq_len
         keep = 2 * 4 * tokens <= VALIDATION_CACHE_BYTES and self.tokenizer.vocab_size < 2**31
         kept = []

@@ -169,7 +169,7 @@ def test_plugin_registers_an_attention_backend(tmp_path, monkeypatch, capsys):
         "    return nsa_attention(*args, backend='reference', **hyper)\n"
         "register('attention_backend', 'counting', attention, replace=True)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from components.nsa import op
+    from components.nsa import unregister_backend
     from tests.launch import DEBUG, TINY
 
     try:
@@ -181,8 +181,7 @@ def test_plugin_registers_an_attention_backend(tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err
         assert code == 2 and "did you mean 'counting'" in err
     finally:
-        registry._PARTS["attention_backend"].pop("counting", None)
-        op._EXTRA_BACKENDS.pop("counting", None)
+        unregister_backend("counting")
         sys.modules.pop("my_backend", None)
 
 

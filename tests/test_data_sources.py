@@ -301,8 +301,8 @@ def test_huggingface_errors(hf_parquet, monkeypatch):
 
 def test_huggingface_args_check():
     assert HuggingFaceArgs().check() == []
-    assert [p[0] for p in HuggingFaceArgs(validation_split="train").check()] == ["validation_split"]
-    assert [p[0] for p in HuggingFaceArgs(path="parquet").check()] == ["data_files"]
+    assert [p.field for p in HuggingFaceArgs(validation_split="train").check()] == ["validation_split"]
+    assert [p.field for p in HuggingFaceArgs(path="parquet").check()] == ["data_files"]
     with pytest.raises(UserError, match="repeat training data"):
         HuggingFaceSource(HuggingFaceArgs(validation_split="train")).check()
 

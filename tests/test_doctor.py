@@ -10,8 +10,10 @@ import torch
 from components.nsa import nsa_attention
 from nsa_titan import assemble, cli
 from nsa_titan.config import resolve
-from nsa_titan.doctor import checks, nsa_check
-from nsa_titan.doctor.memory import activation_elements_per_token, estimate_memory
+from components.models.hooks import activation_memory
+from components.nsa import self_check as nsa_check
+from nsa_titan.doctor import checks
+from nsa_titan.doctor.memory import estimate_memory
 from tests.launch import DEBUG
 
 CHECKS = ("versions", "devices", "recipe", "data", "dump folder", "NSA backend", "memory estimate")
@@ -141,17 +143,19 @@ def test_activation_estimate_is_near_what_a_block_saves(attention, tmp_path):
                     'max_seq_len = 256\n')
     recipe = resolve([str(path), "--training.seq_len=128"]).recipe
     measured = _saved_bytes_per_token(recipe)
-    estimated = activation_elements_per_token(recipe.model.args) * 4  # fp32 on the CPU
+    estimated = activation_memory(recipe.model.args).per_block * 4  # fp32 on the CPU
     assert abs(estimated - measured) / measured < 0.2, (estimated, measured)
 
 
 def test_memory_estimate_follows_its_formula():
     recipe = resolve([DEBUG]).recipe
     args = recipe.model.args
-    common = dict(args=args, num_params=1000, block_params=100, vocab_size=256, tokens=512, bf16=False, ac_every=2)
+    activation = activation_memory(args)
+    common = dict(activation=activation, num_params=1000, block_params=100, vocab_size=256, tokens=512, bf16=False,
+                  ac_every=2)
     plain = estimate_memory(shard=1, ac_mode="none", **common)
     assert plain.states == 16 * 1000 and plain.gathered == 0
-    assert plain.activations == 512 * args.n_layers * activation_elements_per_token(args) * 4
+    assert plain.activations == 512 * args.n_layers * activation.per_block * 4
     assert plain.logits == 512 * 256 * (4 + 8)
     sharded = estimate_memory(shard=4, ac_mode="none", **common)
     assert sharded.states == plain.states / 4 and sharded.gathered == 2 * 100 * 4

@@ -50,11 +50,11 @@ def test_nsa_paper_defaults():
 )
 def test_nsa_check_names_field_and_fix(nsa, path, words):
     problems = nsa.check()
-    assert [p for p, _ in problems] == [path]
-    message = problems[0][1]
-    assert words in message and "; " in message  # "why; fix"
+    assert [p.field for p in problems] == [path]
+    assert words in problems[0].why and problems[0].fix  # a record: why and fix apart
+    assert problems[0].value == getattr(nsa, path)
     nested = find_problems(TransformerArgs(nsa=nsa))
-    assert [p for p, _ in nested] == [f"nsa.{path}"]
+    assert [p.field for p in nested] == [f"nsa.{path}"]
 
 
 @pytest.mark.parametrize(
@@ -70,7 +70,7 @@ def test_nsa_check_names_field_and_fix(nsa, path, words):
 )
 def test_transformer_problems(overrides, path):
     problems = find_problems(TransformerArgs(**overrides))
-    assert [p for p, _ in problems] == [path]
+    assert [p.field for p in problems] == [path]
     with pytest.raises(UserError, match=path):
         build_transformer(TransformerArgs(**overrides), VOCAB)
 

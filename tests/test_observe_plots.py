@@ -29,7 +29,7 @@ def test_selection_counts_match_a_direct_count():
 def test_selection_image_cells(tmp_path):
     # 4 queries, blocks of 2 tokens: queries 0-1 see block 0, queries 2-3 blocks 0 and 1
     counts = torch.tensor([[2, 0], [1, 0], [0, 2], [2, 1]])
-    canvas, geo = plots.selection_image(counts, num_groups=2, sel_block_size=2)
+    canvas, geo = plots.selection_image(counts, num_groups=2, block_tokens=2)
     decoded = decode_png(open(canvas.save(str(tmp_path / "s.png")), "rb").read())
     assert decoded[:2] == (canvas.width, canvas.height)
     expected = {(0, 0): plots.DARKEST, (0, 1): plots.FUTURE, (1, 0): plots.shade(0.5), (1, 1): plots.FUTURE,

@@ -1,22 +1,19 @@
 """Recipe arguments for the transformer language model and its NSA attention.
 
 Plain dataclasses: every field carries a one-line doc and optional bounds/choices in its metadata,
-and `check()` returns the cross-field problems as (field path, message with the fix).
+and `check()` returns the cross-field problems as records (components.problems.Problem).
 `find_problems` applies both, so the model can be built safely without the engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from components.nsa import available_backends
+from components.nsa.hyperparams import divisors, hyperparameter_problems
+from components.problems import Problem, find_problems, problem
 
-
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+__all__ = ["NSAArgs", "TransformerArgs", "find_problems"]
 
 
 @dataclass
@@ -64,31 +61,10 @@ class NSAArgs:
         metadata={"doc": "NSA kernel backend; all compute the same result", "choices": available_backends},
     )
 
-    def check(self) -> list[tuple[str, str]]:
-        """NSA_SPEC's valid configs: d divides l, d divides l', l <= l'."""
-        l, d, ls = self.block_size, self.block_stride, self.sel_block_size
-        if min(l, d, ls) < 1:
-            return []  # the per-field bounds report these
-        problems = []
-        if l % d:
-            problems.append((
-                "block_stride",
-                f"block_stride ({d}) must divide block_size ({l}); "
-                f"use one of {_divisors(l)} or change block_size to a multiple of {d}",
-            ))
-        if ls % d:
-            problems.append((
-                "block_stride",
-                f"block_stride ({d}) must divide sel_block_size ({ls}); "
-                f"use one of {_divisors(ls)} or change sel_block_size to a multiple of {d}",
-            ))
-        if l > ls:
-            problems.append((
-                "sel_block_size",
-                f"sel_block_size ({ls}) must be >= block_size ({l}); "
-                f"raise sel_block_size to {l} or more, or lower block_size",
-            ))
-        return problems
+    def check(self) -> list[Problem]:
+        """NSA_SPEC's valid configurations (components/nsa/hyperparams.py states the rules)."""
+        return hyperparameter_problems(self.block_size, self.block_stride, self.sel_block_size, self.num_selected,
+                                       self.window_size)
 
 
 @dataclass
@@ -141,56 +117,20 @@ class TransformerArgs:
         hidden = int(2 * self.mlp_ratio * self.dim / 3)
         return self.multiple_of * -(-hidden // self.multiple_of)
 
-    def check(self) -> list[tuple[str, str]]:
+    def check(self) -> list[Problem]:
         problems = []
         if self.n_heads >= 1 and self.dim % self.n_heads:
-            ok = [h for h in _divisors(self.dim) if h <= 64 and (self.dim // h) % 2 == 0]
-            problems.append((
-                "n_heads",
-                f"n_heads ({self.n_heads}) must divide dim ({self.dim}); use one of {ok} or change dim",
-            ))
+            ok = [h for h in divisors(self.dim) if h <= 64 and (self.dim // h) % 2 == 0]
+            problems.append(problem("n_heads", self.n_heads, f"must divide dim ({self.dim})",
+                                    f"use one of {ok} or change dim"))
         elif self.n_heads >= 1 and self.head_dim % 2:
-            problems.append((
-                "n_heads",
-                f"head dim dim/n_heads = {self.head_dim} must be even for RoPE; "
-                f"pick n_heads so that dim/n_heads is even",
-            ))
+            problems.append(problem("n_heads", self.n_heads, f"gives head dim dim/n_heads = {self.head_dim}, "
+                                    "which must be even for RoPE", "pick n_heads so that dim/n_heads is even"))
         if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
-            problems.append((
-                "n_kv_heads",
-                f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads}); "
-                f"use one of {_divisors(max(self.n_heads, 1))}",
-            ))
+            problems.append(problem("n_kv_heads", self.n_kv_heads, f"must divide n_heads ({self.n_heads})",
+                                    f"use one of {divisors(max(self.n_heads, 1))}"))
         # nsa.check() runs on its own (find_problems and the engine visit every nested dataclass)
         if self.attention == "dense" and self.nsa != NSAArgs():
-            problems.append((
-                "nsa",
-                "nsa settings are given but attention = 'dense' ignores them; "
-                "remove the nsa section or set attention = 'nsa'",
-            ))
+            problems.append(problem("nsa", None, "nsa settings are given but attention = 'dense' ignores them",
+                                    "remove the nsa section or set attention = 'nsa'"))
         return problems
-
-
-def find_problems(args, prefix: str = "") -> list[tuple[str, str]]:
-    """Every bound/choice violation and every `check()` problem of a (nested) args dataclass."""
-    problems, nested = [], []
-    for f in dataclasses.fields(args):
-        value = getattr(args, f.name)
-        path = prefix + f.name
-        if dataclasses.is_dataclass(value):
-            nested += find_problems(value, path + ".")
-            continue
-        meta = f.metadata
-        choices = meta.get("choices")
-        choices = choices() if callable(choices) else choices
-        if choices is not None and value not in choices:
-            problems.append((path, f"{value!r} is not one of {list(choices)}; pick one of those"))
-        if "ge" in meta and value < meta["ge"]:
-            problems.append((path, f"{value!r} must be >= {meta['ge']}; raise it"))
-        if "gt" in meta and value <= meta["gt"]:
-            problems.append((path, f"{value!r} must be > {meta['gt']}; raise it"))
-        if "le" in meta and value > meta["le"]:
-            problems.append((path, f"{value!r} must be <= {meta['le']}; lower it"))
-    if not problems and hasattr(args, "check"):  # cross-field rules assume in-bounds fields
-        problems += [(prefix + path, msg) for path, msg in args.check()]
-    return problems + nested

@@ -1,10 +1,11 @@
-"""NSA telemetry: gate statistics and how far back the selected blocks lie, per layer.
+"""What the NSA layers choose: telemetry (gate statistics, how far back the selected blocks lie)
+and the per-layer maps the engine's plots draw.
 
 The training forward is left untouched (no hooks, no extra outputs, so compiled graphs stay as
-they are). The trainer calls `collect_nsa_telemetry` at its own frequency: a separate no-grad
-forward that runs each block's plain `forward` (eager even after `block.compile()`) and asks each
-NSA layer for its gates and selection on the same input its forward sees. Results are tensors
-on the model's device; the caller decides when to copy them to the host.
+they are). Both run one walk, `nsa_layer_outputs`: a separate no-grad forward that runs each
+block's plain `forward` (eager even after `block.compile()`) and asks each NSA layer for its gates
+and selection on the same input its forward sees. Results are tensors on the model's device; the
+caller decides when to copy them to the host.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from components.errors import UserError
+from components.model_hooks import AttentionMap
 from components.models.nsa_attention import BRANCHES, NSAAttention
 
 COLLAPSE_LOW, COLLAPSE_HIGH = 0.05, 0.95
@@ -67,6 +69,24 @@ def _unsharded(model: nn.Module):
             m.reshard()
 
 
+def telemetry_applies(args) -> bool:
+    """Only NSA layers have gates and selections to report."""
+    return args.attention == "nsa"
+
+
+def nsa_layer_outputs(model: nn.Module, tokens: torch.Tensor):
+    """The one forward walk: (layer index, NSA layer, gates [B, T, H, 3], selected [B, T, Hkv, n]) for
+    each NSA layer of a Transformer (unwrapped; sharded ones inside _unsharded), on tokens [B, T]."""
+    cos, sin = model.rope.cos, model.rope.sin
+    h = model.tok_embeddings(tokens)
+    for i, block in enumerate(model.layers):
+        attention = block.attention
+        if isinstance(attention, NSAAttention):
+            gates, selected = attention.gates_and_selection(block.attention_norm(h), cos, sin)
+            yield i, attention, gates, selected
+        h = block.forward(h, cos, sin)
+
+
 @torch.no_grad()
 def collect_nsa_telemetry(model: nn.Module, tokens: torch.Tensor, *, num_buckets: int = 8) -> dict[str, torch.Tensor]:
     """Per NSA layer i, 0-d tensors keyed 'nsa/layer{i}/{cmp|sel|win}/gate_{mean|entropy|collapse}'
@@ -77,17 +97,38 @@ def collect_nsa_telemetry(model: nn.Module, tokens: torch.Tensor, *, num_buckets
     if num_buckets < 2:
         raise UserError(f"num_buckets must be >= 2 (distance 0 and the rest), got {num_buckets}")
     stats: dict[str, torch.Tensor] = {}
-    cos, sin = model.rope.cos, model.rope.sin
     labels = distance_bucket_labels(num_buckets)
     with _unsharded(model):
-        h = model.tok_embeddings(tokens)
-        for i, block in enumerate(model.layers):
-            attention = block.attention
-            if isinstance(attention, NSAAttention):
-                gates, selected = attention.gates_and_selection(block.attention_norm(h), cos, sin)
-                prefix = f"nsa/layer{i}/"
-                stats.update({prefix + key: value for key, value in gate_stats(gates).items()})
-                hist = selection_distance_hist(selected, attention.selection["sel_block_size"], num_buckets)
-                stats.update({f"{prefix}sel_distance/{label}": hist[b] for b, label in enumerate(labels)})
-            h = block.forward(h, cos, sin)
+        for i, attention, gates, selected in nsa_layer_outputs(model, tokens):
+            prefix = f"nsa/layer{i}/"
+            stats.update({prefix + key: value for key, value in gate_stats(gates).items()})
+            hist = selection_distance_hist(selected, attention.selection["sel_block_size"], num_buckets)
+            stats.update({f"{prefix}sel_distance/{label}": hist[b] for b, label in enumerate(labels)})
     return stats
+
+
+@contextlib.contextmanager
+def _on_reference_backend(model: nn.Module):
+    """Every NSA layer computes with the exact reference backend meanwhile (same results, any device)."""
+    layers = [block.attention for block in model.layers if isinstance(block.attention, NSAAttention)]
+    chosen = [layer.backend for layer in layers]
+    for layer in layers:
+        layer.backend = "reference"
+    try:
+        yield
+    finally:
+        for layer, backend in zip(layers, chosen):
+            layer.backend = backend
+
+
+@torch.no_grad()
+def attention_maps(model: nn.Module, tokens: torch.Tensor) -> dict[int, AttentionMap]:
+    """layer index -> what that NSA layer chose on tokens [B, T], for an unsharded Transformer on any
+    device (the walk uses the reference backend)."""
+    with _on_reference_backend(model):
+        return {i: AttentionMap(gates, selected, block_tokens=layer.selection["sel_block_size"],
+                                groups=layer.n_kv_heads,
+                                legend={"sel_block_size": layer.selection["sel_block_size"],
+                                        "num_selected": layer.selection["num_selected"], "groups": layer.n_kv_heads,
+                                        "query_heads_per_group": layer.n_heads // layer.n_kv_heads})
+                for i, layer, gates, selected in nsa_layer_outputs(model, tokens)}

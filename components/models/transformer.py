@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from components.errors import UserError
-from components.models.args import TransformerArgs, find_problems
+from components.models.args import TransformerArgs
 from components.models.dense_attention import DenseAttention
 from components.models.kv_cache import KVCache, LayerKV
 from components.models.mlp import SwiGLU
 from components.models.norms import RMSNorm
 from components.models.nsa_attention import NSAAttention
 from components.models.rope import RotaryEmbedding
+from components.problems import find_problems, problem, raise_problems
 
 
 class TransformerBlock(nn.Module):
@@ -148,7 +149,6 @@ def build_transformer(args: TransformerArgs, vocab_size: int) -> Transformer:
     """Check the arguments (UserError listing every problem), then build on the current device."""
     problems = find_problems(args)
     if vocab_size < 1:
-        problems.append(("vocab_size", f"vocab_size must be >= 1, got {vocab_size}; check the tokenizer"))
-    if problems:
-        raise UserError("invalid model arguments: " + "; ".join(f"{path}: {msg}" for path, msg in problems))
+        problems.append(problem("vocab_size", vocab_size, "must be at least 1", "check the tokenizer"))
+    raise_problems("invalid model arguments", problems)
     return Transformer(args, vocab_size)

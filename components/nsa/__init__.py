@@ -17,14 +17,16 @@ from components.nsa.compression import (
     num_compressed_blocks,
 )
 from components.nsa.hyperparams import check_hyperparameters, hyperparameter_problems, num_selection_blocks
-from components.nsa.op import (BACKENDS, available_backends, nsa_attention, nsa_attention_at, register_backend,
-                              select_blocks, select_blocks_at)
+from components.nsa.backends import BACKENDS, available_backends, get_backend, register_backend, unregister_backend
+from components.nsa.op import nsa_attention, nsa_attention_at, select_blocks, select_blocks_at
 from components.nsa.selection import overlap_tokens, overlap_weights
 
 __all__ = [
     "BACKENDS",
     "available_backends",
+    "get_backend",
     "register_backend",
+    "unregister_backend",
     "COMPRESS_MODES",
     "KVCompressor",
     "check_hyperparameters",

@@ -1,39 +1,47 @@
-"""The NSA hyperparameters and the rules that make a configuration valid (NSA_SPEC.md)."""
+"""The NSA hyperparameters and the rules that make a configuration valid (NSA_SPEC.md).
+
+The one statement of those rules: the op checks its arguments with them and the model's
+arguments (components/models/args.py) report them as recipe problems.
+"""
 
 from __future__ import annotations
 
-from components.errors import UserError
+from components.problems import Problem, problem, raise_problems
 
 # Spec names, in the order the op takes them.
 HYPERPARAMETER_NAMES = ("block_size", "block_stride", "sel_block_size", "num_selected", "window_size")
 
 
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
 def hyperparameter_problems(
     block_size: int, block_stride: int, sel_block_size: int, num_selected: int, window_size: int
-) -> list[tuple[str, str]]:
-    """Every rule the five hyperparameters break, as (field name, message with the fix)."""
+) -> list[Problem]:
+    """Every rule the five hyperparameters break, fields named as in HYPERPARAMETER_NAMES."""
     values = dict(
         zip(HYPERPARAMETER_NAMES, (block_size, block_stride, sel_block_size, num_selected, window_size), strict=True)
     )
     problems = []
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int):
-            kind = type(value).__name__
-            problems.append((name, f"{name} must be an int, got {value!r} ({kind}); use a whole number"))
+            problems.append(problem(name, value, f"must be an int, got {type(value).__name__}",
+                                    "use a whole number"))
         elif value < 1:
-            problems.append((name, f"{name} must be >= 1, got {value}; give a positive whole number"))
+            problems.append(problem(name, value, "must be at least 1", "give a positive whole number"))
     if problems:
         return problems
-    l, d, lp = block_size, block_stride, sel_block_size
+    l, d, ls = block_size, block_stride, sel_block_size
     if l % d:
-        problems.append(("block_stride", f"block_stride {d} must divide block_size {l}; pick a divisor of {l}"))
-    if lp % d:
-        problems.append(
-            ("block_stride", f"block_stride {d} must divide sel_block_size {lp}; pick a common divisor of {l} and {lp}")
-        )
-    if l > lp:
-        problems.append(("sel_block_size", f"block_size {l} must be <= sel_block_size {lp}; "
-                         f"raise sel_block_size to a multiple of block_stride that is >= {l}"))
+        problems.append(problem("block_stride", d, f"must divide block_size ({l})",
+                                f"use one of {divisors(l)} or change block_size to a multiple of {d}"))
+    if ls % d:
+        problems.append(problem("block_stride", d, f"must divide sel_block_size ({ls})",
+                                f"use one of {divisors(ls)} or change sel_block_size to a multiple of {d}"))
+    if l > ls:
+        problems.append(problem("sel_block_size", ls, f"must be >= block_size ({l})",
+                                f"raise sel_block_size to {l} or more, or lower block_size"))
     return problems
 
 
@@ -41,9 +49,8 @@ def check_hyperparameters(
     block_size: int, block_stride: int, sel_block_size: int, num_selected: int, window_size: int
 ) -> None:
     """Raise UserError naming every broken rule; return quietly for a valid configuration."""
-    problems = hyperparameter_problems(block_size, block_stride, sel_block_size, num_selected, window_size)
-    if problems:
-        raise UserError("invalid NSA hyperparameters: " + "; ".join(message for _, message in problems))
+    raise_problems("invalid NSA hyperparameters",
+                   hyperparameter_problems(block_size, block_stride, sel_block_size, num_selected, window_size))
 
 
 def num_selection_blocks(num_tokens: int, sel_block_size: int) -> int:

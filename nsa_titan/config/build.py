@@ -7,11 +7,11 @@ among the choices, and a table for a part that the recipe did not choose are all
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import typing
 from typing import Any
 
+from components.problems import bound_problem, suggest
 from nsa_titan import registry
 from nsa_titan.config.errors import Problem
 from nsa_titan.config.fields import default_of, is_dataclass_type, resolved_types, type_name
@@ -112,7 +112,7 @@ class RecipeBuilder:
             return default
         except registry.UnknownPartError as unknown:
             names = registry.available(unknown.kind)
-            self.problem(path, raw, f"is not a registered {unknown.kind}" + _suggest(value, names),
+            self.problem(path, raw, f"is not a registered {unknown.kind}" + suggest(value, names),
                          f"choose one of: {', '.join(names)} (job.plugins can register more)")
             return default
         return value
@@ -169,17 +169,17 @@ class RecipeBuilder:
             if key in known:
                 continue
             full = _join(path, key)
-            self.problem(full, None, "is not a recipe field" + _suggest(key, sorted(known)),
+            self.problem(full, None, "is not a recipe field" + suggest(key, sorted(known)),
                          f"remove it, or see `nsa-titan train --help` for the fields of [{path or 'top level'}]")
 
     def _cross_checks(self, obj: Any, path: str) -> None:
+        """The part's own cross-field rules (its `check()`), re-homed under the recipe path."""
         check = getattr(obj, "check", None)
         if not callable(check):
             return
-        for rel, message in check() or []:
-            full = _join(path, rel)
-            value = _lookup(obj, rel)
-            self.problems.append(Problem(self.source_of(full), full, value, *_split_fix(message)))
+        prefix = path + "." if path else ""
+        for found in check() or []:
+            self.problems.append(found.under(prefix, where=self.source_of(prefix + found.field)))
 
 
 def coerce(raw: Any, tp: Any) -> Any:
@@ -236,26 +236,9 @@ def _finite(value: float) -> float:
 
 
 def check_bounds(value: Any, meta: typing.Mapping[str, Any]) -> None:
-    choices = choices_of(meta)
-    if choices is not None and value not in choices:
-        raise _Invalid(f"must be one of {', '.join(map(repr, choices))}" + _suggest(str(value), list(map(str, choices))),
-                       f"choose one of {', '.join(map(str, choices))}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        for key, ok, words in (("ge", lambda v, b: v >= b, "at least"), ("gt", lambda v, b: v > b, "greater than"),
-                               ("le", lambda v, b: v <= b, "at most")):
-            if key in meta and not ok(value, meta[key]):
-                raise _Invalid(f"must be {words} {meta[key]}", f"use a value {words} {meta[key]}")
-
-
-def choices_of(meta: typing.Mapping[str, Any]) -> tuple | None:
-    """A field's allowed values; a callable gives those known when the recipe is checked (e.g. plugins')."""
-    choices = meta.get("choices")
-    return tuple(choices()) if callable(choices) else choices
-
-
-def _suggest(word: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(str(word), candidates, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    bad = bound_problem(value, meta)
+    if bad:
+        raise _Invalid(*bad)
 
 
 def _kind(value: Any) -> str:
@@ -270,18 +253,3 @@ def _layer(source: str) -> str:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
-
-
-def _lookup(obj: Any, rel: str) -> Any:
-    for part in rel.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _split_fix(message: str) -> tuple[str, str]:
-    """Components write 'why; fix' or 'why. Fix: fix'; split it for the uniform report."""
-    for sep in (". Fix: ", "; fix: ", "; "):
-        if sep in message:
-            why, fix = message.split(sep, 1)
-            return why.rstrip("."), fix.rstrip(".")
-    return message.rstrip("."), "see the field's doc in `nsa-titan train --help`"

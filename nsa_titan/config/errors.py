@@ -1,26 +1,14 @@
-"""Recipe problems: each names where it came from, the field, the bad value and the fix."""
+"""Recipe problems: each names where it came from, the field, the bad value and the fix.
+
+The record is the one every layer reports (components.problems.Problem); `where` is the recipe
+file, the command-line flag or "defaults".
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from components.problems import Problem
 
-_UNSET = object()
-
-
-@dataclass
-class Problem:
-    source: str  # a recipe file, a command-line flag, or "defaults"
-    field: str  # dotted path, e.g. training.steps
-    value: Any
-    why: str
-    fix: str
-
-    def render(self) -> str:
-        plain = self.value is None or dataclasses.is_dataclass(self.value)
-        shown = "" if plain else f" = {self.value!r}"
-        return f"{self.source}: {self.field}{shown}: {self.why}. Fix: {self.fix}."
+__all__ = ["Problem", "RecipeError"]
 
 
 class RecipeError(Exception):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from components.problems import choices_of
 from nsa_titan import registry
-from nsa_titan.config.build import choices_of
 from nsa_titan.config.fields import default_of, doc_of, is_dataclass_type, resolved_types, type_name
 from nsa_titan.config.schema import Recipe
 from nsa_titan.config.toml_io import toml_value

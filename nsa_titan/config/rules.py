@@ -12,20 +12,24 @@ def _changed(section, name: str) -> bool:
     return getattr(section, name) != getattr(type(section)(), name)
 
 
-def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int] | str:
-    """(replicate, shard) degrees for this world size, or why they cannot be resolved."""
+class LayoutError(ValueError):
+    """The data-parallel degrees cannot be resolved for this world size; the message says why."""
+
+
+def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
+    """(replicate, shard) degrees for this world size; LayoutError when they cannot be resolved."""
     par = recipe.parallelism
     rep, shard = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
     if rep == -1 and shard == -1:
-        return "only one of the two degrees may be -1"
+        raise LayoutError("only one of the two degrees may be -1")
     if rep == -1 or shard == -1:
         known = shard if rep == -1 else rep
         if known == 0 or world_size % known:
-            return f"the world size {world_size} is not divisible by the fixed degree {known}"
+            raise LayoutError(f"the world size {world_size} is not divisible by the fixed degree {known}")
         fill = world_size // known
         return (fill, shard) if rep == -1 else (rep, fill)
     if rep * shard != world_size:
-        return f"replicate x shard = {rep} x {shard} = {rep * shard}, but the world size is {world_size}"
+        raise LayoutError(f"replicate x shard = {rep} x {shard} = {rep * shard}, but the world size is {world_size}")
     return rep, shard
 
 
@@ -38,12 +42,10 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     def add(field: str, value, why: str, fix: str) -> None:
         problems.append(Problem(source_of(field), field, value, why, fix))
 
-    if world_size is None:
-        degrees = (1, 1)
-    else:
-        degrees = data_parallel_degrees(recipe, world_size)
-    if isinstance(degrees, str):
-        add("parallelism.data_parallel_shard_degree", recipe.parallelism.data_parallel_shard_degree, degrees,
+    try:
+        degrees = (1, 1) if world_size is None else data_parallel_degrees(recipe, world_size)
+    except LayoutError as exc:
+        add("parallelism.data_parallel_shard_degree", recipe.parallelism.data_parallel_shard_degree, str(exc),
             "make replicate x shard equal the number of processes (NGPU x NNODES), or set one of them to -1")
         dp = world_size
     else:

@@ -162,56 +162,38 @@ def check_dump_folder(folder: str, needed: int) -> Check:
     return Check("dump folder", OK, detail)
 
 
-def check_nsa(recipe, device: torch.device) -> Check:
-    from components.nsa.triton.launch import interpreting
-    from nsa_titan.doctor.nsa_check import check_backend
+def check_model(recipe, device: torch.device) -> Check:
+    """The model part's own self-check on this device (for NSA: the backend computes NSA)."""
+    from nsa_titan import registry
 
-    args = recipe.model.args
-    nsa = getattr(args, "nsa", None)
-    if getattr(args, "attention", None) != "nsa" or nsa is None:
-        return Check("NSA backend", OK, f"not used (model {recipe.model.name} has attention "
-                                        f"{getattr(args, 'attention', '?')!r})")
-    name = f"NSA backend {nsa.backend!r} on {device.type}"
-    if nsa.backend == "triton" and device.type != "cuda" and not interpreting():
-        return Check(name, WARN, "skipped: the Triton kernels need a CUDA GPU (or Triton's interpreter, "
-                                 "TRITON_INTERPRET=1); training here would fail. Fix: run on a GPU or use "
-                                 "--model.nsa.backend=reference")
-    hyper = dict(block_size=nsa.block_size, block_stride=nsa.block_stride, sel_block_size=nsa.sel_block_size,
-                 num_selected=nsa.num_selected, window_size=nsa.window_size)
-    start = time.perf_counter()
-    try:
-        failures = check_backend(nsa.backend, hyper, args.n_heads, args.n_kv_heads, args.head_dim, device)
-    except UserError as exc:
-        return Check(name, FAIL, str(exc))
-    what = "causality, full coverage = dense attention" + ("" if nsa.backend == "reference" else ", parity with "
-                                                            "the reference (outputs and gradients)")
-    if nsa.backend == "triton" and device.type != "cuda":
-        what += " under Triton's interpreter"
-    if failures:
-        return Check(name, FAIL, "; ".join(failures))
-    return Check(name, OK, f"{what}: passed in {time.perf_counter() - start:.1f} s")
+    hook = registry.get("model", recipe.model.name).self_check
+    if hook is None:
+        return Check("model self-check", OK, f"model {recipe.model.name!r} has none")
+    result = hook(recipe.model.args, device)
+    return Check(result.name, result.status, result.detail)
 
 
 def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     """The estimate of nsa_titan/doctor/memory.py against what one device (or one process's share of the host) has."""
-    from nsa_titan import assemble
-    from nsa_titan.config.rules import data_parallel_degrees
+    from nsa_titan import assemble, registry
+    from nsa_titan.config.rules import LayoutError, data_parallel_degrees
     from nsa_titan.doctor.memory import estimate_memory
 
-    args = recipe.model.args
-    missing = [name for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden_dim")
-               if not hasattr(args, name)]
-    if missing:
-        return Check("memory estimate", WARN, f"no estimate: the formula needs a transformer's arguments and model "
-                                              f"{recipe.model.name!r} has no {', '.join(missing)}")
-    degrees = data_parallel_degrees(recipe, world_size)
-    shard = degrees[1] if isinstance(degrees, tuple) else 1
+    part = registry.get("model", recipe.model.name)
+    if part.activation_memory is None:
+        return Check("memory estimate", WARN, f"no estimate: model {recipe.model.name!r} registers no "
+                                              "activation_memory hook")
+    try:
+        shard = data_parallel_degrees(recipe, world_size)[1]
+    except LayoutError:
+        shard = 1
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
-    blocks = getattr(model, "layers", None)
-    block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) if blocks else 0
+    blocks = assemble.parallel_plan(part, model).blocks
+    block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     ac = recipe.activation_checkpoint
     t = recipe.training
-    estimate = estimate_memory(args=args, num_params=assemble.count_parameters(model),
+    estimate = estimate_memory(activation=part.activation_memory(recipe.model.args),
+                               num_params=assemble.count_parameters(model),
                                block_params=block_params, vocab_size=tokenizer.vocab_size, shard=shard,
                                tokens=t.local_batch_size * t.seq_len, bf16=runtime.autocast_dtype is not None,
                                ac_mode=ac.mode, ac_every=ac.selective_every)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from components.errors import UserError
-from nsa_titan import assemble
+from nsa_titan import assemble, registry
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.inspect import artifacts, findings
 from nsa_titan.inspect.recorder import BlockTracker, GraphRecord, RecordingBackend
@@ -124,15 +124,16 @@ def _compiled_model(recipe, runtime, vocab_size: int):
 
     torch._dynamo.reset()  # start from no compiled code, counters or cached guards
     model = build_on_meta()
-    apply_activation_checkpointing(model.layers, recipe.activation_checkpoint.mode,
+    blocks = assemble.parallel_plan(registry.get("model", recipe.model.name), model).blocks
+    apply_activation_checkpointing(blocks, recipe.activation_checkpoint.mode,
                                    recipe.activation_checkpoint.selective_every)
     tracker = BlockTracker()
     recorder = RecordingBackend(recipe.compile.backend, tracker)
-    compile_blocks(model.layers, fullgraph=False, backend=recorder)
-    tracker.attach(model.layers)
+    compile_blocks(blocks, fullgraph=False, backend=recorder)
+    tracker.attach(blocks)
     assemble.materialize(model, runtime.device, recipe.job.seed, build_reference=build_on_meta, distributed=False)
     model.train()
-    return model, tracker, recorder
+    return model, len(blocks), tracker, recorder
 
 
 def _step(model, runtime, inputs: torch.Tensor, targets: torch.Tensor) -> str | None:
@@ -164,7 +165,7 @@ def inspect_recipe(resolved: ResolvedRecipe, seq_lens: list[int] | None = None) 
 
     tokenizer = assemble.build_tokenizer(recipe)
     source = assemble.build_source(recipe)
-    model, tracker, recorder = _compiled_model(recipe, runtime, tokenizer.vocab_size)
+    model, num_blocks, tracker, recorder = _compiled_model(recipe, runtime, tokenizer.vocab_size)
     batch_size = recipe.training.local_batch_size
     loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0, dp_size=1, split="train",
                                    batch_size=batch_size)
@@ -206,7 +207,7 @@ def inspect_recipe(resolved: ResolvedRecipe, seq_lens: list[int] | None = None) 
         backend=recipe.compile.backend, compile_enabled_in_recipe=recipe.compile.enable,
         fullgraph_in_recipe=recipe.compile.fullgraph, activation_checkpoint=recipe.activation_checkpoint.mode,
         device=str(runtime.device), dtype=str(runtime.autocast_dtype or torch.get_default_dtype()).replace("torch.", ""),
-        num_blocks=len(model.layers), blocks_attributed=tracker.attached == len(model.layers), folder=folder,
+        num_blocks=num_blocks, blocks_attributed=tracker.attached == num_blocks, folder=folder,
         steps=steps, graphs=graphs, breaks=findings.graph_breaks(graphs, trace),
         recompiles=findings.recompiles(trace), specializations=findings.specializations(trace),
         symbols=findings.symbols_created(trace), failures=findings.failures(trace),

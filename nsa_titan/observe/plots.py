@@ -8,6 +8,8 @@ selection_layer{N}.png  rows = query positions (top = first token), columns = se
 gates.png               per layer a group of three bars, the mean gate of cmp, sel and win over
                         all positions and heads (0..1, grid lines every 0.25); layer numbers below.
 plots.json              the legend: colours, geometry and the plotted numbers.
+
+The model part's attention_maps hook says what each layer chose; this module only draws.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 from torch import nn
 
 from components.errors import UserError
-from components.models.nsa_attention import BRANCHES, NSAAttention
+from components.model_hooks import AttentionMap
+from components.models.nsa_attention import BRANCHES
+from nsa_titan import registry
 from nsa_titan.observe.png import GLYPH_HEIGHT, Canvas
 
 WHITE, BLACK = (255, 255, 255), (0, 0, 0)
@@ -29,20 +33,6 @@ GRID = (210, 210, 210)
 BRANCH_COLORS = {"cmp": (230, 126, 34), "sel": (41, 98, 255), "win": (39, 174, 96)}
 MARGIN_LEFT, MARGIN_TOP, MARGIN_BOTTOM = 24, 4, 12
 BAR_WIDTH, BAR_GAP, GROUP_GAP, CHART_HEIGHT = 8, 1, 10, 200
-
-
-@torch.no_grad()
-def nsa_layer_views(model: nn.Module, tokens: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """layer index -> (gates [B, T, H, 3], selected blocks [B, T, Hkv, n], -1 unused) for each NSA layer,
-    from one forward of tokens [B, T] through an unsharded Transformer."""
-    views = {}
-    cos, sin = model.rope.cos, model.rope.sin
-    h = model.tok_embeddings(tokens)
-    for i, block in enumerate(model.layers):
-        if isinstance(block.attention, NSAAttention):
-            views[i] = block.attention.gates_and_selection(block.attention_norm(h), cos, sin)
-        h = block.forward(h, cos, sin)
-    return views
 
 
 def selection_counts(selected: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -63,8 +53,9 @@ def _cell_size(count: int, budget: int, largest: int) -> int:
     return max(1, min(largest, budget // max(count, 1)))
 
 
-def selection_image(counts: torch.Tensor, num_groups: int, sel_block_size: int) -> tuple[Canvas, dict]:
-    """The selection pattern picture of counts [T, num_blocks]; returns (canvas, geometry for the legend)."""
+def selection_image(counts: torch.Tensor, num_groups: int, block_tokens: int) -> tuple[Canvas, dict]:
+    """The selection pattern picture of counts [T, num_blocks] (blocks of block_tokens tokens);
+    returns (canvas, geometry for the legend)."""
     T, nb = counts.shape
     cell_w, cell_h = _cell_size(nb, 640, 24), _cell_size(T, 1024, 8)
     canvas = Canvas(MARGIN_LEFT + nb * cell_w + 2, MARGIN_TOP + T * cell_h + MARGIN_BOTTOM)
@@ -72,7 +63,7 @@ def selection_image(counts: torch.Tensor, num_groups: int, sel_block_size: int) 
     rows = counts.tolist()
     for t in range(T):
         y = MARGIN_TOP + t * cell_h
-        current = t // sel_block_size
+        current = t // block_tokens
         for j in range(nb):
             color = FUTURE if j > current else colors[min(rows[t][j], num_groups)]
             x = MARGIN_LEFT + j * cell_w
@@ -80,7 +71,7 @@ def selection_image(counts: torch.Tensor, num_groups: int, sel_block_size: int) 
     label_every = -(-16 // cell_w)  # block labels at least 16 px apart
     for j in range(0, nb, label_every):
         canvas.text(MARGIN_LEFT + j * cell_w, MARGIN_TOP + T * cell_h + 3, str(j))
-    rows_every = sel_block_size * max(1, -(-12 // (sel_block_size * cell_h)))
+    rows_every = block_tokens * max(1, -(-12 // (block_tokens * cell_h)))
     for t in range(0, T, rows_every):
         canvas.text(1, MARGIN_TOP + t * cell_h, str(t))
     geometry = {"origin_x": MARGIN_LEFT, "origin_y": MARGIN_TOP, "cell_width": cell_w, "cell_height": cell_h,
@@ -112,33 +103,29 @@ def gate_chart(gate_means: torch.Tensor, layer_ids: list[int]) -> tuple[Canvas, 
     return canvas, geometry
 
 
-def render_plots(model: nn.Module, tokens: torch.Tensor, layer: int, out_dir: str) -> dict[str, str]:
-    """Write selection_layer{layer}.png, gates.png and plots.json for tokens [1, T]; returns their paths."""
-    views = nsa_layer_views(model, tokens)
-    if not views:
+def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out_dir: str) -> dict[str, str]:
+    """Write selection_layer{layer}.png, gates.png and plots.json from one text's attention maps (batch of
+    one); returns their paths."""
+    if not maps:
         raise UserError("the model has no NSA layers (attention = 'dense'), so there is no selection or gate to "
                         "plot. Fix: plot a model trained with attention = 'nsa'.")
-    if layer not in views:
+    if layer not in maps:
         raise UserError(f"--layer {layer} is not an NSA layer of this model; its NSA layers are "
-                        f"{', '.join(map(str, views))}. Fix: pass one of them.")
-    attention = model.layers[layer].attention
-    sel_block_size = attention.selection["sel_block_size"]
-    T = tokens.shape[1]
-    num_blocks = -(-T // sel_block_size)
-    counts = selection_counts(views[layer][1][0], num_blocks)
-    sel_canvas, sel_geometry = selection_image(counts, attention.n_kv_heads, sel_block_size)
-    layer_ids = sorted(views)
-    gate_means = torch.stack([views[i][0].float().mean(dim=(0, 1, 2)) for i in layer_ids]).cpu()
+                        f"{', '.join(map(str, maps))}. Fix: pass one of them.")
+    chosen = maps[layer]
+    num_blocks = -(-num_tokens // chosen.block_tokens)
+    counts = selection_counts(chosen.selected[0], num_blocks)
+    sel_canvas, sel_geometry = selection_image(counts, chosen.groups, chosen.block_tokens)
+    layer_ids = sorted(maps)
+    gate_means = torch.stack([maps[i].gates.float().mean(dim=(0, 1, 2)) for i in layer_ids]).cpu()
     gate_canvas, gate_geometry = gate_chart(gate_means, layer_ids)
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {"selection": sel_canvas.save(os.path.join(out_dir, f"selection_layer{layer}.png")),
              "gates": gate_canvas.save(os.path.join(out_dir, "gates.png"))}
     legend = {
-        "tokens": T,
-        "selection": {"file": os.path.basename(paths["selection"]), "layer": layer, "sel_block_size": sel_block_size,
-                      "num_selected": attention.selection["num_selected"], "groups": attention.n_kv_heads,
-                      "query_heads_per_group": attention.n_heads // attention.n_kv_heads,
+        "tokens": num_tokens,
+        "selection": {"file": os.path.basename(paths["selection"]), "layer": layer, **chosen.legend,
                       "rows": "query position", "columns": "selection block",
                       "white": "selected by no group", "darkest": list(DARKEST), "future": list(FUTURE),
                       "shade": "linear from white to darkest in the number of groups that selected the block",
@@ -157,20 +144,24 @@ def render_plots(model: nn.Module, tokens: torch.Tensor, layer: int, out_dir: st
     return paths
 
 
-def plot_model(model: nn.Module, tokenizer, text: str, layer: int, out_dir: str) -> tuple[dict[str, str], str]:
-    """Tokenize text (cut to max_seq_len) and render_plots on the CPU; returns (paths, note)."""
-    for block in model.layers:
-        if isinstance(block.attention, NSAAttention):
-            block.attention.backend = "reference"  # same results; the model is on the CPU here
+def plot_model(model: nn.Module, model_section, tokenizer, text: str, layer: int,
+               out_dir: str) -> tuple[dict[str, str], str]:
+    """Tokenize text (cut to the model's max_seq_len) and render_plots on the CPU; returns (paths, note).
+    model_section is the recipe's [model] (its name picks the part, whose attention_maps hook is used)."""
+    hook = registry.get("model", model_section.name).attention_maps
+    if hook is None:
+        raise UserError(f"model {model_section.name!r} registers no attention_maps hook, so there is nothing to "
+                        "plot. Fix: plot a model whose part provides one (the built-in transformer does).")
     ids = tokenizer.encode(text)
     if not ids:
         raise UserError("the text to plot is empty. Fix: pass some text with --text or --text-file.")
-    limit = model.args.max_seq_len
+    limit = getattr(model_section.args, "max_seq_len", None) or len(ids)
     note = f"{len(ids)} tokens"
     if len(ids) > limit:
         note = f"the text's first {limit} of {len(ids)} tokens (the model's max_seq_len)"
         ids = ids[:limit]
-    return render_plots(model, torch.tensor([ids], dtype=torch.long), layer, out_dir), note
+    tokens = torch.tensor([ids], dtype=torch.long)
+    return render_plots(hook(model, tokens), tokens.shape[1], layer, out_dir), note
 
 
 def plot_exported(path: str, text: str, layer: int, out_dir: str) -> tuple[dict[str, str], str]:
@@ -180,5 +171,5 @@ def plot_exported(path: str, text: str, layer: int, out_dir: str) -> tuple[dict[
     from nsa_titan.export import load_exported
 
     model, meta = load_exported(path)
-    tokenizer = assemble.build_tokenizer(resolve_text(meta["recipe_toml"]).recipe)
-    return plot_model(model, tokenizer, text, layer, out_dir)
+    recipe = resolve_text(meta["recipe_toml"]).recipe
+    return plot_model(model, recipe.model, assemble.build_tokenizer(recipe), text, layer, out_dir)

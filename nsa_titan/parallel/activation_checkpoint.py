@@ -1,6 +1,9 @@
-"""Activation checkpointing per transformer block, applied in place (state-dict keys unchanged)."""
+"""Activation checkpointing per block (the model part's plan names the blocks), applied in place
+(state-dict keys unchanged)."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -15,7 +18,7 @@ def _checkpointed(forward):
     return run
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int) -> int:
+def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every: int) -> int:
     """Recompute the chosen blocks' activations in backward; returns how many blocks were wrapped.
 
     Wrapping `forward` instead of the module keeps parameter names intact, so checkpoints do not

@@ -1,4 +1,4 @@
-"""torch.compile each transformer block in place.
+"""torch.compile each block (the model part's plan names them) in place.
 
 `module.compile()` keeps the module object and its parameter names, so state dicts carry no
 `_orig_mod` prefix and checkpoints load whether or not compile was on.
@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from torch import nn
 
 
-def compile_blocks(blocks: nn.ModuleList, *, fullgraph: bool, backend: str) -> None:
+def compile_blocks(blocks: Sequence[nn.Module], *, fullgraph: bool, backend: str) -> None:
     for block in blocks:
         block.compile(fullgraph=fullgraph, backend=backend)
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from components.model_hooks import ParallelPlan
 from nsa_titan.parallel.distributed import SHARD
 
 
@@ -26,18 +27,20 @@ def _reshard_after_forward(choice: str, shard_degree: int) -> bool:
     return shard_degree > 1  # with nothing sharded there is nothing to free
 
 
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
+def apply_data_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
                         reshard_after_forward: str) -> None:
-    """Wrap each block, the embeddings, the final norm with the output layer, and the root."""
+    """Wrap each block of the model part's plan, then its groups, then the root (the model itself).
+
+    A group marked keep_gathered runs last in forward (e.g. the output layer): keeping it gathered
+    saves an all-gather right before backward.
+    """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = _reshard_after_forward(reshard_after_forward, mesh[SHARD].size())
-    for block in model.layers:
+    for block in plan.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    tied = model.output.weight is model.tok_embeddings.weight
-    if not tied:
-        fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        # The output layer runs last; keeping it gathered saves an all-gather right before backward.
-        fully_shard([model.norm, model.output], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    for group in plan.groups:
+        modules = group.modules[0] if len(group.modules) == 1 else list(group.modules)
+        fully_shard(modules, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard and not group.keep_gathered)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from components.models import Transformer, TransformerArgs, TransformerBlock
+from components.models import Transformer, TransformerArgs, TransformerBlock, transformer_hooks
 from nsa_titan.registry import register
 
 
@@ -54,6 +54,7 @@ def build_eager_transformer(args: TransformerArgs, vocab_size: int) -> EagerTran
 
 # The plugin is imported again whenever a recipe naming it is resolved (e.g. once per test).
 register("model", "breaking_transformer", build_breaking_transformer, args=TransformerArgs,
-         doc="transformer whose blocks read a tensor into Python (a graph break)", replace=True)
+         doc="transformer whose blocks read a tensor into Python (a graph break)", replace=True,
+         **transformer_hooks())
 register("model", "eager_transformer", build_eager_transformer, args=TransformerArgs,
-         doc="transformer whose blocks opt out of torch.compile", replace=True)
+         doc="transformer whose blocks opt out of torch.compile", replace=True, **transformer_hooks())

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from components.models import Transformer, TransformerArgs
+from components.models import Transformer, TransformerArgs, transformer_hooks
 from nsa_titan.registry import register
 
 
@@ -50,4 +50,4 @@ def build_nan_at_step(args: NanAtStepArgs, vocab_size: int) -> NanAtStepTransfor
 
 
 register("model", "nan_at_step", build_nan_at_step, args=NanAtStepArgs, replace=True,
-         doc="test only: the transformer with NaN logits at chosen training steps")
+         doc="test only: the transformer with NaN logits at chosen training steps", **transformer_hooks())

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from components.errors import UserError
 from components.data.sources.base import order_rng, split_of
+from components.problems import Problem, problem, raise_problems
 
 log = logging.getLogger(__name__)
 _READ_BATCH = 64
@@ -59,15 +60,16 @@ class HuggingFaceArgs:
         metadata={"doc": "times a failed read is retried (pauses 2, 4, ... 60 s) before the run stops", "ge": 0},
     )
 
-    def check(self) -> list[tuple[str, str]]:
+    def check(self) -> list[Problem]:
         problems = []
         if self.validation_split and self.validation_split == self.split:
-            problems.append(
-                ("validation_split", f"equals split {self.split!r}, so validation would repeat training data; "
-                 "name another split or leave it '' to hold out validation_fraction by hash")
-            )
+            problems.append(problem(
+                "validation_split", self.validation_split,
+                f"equals split {self.split!r}, so validation would repeat training data",
+                "name another split or leave it '' to hold out validation_fraction by hash"))
         if self.path in ("parquet", "json", "csv", "text", "arrow") and not self.data_files:
-            problems.append(("data_files", f"builder {self.path!r} needs data_files (paths or globs of local files)"))
+            problems.append(problem("data_files", None, f"builder {self.path!r} needs data_files",
+                                    "list the local files as paths or globs"))
         return problems
 
 
@@ -166,8 +168,7 @@ class HuggingFaceSource:
             raise _ReadFailed(f"{type(e).__name__}: {e}") from e
 
     def check(self) -> None:
-        for name, problem in self.args.check():
-            raise UserError(f"{self._what()}: {name}: {problem}")
+        raise_problems(self._what(), self.args.check())
         splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
         for hf_split in splits:
             try:

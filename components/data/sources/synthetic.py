@@ -8,6 +8,7 @@ import numpy as np
 
 from components.errors import UserError
 from components.data.sources.base import order_rng
+from components.problems import Problem, problem, raise_problems
 
 # Separate content streams for the two splits: validation documents are drawn from other seeds.
 _SPLIT_STREAM = {"train": 0, "validation": 1}
@@ -29,9 +30,9 @@ class SyntheticArgs:
     )
     seed: int = field(default=0, metadata={"doc": "seed of the document contents", "ge": 0})
 
-    def check(self) -> list[tuple[str, str]]:
+    def check(self) -> list[Problem]:
         if self.min_length > self.max_length:
-            return [("min_length", f"min_length {self.min_length} exceeds max_length {self.max_length}; lower it")]
+            return [problem("min_length", self.min_length, f"exceeds max_length ({self.max_length})", "lower it")]
         return []
 
 
@@ -42,9 +43,7 @@ class SyntheticSource:
         self.args = args or SyntheticArgs()
 
     def check(self) -> None:
-        problems = self.args.check()
-        if problems:
-            raise UserError(f"data source synthetic: {problems[0][0]}: {problems[0][1]}")
+        raise_problems("data source synthetic", self.args.check())
 
     def check_tokenizer(self, tokenizer) -> None:
         limit = min(tokenizer.bos_id, tokenizer.eos_id)

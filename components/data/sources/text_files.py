@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from components.errors import UserError
 from components.data.sources.file_corpus import FileCorpus, corpus_files, expand_paths
+from components.problems import Problem, problem, raise_problems
 
 
 @dataclass
@@ -24,9 +24,9 @@ class TextFilesArgs:
         metadata={"doc": "share of documents held out for validation (by a stable hash)", "ge": 0.0, "le": 0.5},
     )
 
-    def check(self) -> list[tuple[str, str]]:
+    def check(self) -> list[Problem]:
         if not self.paths:
-            return [("paths", "no files given; list .txt/.jsonl/.parquet files, folders or globs")]
+            return [problem("paths", None, "no files given", "list .txt/.jsonl/.parquet files, folders or globs")]
         return []
 
 
@@ -47,8 +47,7 @@ class TextFilesSource:
         return self._corpus
 
     def check(self) -> None:
-        for name, problem in self.args.check():
-            raise UserError(f"data source text_files: {name}: {problem}")
+        raise_problems("data source text_files", self.args.check())
         self.corpus().check()
 
     def fingerprint(self) -> str:

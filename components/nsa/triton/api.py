@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from components.nsa.hyperparams import check_hyperparameters
-from components.nsa.op import check_attention_inputs, check_selection_inputs
+from components.nsa.checks import check_attention_call, check_selection_call
 from components.nsa.triton import ops
 from components.nsa.triton.launch import check_head_dim, check_kernel_device, check_kernel_dtype
 
@@ -24,10 +23,18 @@ def _check_kernel_inputs(q: torch.Tensor) -> None:
 
 def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
                          sel_block_size: int, num_selected: int, window_size: int) -> torch.Tensor:
-    """o [B, T, H, D] in q's dtype; shapes and semantics as components.nsa.nsa_attention."""
-    check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, window_size)
-    check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0,
-                           block_size=block_size, block_stride=block_stride)
+    """o [B, T, H, D] in q's dtype; shapes and semantics as components.nsa.nsa_attention, inputs checked."""
+    hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
+                 num_selected=num_selected, window_size=window_size)
+    check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, **hyper)
+    return attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
+
+
+def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int,
+                                block_stride: int, sel_block_size: int, num_selected: int,
+                                window_size: int) -> torch.Tensor:
+    """The backend table's entry: the op (components.nsa.op) has checked the call; only what the
+    kernels need beyond the op's contract (device, dtype, head dim) is checked here."""
     _check_kernel_inputs(q)
     # tl.dot wants one dtype per product; a no-op (and no copy) in the usual all-same case.
     k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (x.to(q.dtype) for x in (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
@@ -48,8 +55,8 @@ def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, 
 def select_blocks_triton(q, k_cmp, *, block_size: int, block_stride: int, sel_block_size: int,
                          num_selected: int) -> torch.Tensor:
     """LongTensor [B, T, Hkv, n], ascending, -1 for unused slots; as components.nsa.select_blocks."""
-    check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, 1)
-    check_selection_inputs(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride)
+    check_selection_call(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride,
+                         sel_block_size=sel_block_size, num_selected=num_selected)
     _check_kernel_inputs(q)
     k_cmp = k_cmp.to(q.dtype)
     sm_scale = q.shape[-1] ** -0.5

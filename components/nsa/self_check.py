@@ -1,4 +1,4 @@
-"""Does the recipe's NSA backend compute NSA on this device? Three short numerical checks.
+"""Does an NSA backend compute NSA on this device? Three short numerical checks.
 
 On a small random problem with the recipe's hyperparameters (block sizes, n, w) and head shape:
 1. causality: changing every input after position t changes no output at positions <= t, and
@@ -16,7 +16,9 @@ import math
 
 import torch
 
-from components.nsa import nsa_attention, num_compressed_blocks, num_selection_blocks
+from components.nsa.compression import num_compressed_blocks
+from components.nsa.hyperparams import num_selection_blocks
+from components.nsa.op import nsa_attention
 
 ATOL = RTOL = 5e-5  # fp32 kernels against the fp32 reference, as the backend tests use
 

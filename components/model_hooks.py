@@ -1,0 +1,63 @@
+"""What a model part tells the engine: the records its hooks return.
+
+A model registers these hooks with its builder (nsa_titan.registry.register("model", ...)); the
+engine calls them and knows nothing else about the model's insides. All are optional.
+
+    parallel_plan(model) -> ParallelPlan      the blocks to activation-checkpoint, compile and shard
+                                              one by one, and the other modules sharded on their own
+                                              before the root (the model itself)
+    activation_memory(args) -> ActivationMemory   what one block keeps per token for backward
+    self_check(args, device) -> SelfCheck     a short numerical check of the model's op on this device
+    attention_maps(model, tokens) -> {layer: AttentionMap}   what each sparse attention layer chose
+    telemetry(model, tokens) -> {name: 0-d tensor}; telemetry_applies(args) -> bool
+    flops_per_token(args, vocab_size, seq_len) -> float    for MFU
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """Modules sharded together as one unit. keep_gathered: the group runs last in forward, so
+    freeing its parameters after forward would only gather them again for backward."""
+
+    modules: tuple[Any, ...]
+    keep_gathered: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    blocks: Sequence[Any]  # the repeated blocks, in order (e.g. an nn.ModuleList)
+    groups: tuple[ShardGroup, ...] = ()  # sharded after the blocks, before the root
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Elements per token, for the engine's memory estimate (nsa_titan/doctor/memory.py)."""
+
+    blocks: int  # how many blocks the model has
+    per_block: float  # saved for backward by one block
+    block_input: float  # kept by an activation-checkpointed block (its input)
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    name: str  # e.g. "NSA backend 'triton' on cuda"
+    status: str  # OK, WARN or FAIL
+    detail: str  # what was checked and what was seen, with the fix when it failed
+
+
+@dataclass(frozen=True)
+class AttentionMap:
+    """One sparse attention layer on one input: what it chose."""
+
+    gates: Any  # [B, T, H, branches] in (0, 1)
+    selected: Any  # [B, T, groups, n] block indices chosen per query and key/value group, -1 unused
+    block_tokens: int  # tokens per selectable block
+    groups: int  # key/value groups (each selects on its own)
+    legend: dict = field(default_factory=dict)  # the layer's settings, as the plots' legend shows them

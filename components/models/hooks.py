@@ -1,0 +1,88 @@
+"""The transformer's answers to the engine's model hooks (components/model_hooks.py).
+
+    parallel_plan      blocks = model.layers; the token embedding, then the final norm with the
+                       output layer (kept gathered), sharded on their own unless tied
+    activation_memory  the per-block count of saved activations, by attention kind (formula below)
+    self_check         the NSA backend's causality / coverage / parity check (components/nsa/self_check.py)
+    attention_maps, telemetry, telemetry_applies   components/models/telemetry.py
+    flops_per_token    components/models/flops.py
+
+Elements saved per token per block (activation_memory's per_block):
+    4 d + 4 h                              two RMSNorms (input, output) and SwiGLU (w1, w3, silu, product)
+  + dense attention: 3 d + 2 kv + H        q, k, v, attention output and its log-sum-exp
+  + NSA: 6 d + (n_kv + 2) kv + 2 (l/d) kv + d/2 + 3 H
+                                           q, the fused K/V projection, rotated keys, compression MLP
+                                           inputs, gate MLP, three branch outputs in fp32, gated output
+d = dim, h = SwiGLU hidden, kv = n_kv_heads x head_dim, H = n_heads, n_kv = 6 with kv_per_branch
+else 2, l = block_size, d = block_stride. Attention scores are not counted: the reference computes
+them in bounded chunks and the kernels keep none. A checkpointed block keeps its input (dim).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from components.errors import UserError
+from components.model_hooks import FAIL, OK, WARN, ActivationMemory, ParallelPlan, SelfCheck, ShardGroup
+from components.models.args import TransformerArgs
+from components.models.flops import flops_per_token
+from components.models.telemetry import attention_maps, collect_nsa_telemetry, telemetry_applies
+
+
+def parallel_plan(model) -> ParallelPlan:
+    if model.output.weight is model.tok_embeddings.weight:  # tied: one unit with the root
+        return ParallelPlan(model.layers)
+    return ParallelPlan(model.layers, (ShardGroup((model.tok_embeddings,)),
+                                       ShardGroup((model.norm, model.output), keep_gathered=True)))
+
+
+def activation_memory(args: TransformerArgs) -> ActivationMemory:
+    d, H = args.dim, args.n_heads
+    kv = args.n_kv_heads * args.head_dim
+    per_block = 4 * d + 4 * args.mlp_hidden_dim()
+    if args.attention != "nsa":
+        per_block += 3 * d + 2 * kv + H
+    else:
+        nsa = args.nsa
+        n_kv = 6 if nsa.kv_per_branch else 2
+        per_block += 6 * d + (n_kv + 2) * kv + 2 * (nsa.block_size / nsa.block_stride) * kv + d / 2 + 3 * H
+    return ActivationMemory(blocks=args.n_layers, per_block=per_block, block_input=d)
+
+
+def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:
+    """With NSA attention: does the chosen backend compute NSA on this device (fp32, a small problem)?"""
+    from components.nsa.self_check import check_backend
+    from components.nsa.triton.launch import interpreting
+
+    nsa = args.nsa
+    if args.attention != "nsa":
+        return SelfCheck("NSA backend", OK, f"not used (attention {args.attention!r})")
+    name = f"NSA backend {nsa.backend!r} on {device.type}"
+    if nsa.backend == "triton" and device.type != "cuda" and not interpreting():
+        return SelfCheck(name, WARN, "skipped: the Triton kernels need a CUDA GPU (or Triton's interpreter, "
+                                     "TRITON_INTERPRET=1); training here would fail. Fix: run on a GPU or use "
+                                     "--model.nsa.backend=reference")
+    hyper = dict(block_size=nsa.block_size, block_stride=nsa.block_stride, sel_block_size=nsa.sel_block_size,
+                 num_selected=nsa.num_selected, window_size=nsa.window_size)
+    start = time.perf_counter()
+    try:
+        failures = check_backend(nsa.backend, hyper, args.n_heads, args.n_kv_heads, args.head_dim, device)
+    except UserError as exc:
+        return SelfCheck(name, FAIL, str(exc))
+    what = "causality, full coverage = dense attention" + ("" if nsa.backend == "reference" else ", parity with "
+                                                            "the reference (outputs and gradients)")
+    if nsa.backend == "triton" and device.type != "cuda":
+        what += " under Triton's interpreter"
+    if failures:
+        return SelfCheck(name, FAIL, "; ".join(failures))
+    return SelfCheck(name, OK, f"{what}: passed in {time.perf_counter() - start:.1f} s")
+
+
+def transformer_hooks() -> dict:
+    """Every hook, as keyword arguments for register("model", ...); models built like the Transformer
+    (plugins subclassing it) pass them too."""
+    return dict(flops_per_token=flops_per_token, telemetry=collect_nsa_telemetry, telemetry_applies=telemetry_applies,
+                parallel_plan=parallel_plan, activation_memory=activation_memory, self_check=self_check,
+                attention_maps=attention_maps)

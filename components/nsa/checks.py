@@ -1,0 +1,97 @@
+"""The NSA op's input checks (NSA_SPEC.md): hyperparameters, then the tensors' shapes, dtypes and devices.
+
+A leaf: it imports no backend, so the op (op.py) and a backend's own public entry points can both
+use it without importing each other. The op runs these checks once per call, before dispatching;
+a backend called through the op gets checked inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from components.nsa.compression import num_compressed_blocks
+from components.nsa.hyperparams import check_hyperparameters
+
+
+def check_q_start(q_start: int) -> None:
+    if isinstance(q_start, bool) or not isinstance(q_start, int) or q_start < 0:
+        raise ValueError(f"q_start must be a Python int >= 0 (the position of the first query), got {q_start!r}")
+
+
+def _shape(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _check_tensor(name: str, x, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must have 4 dimensions, got shape {_shape(x)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}; put all inputs on one device")
+
+
+def check_selection_inputs(q, k_cmp, *, q_start: int, block_size: int, block_stride: int) -> None:
+    """Shapes of q [B, Tq, H, D] and k_cmp [B, Tc, Hkv, D] with Tc = Tc(q_start + Tq)."""
+    _check_tensor("q", q, q.device if isinstance(q, torch.Tensor) else None)
+    _check_tensor("k_cmp", k_cmp, q.device)
+    B, Tq, H, D = q.shape
+    Hkv = k_cmp.shape[2]
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (k_cmp {_shape(k_cmp)})")
+    Tc = num_compressed_blocks(q_start + Tq, block_size, block_stride)
+    if _shape(k_cmp) != (B, Tc, Hkv, D):
+        raise ValueError(
+            f"k_cmp must be [B, Tc, Hkv, D] = {(B, Tc, Hkv, D)} for {q_start + Tq} keys with block_size "
+            f"{block_size} and block_stride {block_stride}, got {_shape(k_cmp)}"
+        )
+
+
+def check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
+                           block_size: int, block_stride: int) -> None:
+    """Shapes, dtypes and devices of the op's eight tensors (keys at positions 0 .. q_start + Tq - 1)."""
+    _check_tensor("q", q, q.device if isinstance(q, torch.Tensor) else None)
+    named = dict(k_cmp=k_cmp, v_cmp=v_cmp, k_sel=k_sel, v_sel=v_sel, k_win=k_win, v_win=v_win, gates=gates)
+    for name, x in named.items():
+        _check_tensor(name, x, q.device)
+    B, Tq, H, D = q.shape
+    Tk = q_start + Tq
+    Hkv = k_sel.shape[2]
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (k_sel {_shape(k_sel)})")
+    token_shape = (B, Tk, Hkv, D)
+    for name in ("k_sel", "v_sel", "k_win", "v_win"):
+        if _shape(named[name]) != token_shape:
+            raise ValueError(
+                f"{name} must be [B, Tk, Hkv, D] = {token_shape} (Tk = q_start + Tq = {q_start} + {Tq}), "
+                f"got {_shape(named[name])}"
+            )
+    Tc = num_compressed_blocks(Tk, block_size, block_stride)
+    for name in ("k_cmp", "v_cmp"):
+        if _shape(named[name]) != (B, Tc, Hkv, D):
+            raise ValueError(
+                f"{name} must be [B, Tc, Hkv, D] = {(B, Tc, Hkv, D)} for {Tk} keys with block_size {block_size} "
+                f"and block_stride {block_stride}, got {_shape(named[name])}"
+            )
+    if _shape(gates) != (B, Tq, H, 3):
+        raise ValueError(f"gates must be [B, Tq, H, 3] = {(B, Tq, H, 3)} in order (cmp, sel, win), got {_shape(gates)}")
+
+
+def check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int, block_size: int,
+                         block_stride: int, sel_block_size: int, num_selected: int, window_size: int) -> None:
+    """Everything the op checks about one call computing attention (UserError or ValueError)."""
+    check_q_start(q_start)
+    check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, window_size)
+    check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start,
+                           block_size=block_size, block_stride=block_stride)
+
+
+def check_selection_call(q, k_cmp, *, q_start: int, block_size: int, block_stride: int, sel_block_size: int,
+                         num_selected: int) -> None:
+    """Everything the op checks about one call selecting blocks."""
+    check_q_start(q_start)
+    # The window size plays no part in selection; 1 is always valid.
+    check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, 1)
+    check_selection_inputs(q, k_cmp, q_start=q_start, block_size=block_size, block_stride=block_stride)
