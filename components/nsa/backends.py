@@ -5,7 +5,8 @@ properties); the name only picks the speed. Built in: 'reference' (exact PyTorch
 (imported on first use, so a machine without Triton or a GPU can still use the reference). Others
 are added with `register_backend` (the engine's registry does it for plugins' attention_backend
 parts). A backend's function takes the op's eight tensors and its five hyperparameters as keywords
-(nsa_attention's signature minus `backend`) and gets inputs the op has already checked.
+(nsa_attention's signature minus `backend`) and gets inputs the op has already checked; it is passed
+`cu_seqlens=` only for packed documents, so a backend that does not take them keeps working.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ class Backend:
 
 
 def _reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
-               sel_block_size: int, num_selected: int, window_size: int):
+               sel_block_size: int, num_selected: int, window_size: int, cu_seqlens=None):
     return reference_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_size, block_stride,
-                               sel_block_size, num_selected, window_size)
+                               sel_block_size, num_selected, window_size, cu_seqlens)
 
 
-def _triton(*tensors, **hyper):
+def _triton(*tensors, cu_seqlens=None, **hyper):
+    if cu_seqlens is not None:
+        raise UserError("NSA backend 'triton' does not take packed documents (cu_seqlens) yet; choose backend "
+                        "'reference' for document-aware attention")
     try:
         import components.nsa.triton as nsa_triton
     except ImportError as exc:

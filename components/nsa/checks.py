@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from components.nsa.compression import num_compressed_blocks
+from components.nsa.documents import check_cu_seqlens_tensor, compressed_starts, document_starts
 from components.nsa.hyperparams import check_hyperparameters
 
 
@@ -33,24 +34,41 @@ def _check_tensor(name: str, x, device: torch.device) -> None:
         raise ValueError(f"{name} is on {x.device} but q is on {device}; put all inputs on one device")
 
 
-def check_selection_inputs(q, k_cmp, *, q_start: int, block_size: int, block_stride: int) -> None:
-    """Shapes of q [B, Tq, H, D] and k_cmp [B, Tc, Hkv, D] with Tc = Tc(q_start + Tq)."""
+def _num_compressed(q, num_keys: int, block_size: int, block_stride: int, cu_seqlens) -> int | None:
+    """Tc the op expects: from the key count, or summed over the packed documents (None while
+    compiling: the values are data then, and the op checks them when it runs)."""
+    if cu_seqlens is None:
+        return num_compressed_blocks(num_keys, block_size, block_stride)
+    check_cu_seqlens_tensor(cu_seqlens, q.shape[0], q.device)
+    if torch.compiler.is_compiling():
+        return None
+    return compressed_starts(document_starts(cu_seqlens, num_keys), block_size, block_stride)[-1]
+
+
+def _tc_rule(num_keys: int, block_size: int, block_stride: int, cu_seqlens) -> str:
+    """How Tc follows, for a message (built only on failure: formatting a symbolic size would pin it)."""
+    where = f"{num_keys} keys" if cu_seqlens is None else f"the {cu_seqlens.shape[0] - 1} documents of cu_seqlens"
+    return f"for {where} with block_size {block_size} and block_stride {block_stride}"
+
+
+def check_selection_inputs(q, k_cmp, *, q_start: int, block_size: int, block_stride: int, cu_seqlens=None) -> None:
+    """Shapes of q [B, Tq, H, D] and k_cmp [B, Tc, Hkv, D] with Tc = Tc(q_start + Tq), or the documents' sum."""
     _check_tensor("q", q, q.device if isinstance(q, torch.Tensor) else None)
     _check_tensor("k_cmp", k_cmp, q.device)
     B, Tq, H, D = q.shape
     Hkv = k_cmp.shape[2]
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (k_cmp {_shape(k_cmp)})")
-    Tc = num_compressed_blocks(q_start + Tq, block_size, block_stride)
+    Tc = _num_compressed(q, q_start + Tq, block_size, block_stride, cu_seqlens)
+    if Tc is None:
+        Tc = k_cmp.shape[1]
     if _shape(k_cmp) != (B, Tc, Hkv, D):
-        raise ValueError(
-            f"k_cmp must be [B, Tc, Hkv, D] = {(B, Tc, Hkv, D)} for {q_start + Tq} keys with block_size "
-            f"{block_size} and block_stride {block_stride}, got {_shape(k_cmp)}"
-        )
+        raise ValueError(f"k_cmp must be [B, Tc, Hkv, D] = {(B, Tc, Hkv, D)} "
+                         f"{_tc_rule(q_start + Tq, block_size, block_stride, cu_seqlens)}, got {_shape(k_cmp)}")
 
 
 def check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
-                           block_size: int, block_stride: int) -> None:
+                           block_size: int, block_stride: int, cu_seqlens=None) -> None:
     """Shapes, dtypes and devices of the op's eight tensors (keys at positions 0 .. q_start + Tq - 1)."""
     _check_tensor("q", q, q.device if isinstance(q, torch.Tensor) else None)
     named = dict(k_cmp=k_cmp, v_cmp=v_cmp, k_sel=k_sel, v_sel=v_sel, k_win=k_win, v_win=v_win, gates=gates)
@@ -68,30 +86,39 @@ def check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *
                 f"{name} must be [B, Tk, Hkv, D] = {token_shape} (Tk = q_start + Tq = {q_start} + {Tq}), "
                 f"got {_shape(named[name])}"
             )
-    Tc = num_compressed_blocks(Tk, block_size, block_stride)
+    Tc = _num_compressed(q, Tk, block_size, block_stride, cu_seqlens)
+    if Tc is None:
+        Tc = k_cmp.shape[1]
     for name in ("k_cmp", "v_cmp"):
         if _shape(named[name]) != (B, Tc, Hkv, D):
-            raise ValueError(
-                f"{name} must be [B, Tc, Hkv, D] = {(B, Tc, Hkv, D)} for {Tk} keys with block_size {block_size} "
-                f"and block_stride {block_stride}, got {_shape(named[name])}"
-            )
+            raise ValueError(f"{name} must be [B, Tc, Hkv, D] = {(B, Tc, Hkv, D)} "
+                             f"{_tc_rule(Tk, block_size, block_stride, cu_seqlens)}, got {_shape(named[name])}")
     if _shape(gates) != (B, Tq, H, 3):
         raise ValueError(f"gates must be [B, Tq, H, 3] = {(B, Tq, H, 3)} in order (cmp, sel, win), got {_shape(gates)}")
 
 
+def _check_packed_start(q_start: int, cu_seqlens) -> None:
+    if cu_seqlens is not None and q_start != 0:
+        raise ValueError(f"cu_seqlens describes whole packed rows: q_start must be 0, got {q_start}")
+
+
 def check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int, block_size: int,
-                         block_stride: int, sel_block_size: int, num_selected: int, window_size: int) -> None:
+                         block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
+                         cu_seqlens=None) -> None:
     """Everything the op checks about one call computing attention (UserError or ValueError)."""
     check_q_start(q_start)
+    _check_packed_start(q_start, cu_seqlens)
     check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, window_size)
     check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start,
-                           block_size=block_size, block_stride=block_stride)
+                           block_size=block_size, block_stride=block_stride, cu_seqlens=cu_seqlens)
 
 
 def check_selection_call(q, k_cmp, *, q_start: int, block_size: int, block_stride: int, sel_block_size: int,
-                         num_selected: int) -> None:
+                         num_selected: int, cu_seqlens=None) -> None:
     """Everything the op checks about one call selecting blocks."""
     check_q_start(q_start)
+    _check_packed_start(q_start, cu_seqlens)
     # The window size plays no part in selection; 1 is always valid.
     check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, 1)
-    check_selection_inputs(q, k_cmp, q_start=q_start, block_size=block_size, block_stride=block_stride)
+    check_selection_inputs(q, k_cmp, q_start=q_start, block_size=block_size, block_stride=block_stride,
+                           cu_seqlens=cu_seqlens)

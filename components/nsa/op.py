@@ -9,17 +9,26 @@ import torch
 
 from components.nsa.backends import get_backend
 from components.nsa.checks import check_attention_call, check_selection_call
+from components.nsa.documents import document_slices
 from components.nsa.reference import nsa_attention_at_reference
 from components.nsa.selection import select_blocks_at_reference
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
-                  sel_block_size: int, num_selected: int, window_size: int, backend: str = "reference") -> torch.Tensor:
-    """NSA over a whole sequence: o [B, T, H, D] in q's dtype. Inputs already compressed and rotated."""
+                  sel_block_size: int, num_selected: int, window_size: int, backend: str = "reference",
+                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """NSA over a whole sequence: o [B, T, H, D] in q's dtype. Inputs already compressed and rotated.
+
+    cu_seqlens (document starts [N + 1], B = 1): a packed row, computed as each document on its own,
+    with k_cmp / v_cmp holding the documents' compressed blocks one document after another.
+    """
     chosen = get_backend(backend)
     hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
                  num_selected=num_selected, window_size=window_size)
-    check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, **hyper)
+    check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, cu_seqlens=cu_seqlens,
+                         **hyper)
+    if cu_seqlens is not None:
+        hyper["cu_seqlens"] = cu_seqlens  # passed only when given: a backend without packing keeps working
     return chosen.attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
 
 
@@ -41,10 +50,19 @@ def nsa_attention_at(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_st
 
 
 def select_blocks(q, k_cmp, *, block_size: int, block_stride: int, sel_block_size: int,
-                  num_selected: int) -> torch.Tensor:
-    """Selected blocks LongTensor [B, T, Hkv, n]: ascending, -1 in the trailing unused slots."""
-    return select_blocks_at(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride,
-                            sel_block_size=sel_block_size, num_selected=num_selected)
+                  num_selected: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Selected blocks LongTensor [B, T, Hkv, n]: ascending, -1 in the trailing unused slots. With
+    cu_seqlens, block indices count from each query's own document start."""
+    if cu_seqlens is None:
+        return select_blocks_at(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride,
+                                sel_block_size=sel_block_size, num_selected=num_selected)
+    check_selection_call(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride,
+                         sel_block_size=sel_block_size, num_selected=num_selected, cu_seqlens=cu_seqlens)
+    parts = [select_blocks_at_reference(q[:, tokens], k_cmp[:, blocks], q_start=0, block_size=block_size,
+                                        block_stride=block_stride, sel_block_size=sel_block_size,
+                                        num_selected=num_selected)
+             for tokens, blocks in document_slices(cu_seqlens, q.shape[1], block_size, block_stride)]
+    return torch.cat(parts, dim=1)
 
 
 def select_blocks_at(q, k_cmp, *, q_start: int, block_size: int, block_stride: int, sel_block_size: int,

@@ -10,28 +10,58 @@ nsa_attention_at_reference, which the tests hold against brute force.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from components.nsa.chunked_attention import chunked_attention_backward, chunked_attention_forward, key_layout
 from components.nsa.chunked_attention import query_layout
 from components.nsa.reference import branch_chunk, branch_plans, nsa_attention_at_reference
+from components.nsa.documents import document_slices
 from components.nsa.selection import score_dtype, select_blocks_at_reference
+
+Tensor = torch.Tensor
+_TOKEN, _BLOCK = "token", "block"  # what dim 1 of each of the eight inputs counts
+_KINDS = (_TOKEN, _BLOCK, _BLOCK, _TOKEN, _TOKEN, _TOKEN, _TOKEN, _TOKEN)
+
+
+def _per_document(fn, tensors: tuple, kinds: tuple, cu_seqlens, block_size: int, block_stride: int):
+    """fn(*tensors) once per packed document on its own slices (NSA_SPEC.md section 4), each output
+    list concatenated back along dim 1. Without cu_seqlens, fn(*tensors) once."""
+    if cu_seqlens is None:
+        return fn(*tensors)
+    slices = document_slices(cu_seqlens, tensors[0].shape[1], block_size, block_stride)
+    for x, kind in zip(tensors, kinds):
+        if kind == _BLOCK and x.shape[1] != slices[-1][1].stop:
+            raise ValueError(f"k_cmp / v_cmp hold {x.shape[1]} compressed blocks, but the documents of cu_seqlens "
+                             f"have {slices[-1][1].stop} with block_size {block_size} and block_stride {block_stride}")
+    parts = []
+    for tokens, blocks in slices:
+        parts.append(fn(*(x[:, tokens if kind == _TOKEN else blocks] for x, kind in zip(tensors, kinds))))
+    if isinstance(parts[0], Tensor):
+        return torch.cat(parts, dim=1)
+    return [torch.cat(column, dim=1) for column in zip(*parts)]
 
 
 @torch.library.custom_op("nsa_reference::attention", mutates_args=())
 def reference_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
                         v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
                         block_size: int, block_stride: int, sel_block_size: int, num_selected: int,
-                        window_size: int) -> torch.Tensor:
-    o = nsa_attention_at_reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0,
-                                   block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
-                                   num_selected=num_selected, window_size=window_size)
+                        window_size: int, cu_seqlens: Optional[Tensor] = None) -> torch.Tensor:
+    hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
+                 num_selected=num_selected, window_size=window_size)
+
+    def one(*tensors):
+        return nsa_attention_at_reference(*tensors, q_start=0, **hyper)
+
+    o = _per_document(one, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), _KINDS, cu_seqlens,
+                      block_size, block_stride)
     return o.contiguous()
 
 
 @reference_attention.register_fake
 def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_size, block_stride, sel_block_size, num_selected,
-      window_size):
+      window_size, cu_seqlens=None):
     return torch.empty(*q.shape[:3], v_sel.shape[-1], dtype=q.dtype, device=q.device)
 
 
@@ -39,8 +69,23 @@ def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_size, block_stri
 def reference_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                                  k_sel: torch.Tensor, v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
                                  gates: torch.Tensor, block_size: int, block_stride: int, sel_block_size: int,
-                                 num_selected: int, window_size: int) -> list[torch.Tensor]:
+                                 num_selected: int, window_size: int,
+                                 cu_seqlens: Optional[Tensor] = None) -> list[torch.Tensor]:
     """[dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates], each in its input's dtype."""
+    hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
+                 num_selected=num_selected, window_size=window_size)
+
+    def one(*tensors):
+        return _backward_one(*tensors, **hyper)
+
+    grads = _per_document(one, (grad_o, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), (_TOKEN, *_KINDS),
+                          cu_seqlens, block_size, block_stride)
+    return [g.contiguous() for g in grads]
+
+
+def _backward_one(grad_o, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
+                  sel_block_size: int, num_selected: int, window_size: int) -> list[Tensor]:
+    """The backward of one sequence (one document) by flash-style recomputation."""
     selection = select_blocks_at_reference(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride,
                                            sel_block_size=sel_block_size, num_selected=num_selected)
     dtype = score_dtype(q.dtype)
@@ -66,23 +111,24 @@ def reference_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k_cmp: t
         dkv += [dk_b.permute(0, 2, 1, 3).to(k.dtype), dv_b.permute(0, 2, 1, 3).to(v.dtype)]
     dq = (dqh * D**-0.5).permute(0, 2, 1, 3, 4).reshape(B, T, H, D).to(q.dtype)
     dg = torch.stack(dgates, dim=-1).permute(0, 2, 1, 3, 4).reshape(B, T, H, 3).to(gates.dtype)
-    return [x.contiguous() for x in (dq, *dkv, dg)]
+    return [dq, *dkv, dg]
 
 
 @reference_attention_backward.register_fake
 def _(grad_o, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_size, block_stride, sel_block_size,
-      num_selected, window_size):
+      num_selected, window_size, cu_seqlens=None):
     return [x.new_empty(x.shape) for x in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)]
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:8])
-    ctx.hyperparameters = inputs[8:]
+    ctx.save_for_backward(*inputs[:8], inputs[13] if len(inputs) > 13 else None)
+    ctx.hyperparameters = inputs[8:13]
 
 
 def _backward(ctx, grad_o):
-    grads = reference_attention_backward(grad_o, *ctx.saved_tensors, *ctx.hyperparameters)
-    return (*grads, None, None, None, None, None)
+    *tensors, cu_seqlens = ctx.saved_tensors
+    grads = reference_attention_backward(grad_o, *tensors, *ctx.hyperparameters, cu_seqlens)
+    return (*grads, None, None, None, None, None, None)
 
 
 reference_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,52 @@
+"""Packed documents (NSA_SPEC.md section 4): the `cu_seqlens` contract and the spans it implies.
+
+`cu_seqlens` is a 1-D integer tensor [N + 1] of document starts: cu_seqlens[0] = 0, strictly
+increasing, cu_seqlens[-1] = T, with B = 1. Document k occupies tokens [cu[k], cu[k+1]) and owns
+Tc_k complete compressed blocks, stored one document after another in k_cmp / v_cmp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from components.nsa.compression import num_compressed_blocks
+
+
+def check_cu_seqlens_tensor(cu_seqlens, batch: int, device: torch.device) -> None:
+    """What is known without reading the values (all a compiled graph can check while tracing)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of document starts, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1] with N >= 1 documents, got "
+                         f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}; put all inputs on one device")
+    if batch != 1:
+        raise ValueError(f"with cu_seqlens the batch must be one packed row (B = 1), got B = {batch}; flatten the "
+                         f"rows into one, each row end a document end")
+
+
+def document_starts(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+    """The document starts as a Python list ending with T, checked (one host read of the tensor)."""
+    starts = [int(x) for x in cu_seqlens.tolist()]
+    if starts[0] != 0 or starts[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {num_tokens}, got {starts[0]} .. {starts[-1]}")
+    if any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty document), got {starts}")
+    return starts
+
+
+def compressed_starts(starts: list[int], block_size: int, block_stride: int) -> list[int]:
+    """Where each document's compressed blocks start in the packed k_cmp (ending with their total)."""
+    out = [0]
+    for a, b in zip(starts, starts[1:]):
+        out.append(out[-1] + num_compressed_blocks(b - a, block_size, block_stride))
+    return out
+
+
+def document_slices(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int,
+                    block_stride: int) -> list[tuple[slice, slice]]:
+    """(token slice, compressed-block slice) of every document, the values checked."""
+    starts = document_starts(cu_seqlens, num_tokens)
+    cmp = compressed_starts(starts, block_size, block_stride)
+    return [(slice(a, b), slice(c, e)) for a, b, c, e in zip(starts, starts[1:], cmp, cmp[1:])]
