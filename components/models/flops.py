@@ -15,10 +15,9 @@ A      attention products, per layer: each (query, key) pair costs 2*D for q.k a
          NSA    K = K_cmp + K_sel + K_win with
                 K_cmp(t) = Tc(t + 1)                   compressed blocks visible at t
                 K_sel(t) = t + 1                       when all t//l' + 1 valid blocks fit in n
-                         = (n - 1) * l' + t%l' + 1    otherwise, n >= 3: n - 1 full blocks and
-                                                       the current one up to t
-                         = n * l'                     otherwise, n < 3: the forced blocks rank by
-                                                       index, so blocks 0 and t//l' - 1 (full) win
+                         = (n - 1) * l' + t%l' + 1    otherwise: n - 1 full blocks and the current
+                                                       one up to t (the current block is forced
+                                                       first, so this holds for n = 1 and 2 too)
                 K_win(t) = min(w, t + 1)
        NSA also scores blocks for selection: q . k_cmp over the visible compressed blocks once more,
        forward only (selection is discrete, no gradient): + 2 * H * D * K_cmp per layer.
@@ -57,7 +56,7 @@ def average_keys(args: TransformerArgs, seq_len: int) -> dict[str, float]:
     l, d, ls, n, w = nsa.block_size, nsa.block_stride, nsa.sel_block_size, nsa.num_selected, nsa.window_size
     cmp = torch.where(t + 1 >= l, (t + 1 - l) // d + 1, torch.zeros_like(t))
     current = t // ls
-    partial = (n - 1) * ls + t % ls + 1 if n >= 3 else torch.full_like(t, n * ls)
+    partial = (n - 1) * ls + t % ls + 1
     sel = torch.where(current + 1 <= n, t + 1, partial)
     win = torch.clamp(t + 1, max=w)
     return {name: int(k.sum()) / seq_len for name, k in (("cmp", cmp), ("sel", sel), ("win", win))}
