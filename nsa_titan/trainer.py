@@ -119,6 +119,14 @@ class Trainer:
         self.model = build_on_meta()
         self.num_params = assemble.count_parameters(self.model)
         plan = assemble.parallel_plan(self.model_part, self.model)
+        wanted = [name for name, on in (("compile.enable", recipe.compile.enable),
+                                        ("activation_checkpoint.mode", recipe.activation_checkpoint.mode != "none"))
+                  if on]
+        if wanted and not plan.blocks:
+            raise UserError(f"model {recipe.model.name!r} names no blocks (its part has no parallel_plan hook), so "
+                            f"{' and '.join(wanted)} would be ignored. Fix: register the model with parallel_plan= "
+                            f"(components.models.transformer_hooks() gives the transformer's), or turn "
+                            f"{' and '.join(wanted)} off.")
         apply_activation_checkpointing(plan.blocks, recipe.activation_checkpoint.mode,
                                        recipe.activation_checkpoint.selective_every)
         if recipe.compile.enable:

@@ -132,6 +132,16 @@ def test_warmup_longer_than_the_run_is_a_note_not_an_error(tmp_path):
     assert "step 2/2" in proc.stdout
 
 
+@pytest.mark.parametrize("flag", ["--compile.enable=true", "--activation_checkpoint.mode=full"])
+def test_compiling_a_model_without_blocks_is_an_error_not_a_no_op(tmp_path, capsys, flag):
+    plugin = os.path.join(REPO_ROOT, "tests", "plugins", "breaking_model.py")
+    code, err = run_cli(capsys, [write(tmp_path, ""), f"--job.plugins={plugin}", "--model.name=blockless_transformer",
+                                 flag])
+    assert code == 2, err
+    assert "names no blocks" in err and flag.split("=")[0].lstrip("-") in err and "Fix:" in err
+    assert "Traceback" not in err
+
+
 def test_there_are_at_least_thirty_distinct_cases():
     assert len({c[0] for c in CASES}) >= 30
 

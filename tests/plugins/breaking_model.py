@@ -58,3 +58,6 @@ register("model", "breaking_transformer", build_breaking_transformer, args=Trans
          **transformer_hooks())
 register("model", "eager_transformer", build_eager_transformer, args=TransformerArgs,
          doc="transformer whose blocks opt out of torch.compile", replace=True, **transformer_hooks())
+# The transformer without its hooks: the engine cannot tell its blocks, so it cannot compile them.
+register("model", "blockless_transformer", Transformer, args=TransformerArgs,
+         doc="transformer registered without hooks", replace=True)
