@@ -11,6 +11,7 @@ engine calls them and knows nothing else about the model's insides. All are opti
     attention_maps(model, tokens) -> {layer: AttentionMap}   what each sparse attention layer chose
     telemetry(model, tokens) -> {name: 0-d tensor}; telemetry_applies(args) -> bool
     flops_per_token(args, vocab_size, seq_len) -> float    for MFU
+    describe(args) -> str                     the model's attention in a few words, for reports
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ class Part:
     activation_memory: Callable[..., Any] | None = None  # (args) -> ActivationMemory, for doctor's estimate
     self_check: Callable[..., Any] | None = None  # (args, device) -> SelfCheck, run by doctor
     attention_maps: Callable[..., dict] | None = None  # (model, tokens) -> {layer: AttentionMap}, for plots
+    describe: Callable[[Any], str] | None = None  # (args) -> a few words on the model's attention, for reports
 
 
 _PARTS: dict[str, dict[str, Part]] = {kind: {} for kind in KINDS if kind != "attention_backend"}
@@ -55,7 +56,7 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
     An attention_backend's build is the op itself, with nsa_attention's signature minus `backend`;
     it must compute the reference's function (see tests/test_nsa_reference.py for the properties).
     Models may pass the hooks of Part (flops_per_token=, telemetry=, telemetry_applies=,
-    parallel_plan=, activation_memory=, self_check=, attention_maps=); a transformer-shaped model
+    parallel_plan=, activation_memory=, self_check=, attention_maps=, describe=); a transformer-shaped model
     passes **components.models.transformer_hooks().
     """
     if kind not in KINDS:

@@ -6,6 +6,7 @@
     self_check         the NSA backend's causality / coverage / parity check (components/nsa/self_check.py)
     attention_maps, telemetry, telemetry_applies   components/models/telemetry.py
     flops_per_token    components/models/flops.py
+    describe           the attention in a few words, for reports
 
 Elements saved per token per block (activation_memory's per_block):
     4 d + 4 h                              two RMSNorms (input, output) and SwiGLU (w1, w3, silu, product)
@@ -80,9 +81,14 @@ def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:
     return SelfCheck(name, OK, f"{what}: passed in {time.perf_counter() - start:.1f} s")
 
 
+def describe(args: TransformerArgs) -> str:
+    """The attention in a few words: 'nsa (backend reference)' or 'dense'."""
+    return f"nsa (backend {args.nsa.backend})" if args.attention == "nsa" else args.attention
+
+
 def transformer_hooks() -> dict:
     """Every hook, as keyword arguments for register("model", ...); models built like the Transformer
     (plugins subclassing it) pass them too."""
     return dict(flops_per_token=flops_per_token, telemetry=collect_nsa_telemetry, telemetry_applies=telemetry_applies,
                 parallel_plan=parallel_plan, activation_memory=activation_memory, self_check=self_check,
-                attention_maps=attention_maps)
+                attention_maps=attention_maps, describe=describe)

@@ -197,11 +197,8 @@ def inspect_recipe(resolved: ResolvedRecipe, seq_lens: list[int] | None = None) 
     graphs = recorder.graphs
     texts = artifacts.graph_texts(graphs, trace)
     eager, extern = artifacts.inductor_calls(trace)
-    args = recipe.model.args
-    nsa = getattr(args, "nsa", None)
-    attention = str(getattr(args, "attention", "?"))
-    if attention == "nsa" and nsa is not None:
-        attention += f" (backend {nsa.backend})"
+    part = registry.get("model", recipe.model.name)
+    attention = part.describe(recipe.model.args) if part.describe is not None else "not described by the model"
     return InspectResult(
         recipe_path=resolved.path, recipe_hash=resolved.hash, model=recipe.model.name, attention=attention,
         backend=recipe.compile.backend, compile_enabled_in_recipe=recipe.compile.enable,
