@@ -1,9 +1,12 @@
 """Native Sparse Attention: the op contract of NSA_SPEC.md and its exact PyTorch reference.
 
     nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size, block_stride,
-                  sel_block_size, num_selected, window_size, backend="reference") -> o [B, T, H, D]
+                  sel_block_size, num_selected, window_size, backend="reference",
+                  cu_seqlens=None) -> o [B, T, H, D]
+        cu_seqlens: document starts [N + 1] of one packed row (B = 1); each document is computed on its
+        own, and k_cmp / v_cmp hold the documents' compressed blocks one after another (spec section 4).
     nsa_attention_at(..., *, q_start, ...)   the same for queries at q_start .. q_start + Tq - 1 (decode)
-    select_blocks(q, k_cmp, *, ...)          -> LongTensor [B, T, Hkv, n], ascending, -1 unused
+    select_blocks(q, k_cmp, *, ..., cu_seqlens=None) -> LongTensor [B, T, Hkv, n], ascending, -1 unused
     select_blocks_at(q, k_cmp, *, q_start, ...)
 
 Query head h belongs to key/value group h // G (G = H / Hkv). The caller compresses (KVCompressor)
