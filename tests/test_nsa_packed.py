@@ -138,3 +138,30 @@ def test_a_backend_without_packing_says_so():
     packed, cu_seqlens = _packed(docs)
     with pytest.raises(Exception, match="does not take packed documents"):
         nsa_attention(**packed, **HP, cu_seqlens=cu_seqlens, backend="triton")
+
+
+@pytest.mark.parametrize("mode", ["mlp", "mean"])
+def test_document_layout_and_compression_restart_at_each_document(mode):
+    """Compressed blocks never straddle a boundary: packed compression equals each document's own,
+    and positions (tokens and compressed keys) count from each document's start."""
+    from components.nsa import KVCompressor, compressed_block_positions
+    from components.nsa.documents import document_layout
+
+    lengths = [1, 5, 12, 19, 70, 3]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    layout = document_layout(cu_seqlens, sum(lengths), 8, 4)
+    phi = KVCompressor(mode, 8, 4, D)
+    if mode == "mlp":
+        torch.nn.init.normal_(phi.pos_embed)
+    x = torch.randn(1, sum(lengths), HKV, D)
+    alone, positions, block_positions, start = [], [], [], 0
+    for n in lengths:
+        alone.append(phi(x[:, start:start + n]))
+        positions.append(torch.arange(n))
+        block_positions.append(compressed_block_positions(num_compressed_blocks(n, 8, 4), 8, 4))
+        start += n
+    torch.testing.assert_close(phi(x, layout.block_starts), torch.cat(alone, dim=1), rtol=0, atol=0)
+    assert torch.equal(layout.positions, torch.cat(positions))
+    assert torch.equal(layout.block_positions, torch.cat(block_positions))
+    assert layout.block_starts.tolist() == [1 + 5 + 0, 1 + 5 + 4, 18, 22, 26, 37, 41, 45, 49, 53, 57, 61, 65, 69,
+                                            73, 77, 81, 85, 89, 93, 97]

@@ -93,10 +93,16 @@ class KVCompressor(nn.Module):
         sizes = f"block_size={self.block_size}, block_stride={self.block_stride}, head_dim={self.head_dim}"
         return f"mode={self.mode}, {sizes}{extra}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, block_starts: torch.Tensor | None = None) -> torch.Tensor:
+        """block_starts [Tc] (packed documents, components.nsa.documents.document_layout): compress the
+        blocks of l tokens starting there instead of every d-th token of the row."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"expected [B, T, Hkv, {self.head_dim}], got shape {tuple(x.shape)}")
-        blocks = unfold_blocks(x, self.block_size, self.block_stride)  # [B, Tc, Hkv, l, D]
+        if block_starts is None:
+            blocks = unfold_blocks(x, self.block_size, self.block_stride)  # [B, Tc, Hkv, l, D]
+        else:
+            rows = block_starts[:, None] + torch.arange(self.block_size, device=x.device)  # [Tc, l]
+            blocks = x[:, rows].transpose(2, 3)  # [B, Tc, l, Hkv, D] -> [B, Tc, Hkv, l, D]
         if self.mode == "mean":
             return blocks.mean(dim=-2)
         B, Tc, Hkv, _, D = blocks.shape

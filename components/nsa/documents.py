@@ -7,6 +7,8 @@ Tc_k complete compressed blocks, stored one document after another in k_cmp / v_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from components.nsa.compression import num_compressed_blocks
@@ -50,3 +52,30 @@ def document_slices(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int,
     starts = document_starts(cu_seqlens, num_tokens)
     cmp = compressed_starts(starts, block_size, block_stride)
     return [(slice(a, b), slice(c, e)) for a, b, c, e in zip(starts, starts[1:], cmp, cmp[1:])]
+
+
+@dataclass(frozen=True)
+class DocumentLayout:
+    """What a packed row's documents mean for the layers around the op, all on the row's device:
+    cu_seqlens [N + 1]; positions [T], each token's position in its own document (for RoPE);
+    block_starts [Tc], the row token where each compressed block begins (blocks never straddle a
+    boundary); block_positions [Tc], each block's last token within its document (where its key is
+    rotated)."""
+
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+    block_starts: torch.Tensor
+    block_positions: torch.Tensor
+
+
+def document_layout(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, block_stride: int) -> DocumentLayout:
+    """The layout of one packed row of num_tokens tokens (checked as the op checks cu_seqlens)."""
+    starts = document_starts(cu_seqlens, num_tokens)
+    positions, block_starts, block_positions = [], [], []
+    for a, b in zip(starts, starts[1:]):
+        positions.append(torch.arange(b - a))
+        first = torch.arange(num_compressed_blocks(b - a, block_size, block_stride)) * block_stride
+        block_starts.append(first + a)
+        block_positions.append(first + block_size - 1)
+    device = cu_seqlens.device
+    return DocumentLayout(cu_seqlens, *(torch.cat(x).to(device) for x in (positions, block_starts, block_positions)))
