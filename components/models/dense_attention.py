@@ -9,6 +9,7 @@ from torch import nn
 from components.models.args import TransformerArgs
 from components.models.kv_cache import LayerKV
 from components.models.rope import apply_rope
+from components.nsa.documents import DocumentLayout
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None) -> torch.Tensor:
@@ -43,11 +44,20 @@ class DenseAttention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         return apply_rope(q, cos, sin, positions), apply_rope(k, cos, sin, positions), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: DocumentLayout | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        positions = torch.arange(T, device=x.device)
-        q, k, v = self._qkv(x, cos, sin, positions)
-        return self.wo(_sdpa(q, k, v, mask=None).reshape(B, T, -1))
+        if documents is None:
+            q, k, v = self._qkv(x, cos, sin, torch.arange(T, device=x.device))
+            return self.wo(_sdpa(q, k, v, mask=None).reshape(B, T, -1))
+        # Documents never cross a row end, so each row gets its own document-causal mask [B, 1, T, T]
+        # (exact; O(T^2) booleans per row, fine for the baseline's lengths).
+        q, k, v = (t.reshape(B, T, *t.shape[2:]) for t in self._qkv(x.reshape(1, B * T, -1), cos, sin,
+                                                                     documents.positions))
+        doc = torch.searchsorted(documents.cu_seqlens, torch.arange(B * T, device=x.device), right=True).view(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        mask = (doc[:, :, None] == doc[:, None, :]) & causal
+        return self.wo(_sdpa(q, k, v, mask=mask[:, None]).reshape(B, T, -1))
 
     # ---- incremental decoding -------------------------------------------------------------
     def new_layer_cache(self, batch_size: int, capacity: int, device, dtype) -> LayerKV:

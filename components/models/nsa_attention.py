@@ -15,6 +15,7 @@ from components.models.kv_cache import LayerKV
 from components.models.rope import apply_rope
 from components.nsa import nsa_attention, nsa_attention_at, select_blocks
 from components.nsa.compression import KVCompressor, compressed_block_positions, num_compressed_blocks
+from components.nsa.documents import DocumentLayout
 
 BRANCHES = ("cmp", "sel", "win")
 
@@ -107,13 +108,22 @@ class NSAAttention(nn.Module):
         return torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
 
     # ---- training forward -------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: DocumentLayout | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        p = self._project(x, cos, sin, torch.arange(T, device=x.device))
-        k_cmp, v_cmp = self._compressed_keys(p.k_raw, cos, sin), self.compress_v(p.v_raw)
+        if documents is None:
+            p = self._project(x, cos, sin, torch.arange(T, device=x.device))
+            k_cmp, v_cmp = self._compressed_keys(p.k_raw, cos, sin), self.compress_v(p.v_raw)
+            packed = {}
+        else:  # the B rows as one packed row; blocks and positions restart at every document
+            x = x.reshape(1, B * T, -1)
+            p = self._project(x, cos, sin, documents.positions)
+            k_cmp = apply_rope(self.compress_k(p.k_raw, documents.block_starts), cos, sin, documents.block_positions)
+            v_cmp = self.compress_v(p.v_raw, documents.block_starts)
+            packed = {"cu_seqlens": documents.cu_seqlens}
         o = nsa_attention(
             p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, self.gates(x),
-            **self.hyper, backend=self.backend,
+            **self.hyper, backend=self.backend, **packed,
         )
         return self.wo(o.reshape(B, T, -1))
 

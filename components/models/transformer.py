@@ -20,6 +20,7 @@ from components.models.mlp import SwiGLU
 from components.models.norms import RMSNorm
 from components.models.nsa_attention import NSAAttention
 from components.models.rope import RotaryEmbedding
+from components.nsa.documents import DocumentLayout
 from components.problems import find_problems, problem, raise_problems
 
 
@@ -39,8 +40,9 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(std, out_std)
         self.feed_forward.init_weights(std, out_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: DocumentLayout | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def forward_step(
@@ -106,12 +108,19 @@ class Transformer(nn.Module):
                 f"raise model max_seq_len or use shorter sequences"
             )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] long -> logits [B, T, vocab_size]."""
+    def forward(self, tokens: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+        """tokens [B, T] long -> logits [B, T, vocab_size].
+
+        documents: the packed documents of the B rows read as one row of B * T tokens (each row end
+        a document end; components.nsa.documents.document_layout): every document is attended on its
+        own, its positions counted from its start, as if it were run alone.
+        """
         self._check_length(tokens.shape[1])
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope.cos, self.rope.sin)
+            # Blocks are called without the argument when there is none: plugin blocks need not take it.
+            h = layer(h, self.rope.cos, self.rope.sin) if documents is None else \
+                layer(h, self.rope.cos, self.rope.sin, documents)
         return self.output(self.norm(h))
 
     # ---- incremental decoding -------------------------------------------------------------
