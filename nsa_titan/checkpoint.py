@@ -250,7 +250,7 @@ class Checkpointer:
             raise self._unreadable(step, os.path.join(model_dir, ".metadata"), _reason(exc)) from None
         truncated = truncated_shards(model_dir, metadata)
         if truncated:
-            raise self._unreadable(step, truncated[0], "is cut short") from None
+            raise self._unreadable(step, *truncated[0]) from None
         tensors = {"model": get_model_state_dict(state.model),
                    "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
         mismatches = shape_mismatches(tensor_shapes(tensors), metadata)

@@ -15,8 +15,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 
-def truncated_shards(model_dir: str, metadata: Metadata) -> list[str]:
-    """'FILE (N bytes, needs M)' for every shard file missing or shorter than its recorded contents."""
+def truncated_shards(model_dir: str, metadata: Metadata) -> list[tuple[str, str]]:
+    """(file, what is wrong) for every shard file missing or shorter than its recorded contents."""
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -25,9 +25,9 @@ def truncated_shards(model_dir: str, metadata: Metadata) -> list[str]:
         path = os.path.join(model_dir, name)
         have = os.path.getsize(path) if os.path.isfile(path) else None
         if have is None:
-            problems.append(f"{path} (missing)")
+            problems.append((path, "is missing"))
         elif have < size:
-            problems.append(f"{path} ({have} bytes, the metadata records {size})")
+            problems.append((path, f"is cut short ({have} bytes, the metadata records {size})"))
     return problems
 
 

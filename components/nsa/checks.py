@@ -34,14 +34,14 @@ def _check_tensor(name: str, x, device: torch.device) -> None:
         raise ValueError(f"{name} is on {x.device} but q is on {device}; put all inputs on one device")
 
 
-def _num_compressed(q, num_keys: int, block_size: int, block_stride: int, cu_seqlens) -> int | None:
-    """Tc the op expects: from the key count, or summed over the packed documents (None while
-    compiling: the values are data then, and the op checks them when it runs)."""
+def _num_compressed(q, k_cmp, num_keys: int, block_size: int, block_stride: int, cu_seqlens) -> int:
+    """Tc the op expects: from the key count, or summed over the packed documents (while compiling
+    those are data, so k_cmp's own count stands, and the op checks it when it runs)."""
     if cu_seqlens is None:
         return num_compressed_blocks(num_keys, block_size, block_stride)
     check_cu_seqlens_tensor(cu_seqlens, q.shape[0], q.device)
     if torch.compiler.is_compiling():
-        return None
+        return k_cmp.shape[1]
     return compressed_starts(document_starts(cu_seqlens, num_keys), block_size, block_stride)[-1]
 
 
@@ -59,9 +59,7 @@ def check_selection_inputs(q, k_cmp, *, q_start: int, block_size: int, block_str
     Hkv = k_cmp.shape[2]
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (k_cmp {_shape(k_cmp)})")
-    Tc = _num_compressed(q, q_start + Tq, block_size, block_stride, cu_seqlens)
-    if Tc is None:
-        Tc = k_cmp.shape[1]
+    Tc = _num_compressed(q, k_cmp, q_start + Tq, block_size, block_stride, cu_seqlens)
     if _shape(k_cmp) != (B, Tc, Hkv, D):
         raise ValueError(f"k_cmp must be [B, Tc, Hkv, D] = {(B, Tc, Hkv, D)} "
                          f"{_tc_rule(q_start + Tq, block_size, block_stride, cu_seqlens)}, got {_shape(k_cmp)}")
@@ -86,9 +84,7 @@ def check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *
                 f"{name} must be [B, Tk, Hkv, D] = {token_shape} (Tk = q_start + Tq = {q_start} + {Tq}), "
                 f"got {_shape(named[name])}"
             )
-    Tc = _num_compressed(q, Tk, block_size, block_stride, cu_seqlens)
-    if Tc is None:
-        Tc = k_cmp.shape[1]
+    Tc = _num_compressed(q, k_cmp, Tk, block_size, block_stride, cu_seqlens)
     for name in ("k_cmp", "v_cmp"):
         if _shape(named[name]) != (B, Tc, Hkv, D):
             raise ValueError(f"{name} must be [B, Tc, Hkv, D] = {(B, Tc, Hkv, D)} "

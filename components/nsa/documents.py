@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from components.nsa.compression import num_compressed_blocks
+from components.nsa.compression import compressed_block_positions, num_compressed_blocks
 
 
 def check_cu_seqlens_tensor(cu_seqlens, batch: int, device: torch.device) -> None:
@@ -74,8 +74,9 @@ def document_layout(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, 
     positions, block_starts, block_positions = [], [], []
     for a, b in zip(starts, starts[1:]):
         positions.append(torch.arange(b - a))
-        first = torch.arange(num_compressed_blocks(b - a, block_size, block_stride)) * block_stride
-        block_starts.append(first + a)
-        block_positions.append(first + block_size - 1)
+        last = compressed_block_positions(num_compressed_blocks(b - a, block_size, block_stride), block_size,
+                                          block_stride)
+        block_positions.append(last)
+        block_starts.append(last - (block_size - 1) + a)
     device = cu_seqlens.device
     return DocumentLayout(cu_seqlens, *(torch.cat(x).to(device) for x in (positions, block_starts, block_positions)))
