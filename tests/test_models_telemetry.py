@@ -95,7 +95,9 @@ def test_dense_model_has_no_nsa_telemetry():
     assert collect_nsa_telemetry(model, torch.randint(0, VOCAB, (1, 9))) == {}
 
 
-def test_telemetry_with_compiled_blocks_leaves_training_graph_alone():
+# The default backend, and the cheap one beside it: telemetry must not trace under either.
+@pytest.mark.parametrize("backend", ["inductor", "eager"])
+def test_telemetry_with_compiled_blocks_leaves_training_graph_alone(backend):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -103,7 +105,7 @@ def test_telemetry_with_compiled_blocks_leaves_training_graph_alone():
     tokens = torch.randint(0, VOCAB, (2, 21))
     eager = collect_nsa_telemetry(model, tokens)
     for layer in model.layers:
-        layer.compile(backend="eager", fullgraph=False)
+        layer.compile(backend=backend, fullgraph=False)
     model(tokens).sum().backward()  # the training forward compiles here
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0

@@ -35,10 +35,11 @@ def test_opcheck():
     torch.library.opcheck(reference_attention, args)
 
 
-def test_compiles_once_for_every_length():
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compiles_once_for_every_length(backend):
     """One dynamic graph serves every sequence length: no chunk loop is unrolled into it."""
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x: nsa_attention(**x, **HP), fullgraph=True, backend="aot_eager", dynamic=True)
+    compiled = torch.compile(lambda x: nsa_attention(**x, **HP), fullgraph=True, backend=backend, dynamic=True)
     from torch._dynamo.utils import counters
 
     counters.clear()

@@ -49,12 +49,13 @@ def test_no_graph_breaks(fn):
     assert explained.graph_count == 1
 
 
-def test_fullgraph_compile_forward_and_backward_match_eager():
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_fullgraph_compile_forward_and_backward_match_eager(backend):
     torch._dynamo.reset()
     xs = _inputs()
     grad_out = torch.randn(B, T, H, D, device=DEVICE)
     eager = _loss_and_grads(_direct, xs, grad_out)
-    compiled = _loss_and_grads(torch.compile(_direct, fullgraph=True, backend="aot_eager"), xs, grad_out)
+    compiled = _loss_and_grads(torch.compile(_direct, fullgraph=True, backend=backend), xs, grad_out)
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
