@@ -133,9 +133,19 @@ def expected_batches(
             ids.append(s)
             counts[s] += 1
         w = torch.stack(rows)
-        batches.append({"input": w[:, :-1], "target": w[:, 1:]})
+        batches.append({"input": w[:, :-1], "target": w[:, 1:],
+                        "document_starts": document_starts_of(w[:, :-1], tokenizer.eos_id)})
         owners.append(ids)
     return batches, owners
+
+
+def document_starts_of(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Where documents start in rows of input tokens, from the tokens alone: each row's first token
+    and every token after an EOS (no document holds the EOS id in these tests)."""
+    starts = torch.zeros_like(inputs, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    return starts
 
 
 def take(loader, n: int) -> list[dict]:
@@ -146,9 +156,9 @@ def take(loader, n: int) -> list[dict]:
 def assert_same_batches(got: list[dict], want: list[dict]) -> None:
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert set(g) == {"input", "target"}
-        for key in ("input", "target"):
-            assert g[key].dtype == torch.long and g[key].dim() == 2, (i, key, g[key].shape)
+        assert set(g) == {"input", "target", "document_starts"}
+        for key, dtype in (("input", torch.long), ("target", torch.long), ("document_starts", torch.bool)):
+            assert g[key].dtype == dtype and g[key].dim() == 2, (i, key, g[key].shape)
             assert torch.equal(g[key], w[key]), f"batch {i} {key} differs"
 
 

@@ -58,17 +58,32 @@ def test_targets_reproduce_the_stream(seq_len):
     np.testing.assert_array_equal(inputs, stream[: len(inputs)])
 
 
+@pytest.mark.parametrize("seq_len", [1, 5, 16, 70])
+def test_windows_say_where_documents_start(seq_len):
+    docs = make_docs([3, 40, 1, 0, 17, 100, 9])
+    n = len(docs)  # every document's first stream index, in the opener's order (rotated each epoch)
+    stream_starts = np.cumsum([0] + [len(docs[(p + e) % n]) + 1 for e in range(20) for p in range(n)])
+    packer = ShardPacker(opener(docs), seq_len)
+    for k in range(40):
+        window, starts = packer.next_window_with_starts()
+        lo, hi = k * seq_len, k * seq_len + seq_len + 1
+        np.testing.assert_array_equal(window, stream_of(docs, 20)[lo:hi])
+        want = [s - lo for s in stream_starts if lo <= s < hi]
+        assert starts.dtype == np.int64 and starts.tolist() == want, k
+
+
 def test_state_round_trip_at_every_window():
     docs = make_docs([5, 33, 2, 12, 61])
     seq_len = 8
     reference = ShardPacker(opener(docs), seq_len)
-    expected = [reference.next_window() for _ in range(50)]
+    expected = [reference.next_window_with_starts() for _ in range(50)]
     live = ShardPacker(opener(docs), seq_len)
     for k in range(40):
         resumed = ShardPacker(opener(docs), seq_len, live.state_dict())
         for j in range(k, k + 10):
-            np.testing.assert_array_equal(resumed.next_window(), expected[j])
-        np.testing.assert_array_equal(live.next_window(), expected[k])
+            for got, want in zip(resumed.next_window_with_starts(), expected[j]):
+                np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(live.next_window(), expected[k][0])
 
 
 def test_epochs_are_recorded_and_resume_across_them():

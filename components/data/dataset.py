@@ -126,8 +126,18 @@ class PackedShardsDataset(IterableDataset):
                     f"documents, so this rank has nothing to train on; add data, lower logical_shards "
                     f"({self.logical_shards}) or num_workers, or raise the validation fraction for validation"
                 )
-            window = packers[next_shard(live)].next_window()
+            window = packers[next_shard(live)].next_window_with_starts()
             if window is None:
                 continue
-            tokens = torch.from_numpy(window)
-            yield {"input": tokens[:-1], "target": tokens[1:]}
+            tokens = torch.from_numpy(window[0])
+            yield {"input": tokens[:-1], "target": tokens[1:],
+                   "document_starts": row_document_starts(window[1], self.seq_len)}
+
+
+def row_document_starts(starts, seq_len: int) -> torch.Tensor:
+    """BoolTensor [seq_len]: True where an input token opens a document. The row's first token always
+    does (a row end is a boundary); offset seq_len is the target's last token, not an input."""
+    mask = torch.zeros(seq_len, dtype=torch.bool)
+    mask[0] = True
+    mask[torch.from_numpy(starts[starts < seq_len])] = True
+    return mask

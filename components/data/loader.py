@@ -1,7 +1,9 @@
 """build_dataloader: the resumable, per-rank sharded StatefulDataLoader.
 
-Batches are {"input": LongTensor[B, seq_len], "target": LongTensor[B, seq_len]} for every batch
-size including 1. The stream is endless: iterate it once and keep the iterator.
+Batches are {"input": LongTensor[B, seq_len], "target": LongTensor[B, seq_len],
+"document_starts": BoolTensor[B, seq_len]} for every batch size including 1. document_starts marks
+the input tokens that open a document: each row's first token, and every token after an EOS of the
+stream (a document cut by a row end goes on as a document of its own in the next row). The stream is endless: iterate it once and keep the iterator.
 
 Resuming:
   - same source, tokenizer, seed, logical_shards, split, world size and num_workers:

@@ -7,6 +7,11 @@ input = window[:-1] and predicts target = window[1:]. Consecutive windows share 
 stream itself from its second token: nothing is truncated, dropped or predicted twice. Documents
 longer than a window simply continue in the next one.
 
+Each window also says where documents start in it (`next_window_with_starts`): the offsets of the
+first token of every document that begins inside it. A window's first token opens a document for
+the model whatever the stream says (a row end is a boundary): a document cut by a window end
+continues as a document of its own in the next window.
+
 State is a position in the stream, independent of L: (epoch, cursor) of the first document not yet
 fully consumed, `skip` tokens into it, plus the count of windows emitted and whether the shard
 turned out to hold no documents. Resuming re-reads (and re-tokenizes) that one document.
@@ -83,15 +88,23 @@ class ShardPacker:
 
     def next_window(self) -> np.ndarray | None:
         """The next window (int64, seq_len + 1 tokens), or None when the shard has no documents."""
+        window = self.next_window_with_starts()
+        return None if window is None else window[0]
+
+    def next_window_with_starts(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(the next window, the offsets in it where a document of the stream starts, ascending int64),
+        or None when the shard has no documents."""
         need = self.seq_len + 1
         if self.empty:
             return None
         while self._buffered - self._offset < need:
             if not self._read_document():
                 return None
-        parts = []
+        parts, starts = [], []
         start, remaining = self._offset, need
         for tokens, _, _ in self._buffer:
+            if start == 0:
+                starts.append(need - remaining)
             take = tokens[start : start + remaining]
             parts.append(take)
             remaining -= len(take)
@@ -106,7 +119,7 @@ class ShardPacker:
             self._offset -= len(first)
             self._buffered -= len(first)
         self.windows += 1
-        return window
+        return window, np.asarray(starts, dtype=np.int64)
 
 
 def document_tokens(tokens: np.ndarray, bos_id: int | None, eos_id: int) -> np.ndarray:
