@@ -47,3 +47,23 @@ def test_compiles_once_for_every_length(backend):
         inputs = make_inputs(1, T, 4, 2, 8, HP, dtype=torch.float32, seed=T)
         torch.testing.assert_close(compiled(inputs), nsa_attention(**inputs, **HP), rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_documents_of_equal_length_run_together_yet_each_on_its_own():
+    """The reference op batches packed documents of one length into one call; each still gets its
+    own outputs and gradients (fp64)."""
+    lengths = (7, 19, 7, 7, 19)
+    docs = [make_inputs(1, n, 4, 2, 8, HP, dtype=torch.float64, seed=i, requires_grad=True)
+            for i, n in enumerate(lengths)]
+    packed = {name: torch.cat([d[name].detach() for d in docs], dim=1).requires_grad_() for name in ORDER}
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    together = nsa_attention(**packed, **HP, cu_seqlens=cu_seqlens)
+    alone = [nsa_attention(**d, **HP) for d in docs]
+    torch.testing.assert_close(together, torch.cat(alone, dim=1), rtol=1e-12, atol=1e-12)
+    grad_o = torch.randn(together.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    grads = torch.autograd.grad(together, [packed[n] for n in ORDER], grad_o)
+    pieces = grad_o.split(list(lengths), dim=1)
+    alone_grads = [torch.autograd.grad(o, [d[n] for n in ORDER], g) for d, o, g in zip(docs, alone, pieces)]
+    for i, name in enumerate(ORDER):
+        torch.testing.assert_close(grads[i], torch.cat([g[i] for g in alone_grads], dim=1), rtol=1e-12, atol=1e-12,
+                                   msg=name)

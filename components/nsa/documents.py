@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from components.nsa.compression import compressed_block_positions, num_compressed_blocks
+from components.nsa.compression import num_compressed_blocks
 
 
 def check_cu_seqlens_tensor(cu_seqlens, batch: int, device: torch.device) -> None:
@@ -69,14 +69,39 @@ class DocumentLayout:
 
 
 def document_layout(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, block_stride: int) -> DocumentLayout:
-    """The layout of one packed row of num_tokens tokens (checked as the op checks cu_seqlens)."""
-    starts = document_starts(cu_seqlens, num_tokens)
-    positions, block_starts, block_positions = [], [], []
-    for a, b in zip(starts, starts[1:]):
-        positions.append(torch.arange(b - a))
-        last = compressed_block_positions(num_compressed_blocks(b - a, block_size, block_stride), block_size,
-                                          block_stride)
-        block_positions.append(last)
-        block_starts.append(last - (block_size - 1) + a)
+    """The layout of one packed row of num_tokens tokens (checked as the op checks cu_seqlens), on
+    cu_seqlens' device. Vectorised: no Python loop over documents."""
+    document_starts(cu_seqlens, num_tokens)  # the checks
+    cu = cu_seqlens.to("cpu", torch.int64)
+    lengths = cu.diff()
+    positions = torch.arange(num_tokens) - cu[:-1].repeat_interleave(lengths)
+    blocks = torch.where(lengths >= block_size, (lengths - block_size).div(block_stride, rounding_mode="floor") + 1, 0)
+    first_block = torch.cumsum(blocks, 0) - blocks  # each document's first block in the packed k_cmp
+    block_index = torch.arange(int(blocks.sum())) - first_block.repeat_interleave(blocks)  # within its document
+    block_starts = cu[:-1].repeat_interleave(blocks) + block_index * block_stride
+    block_positions = block_index * block_stride + (block_size - 1)
     device = cu_seqlens.device
-    return DocumentLayout(cu_seqlens, *(torch.cat(x).to(device) for x in (positions, block_starts, block_positions)))
+    return DocumentLayout(cu_seqlens, *(x.to(device) for x in (positions, block_starts, block_positions)))
+
+
+def cu_seqlens_of_rows(document_starts: torch.Tensor) -> torch.Tensor:
+    """document_starts [B, T] bool (True where a token opens a document) -> cu_seqlens [N + 1] int64 on
+    the host, of the B rows read as one packed row. Each row's first token opens a document whatever
+    the mask says: a row end is a document end."""
+    if not isinstance(document_starts, torch.Tensor) or document_starts.dim() != 2 or document_starts.dtype != torch.bool:
+        what = f"{document_starts.dtype} of shape {tuple(document_starts.shape)}" if isinstance(
+            document_starts, torch.Tensor) else type(document_starts).__name__
+        raise ValueError(f"document_starts must be a bool tensor [B, T] (True where a document starts), got {what}")
+    starts = document_starts.to("cpu").clone()
+    starts[:, 0] = True
+    return torch.cat([starts.reshape(-1).nonzero().flatten(), torch.tensor([starts.numel()])])
+
+
+def rows_layout(document_starts: torch.Tensor, block_size: int, block_stride: int,
+                device: torch.device) -> DocumentLayout:
+    """The layout of B rows of packed documents read as one row, built on the host (no device sync
+    when document_starts lives there, as the loader gives it) and then moved to `device`."""
+    cu_seqlens = cu_seqlens_of_rows(document_starts)
+    layout = document_layout(cu_seqlens, document_starts.numel(), block_size, block_stride)
+    return DocumentLayout(*(x.to(device, non_blocking=True) for x in (layout.cu_seqlens, layout.positions,
+                                                                       layout.block_starts, layout.block_positions)))

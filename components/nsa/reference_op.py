@@ -26,8 +26,10 @@ _KINDS = (_TOKEN, _BLOCK, _BLOCK, _TOKEN, _TOKEN, _TOKEN, _TOKEN, _TOKEN)
 
 
 def _per_document(fn, tensors: tuple, kinds: tuple, cu_seqlens, block_size: int, block_stride: int):
-    """fn(*tensors) once per packed document on its own slices (NSA_SPEC.md section 4), each output
-    list concatenated back along dim 1. Without cu_seqlens, fn(*tensors) once."""
+    """fn(*tensors) on each packed document's own slices (NSA_SPEC.md section 4), each output list
+    concatenated back along dim 1. Documents of equal length (rows cut from one long document, say)
+    run together as one batch: each row of a batch is computed on its own, so this changes nothing
+    but the number of calls. Without cu_seqlens, fn(*tensors) once."""
     if cu_seqlens is None:
         return fn(*tensors)
     slices = document_slices(cu_seqlens, tensors[0].shape[1], block_size, block_stride)
@@ -35,9 +37,16 @@ def _per_document(fn, tensors: tuple, kinds: tuple, cu_seqlens, block_size: int,
         if kind == _BLOCK and x.shape[1] != slices[-1][1].stop:
             raise ValueError(f"k_cmp / v_cmp hold {x.shape[1]} compressed blocks, but the documents of cu_seqlens "
                              f"have {slices[-1][1].stop} with block_size {block_size} and block_stride {block_stride}")
-    parts = []
-    for tokens, blocks in slices:
-        parts.append(fn(*(x[:, tokens if kind == _TOKEN else blocks] for x, kind in zip(tensors, kinds))))
+    by_length: dict[int, list[int]] = {}
+    for index, (tokens, _) in enumerate(slices):
+        by_length.setdefault(tokens.stop - tokens.start, []).append(index)
+    parts: list = [None] * len(slices)
+    for members in by_length.values():
+        batch = [torch.cat([x[:, slices[i][0] if kind == _TOKEN else slices[i][1]] for i in members])
+                 for x, kind in zip(tensors, kinds)]
+        out = fn(*batch)
+        for row, i in enumerate(members):
+            parts[i] = out[row:row + 1] if isinstance(out, Tensor) else [o[row:row + 1] for o in out]
     if isinstance(parts[0], Tensor):
         return torch.cat(parts, dim=1)
     return [torch.cat(column, dim=1) for column in zip(*parts)]
