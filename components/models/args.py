@@ -101,6 +101,12 @@ class TransformerArgs:
         default_factory=NSAArgs,
         metadata={"doc": "NSA hyperparameters (used when attention = 'nsa')", "used_when": ("attention", "nsa")},
     )
+    document_masking: bool = field(
+        default=False,
+        metadata={"doc": "attend within documents only: each packed document is computed as if alone, its "
+                         "positions from its start (NSA_SPEC.md section 4); false lets attention cross document "
+                         "boundaries inside a row"},
+    )
     tie_embeddings: bool = field(
         default=False, metadata={"doc": "share the token embedding with the output projection"}
     )

@@ -7,6 +7,8 @@
     attention_maps, telemetry, telemetry_applies   components/models/telemetry.py
     flops_per_token    components/models/flops.py
     describe           the attention in a few words, for reports
+    documents          with model.document_masking, the forward's document layout from a batch's
+                       document_starts (components/nsa/documents.py), else None
 
 Elements saved per token per block (activation_memory's per_block):
     4 d + 4 h                              two RMSNorms (input, output) and SwiGLU (w1, w3, silu, product)
@@ -86,9 +88,14 @@ def describe(args: TransformerArgs) -> str:
     return f"nsa (backend {args.nsa.backend})" if args.attention == "nsa" else args.attention
 
 
+def documents(model, document_starts: torch.Tensor, device: torch.device):
+    """The forward's `documents` argument for a batch, or None when the recipe does not mask documents."""
+    return model.document_layout(document_starts, device) if model.args.document_masking else None
+
+
 def transformer_hooks() -> dict:
     """Every hook, as keyword arguments for register("model", ...); models built like the Transformer
     (plugins subclassing it) pass them too."""
     return dict(flops_per_token=flops_per_token, telemetry=collect_nsa_telemetry, telemetry_applies=telemetry_applies,
                 parallel_plan=parallel_plan, activation_memory=activation_memory, self_check=self_check,
-                attention_maps=attention_maps, describe=describe)
+                attention_maps=attention_maps, describe=describe, documents=documents)

@@ -107,36 +107,35 @@ class NSAAttention(nn.Module):
         B, T, _ = x.shape
         return torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, 3)
 
+    def _branch_inputs(self, x: torch.Tensor, cos, sin, documents: DocumentLayout | None):
+        """(projections, k_cmp, v_cmp, the op's packing keywords) for x [B, T, dim]; with documents the
+        B rows are one packed row [1, B*T] whose blocks and positions restart at every document."""
+        if documents is None:
+            p = self._project(x, cos, sin, torch.arange(x.shape[1], device=x.device))
+            return p, self._compressed_keys(p.k_raw, cos, sin), self.compress_v(p.v_raw), {}
+        p = self._project(x.reshape(1, -1, x.shape[-1]), cos, sin, documents.positions)
+        k_cmp = apply_rope(self.compress_k(p.k_raw, documents.block_starts), cos, sin, documents.block_positions)
+        return p, k_cmp, self.compress_v(p.v_raw, documents.block_starts), {"cu_seqlens": documents.cu_seqlens}
+
     # ---- training forward -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: DocumentLayout | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        if documents is None:
-            p = self._project(x, cos, sin, torch.arange(T, device=x.device))
-            k_cmp, v_cmp = self._compressed_keys(p.k_raw, cos, sin), self.compress_v(p.v_raw)
-            packed = {}
-        else:  # the B rows as one packed row; blocks and positions restart at every document
-            x = x.reshape(1, B * T, -1)
-            p = self._project(x, cos, sin, documents.positions)
-            k_cmp = apply_rope(self.compress_k(p.k_raw, documents.block_starts), cos, sin, documents.block_positions)
-            v_cmp = self.compress_v(p.v_raw, documents.block_starts)
-            packed = {"cu_seqlens": documents.cu_seqlens}
+        p, k_cmp, v_cmp, packed = self._branch_inputs(x, cos, sin, documents)
         o = nsa_attention(
-            p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, self.gates(x),
+            p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, self.gates(x).view(p.q.shape[:3] + (3,)),
             **self.hyper, backend=self.backend, **packed,
         )
         return self.wo(o.reshape(B, T, -1))
 
     @torch.no_grad()
-    def gates_and_selection(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For telemetry: the gates [B, T, H, 3] and the selected blocks [B, T, Hkv, n] (-1 unused)
-        that the forward on this input x uses."""
-        T = x.shape[1]
-        p = self._project(x, cos, sin, torch.arange(T, device=x.device))
-        k_cmp = self._compressed_keys(p.k_raw, cos, sin)
-        return self.gates(x), select_blocks(p.q, k_cmp, **self.selection)
+    def gates_and_selection(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            documents: DocumentLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """For telemetry: the gates [B, T, H, 3] and the selected blocks [B, T, Hkv, n] (-1 unused, counted
+        from each query's document start) that the forward on this input x uses."""
+        B, T, _ = x.shape
+        p, k_cmp, _, packed = self._branch_inputs(x, cos, sin, documents)
+        return self.gates(x), select_blocks(p.q, k_cmp, **self.selection, **packed).view(B, T, self.n_kv_heads, -1)
 
     # ---- incremental decoding -------------------------------------------------------------
     def new_layer_cache(self, batch_size: int, capacity: int, device, dtype) -> LayerKV:

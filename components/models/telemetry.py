@@ -43,11 +43,14 @@ def distance_bucket_labels(num_buckets: int) -> list[str]:
     return labels + [f"{2 ** (num_buckets - 2)}+"]
 
 
-def selection_distance_hist(selected: torch.Tensor, sel_block_size: int, num_buckets: int = 8) -> torch.Tensor:
+def selection_distance_hist(selected: torch.Tensor, sel_block_size: int, num_buckets: int = 8,
+                            positions: torch.Tensor | None = None) -> torch.Tensor:
     """selected [B, T, Hkv, n] (-1 unused) -> [num_buckets] share of the selected blocks at each
-    distance (query's current block minus selected block), bucketed as `distance_bucket_labels`."""
-    T = selected.shape[1]
-    current = (torch.arange(T, device=selected.device) // sel_block_size)[None, :, None, None]
+    distance (query's current block minus selected block), bucketed as `distance_bucket_labels`.
+    positions [B, T]: each query's position in its document (packed documents), else 0 .. T-1."""
+    if positions is None:
+        positions = torch.arange(selected.shape[1], device=selected.device)[None]
+    current = (positions // sel_block_size)[:, :, None, None]
     valid = selected >= 0
     distance = torch.where(valid, current - selected, torch.zeros_like(selected))
     edges = 2 ** torch.arange(num_buckets - 1, device=selected.device)  # 1, 2, 4, ...
@@ -74,35 +77,43 @@ def telemetry_applies(args) -> bool:
     return args.attention == "nsa"
 
 
-def nsa_layer_outputs(model: nn.Module, tokens: torch.Tensor):
+def nsa_layer_outputs(model: nn.Module, tokens: torch.Tensor, documents=None):
     """The one forward walk: (layer index, NSA layer, gates [B, T, H, 3], selected [B, T, Hkv, n]) for
-    each NSA layer of a Transformer (unwrapped; sharded ones inside _unsharded), on tokens [B, T]."""
+    each NSA layer of a Transformer (unwrapped; sharded ones inside _unsharded), on tokens [B, T] and
+    optionally their packed documents (a DocumentLayout, as the model's forward builds it)."""
     cos, sin = model.rope.cos, model.rope.sin
+    with_documents = () if documents is None else (documents,)
     h = model.tok_embeddings(tokens)
     for i, block in enumerate(model.layers):
         attention = block.attention
         if isinstance(attention, NSAAttention):
-            gates, selected = attention.gates_and_selection(block.attention_norm(h), cos, sin)
+            gates, selected = attention.gates_and_selection(block.attention_norm(h), cos, sin, *with_documents)
             yield i, attention, gates, selected
-        h = block.forward(h, cos, sin)
+        h = block.forward(h, cos, sin, *with_documents)
 
 
 @torch.no_grad()
-def collect_nsa_telemetry(model: nn.Module, tokens: torch.Tensor, *, num_buckets: int = 8) -> dict[str, torch.Tensor]:
+def collect_nsa_telemetry(model: nn.Module, tokens: torch.Tensor, documents=None, *,
+                          num_buckets: int = 8) -> dict[str, torch.Tensor]:
     """Per NSA layer i, 0-d tensors keyed 'nsa/layer{i}/{cmp|sel|win}/gate_{mean|entropy|collapse}'
-    and 'nsa/layer{i}/sel_distance/{bucket label}' (shares summing to 1).
+    and 'nsa/layer{i}/sel_distance/{bucket label}' (shares summing to 1; distances within documents
+    when documents are given).
 
-    `model` is the Transformer itself (unwrap DDP's `.module`); tokens [B, T] as for forward.
+    `model` is the Transformer itself (unwrap DDP's `.module`); tokens [B, T] and documents (the
+    document_starts [B, T] or their layout) as for forward.
     """
     if num_buckets < 2:
         raise UserError(f"num_buckets must be >= 2 (distance 0 and the rest), got {num_buckets}")
     stats: dict[str, torch.Tensor] = {}
     labels = distance_bucket_labels(num_buckets)
+    if isinstance(documents, torch.Tensor):
+        documents = model.document_layout(documents, tokens.device)
+    positions = None if documents is None else documents.positions.view(tokens.shape)
     with _unsharded(model):
-        for i, attention, gates, selected in nsa_layer_outputs(model, tokens):
+        for i, attention, gates, selected in nsa_layer_outputs(model, tokens, documents):
             prefix = f"nsa/layer{i}/"
             stats.update({prefix + key: value for key, value in gate_stats(gates).items()})
-            hist = selection_distance_hist(selected, attention.selection["sel_block_size"], num_buckets)
+            hist = selection_distance_hist(selected, attention.selection["sel_block_size"], num_buckets, positions)
             stats.update({f"{prefix}sel_distance/{label}": hist[b] for b, label in enumerate(labels)})
     return stats
 

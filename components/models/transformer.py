@@ -20,7 +20,7 @@ from components.models.mlp import SwiGLU
 from components.models.norms import RMSNorm
 from components.models.nsa_attention import NSAAttention
 from components.models.rope import RotaryEmbedding
-from components.nsa.documents import DocumentLayout
+from components.nsa.documents import DocumentLayout, rows_layout
 from components.problems import find_problems, problem, raise_problems
 
 
@@ -108,20 +108,38 @@ class Transformer(nn.Module):
                 f"raise model max_seq_len or use shorter sequences"
             )
 
-    def forward(self, tokens: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: DocumentLayout | torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] long -> logits [B, T, vocab_size].
 
-        documents: the packed documents of the B rows read as one row of B * T tokens (each row end
-        a document end; components.nsa.documents.document_layout): every document is attended on its
-        own, its positions counted from its start, as if it were run alone.
+        documents: where documents start in the rows, as document_starts [B, T] bool (True where a
+        token opens a document; each row's first token always does; the data loader's batches carry
+        it) or as the layout `document_layout(document_starts, device)` builds from it. Every document
+        is then attended on its own, its positions counted from its start, as if it were run alone
+        (NSA_SPEC.md section 4).
         """
         self._check_length(tokens.shape[1])
+        if isinstance(documents, torch.Tensor):
+            documents = self.document_layout(documents, tokens.device)
+        if documents is not None and documents.positions.shape[0] != tokens.numel():
+            raise ValueError(f"the document layout covers {documents.positions.shape[0]} tokens but the batch "
+                             f"{tuple(tokens.shape)} has {tokens.numel()}; build it from this batch's document_starts")
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             # Blocks are called without the argument when there is none: plugin blocks need not take it.
             h = layer(h, self.rope.cos, self.rope.sin) if documents is None else \
                 layer(h, self.rope.cos, self.rope.sin, documents)
         return self.output(self.norm(h))
+
+    def document_layout(self, document_starts: torch.Tensor, device: torch.device) -> DocumentLayout:
+        """The rows' documents as the attention layers take them, built on the host (keep
+        document_starts there: no device sync) and put on `device`. Their counts (documents, compressed
+        blocks) change from batch to batch, so they are marked dynamic: compiled blocks take any
+        boundaries without recompiling."""
+        nsa = self.args.nsa
+        layout = rows_layout(document_starts, nsa.block_size, nsa.block_stride, device)
+        for varying in (layout.cu_seqlens, layout.block_starts, layout.block_positions):
+            torch._dynamo.maybe_mark_dynamic(varying, 0)
+        return layout
 
     # ---- incremental decoding -------------------------------------------------------------
     def new_kv_cache(self, batch_size: int, capacity: int | None = None) -> KVCache:
