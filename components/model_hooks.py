@@ -9,9 +9,13 @@ engine calls them and knows nothing else about the model's insides. All are opti
     activation_memory(args) -> ActivationMemory   what one block keeps per token for backward
     self_check(args, device) -> SelfCheck     a short numerical check of the model's op on this device
     attention_maps(model, tokens) -> {layer: AttentionMap}   what each sparse attention layer chose
-    telemetry(model, tokens) -> {name: 0-d tensor}; telemetry_applies(args) -> bool
+    telemetry(model, tokens, documents=None) -> {name: 0-d tensor}   documents as the forward gets them
+    telemetry_applies(args) -> bool
     flops_per_token(args, vocab_size, seq_len) -> float    for MFU
     describe(args) -> str                     the model's attention in a few words, for reports
+    documents(model, document_starts, device) -> the forward's `documents=` argument for a batch whose
+                                              document_starts [B, T] bool (on the host) the loader gave,
+                                              or None when the model attends across documents
 """
 
 from __future__ import annotations

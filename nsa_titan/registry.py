@@ -28,13 +28,14 @@ class Part:
     # Models only, all optional: how the engine reaches into a model without knowing its insides.
     # The records they return, and what each is for, are in components/model_hooks.py.
     flops_per_token: Callable[..., float] | None = None  # (args, vocab_size, seq_len) -> float, for MFU
-    telemetry: Callable[..., dict] | None = None  # (model, tokens) -> {name: 0-d tensor}
+    telemetry: Callable[..., dict] | None = None  # (model, tokens, documents=None) -> {name: 0-d tensor}
     telemetry_applies: Callable[[Any], bool] | None = None  # (args) -> whether telemetry has anything to say
     parallel_plan: Callable[..., Any] | None = None  # (model) -> ParallelPlan: blocks and shard groups
     activation_memory: Callable[..., Any] | None = None  # (args) -> ActivationMemory, for doctor's estimate
     self_check: Callable[..., Any] | None = None  # (args, device) -> SelfCheck, run by doctor
     attention_maps: Callable[..., dict] | None = None  # (model, tokens) -> {layer: AttentionMap}, for plots
     describe: Callable[[Any], str] | None = None  # (args) -> a few words on the model's attention, for reports
+    documents: Callable[..., Any] | None = None  # (model, document_starts, device) -> forward's documents= or None
 
 
 _PARTS: dict[str, dict[str, Part]] = {kind: {} for kind in KINDS if kind != "attention_backend"}
@@ -55,8 +56,8 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
 
     An attention_backend's build is the op itself, with nsa_attention's signature minus `backend`;
     it must compute the reference's function (see tests/test_nsa_reference.py for the properties).
-    Models may pass the hooks of Part (flops_per_token=, telemetry=, telemetry_applies=,
-    parallel_plan=, activation_memory=, self_check=, attention_maps=, describe=); a transformer-shaped model
+    Models may pass the hooks of Part (flops_per_token=, telemetry=, telemetry_applies=, parallel_plan=,
+    activation_memory=, self_check=, attention_maps=, describe=, documents=); a transformer-shaped model
     passes **components.models.transformer_hooks().
     """
     if kind not in KINDS:

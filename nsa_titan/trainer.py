@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +37,15 @@ from nsa_titan.run_folder import prepare_run_folder
 from nsa_titan.runtime import Runtime
 
 NUMERICAL_FAULT_EXIT = 3
-# Validation batches kept in host memory between evaluations when they fit (2 int32 tensors per batch).
+# Validation batches kept in host memory between evaluations when they fit (2 int32 tensors and a bool
+# one per batch).
 VALIDATION_CACHE_BYTES = 1 << 30
+
+
+class Batch(NamedTuple):
+    inputs: torch.Tensor  # [B, T] on the device
+    targets: torch.Tensor  # [B, T] on the device
+    document_starts: torch.Tensor | None  # [B, T] bool on the host, when the loader gives them
 
 
 class TrainingFault(Exception):
@@ -106,7 +114,7 @@ class Trainer:
         if runtime.is_main and recipe.metrics.enable_tensorboard:
             self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder))
         self.watchdog: Watchdog | None = None
-        self._probe: torch.Tensor | None = None  # a fixed batch for attention telemetry
+        self._probe: Batch | None = None  # two fixed rows for attention telemetry
         self._validation_cache: list | None = None  # the validation batches once read (see validate)
 
     def _build_model(self) -> None:
@@ -192,7 +200,7 @@ class Trainer:
         return self._loader("train", shard_states=merged)
 
     # -- one optimizer step ----------------------------------------------------------------------
-    def _next_batch(self, iterator, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    def _next_batch(self, iterator, split: str = "train") -> Batch:
         try:
             batch = next(iterator)
         except StopIteration:
@@ -200,7 +208,19 @@ class Trainer:
                             f"it owns is empty). Fix: add data, lower data.logical_shards or data.num_workers, or "
                             f"for validation raise the source's validation fraction.") from None
         device = self.runtime.device
-        return (batch["input"].to(device, non_blocking=True), batch["target"].to(device, non_blocking=True))
+        return Batch(batch["input"].to(device, non_blocking=True), batch["target"].to(device, non_blocking=True),
+                     batch.get("document_starts"))
+
+    def _documents(self, batch: Batch):
+        """The forward's document layout when the model masks documents (its part's documents hook), else None."""
+        if self.model_part.documents is None or batch.document_starts is None:
+            return None
+        return self.model_part.documents(self.model, batch.document_starts, batch.inputs.device)
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        documents = self._documents(batch)
+        with self._autocast():
+            return self.model(batch.inputs) if documents is None else self.model(batch.inputs, documents=documents)
 
     def train_step(self, iterator) -> tuple[torch.Tensor, torch.Tensor, float, str]:
         """Returns (this rank's mean loss, global grad norm, seconds waiting for data, NaN-guard decision)."""
@@ -209,16 +229,15 @@ class Trainer:
         data_wait = 0.0
         for micro in range(self.grad_accum):
             start = time.perf_counter()
-            inputs, targets = self._next_batch(iterator)
+            batch = self._next_batch(iterator)
             data_wait += time.perf_counter() - start
             if self._probe is None:
-                self._probe = inputs[:2].clone()
+                self._probe = Batch(*(None if x is None else x[:2].clone() for x in batch))
             set_gradient_sync(self.model, self.mesh, last_micro_batch=micro == self.grad_accum - 1)
-            with self._autocast():
-                logits = self.model(inputs)
+            logits = self._forward(batch)
             # Every rank sees the same number of tokens, so dividing by the rank's token count and
             # averaging gradients over ranks (as data parallelism does) gives the global token mean.
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="sum")
             loss = loss / self.local_tokens_per_step
             loss.backward()
             loss_total += loss.detach()
@@ -253,11 +272,10 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.runtime.device, dtype=torch.float64)
         count = 0
-        for inputs, targets in self._validation_batches():
-            with self._autocast():
-                logits = self.model(inputs)
-            total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").double()
-            count += targets.numel()
+        for batch in self._validation_batches():
+            logits = self._forward(batch)
+            total += F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="sum").double()
+            count += batch.targets.numel()
         loss = all_reduce_mean(total).item() / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
@@ -268,27 +286,31 @@ class Trainer:
         every evaluation."""
         recipe, device = self.recipe, self.runtime.device
         if self._validation_cache is not None:
-            for inputs, targets in self._validation_cache:
-                yield inputs.to(device, non_blocking=True).long(), targets.to(device, non_blocking=True).long()
+            for inputs, targets, starts in self._validation_cache:
+                yield Batch(inputs.to(device, non_blocking=True).long(), targets.to(device, non_blocking=True).long(),
+                            starts)
             return
         loader = self._loader("validation")
         tokens = recipe.validation.steps * recipe.training.local_batch_size * recipe.training.seq_len
-        keep = 2 * 4 * tokens <= VALIDATION_CACHE_BYTES and self.tokenizer.vocab_size < 2**31
+        keep = (2 * 4 + 1) * tokens <= VALIDATION_CACHE_BYTES and self.tokenizer.vocab_size < 2**31
         kept = []
         iterator = iter(loader)
         for _ in range(recipe.validation.steps):
-            inputs, targets = self._next_batch(iterator, "validation")
+            batch = self._next_batch(iterator, "validation")
             if keep:
-                kept.append((inputs.to("cpu", torch.int32), targets.to("cpu", torch.int32)))
-            yield inputs, targets
+                kept.append((batch.inputs.to("cpu", torch.int32), batch.targets.to("cpu", torch.int32),
+                             batch.document_starts))
+            yield batch
         if keep:
             self._validation_cache = kept
 
     def telemetry(self) -> dict[str, float]:
         """Attention telemetry on a fixed batch; runs on every rank (sharded models gather for it)."""
         self.model.eval()
+        documents = self._documents(self._probe)
         with self._autocast():
-            stats = self.model_part.telemetry(self.model, self._probe)
+            stats = self.model_part.telemetry(self.model, self._probe.inputs,
+                                              *(() if documents is None else (documents,)))
         return telemetry_records(stats)
 
     # -- the loop --------------------------------------------------------------------------------

@@ -129,6 +129,15 @@ def test_help_lists_every_field(capsys):
 def test_shipped_recipes_validate(path):
     resolved = resolve([path])
     assert resolved.recipe.model.name == "transformer"
+    assert resolved.recipe.model.args.document_masking  # every shipped recipe attends within documents
+
+
+def test_document_masking_is_off_unless_a_recipe_says_so():
+    from components.models import TransformerArgs
+
+    assert TransformerArgs().document_masking is False  # older recipes and checkpoints keep their meaning
+    off = resolve([os.path.join(REPO_ROOT, "recipes", "debug.toml"), "--model.document_masking=false"])
+    assert off.recipe.model.args.document_masking is False
 
 
 def test_nsa_and_dense_125m_differ_only_in_attention():

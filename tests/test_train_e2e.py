@@ -88,9 +88,9 @@ def test_validation_reads_its_batches_once_and_evaluates_the_same_ones(tmp_path,
     original = trainer.Trainer._validation_batches
 
     def recording(self):
-        for inputs, targets in original(self):
-            seen.append((inputs.clone(), targets.clone()))
-            yield inputs, targets
+        for batch in original(self):
+            seen.append(batch)
+            yield batch
 
     monkeypatch.setattr(trainer.Trainer, "_validation_batches", recording)
     out = tmp_path / "run"
@@ -103,7 +103,10 @@ def test_validation_reads_its_batches_once_and_evaluates_the_same_ones(tmp_path,
     assert len(seen) == 6
     for i in (2, 4):
         for a, b in zip(seen[i:i + 2], seen[:2]):
-            assert a[0].dtype == b[0].dtype == torch.int64 and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            assert a.inputs.dtype == b.inputs.dtype == torch.int64
+            assert a.document_starts.dtype == torch.bool and a.document_starts[:, 0].all()
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
 
 
 def test_missing_cuda_is_a_clear_error(tmp_path, capsys):

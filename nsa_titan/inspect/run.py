@@ -136,11 +136,14 @@ def _compiled_model(recipe, runtime, vocab_size: int):
     return model, len(blocks), tracker, recorder
 
 
-def _step(model, runtime, inputs: torch.Tensor, targets: torch.Tensor) -> str | None:
+def _step(model, part, runtime, inputs: torch.Tensor, targets: torch.Tensor,
+          document_starts: torch.Tensor) -> str | None:
     """One forward and backward as the trainer runs them; a compiler error comes back as text."""
     try:
+        inputs = inputs.to(runtime.device)
+        documents = None if part.documents is None else part.documents(model, document_starts, runtime.device)
         with runtime.autocast():
-            logits = model(inputs.to(runtime.device))
+            logits = model(inputs) if documents is None else model(inputs, documents=documents)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(runtime.device).flatten())
         loss.backward()
         if runtime.device.type == "cuda":
@@ -169,27 +172,35 @@ def inspect_recipe(resolved: ResolvedRecipe, seq_lens: list[int] | None = None) 
     batch_size = recipe.training.local_batch_size
     loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0, dp_size=1, split="train",
                                    batch_size=batch_size)
-    batch = next(iter(loader))
+    batches = iter(loader)
     generator = torch.Generator().manual_seed(recipe.job.seed)
+    part = registry.get("model", recipe.model.name)
 
-    def tokens_for(length: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    def tokens_for(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
         if length == recipe.training.seq_len:
-            return batch["input"], batch["target"], f"a batch of the recipe's data ({batch_size} x {length})"
-        # Compilation depends on shapes and dtypes only, so other lengths need no real text.
+            batch = next(batches)
+            return (batch["input"], batch["target"], batch["document_starts"],
+                    f"a batch of the recipe's data ({batch_size} x {length}, "
+                    f"{int(batch['document_starts'].sum())} documents)")
+        # Compilation depends on shapes and dtypes only, so other lengths need no real text; documents
+        # start at random places (about 3 a row) as packed data has them.
         ids = torch.randint(0, tokenizer.vocab_size, (batch_size, length + 1), generator=generator)
-        return ids[:, :-1], ids[:, 1:], f"random token ids ({batch_size} x {length})"
+        starts = torch.rand(batch_size, length, generator=generator) < 3 / length
+        return ids[:, :-1], ids[:, 1:], starts, f"random token ids ({batch_size} x {length})"
 
-    plan = lengths + [lengths[0]]  # the repeat shows the warm step time and any unstable guard
+    # The last step repeats the first length with other data (other document boundaries): it shows the
+    # warm step time and any guard that new data would fail.
+    plan = lengths + [lengths[0]]
     steps: list[StepResult] = []
     with StructuredTrace(os.path.join(folder, "trace"), tracker.tags) as trace, _cold_compiles():
         for index, length in enumerate(plan):
-            inputs, targets, data = tokens_for(length)
+            inputs, targets, starts, data = tokens_for(length)
             tracker.step, before, start = index, len(recorder.graphs), time.perf_counter()
             try:
-                error = _step(model, runtime, inputs, targets)
+                error = _step(model, part, runtime, inputs, targets, starts)
             finally:
                 tracker.step = None
-            data = "repeat of step 1" if index == len(plan) - 1 else data
+            data = f"step 1's length again, other data: {data}" if index == len(plan) - 1 else data
             steps.append(StepResult(length, data, time.perf_counter() - start, len(recorder.graphs) - before, error))
             if error:
                 break
@@ -197,7 +208,6 @@ def inspect_recipe(resolved: ResolvedRecipe, seq_lens: list[int] | None = None) 
     graphs = recorder.graphs
     texts = artifacts.graph_texts(graphs, trace)
     eager, extern = artifacts.inductor_calls(trace)
-    part = registry.get("model", recipe.model.name)
     attention = part.describe(recipe.model.args) if part.describe is not None else "not described by the model"
     return InspectResult(
         recipe_path=resolved.path, recipe_hash=resolved.hash, model=recipe.model.name, attention=attention,

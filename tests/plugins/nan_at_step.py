@@ -33,8 +33,8 @@ class NanAtStepTransformer(Transformer):
         super().__init__(args, vocab_size)
         self.training_forwards = 0
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(tokens)
+    def forward(self, tokens: torch.Tensor, documents=None) -> torch.Tensor:
+        logits = super().forward(tokens, documents)
         if not self.training:
             return logits
         step = self.training_forwards // self.args.micro_batches + 1
