@@ -140,3 +140,21 @@ def test_telemetry_under_fsdp_single_rank(tmp_path):
         assert math.isfinite(model(tokens).sum().item())
     finally:
         dist.destroy_process_group()
+
+
+def test_selection_distances_count_from_each_document_start():
+    """Rows of 8-token documents (one selection block each): with their boundaries every query's only
+    block is its document's block 0, at distance 0; read as whole rows, farther blocks appear."""
+    torch.manual_seed(0)
+    model = build_transformer(tiny_args("nsa"), VOCAB).eval()
+    tokens = torch.randint(0, VOCAB, (2, 40))
+    starts = torch.zeros(2, 40, dtype=torch.bool)
+    starts[:, ::8] = True
+    within = collect_nsa_telemetry(model, tokens, starts)
+    across = collect_nsa_telemetry(model, tokens)
+    for layer in range(2):
+        assert within[f"nsa/layer{layer}/sel_distance/0"].item() == 1.0
+        assert across[f"nsa/layer{layer}/sel_distance/0"].item() < 1.0
+    layout = model.document_layout(starts, tokens.device)  # the trainer passes the layout: same numbers
+    assert all(torch.equal(a, b) for a, b in zip(collect_nsa_telemetry(model, tokens, layout).values(),
+                                                 within.values()))
