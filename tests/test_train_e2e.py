@@ -117,3 +117,33 @@ def test_missing_cuda_is_a_clear_error(tmp_path, capsys):
     code = cli.main(["train", DEBUG, *TINY, "--training.device=cuda", f"--job.dump_folder={tmp_path}"])
     assert code == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_document_masking_reaches_the_model_in_training_and_validation(tmp_path, monkeypatch):
+    """With model.document_masking every forward (training and validation) gets the batch's documents,
+    and the run computes something else than without them; off, no forward gets any."""
+    from components.models.transformer import Transformer
+
+    seen = []
+    forward = Transformer.forward
+
+    def recording(self, tokens, documents=None):
+        seen.append((self.training, None if documents is None else documents.cu_seqlens.tolist()))
+        return forward(self, tokens, documents)
+
+    monkeypatch.setattr(Transformer, "forward", recording)
+    runs = {}
+    for masking in ("true", "false"):
+        seen.clear()
+        out = tmp_path / masking
+        argv = [DEBUG, *TINY, "--training.steps=2", "--validation.enable=true", "--validation.freq=2",
+                "--validation.steps=1", f"--model.document_masking={masking}", f"--job.dump_folder={out}",
+                "--data.source=synthetic", "--data.synthetic.min_length=5", "--data.synthetic.max_length=40"]
+        assert cli.main(["train", *argv]) == 0
+        runs[masking] = (list(seen), [r["loss"] for r in read_metrics(out) if "loss" in r])
+    with_mask, _ = runs["true"]
+    assert {training for training, _ in with_mask} == {True, False}  # training and validation forwards
+    for _, cu_seqlens in with_mask:
+        assert cu_seqlens is not None and cu_seqlens[-1] == 2 * 64 and len(cu_seqlens) > 4  # short documents
+    assert all(cu_seqlens is None for _, cu_seqlens in runs["false"][0])
+    assert runs["true"][1] != runs["false"][1]
