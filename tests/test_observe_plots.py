@@ -5,16 +5,18 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import matplotlib.image
+import numpy as np
 import pytest
 import torch
 
+from components.errors import UserError
 from nsa_titan import assemble
 from nsa_titan.cli import main
 from nsa_titan.config import resolve
 from nsa_titan.export import FORMAT
 from nsa_titan.observe import plots
 from tests.launch import DEBUG
-from tests.test_observe_png import decode_png, pixel_at
 
 
 def test_selection_counts_match_a_direct_count():
@@ -26,32 +28,48 @@ def test_selection_counts_match_a_direct_count():
             assert counts[t, j] == sum(1 for g in range(groups) if j in selected[t, g].tolist())
 
 
-def test_selection_image_cells(tmp_path):
+def test_selection_colors_cells():
     # 4 queries, blocks of 2 tokens: queries 0-1 see block 0, queries 2-3 blocks 0 and 1
     counts = torch.tensor([[2, 0], [1, 0], [0, 2], [2, 1]])
-    canvas, geo = plots.selection_image(counts, num_groups=2, block_tokens=2)
-    decoded = decode_png(open(canvas.save(str(tmp_path / "s.png")), "rb").read())
-    assert decoded[:2] == (canvas.width, canvas.height)
+    colors = plots.selection_colors(counts, num_groups=2, block_tokens=2)
     expected = {(0, 0): plots.DARKEST, (0, 1): plots.FUTURE, (1, 0): plots.shade(0.5), (1, 1): plots.FUTURE,
                 (2, 0): (255, 255, 255), (2, 1): plots.DARKEST, (3, 0): plots.DARKEST, (3, 1): plots.shade(0.5)}
+    assert colors.shape == (4, 2, 3) and colors.dtype == np.uint8
     for (t, j), color in expected.items():
-        for dx in range(geo["cell_width"]):
-            for dy in range(geo["cell_height"]):
-                x, y = geo["origin_x"] + j * geo["cell_width"] + dx, geo["origin_y"] + t * geo["cell_height"] + dy
-                assert pixel_at(decoded, x, y) == color, (t, j)
+        assert tuple(colors[t, j]) == color, (t, j)
     assert plots.shade(0.5) == (132, 152, 181)  # halfway between white and (8, 48, 107)
 
 
-def test_gate_chart_bar_heights(tmp_path):
+def test_the_pictures_draw_those_numbers(tmp_path):
+    counts = torch.tensor([[2, 0], [1, 0], [0, 2], [2, 1]])
+    colors = plots.selection_colors(counts, num_groups=2, block_tokens=2)
+    fig = plots.selection_figure(colors, 0, {"groups": 2})
+    assert np.array_equal(fig.axes[0].images[0].get_array(), colors)
     means = torch.tensor([[0.5, 0.25, 1.0], [0.0, 0.75, 0.1]])
-    canvas, geo = plots.gate_chart(means, [0, 3])
-    decoded = decode_png(open(canvas.save(str(tmp_path / "g.png")), "rb").read())
-    group = 3 * (geo["bar_width"] + geo["bar_gap"]) + geo["group_gap"]
-    for g in range(2):
-        for b, branch in enumerate(plots.BRANCHES):
-            x = geo["first_bar_x"] + g * group + b * (geo["bar_width"] + geo["bar_gap"]) + geo["bar_width"] // 2
-            height = sum(1 for y in range(canvas.height) if pixel_at(decoded, x, y) == plots.BRANCH_COLORS[branch])
-            assert height == round(means[g, b].item() * geo["height_of_1"]), (g, branch)
+    fig = plots.gate_figure(means, [0, 3])
+    bars = fig.axes[0].patches
+    for b, branch in enumerate(plots.BRANCHES):  # bars are added branch by branch, one per layer
+        for g in range(2):
+            bar = bars[b * 2 + g]
+            assert bar.get_height() == pytest.approx(means[g, b].item())
+            assert tuple(round(c * 255) for c in bar.get_facecolor()[:3]) == plots.BRANCH_COLORS[branch]
+    path = plots._save(fig, str(tmp_path / "g.png"))
+    assert matplotlib.image.imread(path).shape[2] in (3, 4)
+
+
+def test_without_matplotlib_the_plot_command_says_how_to_install_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(UserError, match=r"pip install 'nsa_titan\[plots\]'"):
+        plots.pyplot()
 
 
 TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -86,24 +104,21 @@ def test_plot_command(exported, tmp_path, capsys):
     assert "first 96 of 128 tokens" in capsys.readouterr().out
     legend = json.loads((out / "plots.json").read_text())
     sel = legend["selection"]
-    decoded = decode_png((out / sel["file"]).read_bytes())
     T, nb, groups, n, ls = 96, 12, 2, 5, 8
     assert (sel["rows"], sel["columns"], sel["groups"], sel["layer"]) == (T, nb, groups, 1)
-    colors = {plots.shade(k / groups): k for k in range(groups + 1)}
+    counts = sel["counts_by_query"]
     for t in range(T):
-        row = []
-        for j in range(nb):
-            color = pixel_at(decoded, sel["origin_x"] + j * sel["cell_width"], sel["origin_y"] + t * sel["cell_height"])
-            row.append(None if color == plots.FUTURE else colors[color])
         current = t // ls
-        assert row[current + 1:] == [None] * (nb - current - 1)  # the future is grey
+        row = counts[t]
+        assert row[current + 1:] == [0] * (nb - current - 1)  # nothing from the future
         # NSA_SPEC: each group selects min(n, visible blocks), always block 0 and the current block
         assert sum(row[:current + 1]) == groups * min(n, current + 1), t
         assert row[0] == groups and row[current] == groups
+    picture = matplotlib.image.imread(out / sel["file"])
+    assert picture.shape[0] > 100 and picture.shape[1] > 100
     gates = legend["gates"]
     assert gates["layers"] == [0, 1] and all(0 < v < 1 for b in plots.BRANCHES for v in gates["mean_gate"][b])
-    width, height, _, _ = decode_png((out / gates["file"]).read_bytes())
-    assert height == gates["baseline_y"] + plots.MARGIN_BOTTOM and width > 0
+    assert matplotlib.image.imread(out / gates["file"]).shape[0] > 100
 
 
 def test_plot_command_errors(exported, tmp_path, capsys):

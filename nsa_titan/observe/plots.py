@@ -1,15 +1,16 @@
-"""Pictures of what a trained NSA model does on a text, as PNGs with a JSON legend beside them.
+"""Pictures of what a trained NSA model does on a text, drawn with matplotlib, with a JSON legend.
 
 selection_layer{N}.png  rows = query positions (top = first token), columns = selection blocks
                         (left = block 0). A cell's blue is how many key/value groups (each
                         serving n_heads / n_kv_heads query heads) selected that block for that
                         query: white none, darkest all. Grey cells lie in the future (causally
-                        invisible). Digits: block indices below, query positions at the left.
+                        invisible).
 gates.png               per layer a group of three bars, the mean gate of cmp, sel and win over
-                        all positions and heads (0..1, grid lines every 0.25); layer numbers below.
-plots.json              the legend: colours, geometry and the plotted numbers.
+                        all positions and heads (0..1).
+plots.json              the legend: colours and the plotted numbers.
 
 The model part's attention_maps hook says what each layer chose; this module only draws.
+matplotlib is an optional dependency (`pip install 'nsa_titan[plots]'`); only drawing needs it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,15 +26,24 @@ from components.errors import UserError
 from components.model_hooks import AttentionMap
 from components.models.nsa_attention import BRANCHES
 from nsa_titan import registry
-from nsa_titan.observe.png import GLYPH_HEIGHT, Canvas
 
-WHITE, BLACK = (255, 255, 255), (0, 0, 0)
+WHITE = (255, 255, 255)
 FUTURE = (224, 224, 224)
 DARKEST = (8, 48, 107)  # all groups selected the block
-GRID = (210, 210, 210)
 BRANCH_COLORS = {"cmp": (230, 126, 34), "sel": (41, 98, 255), "win": (39, 174, 96)}
-MARGIN_LEFT, MARGIN_TOP, MARGIN_BOTTOM = 24, 4, 12
-BAR_WIDTH, BAR_GAP, GROUP_GAP, CHART_HEIGHT = 8, 1, 10, 200
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or a UserError saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("plots need matplotlib, which is not installed. Fix: pip install 'nsa_titan[plots]' "
+                        "(or pip install matplotlib).") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def selection_counts(selected: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -49,58 +60,55 @@ def shade(fraction: float) -> tuple[int, int, int]:
     return tuple(round(w + (d - w) * fraction) for w, d in zip(WHITE, DARKEST))  # type: ignore[return-value]
 
 
-def _cell_size(count: int, budget: int, largest: int) -> int:
-    return max(1, min(largest, budget // max(count, 1)))
-
-
-def selection_image(counts: torch.Tensor, num_groups: int, block_tokens: int) -> tuple[Canvas, dict]:
-    """The selection pattern picture of counts [T, num_blocks] (blocks of block_tokens tokens);
-    returns (canvas, geometry for the legend)."""
+def selection_colors(counts: torch.Tensor, num_groups: int, block_tokens: int) -> np.ndarray:
+    """The selection picture's cells, uint8 RGB [T, num_blocks, 3], from counts [T, num_blocks] (blocks
+    of block_tokens tokens): shade(groups that chose the block / num_groups), FUTURE past the
+    query's own block."""
     T, nb = counts.shape
-    cell_w, cell_h = _cell_size(nb, 640, 24), _cell_size(T, 1024, 8)
-    canvas = Canvas(MARGIN_LEFT + nb * cell_w + 2, MARGIN_TOP + T * cell_h + MARGIN_BOTTOM)
-    colors = [shade(k / num_groups) for k in range(num_groups + 1)]
-    rows = counts.tolist()
-    for t in range(T):
-        y = MARGIN_TOP + t * cell_h
-        current = t // block_tokens
-        for j in range(nb):
-            color = FUTURE if j > current else colors[min(rows[t][j], num_groups)]
-            x = MARGIN_LEFT + j * cell_w
-            canvas.fill_rect(x, y, x + cell_w, y + cell_h, color)
-    label_every = -(-16 // cell_w)  # block labels at least 16 px apart
-    for j in range(0, nb, label_every):
-        canvas.text(MARGIN_LEFT + j * cell_w, MARGIN_TOP + T * cell_h + 3, str(j))
-    rows_every = block_tokens * max(1, -(-12 // (block_tokens * cell_h)))
-    for t in range(0, T, rows_every):
-        canvas.text(1, MARGIN_TOP + t * cell_h, str(t))
-    geometry = {"origin_x": MARGIN_LEFT, "origin_y": MARGIN_TOP, "cell_width": cell_w, "cell_height": cell_h,
-                "rows": T, "columns": nb}
-    return canvas, geometry
+    palette = np.array([shade(k / num_groups) for k in range(num_groups + 1)], dtype=np.uint8)
+    colors = palette[counts.clamp(max=num_groups).numpy()]
+    future = np.arange(nb)[None, :] > (np.arange(T) // block_tokens)[:, None]
+    colors[future] = FUTURE
+    return colors
 
 
-def gate_chart(gate_means: torch.Tensor, layer_ids: list[int]) -> tuple[Canvas, dict]:
-    """Bars of gate_means [L, 3] (branches cmp, sel, win) per layer; returns (canvas, geometry)."""
-    group_w = len(BRANCHES) * (BAR_WIDTH + BAR_GAP)
-    width = MARGIN_LEFT + len(layer_ids) * (group_w + GROUP_GAP) + GROUP_GAP
-    base = MARGIN_TOP + CHART_HEIGHT  # the y of value 0
-    canvas = Canvas(width, base + MARGIN_BOTTOM)
-    for quarter in range(5):
-        y = base - round(CHART_HEIGHT * quarter / 4)
-        canvas.fill_rect(MARGIN_LEFT, y, width, y + 1, GRID if quarter else BLACK)
-    for label, fraction in (("0", 0.0), ("0.5", 0.5), ("1", 1.0)):
-        y = base - round(CHART_HEIGHT * fraction)
-        canvas.text(1, min(max(y - GLYPH_HEIGHT // 2, 0), base - GLYPH_HEIGHT), label)
-    values = gate_means.tolist()
-    for g, layer in enumerate(layer_ids):
-        x0 = MARGIN_LEFT + GROUP_GAP + g * (group_w + GROUP_GAP)
-        for b, branch in enumerate(BRANCHES):
-            x = x0 + b * (BAR_WIDTH + BAR_GAP)
-            canvas.fill_rect(x, base - round(CHART_HEIGHT * values[g][b]), x + BAR_WIDTH, base, BRANCH_COLORS[branch])
-        canvas.text(x0, base + 3, str(layer))
-    geometry = {"baseline_y": base, "height_of_1": CHART_HEIGHT, "first_bar_x": MARGIN_LEFT + GROUP_GAP,
-                "bar_width": BAR_WIDTH, "bar_gap": BAR_GAP, "group_gap": GROUP_GAP}
-    return canvas, geometry
+def selection_figure(colors: np.ndarray, layer: int, legend: dict):
+    """The selection picture of selection_colors' cells, one pixel block per cell."""
+    plt = pyplot()
+    T, nb, _ = colors.shape
+    fig, ax = plt.subplots(figsize=(max(6, min(3 + nb * 0.25, 14)), max(4, min(2 + T * 0.04, 14))),
+                           layout="constrained")
+    ax.imshow(colors, interpolation="nearest", aspect="auto", extent=(-0.5, nb - 0.5, T - 0.5, -0.5))
+    ax.set_xlabel(f"selection block ({legend.get('sel_block_size', '?')} tokens)")
+    ax.set_ylabel("query position")
+    ax.set_title(f"layer {layer}: the blocks each query selected (n = {legend.get('num_selected', '?')})\n"
+                 f"white: no group, darkest: all {legend.get('groups', '?')} key/value groups, grey: future",
+                 fontsize=9)
+    return fig
+
+
+def gate_figure(gate_means: torch.Tensor, layer_ids: list[int]):
+    """Bars of gate_means [L, 3] (branches cmp, sel, win) per layer."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(4, 1 + len(layer_ids) * 0.9), 3.2), layout="constrained")
+    width = 0.8 / len(BRANCHES)
+    x = np.arange(len(layer_ids))
+    for b, branch in enumerate(BRANCHES):
+        ax.bar(x + (b - 1) * width, gate_means[:, b].numpy(), width, label=branch,
+               color=np.array(BRANCH_COLORS[branch]) / 255)
+    ax.set_xticks(x, [str(i) for i in layer_ids])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean gate")
+    ax.set_ylim(0, 1)
+    ax.grid(axis="y", alpha=0.4)
+    ax.legend(ncols=3, fontsize=8, loc="upper center")
+    return fig
+
+
+def _save(fig, path: str) -> str:
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+    return path
 
 
 def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out_dir: str) -> dict[str, str]:
@@ -115,26 +123,26 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
     chosen = maps[layer]
     num_blocks = -(-num_tokens // chosen.block_tokens)
     counts = selection_counts(chosen.selected[0], num_blocks)
-    sel_canvas, sel_geometry = selection_image(counts, chosen.groups, chosen.block_tokens)
+    colors = selection_colors(counts, chosen.groups, chosen.block_tokens)
     layer_ids = sorted(maps)
     gate_means = torch.stack([maps[i].gates.float().mean(dim=(0, 1, 2)) for i in layer_ids]).cpu()
-    gate_canvas, gate_geometry = gate_chart(gate_means, layer_ids)
 
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"selection": sel_canvas.save(os.path.join(out_dir, f"selection_layer{layer}.png")),
-             "gates": gate_canvas.save(os.path.join(out_dir, "gates.png"))}
+    paths = {"selection": _save(selection_figure(colors, layer, chosen.legend),
+                                os.path.join(out_dir, f"selection_layer{layer}.png")),
+             "gates": _save(gate_figure(gate_means, layer_ids), os.path.join(out_dir, "gates.png"))}
     legend = {
         "tokens": num_tokens,
         "selection": {"file": os.path.basename(paths["selection"]), "layer": layer, **chosen.legend,
-                      "rows": "query position", "columns": "selection block",
+                      "rows": counts.shape[0], "columns": counts.shape[1],
                       "white": "selected by no group", "darkest": list(DARKEST), "future": list(FUTURE),
                       "shade": "linear from white to darkest in the number of groups that selected the block",
-                      **sel_geometry},
+                      "counts": "counts[query][block]: key/value groups that selected the block",
+                      "counts_by_query": counts.tolist()},
         "gates": {"file": os.path.basename(paths["gates"]), "branch_colors": {b: list(c) for b, c in
                                                                             BRANCH_COLORS.items()},
                   "layers": layer_ids,
-                  "mean_gate": {b: [round(v, 6) for v in gate_means[:, i].tolist()] for i, b in enumerate(BRANCHES)},
-                  **gate_geometry},
+                  "mean_gate": {b: [round(v, 6) for v in gate_means[:, i].tolist()] for i, b in enumerate(BRANCHES)}},
     }
     legend_path = os.path.join(out_dir, "plots.json")
     with open(legend_path, "w", encoding="utf-8") as fh:
