@@ -2,7 +2,8 @@
 
 Every tokenizer has `name`, `vocab_size`, `bos_id`, `eos_id`, `encode(text) -> list[int]` (no special
 tokens added, special-token strings in the text are plain text) and `decode(ids) -> str`.
-Special ids sit above every ordinary id, so ids in [0, min(bos_id, eos_id)) are plain text.
+For byte and tiktoken, special ids sit above every ordinary id (ids in [0, min(bos_id, eos_id)) are
+plain text); a Hugging Face tokenizer (hf_tokenizer.py) may place them anywhere.
 
 How documents become a token stream is decided by the packer, not here: each document is
 `[bos]? + encode(text) + [eos]`, documents follow each other (doc EOS doc EOS ...), and BOS is added
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from components.data.hf_tokenizer import HFTokenizerArgs, build_hf_tokenizer
 from components.errors import UserError
 
 ENDOFTEXT = "<|endoftext|>"
@@ -178,4 +180,5 @@ def encode_array(tokenizer, text: str) -> np.ndarray:
 TOKENIZERS = {
     "byte": (None, build_byte_tokenizer),
     "tiktoken": (TiktokenArgs, build_tiktoken_tokenizer),
+    "hf_tokenizer": (HFTokenizerArgs, build_hf_tokenizer),
 }

@@ -1,0 +1,107 @@
+"""A Hugging Face `tokenizers` tokenizer (a tokenizer.json file, or a folder that holds one).
+
+The `tokenizers` package is optional (`pip install 'nsa_titan[hf]'`). Like the other tokenizers,
+encode adds no special tokens and reads special-token strings in the text as plain text. Special
+ids may lie anywhere in the vocabulary (unlike the byte and tiktoken tokenizers, whose specials sit
+above every ordinary id).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from components.errors import UserError
+
+# Tried in order when neither the recipe nor tokenizer_config.json names the end-of-document token.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+@dataclass
+class HFTokenizerArgs:
+    path: str = field(default="", metadata={"doc": "a tokenizer.json file, or a folder holding one (as "
+                                                    "save_pretrained writes it)"})
+    eos_token: str = field(default="", metadata={"doc": "the token that ends each document; empty: the "
+                                                         "folder's tokenizer_config.json eos_token, else the first "
+                                                         "known one (<|endoftext|>, </s>, <eos>, ...)"})
+    bos_token: str = field(default="", metadata={"doc": "the token data.add_bos puts before each document; "
+                                                         "empty: tokenizer_config.json's bos_token, else eos_token"})
+
+
+def _tokenizer_file(path: str) -> str:
+    if not path:
+        raise UserError("tokenizer hf_tokenizer needs a path. Fix: set data.hf_tokenizer.path to a tokenizer.json "
+                        "file or to a folder holding one.")
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise UserError(f"tokenizer hf_tokenizer: {file!r} does not exist. Fix: point data.hf_tokenizer.path at a "
+                        f"tokenizer.json file or a folder holding one.")
+    return file
+
+
+def _config_token(file: str, key: str) -> str:
+    """bos_token / eos_token from the tokenizer_config.json beside the file, or ''."""
+    config = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+    try:
+        with open(config, encoding="utf-8") as fh:
+            value = json.load(fh).get(key) or ""
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return value.get("content", "") if isinstance(value, dict) else str(value)
+
+
+class HFTokenizer:
+    def __init__(self, args: HFTokenizerArgs):
+        self.args = args
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise UserError("tokenizer hf_tokenizer needs the tokenizers package. Fix: pip install "
+                            "'nsa_titan[hf]' (or pip install tokenizers).") from None
+        file = _tokenizer_file(args.path)
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as exc:  # the library raises a bare Exception for a malformed file
+            raise UserError(f"tokenizer hf_tokenizer: cannot read {file!r} ({exc}). Fix: give a tokenizer.json that "
+                            f"the tokenizers library wrote (Tokenizer.save or save_pretrained).") from None
+        self._tok.encode_special_tokens = True  # special-token strings in documents are plain text
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        eos = args.eos_token or _config_token(file, "eos_token") or next(
+            (t for t in EOS_CANDIDATES if self._tok.token_to_id(t) is not None), "")
+        self.eos_id = self._token_id(eos, "eos_token")
+        bos = args.bos_token or _config_token(file, "bos_token")
+        self.bos_id = self._token_id(bos, "bos_token") if bos else self.eos_id
+        with open(file, "rb") as fh:  # the data stream's id follows the file's content, not where it lies
+            self.name = f"hf_tokenizer:{hashlib.sha256(fh.read()).hexdigest()[:12]}"
+
+    def _token_id(self, token: str, field_name: str) -> int:
+        token_id = self._tok.token_to_id(token) if token else None
+        if token_id is None:
+            what = f"has no token {token!r}" if token else "names no end-of-document token"
+            raise UserError(f"tokenizer hf_tokenizer: {self.args.path!r} {what}. Fix: set "
+                            f"data.hf_tokenizer.{field_name} to one of its tokens.")
+        return int(token_id)
+
+    # Workers receive the arguments and load the file themselves.
+    def __getstate__(self):
+        return {"args": self.args}
+
+    def __setstate__(self, state):
+        self.__init__(state["args"])
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def build_hf_tokenizer(args: HFTokenizerArgs) -> HFTokenizer:
+    return HFTokenizer(args)

@@ -1,0 +1,86 @@
+"""The Hugging Face `tokenizers` tokenizer, with a BPE trained here on the standard library's sources."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import sysconfig
+
+import pytest
+
+from components.data import TOKENIZERS
+from components.data.hf_tokenizer import HFTokenizer, HFTokenizerArgs
+from components.errors import UserError
+from nsa_titan import cli
+from tests.launch import DEBUG, TINY, metrics
+
+SAMPLES = ["", "def f(x):\n    return x", "naïve café — 日本語 🙂", "a <|endoftext|> b", "tabs\tand  spaces "]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A byte-level BPE of 600 tokens trained on some of the standard library, saved as a folder the way
+    save_pretrained leaves it (tokenizer.json and tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train(files, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<s>"],
+                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<|endoftext|>"}))
+    return folder
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_round_trip(trained, text):
+    tok = HFTokenizer(HFTokenizerArgs(path=str(trained)))
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert list(tok.encode_array(text)) == ids
+
+
+def test_specials_from_the_config_and_as_plain_text(trained):
+    tok = HFTokenizer(HFTokenizerArgs(path=str(trained / "tokenizer.json")))
+    assert (tok.eos_id, tok.bos_id) == (0, 1) and tok.vocab_size == 600
+    assert tok.eos_id not in tok.encode("x <|endoftext|> y")  # text never yields the end-of-document id
+    assert tok.decode([5, tok.eos_id]).endswith("<|endoftext|>")
+    named = HFTokenizer(HFTokenizerArgs(path=str(trained), eos_token="<s>", bos_token="<|endoftext|>"))
+    assert (named.eos_id, named.bos_id) == (1, 0)
+
+
+def test_pickles_and_names_its_content(trained, tmp_path):
+    tok = HFTokenizer(HFTokenizerArgs(path=str(trained)))
+    again = pickle.loads(pickle.dumps(tok))
+    assert again.encode(SAMPLES[1]) == tok.encode(SAMPLES[1]) and again.name == tok.name
+    moved = tmp_path / "elsewhere.json"
+    moved.write_bytes((trained / "tokenizer.json").read_bytes())
+    assert HFTokenizer(HFTokenizerArgs(path=str(moved))).name == tok.name  # the stream id follows the content
+
+
+@pytest.mark.parametrize("args, message", [
+    (HFTokenizerArgs(), "needs a path"),
+    (HFTokenizerArgs(path="/nonexistent/tokenizer.json"), "does not exist"),
+    (HFTokenizerArgs(path="BROKEN"), "cannot read"),
+    (HFTokenizerArgs(path="TRAINED", eos_token="<nope>"), "has no token '<nope>'"),
+])
+def test_bad_input_is_a_user_error(trained, tmp_path, args, message):
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text("{not json")
+    args.path = {"BROKEN": str(broken), "TRAINED": str(trained)}.get(args.path, args.path)
+    with pytest.raises(UserError, match=message):
+        HFTokenizer(args)
+
+
+def test_the_debug_recipe_trains_with_it(trained, tmp_path):
+    assert TOKENIZERS["hf_tokenizer"][0] is HFTokenizerArgs
+    out = tmp_path / "run"
+    argv = [DEBUG, *TINY, "--training.steps=2", "--data.tokenizer=hf_tokenizer",
+            f"--data.hf_tokenizer.path={trained}", "--data.add_bos=true", f"--job.dump_folder={out}"]
+    assert cli.main(["train", *argv]) == 0
+    assert [r["step"] for r in metrics(out) if "loss" in r] == [1, 2]
