@@ -18,11 +18,12 @@ from nsa_titan import assemble, registry
 from nsa_titan.checkpoint import Checkpointer, RunState
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
+from nsa_titan.config.toml_io import tomllib
 from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
 from nsa_titan.observe.manifest import write_manifest
-from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog
+from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog, WandbLog
 from nsa_titan.observe.mfu import mfu_percent, peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
@@ -113,6 +114,11 @@ class Trainer:
         self.tensorboard = None
         if runtime.is_main and recipe.metrics.enable_tensorboard:
             self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder))
+        self.wandb = None
+        if runtime.is_main and recipe.metrics.enable_wandb:
+            self.wandb = WandbLog(dump, project=recipe.metrics.wandb_project, name=recipe.job.name,
+                                  mode=recipe.metrics.wandb_mode,
+                                  config={"recipe_hash": resolved.hash, **tomllib.loads(resolved.toml)})
         self.watchdog: Watchdog | None = None
         self._probe: Batch | None = None  # two fixed rows for attention telemetry
         self._validation_cache: list | None = None  # the validation batches once read (see validate)
@@ -414,14 +420,15 @@ class Trainer:
             say(f"validation at step {record['step']}: loss {record['val_loss']:.4f} | "
                 f"perplexity {record['val_perplexity']:.2f}")
         self.metrics.write(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
+        for sink in (self.tensorboard, self.wandb):
+            if sink is not None:
+                sink.write(record)
 
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
         uninstall_sigusr1()
         self.stop.restore()
-        for sink in (self.metrics, self.tensorboard):
+        for sink in (self.metrics, self.tensorboard, self.wandb):
             if sink is not None:
                 sink.close()

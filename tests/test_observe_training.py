@@ -120,3 +120,68 @@ def test_sigusr1_writes_stacks_without_stopping(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
     assert proc.returncode == 0
+
+
+def _wandb_history(path) -> dict[int, dict[str, str]]:
+    """The history rows of an offline .wandb file: a 7-byte header, then LevelDB-log records (32 KiB
+    blocks; each chunk a 7-byte header of crc, length and kind) holding wandb's protobuf Records."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, pending, rows = path.read_bytes(), 32768, 7, b"", {}
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if length == 0 and kind == 0:  # the padding at a block's end
+            pos += left
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                row = {item.nested_key[0] if item.nested_key else item.key: item.value_json
+                       for item in record.history.item}
+                rows[int(row["_step"])] = row
+    return rows
+
+
+def test_wandb_offline_logs_the_run_and_a_resume_continues_it(tmp_path):
+    """metrics.enable_wandb in offline mode: the W&B run lies in the dump folder with the logged losses; a
+    resumed run logs into the same W&B run."""
+    out = tmp_path / "run"
+    flags = [*BASE, "--metrics.enable_wandb=true", "--metrics.wandb_mode=offline", "--checkpoint.enable=true",
+             f"--job.dump_folder={out}"]
+    for steps in (2, 3):
+        proc = train([*flags, f"--training.steps={steps}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = (out / "wandb_run_id").read_text().strip()
+    files = sorted(out.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(files) == 2  # one per process, the same run id
+    logged = {step: row for path in files for step, row in _wandb_history(path).items() if "loss" in row}
+    expected = {r["step"]: r["loss"] for r in metrics(out) if "loss" in r}
+    assert sorted(logged) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert float(logged[step]["loss"]) == pytest.approx(expected[step])
+
+
+def test_wandb_missing_is_one_clear_error(tmp_path, monkeypatch):
+    import builtins
+
+    from components.errors import UserError
+    from nsa_titan.observe.metrics_log import WandbLog
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name.split(".")[0] == "wandb":
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(UserError, match="pip install wandb, or set --metrics.enable_wandb=false"):
+        WandbLog(str(tmp_path), project="p", name="n", mode="offline", config={})
+    assert not (tmp_path / "wandb_run_id").exists()

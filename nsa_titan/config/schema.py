@@ -99,6 +99,11 @@ class MetricsConfig:
     log_freq: int = f(10, "Log metrics every this many steps.", ge=1)
     enable_tensorboard: bool = f(False, "Also write TensorBoard event files.")
     save_tb_folder: str = f("tb", "TensorBoard folder inside job.dump_folder.")
+    enable_wandb: bool = f(False, "Also log to Weights & Biases (pip install wandb); a resumed run continues "
+                               "the same W&B run.")
+    wandb_project: str = f("nsa_titan", "W&B project to log into.")
+    wandb_mode: str = f("online", "online, or offline to keep the W&B run in job.dump_folder/wandb for a later "
+                        "`wandb sync`.", choices=("online", "offline"))
     telemetry_freq: int = f(0, "Collect attention telemetry every this many steps; 0 disables.", ge=0)
     peak_tflops: float = f(0.0, "Peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU up (no MFU on CPU).",
                            ge=0.0)

@@ -1,11 +1,15 @@
-"""metrics.jsonl: one JSON object per logged step, flushed as written."""
+"""Where logged records go: metrics.jsonl (one JSON object per logged step, flushed as written), and
+optionally TensorBoard and Weights & Biases."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import uuid
 from typing import Any
+
+from components.errors import UserError
 
 
 def _plain(value: Any) -> Any:
@@ -35,10 +39,42 @@ class TensorBoardLog:
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(key.replace(".", "/"), value, step)
+        for key, value in _numbers(record).items():
+            self._writer.add_scalar(key.replace(".", "/"), value, step)
         self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
+
+
+def _numbers(record: dict[str, Any]) -> dict[str, float]:
+    return {key: value for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+class WandbLog:
+    """A W&B run in dump_folder/wandb. Its id is kept in dump_folder/wandb_run_id, so a resumed run logs
+    into the same W&B run."""
+
+    def __init__(self, dump_folder: str, *, project: str, name: str, mode: str, config: dict[str, Any]):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("metrics.enable_wandb needs the wandb package. Fix: pip install wandb, or set "
+                            "--metrics.enable_wandb=false.") from None
+        id_file = os.path.join(dump_folder, "wandb_run_id")
+        if os.path.exists(id_file):
+            with open(id_file, encoding="utf-8") as fh:
+                run_id = fh.read().strip()
+        else:
+            run_id = uuid.uuid4().hex[:12]
+            with open(id_file, "w", encoding="utf-8") as fh:
+                fh.write(run_id + "\n")
+        self._run = wandb.init(project=project, name=name, id=run_id, resume="allow", mode=mode, dir=dump_folder,
+                               config=config)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._run.log(_numbers(record), step=int(record["step"]))
+
+    def close(self) -> None:
+        self._run.finish()
