@@ -30,3 +30,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def hide_package(monkeypatch):
+    """hide_package("wandb"): importing that package (or a submodule) raises ImportError, as where it is
+    not installed."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def hide(package: str) -> None:
+        def guarded(name, *args, **kwargs):
+            if name.split(".")[0] == package:
+                raise ImportError(f"No module named {name!r}")
+            return real_import(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "__import__", guarded)
+
+    return hide

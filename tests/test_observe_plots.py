@@ -57,17 +57,8 @@ def test_the_pictures_draw_those_numbers(tmp_path):
     assert matplotlib.image.imread(path).shape[2] in (3, 4)
 
 
-def test_without_matplotlib_the_plot_command_says_how_to_install_it(monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.split(".")[0] == "matplotlib":
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+def test_without_matplotlib_the_plot_command_says_how_to_install_it(hide_package):
+    hide_package("matplotlib")
     with pytest.raises(UserError, match=r"pip install 'nsa_titan\[plots\]'"):
         plots.pyplot()
 

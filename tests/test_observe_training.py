@@ -168,20 +168,11 @@ def test_wandb_offline_logs_the_run_and_a_resume_continues_it(tmp_path):
         assert float(logged[step]["loss"]) == pytest.approx(expected[step])
 
 
-def test_wandb_missing_is_one_clear_error(tmp_path, monkeypatch):
-    import builtins
-
+def test_wandb_missing_is_one_clear_error(tmp_path, hide_package):
     from components.errors import UserError
     from nsa_titan.observe.metrics_log import WandbLog
 
-    real_import = builtins.__import__
-
-    def no_wandb(name, *args, **kwargs):
-        if name.split(".")[0] == "wandb":
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    hide_package("wandb")
     with pytest.raises(UserError, match="pip install wandb, or set --metrics.enable_wandb=false"):
         WandbLog(str(tmp_path), project="p", name="n", mode="offline", config={})
     assert not (tmp_path / "wandb_run_id").exists()
