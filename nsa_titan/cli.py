@@ -16,6 +16,8 @@ COMMANDS = {
               "[--temperature T] [--top-k K] [--seed S]",
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE --text TEXT|--text-file FILE "
             "[--layer N] --out DIR",
+    "eval": "loss by context position and a passkey probe: nsa-titan eval RECIPE.toml|EXPORTED_FILE --out DIR "
+            "[--batches N] [--lengths 64,128] [--depths 0,0.5,1] [--trials N]",
     "inspect": "compile-graph inspection: nsa-titan inspect RECIPE.toml [overrides] [--seq-lens 64,96] "
                "[--fail-on-break]",
     "doctor": "preflight checks: nsa-titan doctor RECIPE.toml [overrides] [--world-size N]",
@@ -171,6 +173,12 @@ def inspect(argv: list[str]) -> int:
     return run_command(argv)
 
 
+def evaluate(argv: list[str]) -> int:
+    from nsa_titan.evaluate import run_command
+
+    return run_command(argv)
+
+
 def doctor(argv: list[str]) -> int:
     from nsa_titan.doctor import run_command
 
@@ -184,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else INPUT_ERROR
     command, rest = argv[0], argv[1:]
-    handlers = {"train": train, "export": export, "sample": sample, "plot": plot, "inspect": inspect,
-                "doctor": doctor}
+    handlers = {"train": train, "export": export, "sample": sample, "plot": plot, "eval": evaluate,
+                "inspect": inspect, "doctor": doctor}
     if command not in handlers:
         return _fail(f"error: unknown command {command!r}. Fix: use one of {', '.join(handlers)} "
                      f"(`nsa-titan --help` describes them).")

@@ -1,0 +1,129 @@
+"""`nsa-titan eval`: loss by context position on held-out data and a passkey probe, as JSON and plots.
+
+    nsa-titan eval RECIPE.toml [overrides] --out DIR [options]   the run's newest checkpoint
+    nsa-titan eval EXPORTED.pt --out DIR [options]               an exported model
+options: --batches N (held-out batches, default validation.steps), --lengths 64,128 (passkey prompt
+lengths, default four up to max_seq_len), --depths 0,0.5,1 (default 0 to 1 by 0.25), --trials N
+(keys per cell, default 5). Writes eval.json, position_loss.png and passkey.png (matplotlib).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from components.errors import UserError
+from nsa_titan import assemble, registry
+from nsa_titan.command_options import take_option
+from nsa_titan.config import resolve
+from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length
+from nsa_titan.evaluate.position_loss import loss_by_position
+from nsa_titan.evaluate.plots import passkey_figure, position_loss_figure
+from nsa_titan.observe.plots import pyplot
+
+USAGE = "`nsa-titan eval recipes/debug.toml --out outputs/debug/eval` (or an exported model file instead of the recipe)"
+
+
+def progress(what: str):
+    """tqdm over an iterable, shown only on a terminal."""
+    from tqdm import tqdm
+
+    return lambda items: tqdm(items, desc=what, disable=not sys.stderr.isatty(), leave=False)
+
+
+def _numbers(argv: list[str], name: str, kind, default: str | None):
+    text = take_option(argv, name, default)
+    if text is None:
+        return None
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{name} = {text!r} is not a comma-separated list of {kind.__name__}s. Fix: e.g. "
+                        f"{name}={default or '64,128'}.") from None
+    if not values:
+        raise UserError(f"{name} is empty. Fix: give at least one value.")
+    return values
+
+
+def _load(argv: list[str]):
+    """(model, tokenizer, recipe, what was loaded) from a recipe's checkpoint or an exported file."""
+    from nsa_titan.config.resolve import resolve_text
+    from nsa_titan.export import load_checkpoint_model, load_exported
+
+    if argv and argv[0].endswith(".toml"):
+        resolved = resolve(argv, world_size=None)
+        model, tokenizer, step = load_checkpoint_model(resolved)
+        return model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}"
+    if len(argv) != 1:
+        raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
+    model, meta = load_exported(argv[0])
+    recipe = resolve_text(meta["recipe_toml"]).recipe
+    return model, assemble.build_tokenizer(recipe), recipe, f"{argv[0]} (step {meta['step']})"
+
+
+def run_command(argv: list[str]) -> int:
+    argv = list(argv)
+    out = take_option(argv, "--out")
+    if not out:
+        raise UserError(f"eval needs --out DIR for its results. Fix: {USAGE}.")
+    batches = _numbers(argv, "--batches", int, None)
+    lengths = _numbers(argv, "--lengths", int, None)
+    depths = _numbers(argv, "--depths", float, "0,0.25,0.5,0.75,1")
+    trials = _numbers(argv, "--trials", int, "5")[0]
+    if any(not 0 <= d <= 1 for d in depths) or trials < 1 or (batches and batches[0] < 1):
+        raise UserError("--depths must lie in [0, 1], --trials and --batches be >= 1. Fix: e.g. --depths 0,0.5,1.")
+    pyplot()  # fail before the work when matplotlib is missing
+    model, tokenizer, recipe, loaded = _load(argv)
+    limit = recipe.model.args.max_seq_len - answer_tokens(tokenizer)
+    shortest = shortest_length(tokenizer)
+    if shortest > limit:
+        raise UserError(f"the passkey prompt needs {shortest} tokens, more than max_seq_len "
+                        f"{recipe.model.args.max_seq_len} leaves. Fix: evaluate a model with a longer max_seq_len.")
+    lengths = lengths or sorted({max(limit // k, shortest) for k in (8, 4, 2, 1)})
+    if max(lengths) > limit or min(lengths) < shortest:
+        raise UserError(f"--lengths must lie in {shortest}..{limit} (the needle and question take {shortest} tokens; "
+                        f"the answer needs room within max_seq_len {recipe.model.args.max_seq_len}). Fix: e.g. "
+                        f"--lengths {shortest},{limit}.")
+
+    part = registry.get("model", recipe.model.name)
+    device = next(model.parameters()).device
+
+    def documents_of(document_starts):
+        return None if part.documents is None else part.documents(model, document_starts, device)
+
+    from nsa_titan.runtime import make_runtime
+
+    runtime = make_runtime("cpu", "float32")
+    loader = assemble.build_loader(recipe, runtime, assemble.build_source(recipe), tokenizer, dp_rank=0, dp_size=1,
+                                   split="validation", batch_size=recipe.training.local_batch_size)
+    count = batches[0] if batches else recipe.validation.steps
+    iterator = iter(loader)
+    held_out = [next(iterator) for _ in range(count)]
+    positions = loss_by_position(model, documents_of, held_out, recipe.training.seq_len, progress("held-out loss"))
+
+    from components.models import generate
+
+    passkey = passkey_accuracy(model, tokenizer, generate, lengths, depths, trials, recipe.job.seed,
+                               progress("passkey"))
+
+    os.makedirs(out, exist_ok=True)
+    results = {"model": loaded, "position_loss": positions, "passkey": passkey}
+    paths = {"results": os.path.join(out, "eval.json"), "position_loss": os.path.join(out, "position_loss.png"),
+             "passkey": os.path.join(out, "passkey.png")}
+    with open(paths["results"], "w", encoding="utf-8") as fh:
+        json.dump(results, fh, indent=1)
+        fh.write("\n")
+    plt = pyplot()
+    for name, figure in (("position_loss", position_loss_figure(positions, loaded)),
+                         ("passkey", passkey_figure(passkey, loaded))):
+        figure.savefig(paths[name], dpi=100)
+        plt.close(figure)
+    far = positions["mean_loss"][-1] if positions["mean_loss"] else float("nan")
+    mean_accuracy = sum(map(sum, passkey["accuracy"])) / (len(lengths) * len(depths))
+    print(f"evaluated {loaded}: loss {positions['mean_loss'][0]:.3f} at position 0, {far:.3f} at position "
+          f"{positions['positions'][-1]}; passkey accuracy {mean_accuracy:.0%} over {len(lengths)} lengths x "
+          f"{len(depths)} depths x {trials} keys: " + ", ".join(paths.values()))
+    return 0

@@ -1,0 +1,98 @@
+"""`nsa-titan eval`: loss by context position and the passkey probe, on a tiny checkpoint, offline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from components.data import ByteTokenizer
+from nsa_titan import cli
+from nsa_titan.evaluate.passkey import NEEDLE, passkey_accuracy, prompt, shortest_length
+from nsa_titan.evaluate.position_loss import context_positions, loss_by_position
+from tests.launch import DEBUG, TINY
+
+
+def test_context_positions_restart_at_documents_only_when_masked():
+    starts = torch.tensor([[True, False, False, True, False], [False, False, True, False, False]])
+    assert context_positions(starts, (2, 5), masked=True).tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert context_positions(starts, (2, 5), masked=False).tolist() == [[0, 1, 2, 3, 4]] * 2
+
+
+def test_loss_by_position_is_the_mean_of_each_positions_losses():
+    torch.manual_seed(0)
+    vocab, T = 11, 6
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab))
+    batches = [{"input": torch.randint(0, vocab, (2, T)), "target": torch.randint(0, vocab, (2, T)),
+                "document_starts": torch.zeros(2, T, dtype=torch.bool)} for _ in range(3)]
+    got = loss_by_position(model, lambda starts: None, batches, T, lambda items: items)
+    losses = torch.stack([F.cross_entropy(model(b["input"]).flatten(0, 1), b["target"].flatten(), reduction="none")
+                          .view(2, T) for b in batches])
+    assert got["positions"] == list(range(T)) and got["tokens"] == [6] * T
+    torch.testing.assert_close(torch.tensor(got["mean_loss"], dtype=torch.float32), losses.mean(dim=(0, 1)))
+
+
+def test_passkey_prompts_hide_the_key_at_the_depth_and_score_the_answer():
+    tok = ByteTokenizer()
+    shortest = shortest_length(tok)
+    for depth in (0.0, 0.5, 1.0):
+        ids = prompt(tok, 300, depth, "12345")
+        text = tok.decode(ids)
+        assert len(ids) == 300 and text.endswith("The pass key is")
+        where = text.index(NEEDLE.format(key="12345")) / (300 - shortest)
+        assert where == pytest.approx(depth, abs=0.01)
+    with pytest.raises(ValueError, match="too short"):
+        prompt(tok, shortest - 1, 0.5, "12345")
+
+    def oracle(right: bool):
+        """A 'model' that answers with the key read from the prompt (or a wrong one)."""
+        def generate(model, tokens, new_tokens, temperature):
+            key = tok.decode(tokens[0].tolist()).split("The pass key is ")[1][:5]
+            answer = tok.encode(" " + (key if right else "00000"))[:new_tokens]
+            return torch.cat([tokens, torch.tensor([answer])], dim=1)
+        return generate
+
+    model = torch.nn.Linear(1, 1)
+    for right, accuracy in ((True, 1.0), (False, 0.0)):
+        result = passkey_accuracy(model, tok, oracle(right), [150, 200], [0.0, 1.0], 2, 0, lambda items: items)
+        assert result["accuracy"] == [[accuracy, accuracy], [accuracy, accuracy]]
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "run"
+    argv = [DEBUG, *TINY, "--training.steps=2", "--checkpoint.enable=true", "--model.max_seq_len=128",
+            f"--job.dump_folder={out}"]
+    assert cli.main(["train", *argv]) == 0
+    return argv
+
+
+def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
+    out = tmp_path / "eval"
+    code = cli.main(["eval", *checkpointed_run, "--out", str(out), "--batches", "2", "--trials", "1",
+                     "--depths", "0,1"])
+    assert code == 0, capsys.readouterr().err
+    assert "evaluated checkpoint step 2" in capsys.readouterr().out
+    results = json.loads((out / "eval.json").read_text())
+    positions = results["position_loss"]
+    assert positions["positions"] == list(range(64)) and sum(positions["tokens"]) == 2 * 8 * 64  # 2 batches of 8 rows
+    assert all(0 < loss < 20 for loss in positions["mean_loss"])
+    passkey = results["passkey"]
+    assert passkey["depths"] == [0.0, 1.0] and max(passkey["lengths"]) <= 128
+    assert all(0 <= a <= 1 for row in passkey["accuracy"] for a in row)
+    for name in ("position_loss.png", "passkey.png"):
+        assert (out / name).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "eval needs --out DIR"),
+    (["--out", "X", "--depths", "0,2"], "--depths must lie in"),
+    (["--out", "X", "--lengths", "abc"], "is not a comma-separated list of ints"),
+    (["--out", "X", "--lengths", "500"], "--lengths must lie in"),
+])
+def test_eval_bad_options(checkpointed_run, tmp_path, capsys, extra, message):
+    extra = [str(tmp_path) if x == "X" else x for x in extra]
+    assert cli.main(["eval", *checkpointed_run, *extra]) == 2
+    assert message in capsys.readouterr().err
