@@ -27,8 +27,11 @@ BACKENDS = {
     "reference": ["--training.local_batch_size=2", "--training.global_batch_size=4"],
     # Triton's interpreter runs each kernel program in Python (about 4 s for the forward and backward of
     # one block over 2 x 32 tokens): one block, short rows, two samples a step.
+    # Blocks of 8 and documents of 12 tokens or more keep every row's compressed-block count at 2 or more
+    # (a count of 0 or 1 is a size Dynamo specializes on, so crossing it would recompile).
     "triton": ["--model.nsa.backend=triton", "--model.n_layers=1", "--training.seq_len=32",
-               "--training.local_batch_size=1", "--training.global_batch_size=2"],
+               "--training.local_batch_size=1", "--training.global_batch_size=2", "--model.nsa.block_size=8",
+               "--model.nsa.block_stride=4", "--data.synthetic.min_length=12"],
     # The flag layer may not set [model.nsa] beside a dense model: drop TINY's window.
     "dense": ["--model.attention=dense", "--training.local_batch_size=2", "--training.global_batch_size=4"],
 }

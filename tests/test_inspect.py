@@ -188,17 +188,22 @@ def test_bad_seq_lens_are_input_errors(tmp_path, capsys, lengths, message):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
                     reason="the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
-def test_triton_backend_shows_its_custom_ops(tmp_path, capsys):
+@pytest.mark.parametrize("masking", [True, False])
+def test_triton_backend_shows_its_custom_ops(tmp_path, capsys, masking):
     one_block = [a for a in TINY_NSA if not a.startswith("--model.n_layers=")] + ["--model.n_layers=1"]
-    argv = [DEBUG, *one_block, "--model.nsa.backend=triton", f"--job.dump_folder={tmp_path}"]
+    argv = [DEBUG, *one_block, "--model.nsa.backend=triton", f"--model.document_masking={str(masking).lower()}",
+            f"--job.dump_folder={tmp_path}"]
     code, out, _ = _inspect(capsys, *argv, "--fail-on-break")
     assert code == 0, out
     assert _verdict(out) == "verdict: 0 graph breaks, 1 graph, 0 recompiles"
     ops = next(line for line in out.splitlines() if line.startswith("custom ops in the graphs: "))
     # The kernels registered by components/nsa/triton/ops.py, forward ones in the Dynamo graph and
-    # backward ones in AOTAutograd's backward graph.
-    for op in ("interval_attention", "select_blocks", "selected_attention", "interval_attention_backward",
-               "selected_attention_backward"):
+    # backward ones in AOTAutograd's backward graph; packed documents go through one op that runs them
+    # per document (components/nsa/triton/per_document.py).
+    expected = ("packed_attention", "packed_attention_backward") if masking else (
+        "interval_attention", "select_blocks", "selected_attention", "interval_attention_backward",
+        "selected_attention_backward")
+    for op in expected:
         assert f"nsa_triton::{op}" in ops.split(": ", 1)[1].split(", "), ops
 
 

@@ -134,10 +134,23 @@ def test_packed_rows_must_be_one_batch_row_and_float_boundaries_are_refused():
 
 
 def test_a_backend_without_packing_says_so():
+    from components.errors import UserError
+    from components.nsa.backends import register_backend, unregister_backend
+
+    def unpacked_only(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size, block_stride,
+                      sel_block_size, num_selected, window_size):
+        return reference_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_size, block_stride,
+                                   sel_block_size, num_selected, window_size)
+
     docs = _documents([20, 12], dtype=torch.float32)
     packed, cu_seqlens = _packed(docs)
-    with pytest.raises(Exception, match="does not take packed documents"):
-        nsa_attention(**packed, **HP, cu_seqlens=cu_seqlens, backend="triton")
+    register_backend("unpacked_only", unpacked_only)
+    try:
+        nsa_attention(**docs[0], **HP, backend="unpacked_only")  # unpacked calls work as before
+        with pytest.raises(UserError, match="'unpacked_only' does not take packed documents"):
+            nsa_attention(**packed, **HP, cu_seqlens=cu_seqlens, backend="unpacked_only")
+    finally:
+        unregister_backend("unpacked_only")
 
 
 @pytest.mark.parametrize("mode", ["mlp", "mean"])

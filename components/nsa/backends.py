@@ -11,6 +11,7 @@ parts). A backend's function takes the op's eight tensors and its five hyperpara
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,6 +26,12 @@ class Backend:
     doc: str
     built_in: bool
 
+    @property
+    def takes_documents(self) -> bool:
+        """Whether the function takes cu_seqlens (packed documents)."""
+        parameters = inspect.signature(self.attention).parameters
+        return "cu_seqlens" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
 
 def _reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
                sel_block_size: int, num_selected: int, window_size: int, cu_seqlens=None):
@@ -33,9 +40,6 @@ def _reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size
 
 
 def _triton(*tensors, cu_seqlens=None, **hyper):
-    if cu_seqlens is not None:
-        raise UserError("NSA backend 'triton' does not take packed documents (cu_seqlens) yet; choose backend "
-                        "'reference' for document-aware attention")
     try:
         import components.nsa.triton as nsa_triton
     except ImportError as exc:
@@ -43,6 +47,9 @@ def _triton(*tensors, cu_seqlens=None, **hyper):
             f"NSA backend 'triton' is not available here ({exc}); install triton and run on a CUDA GPU, "
             "or choose backend 'reference'"
         ) from exc
+    if cu_seqlens is not None:
+        names = ("block_size", "block_stride", "sel_block_size", "num_selected", "window_size")
+        return nsa_triton.packed_attention(*tensors, *(hyper[name] for name in names), cu_seqlens)
     return nsa_triton.attention_on_checked_inputs(*tensors, **hyper)
 
 

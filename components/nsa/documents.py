@@ -13,6 +13,9 @@ import torch
 
 from components.nsa.compression import num_compressed_blocks
 
+TOKEN, BLOCK = "token", "block"  # what dim 1 of a packed input counts: tokens, or compressed blocks
+ATTENTION_INPUT_KINDS = (TOKEN, BLOCK, BLOCK, TOKEN, TOKEN, TOKEN, TOKEN, TOKEN)  # q, k_cmp, v_cmp, ..., gates
+
 
 def check_cu_seqlens_tensor(cu_seqlens, batch: int, device: torch.device) -> None:
     """What is known without reading the values (all a compiled graph can check while tracing)."""
@@ -52,6 +55,33 @@ def document_slices(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int,
     starts = document_starts(cu_seqlens, num_tokens)
     cmp = compressed_starts(starts, block_size, block_stride)
     return [(slice(a, b), slice(c, e)) for a, b, c, e in zip(starts, starts[1:], cmp, cmp[1:])]
+
+
+def per_document(fn, tensors: tuple, kinds: tuple, cu_seqlens, block_size: int, block_stride: int):
+    """fn(*tensors) on each packed document's own slices (NSA_SPEC.md section 4), each output list
+    concatenated back along dim 1. Documents of equal length (rows cut from one long document, say)
+    run together as one batch: each row of a batch is computed on its own, so this changes nothing
+    but the number of calls. Without cu_seqlens, fn(*tensors) once."""
+    if cu_seqlens is None:
+        return fn(*tensors)
+    slices = document_slices(cu_seqlens, tensors[0].shape[1], block_size, block_stride)
+    for x, kind in zip(tensors, kinds):
+        if kind == BLOCK and x.shape[1] != slices[-1][1].stop:
+            raise ValueError(f"k_cmp / v_cmp hold {x.shape[1]} compressed blocks, but the documents of cu_seqlens "
+                             f"have {slices[-1][1].stop} with block_size {block_size} and block_stride {block_stride}")
+    by_length: dict[int, list[int]] = {}
+    for index, (tokens, _) in enumerate(slices):
+        by_length.setdefault(tokens.stop - tokens.start, []).append(index)
+    parts: list = [None] * len(slices)
+    for members in by_length.values():
+        batch = [torch.cat([x[:, slices[i][0] if kind == TOKEN else slices[i][1]] for i in members])
+                 for x, kind in zip(tensors, kinds)]
+        out = fn(*batch)
+        for row, i in enumerate(members):
+            parts[i] = out[row:row + 1] if isinstance(out, torch.Tensor) else [o[row:row + 1] for o in out]
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts, dim=1)
+    return [torch.cat(column, dim=1) for column in zip(*parts)]
 
 
 @dataclass(frozen=True)

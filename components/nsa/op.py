@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from components.errors import UserError
 from components.nsa.backends import get_backend
 from components.nsa.checks import check_attention_call, check_selection_call
 from components.nsa.documents import document_slices
@@ -28,6 +29,10 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_s
     check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, cu_seqlens=cu_seqlens,
                          **hyper)
     if cu_seqlens is not None:
+        if not chosen.takes_documents:
+            raise UserError(f"NSA backend {backend!r} does not take packed documents (its function has no "
+                            f"cu_seqlens parameter). Fix: choose backend 'reference' or 'triton', or set "
+                            f"model.document_masking = false.")
         hyper["cu_seqlens"] = cu_seqlens  # passed only when given: a backend without packing keeps working
     return chosen.attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
 

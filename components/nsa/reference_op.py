@@ -17,39 +17,10 @@ import torch
 from components.nsa.chunked_attention import chunked_attention_backward, chunked_attention_forward, key_layout
 from components.nsa.chunked_attention import query_layout
 from components.nsa.reference import branch_chunk, branch_plans, nsa_attention_at_reference
-from components.nsa.documents import document_slices
+from components.nsa.documents import ATTENTION_INPUT_KINDS, TOKEN, per_document
 from components.nsa.selection import score_dtype, select_blocks_at_reference
 
 Tensor = torch.Tensor
-_TOKEN, _BLOCK = "token", "block"  # what dim 1 of each of the eight inputs counts
-_KINDS = (_TOKEN, _BLOCK, _BLOCK, _TOKEN, _TOKEN, _TOKEN, _TOKEN, _TOKEN)
-
-
-def _per_document(fn, tensors: tuple, kinds: tuple, cu_seqlens, block_size: int, block_stride: int):
-    """fn(*tensors) on each packed document's own slices (NSA_SPEC.md section 4), each output list
-    concatenated back along dim 1. Documents of equal length (rows cut from one long document, say)
-    run together as one batch: each row of a batch is computed on its own, so this changes nothing
-    but the number of calls. Without cu_seqlens, fn(*tensors) once."""
-    if cu_seqlens is None:
-        return fn(*tensors)
-    slices = document_slices(cu_seqlens, tensors[0].shape[1], block_size, block_stride)
-    for x, kind in zip(tensors, kinds):
-        if kind == _BLOCK and x.shape[1] != slices[-1][1].stop:
-            raise ValueError(f"k_cmp / v_cmp hold {x.shape[1]} compressed blocks, but the documents of cu_seqlens "
-                             f"have {slices[-1][1].stop} with block_size {block_size} and block_stride {block_stride}")
-    by_length: dict[int, list[int]] = {}
-    for index, (tokens, _) in enumerate(slices):
-        by_length.setdefault(tokens.stop - tokens.start, []).append(index)
-    parts: list = [None] * len(slices)
-    for members in by_length.values():
-        batch = [torch.cat([x[:, slices[i][0] if kind == _TOKEN else slices[i][1]] for i in members])
-                 for x, kind in zip(tensors, kinds)]
-        out = fn(*batch)
-        for row, i in enumerate(members):
-            parts[i] = out[row:row + 1] if isinstance(out, Tensor) else [o[row:row + 1] for o in out]
-    if isinstance(parts[0], Tensor):
-        return torch.cat(parts, dim=1)
-    return [torch.cat(column, dim=1) for column in zip(*parts)]
 
 
 @torch.library.custom_op("nsa_reference::attention", mutates_args=())
@@ -63,8 +34,8 @@ def reference_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tenso
     def one(*tensors):
         return nsa_attention_at_reference(*tensors, q_start=0, **hyper)
 
-    o = _per_document(one, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), _KINDS, cu_seqlens,
-                      block_size, block_stride)
+    o = per_document(one, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), ATTENTION_INPUT_KINDS, cu_seqlens,
+                     block_size, block_stride)
     return o.contiguous()
 
 
@@ -87,8 +58,8 @@ def reference_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k_cmp: t
     def one(*tensors):
         return _backward_one(*tensors, **hyper)
 
-    grads = _per_document(one, (grad_o, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), (_TOKEN, *_KINDS),
-                          cu_seqlens, block_size, block_stride)
+    grads = per_document(one, (grad_o, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates),
+                         (TOKEN, *ATTENTION_INPUT_KINDS), cu_seqlens, block_size, block_stride)
     return [g.contiguous() for g in grads]
 
 

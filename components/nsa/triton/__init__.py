@@ -9,10 +9,11 @@ Files: interval_attention.py (compressed and window branches), selection_kernel.
 from the compressed log-sum-exp, with bitonic_sort.py), selected_attention_fwd.py /
 selected_attention_bwd.py, softmax_delta.py (the backward's row correction), ops.py
 (torch.library custom ops for torch.compile), api.py (the entry points: checked, and the
-backend table's on inputs the op has checked), launch.py (shared
-launch helpers).
+backend table's on inputs the op has checked), per_document.py (packed documents, cu_seqlens: the
+kernels on each document's slices), launch.py (shared launch helpers).
 """
 
 from components.nsa.triton.api import attention_on_checked_inputs, nsa_attention_triton, select_blocks_triton
+from components.nsa.triton.per_document import packed_attention
 
-__all__ = ["attention_on_checked_inputs", "nsa_attention_triton", "select_blocks_triton"]
+__all__ = ["attention_on_checked_inputs", "nsa_attention_triton", "packed_attention", "select_blocks_triton"]
