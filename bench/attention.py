@@ -1,14 +1,16 @@
 """Time NSA backends against dense causal SDPA (its best CUDA backend) on one GPU; write JSON.
 
     python -m bench.attention [--preset 125m|paper] [--seq-lens 2048 4096 ...] [--backends triton]
-                              [--modes fwd bwd fwd+bwd] [--heads H --kv-heads Hkv --head-dim D]
+                              [--modes fwd bwd fwd+bwd] [--heads H --kv-heads Hkv --head-dim D] [--packed]
 
 Presets: 125m = 12 query heads, 4 KV heads, head dim 64 (recipes/nsa_125m.toml; the default); paper = 64 query heads,
 4 KV heads, head dim 128. --heads/--kv-heads/--head-dim override the preset. NSA uses the paper's
 hyperparameters unless overridden. SDPA is timed with cuDNN and with flash attention separately
 (each where it runs) and the faster one is reported as "sdpa". Results go to
 bench/results/attention-<gpu>-<time>.json with the GPU name, torch/triton/CUDA versions and the
-git commit. Needs CUDA: exits with status 2 and a message otherwise.
+git commit. With --packed each row holds documents of 1k-8k tokens (cu_seqlens; the sdpa row stays
+one causal sequence of the same length, dense attention's cost without document masking). Needs
+CUDA: exits with status 2 and a message otherwise.
 """
 
 from __future__ import annotations
@@ -62,12 +64,24 @@ def nsa_hyper(args) -> dict:
                 num_selected=args.num_selected, window_size=args.window_size)
 
 
-def nsa_inputs(args, T: int, dtype: torch.dtype, device: str = "cuda") -> list[torch.Tensor]:
-    """Leaf tensors (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates) of the op, random."""
+def packed_lengths(T: int, shortest: int = 1024, longest: int = 8192, seed: int = 0) -> list[int]:
+    """Document lengths filling T tokens: uniform in [shortest, longest], the last one cut to fit."""
+    import random
+
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < T:
+        lengths.append(min(rng.randint(shortest, longest), T - sum(lengths)))
+    return lengths
+
+
+def nsa_inputs(args, T: int, dtype: torch.dtype, device: str = "cuda",
+               lengths: list[int] | None = None) -> list[torch.Tensor]:
+    """Leaf tensors (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates) of the op, random; with document
+    `lengths`, k_cmp / v_cmp hold each document's compressed blocks."""
     from components.nsa import num_compressed_blocks
 
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
-    tc = num_compressed_blocks(T, args.block_size, args.block_stride)
+    tc = sum(num_compressed_blocks(n, args.block_size, args.block_stride) for n in (lengths or [T]))
     shapes = [(B, T, H, D), (B, tc, Hkv, D), (B, tc, Hkv, D)] + [(B, T, Hkv, D)] * 4
     xs = [torch.randn(*s, device=device, dtype=dtype).requires_grad_() for s in shapes]
     xs.append(torch.rand(B, T, H, 3, device=device, dtype=dtype).requires_grad_())
@@ -83,8 +97,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA baseline")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--packed", action="store_true",
+                   help="packed documents of 1k-8k tokens in each row (cu_seqlens; needs --batch 1)")
     p.add_argument("--out", help="output JSON path (default bench/results/attention-<gpu>-<time>.json)")
-    return finish_shape_args(p, p.parse_args(argv))
+    args = finish_shape_args(p, p.parse_args(argv))
+    if args.packed and args.batch != 1:
+        p.error("--packed describes one packed row: use --batch 1 (a batch of rows is one longer row)")
+    return args
 
 
 def nsa_flops(args, T: int) -> float:
@@ -102,8 +121,13 @@ def dense_flops(args, T: int) -> float:
 def nsa_case(args, T: int, backend: str, dtype: torch.dtype):
     from components.nsa import nsa_attention
 
-    xs = nsa_inputs(args, T, dtype)
-    return (lambda: nsa_attention(*xs, **nsa_hyper(args), backend=backend)), xs
+    if not args.packed:
+        xs = nsa_inputs(args, T, dtype)
+        return (lambda: nsa_attention(*xs, **nsa_hyper(args), backend=backend)), xs
+    lengths = packed_lengths(T)
+    xs = nsa_inputs(args, T, dtype, lengths=lengths)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    return (lambda: nsa_attention(*xs, **nsa_hyper(args), backend=backend, cu_seqlens=cu_seqlens)), xs
 
 
 def sdpa_case(args, T: int, dtype: torch.dtype, gqa: bool):

@@ -31,6 +31,7 @@ phase_check() {
 phase_attention() {
   "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 &&
   "$py" -m bench.attention --preset paper --seq-lens 2048 4096 8192 16384 32768 65536 &&
+  "$py" -m bench.attention --packed --seq-lens 32768 &&
   "$py" -m bench.attention_stages --seq-lens 8192 65536 &&
   "$py" -m bench.attention_stages --preset paper --seq-lens 8192 65536
 }

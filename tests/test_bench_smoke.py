@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from bench import train_throughput
 
@@ -82,3 +83,19 @@ def test_attention_speedups_pair_each_nsa_timing_with_sdpa_at_the_same_length_an
         {"seq_len": 8192, "backend": "nsa-triton", "mode": "fwd", "speedup_vs_sdpa": 1.5, "sdpa_kernel": "cudnn"},
         {"seq_len": 8192, "backend": "nsa-triton", "mode": "fwd+bwd", "speedup_vs_sdpa": 0.75, "sdpa_kernel": "flash"},
     ]
+
+
+def test_attention_packed_case_builds_documents_the_op_accepts():
+    from bench.attention import nsa_hyper, nsa_inputs, packed_lengths, parse_args
+    from components.nsa import nsa_attention
+
+    lengths = packed_lengths(32768)
+    assert sum(lengths) == 32768 and all(1024 <= n <= 8192 for n in lengths[:-1]) and lengths[-1] >= 1
+    args = parse_args(["--packed", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--window-size", "64"])
+    lengths = packed_lengths(1200, shortest=100, longest=500)
+    xs = [x.detach() for x in nsa_inputs(args, 1200, torch.float32, device="cpu", lengths=lengths)]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out = nsa_attention(*xs, **nsa_hyper(args), cu_seqlens=cu_seqlens)
+    assert out.shape == xs[0].shape and torch.isfinite(out).all()
+    with pytest.raises(SystemExit):
+        parse_args(["--packed", "--batch", "2"])
