@@ -10,7 +10,7 @@ import torch
 from components.errors import UserError
 from components.nsa.backends import get_backend
 from components.nsa.checks import check_attention_call, check_selection_call
-from components.nsa.documents import document_slices
+from components.nsa.documents import BLOCK, TOKEN, per_document
 from components.nsa.reference import nsa_attention_at_reference
 from components.nsa.selection import select_blocks_at_reference
 
@@ -63,11 +63,10 @@ def select_blocks(q, k_cmp, *, block_size: int, block_stride: int, sel_block_siz
                                 sel_block_size=sel_block_size, num_selected=num_selected)
     check_selection_call(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride,
                          sel_block_size=sel_block_size, num_selected=num_selected, cu_seqlens=cu_seqlens)
-    parts = [select_blocks_at_reference(q[:, tokens], k_cmp[:, blocks], q_start=0, block_size=block_size,
-                                        block_stride=block_stride, sel_block_size=sel_block_size,
-                                        num_selected=num_selected)
-             for tokens, blocks in document_slices(cu_seqlens, q.shape[1], block_size, block_stride)]
-    return torch.cat(parts, dim=1)
+    hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
+                 num_selected=num_selected)
+    return per_document(lambda q_doc, k_doc: select_blocks_at_reference(q_doc, k_doc, q_start=0, **hyper),
+                        (q, k_cmp), (TOKEN, BLOCK), cu_seqlens, block_size, block_stride)
 
 
 def select_blocks_at(q, k_cmp, *, q_start: int, block_size: int, block_stride: int, sel_block_size: int,
