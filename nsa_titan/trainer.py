@@ -49,6 +49,17 @@ class Batch(NamedTuple):
     document_starts: torch.Tensor | None  # [B, T] bool on the host, when the loader gives them
 
 
+def _require_matplotlib() -> None:
+    from nsa_titan.observe.plots import pyplot
+
+    try:
+        pyplot()
+    except UserError:
+        raise UserError("TensorBoard gets the telemetry steps' attention pictures, drawn with matplotlib, which is "
+                        "not installed. Fix: pip install 'nsa_titan[plots]', or set --metrics.telemetry_freq=0 or "
+                        "--metrics.enable_tensorboard=false.") from None
+
+
 class TrainingFault(Exception):
     """The run cannot go on (e.g. NaN losses); the message says why, the last checkpoint is kept."""
 
@@ -114,6 +125,10 @@ class Trainer:
         self.tensorboard = None
         if runtime.is_main and recipe.metrics.enable_tensorboard:
             self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder))
+        self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
+                                and self.model_part.attention_maps is not None)
+        if self._draw_attention:
+            _require_matplotlib()
         self.wandb = None
         if runtime.is_main and recipe.metrics.enable_wandb:
             self.wandb = WandbLog(dump, project=recipe.metrics.wandb_project, name=recipe.job.name,
@@ -319,6 +334,20 @@ class Trainer:
                                               *(() if documents is None else (documents,)))
         return telemetry_records(stats)
 
+    def attention_figures(self, step: int) -> None:
+        """The plot command's pictures of the probe's first document (row 0), into TensorBoard. Every rank
+        runs the walk (a sharded model gathers for it); rank 0 draws."""
+        from nsa_titan.observe.plots import attention_figures
+
+        tokens = self._probe.inputs[:1]
+        if self._documents(self._probe) is not None:  # the model sees documents apart: picture the first
+            later = self._probe.document_starts[0, 1:].nonzero()
+            tokens = tokens[:, :int(later[0]) + 1] if len(later) else tokens
+        with self._autocast():
+            maps = self.model_part.attention_maps(self.model, tokens)
+        if self.tensorboard is not None and maps:
+            self.tensorboard.write_figures(step, attention_figures(maps, tokens.shape[1]))
+
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
         recipe, t, state, fault = self.recipe, self.recipe.training, self.state, self.recipe.fault
@@ -385,6 +414,8 @@ class Trainer:
                 records = self.telemetry()
                 self._say(telemetry_line(state.step, records))
                 self._log({"step": state.step, **records}, console=False)
+                if self._draw_attention:
+                    self.attention_figures(state.step)
 
             if self._stop_agreed and self.runtime.is_main:
                 self.stop.consume_halt_file()

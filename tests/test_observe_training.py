@@ -52,6 +52,12 @@ def test_metrics_schema_mfu_tensorboard_telemetry_and_manifest(tmp_path):
     events.Reload()
     losses = [e.value for e in events.Scalars("loss")]
     assert losses == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+    # The plot command's pictures at each telemetry step: gates and every NSA layer's selection.
+    layers = recipe.model.args.n_layers
+    assert sorted(events.Tags()["images"]) == sorted(["nsa/gates", *(f"nsa/selection_layer{i}" for i in range(layers))])
+    for tag in events.Tags()["images"]:
+        images = events.Images(tag)
+        assert [e.step for e in images] == [2, 4] and all(e.width > 100 and e.height > 100 for e in images)
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["recipe_hash"] == resolve(argv).hash
@@ -166,6 +172,14 @@ def test_wandb_offline_logs_the_run_and_a_resume_continues_it(tmp_path):
     assert sorted(logged) == [1, 2, 3]
     for step in (1, 2, 3):
         assert float(logged[step]["loss"]) == pytest.approx(expected[step])
+
+
+def test_tensorboard_pictures_without_matplotlib_are_one_clear_error(tmp_path, capsys, hide_package):
+    hide_package("matplotlib")
+    argv = [*BASE, "--training.steps=1", "--metrics.enable_tensorboard=true", "--metrics.telemetry_freq=1",
+            f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv]) == 2
+    assert "pip install 'nsa_titan[plots]', or set --metrics.telemetry_freq=0" in capsys.readouterr().err
 
 
 def test_wandb_missing_is_one_clear_error(tmp_path, hide_package):

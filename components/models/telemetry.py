@@ -134,9 +134,9 @@ def _on_reference_backend(model: nn.Module):
 
 @torch.no_grad()
 def attention_maps(model: nn.Module, tokens: torch.Tensor) -> dict[int, AttentionMap]:
-    """layer index -> what that NSA layer chose on tokens [B, T], for an unsharded Transformer on any
-    device (the walk uses the reference backend)."""
-    with _on_reference_backend(model):
+    """layer index -> what that NSA layer chose on tokens [B, T] (one document a row), on any device
+    (the walk uses the reference backend). Sharded models are gathered meanwhile: every rank calls it."""
+    with _on_reference_backend(model), _unsharded(model):
         return {i: AttentionMap(gates, selected, block_tokens=layer.selection["sel_block_size"],
                                 groups=layer.n_kv_heads,
                                 legend={"sel_block_size": layer.selection["sel_block_size"],

@@ -43,6 +43,12 @@ class TensorBoardLog:
             self._writer.add_scalar(key.replace(".", "/"), value, step)
         self._writer.flush()
 
+    def write_figures(self, step: int, figures: dict[str, Any]) -> None:
+        """matplotlib figures as images (closed once written)."""
+        for tag, figure in figures.items():
+            self._writer.add_figure(tag, figure, step, close=True)
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
 

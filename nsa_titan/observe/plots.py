@@ -111,6 +111,26 @@ def _save(fig, path: str) -> str:
     return path
 
 
+def _selection_colors_of(chosen: AttentionMap, num_tokens: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(counts [T, blocks], their picture's cells) for the first row of one layer's map."""
+    counts = selection_counts(chosen.selected[0], -(-num_tokens // chosen.block_tokens))
+    return counts, selection_colors(counts, chosen.groups, chosen.block_tokens)
+
+
+def _gate_means(maps: dict[int, AttentionMap]) -> torch.Tensor:
+    return torch.stack([maps[i].gates.float().mean(dim=(0, 1, 2)) for i in sorted(maps)]).cpu()
+
+
+def attention_figures(maps: dict[int, AttentionMap], num_tokens: int) -> dict[str, object]:
+    """The pictures render_plots writes, as figures for TensorBoard: 'nsa/gates' and
+    'nsa/selection_layer{i}' for every NSA layer."""
+    figures = {"nsa/gates": gate_figure(_gate_means(maps), sorted(maps))}
+    for i, chosen in sorted(maps.items()):
+        figures[f"nsa/selection_layer{i}"] = selection_figure(_selection_colors_of(chosen, num_tokens)[1], i,
+                                                             chosen.legend)
+    return figures
+
+
 def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out_dir: str) -> dict[str, str]:
     """Write selection_layer{layer}.png, gates.png and plots.json from one text's attention maps (batch of
     one); returns their paths."""
@@ -121,11 +141,9 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
         raise UserError(f"--layer {layer} is not an NSA layer of this model; its NSA layers are "
                         f"{', '.join(map(str, maps))}. Fix: pass one of them.")
     chosen = maps[layer]
-    num_blocks = -(-num_tokens // chosen.block_tokens)
-    counts = selection_counts(chosen.selected[0], num_blocks)
-    colors = selection_colors(counts, chosen.groups, chosen.block_tokens)
+    counts, colors = _selection_colors_of(chosen, num_tokens)
     layer_ids = sorted(maps)
-    gate_means = torch.stack([maps[i].gates.float().mean(dim=(0, 1, 2)) for i in layer_ids]).cpu()
+    gate_means = _gate_means(maps)
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {"selection": _save(selection_figure(colors, layer, chosen.legend),
