@@ -33,9 +33,6 @@ def _reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size
 
 
 def _triton(*tensors, cu_seqlens=None, **hyper):
-    if cu_seqlens is not None:
-        raise UserError("NSA backend 'triton' does not take packed documents (cu_seqlens) yet; choose backend "
-                        "'reference' for document-aware attention")
     try:
         import components.nsa.triton as nsa_triton
     except ImportError as exc:
@@ -43,7 +40,7 @@ def _triton(*tensors, cu_seqlens=None, **hyper):
             f"NSA backend 'triton' is not available here ({exc}); install triton and run on a CUDA GPU, "
             "or choose backend 'reference'"
         ) from exc
-    return nsa_triton.attention_on_checked_inputs(*tensors, **hyper)
+    return nsa_triton.attention_on_checked_inputs(*tensors, cu_seqlens=cu_seqlens, **hyper)
 
 
 _TABLE: dict[str, Backend] = {
