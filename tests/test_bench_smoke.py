@@ -82,3 +82,15 @@ def test_attention_speedups_pair_each_nsa_timing_with_sdpa_at_the_same_length_an
         {"seq_len": 8192, "backend": "nsa-triton", "mode": "fwd", "speedup_vs_sdpa": 1.5, "sdpa_kernel": "cudnn"},
         {"seq_len": 8192, "backend": "nsa-triton", "mode": "fwd+bwd", "speedup_vs_sdpa": 0.75, "sdpa_kernel": "flash"},
     ]
+
+
+def test_packed_rows_fill_the_length_with_documents_in_range():
+    from bench.attention import packed_lengths, parse_args
+
+    for total in (32768, 65536, 9000, 1024):
+        lengths = packed_lengths(total, 1024, 8192)
+        assert sum(lengths) == total and all(1024 <= n <= 8192 for n in lengths), lengths
+    assert packed_lengths(32768, 1024, 8192) == packed_lengths(32768, 1024, 8192)  # seeded
+    assert parse_args(["--packed", "1024", "8192"]).packed == [1024, 8192]
+    with pytest.raises(SystemExit):
+        parse_args(["--packed", "1024", "8192", "--batch", "2"])
