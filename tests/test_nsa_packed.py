@@ -165,8 +165,9 @@ def test_compiled_op_does_not_recompile_when_boundaries_move(backend):
         # k_cmp / v_cmp hold the documents' blocks: rebuild them for these boundaries.
         x = dict(packed)
         tc = sum(num_compressed_blocks(b - a, 8, 4) for a, b in zip(cu.tolist(), cu.tolist()[1:]))
+        gen = torch.Generator().manual_seed(tc)
         for name in ("k_cmp", "v_cmp"):
-            x[name] = torch.randn(1, tc, HKV, D, generator=torch.Generator().manual_seed(tc)).to(device).requires_grad_()
+            x[name] = torch.randn(1, tc, HKV, D, generator=gen).to(device).requires_grad_()
         # Against the reference in eager mode: the compiled Triton op also computes the spec's function.
         out, expected = compiled(x, cu), nsa_attention(**x, **HP, cu_seqlens=cu)
         torch.testing.assert_close(out, expected, rtol=5e-5, atol=5e-5)

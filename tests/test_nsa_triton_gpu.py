@@ -86,21 +86,42 @@ def test_selection_matches_reference_up_to_ties(T, H, Hkv, D):
 
 @pytest.mark.parametrize("T,H,Hkv,D", SIZES)
 def test_each_branch_matches_reference(T, H, Hkv, D):
-    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, _ = _inputs(T, H, Hkv, D)
-    scale = D**-0.5
+    _assert_branches_match_reference(*_inputs(T, H, Hkv, D)[:7])
+
+
+def _assert_branches_match_reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cu_seqlens=None):
+    """Each branch's op (o, dq, dk, dv) against the reference with the kernel's selection; with
+    cu_seqlens, the reference runs on each document alone."""
+    scale = q.shape[-1] ** -0.5
     l, d, lp, w = HYPER["block_size"], HYPER["block_stride"], HYPER["sel_block_size"], HYPER["window_size"]
-    selection = select_blocks_triton(q.detach(), k_cmp.detach(), **SEL_HYPER)
+    selection = select_blocks_triton(q.detach(), k_cmp.detach(), **SEL_HYPER, cu_seqlens=cu_seqlens)
+
+    def on_rows(fn, token_args, block_args=()):
+        """fn on the row, or on each document's slices of its arguments (tokens, then compressed blocks)."""
+        if cu_seqlens is None:
+            return fn(*token_args, *block_args)
+        return _per_document(fn, cu_seqlens, token_args, block_args)
+
+    def cmp(a, b, c):
+        return compressed_attention(a, b, c, q_start=0, block_size=l, block_stride=d)
+
+    def sel(a, b, c, s):
+        return selected_attention(a, b, c, s, q_start=0, sel_block_size=lp)
+
+    def win(a, b, c):
+        return window_attention(a, b, c, q_start=0, window_size=w)
+
     branches = {
-        "cmp": ((q, k_cmp, v_cmp), lambda a, b, c: ops.interval_attention(a, b, c, d, l - 1, 0, scale)[0],
-                lambda a, b, c: compressed_attention(a, b, c, q_start=0, block_size=l, block_stride=d)),
-        "sel": ((q, k_sel, v_sel), lambda a, b, c: ops.selected_attention(a, b, c, selection, lp, scale)[0],
-                lambda a, b, c: selected_attention(a, b, c, selection, q_start=0, sel_block_size=lp)),
-        "win": ((q, k_win, v_win), lambda a, b, c: ops.interval_attention(a, b, c, 1, 0, w, scale)[0],
-                lambda a, b, c: window_attention(a, b, c, q_start=0, window_size=w)),
+        "cmp": ((q, k_cmp, v_cmp), lambda a, b, c: ops.interval_attention(a, b, c, d, l - 1, 0, scale, cu_seqlens)[0],
+                lambda a, b, c: on_rows(cmp, (a,), (b, c))),
+        "sel": ((q, k_sel, v_sel), lambda a, b, c: ops.selected_attention(a, b, c, selection, lp, scale, cu_seqlens)[0],
+                lambda a, b, c: on_rows(sel, (a, b, c, selection))),
+        "win": ((q, k_win, v_win), lambda a, b, c: ops.interval_attention(a, b, c, 1, 0, w, scale, cu_seqlens)[0],
+                lambda a, b, c: on_rows(win, (a, b, c))),
     }
-    for name, (xs, kernel, reference) in branches.items():
+    for name, (xs, kernel, on_reference) in branches.items():
         xr = _fp32_copies(xs)
-        ref = reference(*xr)
+        ref = on_reference(*xr)
         grad_out = torch.randn_like(ref)
         ref_grads = torch.autograd.grad(ref, xr, grad_out)
         out = kernel(*xs)
@@ -229,34 +250,5 @@ def test_packed_selection_matches_reference_up_to_ties():
 
 def test_packed_branches_match_reference():
     """Each branch with cu_seqlens against the reference run on each document (same selection)."""
-    (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, _), cu_seqlens = _packed_row()
-    scale = PACKED_HEADS[2] ** -0.5
-    l, d, lp, w = HYPER["block_size"], HYPER["block_stride"], HYPER["sel_block_size"], HYPER["window_size"]
-    selection = select_blocks_triton(q.detach(), k_cmp.detach(), **SEL_HYPER, cu_seqlens=cu_seqlens)
-    branches = {
-        "cmp": ((q, k_cmp, v_cmp),
-                lambda a, b, c: ops.interval_attention(a, b, c, d, l - 1, 0, scale, cu_seqlens)[0],
-                lambda a, b, c: _per_document(
-                    lambda qd, kd, vd: compressed_attention(qd, kd, vd, q_start=0, block_size=l, block_stride=d),
-                    cu_seqlens, (a,), (b, c))),
-        "sel": ((q, k_sel, v_sel),
-                lambda a, b, c: ops.selected_attention(a, b, c, selection, lp, scale, cu_seqlens)[0],
-                lambda a, b, c: _per_document(
-                    lambda qd, kd, vd, sd: selected_attention(qd, kd, vd, sd, q_start=0, sel_block_size=lp),
-                    cu_seqlens, (a, b, c, selection))),
-        "win": ((q, k_win, v_win),
-                lambda a, b, c: ops.interval_attention(a, b, c, 1, 0, w, scale, cu_seqlens)[0],
-                lambda a, b, c: _per_document(
-                    lambda qd, kd, vd: window_attention(qd, kd, vd, q_start=0, window_size=w),
-                    cu_seqlens, (a, b, c))),
-    }
-    for name, (xs, kernel, reference) in branches.items():
-        xr = _fp32_copies(xs)
-        ref = reference(*xr)
-        grad_out = torch.randn_like(ref)
-        ref_grads = torch.autograd.grad(ref, xr, grad_out)
-        out = kernel(*xs)
-        grads = torch.autograd.grad(out, xs, grad_out.bfloat16())
-        _assert_close(out, ref, f"o_{name}")
-        for gname, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
-            _assert_close(g, rg, f"{gname}_{name}")
+    xs, cu_seqlens = _packed_row()
+    _assert_branches_match_reference(*xs[:7], cu_seqlens=cu_seqlens)
