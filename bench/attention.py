@@ -1,16 +1,17 @@
 """Time NSA backends against dense causal SDPA (its best CUDA backend) on one GPU; write JSON.
 
     python -m bench.attention [--preset 125m|paper] [--seq-lens 2048 4096 ...] [--backends triton]
-                              [--modes fwd bwd fwd+bwd] [--heads H --kv-heads Hkv --head-dim D] [--packed]
+                              [--modes fwd bwd fwd+bwd] [--heads H --kv-heads Hkv --head-dim D]
+                              [--packed MIN MAX]
 
 Presets: 125m = 12 query heads, 4 KV heads, head dim 64 (recipes/nsa_125m.toml; the default); paper = 64 query heads,
 4 KV heads, head dim 128. --heads/--kv-heads/--head-dim override the preset. NSA uses the paper's
 hyperparameters unless overridden. SDPA is timed with cuDNN and with flash attention separately
-(each where it runs) and the faster one is reported as "sdpa". Results go to
+(each where it runs) and the faster one is reported as "sdpa". --packed MIN MAX also times NSA on
+each length as one packed row of documents MIN to MAX tokens long (cu_seqlens; seeded lengths),
+reported as "nsa-<backend>-packed" with the number of documents; SDPA stays the dense causal baseline. Results go to
 bench/results/attention-<gpu>-<time>.json with the GPU name, torch/triton/CUDA versions and the
-git commit. With --packed each row holds documents of 1k-8k tokens (cu_seqlens; the sdpa row stays
-one causal sequence of the same length, dense attention's cost without document masking). Needs
-CUDA: exits with status 2 and a message otherwise.
+git commit. Needs CUDA: exits with status 2 and a message otherwise.
 """
 
 from __future__ import annotations
@@ -64,20 +65,27 @@ def nsa_hyper(args) -> dict:
                 num_selected=args.num_selected, window_size=args.window_size)
 
 
-def packed_lengths(T: int, shortest: int = 1024, longest: int = 8192, seed: int = 0) -> list[int]:
-    """Document lengths filling T tokens: uniform in [shortest, longest], the last one cut to fit."""
-    import random
+def packed_lengths(total: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """Document lengths in [low, high] (seeded, uniform) that fill `total` tokens exactly."""
+    if not 1 <= low <= high or total < low:
+        raise ValueError(f"documents of {low} to {high} tokens cannot fill a row of {total}")
+    gen = torch.Generator().manual_seed(seed)
+    lengths, left = [], total
+    while left > high:  # each draw leaves at least `low` tokens for the documents after it
+        top = min(high, left - low)
+        lengths.append(int(torch.randint(low, top + 1, (1,), generator=gen)))
+        left -= lengths[-1]
+    return lengths + [left]
 
-    rng, lengths = random.Random(seed), []
-    while sum(lengths) < T:
-        lengths.append(min(rng.randint(shortest, longest), T - sum(lengths)))
-    return lengths
+
+def cu_seqlens_of(lengths: list[int], device: str = "cuda") -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
 
 
 def nsa_inputs(args, T: int, dtype: torch.dtype, device: str = "cuda",
                lengths: list[int] | None = None) -> list[torch.Tensor]:
-    """Leaf tensors (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates) of the op, random; with document
-    `lengths`, k_cmp / v_cmp hold each document's compressed blocks."""
+    """Leaf tensors (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates) of the op, random; with
+    document lengths (B = 1), k_cmp / v_cmp hold the documents' compressed blocks."""
     from components.nsa import num_compressed_blocks
 
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
@@ -97,12 +105,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA baseline")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--packed", action="store_true",
-                   help="packed documents of 1k-8k tokens in each row (cu_seqlens; needs --batch 1)")
+    p.add_argument("--packed", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="also time NSA on a packed row of documents MIN to MAX tokens long (batch 1)")
     p.add_argument("--out", help="output JSON path (default bench/results/attention-<gpu>-<time>.json)")
     args = finish_shape_args(p, p.parse_args(argv))
-    if args.packed and args.batch != 1:
-        p.error("--packed describes one packed row: use --batch 1 (a batch of rows is one longer row)")
+    if args.packed and (args.batch != 1 or not 1 <= args.packed[0] <= args.packed[1]):
+        p.error(f"--packed MIN MAX needs 1 <= MIN <= MAX and --batch 1 (one packed row), got {args.packed} "
+                f"and --batch {args.batch}")
     return args
 
 
@@ -118,16 +127,13 @@ def dense_flops(args, T: int) -> float:
     return 4.0 * args.batch * args.heads * T * (T / 2) * args.head_dim
 
 
-def nsa_case(args, T: int, backend: str, dtype: torch.dtype):
+def nsa_case(args, T: int, backend: str, dtype: torch.dtype, lengths: list[int] | None = None):
+    """The op on random inputs; with document lengths, as one packed row (cu_seqlens)."""
     from components.nsa import nsa_attention
 
-    if not args.packed:
-        xs = nsa_inputs(args, T, dtype)
-        return (lambda: nsa_attention(*xs, **nsa_hyper(args), backend=backend)), xs
-    lengths = packed_lengths(T)
     xs = nsa_inputs(args, T, dtype, lengths=lengths)
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    return (lambda: nsa_attention(*xs, **nsa_hyper(args), backend=backend, cu_seqlens=cu_seqlens)), xs
+    packed = {} if lengths is None else {"cu_seqlens": cu_seqlens_of(lengths)}
+    return (lambda: nsa_attention(*xs, **nsa_hyper(args), backend=backend, **packed)), xs
 
 
 def sdpa_case(args, T: int, dtype: torch.dtype, gqa: bool):
@@ -209,10 +215,16 @@ def main(argv=None) -> int:
     report = {"benchmark": "attention", "environment": describe_environment(), "config": vars(args), "results": []}
     for T in args.seq_lens:
         cases = [(f"nsa-{b}", lambda b=b: time_modes(lambda: nsa_case(args, T, b, dtype), args.modes, args.rep_ms),
-                  nsa_flops(args, T)) for b in args.backends]
+                  nsa_flops(args, T), {}) for b in args.backends]
+        if args.packed and T >= args.packed[0]:
+            lengths = packed_lengths(T, *args.packed)
+            extra = {"documents": len(lengths), "document_tokens": list(args.packed)}
+            cases += [(f"nsa-{b}-packed",
+                       lambda b=b: time_modes(lambda: nsa_case(args, T, b, dtype, lengths), args.modes, args.rep_ms),
+                       sum(nsa_flops(args, n) for n in lengths), extra) for b in args.backends]
         if not args.no_sdpa:
-            cases.append(("sdpa", lambda: sdpa_best(args, T, dtype, args.modes), dense_flops(args, T)))
-        for name, run, flops in cases:
+            cases.append(("sdpa", lambda: sdpa_best(args, T, dtype, args.modes), dense_flops(args, T), {}))
+        for name, run, flops, extra in cases:
             try:
                 timings = run()
             except torch.cuda.OutOfMemoryError:
@@ -223,7 +235,7 @@ def main(argv=None) -> int:
             for mode, rec in timings.items():
                 # Backward does about 2.5x the forward's matmul work.
                 work = flops * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
-                rec = dict(rec, seq_len=T, backend=name, mode=mode, tflops=work / rec["ms"] / 1e9)
+                rec = dict(rec, seq_len=T, backend=name, mode=mode, tflops=work / rec["ms"] / 1e9, **extra)
                 report["results"].append(rec)
                 print(f"T={T:6d} {name:14s} {mode:8s} {rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s "
                       f"peak {rec['peak_gib']:6.2f} GiB")

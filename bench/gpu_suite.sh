@@ -4,8 +4,9 @@
 #   check      the GPU tests (Triton kernels in bf16 at 2k-32k against the reference, and under
 #              compile), `doctor` on the 125M recipe, `inspect --fail-on-break` and a 200-step
 #              run of the debug model with the Triton backend, compiled, in bf16
-#   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens, 125M and paper heads,
-#              and python -m bench.attention_stages: where the NSA op's time goes
+#   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens, 125M and paper heads
+#              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
+#              where the NSA op's time goes
 #   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k
 #
 # No phase named: all three. JSON results go to bench/results/, each phase's log to
@@ -29,9 +30,8 @@ phase_check() {
     --compile.enable=true --training.steps=200 --job.dump_folder="$dump/train"
 }
 phase_attention() {
-  "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 &&
+  "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 --packed 1024 8192 &&
   "$py" -m bench.attention --preset paper --seq-lens 2048 4096 8192 16384 32768 65536 &&
-  "$py" -m bench.attention --packed --seq-lens 32768 &&
   "$py" -m bench.attention_stages --seq-lens 8192 65536 &&
   "$py" -m bench.attention_stages --preset paper --seq-lens 8192 65536
 }

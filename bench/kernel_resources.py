@@ -1,14 +1,14 @@
 """Compile every NSA Triton kernel of one forward + backward for a GPU target and report its resources.
 
     python -m bench.kernel_resources [--arch 90 80] [--head-dims 32 64 128 256] [--dtypes bf16 fp16 fp32]
-                                     [--heads 12 --kv-heads 4] [--json FILE]
+                                     [--heads 12 --kv-heads 4] [--packed] [--json FILE]
 
 No GPU needed: Triton compiles for the named architecture (sm_90 = H100/H200, sm_80 = A100) with the
 ptxas it ships, and nothing runs. Per kernel: warps, shared memory against the architecture's limit,
 registers and stack frame per thread (register spills and arrays kept in local memory). Exit
 status 1 when a kernel does not compile or needs more shared memory than the architecture has:
-such a kernel would fail at launch.
-Run without TRITON_INTERPRET.
+such a kernel would fail at launch. --packed also compiles the kernels' packed-document variants
+(cu_seqlens: a row of three documents). Run without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from bench.attention import DTYPES, add_nsa_args, nsa_hyper, nsa_inputs
+from bench.attention import DTYPES, add_nsa_args, cu_seqlens_of, nsa_hyper, nsa_inputs
 from bench.environment import write_report
 from components.nsa.triton import nsa_attention_triton
 from components.nsa.triton.offline_compile import compile_only, target_for
@@ -35,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # Lengths and NSA sizes only shape the launch, not the kernels; odd ones exercise the masks.
     p.add_argument("--seq-len", type=int, default=300)
     add_nsa_args(p)
+    p.add_argument("--packed", action="store_true", help="also compile the packed-document (cu_seqlens) variants")
     p.add_argument("--json", help="also write the rows as JSON to this file")
     return p.parse_args(argv)
 
@@ -42,10 +43,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def compile_one(args: argparse.Namespace, arch: int, head_dim: int, dtype: torch.dtype) -> list:
     """The kernels one forward + backward launches, compiled for sm_<arch>."""
     shape = argparse.Namespace(**vars(args), batch=1, head_dim=head_dim)
-    inputs = nsa_inputs(shape, args.seq_len, dtype, device="cpu")
+    rows = [(None, None)]
+    if args.packed:  # three documents of odd lengths
+        third = args.seq_len // 3
+        lengths = [third + 1, third - 1, args.seq_len - 2 * third]
+        rows.append((lengths, cu_seqlens_of(lengths, "cpu")))
     with compile_only(target_for(arch)) as kernels:
-        o = nsa_attention_triton(*inputs, **nsa_hyper(args))
-        o.float().sum().backward()
+        for lengths, cu_seqlens in rows:
+            inputs = nsa_inputs(shape, args.seq_len, dtype, device="cpu", lengths=lengths)
+            o = nsa_attention_triton(*inputs, **nsa_hyper(args), cu_seqlens=cu_seqlens)
+            o.float().sum().backward()
     return kernels
 
 

@@ -85,17 +85,25 @@ def test_attention_speedups_pair_each_nsa_timing_with_sdpa_at_the_same_length_an
     ]
 
 
-def test_attention_packed_case_builds_documents_the_op_accepts():
-    from bench.attention import nsa_hyper, nsa_inputs, packed_lengths, parse_args
+def test_packed_rows_fill_the_length_with_documents_in_range():
+    from bench.attention import packed_lengths, parse_args
+
+    for total in (32768, 65536, 9000, 1024):
+        lengths = packed_lengths(total, 1024, 8192)
+        assert sum(lengths) == total and all(1024 <= n <= 8192 for n in lengths), lengths
+    assert packed_lengths(32768, 1024, 8192) == packed_lengths(32768, 1024, 8192)  # seeded
+    assert parse_args(["--packed", "1024", "8192"]).packed == [1024, 8192]
+    with pytest.raises(SystemExit):
+        parse_args(["--packed", "1024", "8192", "--batch", "2"])
+
+
+def test_packed_case_builds_inputs_the_op_accepts():
+    from bench.attention import cu_seqlens_of, nsa_hyper, nsa_inputs, packed_lengths, parse_args
     from components.nsa import nsa_attention
 
-    lengths = packed_lengths(32768)
-    assert sum(lengths) == 32768 and all(1024 <= n <= 8192 for n in lengths[:-1]) and lengths[-1] >= 1
-    args = parse_args(["--packed", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--window-size", "64"])
-    lengths = packed_lengths(1200, shortest=100, longest=500)
+    args = parse_args(["--packed", "100", "500", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                       "--window-size", "64"])
+    lengths = packed_lengths(1200, *args.packed)
     xs = [x.detach() for x in nsa_inputs(args, 1200, torch.float32, device="cpu", lengths=lengths)]
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    out = nsa_attention(*xs, **nsa_hyper(args), cu_seqlens=cu_seqlens)
+    out = nsa_attention(*xs, **nsa_hyper(args), cu_seqlens=cu_seqlens_of(lengths, device="cpu"))
     assert out.shape == xs[0].shape and torch.isfinite(out).all()
-    with pytest.raises(SystemExit):
-        parse_args(["--packed", "--batch", "2"])

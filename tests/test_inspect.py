@@ -198,11 +198,9 @@ def test_triton_backend_shows_its_custom_ops(tmp_path, capsys, masking):
     assert _verdict(out) == "verdict: 0 graph breaks, 1 graph, 0 recompiles"
     ops = next(line for line in out.splitlines() if line.startswith("custom ops in the graphs: "))
     # The kernels registered by components/nsa/triton/ops.py, forward ones in the Dynamo graph and
-    # backward ones in AOTAutograd's backward graph; packed documents go through one op that runs them
-    # per document (components/nsa/triton/per_document.py).
-    expected = ("packed_attention", "packed_attention_backward") if masking else (
-        "interval_attention", "select_blocks", "selected_attention", "interval_attention_backward",
-        "selected_attention_backward")
+    # backward ones in AOTAutograd's backward graph; packed documents reach the same kernels (cu_seqlens).
+    expected = ("interval_attention", "select_blocks", "selected_attention", "interval_attention_backward",
+                "selected_attention_backward")
     for op in expected:
         assert f"nsa_triton::{op}" in ops.split(": ", 1)[1].split(", "), ops
 

@@ -41,10 +41,11 @@ def _layout(x: torch.Tensor, layout: str, gen: torch.Generator) -> torch.Tensor:
     return x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2).detach().requires_grad_(x.requires_grad)
 
 
-def _inputs(shape, layout: str, dtype=torch.float32, requires_grad=True):
+def _inputs(shape, layout: str, dtype=torch.float32, requires_grad=True, lengths=None):
+    """The op's inputs for shape; with document lengths (B = 1), k_cmp / v_cmp hold their blocks."""
     B, T, H, Hkv, D, l, d, lp, n, w = shape
     gen = torch.Generator().manual_seed(T)
-    Tc = num_compressed_blocks(T, l, d)
+    Tc = sum(num_compressed_blocks(length, l, d) for length in (lengths or [T]))
     shapes = dict(q=(B, T, H, D), k_cmp=(B, Tc, Hkv, D), v_cmp=(B, Tc, Hkv, D), k_sel=(B, T, Hkv, D),
                   v_sel=(B, T, Hkv, D), k_win=(B, T, Hkv, D), v_win=(B, T, Hkv, D))
     xs = {name: torch.randn(*s, generator=gen).to(dtype) for name, s in shapes.items()}
@@ -85,9 +86,22 @@ TRITON_CASES += [(SHAPES[1], "contiguous")]
 @triton_only
 @pytest.mark.parametrize("shape, layout", TRITON_CASES, ids=[f"{_id(s)}-{lay}" for s, lay in TRITON_CASES])
 def test_triton_ops(shape, layout):
+    xs, hp = _inputs(shape, layout)
+    _opcheck_triton_ops(xs, hp, layout)
+
+
+@triton_only
+def test_triton_ops_with_cu_seqlens():
+    """Packed documents (a document of one token, one without a compressed block), strided inputs."""
+    lengths = [9, 1, 22]
+    xs, hp = _inputs((1, sum(lengths), 2, 1, 8, 8, 4, 8, 2, 6), "fused_projection", lengths=lengths)
+    _opcheck_triton_ops(xs, hp, "fused_projection", torch.tensor([0, 9, 10, 32]))
+
+
+def _opcheck_triton_ops(xs, hp, layout, cu_seqlens=None):
+    """opcheck of the five Triton ops, each on inputs made by the ops before it."""
     from components.nsa.triton import ops
 
-    xs, hp = _inputs(shape, layout)
     q, k_cmp, v_cmp, k_sel, v_sel = (xs[n] for n in ORDER[:5])
     l, d, lp, n, w = (hp[n] for n in HYPER_NAMES)
     scale = q.shape[-1] ** -0.5
@@ -95,18 +109,19 @@ def test_triton_ops(shape, layout):
 
     # Compressed branch (key stride d, offset l - 1) and window branch (stride 1, window w).
     for k, v, mask in ((k_cmp, v_cmp, (d, l - 1, 0)), (k_sel, v_sel, (1, 0, w))):
-        torch.library.opcheck(ops.interval_attention, (q, k, v, *mask, scale))
-        o, lse2 = (x.detach() for x in ops.interval_attention(q, k, v, *mask, scale))
+        torch.library.opcheck(ops.interval_attention, (q, k, v, *mask, scale, cu_seqlens))
+        o, lse2 = (x.detach() for x in ops.interval_attention(q, k, v, *mask, scale, cu_seqlens))
         do = _layout(torch.randn(*o.shape, generator=gen), layout, gen).detach()
-        args = (do, q.detach(), k.detach(), v.detach(), o, lse2, *mask, scale)
+        args = (do, q.detach(), k.detach(), v.detach(), o, lse2, *mask, scale, cu_seqlens)
         torch.library.opcheck(ops.interval_attention_backward, args)
 
-    _, lse2_cmp = ops.interval_attention(q.detach(), k_cmp.detach(), k_cmp.detach(), d, l - 1, 0, scale)
-    torch.library.opcheck(ops.select_blocks, (q.detach(), k_cmp.detach(), lse2_cmp, l, d, lp, n, scale))
+    _, lse2_cmp = ops.interval_attention(q.detach(), k_cmp.detach(), k_cmp.detach(), d, l - 1, 0, scale, cu_seqlens)
+    args = (q.detach(), k_cmp.detach(), lse2_cmp, l, d, lp, n, scale, cu_seqlens)
+    torch.library.opcheck(ops.select_blocks, args)
 
-    selection = ops.select_blocks(q.detach(), k_cmp.detach(), lse2_cmp, l, d, lp, n, scale)
-    torch.library.opcheck(ops.selected_attention, (q, k_sel, v_sel, selection, lp, scale))
-    o, lse2 = (x.detach() for x in ops.selected_attention(q, k_sel, v_sel, selection, lp, scale))
+    selection = ops.select_blocks(*args)
+    torch.library.opcheck(ops.selected_attention, (q, k_sel, v_sel, selection, lp, scale, cu_seqlens))
+    o, lse2 = (x.detach() for x in ops.selected_attention(q, k_sel, v_sel, selection, lp, scale, cu_seqlens))
     do = _layout(torch.randn(*o.shape, generator=gen), layout, gen).detach()
-    args = (do, q.detach(), k_sel.detach(), v_sel.detach(), o, lse2, selection, lp, scale)
+    args = (do, q.detach(), k_sel.detach(), v_sel.detach(), o, lse2, selection, lp, scale, cu_seqlens)
     torch.library.opcheck(ops.selected_attention_backward, args)

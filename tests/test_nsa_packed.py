@@ -1,5 +1,6 @@
 """Packed documents at the op level (NSA_SPEC.md section 4): with cu_seqlens, a packed row computes
-exactly what each document computes alone: outputs, selections and all eight input gradients."""
+exactly what each document computes alone: outputs, selections and all eight input gradients, in
+every backend. Triton runs under its interpreter without a GPU (tests/conftest.py), on tiny rows."""
 
 from __future__ import annotations
 
@@ -8,54 +9,114 @@ import torch
 
 from components.nsa import nsa_attention, num_compressed_blocks, select_blocks
 from components.nsa.reference_op import reference_attention
+from components.nsa.triton.launch import interpreting
 from tests.test_nsa_bruteforce import HYPER_NAMES, make_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HP = dict(zip(HYPER_NAMES, (8, 4, 16, 3, 20), strict=True))  # l, d, l', n, w
+SEL_HP = {k: v for k, v in HP.items() if k != "window_size"}
 ORDER = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
 # A document of one token, one shorter than l, than l', than w, one over several selection blocks.
 LENGTHS = (1, 5, 12, 19, 70, 3)
 H, HKV, D = 4, 2, 8
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+triton_only = pytest.mark.skipif(
+    not (torch.cuda.is_available() or interpreting()),
+    reason="Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)",
+)
 
 
-def _documents(lengths, dtype=torch.float64):
-    return [make_inputs(1, n, H, HKV, D, HP, dtype=dtype, seed=i, requires_grad=True) for i, n in enumerate(lengths)]
+def _documents(lengths, dtype=torch.float64, device="cpu", heads=(H, HKV)):
+    docs = [make_inputs(1, n, *heads, D, HP, dtype=dtype, seed=i) for i, n in enumerate(lengths)]
+    return [{name: x.to(device).requires_grad_() for name, x in doc.items()} for doc in docs]
 
 
 def _packed(docs):
     """The documents' tensors concatenated along dim 1 (new leaves), and their cu_seqlens."""
     packed = {name: torch.cat([d[name].detach() for d in docs], dim=1).requires_grad_() for name in ORDER}
     lengths = [d["q"].shape[1] for d in docs]
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=packed["q"].device)
     return packed, cu_seqlens
+
+
+def _grad_out(docs):
+    T = sum(d["q"].shape[1] for d in docs)
+    q = docs[0]["q"]
+    return torch.randn(1, T, H, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(q)
+
+
+def _output_and_grads(tensors, grad_o, backend, cu_seqlens=None):
+    """[o, then the gradients of the eight inputs in ORDER]."""
+    out = nsa_attention(**tensors, **HP, backend=backend, cu_seqlens=cu_seqlens)
+    return [out.detach(), *torch.autograd.grad(out, [tensors[k] for k in ORDER], grad_o)]
+
+
+def _separately(docs, grad_o, backend):
+    """_output_and_grads of each document on its own, concatenated along dim 1 like a packed row."""
+    parts, start = [], 0
+    for doc in docs:
+        n = doc["q"].shape[1]
+        parts.append(_output_and_grads(doc, grad_o[:, start:start + n], backend))
+        start += n
+    return [torch.cat(column, dim=1) for column in zip(*parts)]
+
+
+def _selections(select, docs, packed, cu_seqlens):
+    """(selection of the packed row, the documents' own selections concatenated)."""
+    alone = torch.cat([select(d["q"].detach(), d["k_cmp"].detach(), **SEL_HP) for d in docs], dim=1)
+    return select(packed["q"].detach(), packed["k_cmp"].detach(), **SEL_HP, cu_seqlens=cu_seqlens), alone
 
 
 def test_packed_equals_separate_outputs_selections_and_gradients():
     docs = _documents(LENGTHS)
     packed, cu_seqlens = _packed(docs)
     assert packed["k_cmp"].shape[1] == sum(num_compressed_blocks(n, 8, 4) for n in LENGTHS)
+    grad_o = _grad_out(docs)
+    together = _output_and_grads(packed, grad_o, "reference", cu_seqlens)
+    alone = _separately(docs, grad_o, "reference")
+    torch.testing.assert_close(together[0], alone[0], rtol=0, atol=0)
+    for name, mine, theirs in zip(ORDER, together[1:], alone[1:]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12, msg=name)
+    packed_selection, separate_selections = _selections(select_blocks, docs, packed, cu_seqlens)
+    assert torch.equal(packed_selection, separate_selections)
 
-    alone = [nsa_attention(**d, **HP) for d in docs]
-    together = nsa_attention(**packed, **HP, cu_seqlens=cu_seqlens)
-    torch.testing.assert_close(together, torch.cat(alone, dim=1), rtol=0, atol=0)
 
-    sel_hp = {k: v for k, v in HP.items() if k != "window_size"}
-    sel_alone = torch.cat([select_blocks(d["q"], d["k_cmp"], **sel_hp) for d in docs], dim=1)
-    assert torch.equal(select_blocks(packed["q"], packed["k_cmp"], **sel_hp, cu_seqlens=cu_seqlens), sel_alone)
+@triton_only
+def test_triton_packed_equals_separate_and_the_reference():
+    """The Triton backend on the packed row: its run on each document alone (the same tiles, so equal
+    but for fp32 rounding), and the reference's packed row (fp32 tolerance); selections equal."""
+    from components.nsa.triton import select_blocks_triton
 
-    gen = torch.Generator().manual_seed(7)
-    grad_o = torch.randn(together.shape, generator=gen, dtype=together.dtype)
-    grads_alone = []
-    start = 0
-    for doc, out in zip(docs, alone):
-        n = out.shape[1]
-        grads_alone.append(torch.autograd.grad(out, [doc[k] for k in ORDER], grad_o[:, start:start + n]))
-        start += n
-    grads_packed = torch.autograd.grad(together, [packed[k] for k in ORDER], grad_o)
-    for i, name in enumerate(ORDER):
-        expected = torch.cat([g[i] for g in grads_alone], dim=1)
-        torch.testing.assert_close(grads_packed[i], expected, rtol=1e-12, atol=1e-12, msg=name)
+    docs = _documents(LENGTHS, dtype=torch.float32, device=DEVICE)
+    packed, cu_seqlens = _packed(docs)
+    grad_o = _grad_out(docs)
+    together = _output_and_grads(packed, grad_o, "triton", cu_seqlens)
+    alone = _separately(docs, grad_o, "triton")
+    reference = _output_and_grads(packed, grad_o, "reference", cu_seqlens)
+    for name, mine, separate, ref in zip(("o",) + ORDER, together, alone, reference):
+        torch.testing.assert_close(mine, separate, rtol=1e-6, atol=1e-6, msg=f"{name}: packed vs separate")
+        torch.testing.assert_close(mine, ref, rtol=5e-5, atol=5e-5, msg=f"{name}: Triton vs reference")
+    packed_selection, separate_selections = _selections(select_blocks_triton, docs, packed, cu_seqlens)
+    assert torch.equal(packed_selection, separate_selections)
+    assert torch.equal(packed_selection, select_blocks(packed["q"].detach(), packed["k_cmp"].detach(), **SEL_HP,
+                                                       cu_seqlens=cu_seqlens))
+
+
+@triton_only
+def test_triton_packed_fp16_matches_the_reference():
+    """fp16 inputs: the reference runs in fp32 on the same rounded values (relative RMS error)."""
+    docs = _documents([9, 1, 22], dtype=torch.float16, device=DEVICE)
+    packed, cu_seqlens = _packed(docs)
+    grad_o = _grad_out(docs)
+    mine = _output_and_grads(packed, grad_o, "triton", cu_seqlens)
+    assert mine[0].dtype == torch.float16
+    as_fp32 = {name: x.detach().float().requires_grad_() for name, x in packed.items()}
+    reference = _output_and_grads(as_fp32, grad_o.float(), "reference", cu_seqlens)
+    for name, a, b in zip(("o",) + ORDER, mine, reference):
+        a, b = a.double(), b.double()
+        err = ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+        assert err < 2e-3, f"{name}: relative RMS error {err:.2e}"
 
 
 def test_one_document_is_the_unpacked_op():
@@ -89,22 +150,34 @@ def test_opcheck_with_cu_seqlens():
     torch.library.opcheck(reference_attention, args)
 
 
-def test_compiled_op_does_not_recompile_when_boundaries_move():
-    docs = _documents([20, 30, 14], dtype=torch.float32)
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=triton_only)])
+def test_compiled_op_does_not_recompile_when_boundaries_move(backend):
+    device = DEVICE if backend == "triton" else "cpu"
+    docs = _documents([20, 30, 14], dtype=torch.float32, device=device)
     packed, _ = _packed(docs)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x, cu: nsa_attention(**x, **HP, cu_seqlens=cu), fullgraph=True, backend="inductor")
+    compiled = torch.compile(lambda x, cu: nsa_attention(**x, **HP, cu_seqlens=cu, backend=backend), fullgraph=True,
+                             backend="inductor")
     frames = []
     # The first two rows differ in their boundaries but not in their number of compressed blocks (12).
-    for cu in ([0, 20, 50, 64], [0, 24, 50, 64], [0, 10, 52, 64]):
-        cu = torch.tensor(cu)
+    for i, cu in enumerate(([0, 20, 50, 64], [0, 24, 50, 64], [0, 10, 52, 64])):
+        cu = torch.tensor(cu, device=device)
         # k_cmp / v_cmp hold the documents' blocks: rebuild them for these boundaries.
         x = dict(packed)
         tc = sum(num_compressed_blocks(b - a, 8, 4) for a, b in zip(cu.tolist(), cu.tolist()[1:]))
+        gen = torch.Generator().manual_seed(tc)
         for name in ("k_cmp", "v_cmp"):
-            x[name] = torch.randn(1, tc, HKV, D, generator=torch.Generator().manual_seed(tc))
-        torch.testing.assert_close(compiled(x, cu), nsa_attention(**x, **HP, cu_seqlens=cu), rtol=1e-5, atol=1e-6)
+            x[name] = torch.randn(1, tc, HKV, D, generator=gen).to(device).requires_grad_()
+        # Against the reference in eager mode: the compiled Triton op also computes the spec's function.
+        out, expected = compiled(x, cu), nsa_attention(**x, **HP, cu_seqlens=cu)
+        torch.testing.assert_close(out, expected, rtol=5e-5, atol=5e-5)
         frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        if i == 0:  # the compiled backward gets the boundaries too
+            leaves = [x[name] for name in ORDER]
+            grad_o = torch.randn_like(out)
+            for name, mine, ref in zip(ORDER, torch.autograd.grad(out, leaves, grad_o),
+                                       torch.autograd.grad(expected, leaves, grad_o)):
+                torch.testing.assert_close(mine, ref, rtol=5e-5, atol=5e-5, msg=name)
     # Moved boundaries are data, not a new graph; a new number of compressed blocks changes k_cmp's
     # size, which makes that size symbolic once (the model's own compression keeps it inside the graph).
     assert frames[0] == frames[1], frames

@@ -5,6 +5,8 @@ programs one after another: these tests prove the arithmetic, masking and indexi
 absence of races. fp32 and fp16 only: the interpreter's bf16 dot is not faithful.
 """
 
+from itertools import accumulate
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,19 +143,22 @@ def test_selection_layout():
         assert {0, t // lp, max(0, t // lp - 1)} <= set(used)
 
 
-def test_selected_dkdv_work_items_sum_to_the_same_gradients():
+@pytest.mark.parametrize("lengths", [[40], [17, 1, 22]], ids=["one-row", "packed"])
+def test_selected_dkdv_work_items_sum_to_the_same_gradients(lengths):
     """Cutting long query lists into many work items (block 0's list holds every query) only
-    regroups fp32 sums."""
-    B, T, H, Hkv, D, l, d, lp, n = 1, 40, 2, 1, 16, 8, 4, 8, 3
+    regroups fp32 sums; packed documents number their key blocks one document after another."""
+    B, T, H, Hkv, D, l, d, lp, n = 1, sum(lengths), 2, 1, 16, 8, 4, 8, 3
     q, k, v = (torch.randn(B, T, h, D, device=DEVICE) for h in (H, Hkv, Hkv))
-    k_cmp = torch.randn(B, num_compressed_blocks(T, l, d), Hkv, D, device=DEVICE)
-    sel = select_blocks(q, k_cmp, block_size=l, block_stride=d, sel_block_size=lp, num_selected=n)
+    k_cmp = torch.randn(B, sum(num_compressed_blocks(t, l, d) for t in lengths), Hkv, D, device=DEVICE)
+    cu_seqlens = torch.tensor([0, *accumulate(lengths)], device=DEVICE) if len(lengths) > 1 else None
+    sel = select_blocks(q, k_cmp, block_size=l, block_stride=d, sel_block_size=lp, num_selected=n,
+                        cu_seqlens=cu_seqlens)
     scale = D**-0.5
-    o, lse2 = selected_attention_fwd(q, k, v, sel, lp, scale)
+    o, lse2 = selected_attention_fwd(q, k, v, sel, lp, scale, cu_seqlens)
     do = torch.randn_like(o)
-    whole = selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, scale)
+    whole = selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, scale, cu_seqlens)
     for segment in (5, 16):
-        split = selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, scale, segment=segment)
+        split = selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, scale, cu_seqlens, segment=segment)
         for a, b in zip(split, whole):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
@@ -177,6 +182,31 @@ def test_interval_branches_both_dkdv_splits_match_reference(branch, per_head):
     grads = interval_attention_bwd(do, q.detach(), k.detach(), v.detach(), o, lse2, *mask, D**-0.5, per_head=per_head)
     for name, mine, theirs in zip(("o", "dq", "dk", "dv"), (o, *grads), (ref, *ref_grads)):
         torch.testing.assert_close(mine, theirs, atol=5e-5, rtol=5e-5, msg=name)
+
+
+@pytest.mark.parametrize("branch", ["compressed", "window"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["group-per-program", "head-per-program"])
+def test_interval_branches_on_packed_documents_equal_each_document_alone(branch, per_head):
+    """cu_seqlens: outputs, lse2 and gradients of a packed row are those of its documents run one by
+    one (one shorter than a compressed block, one of a single token), with both dK/dV splits."""
+    lengths, H, Hkv, D, l, d, w = [13, 1, 5, 30], 4, 2, 16, 8, 4, 7
+    keys = [num_compressed_blocks(n, l, d) if branch == "compressed" else n for n in lengths]
+    mask = (d, l - 1, 0) if branch == "compressed" else (1, 0, w)
+    q, do = (torch.randn(1, sum(lengths), H, D, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(1, sum(keys), Hkv, D, device=DEVICE) for _ in range(2))
+    token_starts, key_starts = [0, *accumulate(lengths)], [0, *accumulate(keys)]
+    cu_seqlens = torch.tensor(token_starts, device=DEVICE)
+
+    def run(q, k, v, do, cu_seqlens=None):
+        o, lse2 = interval_attention_fwd(q, k, v, *mask, D**-0.5, cu_seqlens)
+        return [o, lse2.transpose(1, 2), *interval_attention_bwd(do, q, k, v, o, lse2, *mask, D**-0.5, cu_seqlens,
+                                                                   per_head=per_head)]
+
+    packed = run(q, k, v, do, cu_seqlens)
+    parts = [run(q[:, t0:t1], k[:, k0:k1], v[:, k0:k1], do[:, t0:t1])
+             for t0, t1, k0, k1 in zip(token_starts, token_starts[1:], key_starts, key_starts[1:])]
+    for name, mine, alone in zip(("o", "lse2", "dq", "dk", "dv"), packed, zip(*parts)):
+        torch.testing.assert_close(mine, torch.cat(alone, dim=1), atol=1e-6, rtol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("branch", ["selected", "window"])

@@ -2,13 +2,16 @@
 
 Each comparison feeds the reference the same bf16 values upcast to fp32. Selection is checked on
 its own (equal sets up to fp32 ties); the attention checks then reuse the kernel's selection, so
-a near-tie flip in one row cannot hide or fake an error elsewhere.
+a near-tie flip in one row cannot hide or fake an error elsewhere. Packed rows (cu_seqlens): a 32k
+row of documents 1k-8k tokens long against the reference run on each document.
 """
 
 import pytest
 import torch
 
+from bench.attention import cu_seqlens_of, packed_lengths
 from components.nsa import nsa_attention, num_compressed_blocks, select_blocks
+from components.nsa.documents import document_slices
 from components.nsa.reference import compressed_attention, selected_attention, window_attention
 from components.nsa.selection import selection_scores_at
 from components.nsa.triton import nsa_attention_triton, ops, select_blocks_triton
@@ -29,8 +32,9 @@ SIZES = [
 TOLERANCE = 5e-3  # relative RMS error, bf16 kernels vs fp32 reference
 
 
-def _inputs(T, H, Hkv, D, B=1, requires_grad=True):
-    Tc = num_compressed_blocks(T, HYPER["block_size"], HYPER["block_stride"])
+def _inputs(T, H, Hkv, D, B=1, requires_grad=True, lengths=None):
+    """Random bf16 inputs; with document lengths (B = 1), k_cmp / v_cmp hold the documents' blocks."""
+    Tc = sum(num_compressed_blocks(n, HYPER["block_size"], HYPER["block_stride"]) for n in (lengths or [T]))
     shapes = [(B, T, H, D), (B, Tc, Hkv, D), (B, Tc, Hkv, D)] + [(B, T, Hkv, D)] * 4
     xs = [torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in shapes]
     xs.append(torch.rand(B, T, H, 3, device="cuda", dtype=torch.bfloat16))
@@ -52,42 +56,72 @@ def _assert_close(mine, ref, what):
     assert err < TOLERANCE, f"{what}: relative RMS error {err:.2e}"
 
 
+def _assert_equal_up_to_ties(mine, ref, scores_of):
+    """Few rows differ, and where they do the swapped blocks' scores tie within fp32 rounding;
+    scores_of(t) gives (group scores [B, T', Hkv, Ts] of t's document, t's row in them)."""
+    differ = (mine != ref).any(-1)
+    rows = differ.nonzero().tolist()
+    assert len(rows) <= max(8, differ.numel() // 1000), f"{len(rows)} of {differ.numel()} rows differ"
+    for b, t, g in rows:
+        gained = set(mine[b, t, g].tolist()) - set(ref[b, t, g].tolist())
+        lost = set(ref[b, t, g].tolist()) - set(mine[b, t, g].tolist())
+        scores, row_t = scores_of(t)
+        row = scores[b, row_t, g]
+        spread = max(abs(row[i] - row[j]).item() for i in gained for j in lost)
+        assert spread <= 5e-5 * row.abs().max().item(), (b, t, g, gained, lost)
+
+
+def _scores(q, k_cmp):
+    return selection_scores_at(q.float(), k_cmp.float(), q_start=0, **{k: SEL_HYPER[k] for k in
+                                                                      ("block_size", "block_stride", "sel_block_size")})
+
+
 @pytest.mark.parametrize("T,H,Hkv,D", SIZES)
 def test_selection_matches_reference_up_to_ties(T, H, Hkv, D):
     q, k_cmp = _inputs(T, H, Hkv, D, requires_grad=False)[:2]
     mine = select_blocks_triton(q, k_cmp, **SEL_HYPER)
     ref = select_blocks(q.float(), k_cmp.float(), **SEL_HYPER)
-    differ = (mine != ref).any(-1)
-    rows = differ.nonzero().tolist()
-    assert len(rows) <= max(8, differ.numel() // 1000), f"{len(rows)} of {differ.numel()} rows differ"
-    if rows:
-        scores = selection_scores_at(q.float(), k_cmp.float(), q_start=0, block_size=32, block_stride=16,
-                                     sel_block_size=64)
-        for b, t, g in rows:
-            gained = set(mine[b, t, g].tolist()) - set(ref[b, t, g].tolist())
-            lost = set(ref[b, t, g].tolist()) - set(mine[b, t, g].tolist())
-            row = scores[b, t, g]
-            spread = max(abs(row[i] - row[j]).item() for i in gained for j in lost)
-            assert spread <= 5e-5 * row.abs().max().item(), (b, t, g, gained, lost)
+    _assert_equal_up_to_ties(mine, ref, lambda t: (_scores(q, k_cmp), t))
 
 
 @pytest.mark.parametrize("T,H,Hkv,D", SIZES)
 def test_each_branch_matches_reference(T, H, Hkv, D):
-    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, _ = _inputs(T, H, Hkv, D)
-    scale = D**-0.5
+    _assert_branches_match_reference(*_inputs(T, H, Hkv, D)[:7])
+
+
+def _assert_branches_match_reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cu_seqlens=None):
+    """Each branch's op (o, dq, dk, dv) against the reference with the kernel's selection; with
+    cu_seqlens, the reference runs on each document alone."""
+    scale = q.shape[-1] ** -0.5
     l, d, lp, w = HYPER["block_size"], HYPER["block_stride"], HYPER["sel_block_size"], HYPER["window_size"]
-    selection = select_blocks_triton(q.detach(), k_cmp.detach(), **SEL_HYPER)
+    selection = select_blocks_triton(q.detach(), k_cmp.detach(), **SEL_HYPER, cu_seqlens=cu_seqlens)
+
+    def on_rows(fn, token_args, block_args=()):
+        """fn on the row, or on each document's slices of its arguments (tokens, then compressed blocks)."""
+        if cu_seqlens is None:
+            return fn(*token_args, *block_args)
+        return _per_document(fn, cu_seqlens, token_args, block_args)
+
+    def cmp(a, b, c):
+        return compressed_attention(a, b, c, q_start=0, block_size=l, block_stride=d)
+
+    def sel(a, b, c, s):
+        return selected_attention(a, b, c, s, q_start=0, sel_block_size=lp)
+
+    def win(a, b, c):
+        return window_attention(a, b, c, q_start=0, window_size=w)
+
     branches = {
-        "cmp": ((q, k_cmp, v_cmp), lambda a, b, c: ops.interval_attention(a, b, c, d, l - 1, 0, scale)[0],
-                lambda a, b, c: compressed_attention(a, b, c, q_start=0, block_size=l, block_stride=d)),
-        "sel": ((q, k_sel, v_sel), lambda a, b, c: ops.selected_attention(a, b, c, selection, lp, scale)[0],
-                lambda a, b, c: selected_attention(a, b, c, selection, q_start=0, sel_block_size=lp)),
-        "win": ((q, k_win, v_win), lambda a, b, c: ops.interval_attention(a, b, c, 1, 0, w, scale)[0],
-                lambda a, b, c: window_attention(a, b, c, q_start=0, window_size=w)),
+        "cmp": ((q, k_cmp, v_cmp), lambda a, b, c: ops.interval_attention(a, b, c, d, l - 1, 0, scale, cu_seqlens)[0],
+                lambda a, b, c: on_rows(cmp, (a,), (b, c))),
+        "sel": ((q, k_sel, v_sel), lambda a, b, c: ops.selected_attention(a, b, c, selection, lp, scale, cu_seqlens)[0],
+                lambda a, b, c: on_rows(sel, (a, b, c, selection))),
+        "win": ((q, k_win, v_win), lambda a, b, c: ops.interval_attention(a, b, c, 1, 0, w, scale, cu_seqlens)[0],
+                lambda a, b, c: on_rows(win, (a, b, c))),
     }
-    for name, (xs, kernel, reference) in branches.items():
+    for name, (xs, kernel, on_reference) in branches.items():
         xr = _fp32_copies(xs)
-        ref = reference(*xr)
+        ref = on_reference(*xr)
         grad_out = torch.randn_like(ref)
         ref_grads = torch.autograd.grad(ref, xr, grad_out)
         out = kernel(*xs)
@@ -182,7 +216,45 @@ def test_offsets_beyond_int32():
     _assert_close(dv[:, T - tail:], ref_dv[:, w:], "dv tail")
 
 
-# A 32k row of documents 1k-8k tokens long, two of them not a multiple of any block size.
+# A packed row: documents 1k-8k tokens long filling 32k tokens (seeded lengths).
+PACKED_T, PACKED_HEADS = 32768, (8, 2, 128)
+
+
+def _packed_row():
+    lengths = packed_lengths(PACKED_T, 1024, 8192)
+    cu_seqlens = cu_seqlens_of(lengths)
+    return _inputs(PACKED_T, *PACKED_HEADS, lengths=lengths), cu_seqlens
+
+
+def _per_document(fn, cu_seqlens, token_tensors, block_tensors=()):
+    """fn(*token slices, *block slices) for each document, concatenated along dim 1."""
+    slices = document_slices(cu_seqlens, PACKED_T, HYPER["block_size"], HYPER["block_stride"])
+    return torch.cat([fn(*(x[:, tokens] for x in token_tensors), *(x[:, blocks] for x in block_tensors))
+                      for tokens, blocks in slices], dim=1)
+
+
+def test_packed_selection_matches_reference_up_to_ties():
+    xs, cu_seqlens = _packed_row()
+    q, k_cmp = xs[0].detach(), xs[1].detach()
+    mine = select_blocks_triton(q, k_cmp, **SEL_HYPER, cu_seqlens=cu_seqlens)
+    ref = select_blocks(q.float(), k_cmp.float(), **SEL_HYPER, cu_seqlens=cu_seqlens)
+    starts = cu_seqlens.tolist()
+
+    def scores_of(t):  # the scores of t's own document
+        k = max(i for i, a in enumerate(starts[:-1]) if a <= t)
+        tokens, blocks = document_slices(cu_seqlens, PACKED_T, HYPER["block_size"], HYPER["block_stride"])[k]
+        return _scores(q[:, tokens], k_cmp[:, blocks]), t - starts[k]
+
+    _assert_equal_up_to_ties(mine, ref, scores_of)
+
+
+def test_packed_branches_match_reference():
+    """Each branch with cu_seqlens against the reference run on each document (same selection)."""
+    xs, cu_seqlens = _packed_row()
+    _assert_branches_match_reference(*xs[:7], cu_seqlens=cu_seqlens)
+
+
+# Documents 1k-8k tokens long, two of them not a multiple of any block size.
 PACKED_LENGTHS = (4096, 1024, 8192, 2555, 6144, 1536, 7168, 2053)
 
 

@@ -47,10 +47,7 @@ def _triton(*tensors, cu_seqlens=None, **hyper):
             f"NSA backend 'triton' is not available here ({exc}); install triton and run on a CUDA GPU, "
             "or choose backend 'reference'"
         ) from exc
-    if cu_seqlens is not None:
-        names = ("block_size", "block_stride", "sel_block_size", "num_selected", "window_size")
-        return nsa_triton.packed_attention(*tensors, *(hyper[name] for name in names), cu_seqlens)
-    return nsa_triton.attention_on_checked_inputs(*tensors, **hyper)
+    return nsa_triton.attention_on_checked_inputs(*tensors, cu_seqlens=cu_seqlens, **hyper)
 
 
 _TABLE: dict[str, Backend] = {

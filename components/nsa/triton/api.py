@@ -4,6 +4,7 @@ Forward: the compressed branch (with its log-sum-exp) -> block selection from th
 -> selected attention -> window attention -> gates. The branch outputs are gated in fp32 by
 ordinary torch ops, so autograd (and torch.compile) derive the gate gradients and route each
 branch's share of dO into its op's backward. Selection is discrete: its inputs are detached.
+cu_seqlens (packed documents, B = 1) goes to every op: each document is computed on its own.
 """
 
 from __future__ import annotations
@@ -22,17 +23,21 @@ def _check_kernel_inputs(q: torch.Tensor) -> None:
 
 
 def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
-                         sel_block_size: int, num_selected: int, window_size: int) -> torch.Tensor:
-    """o [B, T, H, D] in q's dtype; shapes and semantics as components.nsa.nsa_attention, inputs checked."""
+                         sel_block_size: int, num_selected: int, window_size: int,
+                         cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """o [B, T, H, D] in q's dtype; shapes and semantics (cu_seqlens included) as
+    components.nsa.nsa_attention, inputs checked."""
     hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
                  num_selected=num_selected, window_size=window_size)
-    check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, **hyper)
-    return attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
+    check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, cu_seqlens=cu_seqlens,
+                         **hyper)
+    return attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, cu_seqlens=cu_seqlens,
+                                       **hyper)
 
 
 def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int,
-                                block_stride: int, sel_block_size: int, num_selected: int,
-                                window_size: int) -> torch.Tensor:
+                                block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
+                                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The backend table's entry: the op (components.nsa.op) has checked the call; only what the
     kernels need beyond the op's contract (device, dtype, head dim) is checked here."""
     _check_kernel_inputs(q)
@@ -40,11 +45,11 @@ def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gat
     k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (x.to(q.dtype) for x in (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
     sm_scale = q.shape[-1] ** -0.5
 
-    o_cmp, lse2_cmp = ops.interval_attention(q, k_cmp, v_cmp, block_stride, block_size - 1, 0, sm_scale)
+    o_cmp, lse2_cmp = ops.interval_attention(q, k_cmp, v_cmp, block_stride, block_size - 1, 0, sm_scale, cu_seqlens)
     selection = ops.select_blocks(q.detach(), k_cmp.detach(), lse2_cmp.detach(), block_size, block_stride,
-                                  sel_block_size, num_selected, sm_scale)
-    o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, sel_block_size, sm_scale)
-    o_win, _ = ops.interval_attention(q, k_win, v_win, 1, 0, window_size, sm_scale)
+                                  sel_block_size, num_selected, sm_scale, cu_seqlens)
+    o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, sel_block_size, sm_scale, cu_seqlens)
+    o_win, _ = ops.interval_attention(q, k_win, v_win, 1, 0, window_size, sm_scale, cu_seqlens)
 
     g = gates.float().unsqueeze(-1)  # [B, T, H, 3, 1]
     o = g[..., 0, :] * o_cmp.float() + g[..., 1, :] * o_sel.float() + g[..., 2, :] * o_win.float()
@@ -53,13 +58,15 @@ def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gat
 
 @torch.no_grad()
 def select_blocks_triton(q, k_cmp, *, block_size: int, block_stride: int, sel_block_size: int,
-                         num_selected: int) -> torch.Tensor:
-    """LongTensor [B, T, Hkv, n], ascending, -1 for unused slots; as components.nsa.select_blocks."""
+                         num_selected: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """LongTensor [B, T, Hkv, n], ascending, -1 for unused slots; as components.nsa.select_blocks
+    (with cu_seqlens, block numbers count from each query's document start)."""
     check_selection_call(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride,
-                         sel_block_size=sel_block_size, num_selected=num_selected)
+                         sel_block_size=sel_block_size, num_selected=num_selected, cu_seqlens=cu_seqlens)
     _check_kernel_inputs(q)
     k_cmp = k_cmp.to(q.dtype)
     sm_scale = q.shape[-1] ** -0.5
     # Only the log-sum-exp of the compressed branch is needed; k_cmp stands in for v_cmp.
-    _, lse2_cmp = ops.interval_attention(q, k_cmp, k_cmp, block_stride, block_size - 1, 0, sm_scale)
-    return ops.select_blocks(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_size, num_selected, sm_scale)
+    _, lse2_cmp = ops.interval_attention(q, k_cmp, k_cmp, block_stride, block_size - 1, 0, sm_scale, cu_seqlens)
+    return ops.select_blocks(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_size, num_selected, sm_scale,
+                             cu_seqlens)

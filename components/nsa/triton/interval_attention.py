@@ -9,6 +9,10 @@ Layouts: q/o/dq [B, T, H, D]; k/v/dk/dv [B, NK, Hkv, D] (last dim dense, other s
 lse2/delta [B, H, T] fp32. lse2 is the base-2 logsumexp of the scaled logits, +inf for a query
 that sees no key (so exp2(s - lse2) is 0 there without a NaN anywhere); such a query gets o = 0.
 Offsets are formed in int64 so that B*T*H*D beyond 2**31 elements cannot overflow.
+
+Packed documents (cu_seqlens, B = 1): positions count from each document's start and a document's
+keys follow one another in k/v (its compressed blocks, or its tokens); programs take tiles of one
+document (packing.py), so each document is computed exactly as on its own.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import triton.language as tl
 
 from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block
+from components.nsa.triton.packing import DocumentTables
 from components.nsa.triton.softmax_delta import softmax_delta
-from components.nsa.triton.tiles import grid_position, load_rows, online_softmax_step, softmax_grads, softmax_result
+from components.nsa.triton.tiles import document_tile, load_rows, online_softmax_step, softmax_grads, softmax_result
 
 
 @triton.jit
@@ -44,33 +49,35 @@ def _visible_key_range(t_first, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW):
 
 @triton.jit
 def _interval_attn_fwd_kernel(
-    Q, K, V, O, LSE2,
+    Q, K, V, O, LSE2, TILES, Q_STARTS, K_STARTS,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
-    T, NK, H, G, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale,
+    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
-    pid_m, pid_bh = grid_position(tl.cdiv(T, BLOCK_M))
+    # Positions below are within the tile's document: q0 / k0 rows into the row's queries / keys.
+    tile, pid_bh, q0, num_q, k0, num_k = document_tile(TILES, Q_STARTS, K_STARTS, NUM_TILES, tl.cdiv(T, BLOCK_M),
+                                                       T, NK, PACKED)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     hk = (h // G).to(tl.int64)
     h64 = h.to(tl.int64)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < T
+    m_ok = offs_m < num_q
     d_ok = offs_d < D
     row_mask = m_ok[:, None] & d_ok[None, :]
     rows = offs_m.to(tl.int64)
-    q = load_rows(Q + b * sqb + h64 * sqh, rows, sqt, offs_d, row_mask)
+    q = load_rows(Q + b * sqb + h64 * sqh + q0 * sqt, rows, sqt, offs_d, row_mask)
 
-    n_lo, n_hi = _visible_key_range(pid_m * BLOCK_M, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW)
+    n_lo, n_hi = _visible_key_range(tile * BLOCK_M, BLOCK_M, num_q, num_k, KEY_STRIDE, KEY_OFFSET, WINDOW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    k_base = K + b * skb + hk * skh + k0 * skt
+    v_base = V + b * svb + hk * svh + k0 * svt
     for start in range(n_lo, n_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_hi
@@ -82,41 +89,42 @@ def _interval_attn_fwd_kernel(
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, tl.where(seen, s, float("-inf")), v, PRECISION)
 
     o, lse2 = softmax_result(m_i, l_i, acc)
-    tl.store(O + b * sob + h64 * soh + rows[:, None] * sot + offs_d[None, :], o.to(O.dtype.element_ty),
+    tl.store(O + b * sob + h64 * soh + (q0 + rows)[:, None] * sot + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=row_mask)
-    tl.store(LSE2 + (b * H + h64) * T + offs_m, lse2, mask=m_ok)
+    tl.store(LSE2 + (b * H + h64) * T + q0 + offs_m, lse2, mask=m_ok)
 
 
 @triton.jit
 def _interval_attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ,
+    Q, K, V, DO, LSE2, DELTA, DQ, TILES, Q_STARTS, K_STARTS,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh,
-    T, NK, H, G, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
+    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
-    pid_m, pid_bh = grid_position(tl.cdiv(T, BLOCK_M))
+    tile, pid_bh, q0, num_q, k0, num_k = document_tile(TILES, Q_STARTS, K_STARTS, NUM_TILES, tl.cdiv(T, BLOCK_M),
+                                                       T, NK, PACKED)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     hk = (h // G).to(tl.int64)
     h64 = h.to(tl.int64)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < T
+    m_ok = offs_m < num_q
     d_ok = offs_d < D
     row_mask = m_ok[:, None] & d_ok[None, :]
     rows = offs_m.to(tl.int64)
-    q = load_rows(Q + b * sqb + h64 * sqh, rows, sqt, offs_d, row_mask)
-    do = load_rows(DO + b * sdob + h64 * sdoh, rows, sdot, offs_d, row_mask)
-    lse2 = tl.load(LSE2 + (b * H + h64) * T + offs_m, mask=m_ok, other=float("inf"))
-    delta = tl.load(DELTA + (b * H + h64) * T + offs_m, mask=m_ok, other=0.0)
+    q = load_rows(Q + b * sqb + h64 * sqh + q0 * sqt, rows, sqt, offs_d, row_mask)
+    do = load_rows(DO + b * sdob + h64 * sdoh + q0 * sdot, rows, sdot, offs_d, row_mask)
+    lse2 = tl.load(LSE2 + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(DELTA + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=0.0)
 
-    n_lo, n_hi = _visible_key_range(pid_m * BLOCK_M, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW)
+    n_lo, n_hi = _visible_key_range(tile * BLOCK_M, BLOCK_M, num_q, num_k, KEY_STRIDE, KEY_OFFSET, WINDOW)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    k_base = K + b * skb + hk * skh + k0 * skt
+    v_base = V + b * svb + hk * svh + k0 * svt
     for start in range(n_lo, n_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_hi
@@ -127,42 +135,44 @@ def _interval_attn_bwd_dq_kernel(
         _, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
-    tl.store(DQ + b * sdqb + h64 * sdqh + rows[:, None] * sdqt + offs_d[None, :],
+    tl.store(DQ + b * sdqb + h64 * sdqh + (q0 + rows)[:, None] * sdqt + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
 def _interval_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, TILES, Q_STARTS, K_STARTS,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
     sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
-    T, NK, H, G, HO, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
+    T, NK, H, G, HO, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
     # One program per (key tile, output head). HO output heads: Hkv (each program sums its G
     # query heads itself) or H (one query head each; the caller sums groups in a fixed order).
     # Either way no two programs write the same element: deterministic, no atomics.
-    pid_n, pid_bh = grid_position(tl.cdiv(NK, BLOCK_N))
+    # A tile of one document's keys (the tile table runs over keys here).
+    tile, pid_bh, q0, num_q, k0, num_k = document_tile(TILES, Q_STARTS, K_STARTS, NUM_TILES, tl.cdiv(NK, BLOCK_N),
+                                                       T, NK, PACKED)
     b = (pid_bh // HO).to(tl.int64)
     ho = pid_bh % HO
     heads_per_program = H // HO
     h_first = ho * heads_per_program
     hk = (h_first // G).to(tl.int64)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < NK
+    n_ok = offs_n < num_k
     d_ok = offs_d < D
     kv_mask = n_ok[:, None] & d_ok[None, :]
     keys = offs_n.to(tl.int64)
-    k = load_rows(K + b * skb + hk * skh, keys, skt, offs_d, kv_mask)
-    v = load_rows(V + b * svb + hk * svh, keys, svt, offs_d, kv_mask)
+    k = load_rows(K + b * skb + hk * skh + k0 * skt, keys, skt, offs_d, kv_mask)
+    v = load_rows(V + b * svb + hk * svh + k0 * svt, keys, svt, offs_d, kv_mask)
 
     # Queries that see any key of the tile: t in [kpos(first), kpos(last) + window).
-    n_last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, NK) - 1
-    t_lo = tl.minimum(pid_n * BLOCK_N * KEY_STRIDE + KEY_OFFSET, T)
-    t_hi = tl.minimum(n_last * KEY_STRIDE + KEY_OFFSET + tl.minimum(WINDOW, T), T)
+    n_last = tl.minimum(tile * BLOCK_N + BLOCK_N, num_k) - 1
+    t_lo = tl.minimum(tile * BLOCK_N * KEY_STRIDE + KEY_OFFSET, num_q)
+    t_hi = tl.minimum(n_last * KEY_STRIDE + KEY_OFFSET + tl.minimum(WINDOW, num_q), num_q)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -173,19 +183,19 @@ def _interval_attn_bwd_dkdv_kernel(
             m_ok = offs_m < t_hi
             row_mask = m_ok[:, None] & d_ok[None, :]
             rows = offs_m.to(tl.int64)
-            q = load_rows(Q + b * sqb + h64 * sqh, rows, sqt, offs_d, row_mask)
-            do = load_rows(DO + b * sdob + h64 * sdoh, rows, sdot, offs_d, row_mask)
-            lse2 = tl.load(LSE2 + (b * H + h64) * T + offs_m, mask=m_ok, other=float("inf"))
-            delta = tl.load(DELTA + (b * H + h64) * T + offs_m, mask=m_ok, other=0.0)
+            q = load_rows(Q + b * sqb + h64 * sqh + q0 * sqt, rows, sqt, offs_d, row_mask)
+            do = load_rows(DO + b * sdob + h64 * sdoh + q0 * sdot, rows, sdot, offs_d, row_mask)
+            lse2 = tl.load(LSE2 + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(DELTA + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=0.0)
             seen = _visible(offs_m, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :] & m_ok[:, None]
             p, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
 
     ho64 = ho.to(tl.int64)
-    tl.store(DK + b * sdkb + ho64 * sdkh + keys[:, None] * sdkt + offs_d[None, :],
+    tl.store(DK + b * sdkb + ho64 * sdkh + (k0 + keys)[:, None] * sdkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * sdvb + ho64 * sdvh + keys[:, None] * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + b * sdvb + ho64 * sdvh + (k0 + keys)[:, None] * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=kv_mask)
 
 
@@ -203,8 +213,10 @@ def _effective_window(window: int, num_queries: int) -> int:
 
 
 def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_stride: int, key_offset: int,
-                           window: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [B, T, H, D] in q's dtype, lse2 [B, H, T] fp32) of the interval-masked attention."""
+                           window: int, sm_scale: float,
+                           cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, T, H, D] in q's dtype, lse2 [B, H, T] fp32) of the interval-masked attention; with
+    cu_seqlens (B = 1), of each packed document on its own."""
     B, T, H, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -213,19 +225,22 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
         return o, lse2
     k, v = _nonempty(k, v)
     block_m, block_n, warps, stages = tile_configs.tiles("interval_fwd", head_block(D), q.element_size())
-    _interval_attn_fwd_kernel[flat_grid(cdiv(T, block_m), B * H)](
-        q, k, v, o, lse2,
+    docs = DocumentTables(cu_seqlens, key_stride, key_offset)
+    *tables, num_tiles = docs.tiles(block_m, T)
+    _interval_attn_fwd_kernel[flat_grid(num_tiles or cdiv(T, block_m), B * H)](
+        q, k, v, o, lse2, *tables,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        T, NK, H, H // Hkv, key_stride, key_offset, _effective_window(window, T), sm_scale * LOG2E,
+        T, NK, H, H // Hkv, num_tiles, key_stride, key_offset, _effective_window(window, T), sm_scale * LOG2E,
         D=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        PACKED=docs.packed, num_warps=warps, num_stages=stages,
     )
     return o, lse2
 
 
 def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                            lse2: torch.Tensor, key_stride: int, key_offset: int, window: int, sm_scale: float,
+                           cu_seqlens: torch.Tensor | None = None,
                            per_head: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v). `per_head` forces how dK/dV work is split (one
     program per query head, or per KV group); by default it follows the amount of parallelism."""
@@ -240,15 +255,17 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     delta = softmax_delta(do, o)  # [B, H, T]
     k, v = _nonempty(k, v)
     window = _effective_window(window, T)
-    common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype))
+    docs = DocumentTables(cu_seqlens, key_stride, key_offset)
+    common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype), PACKED=docs.packed)
 
     block_m, block_n, warps, stages = tile_configs.tiles("interval_dq", head_block(D), q.element_size())
-    _interval_attn_bwd_dq_kernel[flat_grid(cdiv(T, block_m), B * H)](
-        q, k, v, do, lse2, delta, dq,
+    *tables, num_tiles = docs.tiles(block_m, T)
+    _interval_attn_bwd_dq_kernel[flat_grid(num_tiles or cdiv(T, block_m), B * H)](
+        q, k, v, do, lse2, delta, dq, *tables,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        T, NK, H, G, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
+        T, NK, H, G, num_tiles, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
     if NK == 0:
@@ -257,7 +274,8 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     # Few key tiles (the compressed branch has T/d keys) leave the GPU idle when a program owns
     # a whole group; then give each query head its own program and sum the group afterwards.
     block_m, block_n, warps, stages = tile_configs.tiles("interval_dkdv", head_block(D), q.element_size())
-    key_tiles = cdiv(NK, block_n)
+    *tables, num_tiles = docs.tiles(block_n, NK, over_keys=True)
+    key_tiles = num_tiles or cdiv(NK, block_n)
     if per_head is None:
         per_head = G > 1 and B * Hkv * key_tiles < 1024
     if per_head:
@@ -267,11 +285,11 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         dk_out, dv_out = dk, dv
     HO = dk_out.shape[2]
     _interval_attn_bwd_dkdv_kernel[flat_grid(key_tiles, B * HO)](
-        q, k, v, do, lse2, delta, dk_out, dv_out,
+        q, k, v, do, lse2, delta, dk_out, dv_out, *tables,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-        T, NK, H, G, HO, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
+        T, NK, H, G, HO, num_tiles, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
     if per_head:

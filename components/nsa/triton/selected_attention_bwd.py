@@ -9,6 +9,10 @@ Block 0 (and other popular blocks) are chosen by most queries, so long lists are
 items of at most SEGMENT queries; each item writes its own fp32 partial dK/dV and a second kernel
 sums a block's partials in item order. No atomics, no dependence on scheduling: bitwise
 reproducible. Everything is sized from shapes alone, so there is no host sync.
+
+Packed documents (cu_seqlens, B = 1): selections count blocks from each query's document start;
+dQ reads keys from the query's document, and dK/dV numbers the key blocks document after
+document (packing.selection_blocks), a block ending at its document's end.
 """
 
 from __future__ import annotations
@@ -19,23 +23,25 @@ import triton.language as tl
 
 from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
-from components.nsa.triton.selected_attention_fwd import key_tile
+from components.nsa.triton.packing import document_starts, selection_blocks
+from components.nsa.triton.selected_attention_fwd import key_tile, query_document_starts
 from components.nsa.triton.softmax_delta import softmax_delta
-from components.nsa.triton.tiles import grid_position, load_rows, softmax_grads
+from components.nsa.triton.tiles import grid_position, load_rows, softmax_grads, token_in_document
 
 
 @triton.jit
 def _selected_attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, IDX, DQ,
+    Q, K, V, DO, LSE2, DELTA, IDX, DQ, TOKEN_STARTS,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sib, sit, sih, sdqb, sdqt, sdqh,
     T, H, HKV, G, NUM_SEL, SEL_BLOCK, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-    SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+    SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
     t, pid_bh = grid_position(T)
     b = (pid_bh // HKV).to(tl.int64)
     hk = pid_bh % HKV
     t64 = t.to(tl.int64)
+    doc0, t_doc = token_in_document(TOKEN_STARTS, t, PACKED)  # key rows: doc0 + position in the document
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -50,15 +56,15 @@ def _selected_attn_bwd_dq_kernel(
     delta = tl.load(DELTA + (b * H + heads) * T + t64, mask=g_ok, other=0.0)
 
     dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    k_base = K + b * skb + hk.to(tl.int64) * skh
-    v_base = V + b * svb + hk.to(tl.int64) * svh
+    k_base = K + b * skb + hk.to(tl.int64) * skh + doc0 * skt
+    v_base = V + b * svb + hk.to(tl.int64) * svh + doc0 * svt
     idx_base = IDX + b * sib + t64 * sit + hk.to(tl.int64) * sih
     for slot in range(NUM_SEL):
         blk = tl.load(idx_base + slot)
         for sub in tl.static_range(SUB_BLOCKS):
             in_block = sub * BLOCK_K + offs_k
             pos = blk * SEL_BLOCK + in_block
-            k_ok = (in_block < SEL_BLOCK) & (pos >= 0) & (pos <= t)  # pos < 0 for an unused slot (-1)
+            k_ok = (in_block < SEL_BLOCK) & (pos >= 0) & (pos <= t_doc)  # pos < 0 for an unused slot (-1)
             kv_mask = k_ok[:, None] & d_ok[None, :]
             k = load_rows(k_base, pos.to(tl.int64), skt, offs_d, kv_mask)
             v = load_rows(v_base, pos.to(tl.int64), svt, offs_d, kv_mask)
@@ -70,12 +76,24 @@ def _selected_attn_bwd_dq_kernel(
 
 
 @triton.jit
+def _key_block_span(BLOCKS, STARTS, blk, NUM_BLOCKS, SEL_BLOCK, T, PACKED: tl.constexpr):
+    """(first token, end of its document) of key block blk: block blk of the row, or with PACKED
+    the blk-th of the packed row's per-document blocks (a tile table over tokens in tiles of l')."""
+    if PACKED:
+        doc = tl.load(BLOCKS + blk)
+        start = tl.load(STARTS + doc)
+        return start + tl.load(BLOCKS + NUM_BLOCKS + blk) * SEL_BLOCK, tl.load(STARTS + doc + 1)
+    else:
+        return blk * SEL_BLOCK, T
+
+
+@triton.jit
 def _selected_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, QUERY_LIST, LIST_START, ITEM_BIN, ITEM_START, PART_DK, PART_DV,
+    Q, K, V, DO, LSE2, DELTA, QUERY_LIST, LIST_START, ITEM_BIN, ITEM_START, PART_DK, PART_DV, BLOCKS, STARTS,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
     T, H, HKV, G, NUM_BINS, NUM_SEL_BLOCKS, SEL_BLOCK, SEGMENT, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, QUERIES: tl.constexpr,
-    BLOCK_K: tl.constexpr, SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
     item = tl.program_id(0)
     sub = tl.program_id(1)
@@ -93,8 +111,9 @@ def _selected_attn_bwd_dkdv_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         in_block = sub * BLOCK_K + tl.arange(0, BLOCK_K)
-        pos = blk * SEL_BLOCK + in_block
-        k_ok = (in_block < SEL_BLOCK) & (pos < T)
+        pos, end = _key_block_span(BLOCKS, STARTS, blk, NUM_SEL_BLOCKS, SEL_BLOCK, T, PACKED)
+        pos = pos + in_block
+        k_ok = (in_block < SEL_BLOCK) & (pos < end)
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = load_rows(K + b * skb + hk * skh, pos.to(tl.int64), skt, offs_d, kv_mask)
         v = load_rows(V + b * svb + hk * svh, pos.to(tl.int64), svt, offs_d, kv_mask)
@@ -130,10 +149,10 @@ def _selected_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _sum_partials_kernel(
-    PART_DK, PART_DV, ITEM_START, DK, DV,
+    PART_DK, PART_DV, ITEM_START, DK, DV, BLOCKS, STARTS,
     sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
     T, HKV, NUM_SEL_BLOCKS, SEL_BLOCK,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PART_ROWS: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PART_ROWS: tl.constexpr, PACKED: tl.constexpr,
 ):
     # One program per (key block, ROWS rows of it); a partial holds PART_ROWS rows per item.
     bin_id = tl.program_id(0)
@@ -144,8 +163,9 @@ def _sum_partials_kernel(
     b = (bh // HKV).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_r = sub * ROWS + tl.arange(0, ROWS)
-    pos = blk * SEL_BLOCK + offs_r
-    mask = ((offs_r < SEL_BLOCK) & (pos < T))[:, None] & (offs_d < D)[None, :]
+    pos, end = _key_block_span(BLOCKS, STARTS, blk, NUM_SEL_BLOCKS, SEL_BLOCK, T, PACKED)
+    pos = pos + offs_r
+    mask = ((offs_r < SEL_BLOCK) & (pos < end))[:, None] & (offs_d < D)[None, :]
     in_part = (offs_r < PART_ROWS)[:, None]
 
     dk = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -161,18 +181,22 @@ def _sum_partials_kernel(
     tl.store(DV + b * sdvb + hk * sdvh + rows * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
 
 
-def invert_selection(sel_idx: torch.Tensor, num_sel_blocks: int, segment: int):
+def invert_selection(sel_idx: torch.Tensor, num_sel_blocks: int, segment: int,
+                     token_first_block: torch.Tensor | None = None):
     """Per-(batch, KV group, selection block) query lists and their cut into work items.
 
     Returns (query_list [E] int32, list_start [bins + 1], item_bin [max_items], item_start
     [bins + 1], max_items) where bin = (b * Hkv + g) * Ts + j and list bin holds, ascending, the
     queries whose selection for group g contains block j. Unused slots sort past the last bin.
+    Packed documents: token_first_block [T] numbers each query's block 0 (j counts from there).
     """
     B, T, HKV, N = sel_idx.shape
     device = sel_idx.device
     num_bins = B * HKV * num_sel_blocks
     # Entries ordered (b, g, t, slot): a stable sort by bin keeps each list's queries ascending.
     idx = sel_idx.permute(0, 2, 1, 3).to(torch.int64)
+    if token_first_block is not None:
+        idx = torch.where(idx >= 0, idx + token_first_block.view(1, 1, T, 1), idx)
     bh = torch.arange(B * HKV, device=device).view(B, HKV, 1, 1) * num_sel_blocks
     bins = torch.where(idx >= 0, bh + idx, num_bins).reshape(-1)
     sorted_bins, order = torch.sort(bins, stable=True)
@@ -191,9 +215,11 @@ def invert_selection(sel_idx: torch.Tensor, num_sel_blocks: int, segment: int):
 
 def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                            lse2: torch.Tensor, sel_idx: torch.Tensor, sel_block_size: int, sm_scale: float,
+                           cu_seqlens: torch.Tensor | None = None,
                            segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in the dtypes of (q, k, v). `segment` (queries per dK/dV work item) only
-    changes the work split, not the result beyond fp32 summation order."""
+    """(dq, dk, dv) in the dtypes of (q, k, v); with cu_seqlens (B = 1) sel_idx counts blocks from
+    each query's document start. `segment` (queries per dK/dV work item) only changes the work
+    split, not the result beyond fp32 summation order."""
     B, T, H, D = q.shape
     HKV = k.shape[2]
     G = H // HKV
@@ -210,17 +236,24 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     block_k = key_tile(sel_block_size, tiles.keys)
     sub_blocks = cdiv(sel_block_size, block_k)
 
+    packed = cu_seqlens is not None
     _selected_attn_bwd_dq_kernel[flat_grid(T, B * HKV)](
-        q, k, v, do, lse2, delta, sel_idx, dq,
+        q, k, v, do, lse2, delta, sel_idx, dq, query_document_starts(cu_seqlens, T),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         sel_idx.stride(0), sel_idx.stride(1), sel_idx.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         T, H, HKV, G, num_sel, sel_block_size, sm_scale * LOG2E, sm_scale,
         D=D, BLOCK_D=block_d, BLOCK_G=max(16, next_pow2(G)), BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
-        PRECISION=precision, num_warps=tiles.warps, num_stages=tiles.stages,
+        PRECISION=precision, PACKED=packed, num_warps=tiles.warps, num_stages=tiles.stages,
     )
 
-    num_sel_blocks = cdiv(T, sel_block_size)
+    if packed:  # key blocks numbered document after document
+        starts = document_starts(cu_seqlens)
+        blocks, token_first_block = selection_blocks(starts, sel_block_size, T)
+        num_sel_blocks = blocks.shape[1]
+    else:
+        starts = blocks = token_first_block = None
+        num_sel_blocks = cdiv(T, sel_block_size)
     tiles = tile_configs.tiles("selected_dkdv", block_d, q.element_size())
     block_k = key_tile(sel_block_size, tiles.keys)
     sub_blocks = cdiv(sel_block_size, block_k)
@@ -230,25 +263,26 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         # At most 512 steps per work item: short enough to balance the GPU when block 0's list
         # holds every query, long enough to keep the fp32 partials near the size of dK + dV.
         segment = queries * 512
-    query_list, list_start, item_bin, item_start, max_items = invert_selection(sel_idx, num_sel_blocks, segment)
+    query_list, list_start, item_bin, item_start, max_items = invert_selection(sel_idx, num_sel_blocks, segment,
+                                                                               token_first_block)
     part_rows = sub_blocks * block_k
     part_shape = (max_items, part_rows, block_d)
     part_dk = torch.empty(part_shape, device=q.device, dtype=torch.float32)
     part_dv = torch.empty(part_shape, device=q.device, dtype=torch.float32)
     _selected_attn_bwd_dkdv_kernel[(max_items, sub_blocks)](
-        q, k, v, do, lse2, delta, query_list, list_start, item_bin, item_start, part_dk, part_dv,
+        q, k, v, do, lse2, delta, query_list, list_start, item_bin, item_start, part_dk, part_dv, blocks, starts,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         T, H, HKV, G, B * HKV * num_sel_blocks, num_sel_blocks, sel_block_size, segment, sm_scale * LOG2E, sm_scale,
         D=D, BLOCK_D=block_d, BLOCK_G=block_g, QUERIES=queries, BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
-        PRECISION=precision, num_warps=tiles.warps, num_stages=tiles.stages,
+        PRECISION=precision, PACKED=packed, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     # Both powers of two (tl.arange needs one); rows past part_rows are masked off in the kernel.
     sum_rows = min(next_pow2(part_rows), 2048 // block_d)
     _sum_partials_kernel[(B * HKV * num_sel_blocks, cdiv(part_rows, sum_rows))](
-        part_dk, part_dv, item_start, dk, dv,
+        part_dk, part_dv, item_start, dk, dv, blocks, starts,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         T, HKV, num_sel_blocks, sel_block_size,
-        D=D, BLOCK_D=block_d, ROWS=sum_rows, PART_ROWS=part_rows, num_warps=4,
+        D=D, BLOCK_D=block_d, ROWS=sum_rows, PART_ROWS=part_rows, PACKED=packed, num_warps=4,
     )
     return dq, dk, dv

@@ -1,0 +1,102 @@
+"""Packed documents (cu_seqlens, NSA_SPEC.md section 4) for the kernels: small int32 tables on the device.
+
+Every kernel computes each document on its own: a program takes a tile of one document's queries
+(or keys), never straddling a boundary, and counts positions from the document start, so a tile
+does exactly what it would do in the document alone. A tile table says which document and which
+tile of it each program takes. Tables are sized from shapes alone: N documents holding `total`
+items in all have at most cdiv(total, block) + N tiles, so nothing waits on the GPU to learn the
+boundaries (no host sync, nothing data-dependent for torch.compile). Programs past the real tiles
+fall on an empty document appended after the last one, and do nothing.
+
+    starts [N + 2]      where each document's items begin, then the end twice (the empty document)
+    tile table [2, M]   row 0: the document of each of the M programs; row 1: its tile within it
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from components.nsa.triton.launch import cdiv
+
+Tensor = torch.Tensor
+
+
+def document_starts(cu_seqlens: Tensor) -> Tensor:
+    """int32 [N + 2]: the token where each document starts, then T twice."""
+    return torch.cat([cu_seqlens, cu_seqlens[-1:]]).to(torch.int32)
+
+
+def key_starts(cu_seqlens: Tensor, key_stride: int, key_offset: int) -> Tensor:
+    """int32 [N + 2]: where each document's keys start among the packed keys, then their total twice.
+
+    A document of n tokens owns the keys i with i * key_stride + key_offset <= n - 1: its
+    compressed blocks (stride d, offset l - 1), or its n tokens (stride 1, offset 0)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    # Floor division: a document shorter than key_offset + 1 gets a negative quotient, clamped to 0 keys.
+    counts = (torch.div(lengths - 1 - key_offset, key_stride, rounding_mode="floor") + 1).clamp_min(0)
+    ends = torch.cumsum(counts, 0)
+    return torch.cat([ends.new_zeros(1), ends, ends[-1:]]).to(torch.int32)
+
+
+def _tiles_per_document(starts: Tensor, block: int) -> Tensor:
+    lengths = (starts[1:] - starts[:-1]).to(torch.int64)
+    return torch.div(lengths + block - 1, block, rounding_mode="floor")  # [N + 1], 0 for the empty one
+
+
+def tile_table(starts: Tensor, block: int, total: int) -> Tensor:
+    """int32 [2, cdiv(total, block) + N]: (document, tile within it) of each program over the
+    documents' items (tokens or keys) in tiles of `block`; the spare programs get (N, 0)."""
+    num_docs = starts.shape[0] - 2
+    tiles = _tiles_per_document(starts, block)
+    ends = torch.cumsum(tiles, 0)
+    ids = torch.arange(cdiv(total, block) + num_docs, device=starts.device)
+    doc = torch.searchsorted(ends, ids, right=True).clamp_(max=num_docs)
+    tile = torch.where(doc < num_docs, ids - (ends - tiles)[doc], 0)
+    return torch.stack([doc, tile]).to(torch.int32)
+
+
+def token_documents(starts: Tensor, num_tokens: int) -> Tensor:
+    """int64 [T]: the document of every token."""
+    tokens = torch.arange(num_tokens, device=starts.device, dtype=starts.dtype)
+    return torch.searchsorted(starts[1:], tokens, right=True)
+
+
+def token_starts(starts: Tensor, num_tokens: int) -> Tensor:
+    """int32 [T]: where each token's document starts (the selected branch works query by query)."""
+    return starts[token_documents(starts, num_tokens)]
+
+
+class SelectionBlocks(NamedTuple):
+    """Selection blocks of a packed row, numbered document after document (the unit of the
+    selected branch's dK/dV): block j of document k has the number first_block[k] + j."""
+
+    table: Tensor  # tile_table over the tokens in tiles of l': (document, j) of every number
+    token_first: Tensor  # int64 [T]: the number of block 0 of each token's document
+
+
+def selection_blocks(starts: Tensor, sel_block_size: int, num_tokens: int) -> SelectionBlocks:
+    tiles = _tiles_per_document(starts, sel_block_size)
+    first = torch.cumsum(tiles, 0) - tiles
+    return SelectionBlocks(tile_table(starts, sel_block_size, num_tokens), first[token_documents(starts, num_tokens)])
+
+
+class DocumentTables:
+    """The packed documents of one launcher call as kernel arguments: the documents' query starts,
+    their key starts (keys at i * key_stride + key_offset, as key_starts), and per launch a tile
+    table over queries or keys. Without cu_seqlens the row is one document and the kernels get no
+    tables (PACKED false: nothing extra is loaded)."""
+
+    def __init__(self, cu_seqlens: Tensor | None, key_stride: int, key_offset: int):
+        self.packed = cu_seqlens is not None
+        self.q_starts = document_starts(cu_seqlens) if self.packed else None
+        self.k_starts = key_starts(cu_seqlens, key_stride, key_offset) if self.packed else None
+
+    def tiles(self, block: int, total: int, over_keys: bool = False) -> tuple:
+        """(tile table, query starts, key starts, tiles in the table) for tiles of `block` queries
+        (or keys) out of `total`; all None without packing."""
+        if not self.packed:
+            return None, None, None, None
+        table = tile_table(self.k_starts if over_keys else self.q_starts, block, total)
+        return table, self.q_starts, self.k_starts, table.shape[1]
