@@ -16,6 +16,7 @@ engine calls them and knows nothing else about the model's insides. All are opti
     documents(model, document_starts, device) -> the forward's `documents=` argument for a batch whose
                                               document_starts [B, T] bool (on the host) the loader gave,
                                               or None when the model attends across documents
+    hf_format(args, vocab_size) -> HFFormat   how the model reads and writes as a Hugging Face folder
 """
 
 from __future__ import annotations
@@ -66,3 +67,21 @@ class AttentionMap:
     block_tokens: int  # tokens per selectable block
     groups: int  # key/value groups (each selects on its own)
     legend: dict = field(default_factory=dict)  # the layer's settings, as the plots' legend shows them
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """The model as a Hugging Face transformers folder (nsa-titan export --format hf, and back).
+
+    The engine writes config.json from `config` (plus the token ids and what it needs to come back),
+    model.safetensors from `to_hf(state_dict)`, and copies `modeling_file`, which `auto_map` names
+    for trust_remote_code. `from_hf(tensors)` gives the model's state dict back."""
+
+    modeling_file: str  # path of a self-contained modeling .py file
+    auto_map: dict  # e.g. {"AutoConfig": "modeling_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    model_type: str
+    architectures: tuple[str, ...]
+    config: dict  # the config class's own fields
+    max_length: int  # the longest input, for the tokenizer's model_max_length
+    to_hf: Any  # (state_dict) -> {name: tensor}, no two sharing storage
+    from_hf: Any  # ({name: tensor}) -> state_dict

@@ -11,8 +11,9 @@ from nsa_titan.config import RecipeError, resolve
 
 COMMANDS = {
     "train": "train from a recipe: nsa-titan train RECIPE.toml [--section.field=VALUE ...]",
-    "export": "consolidate a run's checkpoint: nsa-titan export RECIPE.toml [overrides] --output FILE",
-    "sample": "generate text: nsa-titan sample EXPORTED_FILE [--prompt TEXT] [--max-new-tokens N] "
+    "export": "consolidate a run's checkpoint: nsa-titan export RECIPE.toml [overrides] --output FILE, or "
+              "--format hf --output DIR for a Hugging Face transformers folder",
+    "sample": "generate text: nsa-titan sample EXPORTED_FILE|HF_DIR [--prompt TEXT] [--max-new-tokens N] "
               "[--temperature T] [--top-k K] [--seed S]",
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE --text TEXT|--text-file FILE "
             "[--layer N] --out DIR",
@@ -81,13 +82,19 @@ def train(argv: list[str]) -> int:
 
 def export(argv: list[str]) -> int:
     from nsa_titan.export import export_checkpoint
+    from nsa_titan.hf_folder import export_hf
 
     output = take_option(argv, "--output")
+    form = take_option(argv, "--format", "pt")
+    writers = {"pt": export_checkpoint, "hf": export_hf}
+    if form not in writers:
+        return _fail(f"error: --format {form!r} is not one of pt (one torch file for nsa-titan) or hf (a Hugging "
+                     f"Face transformers folder). Fix: --format=pt or --format=hf.")
     if not output:
-        return _fail("error: export needs --output FILE. Fix: e.g. `nsa-titan export recipes/debug.toml "
-                     "--output outputs/debug/model.pt`.")
+        example = "--format hf --output outputs/debug/hf" if form == "hf" else "--output outputs/debug/model.pt"
+        return _fail(f"error: export needs --output. Fix: e.g. `nsa-titan export recipes/debug.toml {example}`.")
     resolved = resolve(argv, world_size=None)
-    path, step = export_checkpoint(resolved, output)
+    path, step = writers[form](resolved, output)
     print(f"exported step {step} to {path}")
     return 0
 

@@ -2,7 +2,8 @@
 
 `nsa-titan export RECIPE [--checkpoint.load_step=N] --output FILE` reads a (sharded) DCP checkpoint
 of the run and writes one torch file: the full state dict, the model's registry name and
-arguments, the vocabulary size and the resolved recipe. `load_exported(FILE)` rebuilds the model.
+arguments, the vocabulary size and the resolved recipe. `--format hf` writes a Hugging Face folder
+instead (nsa_titan/hf_folder.py). `load_exported(FILE or FOLDER)` rebuilds the model from either.
 """
 
 from __future__ import annotations
@@ -11,41 +12,15 @@ import dataclasses
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from components.errors import UserError
-from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import complete_steps
 from nsa_titan.config import ResolvedRecipe
-from nsa_titan.config.build import RecipeBuilder
-from nsa_titan.config.errors import RecipeError
+from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
+
+__all__ = ["FORMAT", "export_checkpoint", "load_checkpoint_model", "load_exported"]
 
 FORMAT = "nsa_titan.export.v1"
-
-
-def load_checkpoint_model(resolved: ResolvedRecipe):
-    """The run's newest complete checkpoint (or checkpoint.load_step) as a full model on the CPU.
-
-    Returns (model in eval mode, tokenizer, step). Needs no process group: DCP reads the shards of
-    any layout into the unsharded model.
-    """
-    recipe = resolved.recipe
-    folder = os.path.join(recipe.job.dump_folder, recipe.checkpoint.folder)
-    steps = complete_steps(folder)
-    step = recipe.checkpoint.load_step if recipe.checkpoint.load_step >= 0 else (steps[-1] if steps else None)
-    if step is None or step not in steps:
-        raise UserError(f"no complete checkpoint {'at step ' + str(step) + ' ' if step is not None else ''}in {folder}."
-                        f" Fix: train with checkpoint.enable = true first, or pick one of: "
-                        f"{', '.join(map(str, steps)) or 'none'}.")
-    tokenizer = assemble.build_tokenizer(recipe)
-    model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
-    model.to_empty(device="cpu")
-    model.init_weights()  # buffers; every parameter is then overwritten from the checkpoint
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=os.path.join(folder, f"step-{step}", "model"), no_dist=True)
-    model.load_state_dict(state["model"], strict=True)
-    return model.eval(), tokenizer, step
 
 
 def export_checkpoint(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
@@ -69,7 +44,10 @@ def export_checkpoint(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
 
 
 def load_exported(path: str, device: str | torch.device = "cpu") -> tuple[nn.Module, dict]:
-    """Rebuild an exported model on one device; returns (model in eval mode, the file's metadata)."""
+    """Rebuild an exported model (a .pt file, or a folder of --format hf) on one device; returns (model in
+    eval mode, its metadata: model_name, model_args, vocab_size, step, recipe_toml)."""
+    if os.path.isdir(path):
+        return _load_hf_folder(path, device)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError) as exc:
@@ -77,16 +55,18 @@ def load_exported(path: str, device: str | torch.device = "cpu") -> tuple[nn.Mod
                         f"`nsa-titan export RECIPE --output FILE`.") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UserError(f"{path!r} is not an nsa_titan export (format {FORMAT}). Fix: export it with nsa-titan export.")
-    part = registry.get("model", payload["model_name"])
-    problems = []
-    args = RecipeBuilder({}, problems).build(part.args, payload["model_args"], "model")
-    if problems:
-        raise RecipeError(problems)
-    with torch.device("meta"):
-        model = part.build(args, payload["vocab_size"])
-    model.to_empty(device=device)
-    model.init_weights()
-    model.load_state_dict(payload["state_dict"], strict=True)
-    model.eval()
-    meta = {k: v for k, v in payload.items() if k != "state_dict"}
-    return model, meta
+    model = rebuild_model(payload["model_name"], payload["model_args"], payload["vocab_size"], payload["state_dict"], device)
+    return model, {k: v for k, v in payload.items() if k != "state_dict"}
+
+
+def _load_hf_folder(path: str, device) -> tuple[nn.Module, dict]:
+    from nsa_titan.hf_folder import RECIPE, read_hf_folder
+
+    folder = read_hf_folder(path)
+    if folder.recipe_toml is None:
+        raise UserError(f"{path!r} has no {RECIPE}, which names the tokenizer and data. Fix: export the run again "
+                        f"with `nsa-titan export RECIPE --format hf --output DIR`, or copy the run's recipe there "
+                        f"as {RECIPE}.")
+    model = rebuild_model(folder.model_name, folder.model_args, folder.vocab_size, folder.state_dict, device)
+    return model, {"format": "hf", "model_name": folder.model_name, "model_args": folder.model_args,
+                   "vocab_size": folder.vocab_size, "step": folder.step, "recipe_toml": folder.recipe_toml}

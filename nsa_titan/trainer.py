@@ -20,6 +20,7 @@ from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.config.toml_io import tomllib
 from nsa_titan.graceful_stop import GracefulStop
+from nsa_titan.hf_folder import is_hf_folder, load_hf_weights
 from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
 from nsa_titan.observe.manifest import write_manifest
@@ -189,6 +190,10 @@ class Trainer:
             self.train_loader = self.state.dataloader
             self._apply_recipe_optimizer_settings()
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
+        elif ckpt.initial_load_path and is_hf_folder(ckpt.initial_load_path):
+            load_hf_weights(self.model, ckpt.initial_load_path, self.recipe.model.name, self.recipe.model.args,
+                            self.tokenizer.vocab_size)
+            self._say(f"initial weights from the Hugging Face folder {ckpt.initial_load_path}")
         elif ckpt.initial_load_path:
             self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
             self._say(f"initial weights from {ckpt.initial_load_path}")

@@ -9,6 +9,7 @@
     describe           the attention in a few words, for reports
     documents          with model.document_masking, the forward's document layout from a batch's
                        document_starts (components/nsa/documents.py), else None
+    hf_format          components/models/hf: the model as a Hugging Face folder
 
 Elements saved per token per block (activation_memory's per_block):
     4 d + 4 h                              two RMSNorms (input, output) and SwiGLU (w1, w3, silu, product)
@@ -31,6 +32,7 @@ from components.errors import UserError
 from components.model_hooks import FAIL, OK, WARN, ActivationMemory, ParallelPlan, SelfCheck, ShardGroup
 from components.models.args import TransformerArgs
 from components.models.flops import flops_per_token
+from components.models.hf import hf_format
 from components.models.telemetry import attention_maps, collect_nsa_telemetry, telemetry_applies
 
 
@@ -98,4 +100,4 @@ def transformer_hooks() -> dict:
     (plugins subclassing it) pass them too."""
     return dict(flops_per_token=flops_per_token, telemetry=collect_nsa_telemetry, telemetry_applies=telemetry_applies,
                 parallel_plan=parallel_plan, activation_memory=activation_memory, self_check=self_check,
-                attention_maps=attention_maps, describe=describe, documents=documents)
+                attention_maps=attention_maps, describe=describe, documents=documents, hf_format=hf_format)

@@ -89,7 +89,8 @@ class CheckpointConfig:
     interval: int = f(500, "Save every this many steps (and always at the last step).", ge=1)
     keep_latest_k: int = f(3, "Keep this many newest checkpoints (>= 2); 0 keeps all.", ge=0)
     load_step: int = f(-1, "Resume from this step's checkpoint; -1 resumes from the newest complete one.", ge=-1)
-    initial_load_path: str = f("", "Start from these weights only (a checkpoint folder) when no checkpoint exists.")
+    initial_load_path: str = f("", "Start from these weights only (a checkpoint step folder, or a Hugging Face "
+                                   "folder of `nsa-titan export --format hf`) when no checkpoint exists.")
     async_mode: str = f("disabled", "disabled, or async to overlap saving with training.",
                         choices=("disabled", "async"))
 

@@ -1,0 +1,104 @@
+"""Any of the package's tokenizers as Hugging Face tokenizer files (tokenizer.json, tokenizer_config.json).
+
+An exported model ships them so that `AutoTokenizer.from_pretrained(folder)` encodes text to the ids
+the model was trained on. Byte and tiktoken tokenizers become byte-level BPE tokenizers of the
+`tokenizers` library with every id kept (specials included); a Hugging Face tokenizer is copied.
+Plain text encodes the same; one difference is documented: the Hugging Face tokenizer reads
+special-token text ("<|endoftext|>") as the special token, where training read it as plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from components.errors import UserError
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The byte-level alphabet: each byte as a printable character (printable bytes stand for
+    themselves, the others take code points from 256 up), as byte-level BPE files spell tokens."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level_bpe(ranks: dict[bytes, int], specials: dict[str, int], split_pattern: str | None):
+    """A tokenizers.Tokenizer for a byte-level BPE given by merge ranks (token bytes -> id), the
+    special tokens at their own ids, and the pre-tokenizer's split pattern (None: no split)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = bytes_to_unicode()
+
+    def spell(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
+    # A token of rank r is the merge of two shorter tokens; every such split is listed at rank r, so
+    # the merge order is the ranks' order, as tiktoken merges.
+    merges = []
+    for token, rank in ranks.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], spell(left), spell(right)))
+    merges.sort()
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    vocab.update(specials)
+    tok = Tokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], fuse_unk=False, ignore_merges=True))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = byte_level if split_pattern is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split_pattern), behavior="isolated", invert=False), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(name, normalized=False, special=True) for name in specials])
+    return tok
+
+
+def hf_tokenizer_json(tokenizer) -> tuple[str, str, str]:
+    """(tokenizer.json text, BOS token, EOS token) for one of the package's tokenizers."""
+    from components.data.hf_tokenizer import HFTokenizer
+    from components.data.tokenizers import ENDOFTEXT, ByteTokenizer, TiktokenTokenizer
+
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise UserError("writing Hugging Face tokenizer files needs the tokenizers package. Fix: pip install "
+                        "'nsa_titan[hf]'.") from None
+    if isinstance(tokenizer, HFTokenizer):
+        from components.data.hf_tokenizer import _tokenizer_file
+
+        with open(_tokenizer_file(tokenizer.args.path), encoding="utf-8") as fh:
+            text = fh.read()
+        return text, tokenizer._tok.id_to_token(tokenizer.bos_id), tokenizer._tok.id_to_token(tokenizer.eos_id)
+    if isinstance(tokenizer, ByteTokenizer):
+        specials = {"<|bos|>": tokenizer.bos_id, ENDOFTEXT: tokenizer.eos_id}
+        tok = _byte_level_bpe({bytes([b]): b for b in range(256)}, specials, None)
+        return tok.to_str(), "<|bos|>", ENDOFTEXT
+    if isinstance(tokenizer, TiktokenTokenizer):
+        enc = tokenizer._enc
+        # tiktoken's regex engine reads "{1,3}+" as possessive; the tokenizers library's (Oniguruma) reads it
+        # as a repetition of the group. The greedy "{1,3}" splits alike here: what follows can never match
+        # what the repetition gave back.
+        pattern = re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", enc._pat_str)
+        tok = _byte_level_bpe(enc._mergeable_ranks, dict(enc._special_tokens), pattern)
+        return tok.to_str(), ENDOFTEXT, ENDOFTEXT
+    raise UserError(f"tokenizer {getattr(tokenizer, 'name', type(tokenizer).__name__)!r} has no Hugging Face "
+                    f"form. Fix: train with data.tokenizer = 'byte', 'tiktoken' or 'hf_tokenizer' to export.")
+
+
+def write_tokenizer_files(tokenizer, folder: str, model_max_length: int) -> None:
+    text, bos, eos = hf_tokenizer_json(tokenizer)
+    with open(os.path.join(folder, TOKENIZER_FILE), "w", encoding="utf-8") as fh:
+        fh.write(text)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(folder, CONFIG_FILE), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
+

@@ -1,0 +1,367 @@
+"""An nsa_titan language model for Hugging Face transformers (written by `nsa-titan export --format hf`).
+
+Self-contained on purpose: it needs only torch and transformers, so an exported folder loads anywhere
+with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`. It computes what the
+trainer's model computes (the same weights, names and numerics), one sequence per row:
+
+- a pre-norm decoder: x + attention(rmsnorm(x)), then x + swiglu(rmsnorm(x)); RoPE with half-split
+  pairs; an output projection, tied to the embedding or not;
+- attention "dense": causal softmax attention with grouped-query heads;
+- attention "nsa": Native Sparse Attention, three branches gated per head by sigmoid gates
+  (cmp, sel, win):
+  - compressed: keys/values of blocks of l tokens every d tokens, compressed by phi (a small MLP
+    with intra-block positions, or the mean); query t sees block i iff i*d + l - 1 <= t; the
+    compressed key is rotated at that last token;
+  - selected: the n selection blocks of l' tokens whose importance (the compressed branch's
+    probabilities spread onto selection blocks by token overlap, summed over a KV group's heads)
+    is highest; the current block, block 0 and the previous block rank first, in that order; ties
+    go to the smaller block; query t sees their tokens s <= t;
+  - window: the keys t - w + 1 .. t.
+
+Attention runs in fp32 over query chunks (memory grows with chunk x length, not length^2), which
+makes this the reference math, not a fast kernel. Generation keeps a cache of every layer's keys
+and values and the compressed blocks done so far.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+QUERY_CHUNK = 256  # queries per attention chunk
+
+
+class NSATitanConfig(PretrainedConfig):
+    model_type = "nsa_titan"
+    attribute_map = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+                     "num_key_value_heads": "n_kv_heads", "max_position_embeddings": "max_seq_len"}
+
+    def __init__(self, vocab_size: int = 258, dim: int = 256, n_layers: int = 4, n_heads: int = 4,
+                 n_kv_heads: int = 2, mlp_hidden_dim: int = 704, norm_eps: float = 1e-5, rope_theta: float = 10000.0,
+                 max_seq_len: int = 2048, attention: str = "nsa", nsa: dict | None = None, init_std: float = 0.02,
+                 tie_word_embeddings: bool = False, use_cache: bool = True, **kwargs):
+        self.vocab_size, self.dim, self.n_layers, self.n_heads, self.n_kv_heads = (
+            vocab_size, dim, n_layers, n_heads, n_kv_heads)
+        self.mlp_hidden_dim, self.norm_eps, self.rope_theta, self.max_seq_len = (
+            mlp_hidden_dim, norm_eps, rope_theta, max_seq_len)
+        self.attention, self.init_std, self.use_cache = attention, init_std, use_cache
+        # block_size l, block_stride d, sel_block_size l', num_selected n, window_size w, compress,
+        # kv_per_branch, gate
+        self.nsa = dict(nsa or {})
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+
+# ---- pieces shared by both attentions -----------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def rope(x, positions, theta: float):
+    """Rotate x [B, T, H, D] at positions [T]: feature i pairs with i + D/2; tables from fp64 angles."""
+    D = x.shape[-1]
+    inv_freq = theta ** -(torch.arange(0, D, 2, device=x.device, dtype=torch.float64) / D)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    cos = angles.cos().float().to(dtype)[None, :, None, :]
+    sin = angles.sin().float().to(dtype)[None, :, None, :]
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def grouped(q, num_kv_heads: int):
+    """q [B, T, H, D] -> [B, Hkv, T, G, D] in fp32: the G query heads of each KV head together."""
+    B, T, H, D = q.shape
+    return q.float().view(B, T, num_kv_heads, H // num_kv_heads, D).permute(0, 2, 1, 3, 4)
+
+
+def attend(qg, k, v, visible):
+    """Softmax attention of grouped queries [B, Hkv, C, G, D] over keys/values [B, K, Hkv, D] where
+    visible [B or 1, Hkv or 1, C, K] allows; a query that sees nothing gets 0. -> [B, Hkv, C, G, D]"""
+    kh, vh = k.float().permute(0, 2, 1, 3), v.float().permute(0, 2, 1, 3)  # [B, Hkv, K, D]
+    scores = torch.einsum("bhcgd,bhkd->bhcgk", qg, kh) * qg.shape[-1] ** -0.5
+    scores = scores.masked_fill(~visible[:, :, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhcgk,bhkd->bhcgd", probs, vh), probs
+
+
+def ungrouped(o):
+    """[B, Hkv, T, G, D] -> [B, T, H, D]."""
+    B, Hkv, T, G, D = o.shape
+    return o.permute(0, 2, 1, 3, 4).reshape(B, T, Hkv * G, D)
+
+
+class LayerCache:
+    """One layer's keys and values so far (by name), and NSA's compressed blocks done so far."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def extend(self, **new):
+        for name, x in new.items():
+            old = self.tensors.get(name)
+            self.tensors[name] = x if old is None else torch.cat([old, x], dim=1)
+        return [self.tensors[name] for name in new]
+
+
+class NSATitanCache:
+    """Every layer's LayerCache and the number of tokens they hold."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [LayerCache() for _ in range(num_layers)]
+        self.length = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+
+# ---- attention ----------------------------------------------------------------------------------
+
+class DenseAttention(nn.Module):
+    def __init__(self, c: NSATitanConfig):
+        super().__init__()
+        self.c, self.hd = c, c.dim // c.n_heads
+        self.wq = nn.Linear(c.dim, c.n_heads * self.hd, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(c.n_heads * self.hd, c.dim, bias=False)
+
+    def forward(self, x, start: int, cache: LayerCache | None):
+        B, T, _ = x.shape
+        c = self.c
+        positions = torch.arange(start, start + T, device=x.device)
+        q = rope(self.wq(x).view(B, T, c.n_heads, self.hd), positions, c.rope_theta)
+        k = rope(self.wk(x).view(B, T, c.n_kv_heads, self.hd), positions, c.rope_theta)
+        v = self.wv(x).view(B, T, c.n_kv_heads, self.hd)
+        if cache is not None:
+            k, v = cache.extend(k=k, v=v)
+        qg, outs = grouped(q, c.n_kv_heads), []
+        keys = torch.arange(start + T, device=x.device)
+        for c0 in range(0, T, QUERY_CHUNK):
+            t = positions[c0:c0 + QUERY_CHUNK, None]
+            outs.append(attend(qg[:, :, c0:c0 + QUERY_CHUNK], k, v, (keys[None, :] <= t)[None, None])[0])
+        return self.wo(ungrouped(torch.cat(outs, dim=2)).to(x.dtype).reshape(B, T, -1))
+
+
+class Compressor(nn.Module):
+    """phi: blocks [B, Tc, Hkv, l, D] -> [B, Tc, Hkv, D]."""
+
+    def __init__(self, mode: str, block_size: int, head_dim: int):
+        super().__init__()
+        self.mode = mode
+        if mode == "mlp":
+            self.pos_embed = nn.Parameter(torch.zeros(block_size, head_dim))
+            self.fc1 = nn.Linear(block_size * head_dim, 4 * head_dim)
+            self.fc2 = nn.Linear(4 * head_dim, head_dim)
+
+    def forward(self, blocks):
+        if self.mode == "mean":
+            return blocks.mean(dim=-2)
+        B, Tc, Hkv, l, D = blocks.shape
+        return self.fc2(F.gelu(self.fc1((blocks + self.pos_embed).reshape(B, Tc, Hkv, l * D))))
+
+
+class NSAAttention(nn.Module):
+    def __init__(self, c: NSATitanConfig):
+        super().__init__()
+        n = c.nsa
+        self.c, self.hd = c, c.dim // c.n_heads
+        self.l, self.d, self.lp, self.n, self.w = (n["block_size"], n["block_stride"], n["sel_block_size"],
+                                                   n["num_selected"], n["window_size"])
+        self.per_branch = n["kv_per_branch"]
+        self.wq = nn.Linear(c.dim, c.n_heads * self.hd, bias=False)
+        self.wkv = nn.Linear(c.dim, (6 if self.per_branch else 2) * c.n_kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(c.n_heads * self.hd, c.dim, bias=False)
+        self.compress_k = Compressor(n["compress"], self.l, self.hd)
+        self.compress_v = Compressor(n["compress"], self.l, self.hd)
+        if n["gate"] == "linear":
+            self.gate = nn.Linear(c.dim, 3 * c.n_heads)
+        else:
+            hidden = max(c.dim // 4, 1)
+            self.gate = nn.Sequential(nn.Linear(c.dim, hidden), nn.SiLU(), nn.Linear(hidden, 3 * c.n_heads))
+
+    def _compressed(self, k_raw, v_raw, done: int):
+        """Compressed keys (rotated) and values of the complete blocks after the first `done`."""
+        total = 0 if k_raw.shape[1] < self.l else (k_raw.shape[1] - self.l) // self.d + 1
+        starts = torch.arange(done, max(total, done), device=k_raw.device) * self.d
+        rows = starts[:, None] + torch.arange(self.l, device=k_raw.device)  # [new blocks, l]
+        k_cmp = self.compress_k(k_raw[:, rows].transpose(2, 3))
+        v_cmp = self.compress_v(v_raw[:, rows].transpose(2, 3))
+        return rope(k_cmp, starts + self.l - 1, self.c.rope_theta), v_cmp
+
+    def _select(self, probs, t, num_blocks: int):
+        """Top-n selection blocks [B, Hkv, C, n] (-1 unused) for queries at positions t [C] from the
+        compressed probabilities [B, Hkv, C, G, Tc]."""
+        Tc = probs.shape[-1]
+        i, j = torch.arange(Tc, device=t.device)[:, None], torch.arange(num_blocks, device=t.device)[None, :]
+        # tokens shared by compression block i [i*d, i*d + l) and selection block j, in strides
+        shared = (torch.minimum(i * self.d + self.l, (j + 1) * self.lp) - torch.maximum(i * self.d, j * self.lp))
+        scores = probs.sum(dim=3) @ (shared.clamp_min(0) // self.d).float()  # [B, Hkv, C, Ts]
+        current = (t // self.lp)[:, None]
+        big = torch.finfo(torch.float32).max
+        rank = torch.zeros(t.shape[0], num_blocks, device=t.device)
+        rank = rank.masked_fill(j == current - 1, torch.nextafter(torch.tensor(big), torch.tensor(0.0)).item())
+        rank = rank.masked_fill(j == 0, big).masked_fill(j == current, float("inf"))
+        rank = rank.masked_fill(j > current, float("-inf"))
+        order = torch.sort(scores + rank, dim=-1, descending=True, stable=True).indices[..., :self.n]
+        used = torch.arange(order.shape[-1], device=t.device)[None, :] <= current  # the valid picks come first
+        return torch.where(used, order, -1)
+
+    def forward(self, x, start: int, cache: LayerCache | None):
+        B, T, _ = x.shape
+        c, Hkv = self.c, self.c.n_kv_heads
+        positions = torch.arange(start, start + T, device=x.device)
+        q = rope(self.wq(x).view(B, T, c.n_heads, self.hd), positions, c.rope_theta)
+        kv = self.wkv(x).view(B, T, -1, Hkv, self.hd).unbind(2)
+        if self.per_branch:
+            k_raw, v_raw, k_sel, v_sel, k_win, v_win = kv
+            k_sel, k_win = rope(k_sel, positions, c.rope_theta), rope(k_win, positions, c.rope_theta)
+        else:
+            k_raw, v_raw = kv
+            k_sel = k_win = rope(k_raw, positions, c.rope_theta)
+            v_sel = v_win = v_raw
+        if cache is None:
+            k_cmp, v_cmp = self._compressed(k_raw, v_raw, 0)
+        else:
+            k_raw, v_raw, k_sel, v_sel, k_win, v_win = cache.extend(k_raw=k_raw, v_raw=v_raw, k_sel=k_sel,
+                                                                    v_sel=v_sel, k_win=k_win, v_win=v_win)
+            done = cache.tensors["k_cmp"].shape[1] if "k_cmp" in cache.tensors else 0
+            k_cmp, v_cmp = cache.extend(**dict(zip(("k_cmp", "v_cmp"), self._compressed(k_raw, v_raw, done))))
+
+        end = start + T
+        keys, blocks = torch.arange(end, device=x.device), torch.arange(k_cmp.shape[1], device=x.device)
+        gates = torch.sigmoid(self.gate(x)).view(B, T, c.n_heads, 3).float()
+        g = grouped(gates, Hkv)  # [B, Hkv, T, G, 3]
+        qg, outs = grouped(q, Hkv), []
+        for c0 in range(0, T, QUERY_CHUNK):
+            qc, t = qg[:, :, c0:c0 + QUERY_CHUNK], positions[c0:c0 + QUERY_CHUNK]
+            o_cmp, probs = attend(qc, k_cmp, v_cmp, (blocks[None, :] * self.d + self.l - 1 <= t[:, None])[None, None])
+            chosen = self._select(probs, t, -(-int(t[-1] + 1) // self.lp))  # [B, Hkv, C, n]
+            spare = -(-end // self.lp)  # unused slots (-1) mark this extra column, never read
+            in_block = torch.zeros(*chosen.shape[:3], spare + 1, dtype=torch.bool, device=x.device)
+            in_block.scatter_(-1, torch.where(chosen < 0, spare, chosen), True)
+            sel_visible = in_block[..., keys // self.lp] & (keys[None, :] <= t[:, None])
+            o_sel = attend(qc, k_sel, v_sel, sel_visible)[0]
+            win_visible = (keys[None, :] <= t[:, None]) & (keys[None, :] > t[:, None] - self.w)
+            o_win = attend(qc, k_win, v_win, win_visible[None, None])[0]
+            gc = g[:, :, c0:c0 + QUERY_CHUNK, :, :, None]
+            outs.append(gc[..., 0, :] * o_cmp + gc[..., 1, :] * o_sel + gc[..., 2, :] * o_win)
+        return self.wo(ungrouped(torch.cat(outs, dim=2)).to(x.dtype).reshape(B, T, -1))
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, c: NSATitanConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(c.dim, c.norm_eps)
+        self.attention = NSAAttention(c) if c.attention == "nsa" else DenseAttention(c)
+        self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
+        self.feed_forward = SwiGLU(c.dim, c.mlp_hidden_dim)
+
+    def forward(self, x, start: int, cache: LayerCache | None):
+        x = x + self.attention(self.attention_norm(x), start, cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class NSATitanModel(nn.Module):
+    """The trainer's module tree (tok_embeddings, layers, norm, output), so weights keep their names."""
+
+    def __init__(self, c: NSATitanConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
+
+    def forward(self, input_ids, cache: NSATitanCache | None):
+        start = 0 if cache is None else cache.length
+        h = self.tok_embeddings(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, start, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.length = start + input_ids.shape[1]
+        return self.output(self.norm(h))
+
+
+class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = NSATitanConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config: NSATitanConfig):
+        super().__init__(config)
+        self.model = NSATitanModel(config)
+        if config.tie_word_embeddings:
+            self.model.output.weight = self.model.tok_embeddings.weight
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model keeps its own cache (NSATitanCache)
+
+    def _init_weights(self, module):
+        std = self.config.init_std
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, Compressor) and module.mode == "mlp":
+            nn.init.zeros_(module.pos_embed)
+
+    def get_input_embeddings(self):
+        return self.model.tok_embeddings
+
+    def get_output_embeddings(self):
+        return self.model.output
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, labels=None,
+                return_dict=None, **kwargs):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("padding is not supported: every row must be one unpadded sequence (attention_mask "
+                             "all ones); run rows of different lengths one at a time")
+        if past_key_values is not None and input_ids.shape[1] + past_key_values.length > self.config.max_seq_len:
+            raise ValueError(f"{past_key_values.length + input_ids.shape[1]} tokens exceed max_seq_len "
+                             f"{self.config.max_seq_len}")
+        if past_key_values is None and input_ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"{input_ids.shape[1]} tokens exceed max_seq_len {self.config.max_seq_len}")
+        cache = past_key_values
+        if cache is None and (use_cache if use_cache is not None else self.config.use_cache) and not self.training:
+            cache = NSATitanCache(self.config.n_layers)
+        logits = self.model(input_ids, cache)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=True,
+                                      **kwargs):
+        if isinstance(past_key_values, NSATitanCache) and past_key_values.length:
+            input_ids = input_ids[:, past_key_values.length:]  # only the tokens the cache has not seen
+        else:
+            past_key_values = None
+        return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": use_cache,
+                "attention_mask": attention_mask}

