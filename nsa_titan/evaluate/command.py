@@ -4,16 +4,16 @@
     nsa-titan eval EXPORTED.pt --out DIR [options]               an exported model
 options: --batches N (held-out batches, default validation.steps), --lengths 64,128 (passkey prompt
 lengths, default four up to max_seq_len), --depths 0,0.5,1 (default 0 to 1 by 0.25), --trials N
-(keys per cell, default 5). Writes eval.json, position_loss.png and passkey.png (matplotlib).
+(keys per cell, default 5); --tasks a,b runs lm-evaluation-harness tasks too (--task-dir DIR for your
+own task YAML files, --limit N documents per task). Writes eval.json, position_loss.png and passkey.png
+(matplotlib), and lm_eval.json with --tasks.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
-import torch
 
 from components.errors import UserError
 from nsa_titan import assemble, registry
@@ -23,15 +23,9 @@ from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest
 from nsa_titan.evaluate.position_loss import loss_by_position
 from nsa_titan.evaluate.plots import passkey_figure, position_loss_figure
 from nsa_titan.observe.plots import pyplot
+from nsa_titan.observe.progress import progress
 
 USAGE = "`nsa-titan eval recipes/debug.toml --out outputs/debug/eval` (or an exported model file instead of the recipe)"
-
-
-def progress(what: str):
-    """tqdm over an iterable, shown only on a terminal."""
-    from tqdm import tqdm
-
-    return lambda items: tqdm(items, desc=what, disable=not sys.stderr.isatty(), leave=False)
 
 
 def _numbers(argv: list[str], name: str, kind, default: str | None):
@@ -75,6 +69,17 @@ def run_command(argv: list[str]) -> int:
     trials = _numbers(argv, "--trials", int, "5")[0]
     if any(not 0 <= d <= 1 for d in depths) or trials < 1 or (batches and batches[0] < 1):
         raise UserError("--depths must lie in [0, 1], --trials and --batches be >= 1. Fix: e.g. --depths 0,0.5,1.")
+    tasks = take_option(argv, "--tasks")
+    task_dir = take_option(argv, "--task-dir")
+    task_limit = _numbers(argv, "--limit", int, None)
+    if task_dir and not os.path.isdir(task_dir):
+        raise UserError(f"--task-dir {task_dir!r} is not a folder. Fix: give the folder holding your task YAML files.")
+    if (task_dir or task_limit) and not tasks:
+        raise UserError("--task-dir and --limit apply to lm-eval tasks. Fix: add --tasks NAME[,NAME...].")
+    if tasks:
+        from nsa_titan.evaluate.harness import require_lm_eval
+
+        require_lm_eval()  # before the work
     pyplot()  # fail before the work when matplotlib is missing
     model, tokenizer, recipe, loaded = _load(argv)
     limit = recipe.model.args.max_seq_len - answer_tokens(tokenizer)
@@ -109,10 +114,22 @@ def run_command(argv: list[str]) -> int:
     passkey = passkey_accuracy(model, tokenizer, generate, lengths, depths, trials, recipe.job.seed,
                                progress("passkey"))
 
+    harness = None
+    if tasks:
+        from nsa_titan.evaluate.harness import run_tasks
+
+        harness = run_tasks(model, tokenizer, [t for t in tasks.split(",") if t], task_dir,
+                            task_limit[0] if task_limit else None, recipe.job.seed)
+
     os.makedirs(out, exist_ok=True)
     results = {"model": loaded, "position_loss": positions, "passkey": passkey}
     paths = {"results": os.path.join(out, "eval.json"), "position_loss": os.path.join(out, "position_loss.png"),
              "passkey": os.path.join(out, "passkey.png")}
+    if harness is not None:
+        paths["lm_eval"] = os.path.join(out, "lm_eval.json")
+        with open(paths["lm_eval"], "w", encoding="utf-8") as fh:
+            json.dump({"model": loaded, **harness}, fh, indent=1, default=str)
+            fh.write("\n")
     with open(paths["results"], "w", encoding="utf-8") as fh:
         json.dump(results, fh, indent=1)
         fh.write("\n")

@@ -1,0 +1,154 @@
+"""lm-evaluation-harness on nsa_titan models.
+
+Two ways, which give the same numbers (tests/test_lm_eval.py checks that):
+- `nsa-titan eval ... --tasks NAMES [--task-dir DIR] [--limit N]` runs the harness on the loaded model
+  through the LM class below (registered with the harness as "nsa_titan"; from Python,
+  `lm_eval.simple_evaluate(model="nsa_titan", model_args="pretrained=PATH")` once this module is
+  imported, PATH an exported .pt file or a --format hf folder);
+- `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` on an `export --format hf` folder.
+
+The LM scores each request's context + continuation in one forward (left-truncated to
+max_seq_len), rows of a batch right-padded (causal attention: padding after a row's tokens changes
+none of its logits), and decodes greedily with the KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from components.errors import UserError
+
+MODEL_NAME = "nsa_titan"
+_REGISTERED: dict = {}
+
+
+def require_lm_eval():
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError("--tasks runs lm-evaluation-harness, which is not installed. Fix: pip install "
+                        "'nsa_titan[lm_eval]' (or pip install lm_eval).") from None
+
+
+def lm_class():
+    """The harness LM class for nsa_titan models, registered as "nsa_titan" on first use."""
+    if "class" in _REGISTERED:
+        return _REGISTERED["class"]
+    require_lm_eval()
+    import lm_eval.models  # noqa: F401 (the harness's own models: registering ours alone would hide them)
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    class NSATitanLM(TemplateLM):
+        def __init__(self, pretrained: str | None = None, model=None, tokenizer=None, batch_size: int | str = 8,
+                     max_length: int | None = None, **unused):
+            super().__init__()
+            if model is None:
+                model, tokenizer = _load(pretrained)
+            self.model, self.tokenizer_ = model.eval(), tokenizer
+            self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+            self.max_length = int(max_length or model.args.max_seq_len)
+            self._device = next(model.parameters()).device
+
+        @property
+        def eot_token_id(self) -> int:
+            return self.tokenizer_.eos_id
+
+        @property
+        def prefix_token_id(self) -> int:
+            return self.tokenizer_.bos_id
+
+        def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+            return self.tokenizer_.encode(string)
+
+        def tok_decode(self, tokens) -> str:
+            return self.tokenizer_.decode(tokens)
+
+        @torch.no_grad()
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+            rows = [(context + continuation)[-(self.max_length + 1):] for _, context, continuation in requests]
+            order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))  # similar lengths share a batch
+            results: list = [None] * len(rows)
+            for b in range(0, len(order), self.batch_size):
+                chunk = order[b:b + self.batch_size]
+                width = max(len(rows[i]) - 1 for i in chunk)
+                inputs = torch.zeros(len(chunk), width, dtype=torch.long)
+                for r, i in enumerate(chunk):
+                    inputs[r, :len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
+                logprobs = F.log_softmax(self.model(inputs.to(self._device)).float(), dim=-1).cpu()
+                for r, i in enumerate(chunk):
+                    n, end = len(requests[i][2]), len(rows[i]) - 1
+                    if n == 0:  # a continuation of no tokens: certain, and greedy
+                        results[i] = (0.0, True)
+                        continue
+                    target = torch.tensor(rows[i][-n:])
+                    picked = logprobs[r, end - n:end]
+                    results[i] = (float(picked.gather(-1, target[:, None]).sum()),
+                                  bool(torch.equal(picked.argmax(-1), target)))
+            return results
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+            totals = []
+            for (text,) in (request.args for request in requests):
+                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                    self.tok_encode(text), self.prefix_token_id, self.max_length, 1)]
+                scored = self._loglikelihood_tokens([(None, context, target) for context, target in windows])
+                totals.append(sum(logprob for logprob, _ in scored))
+            return totals
+
+        @torch.no_grad()
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            from components.models import generate
+
+            outputs = []
+            for context, kwargs in (request.args for request in requests):
+                kwargs = dict(kwargs or {})
+                until = kwargs.get("until") or []
+                until = ([until] if isinstance(until, str) else list(until)) + [self.tok_decode([self.eot_token_id])]
+                new_tokens = int(kwargs.get("max_gen_toks", 256))
+                if kwargs.get("do_sample") or kwargs.get("temperature", 0) not in (0, 0.0):
+                    raise UserError("the nsa_titan harness model decodes greedily; the task asks for sampling. Fix: "
+                                    "run the task with do_sample false and temperature 0.")
+                prompt = self.tok_encode(context)[-(self.max_length - new_tokens):] or [self.prefix_token_id]
+                tokens = generate(self.model, torch.tensor([prompt]), new_tokens, temperature=0)[0, len(prompt):]
+                text = self.tok_decode(tokens.tolist())
+                for stop in until:
+                    text = text.split(stop)[0]
+                outputs.append(text)
+            return outputs
+
+    register_model(MODEL_NAME)(NSATitanLM)
+    _REGISTERED["class"] = NSATitanLM
+    return NSATitanLM
+
+
+def _load(path: str | None):
+    from nsa_titan import assemble
+    from nsa_titan.config.resolve import resolve_text
+    from nsa_titan.export import load_exported
+
+    if not path:
+        raise UserError("the nsa_titan harness model needs pretrained=PATH (an exported .pt file or a --format hf "
+                        "folder). Fix: model_args='pretrained=outputs/debug/model.pt'.")
+    model, meta = load_exported(path)
+    return model, assemble.build_tokenizer(resolve_text(meta["recipe_toml"]).recipe)
+
+
+def run_tasks(model, tokenizer, tasks: list[str], task_dir: str | None, limit: int | None, seed: int) -> dict:
+    """simple_evaluate on the model; returns the harness's results (per task, its metrics)."""
+    lm = lm_class()(model=model, tokenizer=tokenizer)
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=task_dir) if task_dir else TaskManager()
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or in {task_dir}" if task_dir else ""
+        raise UserError(f"lm-eval knows no task {', '.join(map(repr, unknown))}{where}. Fix: name tasks from "
+                        f"`lm_eval ls tasks`, or give --task-dir with your task YAML files.")
+    out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, random_seed=seed,
+                          numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                          log_samples=False, bootstrap_iters=0)
+    return {"results": out["results"], "versions": out.get("versions", {}), "n-shot": out.get("n-shot", {})}

@@ -1,0 +1,122 @@
+"""lm-evaluation-harness on local task files: the registered nsa_titan model, the --format hf folder under
+the harness's own `hf` model, and `nsa-titan eval --tasks` all give the same numbers. Offline, CPU, fp32."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+
+import pytest
+
+from nsa_titan import cli
+from tests.launch import DEBUG, TINY
+
+lm_eval = pytest.importorskip("lm_eval", reason="the lm_eval extra (pip install 'nsa_titan[lm_eval]')")
+
+RUN = [DEBUG, *[a for a in TINY if "seq_len" not in a], "--training.seq_len=128", "--model.max_seq_len=256",
+       "--training.steps=2", "--checkpoint.enable=true"]
+TASKS = ["toy_choice", "toy_rolling", "toy_generate"]
+
+
+def _task_files(folder) -> None:
+    """Three tasks, one per request kind, over JSON lines written here."""
+    sources = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
+    texts = [open(f, encoding="utf-8").read()[:700] for f in sources[:3]]  # longer than max_seq_len: windows
+    rows = {
+        "choice": [{"context": "def add(a, b):\n    return", "choices": [" a + b", " 12", "!!"], "answer": 0},
+                   {"context": "import", "choices": [" os", " 4", "("], "answer": 0},
+                   {"context": "for i in", "choices": [" range(3):", " ))", " pass"], "answer": 0}],
+        "rolling": [{"text": t} for t in texts],
+        "generate": [{"prompt": "class Foo", "answer": "(object):"}, {"prompt": "def ", "answer": "f(x):"}],
+    }
+    specs = {
+        "choice": {"output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "{{choices}}",
+                   "doc_to_target": "{{answer}}", "metric_list": [{"metric": "acc"}]},
+        "rolling": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
+                    "metric_list": [{"metric": "word_perplexity"}, {"metric": "byte_perplexity"},
+                                    {"metric": "bits_per_byte"}]},
+        "generate": {"output_type": "generate_until", "doc_to_text": "{{prompt}}", "doc_to_target": "{{answer}}",
+                     "generation_kwargs": {"until": ["\n"], "max_gen_toks": 12, "do_sample": False,
+                                           "temperature": 0.0},
+                     "metric_list": [{"metric": "exact_match"}]},
+    }
+    for name, docs in rows.items():
+        data = os.path.join(folder, f"{name}.jsonl")
+        with open(data, "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(doc) + "\n" for doc in docs)
+        task = {"task": f"toy_{name}", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": data}},
+                "test_split": "test", **specs[name]}
+        with open(os.path.join(folder, f"toy_{name}.yaml"), "w", encoding="utf-8") as fh:
+            json.dump(task, fh)  # YAML reads JSON
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval")
+    argv = [*RUN, f"--job.dump_folder={root}/run"]
+    assert cli.main(["train", *argv]) == 0
+    assert cli.main(["export", *argv, "--output", str(root / "model.pt")]) == 0
+    assert cli.main(["export", *argv, "--format", "hf", "--output", str(root / "hf")]) == 0
+    tasks = root / "tasks"
+    tasks.mkdir()
+    _task_files(str(tasks))
+    return argv, root
+
+
+def _evaluate(model, model_args, root) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=TASKS,
+                                  task_manager=TaskManager(include_path=str(root / "tasks")), bootstrap_iters=0,
+                                  log_samples=False)
+    return out["results"]
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(TASKS) and sorted(b) == sorted(TASKS)
+    for task in TASKS:
+        metrics = {k: v for k, v in a[task].items() if "," in k and "stderr" not in k}
+        assert metrics, a[task]
+        for key, value in metrics.items():
+            assert b[task][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, key)
+
+
+def test_the_registered_model_and_the_hf_folder_agree(setup):
+    from nsa_titan.evaluate.harness import lm_class
+
+    _, root = setup
+    lm_class()  # registers "nsa_titan" with the harness
+    ours = _evaluate("nsa_titan", f"pretrained={root / 'model.pt'}", root)
+    hf = _evaluate("hf", {"pretrained": str(root / "hf"), "trust_remote_code": True, "device": "cpu",
+                          "dtype": "float32"}, root)
+    _assert_same(ours, hf)
+    assert 1 < ours["toy_rolling"]["byte_perplexity,none"] < 258  # a byte model, better than uniform
+    # The registered model reads the folder too.
+    _assert_same(ours, _evaluate("nsa_titan", f"pretrained={root / 'hf'}", root))
+
+
+def test_eval_runs_tasks_beside_its_own_probes(setup, tmp_path):
+    from nsa_titan.evaluate.harness import lm_class
+
+    argv, root = setup
+    out = tmp_path / "eval"
+    assert cli.main(["eval", *argv, "--out", str(out), "--batches", "1", "--trials", "1", "--depths", "0",
+                     "--tasks", ",".join(TASKS), "--task-dir", str(root / "tasks")]) == 0
+    written = json.load(open(out / "lm_eval.json"))
+    assert sorted(os.listdir(out)) == ["eval.json", "lm_eval.json", "passkey.png", "position_loss.png"]
+    lm_class()
+    _assert_same(written["results"], _evaluate("nsa_titan", f"pretrained={root / 'model.pt'}", root))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tasks", "no_such_task"], "lm-eval knows no task 'no_such_task'"),
+    (["--task-dir", "/nonexistent"], "--task-dir '/nonexistent' is not a folder"),
+    (["--limit", "3"], "--task-dir and --limit apply to lm-eval tasks"),
+])
+def test_bad_task_options(setup, tmp_path, capsys, extra, message):
+    argv, _ = setup
+    assert cli.main(["eval", *argv, "--out", str(tmp_path), "--batches", "1", "--trials", "1", "--depths", "0",
+                     *extra]) == 2
+    assert message in capsys.readouterr().err
