@@ -14,7 +14,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
 command=train
 case "${1:-}" in
-  train|inspect|doctor|export|sample|plot) command=$1; shift ;;
+  train|inspect|doctor|export|sample|plot|eval) command=$1; shift ;;
 esac
 if [ $# -eq 0 ] || [[ "${1:-}" == -* ]]; then
   set -- "$root/recipes/debug.toml" "$@"

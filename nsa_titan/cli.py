@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     if command not in handlers:
         return _fail(f"error: unknown command {command!r}. Fix: use one of {', '.join(handlers)} "
                      f"(`nsa-titan --help` describes them).")
+    if command not in ("train", "inspect", "doctor") and ("--help" in rest or "-h" in rest):
+        print(f"{COMMANDS[command]}\n(recipe fields and overrides: nsa-titan train --help)")
+        return 0
     try:
         return handlers[command](rest)
     except RecipeError as exc:

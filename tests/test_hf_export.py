@@ -158,6 +158,24 @@ def test_a_run_starts_from_the_folder(exported, tmp_path):
     assert code == 2
 
 
+def test_a_sharded_run_starts_from_the_folder(tmp_path_factory):
+    """FSDP2 over 2 gloo ranks: each rank takes its shards of the folder's full tensors, so the first step's
+    loss equals that of the same run started from the checkpoint the folder was exported from."""
+    from tests.launch import train
+
+    root = tmp_path_factory.mktemp("sharded")
+    argv, folder = _train_and_export(root, "nsa")
+    base = [a for a in argv if not a.startswith(("--job.dump_folder", "--checkpoint.enable"))]
+    first = {}
+    for name, path in (("dcp", f"{root}/run/checkpoint/step-2"), ("hf", folder)):
+        run = root / f"fsdp_{name}"
+        done = train([*base, "--training.steps=1", "--parallelism.data_parallel_shard_degree=2",
+                      f"--checkpoint.initial_load_path={path}", f"--job.dump_folder={run}"], nproc=2)
+        assert done.returncode == 0, done.stderr[-3000:]
+        first[name] = losses(run)[1]
+    assert first["hf"] == first["dcp"]
+
+
 def test_sample_reads_the_folder(exported, tmp_path, capsys):
     _, folder = exported
     assert cli.main(["sample", folder, "--prompt", "def ", "--max-new-tokens", "5"]) == 0
