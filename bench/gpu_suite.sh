@@ -14,7 +14,13 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-py=$("$root/scripts/ensure_env.sh") || exit 1
+# A GPU image that already holds the core packages (bench/gpu_wheels.sh carries the ones it lacks) runs
+# as it is; elsewhere the project's environment is set up.
+if python3 -c "import torch, torchdata, datasets, tiktoken, pytest" >/dev/null 2>&1; then
+  py=python3
+else
+  py=$("$root/scripts/ensure_env.sh") || exit 1
+fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 logs="$root/bench/results/logs"
 mkdir -p "$logs"
