@@ -17,6 +17,10 @@ engine calls them and knows nothing else about the model's insides. All are opti
                                               document_starts [B, T] bool (on the host) the loader gave,
                                               or None when the model attends across documents
     hf_format(args, vocab_size) -> HFFormat   how the model reads and writes as a Hugging Face folder
+    context_shard(model, document_starts, rows, shard, device) -> the forward's `context=` argument when
+                                              each of the batch's rows is split over a context-parallel
+                                              group (components.sequence_shard.SequenceShard); the model
+                                              then gets only this rank's tokens of every row
 """
 
 from __future__ import annotations

@@ -100,8 +100,11 @@ def incomplete_steps(folder: str) -> list[int]:
 
 class Checkpointer:
     def __init__(self, folder: str, *, keep_latest_k: int, async_mode: str, rank: int, world_size: int,
-                 say: Callable[[str], None]):
+                 say: Callable[[str], None], context_parallel: int = 1):
         self.folder = folder
+        # The ranks of one context-parallel group share a data rank: rank r reads data rank r // cp's
+        # stream, and every checkpoint keeps that stream in each of their rank files.
+        self.context_parallel = context_parallel
         self.keep_latest_k = keep_latest_k
         self.async_mode = async_mode
         self.rank = rank
@@ -174,7 +177,7 @@ class Checkpointer:
 
     def _save_train_state(self, state: RunState, path: str, data_layout: dict) -> None:
         record = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size,
-                  "data_layout": data_layout,
+                  "context_parallel_degree": self.context_parallel, "data_layout": data_layout,
                   "lr_scheduler": state.lr_scheduler.state_dict(), "saved_at": time.time(), **state.extra}
         _write_atomically(os.path.join(path, "train_state.json"), json.dumps(record, indent=1).encode())
 
@@ -264,19 +267,21 @@ class Checkpointer:
         set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
         state.lr_scheduler.load_state_dict(record["lr_scheduler"])
         old_world = int(record["world_size"])
+        old_cp = int(record.get("context_parallel_degree", 1))  # data rank d was saved by rank d * old_cp
         if record.get("data_layout") == data_layout:
-            mine = self._read_rank_file(step, self.rank)
+            mine = self._read_rank_file(step, self.rank // self.context_parallel * old_cp)
             state.dataloader.load_state_dict(mine["dataloader"])
-            _set_rng_state(mine["rng"])
+            if self.rank < old_world:
+                _set_rng_state(self._read_rank_file(step, self.rank)["rng"])
         else:
             if reshard_data is None:
                 raise UserError(f"checkpoint {path} was written with data layout {record.get('data_layout')} "
                                 f"and this run has {data_layout}; the data cannot continue exactly. Fix: resume "
                                 f"with the original world size and data.num_workers.")
-            old = [self._read_rank_file(step, r) for r in range(old_world)]
+            old = [self._read_rank_file(step, r * old_cp) for r in range(old_world // old_cp)]
             state.dataloader = reshard_data([o["dataloader"] for o in old])
             if self.rank < old_world:
-                _set_rng_state(old[self.rank]["rng"])
+                _set_rng_state(self._read_rank_file(step, self.rank)["rng"])
         state.step = int(record["step"])
         state.tokens_seen = int(record["tokens_seen"])
         return record

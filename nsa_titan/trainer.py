@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from components.errors import UserError
+from components.sequence_shard import SequenceShard
 
 from nsa_titan import assemble, registry
 from nsa_titan.checkpoint import Checkpointer, RunState
@@ -80,12 +81,17 @@ class Trainer:
         init_process_group(runtime, max(recipe.parallelism.init_timeout_seconds, fault.step_timeout_seconds + 60,
                                         fault.first_step_timeout_seconds + 60))
         replicate, shard = data_parallel_degrees(recipe, runtime.world_size)
-        self.mesh = build_mesh(runtime, replicate, shard)
-        self.dp_rank, self.dp_size = runtime.rank, runtime.world_size
+        cp = recipe.parallelism.context_parallel_degree
+        self.mesh, cp_mesh = build_mesh(runtime, replicate, shard, cp)
+        # Ranks are (replicate, shard, cp) with cp varying fastest: a cp group shares one data rank.
+        self.dp_rank, self.dp_size = runtime.rank // cp, runtime.world_size // cp
+        self.shard = None if cp_mesh is None else SequenceShard(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp,
+                                                                t.seq_len)
         self.global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * self.dp_size
         self.grad_accum = self.global_batch // (t.local_batch_size * self.dp_size)
         self.tokens_per_step = self.global_batch * t.seq_len
-        self.local_tokens_per_step = self.tokens_per_step // self.dp_size
+        # Each rank holds 1/world of a step's tokens (its cp share of its data rank's rows).
+        self.local_tokens_per_step = self.tokens_per_step // runtime.world_size
 
         if runtime.is_main:
             prepare_run_folder(dump, resolved)
@@ -100,6 +106,8 @@ class Trainer:
         self.source = assemble.build_source(recipe)
         self.model_part = registry.get("model", recipe.model.name)
         self._build_model()
+        if self.shard is not None:  # the model says now, not at step 1, when it cannot split its sequences
+            self.model_part.context_shard(self.model, None, 1, self.shard, torch.device("cpu"))
 
         self.peak_flops = peak_flops_per_second(runtime.device, recipe.metrics.peak_tflops)
         self.flops_per_token = None
@@ -116,7 +124,7 @@ class Trainer:
         if ckpt.enable or ckpt.initial_load_path:
             self.checkpointer = Checkpointer(os.path.join(dump, ckpt.folder), keep_latest_k=ckpt.keep_latest_k,
                                              async_mode=ckpt.async_mode, rank=runtime.rank,
-                                             world_size=runtime.world_size, say=self._say)
+                                             world_size=runtime.world_size, say=self._say, context_parallel=cp)
         if recipe.validation.enable:
             self._check_validation_data()
         self._restore()
@@ -243,10 +251,18 @@ class Trainer:
             return None
         return self.model_part.documents(self.model, batch.document_starts, batch.inputs.device)
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, the targets they predict): of the whole rows, or under context parallelism of this
+        rank's share of every row (the model gathers what its share needs from the others)."""
+        if self.shard is not None:
+            context = self.model_part.context_shard(self.model, batch.document_starts, batch.inputs.shape[0],
+                                                    self.shard, batch.inputs.device)
+            with self._autocast():
+                return self.model(self.shard.split(batch.inputs), context=context), self.shard.split(batch.targets)
         documents = self._documents(batch)
         with self._autocast():
-            return self.model(batch.inputs) if documents is None else self.model(batch.inputs, documents=documents)
+            logits = self.model(batch.inputs) if documents is None else self.model(batch.inputs, documents=documents)
+        return logits, batch.targets
 
     def train_step(self, iterator) -> tuple[torch.Tensor, torch.Tensor, float, str]:
         """Returns (this rank's mean loss, global grad norm, seconds waiting for data, NaN-guard decision)."""
@@ -260,10 +276,10 @@ class Trainer:
             if self._probe is None:
                 self._probe = Batch(*(None if x is None else x[:2].clone() for x in batch))
             set_gradient_sync(self.model, self.mesh, last_micro_batch=micro == self.grad_accum - 1)
-            logits = self._forward(batch)
+            logits, targets = self._forward(batch)
             # Every rank sees the same number of tokens, so dividing by the rank's token count and
             # averaging gradients over ranks (as data parallelism does) gives the global token mean.
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="sum")
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
             loss = loss / self.local_tokens_per_step
             loss.backward()
             loss_total += loss.detach()
@@ -299,9 +315,9 @@ class Trainer:
         total = torch.zeros((), device=self.runtime.device, dtype=torch.float64)
         count = 0
         for batch in self._validation_batches():
-            logits = self._forward(batch)
-            total += F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="sum").double()
-            count += batch.targets.numel()
+            logits, targets = self._forward(batch)
+            total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").double()
+            count += targets.numel()  # the same on every rank, so the mean over ranks is the token mean
         loss = all_reduce_mean(total).item() / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
@@ -357,7 +373,8 @@ class Trainer:
     def run(self) -> None:
         recipe, t, state, fault = self.recipe, self.recipe.training, self.state, self.recipe.fault
         self._say(f"model {recipe.model.name}: {self.num_params:,} parameters | recipe {self.resolved.hash} | "
-                  f"{self.runtime.world_size} process(es) on {self.runtime.device.type} | "
+                  f"{self.runtime.world_size} process(es) on {self.runtime.device.type}"
+                  f"{f' ({self.shard.size}-way context parallel)' if self.shard is not None else ''} | "
                   f"global batch {self.global_batch} x {t.seq_len} tokens, {self.grad_accum} micro-batch(es)/step")
         rank = self.runtime.rank
         self.watchdog = Watchdog(fault.step_timeout_seconds, fault.first_step_timeout_seconds, self.stacks_path,

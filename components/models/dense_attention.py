@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from components.models.args import TransformerArgs
+from components.models.context_parallel import ContextShard
 from components.models.kv_cache import LayerKV
 from components.models.rope import apply_rope
 from components.nsa.documents import DocumentLayout
@@ -45,8 +46,16 @@ class DenseAttention(nn.Module):
         return apply_rope(q, cos, sin, positions), apply_rope(k, cos, sin, positions), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: DocumentLayout | None = None) -> torch.Tensor:
+                documents: DocumentLayout | None = None, context: ContextShard | None = None) -> torch.Tensor:
         B, T, _ = x.shape
+        if context is not None:
+            # The baseline's context parallelism: every rank gathers all keys and values (one
+            # all-gather per layer) and attends its queries under an explicit [B, local, T] mask.
+            q, k, v = self._qkv(x.reshape(1, B * T, -1), cos, sin, context.query_positions)
+            kv = context.shard.gather(torch.cat([k, v], dim=2).view(B, T, 2 * self.n_kv_heads, self.head_dim))
+            k, v = kv.split(self.n_kv_heads, dim=2)
+            o = _sdpa(q.view(B, T, self.n_heads, self.head_dim), k, v, mask=context.dense_mask[:, None])
+            return self.wo(o.reshape(B, T, -1))
         if documents is None:
             q, k, v = self._qkv(x, cos, sin, torch.arange(T, device=x.device))
             return self.wo(_sdpa(q, k, v, mask=None).reshape(B, T, -1))

@@ -10,6 +10,7 @@
     documents          with model.document_masking, the forward's document layout from a batch's
                        document_starts (components/nsa/documents.py), else None
     hf_format          components/models/hf: the model as a Hugging Face folder
+    context_shard      context parallelism: this rank's share of a batch's rows (components/models/context_parallel.py)
 
 Elements saved per token per block (activation_memory's per_block):
     4 d + 4 h                              two RMSNorms (input, output) and SwiGLU (w1, w3, silu, product)
@@ -95,9 +96,15 @@ def documents(model, document_starts: torch.Tensor, device: torch.device):
     return model.document_layout(document_starts, device) if model.args.document_masking else None
 
 
+def context_shard(model, document_starts: torch.Tensor | None, rows: int, shard, device: torch.device):
+    """The forward's `context` for this rank's share of a batch (context parallelism)."""
+    return model.context_shard(document_starts, rows, shard, device)
+
+
 def transformer_hooks() -> dict:
     """Every hook, as keyword arguments for register("model", ...); models built like the Transformer
     (plugins subclassing it) pass them too."""
     return dict(flops_per_token=flops_per_token, telemetry=collect_nsa_telemetry, telemetry_applies=telemetry_applies,
                 parallel_plan=parallel_plan, activation_memory=activation_memory, self_check=self_check,
-                attention_maps=attention_maps, describe=describe, documents=documents, hf_format=hf_format)
+                attention_maps=attention_maps, describe=describe, documents=documents, hf_format=hf_format,
+                context_shard=context_shard)

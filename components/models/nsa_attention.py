@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from components.models.args import TransformerArgs
+from components.models.context_parallel import ContextShard
 from components.models.kv_cache import LayerKV
 from components.models.rope import apply_rope
 from components.nsa import nsa_attention, nsa_attention_at, select_blocks
@@ -83,7 +84,12 @@ class NSAAttention(nn.Module):
     ) -> _Projected:
         B, T, _ = x.shape
         q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), cos, sin, positions)
-        kv = self.wkv(x).view(B, T, -1, self.n_kv_heads, self.head_dim).unbind(2)
+        return self._rotate_kv(q, self.wkv(x), cos, sin, positions)
+
+    def _rotate_kv(self, q: torch.Tensor, wkv_out: torch.Tensor, cos, sin, positions: torch.Tensor) -> _Projected:
+        """The projections from the fused key/value projection's output [B, T, *], keys rotated at positions."""
+        B, T, _ = wkv_out.shape
+        kv = wkv_out.view(B, T, -1, self.n_kv_heads, self.head_dim).unbind(2)
         if self.kv_per_branch:
             k_raw, v_raw, k_sel, v_sel, k_win, v_win = kv
             k_sel = apply_rope(k_sel, cos, sin, positions)
@@ -119,7 +125,9 @@ class NSAAttention(nn.Module):
 
     # ---- training forward -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: DocumentLayout | None = None) -> torch.Tensor:
+                documents: DocumentLayout | None = None, context: ContextShard | None = None) -> torch.Tensor:
+        if context is not None:
+            return self._context_parallel(x, cos, sin, context)
         B, T, _ = x.shape
         p, k_cmp, v_cmp, packed = self._branch_inputs(x, cos, sin, documents)
         o = nsa_attention(
@@ -127,6 +135,38 @@ class NSAAttention(nn.Module):
             **self.hyper, backend=self.backend, **packed,
         )
         return self.wo(o.reshape(B, T, -1))
+
+    def _context_parallel(self, x: torch.Tensor, cos, sin, context: ContextShard) -> torch.Tensor:
+        """x [B, local_len, dim] holds this rank's two chunks of every row (context_parallel.py): the
+        fused key/value projection is gathered from every rank (one all-gather per layer, its backward a
+        reduce-scatter), rotated and compressed over the whole rows, and each chunk's queries attend to
+        the keys its ChunkKeys picks out."""
+        B, Tl, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        whole = context.layout
+        q = apply_rope(self.wq(x).reshape(1, B * Tl, H, D), cos, sin, context.query_positions).view(B, 2, Tl // 2, H, D)
+        wkv_out = context.shard.gather(self.wkv(x))
+        p = self._rotate_kv(q, wkv_out.reshape(1, -1, wkv_out.shape[-1]), cos, sin, whole.positions)
+        k_cmp = apply_rope(self.compress_k(p.k_raw, whole.block_starts), cos, sin, whole.block_positions)
+        v_cmp = self.compress_v(p.v_raw, whole.block_starts)
+        gates = self.gates(x).view(B, 2, Tl // 2, H, 3)
+        out = []
+        for half, chunk in enumerate(context.chunks):
+            picked = {}  # shared keys/values are picked once
+
+            def pick(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                if id(t) not in picked:
+                    picked[id(t)] = t.index_select(1, index)
+                return picked[id(t)]
+
+            o = nsa_attention(
+                q[:, half].reshape(1, -1, H, D), pick(k_cmp, chunk.blocks), pick(v_cmp, chunk.blocks),
+                pick(p.k_sel, chunk.tokens), pick(p.v_sel, chunk.tokens), pick(p.k_win, chunk.tokens),
+                pick(p.v_win, chunk.tokens), gates[:, half].reshape(1, -1, H, 3), **self.hyper, backend=self.backend,
+                cu_seqlens=chunk.cu_seqlens, cu_seqlens_q=chunk.cu_seqlens_q,
+            )
+            out.append(o.view(B, Tl // 2, H, D))
+        return self.wo(torch.stack(out, dim=1).reshape(B, Tl, H * D))
 
     @torch.no_grad()
     def gates_and_selection(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -14,6 +14,7 @@ from torch import nn
 
 from components.errors import UserError
 from components.models.args import TransformerArgs
+from components.models.context_parallel import ContextShard, context_shard
 from components.models.dense_attention import DenseAttention
 from components.models.kv_cache import KVCache, LayerKV
 from components.models.mlp import SwiGLU
@@ -22,6 +23,7 @@ from components.models.nsa_attention import NSAAttention
 from components.models.rope import RotaryEmbedding
 from components.nsa.documents import DocumentLayout, rows_layout
 from components.problems import find_problems, problem, raise_problems
+from components.sequence_shard import SequenceShard
 
 
 class TransformerBlock(nn.Module):
@@ -41,8 +43,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(std, out_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: DocumentLayout | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, documents)
+                documents: DocumentLayout | None = None, context: ContextShard | None = None) -> torch.Tensor:
+        x = x + (self.attention(self.attention_norm(x), cos, sin, documents) if context is None else
+                 self.attention(self.attention_norm(x), cos, sin, context=context))
         return x + self.feed_forward(self.ffn_norm(x))
 
     def forward_step(
@@ -108,7 +111,8 @@ class Transformer(nn.Module):
                 f"raise model max_seq_len or use shorter sequences"
             )
 
-    def forward(self, tokens: torch.Tensor, documents: DocumentLayout | torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: DocumentLayout | torch.Tensor | None = None,
+                context: ContextShard | None = None) -> torch.Tensor:
         """tokens [B, T] long -> logits [B, T, vocab_size].
 
         documents: where documents start in the rows, as document_starts [B, T] bool (True where a
@@ -116,7 +120,13 @@ class Transformer(nn.Module):
         it) or as the layout `document_layout(document_starts, device)` builds from it. Every document
         is then attended on its own, its positions counted from its start, as if it were run alone
         (NSA_SPEC.md section 4).
+
+        context (context parallelism, from `context_shard`): tokens [B, local_len] are this rank's share
+        of every row, and the layers gather the rest; the logits are those of the same tokens in the
+        whole rows' forward. It carries the documents itself.
         """
+        if context is not None:
+            return self._forward_shard(tokens, context)
         self._check_length(tokens.shape[1])
         if isinstance(documents, torch.Tensor):
             documents = self.document_layout(documents, tokens.device)
@@ -129,6 +139,32 @@ class Transformer(nn.Module):
             h = layer(h, self.rope.cos, self.rope.sin) if documents is None else \
                 layer(h, self.rope.cos, self.rope.sin, documents)
         return self.output(self.norm(h))
+
+    def _forward_shard(self, tokens: torch.Tensor, context: ContextShard) -> torch.Tensor:
+        self._check_length(context.shard.seq_len)
+        if tokens.shape[1] != context.shard.local_len or context.query_positions.shape[0] != tokens.numel():
+            raise ValueError(f"tokens {tuple(tokens.shape)} are not the share of the rows this context was built for "
+                             f"({context.query_positions.shape[0]} tokens, {context.shard.local_len} per row)")
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope.cos, self.rope.sin, context=context)
+        return self.output(self.norm(h))
+
+    def context_shard(self, document_starts: torch.Tensor | None, rows: int, shard: SequenceShard,
+                      device: torch.device) -> ContextShard:
+        """The forward's `context` for this rank's share of `rows` rows (document_starts [B, T] bool on the
+        host, or None: each row one document; ignored unless the model masks documents)."""
+        if self.args.attention == "nsa":
+            from components.nsa.backends import get_backend
+
+            if not get_backend(self.args.nsa.backend).takes_query_offsets:
+                raise UserError(f"context parallelism runs each rank's queries against gathered keys, which NSA "
+                                f"backend {self.args.nsa.backend!r} does not support (no cu_seqlens_q). Fix: set "
+                                f"model.nsa.backend = 'reference', or parallelism.context_parallel_degree = 1.")
+        nsa = self.args.nsa
+        return context_shard(document_starts if self.args.document_masking else None, rows, shard,
+                             block_size=nsa.block_size, block_stride=nsa.block_stride,
+                             dense=self.args.attention != "nsa", device=device)
 
     def document_layout(self, document_starts: torch.Tensor, device: torch.device) -> DocumentLayout:
         """The rows' documents as the attention layers take them, built on the host (keep

@@ -6,7 +6,8 @@ properties); the name only picks the speed. Built in: 'reference' (exact PyTorch
 are added with `register_backend` (the engine's registry does it for plugins' attention_backend
 parts). A backend's function takes the op's eight tensors and its five hyperparameters as keywords
 (nsa_attention's signature minus `backend`) and gets inputs the op has already checked; it is passed
-`cu_seqlens=` only for packed documents, so a backend that does not take them keeps working.
+`cu_seqlens=` only for packed documents, so a backend that does not take them keeps working, and
+`cu_seqlens_q=` only under context parallelism.
 """
 
 from __future__ import annotations
@@ -32,11 +33,17 @@ class Backend:
         parameters = inspect.signature(self.attention).parameters
         return "cu_seqlens" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
+    @property
+    def takes_query_offsets(self) -> bool:
+        """Whether the function names cu_seqlens_q (fewer queries than keys per document: context
+        parallelism); only an explicit parameter counts."""
+        return "cu_seqlens_q" in inspect.signature(self.attention).parameters
+
 
 def _reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
-               sel_block_size: int, num_selected: int, window_size: int, cu_seqlens=None):
+               sel_block_size: int, num_selected: int, window_size: int, cu_seqlens=None, cu_seqlens_q=None):
     return reference_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_size, block_stride,
-                               sel_block_size, num_selected, window_size, cu_seqlens)
+                               sel_block_size, num_selected, window_size, cu_seqlens, cu_seqlens_q)
 
 
 def _triton(*tensors, cu_seqlens=None, **hyper):

@@ -66,14 +66,23 @@ def check_selection_inputs(q, k_cmp, *, q_start: int, block_size: int, block_str
 
 
 def check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
-                           block_size: int, block_stride: int, cu_seqlens=None) -> None:
-    """Shapes, dtypes and devices of the op's eight tensors (keys at positions 0 .. q_start + Tq - 1)."""
+                           block_size: int, block_stride: int, cu_seqlens=None, cu_seqlens_q=None) -> None:
+    """Shapes, dtypes and devices of the op's eight tensors (keys at positions 0 .. q_start + Tq - 1, or
+    with cu_seqlens_q as many as k_sel has: each document's queries are its last ones)."""
     _check_tensor("q", q, q.device if isinstance(q, torch.Tensor) else None)
     named = dict(k_cmp=k_cmp, v_cmp=v_cmp, k_sel=k_sel, v_sel=v_sel, k_win=k_win, v_win=v_win, gates=gates)
     for name, x in named.items():
         _check_tensor(name, x, q.device)
     B, Tq, H, D = q.shape
     Tk = q_start + Tq
+    if cu_seqlens_q is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_q (each document's query count) needs cu_seqlens (its key count)")
+        check_cu_seqlens_tensor(cu_seqlens_q, B, q.device)
+        if cu_seqlens_q.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_q must list the same documents as cu_seqlens: shape "
+                             f"{tuple(cu_seqlens.shape)}, got {tuple(cu_seqlens_q.shape)}")
+        Tk = k_sel.shape[1]
     Hkv = k_sel.shape[2]
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (k_sel {_shape(k_sel)})")
@@ -100,13 +109,14 @@ def _check_packed_start(q_start: int, cu_seqlens) -> None:
 
 def check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int, block_size: int,
                          block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
-                         cu_seqlens=None) -> None:
+                         cu_seqlens=None, cu_seqlens_q=None) -> None:
     """Everything the op checks about one call computing attention (UserError or ValueError)."""
     check_q_start(q_start)
     _check_packed_start(q_start, cu_seqlens)
     check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, window_size)
     check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start,
-                           block_size=block_size, block_stride=block_stride, cu_seqlens=cu_seqlens)
+                           block_size=block_size, block_stride=block_stride, cu_seqlens=cu_seqlens,
+                           cu_seqlens_q=cu_seqlens_q)
 
 
 def check_selection_call(q, k_cmp, *, q_start: int, block_size: int, block_stride: int, sel_block_size: int,

@@ -3,6 +3,11 @@
 `cu_seqlens` is a 1-D integer tensor [N + 1] of document starts: cu_seqlens[0] = 0, strictly
 increasing, cu_seqlens[-1] = T, with B = 1. Document k occupies tokens [cu[k], cu[k+1]) and owns
 Tc_k complete compressed blocks, stored one document after another in k_cmp / v_cmp.
+
+`cu_seqlens_q` (an extension beyond the spec, for context parallelism): the same N documents'
+query counts, strictly increasing, starting at 0. Document k then has all its keys but only its last
+Lq_k = cu_q[k+1] - cu_q[k] queries (queries at its positions Lk_k - Lq_k .. Lk_k - 1), as
+flash-attn's varlen causal attention aligns a shorter query run to the end of its keys.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import torch
 
 from components.nsa.compression import num_compressed_blocks
 
-TOKEN, BLOCK = "token", "block"  # what dim 1 of a packed input counts: tokens, or compressed blocks
-ATTENTION_INPUT_KINDS = (TOKEN, BLOCK, BLOCK, TOKEN, TOKEN, TOKEN, TOKEN, TOKEN)  # q, k_cmp, v_cmp, ..., gates
+# What dim 1 of a packed input counts: queries, key tokens, or compressed blocks.
+QUERY, TOKEN, BLOCK = "query", "token", "block"
+ATTENTION_INPUT_KINDS = (QUERY, BLOCK, BLOCK, TOKEN, TOKEN, TOKEN, TOKEN, QUERY)  # q, k_cmp, v_cmp, ..., gates
 
 
 def check_cu_seqlens_tensor(cu_seqlens, batch: int, device: torch.device) -> None:
@@ -57,26 +63,47 @@ def document_slices(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int,
     return [(slice(a, b), slice(c, e)) for a, b, c, e in zip(starts, starts[1:], cmp, cmp[1:])]
 
 
-def per_document(fn, tensors: tuple, kinds: tuple, cu_seqlens, block_size: int, block_stride: int):
-    """fn(*tensors) on each packed document's own slices (NSA_SPEC.md section 4), each output list
-    concatenated back along dim 1. Documents of equal length (rows cut from one long document, say)
-    run together as one batch: each row of a batch is computed on its own, so this changes nothing
-    but the number of calls. Without cu_seqlens, fn(*tensors) once."""
+def query_counts(cu_seqlens_q: torch.Tensor, token_slices: list[slice]) -> list[int]:
+    """Each document's query count from cu_seqlens_q (checked against its key count)."""
+    starts = [int(x) for x in cu_seqlens_q.tolist()]
+    if len(starts) != len(token_slices) + 1 or starts[0] != 0:
+        raise ValueError(f"cu_seqlens_q must hold {len(token_slices) + 1} query starts from 0, one per document of "
+                         f"cu_seqlens and the end, got {starts}")
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    for k, (count, tokens) in enumerate(zip(counts, token_slices)):
+        if not 1 <= count <= tokens.stop - tokens.start:
+            raise ValueError(f"document {k} has {tokens.stop - tokens.start} keys but {count} queries in cu_seqlens_q; "
+                             f"a document's queries are its last positions: at least one, at most one per key")
+    return counts
+
+
+def per_document(fn, tensors: tuple, kinds: tuple, cu_seqlens, block_size: int, block_stride: int,
+                 cu_seqlens_q=None):
+    """fn(*tensors, q_start=...) on each packed document's own slices (NSA_SPEC.md section 4), each
+    output list concatenated back along dim 1. Documents of equal length (rows cut from one long
+    document, say) run together as one batch: each row of a batch is computed on its own, so this
+    changes nothing but the number of calls. With cu_seqlens_q a document's queries (QUERY inputs)
+    are its last ones, and fn gets the position of the first. Without cu_seqlens, fn(*tensors,
+    q_start=0) once."""
     if cu_seqlens is None:
-        return fn(*tensors)
-    slices = document_slices(cu_seqlens, tensors[0].shape[1], block_size, block_stride)
+        return fn(*tensors, q_start=0)
+    slices = document_slices(cu_seqlens, tensors[kinds.index(TOKEN)].shape[1], block_size, block_stride)
     for x, kind in zip(tensors, kinds):
         if kind == BLOCK and x.shape[1] != slices[-1][1].stop:
             raise ValueError(f"k_cmp / v_cmp hold {x.shape[1]} compressed blocks, but the documents of cu_seqlens "
                              f"have {slices[-1][1].stop} with block_size {block_size} and block_stride {block_stride}")
-    by_length: dict[int, list[int]] = {}
-    for index, (tokens, _) in enumerate(slices):
-        by_length.setdefault(tokens.stop - tokens.start, []).append(index)
+    lengths = [tokens.stop - tokens.start for tokens, _ in slices]
+    counts = lengths if cu_seqlens_q is None else query_counts(cu_seqlens_q, [tokens for tokens, _ in slices])
+    query_ends = torch.tensor(counts).cumsum(0).tolist()
+    queries = [slice(end - count, end) for end, count in zip(query_ends, counts)]
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for index, (length, count) in enumerate(zip(lengths, counts)):
+        by_shape.setdefault((length, count), []).append(index)
+    pick = {QUERY: lambda i: queries[i], TOKEN: lambda i: slices[i][0], BLOCK: lambda i: slices[i][1]}
     parts: list = [None] * len(slices)
-    for members in by_length.values():
-        batch = [torch.cat([x[:, slices[i][0] if kind == TOKEN else slices[i][1]] for i in members])
-                 for x, kind in zip(tensors, kinds)]
-        out = fn(*batch)
+    for (length, count), members in by_shape.items():
+        batch = [torch.cat([x[:, pick[kind](i)] for i in members]) for x, kind in zip(tensors, kinds)]
+        out = fn(*batch, q_start=length - count)
         for row, i in enumerate(members):
             parts[i] = out[row:row + 1] if isinstance(out, torch.Tensor) else [o[row:row + 1] for o in out]
     if isinstance(parts[0], torch.Tensor):

@@ -17,17 +17,26 @@ from components.nsa.selection import select_blocks_at_reference
 
 def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
                   sel_block_size: int, num_selected: int, window_size: int, backend: str = "reference",
-                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
     """NSA over a whole sequence: o [B, T, H, D] in q's dtype. Inputs already compressed and rotated.
 
     cu_seqlens (document starts [N + 1], B = 1): a packed row, computed as each document on its own,
     with k_cmp / v_cmp holding the documents' compressed blocks one document after another.
+    cu_seqlens_q (with cu_seqlens; beyond the spec): q and gates hold only each document's last
+    cu_seqlens_q[k+1] - cu_seqlens_q[k] queries, o likewise (documents.py). Context parallelism
+    runs a rank's queries against the gathered keys this way.
     """
     chosen = get_backend(backend)
     hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
                  num_selected=num_selected, window_size=window_size)
     check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, cu_seqlens=cu_seqlens,
-                         **hyper)
+                         cu_seqlens_q=cu_seqlens_q, **hyper)
+    if cu_seqlens_q is not None:
+        if not chosen.takes_query_offsets:
+            raise UserError(f"NSA backend {backend!r} does not take query offsets (its function has no cu_seqlens_q "
+                            f"parameter), which context parallelism needs. Fix: choose backend 'reference', or set "
+                            f"parallelism.context_parallel_degree = 1.")
+        hyper["cu_seqlens_q"] = cu_seqlens_q
     if cu_seqlens is not None:
         if not chosen.takes_documents:
             raise UserError(f"NSA backend {backend!r} does not take packed documents (its function has no "
@@ -65,7 +74,7 @@ def select_blocks(q, k_cmp, *, block_size: int, block_stride: int, sel_block_siz
                          sel_block_size=sel_block_size, num_selected=num_selected, cu_seqlens=cu_seqlens)
     hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
                  num_selected=num_selected)
-    return per_document(lambda q_doc, k_doc: select_blocks_at_reference(q_doc, k_doc, q_start=0, **hyper),
+    return per_document(lambda q_doc, k_doc, q_start: select_blocks_at_reference(q_doc, k_doc, q_start=q_start, **hyper),
                         (q, k_cmp), (TOKEN, BLOCK), cu_seqlens, block_size, block_stride)
 
 

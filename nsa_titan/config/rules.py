@@ -17,19 +17,25 @@ class LayoutError(ValueError):
 
 
 def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
-    """(replicate, shard) degrees for this world size; LayoutError when they cannot be resolved."""
+    """(replicate, shard) degrees for this world size (replicate x shard x context_parallel_degree);
+    LayoutError when they cannot be resolved."""
     par = recipe.parallelism
+    cp = par.context_parallel_degree
+    if world_size % cp:
+        raise LayoutError(f"the world size {world_size} is not divisible by parallelism.context_parallel_degree {cp}")
+    world_size //= cp
+    size_name = "world size" if cp == 1 else f"data-parallel size (world size / context_parallel_degree {cp})"
     rep, shard = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
     if rep == -1 and shard == -1:
         raise LayoutError("only one of the two degrees may be -1")
     if rep == -1 or shard == -1:
         known = shard if rep == -1 else rep
         if known == 0 or world_size % known:
-            raise LayoutError(f"the world size {world_size} is not divisible by the fixed degree {known}")
+            raise LayoutError(f"the {size_name} {world_size} is not divisible by the fixed degree {known}")
         fill = world_size // known
         return (fill, shard) if rep == -1 else (rep, fill)
     if rep * shard != world_size:
-        raise LayoutError(f"replicate x shard = {rep} x {shard} = {rep * shard}, but the world size is {world_size}")
+        raise LayoutError(f"replicate x shard = {rep} x {shard} = {rep * shard}, but the {size_name} is {world_size}")
     return rep, shard
 
 
@@ -46,7 +52,8 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         degrees = (1, 1) if world_size is None else data_parallel_degrees(recipe, world_size)
     except LayoutError as exc:
         add("parallelism.data_parallel_shard_degree", recipe.parallelism.data_parallel_shard_degree, str(exc),
-            "make replicate x shard equal the number of processes (NGPU x NNODES), or set one of them to -1")
+            "make replicate x shard x context_parallel_degree equal the number of processes (NGPU x NNODES), or set "
+            "one of replicate and shard to -1")
         dp = world_size
     else:
         for name, value in zip(("data_parallel_replicate_degree", "data_parallel_shard_degree"), degrees):
@@ -55,6 +62,15 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         dp = degrees[0] * degrees[1]
 
     t = recipe.training
+    cp = recipe.parallelism.context_parallel_degree
+    if cp > 1:
+        if t.seq_len % (2 * cp):
+            add("training.seq_len", t.seq_len, f"cannot be cut into 2 x context_parallel_degree = {2 * cp} equal "
+                f"chunks (each rank holds two, one early and one late, to balance the work)",
+                f"use a multiple of {2 * cp}, or another parallelism.context_parallel_degree")
+        if registry.get("model", recipe.model.name).context_shard is None:
+            add("parallelism.context_parallel_degree", cp, f"model {recipe.model.name!r} cannot split its sequences "
+                f"(its part registers no context_shard hook)", "set parallelism.context_parallel_degree = 1")
     per_step = t.local_batch_size * dp
     if t.global_batch_size != -1 and t.global_batch_size % per_step:
         add("training.global_batch_size", t.global_batch_size,

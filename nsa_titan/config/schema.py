@@ -32,6 +32,8 @@ class ModelConfig:
 class ParallelismConfig:
     data_parallel_shard_degree: int = f(-1, "FSDP shard degree; -1 fills what the replicate degree leaves.", ge=-1)
     data_parallel_replicate_degree: int = f(1, "Replicas (DDP, or HSDP when sharding too); -1 fills the rest.", ge=-1)
+    context_parallel_degree: int = f(1, "Ranks sharing each sequence (context parallelism): each holds 1/cp of every "
+                                        "row and gathers the keys it needs; FSDP shards over dp_shard x cp.", ge=1)
     fsdp_reshard_after_forward: str = f("default", "Free gathered parameters after forward: default, always or never.",
                                         choices=("default", "always", "never"))
     init_timeout_seconds: int = f(300, "Seconds to wait for all ranks at start-up (collectives get at least the "
@@ -145,7 +147,7 @@ class ActivationCheckpointConfig:
 class Recipe:
     job: JobConfig = f(JobConfig, "The run's identity and output folder.")
     model: ModelConfig = f(ModelConfig, "The model and its arguments.")
-    parallelism: ParallelismConfig = f(ParallelismConfig, "Data-parallel layout.")
+    parallelism: ParallelismConfig = f(ParallelismConfig, "Data- and context-parallel layout.")
     data: DataConfig = f(DataConfig, "Documents, tokenizer and loading.")
     training: TrainingConfig = f(TrainingConfig, "Steps, batch, sequence length, precision.")
     optimizer: OptimizerConfig = f(OptimizerConfig, "The optimizer.")

@@ -185,8 +185,9 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     if part.activation_memory is None:
         return Check("memory estimate", WARN, f"no estimate: model {recipe.model.name!r} registers no "
                                               "activation_memory hook")
+    cp = recipe.parallelism.context_parallel_degree
     try:
-        shard = data_parallel_degrees(recipe, world_size)[1]
+        shard = data_parallel_degrees(recipe, world_size)[1] * cp  # FSDP shards over dp_shard x cp
     except LayoutError:
         shard = 1
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
@@ -197,7 +198,7 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     estimate = estimate_memory(activation=part.activation_memory(recipe.model.args),
                                num_params=assemble.count_parameters(model),
                                block_params=block_params, vocab_size=tokenizer.vocab_size, shard=shard,
-                               tokens=t.local_batch_size * t.seq_len, bf16=runtime.autocast_dtype is not None,
+                               tokens=t.local_batch_size * t.seq_len // cp, bf16=runtime.autocast_dtype is not None,
                                ac_mode=ac.mode, ac_every=ac.selective_every)
     capacity, where = device_memory(runtime.device)
     if runtime.device.type == "cpu" and capacity:

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nsa_titan.runtime import Runtime
 
-REPLICATE, SHARD = "dp_replicate", "dp_shard"
+REPLICATE, SHARD, CONTEXT = "dp_replicate", "dp_shard", "cp"
 
 
 def init_process_group(runtime: Runtime, timeout_seconds: float) -> None:
@@ -29,10 +29,22 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def build_mesh(runtime: Runtime, replicate: int, shard: int) -> DeviceMesh | None:
+def build_mesh(runtime: Runtime, replicate: int, shard: int, context: int = 1) -> tuple[DeviceMesh | None,
+                                                                                        DeviceMesh | None]:
+    """(the (replicate, shard) mesh FSDP2 works on, the context-parallel mesh or None).
+
+    With context parallelism the ranks form a (replicate, shard, cp) mesh, cp varying fastest (the
+    ranks of a cp group are neighbours, on one node when they fit); FSDP2 shards over shard x cp
+    flattened into the mesh's "dp_shard" dimension, as torchtitan does: a cp rank holds part of the
+    sequence, not of the model, so it can hold part of the parameters instead of a copy."""
     if runtime.world_size == 1:
-        return None
-    return init_device_mesh(runtime.device.type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD))
+        return None, None
+    if context == 1:
+        return init_device_mesh(runtime.device.type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD)), None
+    mesh = init_device_mesh(runtime.device.type, (replicate, shard, context),
+                            mesh_dim_names=(REPLICATE, "dp_shard_only", CONTEXT))
+    mesh["dp_shard_only", CONTEXT]._flatten(SHARD)
+    return mesh[REPLICATE, SHARD], mesh[CONTEXT]
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:

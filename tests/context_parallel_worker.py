@@ -1,0 +1,52 @@
+"""Run under torch.distributed.run by tests/test_context_parallel.py: a tiny fp64 transformer's logits
+and every parameter gradient under context parallelism equal one process's forward of the whole rows.
+
+argv: attention (nsa | dense), document masking (0 | 1). Prints "ok" per rank on success."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from components.models.args import TransformerArgs
+from components.models.transformer import build_transformer
+from components.sequence_shard import SequenceShard
+
+B, T, VOCAB = 2, 64, 50
+
+
+def main(attention: str, masking: bool) -> None:
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    args = TransformerArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=T, attention=attention,
+                           document_masking=masking)
+    if attention == "nsa":  # blocks small enough that every branch and both chunks matter at T = 64
+        nsa = args.nsa
+        nsa.block_size, nsa.block_stride, nsa.sel_block_size, nsa.num_selected, nsa.window_size = 8, 4, 8, 3, 8
+    model = build_transformer(args, VOCAB).double()
+    tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(1))
+    # Documents of 1 token, shorter than a block, crossing chunk and rank boundaries.
+    starts = torch.zeros(B, T, dtype=torch.bool)
+    starts[0, [5, 6, 30]] = True
+    starts[1, [17, 40, 41, 50]] = True
+
+    whole = model(tokens, documents=starts if masking else None)
+    expected = torch.autograd.grad((whole ** 2).mean(), list(model.parameters()))
+
+    shard = SequenceShard(dist.group.WORLD, rank, size, T)
+    context = model.context_shard(starts, B, shard, torch.device("cpu"))
+    mine = model(shard.split(tokens), context=context)
+    torch.testing.assert_close(mine, shard.split(whole), rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad((mine ** 2).sum() / whole.numel(), list(model.parameters()))
+    for (name, _), got, want in zip(model.named_parameters(), grads, expected):
+        dist.all_reduce(got)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)
+    print(f"rank {rank}: ok")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] == "1")

@@ -1,0 +1,111 @@
+"""Context parallelism on CPU with gloo: one sequence over several ranks computes what one process
+computes on the whole rows (logits, gradients, losses), compiles whole, and its checkpoints resume at
+another context-parallel size on the same data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from components.sequence_shard import SequenceShard
+from tests.launch import DEBUG, REPO_ROOT, TINY, env, free_port, metrics, train
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+# Same global batch (4 rows of 64 tokens) in every layout: one data rank accumulates 2 micro-batches of 2.
+COMMON = [*TINY, f"--training.steps={STEPS}", "--training.local_batch_size=2", "--training.global_batch_size=4"]
+DENSE = [os.path.join(REPO_ROOT, "recipes", "debug_dense.toml"), *(a for a in COMMON if "nsa." not in a)]
+NSA = [DEBUG, *COMMON]
+CP2 = ["--parallelism.context_parallel_degree=2"]
+# fp32; only the order of floating-point reductions differs between layouts (observed: ~1e-7).
+RTOL = 2e-4
+
+
+def test_head_tail_split_round_trips():
+    x = torch.arange(2 * 16).view(2, 16)
+    shards = [SequenceShard(None, r, 4, 16) for r in range(4)]
+    assert [s.chunks() for s in shards] == [((0, 2), (14, 16)), ((2, 4), (12, 14)), ((4, 6), (10, 12)),
+                                            ((6, 8), (8, 10))]
+    pieces = torch.cat([s.split(x) for s in shards], dim=1)
+    assert sorted(pieces[0].tolist()) == list(range(16))
+    assert torch.equal(torch.cat([s.positions() for s in shards]), pieces[0])
+    with pytest.raises(ValueError, match="2 x 3 equal chunks"):
+        SequenceShard(None, 0, 3, 16)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("attention,masking", [("nsa", 1), ("nsa", 0), ("dense", 1), ("dense", 0)])
+def test_sharded_forward_and_gradients_equal_the_whole_rows(attention, masking, nproc):
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+               os.path.join(REPO_ROOT, "tests", "context_parallel_worker.py"), attention, str(masking)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count(": ok") == nproc
+
+
+def _run(args, nproc, folder):
+    proc = train([*args, f"--job.dump_folder={folder}"], nproc=nproc, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return metrics(folder)
+
+
+def _steps(records):
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def _assert_same_training(got, expected):
+    got, expected = _steps(got), _steps(expected)
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(expected[step][key], rel=RTOL), (step, key, got, expected)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process's runs of the NSA debug recipe (masking on, then off) and of the dense one."""
+    return {name: _run(args, 1, tmp_path_factory.mktemp(name)) for name, args in (
+        ("nsa", NSA), ("nsa_unmasked", [*NSA, "--model.document_masking=false"]), ("dense", DENSE))}
+
+
+@pytest.mark.parametrize("name,nproc,args,baseline", [
+    ("cp2", 2, [*NSA, *CP2], "nsa"),
+    ("cp2_unmasked", 2, [*NSA, *CP2, "--model.document_masking=false"], "nsa_unmasked"),
+    ("dp2_cp2", 4, [*NSA, *CP2], "nsa"),
+    ("cp2_compiled", 2, [*NSA, *CP2, "--compile.enable=true"], "nsa"),
+    ("dense_cp2_compiled", 2, [*DENSE, *CP2, "--compile.enable=true"], "dense"),
+])
+def test_training_equals_one_process(tmp_path, one_process, name, nproc, args, baseline):
+    got = _run(args, nproc, tmp_path)
+    _assert_same_training(got, one_process[baseline])
+    if "--compile.enable=true" in args:  # inductor, fullgraph: one graph for every step's new boundaries
+        assert [(r["compiled_graphs"], r["graph_breaks"]) for r in _steps(got).values()] == [(1, 0)] * STEPS
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)], ids=["cp2-to-cp1", "cp1-to-cp2"])
+def test_checkpoint_resumes_at_another_context_parallel_size(tmp_path, first, then):
+    """Eight steps at one cp size saving at step 4, then steps 5-8 again from that checkpoint at the
+    other: the same curve, so the data neither repeats nor skips and the model and optimizer state
+    reshard."""
+    cp = lambda n: [f"--parallelism.context_parallel_degree={n}"]  # noqa: E731
+    save = [*NSA, "--training.steps=8", "--checkpoint.enable=true", "--checkpoint.interval=4",
+            "--checkpoint.keep_latest_k=0"]
+    straight = [r for r in _run([*save, *cp(first)], first, tmp_path) if r.get("step", 0) > 4]
+    records = _run([*save, *cp(then), "--checkpoint.load_step=4"], then, tmp_path)
+    resumed = [r for r in records if "loss" in r][-4:]
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    _assert_same_training(resumed, straight)
+
+
+def test_layout_errors_name_the_fix(tmp_path):
+    proc = train([*NSA, *CP2, "--training.seq_len=62", f"--job.dump_folder={tmp_path}"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "2 problems" in proc.stderr
+    assert "world size 1 is not divisible by parallelism.context_parallel_degree 2" in proc.stderr
+    assert "--training.seq_len=62" in proc.stderr and "use a multiple of 4" in proc.stderr
