@@ -46,7 +46,7 @@ def _reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size
                                sel_block_size, num_selected, window_size, cu_seqlens, cu_seqlens_q)
 
 
-def _triton(*tensors, cu_seqlens=None, **hyper):
+def _triton(*tensors, cu_seqlens=None, cu_seqlens_q=None, **hyper):
     try:
         import components.nsa.triton as nsa_triton
     except ImportError as exc:
@@ -54,7 +54,7 @@ def _triton(*tensors, cu_seqlens=None, **hyper):
             f"NSA backend 'triton' is not available here ({exc}); install triton and run on a CUDA GPU, "
             "or choose backend 'reference'"
         ) from exc
-    return nsa_triton.attention_on_checked_inputs(*tensors, cu_seqlens=cu_seqlens, **hyper)
+    return nsa_triton.attention_on_checked_inputs(*tensors, cu_seqlens=cu_seqlens, cu_seqlens_q=cu_seqlens_q, **hyper)
 
 
 _TABLE: dict[str, Backend] = {

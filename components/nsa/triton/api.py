@@ -37,7 +37,8 @@ def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, 
 
 def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int,
                                 block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
-                                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                                cu_seqlens: torch.Tensor | None = None,
+                                cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
     """The backend table's entry: the op (components.nsa.op) has checked the call; only what the
     kernels need beyond the op's contract (device, dtype, head dim) is checked here."""
     _check_kernel_inputs(q)
@@ -45,11 +46,12 @@ def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gat
     k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (x.to(q.dtype) for x in (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
     sm_scale = q.shape[-1] ** -0.5
 
-    o_cmp, lse2_cmp = ops.interval_attention(q, k_cmp, v_cmp, block_stride, block_size - 1, 0, sm_scale, cu_seqlens)
+    docs = (cu_seqlens, cu_seqlens_q)
+    o_cmp, lse2_cmp = ops.interval_attention(q, k_cmp, v_cmp, block_stride, block_size - 1, 0, sm_scale, *docs)
     selection = ops.select_blocks(q.detach(), k_cmp.detach(), lse2_cmp.detach(), block_size, block_stride,
-                                  sel_block_size, num_selected, sm_scale, cu_seqlens)
-    o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, sel_block_size, sm_scale, cu_seqlens)
-    o_win, _ = ops.interval_attention(q, k_win, v_win, 1, 0, window_size, sm_scale, cu_seqlens)
+                                  sel_block_size, num_selected, sm_scale, *docs)
+    o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, sel_block_size, sm_scale, *docs)
+    o_win, _ = ops.interval_attention(q, k_win, v_win, 1, 0, window_size, sm_scale, *docs)
 
     g = gates.float().unsqueeze(-1)  # [B, T, H, 3, 1]
     o = g[..., 0, :] * o_cmp.float() + g[..., 1, :] * o_sel.float() + g[..., 2, :] * o_win.float()

@@ -12,7 +12,8 @@ Offsets are formed in int64 so that B*T*H*D beyond 2**31 elements cannot overflo
 
 Packed documents (cu_seqlens, B = 1): positions count from each document's start and a document's
 keys follow one another in k/v (its compressed blocks, or its tokens); programs take tiles of one
-document (packing.py), so each document is computed exactly as on its own.
+document (packing.py), so each document is computed exactly as on its own. With query offsets
+(cu_seqlens_q) a document's queries are its last ones: query i of it stands at position pos0 + i.
 """
 
 from __future__ import annotations
@@ -49,15 +50,15 @@ def _visible_key_range(t_first, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW):
 
 @triton.jit
 def _interval_attn_fwd_kernel(
-    Q, K, V, O, LSE2, TILES, Q_STARTS, K_STARTS,
+    Q, K, V, O, LSE2, TILES, Q_STARTS, K_STARTS, Q_POS0,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
     T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
     # Positions below are within the tile's document: q0 / k0 rows into the row's queries / keys.
-    tile, pid_bh, q0, num_q, k0, num_k = document_tile(TILES, Q_STARTS, K_STARTS, NUM_TILES, tl.cdiv(T, BLOCK_M),
-                                                       T, NK, PACKED)
+    tile, pid_bh, q0, num_q, k0, num_k, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
+                                                             tl.cdiv(T, BLOCK_M), T, NK, PACKED)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     hk = (h // G).to(tl.int64)
@@ -71,7 +72,9 @@ def _interval_attn_fwd_kernel(
     rows = offs_m.to(tl.int64)
     q = load_rows(Q + b * sqb + h64 * sqh + q0 * sqt, rows, sqt, offs_d, row_mask)
 
-    n_lo, n_hi = _visible_key_range(tile * BLOCK_M, BLOCK_M, num_q, num_k, KEY_STRIDE, KEY_OFFSET, WINDOW)
+    # Query i of the tile's document stands at position pos0 + i.
+    n_lo, n_hi = _visible_key_range(tile * BLOCK_M + pos0, BLOCK_M, num_q + pos0, num_k, KEY_STRIDE, KEY_OFFSET,
+                                    WINDOW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -85,7 +88,7 @@ def _interval_attn_fwd_kernel(
         k = load_rows(k_base, offs_n.to(tl.int64), skt, offs_d, kv_mask)
         v = load_rows(v_base, offs_n.to(tl.int64), svt, offs_d, kv_mask)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        seen = _visible(offs_m, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
+        seen = _visible(offs_m + pos0, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, tl.where(seen, s, float("-inf")), v, PRECISION)
 
     o, lse2 = softmax_result(m_i, l_i, acc)
@@ -96,14 +99,14 @@ def _interval_attn_fwd_kernel(
 
 @triton.jit
 def _interval_attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ, TILES, Q_STARTS, K_STARTS,
+    Q, K, V, DO, LSE2, DELTA, DQ, TILES, Q_STARTS, K_STARTS, Q_POS0,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh,
     T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
-    tile, pid_bh, q0, num_q, k0, num_k = document_tile(TILES, Q_STARTS, K_STARTS, NUM_TILES, tl.cdiv(T, BLOCK_M),
-                                                       T, NK, PACKED)
+    tile, pid_bh, q0, num_q, k0, num_k, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
+                                                             tl.cdiv(T, BLOCK_M), T, NK, PACKED)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     hk = (h // G).to(tl.int64)
@@ -120,7 +123,9 @@ def _interval_attn_bwd_dq_kernel(
     lse2 = tl.load(LSE2 + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=0.0)
 
-    n_lo, n_hi = _visible_key_range(tile * BLOCK_M, BLOCK_M, num_q, num_k, KEY_STRIDE, KEY_OFFSET, WINDOW)
+    # Query i of the tile's document stands at position pos0 + i.
+    n_lo, n_hi = _visible_key_range(tile * BLOCK_M + pos0, BLOCK_M, num_q + pos0, num_k, KEY_STRIDE, KEY_OFFSET,
+                                    WINDOW)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + b * skb + hk * skh + k0 * skt
@@ -131,7 +136,7 @@ def _interval_attn_bwd_dq_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = load_rows(k_base, offs_n.to(tl.int64), skt, offs_d, kv_mask)
         v = load_rows(v_base, offs_n.to(tl.int64), svt, offs_d, kv_mask)
-        seen = _visible(offs_m, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
+        seen = _visible(offs_m + pos0, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
         _, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
@@ -141,7 +146,7 @@ def _interval_attn_bwd_dq_kernel(
 
 @triton.jit
 def _interval_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, TILES, Q_STARTS, K_STARTS,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, TILES, Q_STARTS, K_STARTS, Q_POS0,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
     sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
     T, NK, H, G, HO, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
@@ -152,8 +157,8 @@ def _interval_attn_bwd_dkdv_kernel(
     # query heads itself) or H (one query head each; the caller sums groups in a fixed order).
     # Either way no two programs write the same element: deterministic, no atomics.
     # A tile of one document's keys (the tile table runs over keys here).
-    tile, pid_bh, q0, num_q, k0, num_k = document_tile(TILES, Q_STARTS, K_STARTS, NUM_TILES, tl.cdiv(NK, BLOCK_N),
-                                                       T, NK, PACKED)
+    tile, pid_bh, q0, num_q, k0, num_k, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
+                                                             tl.cdiv(NK, BLOCK_N), T, NK, PACKED)
     b = (pid_bh // HO).to(tl.int64)
     ho = pid_bh % HO
     heads_per_program = H // HO
@@ -169,10 +174,12 @@ def _interval_attn_bwd_dkdv_kernel(
     k = load_rows(K + b * skb + hk * skh + k0 * skt, keys, skt, offs_d, kv_mask)
     v = load_rows(V + b * svb + hk * svh + k0 * svt, keys, svt, offs_d, kv_mask)
 
-    # Queries that see any key of the tile: t in [kpos(first), kpos(last) + window).
+    # Queries that see any key of the tile stand at positions [kpos(first), kpos(last) + window);
+    # query i of the document at pos0 + i.
     n_last = tl.minimum(tile * BLOCK_N + BLOCK_N, num_k) - 1
-    t_lo = tl.minimum(tile * BLOCK_N * KEY_STRIDE + KEY_OFFSET, num_q)
-    t_hi = tl.minimum(n_last * KEY_STRIDE + KEY_OFFSET + tl.minimum(WINDOW, num_q), num_q)
+    t_lo = tl.minimum(tl.maximum(tile * BLOCK_N * KEY_STRIDE + KEY_OFFSET - pos0, 0), num_q)
+    t_hi = tl.minimum(tl.maximum(n_last * KEY_STRIDE + KEY_OFFSET + tl.minimum(WINDOW, num_q + pos0) - pos0, 0),
+                      num_q)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -187,7 +194,7 @@ def _interval_attn_bwd_dkdv_kernel(
             do = load_rows(DO + b * sdob + h64 * sdoh + q0 * sdot, rows, sdot, offs_d, row_mask)
             lse2 = tl.load(LSE2 + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=float("inf"))
             delta = tl.load(DELTA + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=0.0)
-            seen = _visible(offs_m, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :] & m_ok[:, None]
+            seen = _visible(offs_m + pos0, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :] & m_ok[:, None]
             p, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
@@ -207,16 +214,23 @@ def _nonempty(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return stand_in, stand_in
 
 
-def _effective_window(window: int, num_queries: int) -> int:
-    """0 means unbounded; any window past T + 1 hides nothing, and a small one avoids int overflow."""
+UNBOUNDED = 2**30  # a window no position reaches past, with room below 2**31 for the kernels' sums
+
+
+def _effective_window(window: int, num_queries: int, query_offsets: bool) -> int:
+    """0 means unbounded; any window past T + 1 hides nothing, and a small one avoids int overflow.
+    With query offsets positions run past the query count, so unbounded stays UNBOUNDED."""
+    if query_offsets:
+        return window if 0 < window < UNBOUNDED else UNBOUNDED
     return num_queries + 1 if window <= 0 or window > num_queries else window
 
 
 def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_stride: int, key_offset: int,
-                           window: int, sm_scale: float,
-                           cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           window: int, sm_scale: float, cu_seqlens: torch.Tensor | None = None,
+                           cu_seqlens_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, T, H, D] in q's dtype, lse2 [B, H, T] fp32) of the interval-masked attention; with
-    cu_seqlens (B = 1), of each packed document on its own."""
+    cu_seqlens (B = 1), of each packed document on its own; with cu_seqlens_q too, each document's
+    queries are its last ones."""
     B, T, H, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -225,13 +239,14 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
         return o, lse2
     k, v = _nonempty(k, v)
     block_m, block_n, warps, stages = tile_configs.tiles("interval_fwd", head_block(D), q.element_size())
-    docs = DocumentTables(cu_seqlens, key_stride, key_offset)
+    docs = DocumentTables(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
     *tables, num_tiles = docs.tiles(block_m, T)
     _interval_attn_fwd_kernel[flat_grid(num_tiles or cdiv(T, block_m), B * H)](
         q, k, v, o, lse2, *tables,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        T, NK, H, H // Hkv, num_tiles, key_stride, key_offset, _effective_window(window, T), sm_scale * LOG2E,
+        T, NK, H, H // Hkv, num_tiles, key_stride, key_offset, _effective_window(window, T, cu_seqlens_q is not None),
+        sm_scale * LOG2E,
         D=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
         PACKED=docs.packed, num_warps=warps, num_stages=stages,
     )
@@ -240,7 +255,7 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
 
 def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                            lse2: torch.Tensor, key_stride: int, key_offset: int, window: int, sm_scale: float,
-                           cu_seqlens: torch.Tensor | None = None,
+                           cu_seqlens: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                            per_head: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v). `per_head` forces how dK/dV work is split (one
     program per query head, or per KV group); by default it follows the amount of parallelism."""
@@ -254,8 +269,8 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         return dq.zero_(), dk, dv
     delta = softmax_delta(do, o)  # [B, H, T]
     k, v = _nonempty(k, v)
-    window = _effective_window(window, T)
-    docs = DocumentTables(cu_seqlens, key_stride, key_offset)
+    window = _effective_window(window, T, cu_seqlens_q is not None)
+    docs = DocumentTables(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
     common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype), PACKED=docs.packed)
 
     block_m, block_n, warps, stages = tile_configs.tiles("interval_dq", head_block(D), q.element_size())

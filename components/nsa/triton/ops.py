@@ -12,6 +12,7 @@ allocated and contiguous, matching the fake kernels.
 and the two backward ops. lse2 outputs carry no gradient. cu_seqlens (optional, B = 1): packed
 documents, each computed on its own (NSA_SPEC.md section 4); the ops derive their tables from it
 on the device, so its values never enter the graph and moving boundaries recompile nothing.
+cu_seqlens_q (optional, with cu_seqlens): each document's queries are its last ones (context parallelism).
 """
 
 from __future__ import annotations
@@ -42,42 +43,45 @@ def _lse_like(q: Tensor) -> Tensor:
 
 @torch.library.custom_op("nsa_triton::interval_attention", mutates_args=())
 def interval_attention(q: Tensor, k: Tensor, v: Tensor, key_stride: int, key_offset: int, window: int,
-                       sm_scale: float, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       sm_scale: float, cu_seqlens: Optional[Tensor] = None,
+                       cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     q, k, v = _dense(q, k, v)
-    return interval_attention_fwd(q, k, v, key_stride, key_offset, window, sm_scale, cu_seqlens)
+    return interval_attention_fwd(q, k, v, key_stride, key_offset, window, sm_scale, cu_seqlens, cu_seqlens_q)
 
 
 @interval_attention.register_fake
-def _interval_attention_fake(q, k, v, key_stride, key_offset, window, sm_scale, cu_seqlens=None):
+def _interval_attention_fake(q, k, v, key_stride, key_offset, window, sm_scale, cu_seqlens=None, cu_seqlens_q=None):
     return q.new_empty(q.shape), _lse_like(q)
 
 
 @torch.library.custom_op("nsa_triton::interval_attention_backward", mutates_args=())
 def interval_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse2: Tensor,
                                 key_stride: int, key_offset: int, window: int, sm_scale: float,
-                                cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                                cu_seqlens: Optional[Tensor] = None,
+                                cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     do, q, k, v, o = _dense(do, q, k, v, o)
-    return interval_attention_bwd(do, q, k, v, o, lse2, key_stride, key_offset, window, sm_scale, cu_seqlens)
+    return interval_attention_bwd(do, q, k, v, o, lse2, key_stride, key_offset, window, sm_scale, cu_seqlens,
+                                  cu_seqlens_q)
 
 
 @interval_attention_backward.register_fake
 def _interval_attention_backward_fake(do, q, k, v, o, lse2, key_stride, key_offset, window, sm_scale,
-                                      cu_seqlens=None):
+                                      cu_seqlens=None, cu_seqlens_q=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _interval_setup(ctx, inputs, output):
-    q, k, v, key_stride, key_offset, window, sm_scale, cu_seqlens = inputs
+    q, k, v, key_stride, key_offset, window, sm_scale, cu_seqlens, cu_seqlens_q = inputs
     o, lse2 = output
-    ctx.save_for_backward(q, k, v, o, lse2, cu_seqlens)
+    ctx.save_for_backward(q, k, v, o, lse2, cu_seqlens, cu_seqlens_q)
     ctx.mask = (key_stride, key_offset, window, sm_scale)
     ctx.mark_non_differentiable(lse2)
 
 
 def _interval_backward(ctx, do, _dlse2):
-    q, k, v, o, lse2, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = interval_attention_backward(do, q, k, v, o, lse2, *ctx.mask, cu_seqlens)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, o, lse2, cu_seqlens, cu_seqlens_q = ctx.saved_tensors
+    dq, dk, dv = interval_attention_backward(do, q, k, v, o, lse2, *ctx.mask, cu_seqlens, cu_seqlens_q)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 interval_attention.register_autograd(_interval_backward, setup_context=_interval_setup)
@@ -88,16 +92,16 @@ interval_attention.register_autograd(_interval_backward, setup_context=_interval
 @torch.library.custom_op("nsa_triton::select_blocks", mutates_args=())
 def select_blocks(q: Tensor, k_cmp: Tensor, lse2_cmp: Tensor, block_size: int, block_stride: int,
                   sel_block_size: int, num_selected: int, sm_scale: float,
-                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None) -> Tensor:
     q, k_cmp = _dense(q, k_cmp)
     return select_blocks_kernel(q, k_cmp, lse2_cmp.contiguous(), block_size=block_size, block_stride=block_stride,
                                 sel_block_size=sel_block_size, num_selected=num_selected, sm_scale=sm_scale,
-                                cu_seqlens=cu_seqlens)
+                                cu_seqlens=cu_seqlens, cu_seqlens_q=cu_seqlens_q)
 
 
 @select_blocks.register_fake
 def _select_blocks_fake(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_size, num_selected, sm_scale,
-                        cu_seqlens=None):
+                        cu_seqlens=None, cu_seqlens_q=None):
     B, T = q.shape[0], q.shape[1]
     return q.new_empty((B, T, k_cmp.shape[2], num_selected), dtype=torch.int64)
 
@@ -106,41 +110,45 @@ def _select_blocks_fake(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_
 
 @torch.library.custom_op("nsa_triton::selected_attention", mutates_args=())
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel_idx: Tensor, sel_block_size: int,
-                       sm_scale: float, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       sm_scale: float, cu_seqlens: Optional[Tensor] = None,
+                       cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     q, k, v = _dense(q, k, v)
-    return selected_attention_fwd(q, k, v, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens)
+    return selected_attention_fwd(q, k, v, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q)
 
 
 @selected_attention.register_fake
-def _selected_attention_fake(q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens=None):
+def _selected_attention_fake(q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens=None, cu_seqlens_q=None):
     return q.new_empty(q.shape), _lse_like(q)
 
 
 @torch.library.custom_op("nsa_triton::selected_attention_backward", mutates_args=())
 def selected_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse2: Tensor,
                                 sel_idx: Tensor, sel_block_size: int, sm_scale: float,
-                                cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                                cu_seqlens: Optional[Tensor] = None,
+                                cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     do, q, k, v, o = _dense(do, q, k, v, o)
-    return selected_attention_bwd(do, q, k, v, o, lse2, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens)
+    return selected_attention_bwd(do, q, k, v, o, lse2, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens,
+                                  cu_seqlens_q)
 
 
 @selected_attention_backward.register_fake
-def _selected_attention_backward_fake(do, q, k, v, o, lse2, sel_idx, sel_block_size, sm_scale, cu_seqlens=None):
+def _selected_attention_backward_fake(do, q, k, v, o, lse2, sel_idx, sel_block_size, sm_scale, cu_seqlens=None,
+                                      cu_seqlens_q=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _selected_setup(ctx, inputs, output):
-    q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens = inputs
+    q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q = inputs
     o, lse2 = output
-    ctx.save_for_backward(q, k, v, o, lse2, sel_idx, cu_seqlens)
+    ctx.save_for_backward(q, k, v, o, lse2, sel_idx, cu_seqlens, cu_seqlens_q)
     ctx.params = (sel_block_size, sm_scale)
     ctx.mark_non_differentiable(lse2)
 
 
 def _selected_backward(ctx, do, _dlse2):
-    q, k, v, o, lse2, sel_idx, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = selected_attention_backward(do, q, k, v, o, lse2, sel_idx, *ctx.params, cu_seqlens)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, o, lse2, sel_idx, cu_seqlens, cu_seqlens_q = ctx.saved_tensors
+    dq, dk, dv = selected_attention_backward(do, q, k, v, o, lse2, sel_idx, *ctx.params, cu_seqlens, cu_seqlens_q)
+    return dq, dk, dv, None, None, None, None, None
 
 
 selected_attention.register_autograd(_selected_backward, setup_context=_selected_setup)

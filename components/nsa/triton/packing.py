@@ -10,6 +10,10 @@ fall on an empty document appended after the last one, and do nothing.
 
     starts [N + 2]      where each document's items begin, then the end twice (the empty document)
     tile table [2, M]   row 0: the document of each of the M programs; row 1: its tile within it
+
+Query offsets (cu_seqlens_q, context parallelism): a document then has fewer queries than keys, its
+last ones; queries and keys have their own starts, and q_pos0 [N + 2] holds each document's first
+query position (its key count minus its query count; 0 without offsets and for the empty document).
 """
 
 from __future__ import annotations
@@ -68,6 +72,24 @@ def token_starts(starts: Tensor, num_tokens: int) -> Tensor:
     return starts[token_documents(starts, num_tokens)]
 
 
+def query_positions_zero(cu_seqlens: Tensor, cu_seqlens_q: Tensor | None) -> Tensor:
+    """int32 [N + 2]: each document's first query position (0 without query offsets), then 0 twice."""
+    keys = cu_seqlens[1:] - cu_seqlens[:-1]
+    first = keys - (cu_seqlens_q[1:] - cu_seqlens_q[:-1]) if cu_seqlens_q is not None else torch.zeros_like(keys)
+    return torch.cat([first, first.new_zeros(2)]).to(torch.int32)
+
+
+def query_token_table(cu_seqlens: Tensor, cu_seqlens_q: Tensor | None, num_queries: int) -> Tensor:
+    """int32 [2, Tq] for the selected branch, which works query by query: row 0, where query t's
+    document starts among the keys; row 1, the shift that makes t - shift the query's position in its
+    document. Without query offsets both are the document's start."""
+    q_starts = document_starts(cu_seqlens if cu_seqlens_q is None else cu_seqlens_q)
+    docs = token_documents(q_starts, num_queries)
+    k_starts = document_starts(cu_seqlens)
+    shift = q_starts - query_positions_zero(cu_seqlens, cu_seqlens_q)
+    return torch.stack([k_starts[docs], shift[docs]]).to(torch.int32)
+
+
 class SelectionBlocks(NamedTuple):
     """Selection blocks of a packed row, numbered document after document (the unit of the
     selected branch's dK/dV): block j of document k has the number first_block[k] + j."""
@@ -76,27 +98,36 @@ class SelectionBlocks(NamedTuple):
     token_first: Tensor  # int64 [T]: the number of block 0 of each token's document
 
 
-def selection_blocks(starts: Tensor, sel_block_size: int, num_tokens: int) -> SelectionBlocks:
+def selection_blocks(starts: Tensor, sel_block_size: int, num_tokens: int, query_starts: Tensor | None = None,
+                     num_queries: int | None = None) -> SelectionBlocks:
+    """The blocks of the documents' keys (starts over num_tokens tokens); token_first is per query, of
+    query_starts over num_queries queries when the queries are not the keys (query offsets)."""
     tiles = _tiles_per_document(starts, sel_block_size)
     first = torch.cumsum(tiles, 0) - tiles
-    return SelectionBlocks(tile_table(starts, sel_block_size, num_tokens), first[token_documents(starts, num_tokens)])
+    if query_starts is None:
+        query_starts, num_queries = starts, num_tokens
+    return SelectionBlocks(tile_table(starts, sel_block_size, num_tokens),
+                           first[token_documents(query_starts, num_queries)])
 
 
 class DocumentTables:
     """The packed documents of one launcher call as kernel arguments: the documents' query starts,
-    their key starts (keys at i * key_stride + key_offset, as key_starts), and per launch a tile
-    table over queries or keys. Without cu_seqlens the row is one document and the kernels get no
-    tables (PACKED false: nothing extra is loaded)."""
+    their key starts (keys at i * key_stride + key_offset, as key_starts), their first query
+    positions, and per launch a tile table over queries or keys. Without cu_seqlens the row is one
+    document and the kernels get no tables (PACKED false: nothing extra is loaded)."""
 
-    def __init__(self, cu_seqlens: Tensor | None, key_stride: int, key_offset: int):
+    def __init__(self, cu_seqlens: Tensor | None, key_stride: int, key_offset: int,
+                 cu_seqlens_q: Tensor | None = None):
         self.packed = cu_seqlens is not None
-        self.q_starts = document_starts(cu_seqlens) if self.packed else None
+        queries = cu_seqlens if cu_seqlens_q is None else cu_seqlens_q
+        self.q_starts = document_starts(queries) if self.packed else None
         self.k_starts = key_starts(cu_seqlens, key_stride, key_offset) if self.packed else None
+        self.q_pos0 = query_positions_zero(cu_seqlens, cu_seqlens_q) if self.packed else None
 
     def tiles(self, block: int, total: int, over_keys: bool = False) -> tuple:
-        """(tile table, query starts, key starts, tiles in the table) for tiles of `block` queries
-        (or keys) out of `total`; all None without packing."""
+        """(tile table, query starts, key starts, first query positions, tiles in the table) for tiles
+        of `block` queries (or keys) out of `total`; all None without packing."""
         if not self.packed:
-            return None, None, None, None
+            return None, None, None, None, None
         table = tile_table(self.k_starts if over_keys else self.q_starts, block, total)
-        return table, self.q_starts, self.k_starts, table.shape[1]
+        return table, self.q_starts, self.k_starts, self.q_pos0, table.shape[1]

@@ -24,14 +24,14 @@ import triton.language as tl
 from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
 from components.nsa.triton.packing import document_starts, selection_blocks
-from components.nsa.triton.selected_attention_fwd import key_tile, query_document_starts
+from components.nsa.triton.selected_attention_fwd import key_tile, query_documents
 from components.nsa.triton.softmax_delta import softmax_delta
 from components.nsa.triton.tiles import grid_position, load_rows, softmax_grads, token_in_document
 
 
 @triton.jit
 def _selected_attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, IDX, DQ, TOKEN_STARTS,
+    Q, K, V, DO, LSE2, DELTA, IDX, DQ, TOKEN_TABLE,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sib, sit, sih, sdqb, sdqt, sdqh,
     T, H, HKV, G, NUM_SEL, SEL_BLOCK, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -41,7 +41,7 @@ def _selected_attn_bwd_dq_kernel(
     b = (pid_bh // HKV).to(tl.int64)
     hk = pid_bh % HKV
     t64 = t.to(tl.int64)
-    doc0, t_doc = token_in_document(TOKEN_STARTS, t, PACKED)  # key rows: doc0 + position in the document
+    doc0, t_doc = token_in_document(TOKEN_TABLE, t, T, PACKED)  # key rows: doc0 + position in the document
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -90,6 +90,7 @@ def _key_block_span(BLOCKS, STARTS, blk, NUM_BLOCKS, SEL_BLOCK, T, PACKED: tl.co
 @triton.jit
 def _selected_attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, QUERY_LIST, LIST_START, ITEM_BIN, ITEM_START, PART_DK, PART_DV, BLOCKS, STARTS,
+    TOKEN_TABLE,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
     T, H, HKV, G, NUM_BINS, NUM_SEL_BLOCKS, SEL_BLOCK, SEGMENT, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, QUERIES: tl.constexpr,
@@ -136,7 +137,9 @@ def _selected_attn_bwd_dkdv_kernel(
             do = tl.load(do_ptrs, mask=row_mask, other=0.0)
             lse2 = tl.load(LSE2 + (b * H + heads) * T + t, mask=r_ok, other=float("inf"))
             delta = tl.load(DELTA + (b * H + heads) * T + t, mask=r_ok, other=0.0)
-            seen = r_ok[:, None] & k_ok[None, :] & (pos.to(tl.int64)[None, :] <= t[:, None])
+            # Query t stands at key row t_key of its document (t itself without query offsets).
+            key_start, t_pos = token_in_document(TOKEN_TABLE, t, T, PACKED)
+            seen = r_ok[:, None] & k_ok[None, :] & (pos.to(tl.int64)[None, :] <= (key_start + t_pos)[:, None])
             p, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
@@ -215,7 +218,7 @@ def invert_selection(sel_idx: torch.Tensor, num_sel_blocks: int, segment: int,
 
 def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                            lse2: torch.Tensor, sel_idx: torch.Tensor, sel_block_size: int, sm_scale: float,
-                           cu_seqlens: torch.Tensor | None = None,
+                           cu_seqlens: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                            segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v); with cu_seqlens (B = 1) sel_idx counts blocks from
     each query's document start. `segment` (queries per dK/dV work item) only changes the work
@@ -237,8 +240,9 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     sub_blocks = cdiv(sel_block_size, block_k)
 
     packed = cu_seqlens is not None
+    token_table = query_documents(cu_seqlens, cu_seqlens_q, T)
     _selected_attn_bwd_dq_kernel[flat_grid(T, B * HKV)](
-        q, k, v, do, lse2, delta, sel_idx, dq, query_document_starts(cu_seqlens, T),
+        q, k, v, do, lse2, delta, sel_idx, dq, token_table,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         sel_idx.stride(0), sel_idx.stride(1), sel_idx.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
@@ -249,7 +253,8 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
     if packed:  # key blocks numbered document after document
         starts = document_starts(cu_seqlens)
-        blocks, token_first_block = selection_blocks(starts, sel_block_size, T)
+        query_starts = starts if cu_seqlens_q is None else document_starts(cu_seqlens_q)
+        blocks, token_first_block = selection_blocks(starts, sel_block_size, k.shape[1], query_starts, T)
         num_sel_blocks = blocks.shape[1]
     else:
         starts = blocks = token_first_block = None
@@ -271,7 +276,7 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     part_dv = torch.empty(part_shape, device=q.device, dtype=torch.float32)
     _selected_attn_bwd_dkdv_kernel[(max_items, sub_blocks)](
         q, k, v, do, lse2, delta, query_list, list_start, item_bin, item_start, part_dk, part_dv, blocks, starts,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        token_table, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         T, H, HKV, G, B * HKV * num_sel_blocks, num_sel_blocks, sel_block_size, segment, sm_scale * LOG2E, sm_scale,
         D=D, BLOCK_D=block_d, BLOCK_G=block_g, QUERIES=queries, BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,

@@ -16,14 +16,14 @@ import triton.language as tl
 
 from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
-from components.nsa.triton.packing import document_starts, token_starts
+from components.nsa.triton.packing import query_token_table
 from components.nsa.triton.tiles import (grid_position, load_rows, online_softmax_step, softmax_result,
                                          token_in_document)
 
 
 @triton.jit
 def _selected_attn_fwd_kernel(
-    Q, K, V, IDX, O, LSE2, TOKEN_STARTS,
+    Q, K, V, IDX, O, LSE2, TOKEN_TABLE,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sib, sit, sih, sob, sot, soh,
     T, H, HKV, G, NUM_SEL, SEL_BLOCK, qk_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -33,7 +33,7 @@ def _selected_attn_fwd_kernel(
     b = (pid_bh // HKV).to(tl.int64)
     hk = pid_bh % HKV
     t64 = t.to(tl.int64)
-    doc0, t_doc = token_in_document(TOKEN_STARTS, t, PACKED)  # key rows: doc0 + position in the document
+    doc0, t_doc = token_in_document(TOKEN_TABLE, t, T, PACKED)  # key rows: doc0 + position in the document
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -73,16 +73,18 @@ def key_tile(sel_block_size: int, cap: int) -> int:
     return max(16, min(cap, next_pow2(sel_block_size)))
 
 
-def query_document_starts(cu_seqlens: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
-    """The kernels' TOKEN_STARTS: each query's document start, or None for one unpacked row."""
-    return None if cu_seqlens is None else token_starts(document_starts(cu_seqlens), num_tokens)
+def query_documents(cu_seqlens: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                    num_queries: int) -> torch.Tensor | None:
+    """The kernels' TOKEN_TABLE (packing.query_token_table), or None for one unpacked row."""
+    return None if cu_seqlens is None else query_token_table(cu_seqlens, cu_seqlens_q, num_queries)
 
 
 def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel_idx: torch.Tensor,
-                           sel_block_size: int, sm_scale: float,
-                           cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           sel_block_size: int, sm_scale: float, cu_seqlens: torch.Tensor | None = None,
+                           cu_seqlens_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, T, H, D] in q's dtype, lse2 [B, H, T] fp32) for the selection sel_idx [B, T, Hkv, n];
-    with cu_seqlens (B = 1) its block numbers count from each query's document start."""
+    with cu_seqlens (B = 1) its block numbers count from each query's document start (and with
+    cu_seqlens_q each document's queries are its last ones)."""
     B, T, H, D = q.shape
     HKV = k.shape[2]
     G = H // HKV
@@ -94,7 +96,7 @@ def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     tiles = tile_configs.tiles("selected_fwd", head_block(D), q.element_size())
     block_k = key_tile(sel_block_size, tiles.keys)
     _selected_attn_fwd_kernel[flat_grid(T, B * HKV)](
-        q, k, v, sel_idx, o, lse2, query_document_starts(cu_seqlens, T),
+        q, k, v, sel_idx, o, lse2, query_documents(cu_seqlens, cu_seqlens_q, T),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), sel_idx.stride(0), sel_idx.stride(1), sel_idx.stride(2),
         o.stride(0), o.stride(1), o.stride(2),

@@ -11,7 +11,8 @@ largest patterns (+inf, then the largest finite floats) in their priority order,
 key -1.
 
 Packed documents (cu_seqlens, B = 1): a tile holds queries of one document only (packing.py) and
-sees that document's compressed blocks, so its block numbers count from the document start.
+sees that document's compressed blocks, so its block numbers count from the document start. With
+query offsets (cu_seqlens_q) the tile's queries stand at positions pos0 + i of their document.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from components.nsa.triton.tiles import document_tile
 
 @triton.jit
 def _select_blocks_kernel(
-    Q, KC, LSE2, OUT, TILES, Q_STARTS, K_STARTS,
+    Q, KC, LSE2, OUT, TILES, Q_STARTS, K_STARTS, Q_POS0,
     sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
     T, TC, H, HKV, G, NUM_TILES, qk_scale,
     CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, NUM_SEL, CHUNK_SEL,
@@ -37,8 +38,9 @@ def _select_blocks_kernel(
     TOP_PAD: tl.constexpr, TOP_LOG: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
     # Positions below are within the tile's document: q0 / c0 rows into the row's queries / blocks.
-    tile, pid_bh, q0, num_q, c0, num_c = document_tile(TILES, Q_STARTS, K_STARTS, NUM_TILES, tl.cdiv(T, BLOCK_T),
-                                                       T, TC, PACKED)
+    # Query i of the tile's document stands at position pos0 + i (pos0 = 0 without query offsets).
+    tile, pid_bh, q0, num_q, c0, num_c, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
+                                                             tl.cdiv(T, BLOCK_T), T, TC, PACKED)
     b = (pid_bh // HKV).to(tl.int64)
     hk = pid_bh % HKV
 
@@ -46,10 +48,11 @@ def _select_blocks_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < num_q
     d_ok = offs_d < D
-    current = offs_t // SEL_BLOCK
+    pos_t = offs_t + pos0
+    current = pos_t // SEL_BLOCK
     cols = tl.arange(0, TOP_PAD)
     t_last = tl.minimum(tile * BLOCK_T + BLOCK_T, num_q) - 1
-    num_valid = t_last // SEL_BLOCK + 1  # blocks 0 .. current of the tile's last query
+    num_valid = (t_last + pos0) // SEL_BLOCK + 1  # blocks 0 .. current of the tile's last query
     if PACKED:  # a spare program has no query (t_last = -1): no block to walk
         num_valid = tl.where(t_last >= 0, num_valid, 0)
 
@@ -62,7 +65,7 @@ def _select_blocks_kernel(
         c_ok = offs_c < num_c
         kc = tl.load(KC + b * skb + hk.to(tl.int64) * skh + (c0 + offs_c.to(tl.int64))[:, None] * skt
                      + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-        seen = ((offs_c * CMP_STRIDE + CMP_BLOCK - 1)[None, :] <= offs_t[:, None]) & c_ok[None, :]
+        seen = ((offs_c * CMP_STRIDE + CMP_BLOCK - 1)[None, :] <= pos_t[:, None]) & c_ok[None, :]
 
         p_group = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for g in range(G):
@@ -124,9 +127,11 @@ def _chunk_sizes(block_size: int, block_stride: int, sel_block_size: int, num_se
 
 def select_blocks_kernel(q: torch.Tensor, k_cmp: torch.Tensor, lse2_cmp: torch.Tensor, *, block_size: int,
                          block_stride: int, sel_block_size: int, num_selected: int, sm_scale: float,
-                         cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                         cu_seqlens: torch.Tensor | None = None,
+                         cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
     """LongTensor [B, T, Hkv, n] from q [B, T, H, D], k_cmp [B, Tc, Hkv, D] and the compressed
-    branch's lse2 [B, H, T]; with cu_seqlens (B = 1), each packed document's own selection."""
+    branch's lse2 [B, H, T]; with cu_seqlens (B = 1), each packed document's own selection (and with
+    cu_seqlens_q, for each document's last queries)."""
     B, T, H, D = q.shape
     TC, HKV = k_cmp.shape[1], k_cmp.shape[2]
     out = torch.empty(B, T, HKV, num_selected, device=q.device, dtype=torch.int64)
@@ -136,7 +141,7 @@ def select_blocks_kernel(q: torch.Tensor, k_cmp: torch.Tensor, lse2_cmp: torch.T
         k_cmp = q.new_zeros(B, 1, HKV, D)  # every load is masked off; the kernel only needs an address
     top_pad, block_c, chunk = _chunk_sizes(block_size, block_stride, sel_block_size, num_selected)
     tiles = tile_configs.tiles("selection", head_block(D), q.element_size())
-    *tables, num_tiles = DocumentTables(cu_seqlens, block_stride, block_size - 1).tiles(tiles.rows, T)
+    *tables, num_tiles = DocumentTables(cu_seqlens, block_stride, block_size - 1, cu_seqlens_q).tiles(tiles.rows, T)
     _select_blocks_kernel[flat_grid(num_tiles or cdiv(T, tiles.rows), B * HKV)](
         q, k_cmp, lse2_cmp, out, *tables,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),

@@ -58,30 +58,32 @@ def softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION: tl.conste
 
 
 @triton.jit
-def document_tile(TILES, Q_STARTS, K_STARTS, NUM_TILES, row_tiles, T, NK, PACKED: tl.constexpr):
-    """(tile, row, q0, num_q, k0, num_k) of this program: its tile within its document and its row
-    (batch x heads) as grid_position gives them, where the document's queries start (int64) and
-    how many there are, the same for its keys. With PACKED the launch runs over a tile table
-    (packing.py) of NUM_TILES programs per row; without, the row is one document of T queries and
-    NK keys in row_tiles tiles, and nothing is loaded (NUM_TILES is then None: an unused argument
-    would still change the compiled kernel)."""
+def document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES, row_tiles, T, NK, PACKED: tl.constexpr):
+    """(tile, row, q0, num_q, k0, num_k, pos0) of this program: its tile within its document and its
+    row (batch x heads) as grid_position gives them, where the document's queries start (int64) and
+    how many there are, the same for its keys, and the position of its first query (nonzero only
+    with query offsets: query i of the document stands at pos0 + i). With PACKED the launch runs over
+    a tile table (packing.py) of NUM_TILES programs per row; without, the row is one document of T
+    queries and NK keys in row_tiles tiles, and nothing is loaded (NUM_TILES is then None: an unused
+    argument would still change the compiled kernel)."""
     if PACKED:
         pid, row = grid_position(NUM_TILES)
         doc = tl.load(TILES + pid)
         q0 = tl.load(Q_STARTS + doc)
         k0 = tl.load(K_STARTS + doc)
         return (tl.load(TILES + NUM_TILES + pid), row, q0.to(tl.int64), tl.load(Q_STARTS + doc + 1) - q0,
-                k0.to(tl.int64), tl.load(K_STARTS + doc + 1) - k0)
+                k0.to(tl.int64), tl.load(K_STARTS + doc + 1) - k0, tl.load(Q_POS0 + doc))
     else:
         pid, row = grid_position(row_tiles)
-        return pid, row, 0, T, 0, NK
+        return pid, row, 0, T, 0, NK, 0
 
 
 @triton.jit
-def token_in_document(TOKEN_STARTS, t, PACKED: tl.constexpr):
-    """(where query t's document starts, as int64; t's position in it). Without PACKED: (0, t)."""
+def token_in_document(TOKEN_TABLE, t, T, PACKED: tl.constexpr):
+    """(where query t's document starts among the keys, as int64; t's position in its document), from
+    packing.query_token_table [2, T]. Without PACKED: (0, t)."""
     if PACKED:
-        start = tl.load(TOKEN_STARTS + t)
-        return start.to(tl.int64), t - start
+        start = tl.load(TOKEN_TABLE + t)
+        return start.to(tl.int64), t - tl.load(TOKEN_TABLE + T + t)
     else:
         return 0, t
