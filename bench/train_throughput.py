@@ -39,6 +39,22 @@ def write_standin_bpe(path: str, vocab_size: int) -> None:
         fh.writelines(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens))
 
 
+def synthetic_run_argv(recipe_path: str, seq_len: int, steps: int, local_batch: int, vocab_size: int, dump: str,
+                       extra: list[str]) -> list[str]:
+    """The recipe as a benchmark runs it: synthetic data over a stand-in vocabulary (written into
+    dump), one data rank's batch of local_batch rows a step, nothing saved, every step logged."""
+    bpe = os.path.join(dump, "standin.tiktoken")
+    write_standin_bpe(bpe, vocab_size)
+    return [recipe_path, f"--training.seq_len={seq_len}", f"--model.max_seq_len={max(seq_len, 2048)}",
+            f"--training.steps={steps}", f"--training.local_batch_size={local_batch}",
+            f"--training.global_batch_size={local_batch}", "--data.source=synthetic",
+            "--data.tokenizer=tiktoken", f"--data.tiktoken.encoding={bpe}",
+            f"--data.synthetic.vocab_size={vocab_size - 1}",
+            "--data.num_workers=2", "--checkpoint.enable=false", "--validation.enable=false",
+            "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--metrics.telemetry_freq=0",
+            "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={dump}", *extra]
+
+
 def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batch: int, vocab_size: int,
              extra: list[str]) -> dict:
     from nsa_titan.config import resolve
@@ -46,17 +62,7 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
     from nsa_titan.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as dump:
-        bpe = os.path.join(dump, "standin.tiktoken")
-        write_standin_bpe(bpe, vocab_size)
-        argv = [recipe_path, f"--training.seq_len={seq_len}", f"--model.max_seq_len={max(seq_len, 2048)}",
-                f"--training.steps={steps}", f"--training.local_batch_size={local_batch}",
-                f"--training.global_batch_size={local_batch}", "--data.source=synthetic",
-                "--data.tokenizer=tiktoken", f"--data.tiktoken.encoding={bpe}",
-                f"--data.synthetic.vocab_size={vocab_size - 1}",
-                "--data.num_workers=2", "--checkpoint.enable=false", "--validation.enable=false",
-                "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--metrics.telemetry_freq=0",
-                "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={dump}", *extra]
-        resolved = resolve(argv)
+        resolved = resolve(synthetic_run_argv(recipe_path, seq_len, steps, local_batch, vocab_size, dump, extra))
         runtime = make_runtime(resolved.recipe.training.device, resolved.recipe.training.dtype)
         if runtime.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

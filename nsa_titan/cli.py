@@ -62,7 +62,7 @@ def train(argv: list[str]) -> int:
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer
 
-    from nsa_titan.parallel.distributed import destroy_process_group
+    from nsa_titan.parallel.distributed import barrier, destroy_process_group
     from nsa_titan.trainer import TrainingFault
 
     recipe = resolved.recipe
@@ -73,6 +73,7 @@ def train(argv: list[str]) -> int:
             trainer.run()
         finally:
             trainer.close()
+        barrier()  # a finished run: no rank tears the process group down while another still uses it
     except TrainingFault as fault:
         print(f"error: {fault}", file=sys.stderr, flush=True)
         return fault.exit_code

@@ -107,3 +107,22 @@ def test_packed_case_builds_inputs_the_op_accepts():
     xs = [x.detach() for x in nsa_inputs(args, 1200, torch.float32, device="cpu", lengths=lengths)]
     out = nsa_attention(*xs, **nsa_hyper(args), cu_seqlens=cu_seqlens_of(lengths, device="cpu"))
     assert out.shape == xs[0].shape and torch.isfinite(out).all()
+
+
+def test_context_parallel_bench_reports_every_rank_and_the_balance(tmp_path, monkeypatch):
+    """cp = 1 and 2 over gloo on the debug recipe: every rank's peak memory and step time, and the op
+    timed on each rank's queries for both splits. No timing is asserted."""
+    from bench import context_parallel
+
+    monkeypatch.setattr("bench.environment.results_path", lambda name: os.path.join(tmp_path, f"{name}.json"))
+    code = context_parallel.main(["--recipe", "recipes/debug.toml", "--seq-len", "128", "--cp", "1", "2",
+                                  "--steps", "2", "--repeats", "1", "--vocab-size", "1000", "--allow-cpu",
+                                  "--override=--model.nsa.window_size=16"])
+    assert code == 0
+    result = json.loads((tmp_path / "context_parallel.json").read_text())
+    runs = {run["cp"]: run for run in result["memory_and_time"]}
+    assert sorted(runs) == [1, 2] and all("error" not in run for run in runs.values()), runs
+    assert [r["rank"] for r in runs[2]["ranks"]] == [0, 1] and runs[2]["tokens_per_rank"] == 64
+    assert all(r["peak_memory_gib"] > 0 and len(r["step_seconds"]) == 2 for run in runs.values() for r in run["ranks"])
+    assert {(b["cp"], b["split"]) for b in result["balance"]} == {(2, "head-tail"), (2, "contiguous")}
+    assert all(len(b["rank_seconds"]) == 2 and b["imbalance"] >= 1 for b in result["balance"])

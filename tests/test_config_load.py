@@ -127,7 +127,9 @@ def test_help_lists_every_field(capsys):
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "recipes", "*.toml"))))
 def test_shipped_recipes_validate(path):
-    resolved = resolve([path])
+    # Every layout rule too, at the smallest world the recipe's context parallelism needs.
+    cp = resolve([path], world_size=None).recipe.parallelism.context_parallel_degree
+    resolved = resolve([path], world_size=cp)
     assert resolved.recipe.model.name == "transformer"
     assert resolved.recipe.model.args.document_masking  # every shipped recipe attends within documents
 

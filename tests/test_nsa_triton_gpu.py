@@ -286,3 +286,25 @@ def test_packed_documents_match_the_reference_document_by_document():
     names = ["dq", "dk_cmp", "dv_cmp", "dk_sel", "dv_sel", "dk_win", "dv_win", "dgates"]
     for i, name in enumerate(names):
         _assert_close(grads[i], torch.cat([r[i] for r in ref_grads], dim=1), name)
+
+
+def test_query_offsets_match_the_full_packed_op():
+    """Context parallelism's form (cu_seqlens_q): each document's last third of queries, as a cp
+    rank's chunk holds them, gives the full packed op's outputs and gradients at those positions."""
+    xs, cu_seqlens = _packed_row()
+    cu_seqlens = cu_seqlens.cuda()
+    ends = cu_seqlens[1:].tolist()
+    counts = [max(1, n // 3) for n in cu_seqlens.diff().tolist()]
+    keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, counts)]).cuda()
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], device="cuda")
+    full = nsa_attention(*xs, **HYPER, backend="triton", cu_seqlens=cu_seqlens)
+    grad_kept = torch.randn(1, len(keep), *full.shape[2:], device="cuda", dtype=torch.bfloat16)
+    expected = [full[:, keep], *torch.autograd.grad(full, xs, torch.zeros_like(full).index_copy(1, keep, grad_kept))]
+    queries = (0, 7)  # q and gates hold only the kept queries
+    leaves = [x.detach()[:, keep] if i in queries else x.detach() for i, x in enumerate(xs)]
+    leaves = [x.requires_grad_() for x in leaves]
+    out = nsa_attention(*leaves, **HYPER, backend="triton", cu_seqlens=cu_seqlens, cu_seqlens_q=cu_seqlens_q)
+    got = [out, *torch.autograd.grad(out, leaves, grad_kept)]
+    names = ["o", "dq", "dk_cmp", "dv_cmp", "dk_sel", "dv_sel", "dk_win", "dv_win", "dgates"]
+    for index, (name, mine, theirs) in enumerate(zip(names, got, expected)):
+        _assert_close(mine, theirs[:, keep] if index - 1 in queries else theirs, name)

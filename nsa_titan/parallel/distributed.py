@@ -41,10 +41,11 @@ def build_mesh(runtime: Runtime, replicate: int, shard: int, context: int = 1) -
         return None, None
     if context == 1:
         return init_device_mesh(runtime.device.type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD)), None
-    mesh = init_device_mesh(runtime.device.type, (replicate, shard, context),
-                            mesh_dim_names=(REPLICATE, "dp_shard_only", CONTEXT))
-    mesh["dp_shard_only", CONTEXT]._flatten(SHARD)
-    return mesh[REPLICATE, SHARD], mesh[CONTEXT]
+    # Two meshes over the same ranks, both row-major: FSDP's "dp_shard" dimension holds shard x cp
+    # consecutive ranks, and each cp group is cp consecutive ranks inside one of them.
+    fsdp = init_device_mesh(runtime.device.type, (replicate, shard * context), mesh_dim_names=(REPLICATE, SHARD))
+    groups = init_device_mesh(runtime.device.type, (replicate * shard, context), mesh_dim_names=("dp", CONTEXT))
+    return fsdp, groups[CONTEXT]
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
