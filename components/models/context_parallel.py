@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from components.nsa.documents import DocumentLayout, rows_layout
+from components.nsa.documents import DocumentLayout, compressed_counts, rows_layout
 from components.sequence_shard import SequenceShard
 
 
@@ -42,11 +42,6 @@ class ContextShard:
     dense_mask: torch.Tensor | None  # bool [B, local_len, T] for dense attention: same document and causal
 
 
-def _blocks(lengths: torch.Tensor, block_size: int, block_stride: int) -> torch.Tensor:
-    """Complete compressed blocks of documents of these lengths (vectorised num_compressed_blocks)."""
-    return torch.where(lengths >= block_size, (lengths - block_size).div(block_stride, rounding_mode="floor") + 1, 0)
-
-
 def _chunk_keys(cu: torch.Tensor, first_block: torch.Tensor, rows: int, seq_len: int, start: int, end: int,
                 block_size: int, block_stride: int) -> ChunkKeys:
     """The key documents of chunk [start, end) of every row (cu: the whole rows' document starts)."""
@@ -64,7 +59,7 @@ def _chunk_keys(cu: torch.Tensor, first_block: torch.Tensor, rows: int, seq_len:
     key_len, query_len = key_end - key_start, key_end - query_start
     offsets = torch.cumsum(key_len, 0) - key_len
     tokens = key_start.repeat_interleave(key_len) + torch.arange(int(key_len.sum())) - offsets.repeat_interleave(key_len)
-    blocks_per_doc = _blocks(key_len, block_size, block_stride)
+    blocks_per_doc = compressed_counts(key_len, block_size, block_stride)
     block_offsets = torch.cumsum(blocks_per_doc, 0) - blocks_per_doc
     blocks = (first_block[docs].repeat_interleave(blocks_per_doc) + torch.arange(int(blocks_per_doc.sum()))
               - block_offsets.repeat_interleave(blocks_per_doc))
@@ -83,7 +78,7 @@ def context_shard(document_starts: torch.Tensor | None, rows: int, shard: Sequen
         raise ValueError(f"document_starts has shape {tuple(document_starts.shape)}, but the rows are {(rows, T)}")
     layout = rows_layout(document_starts, block_size, block_stride, torch.device("cpu"))
     cu = layout.cu_seqlens
-    blocks = _blocks(cu.diff(), block_size, block_stride)
+    blocks = compressed_counts(cu.diff(), block_size, block_stride)
     first_block = torch.cumsum(blocks, 0) - blocks
     chunks = tuple(_chunk_keys(cu, first_block, rows, T, a, b, block_size, block_stride) for a, b in shard.chunks())
     local = shard.positions()

@@ -125,6 +125,11 @@ class DocumentLayout:
     block_positions: torch.Tensor
 
 
+def compressed_counts(lengths: torch.Tensor, block_size: int, block_stride: int) -> torch.Tensor:
+    """Complete compressed blocks of documents of these lengths (num_compressed_blocks, vectorised)."""
+    return torch.where(lengths >= block_size, (lengths - block_size).div(block_stride, rounding_mode="floor") + 1, 0)
+
+
 def document_layout(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, block_stride: int) -> DocumentLayout:
     """The layout of one packed row of num_tokens tokens (checked as the op checks cu_seqlens), on
     cu_seqlens' device. Vectorised: no Python loop over documents."""
@@ -132,7 +137,7 @@ def document_layout(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, 
     cu = cu_seqlens.to("cpu", torch.int64)
     lengths = cu.diff()
     positions = torch.arange(num_tokens) - cu[:-1].repeat_interleave(lengths)
-    blocks = torch.where(lengths >= block_size, (lengths - block_size).div(block_stride, rounding_mode="floor") + 1, 0)
+    blocks = compressed_counts(lengths, block_size, block_stride)
     first_block = torch.cumsum(blocks, 0) - blocks  # each document's first block in the packed k_cmp
     block_index = torch.arange(int(blocks.sum())) - first_block.repeat_interleave(blocks)  # within its document
     block_starts = cu[:-1].repeat_interleave(blocks) + block_index * block_stride

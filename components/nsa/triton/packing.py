@@ -67,11 +67,6 @@ def token_documents(starts: Tensor, num_tokens: int) -> Tensor:
     return torch.searchsorted(starts[1:], tokens, right=True)
 
 
-def token_starts(starts: Tensor, num_tokens: int) -> Tensor:
-    """int32 [T]: where each token's document starts (the selected branch works query by query)."""
-    return starts[token_documents(starts, num_tokens)]
-
-
 def query_positions_zero(cu_seqlens: Tensor, cu_seqlens_q: Tensor | None) -> Tensor:
     """int32 [N + 2]: each document's first query position (0 without query offsets), then 0 twice."""
     keys = cu_seqlens[1:] - cu_seqlens[:-1]

@@ -5,7 +5,7 @@ so the program loads them all as the rows of one tile (padded to at least 16 row
 walks the n selected blocks in sub-tiles of BLOCK_K keys and keeps an fp32 online softmax.
 Unused slots (-1) are masked off. lse2 [B, H, T] (base-2, +inf for an empty row) is saved for
 the backward. Packed documents (cu_seqlens, B = 1): block numbers count from the query's document
-start (token_starts gives it per query), so keys never come from another document.
+start (packing.query_token_table gives it per query), so keys never come from another document.
 """
 
 from __future__ import annotations
