@@ -66,10 +66,11 @@ class SelfCheck:
 class AttentionMap:
     """One sparse attention layer on one input: what it chose."""
 
-    gates: Any  # [B, T, H, branches] in (0, 1)
+    gates: Any  # [B, T, H, len(branches)] in (0, 1)
     selected: Any  # [B, T, groups, n] block indices chosen per query and key/value group, -1 unused
     block_tokens: int  # tokens per selectable block
     groups: int  # key/value groups (each selects on its own)
+    branches: tuple[str, ...]  # the gated branches' names, in the order of gates' last dimension
     legend: dict = field(default_factory=dict)  # the layer's settings, as the plots' legend shows them
 
 

@@ -106,3 +106,22 @@ def test_components_never_import_the_engine():
     offenders = {(a, b) for a, edges in graph.items() if a.startswith("components") for b in edges
                  if b.startswith("nsa_titan")}
     assert not offenders, offenders
+
+
+# What the engine may read of components: the records and helpers every part shares, the part packages
+# it registers, and sampling. The attention math and the transformer's insides stay behind the hooks.
+ENGINE_MAY_IMPORT = {
+    "components.errors", "components.problems", "components.model_hooks", "components.sequence_shard",
+    "components.optim", "components.data", "components.data.hf_files", "components.models",
+    "components.models.generate",
+    "components.nsa",  # only the backend table, for the registry's attention_backend kind
+}
+
+
+def test_the_engine_knows_no_model_insides():
+    graph = import_graph()
+    offenders = {(a, b) for a, edges in graph.items() if a.startswith("nsa_titan") for b in edges
+                 if b.startswith("components") and b not in ENGINE_MAY_IMPORT}
+    assert not offenders, offenders
+    nsa_users = {a for a, edges in graph.items() if a.startswith("nsa_titan") and "components.nsa" in edges}
+    assert nsa_users == {"nsa_titan.registry"}, nsa_users

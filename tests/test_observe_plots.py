@@ -46,13 +46,17 @@ def test_the_pictures_draw_those_numbers(tmp_path):
     fig = plots.selection_figure(colors, 0, {"groups": 2})
     assert np.array_equal(fig.axes[0].images[0].get_array(), colors)
     means = torch.tensor([[0.5, 0.25, 1.0], [0.0, 0.75, 0.1]])
-    fig = plots.gate_figure(means, [0, 3])
+    branches = ("cmp", "sel", "win")
+    fig = plots.gate_figure(means, [0, 3], branches)
     bars = fig.axes[0].patches
-    for b, branch in enumerate(plots.BRANCHES):  # bars are added branch by branch, one per layer
+    colors = plots.branch_colors(branches)
+    assert len(set(colors.values())) == 3
+    for b, branch in enumerate(branches):  # bars are added branch by branch, one per layer
         for g in range(2):
             bar = bars[b * 2 + g]
             assert bar.get_height() == pytest.approx(means[g, b].item())
-            assert tuple(round(c * 255) for c in bar.get_facecolor()[:3]) == plots.BRANCH_COLORS[branch]
+            assert tuple(round(c * 255) for c in bar.get_facecolor()[:3]) == colors[branch]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == list(branches)
     path = plots._save(fig, str(tmp_path / "g.png"))
     assert matplotlib.image.imread(path).shape[2] in (3, 4)
 
@@ -108,13 +112,14 @@ def test_plot_command(exported, tmp_path, capsys):
     picture = matplotlib.image.imread(out / sel["file"])
     assert picture.shape[0] > 100 and picture.shape[1] > 100
     gates = legend["gates"]
-    assert gates["layers"] == [0, 1] and all(0 < v < 1 for b in plots.BRANCHES for v in gates["mean_gate"][b])
+    assert gates["layers"] == [0, 1] and all(0 < v < 1 for b in ("cmp", "sel", "win") for v in gates["mean_gate"][b])
+    assert set(gates["branch_colors"]) == {"cmp", "sel", "win"}
     assert matplotlib.image.imread(out / gates["file"]).shape[0] > 100
 
 
 def test_plot_command_errors(exported, tmp_path, capsys):
     assert main(["plot", str(exported), "--text", "abc", "--layer", "7", "--out", str(tmp_path)]) == 2
-    assert "--layer 7 is not an NSA layer" in capsys.readouterr().err
+    assert "--layer 7 is not a sparse attention layer" in capsys.readouterr().err
     assert main(["plot", str(exported), "--out", str(tmp_path)]) == 2
     assert "exactly one of --text" in capsys.readouterr().err
     assert main(["plot", str(exported), "--text-file", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2

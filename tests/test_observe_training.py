@@ -54,7 +54,7 @@ def test_metrics_schema_mfu_tensorboard_telemetry_and_manifest(tmp_path):
     assert losses == pytest.approx([r["loss"] for r in steps], rel=1e-6)
     # The plot command's pictures at each telemetry step: gates and every NSA layer's selection.
     layers = recipe.model.args.n_layers
-    assert sorted(events.Tags()["images"]) == sorted(["nsa/gates", *(f"nsa/selection_layer{i}" for i in range(layers))])
+    assert sorted(events.Tags()["images"]) == sorted(["attention/gates", *(f"attention/selection_layer{i}" for i in range(layers))])
     for tag in events.Tags()["images"]:
         images = events.Images(tag)
         assert [e.step for e in images] == [2, 4] and all(e.width > 100 and e.height > 100 for e in images)

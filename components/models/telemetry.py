@@ -138,7 +138,7 @@ def attention_maps(model: nn.Module, tokens: torch.Tensor) -> dict[int, Attentio
     (the walk uses the reference backend). Sharded models are gathered meanwhile: every rank calls it."""
     with _on_reference_backend(model), _unsharded(model):
         return {i: AttentionMap(gates, selected, block_tokens=layer.selection["sel_block_size"],
-                                groups=layer.n_kv_heads,
+                                groups=layer.n_kv_heads, branches=BRANCHES,
                                 legend={"sel_block_size": layer.selection["sel_block_size"],
                                         "num_selected": layer.selection["num_selected"], "groups": layer.n_kv_heads,
                                         "query_heads_per_group": layer.n_heads // layer.n_kv_heads})

@@ -1,12 +1,12 @@
-"""Pictures of what a trained NSA model does on a text, drawn with matplotlib, with a JSON legend.
+"""Pictures of what a model's sparse attention does on a text, drawn with matplotlib, with a JSON legend.
 
 selection_layer{N}.png  rows = query positions (top = first token), columns = selection blocks
                         (left = block 0). A cell's blue is how many key/value groups (each
                         serving n_heads / n_kv_heads query heads) selected that block for that
                         query: white none, darkest all. Grey cells lie in the future (causally
                         invisible).
-gates.png               per layer a group of three bars, the mean gate of cmp, sel and win over
-                        all positions and heads (0..1).
+gates.png               per layer a group of bars, the mean gate of each of the layer's branches
+                        (as the model names them) over all positions and heads (0..1).
 plots.json              the legend: colours and the plotted numbers.
 
 The model part's attention_maps hook says what each layer chose; this module only draws.
@@ -24,13 +24,17 @@ from torch import nn
 
 from components.errors import UserError
 from components.model_hooks import AttentionMap
-from components.models.nsa_attention import BRANCHES
 from nsa_titan import registry
 
 WHITE = (255, 255, 255)
 FUTURE = (224, 224, 224)
 DARKEST = (8, 48, 107)  # all groups selected the block
-BRANCH_COLORS = {"cmp": (230, 126, 34), "sel": (41, 98, 255), "win": (39, 174, 96)}
+# The gate bars' colours, one per branch in the order the model lists its branches.
+BRANCH_PALETTE = ((230, 126, 34), (41, 98, 255), (39, 174, 96), (142, 68, 173), (192, 57, 43))
+
+
+def branch_colors(branches: tuple[str, ...]) -> dict[str, tuple[int, int, int]]:
+    return {b: BRANCH_PALETTE[i % len(BRANCH_PALETTE)] for i, b in enumerate(branches)}
 
 
 def pyplot():
@@ -87,21 +91,22 @@ def selection_figure(colors: np.ndarray, layer: int, legend: dict):
     return fig
 
 
-def gate_figure(gate_means: torch.Tensor, layer_ids: list[int]):
-    """Bars of gate_means [L, 3] (branches cmp, sel, win) per layer."""
+def gate_figure(gate_means: torch.Tensor, layer_ids: list[int], branches: tuple[str, ...]):
+    """Bars of gate_means [L, len(branches)] per layer."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 1 + len(layer_ids) * 0.9), 3.2), layout="constrained")
-    width = 0.8 / len(BRANCHES)
+    width = 0.8 / len(branches)
     x = np.arange(len(layer_ids))
-    for b, branch in enumerate(BRANCHES):
-        ax.bar(x + (b - 1) * width, gate_means[:, b].numpy(), width, label=branch,
-               color=np.array(BRANCH_COLORS[branch]) / 255)
+    colors = branch_colors(branches)
+    for b, branch in enumerate(branches):
+        ax.bar(x + (b - (len(branches) - 1) / 2) * width, gate_means[:, b].numpy(), width, label=branch,
+               color=np.array(colors[branch]) / 255)
     ax.set_xticks(x, [str(i) for i in layer_ids])
     ax.set_xlabel("layer")
     ax.set_ylabel("mean gate")
     ax.set_ylim(0, 1)
     ax.grid(axis="y", alpha=0.4)
-    ax.legend(ncols=3, fontsize=8, loc="upper center")
+    ax.legend(ncols=len(branches), fontsize=8, loc="upper center")
     return fig
 
 
@@ -121,12 +126,20 @@ def _gate_means(maps: dict[int, AttentionMap]) -> torch.Tensor:
     return torch.stack([maps[i].gates.float().mean(dim=(0, 1, 2)) for i in sorted(maps)]).cpu()
 
 
+def _branches(maps: dict[int, AttentionMap]) -> tuple[str, ...]:
+    """The branches every layer's gates cover (one picture needs one set)."""
+    names = {tuple(m.branches) for m in maps.values()}
+    if len(names) != 1:
+        raise ValueError(f"the model's attention maps name different branches per layer: {sorted(names)}")
+    return names.pop()
+
+
 def attention_figures(maps: dict[int, AttentionMap], num_tokens: int) -> dict[str, object]:
-    """The pictures render_plots writes, as figures for TensorBoard: 'nsa/gates' and
-    'nsa/selection_layer{i}' for every NSA layer."""
-    figures = {"nsa/gates": gate_figure(_gate_means(maps), sorted(maps))}
+    """The pictures render_plots writes, as figures for TensorBoard: 'attention/gates' and
+    'attention/selection_layer{i}' for every sparse attention layer."""
+    figures = {"attention/gates": gate_figure(_gate_means(maps), sorted(maps), _branches(maps))}
     for i, chosen in sorted(maps.items()):
-        figures[f"nsa/selection_layer{i}"] = selection_figure(_selection_colors_of(chosen, num_tokens)[1], i,
+        figures[f"attention/selection_layer{i}"] = selection_figure(_selection_colors_of(chosen, num_tokens)[1], i,
                                                              chosen.legend)
     return figures
 
@@ -135,20 +148,22 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
     """Write selection_layer{layer}.png, gates.png and plots.json from one text's attention maps (batch of
     one); returns their paths."""
     if not maps:
-        raise UserError("the model has no NSA layers (attention = 'dense'), so there is no selection or gate to "
-                        "plot. Fix: plot a model trained with attention = 'nsa'.")
+        raise UserError("the model has no sparse attention layers (e.g. attention = 'dense'), so there is no "
+                        "selection or gate to plot. Fix: plot a model trained with sparse attention (attention = "
+                        "'nsa').")
     if layer not in maps:
-        raise UserError(f"--layer {layer} is not an NSA layer of this model; its NSA layers are "
+        raise UserError(f"--layer {layer} is not a sparse attention layer of this model; those are "
                         f"{', '.join(map(str, maps))}. Fix: pass one of them.")
     chosen = maps[layer]
     counts, colors = _selection_colors_of(chosen, num_tokens)
     layer_ids = sorted(maps)
     gate_means = _gate_means(maps)
+    branches = _branches(maps)
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {"selection": _save(selection_figure(colors, layer, chosen.legend),
                                 os.path.join(out_dir, f"selection_layer{layer}.png")),
-             "gates": _save(gate_figure(gate_means, layer_ids), os.path.join(out_dir, "gates.png"))}
+             "gates": _save(gate_figure(gate_means, layer_ids, branches), os.path.join(out_dir, "gates.png"))}
     legend = {
         "tokens": num_tokens,
         "selection": {"file": os.path.basename(paths["selection"]), "layer": layer, **chosen.legend,
@@ -158,9 +173,9 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
                       "counts": "counts[query][block]: key/value groups that selected the block",
                       "counts_by_query": counts.tolist()},
         "gates": {"file": os.path.basename(paths["gates"]), "branch_colors": {b: list(c) for b, c in
-                                                                            BRANCH_COLORS.items()},
+                                                                            branch_colors(branches).items()},
                   "layers": layer_ids,
-                  "mean_gate": {b: [round(v, 6) for v in gate_means[:, i].tolist()] for i, b in enumerate(BRANCHES)}},
+                  "mean_gate": {b: [round(v, 6) for v in gate_means[:, i].tolist()] for i, b in enumerate(branches)}},
     }
     legend_path = os.path.join(out_dir, "plots.json")
     with open(legend_path, "w", encoding="utf-8") as fh:
