@@ -28,7 +28,8 @@ mkdir -p "$logs"
 phase_check() {
   local dump
   dump=$(mktemp -d)
-  "$py" -m pytest -q -x tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py tests/test_nsa_triton_compile.py &&
+  "$py" -m pytest -q -x tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py tests/test_nsa_triton_compile.py \
+    tests/test_dense_documents_gpu.py &&
   "$py" -m nsa_titan.cli doctor recipes/nsa_125m.toml --data.source=synthetic --data.tokenizer=byte &&
   "$py" -m nsa_titan.cli inspect recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
     --compile.enable=true --job.dump_folder="$dump/inspect" --fail-on-break &&

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
 from components.models.args import TransformerArgs
 from components.models.context_parallel import ContextShard
+from components.models.dense_documents import DenseDocuments
 from components.models.kv_cache import LayerKV
 from components.models.rope import apply_rope
-from components.nsa.documents import DocumentLayout
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None) -> torch.Tensor:
@@ -46,7 +47,7 @@ class DenseAttention(nn.Module):
         return apply_rope(q, cos, sin, positions), apply_rope(k, cos, sin, positions), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: DocumentLayout | None = None, context: ContextShard | None = None) -> torch.Tensor:
+                documents: DenseDocuments | None = None, context: ContextShard | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         if context is not None:
             # The baseline's context parallelism: every rank gathers all keys and values (one
@@ -56,17 +57,18 @@ class DenseAttention(nn.Module):
             k, v = kv.split(self.n_kv_heads, dim=2)
             o = _sdpa(q.view(B, T, self.n_heads, self.head_dim), k, v, mask=context.dense_mask[:, None])
             return self.wo(o.reshape(B, T, -1))
-        if documents is None:
+        if documents is None or documents.one_per_row:
             q, k, v = self._qkv(x, cos, sin, torch.arange(T, device=x.device))
             return self.wo(_sdpa(q, k, v, mask=None).reshape(B, T, -1))
-        # Documents never cross a row end, so each row gets its own document-causal mask [B, 1, T, T]
-        # (exact; O(T^2) booleans per row, fine for the baseline's lengths).
         q, k, v = (t.reshape(B, T, *t.shape[2:]) for t in self._qkv(x.reshape(1, B * T, -1), cos, sin,
                                                                      documents.positions))
-        doc = torch.searchsorted(documents.cu_seqlens, torch.arange(B * T, device=x.device), right=True).view(B, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        mask = (doc[:, :, None] == doc[:, None, :]) & causal
-        return self.wo(_sdpa(q, k, v, mask=mask[:, None]).reshape(B, T, -1))
+        if documents.block_mask is not None and torch.compiler.is_compiling():
+            # Compiled on CUDA: FlexAttention skips the key blocks of other documents (dense_documents.py).
+            o = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               block_mask=documents.block_mask, enable_gqa=self.n_heads != self.n_kv_heads)
+            return self.wo(o.transpose(1, 2).reshape(B, T, -1))
+        # Eager, or on the CPU: each row's own document-causal mask [B, 1, T, T] (exact, O(T^2) booleans).
+        return self.wo(_sdpa(q, k, v, mask=documents.explicit_mask()).reshape(B, T, -1))
 
     # ---- incremental decoding -------------------------------------------------------------
     def new_layer_cache(self, batch_size: int, capacity: int, device, dtype) -> LayerKV:

@@ -8,7 +8,8 @@
     flops_per_token    components/models/flops.py
     describe           the attention in a few words, for reports
     documents          with model.document_masking, the forward's document layout from a batch's
-                       document_starts (components/nsa/documents.py), else None
+                       document_starts (components/nsa/documents.py for NSA,
+                       components/models/dense_documents.py for dense), else None
     hf_format          components/models/hf: the model as a Hugging Face folder
     context_shard      context parallelism: this rank's share of a batch's rows (components/models/context_parallel.py)
 

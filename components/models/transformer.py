@@ -16,6 +16,7 @@ from components.errors import UserError
 from components.models.args import TransformerArgs
 from components.models.context_parallel import ContextShard, context_shard
 from components.models.dense_attention import DenseAttention
+from components.models.dense_documents import DenseDocuments, dense_documents
 from components.models.kv_cache import KVCache, LayerKV
 from components.models.mlp import SwiGLU
 from components.models.norms import RMSNorm
@@ -43,7 +44,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(std, out_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: DocumentLayout | None = None, context: ContextShard | None = None) -> torch.Tensor:
+                documents: DocumentLayout | DenseDocuments | None = None,
+                context: ContextShard | None = None) -> torch.Tensor:
         x = x + (self.attention(self.attention_norm(x), cos, sin, documents) if context is None else
                  self.attention(self.attention_norm(x), cos, sin, context=context))
         return x + self.feed_forward(self.ffn_norm(x))
@@ -111,7 +113,7 @@ class Transformer(nn.Module):
                 f"raise model max_seq_len or use shorter sequences"
             )
 
-    def forward(self, tokens: torch.Tensor, documents: DocumentLayout | torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor, documents: DocumentLayout | DenseDocuments | torch.Tensor | None = None,
                 context: ContextShard | None = None) -> torch.Tensor:
         """tokens [B, T] long -> logits [B, T, vocab_size].
 
@@ -166,11 +168,14 @@ class Transformer(nn.Module):
                              block_size=nsa.block_size, block_stride=nsa.block_stride,
                              dense=self.args.attention != "nsa", device=device)
 
-    def document_layout(self, document_starts: torch.Tensor, device: torch.device) -> DocumentLayout:
+    def document_layout(self, document_starts: torch.Tensor,
+                        device: torch.device) -> DocumentLayout | DenseDocuments:
         """The rows' documents as the attention layers take them, built on the host (keep
-        document_starts there: no device sync) and put on `device`. Their counts (documents, compressed
+        document_starts there: no device sync) and put on `device`. NSA's counts (documents, compressed
         blocks) change from batch to batch, so they are marked dynamic: compiled blocks take any
-        boundaries without recompiling."""
+        boundaries without recompiling. Dense attention's tensors have the batch's shape."""
+        if self.args.attention != "nsa":
+            return dense_documents(document_starts, device)
         nsa = self.args.nsa
         layout = rows_layout(document_starts, nsa.block_size, nsa.block_stride, device)
         for varying in (layout.cu_seqlens, layout.block_starts, layout.block_positions):

@@ -1,0 +1,132 @@
+"""Dense attention over packed documents: the FlexAttention block mask and the one-document shortcut.
+
+The block tables are held to a brute-force reading of the token mask, and FlexAttention compiled
+under inductor (forward; it has no CPU backward) to SDPA with the explicit mask. Training through
+FlexAttention on CUDA is in tests/test_dense_documents_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from components.models import build_transformer
+from components.models.dense_attention import DenseAttention
+from components.models.dense_documents import DenseDocuments, dense_documents, document_block_mask
+from tests.test_models_helpers import VOCAB, tiny_args
+from tests.test_models_packed import starts_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = 16
+# (row length, rows as document lengths): documents of one token, documents ending on and off block
+# edges, a document spanning several blocks, and a row length that is not a whole number of blocks.
+LAYOUTS = [
+    (64, [[1, 15, 16, 32], [64]]),
+    (70, [[5, 40, 1, 1, 23], [17, 17, 36]]),
+    (48, [[48], [47, 1]]),
+]
+# Causal block pairs that share no document, counted by hand from the layouts above.
+SKIPPED = [5, 4 + 5, 0]
+
+
+def _document_ids(rows, T):
+    starts = starts_of(rows, T)
+    return dense_documents(starts, torch.device("cpu")).document_ids
+
+
+def _tables(counts, indices):
+    """BlockMask tables [B, 1, nq] / [B, 1, nq, nk] -> the set of kept (row, q block, k block)."""
+    kept = set()
+    for b in range(counts.shape[0]):
+        for i in range(counts.shape[2]):
+            kept.update((b, i, int(j)) for j in indices[b, 0, i, :int(counts[b, 0, i])])
+    return kept
+
+
+@pytest.mark.parametrize("T, rows, skipped", [(*layout, n) for layout, n in zip(LAYOUTS, SKIPPED)])
+def test_block_tables_are_the_token_masks_blocks(T, rows, skipped):
+    """A block pair is kept exactly when some query of one may see some key of the other, and computed
+    without a mask exactly when every query sees every key (and both blocks are all real tokens)."""
+    ids = _document_ids(rows, T)
+    mask = DenseDocuments(torch.zeros(0), ids, False, None).explicit_mask()[:, 0]
+    block_mask = document_block_mask(ids, BLOCK, torch.device("cpu"))
+    nb = -(-T // BLOCK)
+    any_visible, all_visible = set(), set()
+    for b in range(len(rows)):
+        for i in range(nb):
+            for j in range(nb):
+                tile = mask[b, i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
+                if tile.any():
+                    any_visible.add((b, i, j))
+                if tile.all() and tile.shape == (BLOCK, BLOCK):
+                    all_visible.add((b, i, j))
+    partial = _tables(block_mask.kv_num_blocks, block_mask.kv_indices)
+    full = _tables(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    assert full == all_visible
+    assert partial == any_visible - all_visible
+    assert len(partial | full) == len(rows) * nb * (nb + 1) // 2 - skipped
+
+
+@pytest.mark.parametrize("T, rows", LAYOUTS)
+def test_compiled_flex_attention_equals_the_explicit_mask(T, rows):
+    """Inductor's FlexAttention kernel with the block mask (the forward; CPU has no flex backward)."""
+    torch.manual_seed(0)
+    ids = _document_ids(rows, T)
+    block_mask = document_block_mask(ids, BLOCK, torch.device("cpu"))
+    B, H, Hkv, D = len(rows), 4, 2, 16
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    mask = DenseDocuments(torch.zeros(0), ids, False, None).explicit_mask()
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    with torch.no_grad():
+        got = torch.compile(flex_attention)(q, k, v, block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_dense_layer_takes_flex_attention_when_compiled():
+    """The layer's FlexAttention branch (q/k/v layout, GQA) equals its eager explicit-mask branch, and
+    the compiled graph holds FlexAttention, not SDPA."""
+    torch.manual_seed(0)
+    T, rows = LAYOUTS[1]
+    args = tiny_args("dense")
+    layer = DenseAttention(args)
+    layer.init_weights(0.2, 0.2)
+    built = dense_documents(starts_of(rows, T), torch.device("cpu"))
+    documents = DenseDocuments(built.positions, built.document_ids, False,
+                               document_block_mask(built.document_ids, BLOCK, torch.device("cpu")))
+    x = torch.randn(len(rows), T, args.dim)
+    cos, sin = _rope(args, T)
+    eager = layer(x, cos, sin, documents)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm
+
+    with torch.no_grad():
+        torch.compile(layer, backend=recording)(x, cos, sin, documents)
+        compiled = torch.compile(layer)(x, cos, sin, documents)
+    assert len(graphs) == 1 and "flex_attention" in graphs[0] and "scaled_dot_product" not in graphs[0]
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def _rope(args, T):
+    from components.models.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(args.head_dim, T, args.rope_theta)
+    return rope.cos, rope.sin
+
+
+def test_rows_of_one_document_take_plain_causal_attention():
+    torch.manual_seed(0)
+    model = build_transformer(tiny_args("dense"), VOCAB).double()
+    tokens = torch.randint(0, VOCAB, (2, 40))
+    one_per_row = torch.zeros(2, 40, dtype=torch.bool)
+    documents = model.document_layout(one_per_row, tokens.device)
+    assert isinstance(documents, DenseDocuments) and documents.one_per_row and documents.block_mask is None
+    torch.testing.assert_close(model(tokens, documents), model(tokens), rtol=1e-12, atol=1e-12)
+    several = model.document_layout(starts_of([[10, 30], [40]], 40), tokens.device)
+    assert not several.one_per_row
+    assert several.block_mask is None  # FlexAttention runs on CUDA only: no mask is built for the CPU
+    assert several.document_ids.tolist()[1] == [2] * 40 and several.positions.tolist()[:12] == [*range(10), 0, 1]
