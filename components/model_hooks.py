@@ -6,7 +6,8 @@ engine calls them and knows nothing else about the model's insides. All are opti
     parallel_plan(model) -> ParallelPlan      the blocks to activation-checkpoint, compile and shard
                                               one by one, and the other modules sharded on their own
                                               before the root (the model itself)
-    activation_memory(args) -> ActivationMemory   what one block keeps per token for backward
+    activation_memory(args, context_parallel) -> ActivationMemory   what one block keeps for backward
+                                              when each row is split over context_parallel ranks
     self_check(args, device) -> SelfCheck     a short numerical check of the model's op on this device
     attention_maps(model, tokens) -> {layer: AttentionMap}   what each sparse attention layer chose
     telemetry(model, tokens, documents=None) -> {name: 0-d tensor}   documents as the forward gets them
@@ -51,8 +52,11 @@ class ActivationMemory:
     """Elements per token, for the engine's memory estimate (nsa_titan/doctor/memory.py)."""
 
     blocks: int  # how many blocks the model has
-    per_block: float  # saved for backward by one block
+    per_block: float  # saved for backward by one block, per token the rank holds
     block_input: float  # kept by an activation-checkpointed block (its input)
+    # With context parallelism: also saved per token of the whole rows (keys and values gathered from
+    # the group, say). 0 when each rank holds whole rows.
+    per_row_token: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Run under torch.distributed.run by tests/test_context_parallel.py: a tiny fp64 transformer's logits
 and every parameter gradient under context parallelism equal one process's forward of the whole rows.
 
-argv: attention (nsa | dense), document masking (0 | 1). Prints "ok" per rank on success."""
+argv: attention (nsa | dense), document masking (0 | 1). Prints "ok" per rank on success.
+argv: saved, attention: prints what one block saves for backward per local token (bytes, fp32), rows of
+one document (the most keys each chunk's queries see), for doctor's memory estimate."""
 
 from __future__ import annotations
 
@@ -49,5 +51,35 @@ def main(attention: str, masking: bool) -> None:
     dist.destroy_process_group()
 
 
+def saved_bytes(attention: str) -> None:
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    seq = 1024
+    args = TransformerArgs(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=seq, attention=attention)
+    model = build_transformer(args, VOCAB)
+    shard = SequenceShard(dist.group.WORLD, rank, size, seq)
+    context = model.context_shard(None, 1, shard, torch.device("cpu"))
+    fixed = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in fixed:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(1, shard.local_len, args.dim, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[0](x, model.rope.cos, model.rope.sin, context=context)
+    if rank == 0:
+        print(f"saved_bytes_per_local_token {sum(saved.values()) / shard.local_len}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "1")
+    if sys.argv[1] == "saved":
+        saved_bytes(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2] == "1")

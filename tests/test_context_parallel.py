@@ -55,6 +55,25 @@ def test_sharded_forward_and_gradients_equal_the_whole_rows(attention, masking, 
     assert proc.stdout.count(": ok") == nproc
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_memory_estimate_is_near_what_a_block_saves(nproc):
+    """doctor's estimate of one NSA block's saved tensors per local token (activation_memory's per_block
+    plus cp x per_row_token) against saved-tensor hooks on a block run under context parallelism."""
+    from components.models.args import TransformerArgs
+    from components.models.hooks import activation_memory
+
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+               os.path.join(REPO_ROOT, "tests", "context_parallel_worker.py"), "saved", "nsa"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    measured = float(proc.stdout.split("saved_bytes_per_local_token")[1].split()[0])
+    args = TransformerArgs(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=1024)  # the worker's model
+    estimate = activation_memory(args, nproc)
+    estimated = (estimate.per_block + nproc * estimate.per_row_token) * 4  # fp32
+    assert abs(estimated - measured) / measured < 0.1, (estimated, measured)
+
+
 def _run(args, nproc, folder):
     proc = train([*args, f"--job.dump_folder={folder}"], nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

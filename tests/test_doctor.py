@@ -13,6 +13,7 @@ from nsa_titan.config import resolve
 from components.models.hooks import activation_memory
 from components.nsa import self_check as nsa_check
 from nsa_titan.doctor import checks
+from components.model_hooks import ActivationMemory
 from nsa_titan.doctor.memory import estimate_memory
 from tests.launch import DEBUG
 
@@ -161,3 +162,9 @@ def test_memory_estimate_follows_its_formula():
     assert sharded.states == plain.states / 4 and sharded.gathered == 2 * 100 * 4
     full = estimate_memory(shard=1, ac_mode="full", **common)
     assert full.activations == 512 * args.n_layers * args.dim * 4 + plain.activations / args.n_layers
+    # Context parallelism: 512 local tokens of rows of 512 x 4 tokens; per_row_token counts per row token.
+    split = ActivationMemory(blocks=2, per_block=10, block_input=4, per_row_token=3)
+    cp = estimate_memory(**{**common, "activation": split}, shard=1, ac_mode="none", context_parallel=4)
+    assert cp.activations == 2 * (512 * 10 + 512 * 4 * 3) * 4
+    assert activation_memory(args, 1).per_row_token == 0
+    assert activation_memory(args, 2).per_block < activation.per_block  # the key terms count per row token instead

@@ -22,6 +22,13 @@ Elements saved per token per block (activation_memory's per_block):
 d = dim, h = SwiGLU hidden, kv = n_kv_heads x head_dim, H = n_heads, n_kv = 6 with kv_per_branch
 else 2, l = block_size, d = block_stride. Attention scores are not counted: the reference computes
 them in bounded chunks and the kernels keep none. A checkpointed block keeps its input (dim).
+
+With context parallelism (cp > 1) the key/value terms are kept for every token of the whole rows
+instead (per_row_token): dense keeps the gathered k and v (2 kv); NSA keeps the compression MLP's
+inputs over the whole rows (2 (l/d) kv), the keys and values each chunk's op call picks out (p kv,
+about one whole row's worth over the two calls; fewer with documents) and the RoPE tables of the
+rotated keys at every row position (2 r D). p = 4 and r = 2 with kv_per_branch, else 2 and 1;
+D = head_dim. Dense's explicit [local, T] mask is not counted.
 """
 
 from __future__ import annotations
@@ -45,17 +52,23 @@ def parallel_plan(model) -> ParallelPlan:
                                        ShardGroup((model.norm, model.output), keep_gathered=True)))
 
 
-def activation_memory(args: TransformerArgs) -> ActivationMemory:
+def activation_memory(args: TransformerArgs, context_parallel: int = 1) -> ActivationMemory:
     d, H = args.dim, args.n_heads
     kv = args.n_kv_heads * args.head_dim
     per_block = 4 * d + 4 * args.mlp_hidden_dim()
     if args.attention != "nsa":
-        per_block += 3 * d + 2 * kv + H
+        per_block += 3 * d + H
+        keys = row_keys = 2 * kv
     else:
         nsa = args.nsa
-        n_kv = 6 if nsa.kv_per_branch else 2
-        per_block += 6 * d + (n_kv + 2) * kv + 2 * (nsa.block_size / nsa.block_stride) * kv + d / 2 + 3 * H
-    return ActivationMemory(blocks=args.n_layers, per_block=per_block, block_input=d)
+        n_kv, picked, rotated = (6, 4, 2) if nsa.kv_per_branch else (2, 2, 1)
+        per_block += 6 * d + d / 2 + 3 * H
+        compression = 2 * (nsa.block_size / nsa.block_stride) * kv
+        keys = (n_kv + 2) * kv + compression
+        row_keys = compression + picked * kv + 2 * rotated * args.head_dim
+    if context_parallel == 1:
+        return ActivationMemory(blocks=args.n_layers, per_block=per_block + keys, block_input=d)
+    return ActivationMemory(blocks=args.n_layers, per_block=per_block, block_input=d, per_row_token=row_keys)
 
 
 def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:

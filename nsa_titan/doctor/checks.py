@@ -195,7 +195,8 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     ac = recipe.activation_checkpoint
     t = recipe.training
-    estimate = estimate_memory(activation=part.activation_memory(recipe.model.args),
+    activation = part.activation_memory(recipe.model.args, *((cp,) if cp > 1 else ()))
+    estimate = estimate_memory(activation=activation, context_parallel=cp,
                                num_params=assemble.count_parameters(model),
                                block_params=block_params, vocab_size=tokenizer.vocab_size, shard=shard,
                                tokens=t.local_batch_size * t.seq_len // cp, bf16=runtime.autocast_dtype is not None,

@@ -4,13 +4,15 @@
                                            FSDP shards all four over the shard degree, DDP does not
     gathered    = 2 x P_block x p_bytes    with shard > 1: the running block's all-gathered params
                                            plus the next one's prefetch (p_bytes 2 under bf16, else 4)
-    activations = N x L_kept x a x a_bytes  N = local_batch_size x seq_len tokens per micro-batch,
-                + N x L_ckpt x i x a_bytes  a = elements saved per token per block, a_bytes 2 under
-                + N x a x a_bytes           bf16 autocast else 4; a checkpointed block keeps only its
+    activations = L_kept x A                A = (N x a + N x cp x r) x a_bytes, one block's saved tensors;
+                + N x L_ckpt x i x a_bytes  N = local_batch_size x seq_len / cp tokens per micro-batch,
+                + A                         a = elements saved per token per block, r = per token of the
+                                           whole rows with context parallelism (cp > 1), a_bytes 2 under
+                                           bf16 autocast else 4; a checkpointed block keeps only its
                                            input (i elements per token) and the one being recomputed
                                            holds a full block's worth (the last term)
     logits      = N x V x (a_bytes + 8)    logits, their fp32 copy for the loss and its gradient
-a, and the blocks' count L, come from the model part's activation_memory hook (the transformer's
+a, r and the blocks' count L come from the model part's activation_memory hook (the transformer's
 formula is in components/models/hooks.py); V = vocab.
 """
 
@@ -52,12 +54,13 @@ def checkpointed_blocks(blocks: int, mode: str, every: int) -> int:
 
 
 def estimate_memory(*, activation: ActivationMemory, num_params: int, block_params: int, vocab_size: int, shard: int,
-                    tokens: int, bf16: bool, ac_mode: str, ac_every: int) -> MemoryEstimate:
-    """Bytes per device for one training step of a model made of blocks (see the module docstring)."""
+                    tokens: int, bf16: bool, ac_mode: str, ac_every: int, context_parallel: int = 1) -> MemoryEstimate:
+    """Bytes per device for one training step of a model made of blocks (see the module docstring);
+    tokens: those the rank holds per micro-batch."""
     a_bytes = 2 if bf16 else 4
     states = 16 * num_params / shard
     gathered = 2 * block_params * a_bytes if shard > 1 else 0.0
-    per_block = tokens * activation.per_block * a_bytes
+    per_block = tokens * (activation.per_block + context_parallel * activation.per_row_token) * a_bytes
     blocks = activation.blocks
     ckpt = checkpointed_blocks(blocks, ac_mode, ac_every)
     activations = (blocks - ckpt) * per_block + ckpt * tokens * activation.block_input * a_bytes
