@@ -30,6 +30,7 @@ from nsa_titan.observe.mfu import mfu_percent, peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
 from nsa_titan.observe.telemetry_log import telemetry_line, telemetry_records
+from nsa_titan.observe.step_profiler import StepProfiler
 from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
 from nsa_titan.parallel.compile import compile_blocks, compile_counters
@@ -101,6 +102,10 @@ class Trainer:
         install_sigusr1(self.stacks_path)
         self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0)
         self.nan_guard = NanGuard(recipe.fault.max_bad_steps)
+        if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":
+            raise UserError(f"profiling.memory_snapshot records the CUDA allocator, but this run trains on "
+                            f"{runtime.device.type}. Fix: set --profiling.memory_snapshot=false, or train on CUDA.")
+        self.profiler = StepProfiler(recipe.profiling, dump, runtime.rank, runtime.device, self._say)
 
         self.tokenizer = assemble.build_tokenizer(recipe)
         self.source = assemble.build_source(recipe)
@@ -391,8 +396,10 @@ class Trainer:
         while state.step < t.steps:
             step_start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
+            self.profiler.before_step(state.step + 1)
             loss, grad_norm, data_wait, decision = self.train_step(iterator)
             state.step += 1
+            self.profiler.after_step(state.step)
             state.tokens_seen += self.tokens_per_step
             window_tokens += self.tokens_per_step
             if decision == STOP:
@@ -478,6 +485,7 @@ class Trainer:
                 sink.write(record)
 
     def close(self) -> None:
+        self.profiler.close()
         if self.watchdog is not None:
             self.watchdog.stop()
         uninstall_sigusr1()

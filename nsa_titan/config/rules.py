@@ -88,6 +88,18 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                 f"model {recipe.model.name!r} with these arguments has no attention telemetry (e.g. dense attention)",
                 "set metrics.telemetry_freq = 0")
 
+    prof = recipe.profiling
+    if prof.enable and prof.start_step + prof.steps - 1 > t.steps:
+        add("profiling.start_step", prof.start_step, f"with profiling.steps = {prof.steps} ends after training.steps "
+            f"= {t.steps}, so the window would never be written whole",
+            f"profile steps within the run: start_step at most {max(1, t.steps - prof.steps + 1)}")
+    if prof.memory_snapshot and not prof.enable:
+        add("profiling.memory_snapshot", True, "is recorded over the profiled steps, but profiling.enable is false",
+            "set profiling.enable = true, or memory_snapshot = false")
+    if prof.memory_snapshot and t.device == "cpu":
+        add("profiling.memory_snapshot", True, "records the CUDA allocator, but training.device is 'cpu'",
+            "set profiling.memory_snapshot = false, or train on CUDA")
+
     per_rank = recipe.data.logical_shards // dp if recipe.data.logical_shards % dp == 0 else None
     if per_rank is not None and recipe.data.num_workers > per_rank:
         add("data.num_workers", recipe.data.num_workers,

@@ -144,6 +144,17 @@ class ActivationCheckpointConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    enable: bool = f(False, "Record a torch.profiler trace of a few training steps (after one warmup step): per "
+                            "rank a Chrome trace and an op table in job.dump_folder/<folder>.")
+    start_step: int = f(10, "The first profiled step (a global step number: past compilation and warmup).", ge=1)
+    steps: int = f(3, "How many steps to profile.", ge=1)
+    folder: str = f("profile", "Folder inside job.dump_folder for the traces, op tables and memory snapshots.")
+    memory_snapshot: bool = f(False, "Also record the CUDA allocator's history over the profiled steps "
+                                     "(memory_rank{r}.pickle, for pytorch.org/memory_viz); CUDA only.")
+
+
+@dataclass
 class Recipe:
     job: JobConfig = f(JobConfig, "The run's identity and output folder.")
     model: ModelConfig = f(ModelConfig, "The model and its arguments.")
@@ -158,3 +169,4 @@ class Recipe:
     compile: CompileConfig = f(CompileConfig, "torch.compile.")
     activation_checkpoint: ActivationCheckpointConfig = f(ActivationCheckpointConfig, "Activation checkpointing.")
     fault: FaultConfig = f(FaultConfig, "Hangs and numerical faults.")
+    profiling: ProfilingConfig = f(ProfilingConfig, "torch.profiler traces of a window of steps.")
