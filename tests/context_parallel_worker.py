@@ -15,6 +15,7 @@ import torch.distributed as dist
 from components.models.args import TransformerArgs
 from components.models.transformer import build_transformer
 from components.sequence_shard import SequenceShard
+from tests.saved_tensors import saved_bytes
 
 B, T, VOCAB = 2, 64, 50
 
@@ -51,7 +52,7 @@ def main(attention: str, masking: bool) -> None:
     dist.destroy_process_group()
 
 
-def saved_bytes(attention: str) -> None:
+def print_saved_bytes(attention: str) -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -60,26 +61,16 @@ def saved_bytes(attention: str) -> None:
     model = build_transformer(args, VOCAB)
     shard = SequenceShard(dist.group.WORLD, rank, size, seq)
     context = model.context_shard(None, 1, shard, torch.device("cpu"))
-    fixed = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in fixed:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
     x = torch.randn(1, shard.local_len, args.dim, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers[0](x, model.rope.cos, model.rope.sin, context=context)
+    saved = saved_bytes(model, lambda: model.layers[0](x, model.rope.cos, model.rope.sin, context=context))
     if rank == 0:
-        print(f"saved_bytes_per_local_token {sum(saved.values()) / shard.local_len}")
+        print(f"saved_bytes_per_local_token {saved / shard.local_len}")
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "saved":
-        saved_bytes(sys.argv[2])
+        print_saved_bytes(sys.argv[2])
     else:
         main(sys.argv[1], sys.argv[2] == "1")

@@ -15,6 +15,7 @@ from components.nsa import self_check as nsa_check
 from nsa_titan.doctor import checks
 from components.model_hooks import ActivationMemory
 from nsa_titan.doctor.memory import estimate_memory
+from tests.saved_tensors import saved_bytes
 from tests.launch import DEBUG
 
 CHECKS = ("versions", "devices", "recipe", "data", "dump folder", "NSA backend", "memory estimate")
@@ -120,20 +121,9 @@ def _saved_bytes_per_token(recipe) -> float:
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
     assemble.materialize(model, torch.device("cpu"), 0, distributed=False,
                          build_reference=lambda: assemble.build_model_on_meta(recipe, tokenizer.vocab_size))
-    fixed = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in fixed:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
     B, T = 2, recipe.training.seq_len
     x = torch.randn(B, T, recipe.model.args.dim, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers[0](x, model.rope.cos, model.rope.sin)
-    return sum(saved.values()) / (B * T)
+    return saved_bytes(model, lambda: model.layers[0](x, model.rope.cos, model.rope.sin)) / (B * T)
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
