@@ -14,6 +14,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from components.models import build_transformer
 from components.models.dense_attention import DenseAttention
 from components.models.dense_documents import DenseDocuments, dense_documents, document_block_mask
+from components.sequence_shard import SequenceShard
 from tests.test_models_helpers import VOCAB, tiny_args
 from tests.test_models_packed import starts_of
 
@@ -36,6 +37,21 @@ def _document_ids(rows, T):
     return dense_documents(starts, torch.device("cpu")).document_ids
 
 
+def _tile_sets(mask, block):
+    """mask [B, Tq, T] -> (the block pairs with some visible key, those whose whole tile is visible)."""
+    B, Tq, T = mask.shape
+    some, every = set(), set()
+    for b in range(B):
+        for i in range(-(-Tq // block)):
+            for j in range(-(-T // block)):
+                tile = mask[b, i * block:(i + 1) * block, j * block:(j + 1) * block]
+                if tile.any():
+                    some.add((b, i, j))
+                if tile.all() and tile.shape == (block, block):
+                    every.add((b, i, j))
+    return some, every
+
+
 def _tables(counts, indices):
     """BlockMask tables [B, 1, nq] / [B, 1, nq, nk] -> the set of kept (row, q block, k block)."""
     kept = set()
@@ -53,15 +69,7 @@ def test_block_tables_are_the_token_masks_blocks(T, rows, skipped):
     mask = DenseDocuments(torch.zeros(0), ids, False, None).explicit_mask()[:, 0]
     block_mask = document_block_mask(ids, BLOCK, torch.device("cpu"))
     nb = -(-T // BLOCK)
-    any_visible, all_visible = set(), set()
-    for b in range(len(rows)):
-        for i in range(nb):
-            for j in range(nb):
-                tile = mask[b, i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
-                if tile.any():
-                    any_visible.add((b, i, j))
-                if tile.all() and tile.shape == (BLOCK, BLOCK):
-                    all_visible.add((b, i, j))
+    any_visible, all_visible = _tile_sets(mask, BLOCK)
     partial = _tables(block_mask.kv_num_blocks, block_mask.kv_indices)
     full = _tables(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
     assert full == all_visible
@@ -78,6 +86,49 @@ def test_compiled_flex_attention_equals_the_explicit_mask(T, rows):
     B, H, Hkv, D = len(rows), 4, 2, 16
     q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
     mask = DenseDocuments(torch.zeros(0), ids, False, None).explicit_mask()
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    with torch.no_grad():
+        got = torch.compile(flex_attention)(q, k, v, block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _context_queries(rows, T, rank, size):
+    """The keys' document ids and one context-parallel rank's queries (their documents, row positions)."""
+    ids = _document_ids(rows, T)
+    local = SequenceShard(None, rank, size, T).positions()
+    return ids, ids[:, local], local.expand(len(rows), -1)
+
+
+# (row length, rows, ranks): chunks of 16 tokens (whole blocks), and of 12 (blocks holding two chunks).
+CONTEXT_CASES = [(64, LAYOUTS[0][1], 2), (96, [[5, 40, 1, 1, 49], [17, 17, 62]], 4)]
+
+
+@pytest.mark.parametrize("T, rows, size", CONTEXT_CASES)
+def test_block_tables_of_a_context_parallel_ranks_queries(T, rows, size):
+    """Queries are one rank's two chunks, keys the whole rows: no visible key is left out, whole visible
+    tiles need no mask, and with whole-block chunks nothing else is kept."""
+    for rank in range(size):
+        ids, query_ids, query_rows = _context_queries(rows, T, rank, size)
+        mask = DenseDocuments(torch.zeros(0), ids, False, None, query_ids, query_rows).explicit_mask()[:, 0]
+        block_mask = document_block_mask(ids, BLOCK, torch.device("cpu"), query_ids, query_rows)
+        some, every = _tile_sets(mask, BLOCK)
+        partial = _tables(block_mask.kv_num_blocks, block_mask.kv_indices)
+        full = _tables(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+        assert full == every and not partial & full
+        if (T // (2 * size)) % BLOCK == 0:
+            assert partial == some - every
+        else:
+            assert partial >= some - every
+
+
+@pytest.mark.parametrize("T, rows, size", CONTEXT_CASES)
+def test_compiled_flex_attention_of_a_ranks_queries_equals_the_explicit_mask(T, rows, size):
+    torch.manual_seed(0)
+    ids, query_ids, query_rows = _context_queries(rows, T, size - 1, size)
+    block_mask = document_block_mask(ids, BLOCK, torch.device("cpu"), query_ids, query_rows)
+    B, H, Hkv, D, Tq = len(rows), 4, 2, 16, query_ids.shape[1]
+    q, k, v = torch.randn(B, H, Tq, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    mask = DenseDocuments(torch.zeros(0), ids, False, None, query_ids, query_rows).explicit_mask()
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     with torch.no_grad():
         got = torch.compile(flex_attention)(q, k, v, block_mask=block_mask, enable_gqa=True)

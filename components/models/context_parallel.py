@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from components.models.dense_documents import FLEX_BLOCK, DenseDocuments, document_block_mask
 from components.nsa.documents import DocumentLayout, compressed_counts, rows_layout
 from components.sequence_shard import SequenceShard
 
@@ -39,7 +40,7 @@ class ContextShard:
     layout: DocumentLayout  # the whole rows read as one packed row (one document per row without masking)
     query_positions: torch.Tensor  # int64 [B * local_len]: each local token's position in its document
     chunks: tuple[ChunkKeys, ChunkKeys]
-    dense_mask: torch.Tensor | None  # bool [B, local_len, T] for dense attention: same document and causal
+    dense: DenseDocuments | None  # for dense attention: the local queries' documents against the whole rows
 
 
 def _chunk_keys(cu: torch.Tensor, first_block: torch.Tensor, rows: int, seq_len: int, start: int, end: int,
@@ -83,10 +84,14 @@ def context_shard(document_starts: torch.Tensor | None, rows: int, shard: Sequen
     chunks = tuple(_chunk_keys(cu, first_block, rows, T, a, b, block_size, block_stride) for a, b in shard.chunks())
     local = shard.positions()
     query_positions = layout.positions.view(rows, T)[:, local].reshape(-1)
-    dense_mask = None
+    dense_documents = None
     if dense:
         doc = (torch.searchsorted(cu, torch.arange(rows * T), right=True) - 1).view(rows, T)
-        dense_mask = (doc[:, local, None] == doc[:, None, :]) & (torch.arange(T)[None, None, :] <= local[None, :, None])
+        query_ids, query_rows = doc[:, local], local.expand(rows, -1)
+        block_mask = document_block_mask(doc, FLEX_BLOCK, device, query_ids, query_rows) if \
+            torch.device(device).type == "cuda" else None
+        dense_documents = DenseDocuments(*(x.to(device) for x in (query_positions, doc)), False, block_mask,
+                                         *(x.to(device) for x in (query_ids, query_rows)))
 
     def put(x: torch.Tensor, varying: bool = True) -> torch.Tensor:
         x = x.to(device, non_blocking=True)
@@ -101,5 +106,5 @@ def context_shard(document_starts: torch.Tensor | None, rows: int, shard: Sequen
         query_positions=put(query_positions, False),
         chunks=tuple(ChunkKeys(*(put(x) for x in (c.tokens, c.blocks, c.cu_seqlens, c.cu_seqlens_q)))
                      for c in chunks),
-        dense_mask=None if dense_mask is None else put(dense_mask, False),
+        dense=dense_documents,
     )

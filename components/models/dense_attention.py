@@ -51,24 +51,27 @@ class DenseAttention(nn.Module):
         B, T, _ = x.shape
         if context is not None:
             # The baseline's context parallelism: every rank gathers all keys and values (one
-            # all-gather per layer) and attends its queries under an explicit [B, local, T] mask.
+            # all-gather per layer) and attends its queries to them, masked by document and position.
             q, k, v = self._qkv(x.reshape(1, B * T, -1), cos, sin, context.query_positions)
             kv = context.shard.gather(torch.cat([k, v], dim=2).view(B, T, 2 * self.n_kv_heads, self.head_dim))
             k, v = kv.split(self.n_kv_heads, dim=2)
-            o = _sdpa(q.view(B, T, self.n_heads, self.head_dim), k, v, mask=context.dense_mask[:, None])
-            return self.wo(o.reshape(B, T, -1))
+            return self.wo(self._attend(q.view(B, T, self.n_heads, self.head_dim), k, v, context.dense).reshape(B, T, -1))
         if documents is None or documents.one_per_row:
             q, k, v = self._qkv(x, cos, sin, torch.arange(T, device=x.device))
             return self.wo(_sdpa(q, k, v, mask=None).reshape(B, T, -1))
         q, k, v = (t.reshape(B, T, *t.shape[2:]) for t in self._qkv(x.reshape(1, B * T, -1), cos, sin,
                                                                      documents.positions))
+        return self.wo(self._attend(q, k, v, documents).reshape(B, T, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DenseDocuments) -> torch.Tensor:
+        """q [B, Tq, H, D] against k/v [B, T, Hkv, D] within documents -> [B, Tq, H, D]."""
         if documents.block_mask is not None and torch.compiler.is_compiling():
             # Compiled on CUDA: FlexAttention skips the key blocks of other documents (dense_documents.py).
             o = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                block_mask=documents.block_mask, enable_gqa=self.n_heads != self.n_kv_heads)
-            return self.wo(o.transpose(1, 2).reshape(B, T, -1))
-        # Eager, or on the CPU: each row's own document-causal mask [B, 1, T, T] (exact, O(T^2) booleans).
-        return self.wo(_sdpa(q, k, v, mask=documents.explicit_mask()).reshape(B, T, -1))
+            return o.transpose(1, 2)
+        # Eager, or on the CPU: an explicit [B, 1, Tq, T] mask (exact, O(Tq x T) booleans).
+        return _sdpa(q, k, v, mask=documents.explicit_mask())
 
     # ---- incremental decoding -------------------------------------------------------------
     def new_layer_cache(self, batch_size: int, capacity: int, device, dtype) -> LayerKV:

@@ -24,19 +24,26 @@ FLEX_BLOCK = 128  # tokens per FlexAttention block (its default tile)
 
 @dataclass(frozen=True)
 class DenseDocuments:
-    """The forward's `documents` for a dense model, all on the rows' device."""
+    """The forward's `documents` for a dense model, all on the rows' device. The queries are the rows'
+    tokens, or (context parallelism) a subset of them: query_ids and query_rows then say which."""
 
-    positions: torch.Tensor  # [B * T] int64: each token's position in its own document (for RoPE)
-    document_ids: torch.Tensor  # [B, T] int64: the document each token is in (rows never share one)
-    one_per_row: bool  # every row is a single document: plain causal attention
+    positions: torch.Tensor  # [B * Tq] int64: each query's position in its own document (for RoPE)
+    document_ids: torch.Tensor  # [B, T] int64: the document each token (key) is in (rows never share one)
+    one_per_row: bool  # every row is a single document (queries are whole rows): plain causal attention
     block_mask: BlockMask | None  # FlexAttention's mask (CUDA rows with several documents), else None
+    query_ids: torch.Tensor | None = None  # [B, Tq] int64: each query's document, when queries are a subset
+    query_rows: torch.Tensor | None = None  # [B, Tq] int64: each query's position in its row, likewise
 
     def explicit_mask(self) -> torch.Tensor:
-        """[B, 1, T, T] bool: a key is visible when it is in the query's document and not after it."""
-        ids = self.document_ids
-        T = ids.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-        return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+        """[B, 1, Tq, T] bool: a key is visible when it is in the query's document and not after it."""
+        keys = self.document_ids
+        T = keys.shape[1]
+        if self.query_ids is None:
+            queries, rows = keys, torch.arange(T, device=keys.device)[None]
+        else:
+            queries, rows = self.query_ids, self.query_rows
+        causal = torch.arange(T, device=keys.device)[None, None, :] <= rows[:, :, None]
+        return ((queries[:, :, None] == keys[:, None, :]) & causal)[:, None]
 
 
 def _block_tables(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,37 +54,54 @@ def _block_tables(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[:, None], indices[:, None]
 
 
-def document_block_mask(document_ids: torch.Tensor, block: int, device: torch.device) -> BlockMask:
-    """The FlexAttention mask of rows of packed documents, document_ids [B, T] nondecreasing per row (on
-    the host; the block tables are built there, then moved to `device`)."""
+def _per_block(x: torch.Tensor, block: int, pad: int) -> torch.Tensor:
+    """[B, N] -> [B, ceil(N / block), block], the last block padded with `pad`."""
+    B, N = x.shape
+    padded = torch.full((B, -(-N // block) * block), pad, dtype=x.dtype)
+    padded[:, :N] = x
+    return padded.view(B, -1, block)
+
+
+def document_block_mask(document_ids: torch.Tensor, block: int, device: torch.device,
+                        query_ids: torch.Tensor | None = None, query_rows: torch.Tensor | None = None) -> BlockMask:
+    """The FlexAttention mask of rows of packed documents: document_ids [B, T] (keys), nondecreasing per
+    row; the queries are the rows' tokens, or query_ids / query_rows [B, Tq] (their documents and row
+    positions). Built on the host, then moved to `device`."""
     B, T = document_ids.shape
-    nb = -(-T // block)
-    last_token = T - 1
-    starts = torch.arange(nb) * block
-    first = document_ids[:, starts]  # [B, nb]: the document of each block's first and last real token
-    last = document_ids[:, (starts + block - 1).clamp(max=last_token)]
-    index = torch.arange(nb)
-    causal = index[None, :] <= index[:, None]  # [q block, k block]
-    # Documents run in order along a row, so a key block can share a document with a query block at or
-    # after it exactly when the key block's last document is not before the query block's first.
-    touching = causal & (last[:, None, :] >= first[:, :, None])
-    whole = (first == last) & (starts + block <= T)  # one document and no padding
-    # Every visible key of an earlier block in the query block's own (single) document: no mask needed.
-    full = (index[None, :] < index[:, None]) & whole[:, None, :] & whole[:, :, None] & (
-        first[:, None, :] == first[:, :, None])
-    partial = touching & ~full
-    padded = torch.full((B, nb * block), -1, dtype=document_ids.dtype)  # padding matches no document
-    padded[:, :T] = document_ids
-    ids = padded.to(device)
+    if query_ids is None:
+        query_ids, query_rows = document_ids, torch.arange(T).expand(B, T)
+    Tq = query_ids.shape[1]
+    big = torch.iinfo(torch.int64).max
+    # Per block: the smallest and largest document and row position of its real tokens.
+    q_doc, q_row = _per_block(query_ids, block, -1), _per_block(query_rows, block, -1)
+    q_doc_min, q_doc_max = q_doc.masked_fill(q_doc < 0, big).amin(-1), q_doc.amax(-1)
+    q_row_min, q_row_max = q_row.masked_fill(q_row < 0, big).amin(-1), q_row.amax(-1)
+    k_doc = _per_block(document_ids, block, -1)
+    k_doc_min, k_doc_max = k_doc.masked_fill(k_doc < 0, big).amin(-1), k_doc.amax(-1)
+    k_row = torch.arange(k_doc.shape[1]) * block
+    k_row_max = (k_row + block - 1).clamp(max=T - 1)
+    q_whole = (q_doc_min == q_doc_max) & (q_row >= 0).all(-1)  # one document, no padding
+    k_whole = (k_doc_min == k_doc_max) & (k_doc >= 0).all(-1)
+    # [B, q block, k block]. Kept: some key is not after some query, and the blocks' document ranges meet
+    # (a superset when a query block holds two chunks; the mask decides there). Full: every key is in
+    # the one document of every query and not after any of them, so no mask is needed.
+    kept = ((k_row[None, None, :] <= q_row_max[:, :, None]) & (k_doc_max[:, None, :] >= q_doc_min[:, :, None])
+            & (k_doc_min[:, None, :] <= q_doc_max[:, :, None]))
+    full = (q_whole[:, :, None] & k_whole[:, None, :] & (k_doc_min[:, None, :] == q_doc_min[:, :, None])
+            & (k_row_max[None, None, :] <= q_row_min[:, :, None]))
+    keys = torch.cat([document_ids, torch.full((B, k_doc.numel() // B - T), -1, dtype=document_ids.dtype)], 1)
+    queries = q_doc.reshape(B, -1)  # padding (-1) matches no key document
+    rows = q_row.reshape(B, -1)
+    keys, queries, rows = keys.to(device), queries.to(device), rows.to(device)
 
-    def same_document_causal(b, h, q, kv):
-        return (ids[b, q] == ids[b, kv]) & (kv <= q)
+    def same_document_not_after(b, h, q, kv):
+        return (queries[b, q] == keys[b, kv]) & (kv <= rows[b, q])
 
-    kv_num, kv_index = _block_tables(partial)
+    kv_num, kv_index = _block_tables(kept & ~full)
     full_num, full_index = _block_tables(full)
     return BlockMask.from_kv_blocks(kv_num.to(device), kv_index.to(device), full_num.to(device),
-                                    full_index.to(device), BLOCK_SIZE=block, mask_mod=same_document_causal,
-                                    seq_lengths=(T, T))
+                                    full_index.to(device), BLOCK_SIZE=block, mask_mod=same_document_not_after,
+                                    seq_lengths=(Tq, T))
 
 
 def dense_documents(document_starts: torch.Tensor, device: torch.device, block: int = FLEX_BLOCK) -> DenseDocuments:
