@@ -55,7 +55,8 @@ class DenseAttention(nn.Module):
             q, k, v = self._qkv(x.reshape(1, B * T, -1), cos, sin, context.query_positions)
             kv = context.shard.gather(torch.cat([k, v], dim=2).view(B, T, 2 * self.n_kv_heads, self.head_dim))
             k, v = kv.split(self.n_kv_heads, dim=2)
-            return self.wo(self._attend(q.view(B, T, self.n_heads, self.head_dim), k, v, context.dense).reshape(B, T, -1))
+            o = self._attend(q.view(B, T, self.n_heads, self.head_dim), k, v, context.dense)
+            return self.wo(o.reshape(B, T, -1))
         if documents is None or documents.one_per_row:
             q, k, v = self._qkv(x, cos, sin, torch.arange(T, device=x.device))
             return self.wo(_sdpa(q, k, v, mask=None).reshape(B, T, -1))

@@ -53,10 +53,14 @@ def pyplot():
 def selection_counts(selected: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """selected [T, Hkv, n] (-1 unused) -> [T, num_blocks] int: how many groups selected each block."""
     T, groups, _ = selected.shape
-    chosen = torch.zeros(T, groups, num_blocks + 1, dtype=torch.int64)
     slots = torch.where(selected >= 0, selected, torch.full_like(selected, num_blocks)).cpu()
-    chosen.scatter_(2, slots, 1)  # a group counts once per block; unused slots land in the extra column
-    return chosen[:, :, :num_blocks].sum(dim=1)
+    counts = torch.zeros(T, num_blocks + 1, dtype=torch.int16)
+    chosen = torch.zeros(T, num_blocks + 1, dtype=torch.bool)  # one group at a time: bytes per cell, not int64 x groups
+    for g in range(groups):
+        chosen.zero_()
+        chosen.scatter_(1, slots[:, g], True)  # a group counts once per block; unused slots land in the extra column
+        counts += chosen
+    return counts[:, :num_blocks].long()
 
 
 def shade(fraction: float) -> tuple[int, int, int]:
