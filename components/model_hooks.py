@@ -22,6 +22,10 @@ engine calls them and knows nothing else about the model's insides. All are opti
                                               each of the batch's rows is split over a context-parallel
                                               group (components.sequence_shard.SequenceShard); the model
                                               then gets only this rank's tokens of every row
+    compiled(model, backend) -> None          the engine compiled the plan's blocks with this torch.compile
+                                              backend: the model may pick kernels that pay off only when
+                                              fused (the transformer's dense attention: FlexAttention under
+                                              inductor)
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ class Part:
     hf_format: Callable[..., Any] | None = None  # (args, vocab_size) -> HFFormat, for export/import in HF form
     # (model, document_starts or None, rows, SequenceShard, device) -> forward's context= (context parallelism)
     context_shard: Callable[..., Any] | None = None
+    compiled: Callable[..., None] | None = None  # (model, backend): the plan's blocks were compiled so
 
 
 _PARTS: dict[str, dict[str, Part]] = {kind: {} for kind in KINDS if kind != "attention_backend"}
@@ -60,7 +61,8 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
     An attention_backend's build is the op itself, with nsa_attention's signature minus `backend`;
     it must compute the reference's function (see tests/test_nsa_reference.py for the properties).
     Models may pass the hooks of Part (flops_per_token=, telemetry=, telemetry_applies=, parallel_plan=,
-    activation_memory=, self_check=, attention_maps=, describe=, documents=, hf_format=, context_shard=); a
+    activation_memory=, self_check=, attention_maps=, describe=, documents=, hf_format=, context_shard=,
+    compiled=); a
     transformer-shaped model passes **components.models.transformer_hooks().
     """
     if kind not in KINDS:

@@ -77,6 +77,9 @@ class Trainer:
         self.recipe = recipe = resolved.recipe
         self.runtime = runtime
         t, dump = recipe.training, recipe.job.dump_folder
+        if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":  # training.device = auto: known now
+            raise UserError(f"profiling.memory_snapshot records the CUDA allocator, but this run trains on "
+                            f"{runtime.device.type}. Fix: set --profiling.memory_snapshot=false, or train on CUDA.")
 
         fault = recipe.fault
         init_process_group(runtime, max(recipe.parallelism.init_timeout_seconds, fault.step_timeout_seconds + 60,
@@ -102,9 +105,6 @@ class Trainer:
         install_sigusr1(self.stacks_path)
         self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0)
         self.nan_guard = NanGuard(recipe.fault.max_bad_steps)
-        if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":
-            raise UserError(f"profiling.memory_snapshot records the CUDA allocator, but this run trains on "
-                            f"{runtime.device.type}. Fix: set --profiling.memory_snapshot=false, or train on CUDA.")
         self.profiler = StepProfiler(recipe.profiling, dump, runtime.rank, runtime.device, self._say)
 
         self.tokenizer = assemble.build_tokenizer(recipe)
@@ -174,6 +174,8 @@ class Trainer:
                                        recipe.activation_checkpoint.selective_every)
         if recipe.compile.enable:
             compile_blocks(plan.blocks, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend)
+            if self.model_part.compiled is not None:
+                self.model_part.compiled(self.model, recipe.compile.backend)
         if self.mesh is not None:
             apply_data_parallel(self.model, plan, self.mesh, param_dtype=runtime.autocast_dtype,
                                 reshard_after_forward=recipe.parallelism.fsdp_reshard_after_forward)

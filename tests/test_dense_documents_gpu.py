@@ -4,7 +4,7 @@ document block mask; their logits and every gradient equal the eager explicit-ma
 import pytest
 import torch
 
-from components.models import build_transformer
+from components.models import build_transformer, hooks
 from components.models.args import TransformerArgs
 from tests.test_models_packed import starts_of
 
@@ -22,8 +22,9 @@ def test_compiled_flex_attention_trains_like_the_explicit_mask():
     eager = build_transformer(args, 512).cuda()
     compiled = build_transformer(args, 512).cuda()
     compiled.load_state_dict(eager.state_dict())
-    for i, block in enumerate(compiled.layers):
-        compiled.layers[i] = torch.compile(block)
+    for block in compiled.layers:
+        block.compile()  # as the trainer compiles, and then tells the model (the `compiled` hook)
+    hooks.compiled(compiled, "inductor")
     tokens = torch.randint(0, 512, (2, T), device="cuda")
     # Documents of 1 to 700 tokens, ending on and off the 128-token blocks.
     starts = starts_of([[1, 127, 200, 696], [700, 324]], T)

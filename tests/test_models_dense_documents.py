@@ -34,7 +34,7 @@ SKIPPED = [5, 4 + 5, 0]
 
 def _document_ids(rows, T):
     starts = starts_of(rows, T)
-    return dense_documents(starts, torch.device("cpu")).document_ids
+    return dense_documents(starts, torch.device("cpu"), flex=False).document_ids
 
 
 def _tile_sets(mask, block):
@@ -143,7 +143,7 @@ def test_the_dense_layer_takes_flex_attention_when_compiled():
     args = tiny_args("dense")
     layer = DenseAttention(args)
     layer.init_weights(0.2, 0.2)
-    built = dense_documents(starts_of(rows, T), torch.device("cpu"))
+    built = dense_documents(starts_of(rows, T), torch.device("cpu"), flex=False)
     documents = DenseDocuments(built.positions, built.document_ids, False,
                                document_block_mask(built.document_ids, BLOCK, torch.device("cpu")))
     x = torch.randn(len(rows), T, args.dim)
@@ -170,14 +170,33 @@ def _rope(args, T):
 
 
 def test_rows_of_one_document_take_plain_causal_attention():
+    """Causal SDPA (is_causal, the flash kernels) where every row is one document, equal to the mask."""
     torch.manual_seed(0)
     model = build_transformer(tiny_args("dense"), VOCAB).double()
     tokens = torch.randint(0, VOCAB, (2, 40))
-    one_per_row = torch.zeros(2, 40, dtype=torch.bool)
-    documents = model.document_layout(one_per_row, tokens.device)
+    documents = model.document_layout(torch.zeros(2, 40, dtype=torch.bool), tokens.device)
     assert isinstance(documents, DenseDocuments) and documents.one_per_row and documents.block_mask is None
-    torch.testing.assert_close(model(tokens, documents), model(tokens), rtol=1e-12, atol=1e-12)
+    masked = DenseDocuments(documents.positions, documents.document_ids, False, None)
+    torch.testing.assert_close(model(tokens, documents), model(tokens, masked), rtol=1e-12, atol=1e-12)
     several = model.document_layout(starts_of([[10, 30], [40]], 40), tokens.device)
     assert not several.one_per_row
-    assert several.block_mask is None  # FlexAttention runs on CUDA only: no mask is built for the CPU
     assert several.document_ids.tolist()[1] == [2] * 40 and several.positions.tolist()[:12] == [*range(10), 0, 1]
+
+
+def test_the_block_mask_is_built_only_where_flex_attention_runs():
+    """Blocks compiled with inductor (the `compiled` hook says so) on CUDA; never for the CPU, never for
+    other backends, never for rows of one document."""
+    from components.models.hooks import compiled
+
+    starts = starts_of([[10, 30], [40]], 40)
+    assert dense_documents(starts, torch.device("cpu"), flex=True).block_mask is not None
+    assert dense_documents(starts, torch.device("cpu"), flex=False).block_mask is None
+    assert dense_documents(torch.zeros(2, 40, dtype=torch.bool), torch.device("cpu"), flex=True).block_mask is None
+    model = build_transformer(tiny_args("dense"), VOCAB)
+    assert not model.use_flex_attention
+    for backend, flex in (("inductor", True), ("aot_eager", False), ("eager", False)):
+        compiled(model, backend)
+        assert model.use_flex_attention == flex
+        assert model._flex_on(torch.device("cuda")) == flex and not model._flex_on(torch.device("cpu"))
+    compiled(model, "inductor")
+    assert model.document_layout(starts, torch.device("cpu")).block_mask is None

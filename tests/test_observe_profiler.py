@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.profiler import ProfilerAction
 
 from nsa_titan import cli
 from nsa_titan.observe.step_profiler import StepProfiler
@@ -26,7 +27,7 @@ def test_training_writes_the_profiled_steps(tmp_path, capsys):
             "--profiling.steps=2", f"--job.dump_folder={out}"]
     assert cli.main(["train", *argv]) == 0
     assert f"profiling: steps 3..4 written to {out / 'profile'}" in capsys.readouterr().out
-    assert _profiled_steps(out / "profile" / "trace_rank0.json.gz") == [3, 4]  # the warmup step 2 is not kept
+    assert _profiled_steps(out / "profile" / "trace_rank0.json.gz") == [3, 4]  # step 2 warms up, not kept
     table = (out / "profile" / "ops_rank0.txt").read_text()
     assert "aten::mm" in table and "Self CPU" in table
 
@@ -52,17 +53,32 @@ def test_a_run_resumed_past_the_window_says_nothing_is_profiled(tmp_path):
     assert not (tmp_path / "profile").exists()
 
 
-def test_a_run_ending_inside_the_window_writes_what_it_recorded(tmp_path):
-    said = []
-    profiler = StepProfiler(_config(steps=5), str(tmp_path), 1, torch.device("cpu"), said.append)
-    for step in (1, 2, 3, 4):  # the run stops after step 4 of the window 3..7
+@pytest.mark.parametrize("start, steps, run, recorded", [
+    (3, 2, range(1, 7), [3, 4]),  # step 2 warms up
+    (1, 3, range(1, 6), [1, 2, 3]),  # nothing before step 1 to warm up with
+    (3, 2, range(3, 7), [3, 4]),  # resumed at the window's first step
+    (1, 1, range(1, 3), [1]),
+    (3, 5, range(1, 5), [3, 4, 5]),  # the run stops after step 4 inside the window 3..7: what ran after
+                                     # step 4 until the end (a checkpoint, say) shows under the next name
+])
+def test_the_window_is_recorded_whole(tmp_path, start, steps, run, recorded):
+    said, actions = [], {}
+    profiler = StepProfiler(_config(start_step=start, steps=steps), str(tmp_path), 1, torch.device("cpu"),
+                            said.append)
+    for step in run:
         profiler.before_step(step)
+        if profiler._profile is not None:
+            actions[step] = profiler._profile.current_action
         _work()
         profiler.after_step(step)
     profiler.close()
-    assert said == [f"profiling: steps 3..4 written to {tmp_path / 'profile'}"]
-    # Steps 3 and 4, and what ran after step 4 until the end (a checkpoint, say) under the next step's name.
-    assert _profiled_steps(tmp_path / "profile" / "trace_rank1.json.gz") == [3, 4, 5]
+    last = min(start + steps - 1, run[-1])
+    assert said == [f"profiling: steps {start}..{last} written to {tmp_path / 'profile'}"]
+    assert _profiled_steps(tmp_path / "profile" / "trace_rank1.json.gz") == recorded
+    assert (tmp_path / "profile" / "ops_rank1.txt").exists()
+    if start > run[0]:
+        assert actions[start - 1] == ProfilerAction.WARMUP
+    assert all(actions[s] in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE) for s in range(start, last + 1))
 
 
 def test_disabled_profiling_records_nothing(tmp_path):
@@ -77,6 +93,7 @@ def test_disabled_profiling_records_nothing(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["--profiling.enable=true", "--profiling.start_step=4", "--profiling.steps=3", "--training.steps=5"],
      "start_step at most 3"),
+    (["--profiling.enable=true", "--profiling.steps=9", "--training.steps=5"], "lower profiling.steps to at most 5"),
     (["--profiling.memory_snapshot=true"], "profiling.enable is false"),
     (["--profiling.enable=true", "--profiling.memory_snapshot=true", "--training.device=cpu"],
      "training.device is 'cpu'"),
@@ -95,3 +112,4 @@ def test_a_memory_snapshot_off_cuda_is_an_error(tmp_path, capsys):
             f"--job.dump_folder={tmp_path / 'run'}"]
     assert cli.main(["train", *argv]) == 2
     assert "this run trains on cpu. Fix: set --profiling.memory_snapshot=false" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made

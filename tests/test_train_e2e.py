@@ -147,3 +147,20 @@ def test_document_masking_reaches_the_model_in_training_and_validation(tmp_path,
         assert cu_seqlens is not None and cu_seqlens[-1] == 2 * 64 and len(cu_seqlens) > 4  # short documents
     assert all(cu_seqlens is None for _, cu_seqlens in runs["false"][0])
     assert runs["true"][1] != runs["false"][1]
+
+
+@pytest.mark.parametrize("compile_args, flex", [([], False), (["--compile.enable=true"], True),
+                                                 (["--compile.enable=true", "--compile.backend=aot_eager"], False)])
+def test_the_trainer_tells_the_model_its_compile_backend(tmp_path, compile_args, flex):
+    """The `compiled` hook: dense attention takes FlexAttention only in blocks inductor compiles."""
+    from nsa_titan.runtime import make_runtime
+    from nsa_titan.trainer import Trainer
+
+    dense_recipe = DEBUG.replace("debug.toml", "debug_dense.toml")
+    tiny = [a for a in TINY if "nsa." not in a]
+    resolved = resolve([dense_recipe, *tiny, *compile_args, f"--job.dump_folder={tmp_path}"])
+    trainer = Trainer(resolved, make_runtime("cpu", "float32"))
+    try:
+        assert trainer.model.use_flex_attention is flex
+    finally:
+        trainer.close()

@@ -69,9 +69,10 @@ def _chunk_keys(cu: torch.Tensor, first_block: torch.Tensor, rows: int, seq_len:
 
 
 def context_shard(document_starts: torch.Tensor | None, rows: int, shard: SequenceShard, *, block_size: int,
-                  block_stride: int, dense: bool, device: torch.device) -> ContextShard:
+                  block_stride: int, dense: bool, device: torch.device, flex: bool = False) -> ContextShard:
     """This rank's ContextShard for B = rows rows of shard.seq_len tokens. document_starts [B, T] bool
-    (host) marks where documents start; None: every row is one document."""
+    (host) marks where documents start; None: every row is one document. flex: dense attention runs
+    FlexAttention (build its block mask)."""
     T = shard.seq_len
     if document_starts is None:
         document_starts = torch.zeros(rows, T, dtype=torch.bool)
@@ -88,8 +89,7 @@ def context_shard(document_starts: torch.Tensor | None, rows: int, shard: Sequen
     if dense:
         doc = (torch.searchsorted(cu, torch.arange(rows * T), right=True) - 1).view(rows, T)
         query_ids, query_rows = doc[:, local], local.expand(rows, -1)
-        block_mask = document_block_mask(doc, FLEX_BLOCK, device, query_ids, query_rows) if \
-            torch.device(device).type == "cuda" else None
+        block_mask = document_block_mask(doc, FLEX_BLOCK, device, query_ids, query_rows) if flex else None
         dense_documents = DenseDocuments(*(x.to(device) for x in (query_positions, doc)), False, block_mask,
                                          *(x.to(device) for x in (query_ids, query_rows)))
 

@@ -5,9 +5,9 @@ Otherwise, on CUDA, the rows get a FlexAttention BlockMask built from where docu
 [query block, key block] pair is skipped when the two share no document, computed without a mask
 when both blocks lie inside one document, and masked token by token only where a document
 boundary crosses one of them. The work is then that of the documents alone. FlexAttention is fast
-only when compiled (eager, it computes every score), and it has no CPU backward, so compiled
-blocks on CUDA use it and everything else uses SDPA with an explicit [B, 1, T, T] mask; both are
-exact.
+only when compiled by inductor (otherwise it computes every score), and it has no CPU backward, so
+blocks compiled with inductor on CUDA use it and everything else uses SDPA with an explicit
+[B, 1, T, T] mask; both are exact.
 """
 
 from __future__ import annotations
@@ -104,10 +104,11 @@ def document_block_mask(document_ids: torch.Tensor, block: int, device: torch.de
                                     seq_lengths=(Tq, T))
 
 
-def dense_documents(document_starts: torch.Tensor, device: torch.device, block: int = FLEX_BLOCK) -> DenseDocuments:
+def dense_documents(document_starts: torch.Tensor, device: torch.device, *, flex: bool,
+                    block: int = FLEX_BLOCK) -> DenseDocuments:
     """The rows' documents as dense attention takes them, built on the host from document_starts [B, T]
-    bool (keep it there: no device sync) and put on `device`. The FlexAttention mask is built for CUDA
-    devices only (the only place it runs)."""
+    bool (keep it there: no device sync) and put on `device`; with flex (compiled with inductor on
+    CUDA, the only place it pays) also the FlexAttention mask, unless every row is one document."""
     cu = cu_seqlens_of_rows(document_starts)
     B, T = document_starts.shape
     lengths = cu.diff()
@@ -115,6 +116,6 @@ def dense_documents(document_starts: torch.Tensor, device: torch.device, block: 
     ids = torch.arange(lengths.numel()).repeat_interleave(lengths).view(B, T)
     one_per_row = lengths.numel() == B
     device = torch.device(device)
-    mask = None if one_per_row or device.type != "cuda" else document_block_mask(ids, block, device)
+    mask = document_block_mask(ids, block, device) if flex and not one_per_row else None
     return DenseDocuments(positions.to(device, non_blocking=True), ids.to(device, non_blocking=True), one_per_row,
                           mask)

@@ -12,6 +12,7 @@
                        components/models/dense_documents.py for dense), else None
     hf_format          components/models/hf: the model as a Hugging Face folder
     context_shard      context parallelism: this rank's share of a batch's rows (components/models/context_parallel.py)
+    compiled           the blocks' compile backend: dense attention takes FlexAttention under inductor
 
 Elements saved per token per block (activation_memory's per_block):
     4 d + 4 h                              two RMSNorms (input, output) and SwiGLU (w1, w3, silu, product)
@@ -110,6 +111,12 @@ def documents(model, document_starts: torch.Tensor, device: torch.device):
     return model.document_layout(document_starts, device) if model.args.document_masking else None
 
 
+def compiled(model, backend: str) -> None:
+    """Dense attention masks documents through FlexAttention only where inductor fuses it (elsewhere
+    it computes every score): tell the model which backend compiled its blocks."""
+    model.use_flex_attention = backend == "inductor"
+
+
 def context_shard(model, document_starts: torch.Tensor | None, rows: int, shard, device: torch.device):
     """The forward's `context` for this rank's share of a batch (context parallelism)."""
     return model.context_shard(document_starts, rows, shard, device)
@@ -121,4 +128,4 @@ def transformer_hooks() -> dict:
     return dict(flops_per_token=flops_per_token, telemetry=collect_nsa_telemetry, telemetry_applies=telemetry_applies,
                 parallel_plan=parallel_plan, activation_memory=activation_memory, self_check=self_check,
                 attention_maps=attention_maps, describe=describe, documents=documents, hf_format=hf_format,
-                context_shard=context_shard)
+                context_shard=context_shard, compiled=compiled)

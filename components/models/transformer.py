@@ -66,6 +66,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, vocab_size, bias=False)
+        # Dense attention masks documents through FlexAttention when its blocks are compiled with inductor
+        # (set by the `compiled` hook) on CUDA; otherwise through an explicit mask.
+        self.use_flex_attention = False
         self._tie()
         if not self.norm.weight.is_meta:
             self.init_weights()
@@ -166,7 +169,10 @@ class Transformer(nn.Module):
         nsa = self.args.nsa
         return context_shard(document_starts if self.args.document_masking else None, rows, shard,
                              block_size=nsa.block_size, block_stride=nsa.block_stride,
-                             dense=self.args.attention != "nsa", device=device)
+                             dense=self.args.attention != "nsa", flex=self._flex_on(device), device=device)
+
+    def _flex_on(self, device) -> bool:
+        return self.use_flex_attention and torch.device(device).type == "cuda"  # FlexAttention has no CPU backward
 
     def document_layout(self, document_starts: torch.Tensor,
                         device: torch.device) -> DocumentLayout | DenseDocuments:
@@ -175,7 +181,7 @@ class Transformer(nn.Module):
         blocks) change from batch to batch, so they are marked dynamic: compiled blocks take any
         boundaries without recompiling. Dense attention's tensors have the batch's shape."""
         if self.args.attention != "nsa":
-            return dense_documents(document_starts, device)
+            return dense_documents(document_starts, device, flex=self._flex_on(device))
         nsa = self.args.nsa
         layout = rows_layout(document_starts, nsa.block_size, nsa.block_stride, device)
         for varying in (layout.cu_seqlens, layout.block_starts, layout.block_positions):

@@ -92,7 +92,8 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if prof.enable and prof.start_step + prof.steps - 1 > t.steps:
         add("profiling.start_step", prof.start_step, f"with profiling.steps = {prof.steps} ends after training.steps "
             f"= {t.steps}, so the window would never be written whole",
-            f"profile steps within the run: start_step at most {max(1, t.steps - prof.steps + 1)}")
+            f"profile steps within the run: start_step at most {t.steps - prof.steps + 1}" if prof.steps <= t.steps
+            else f"lower profiling.steps to at most {t.steps} and start at step 1, or train longer")
     if prof.memory_snapshot and not prof.enable:
         add("profiling.memory_snapshot", True, "is recorded over the profiled steps, but profiling.enable is false",
             "set profiling.enable = true, or memory_snapshot = false")

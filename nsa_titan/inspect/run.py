@@ -130,6 +130,9 @@ def _compiled_model(recipe, runtime, vocab_size: int):
     tracker = BlockTracker()
     recorder = RecordingBackend(recipe.compile.backend, tracker)
     compile_blocks(blocks, fullgraph=False, backend=recorder)
+    part = registry.get("model", recipe.model.name)
+    if part.compiled is not None:  # the model picks its kernels as it does for the backend in training
+        part.compiled(model, recipe.compile.backend)
     tracker.attach(blocks)
     assemble.materialize(model, runtime.device, recipe.job.seed, build_reference=build_on_meta, distributed=False)
     model.train()

@@ -11,6 +11,7 @@ steps) are recorded after one warmup step, and every rank writes into job.dump_f
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -46,10 +47,14 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         # The profiler counts from step_num: starting it at the run's step number names the trace's
         # ProfilerStep#N after the run's steps, and skip_first keeps the schedule's window where it is.
-        self._profile = profile(activities=activities, schedule=schedule(skip_first=step, wait=0, warmup=warmup,
-                                                                           active=self.config.steps, repeat=1),
-                                on_trace_ready=self._write, record_shapes=True, profile_memory=True)
+        with warnings.catch_warnings():  # no warmup only where the run starts inside the window: nothing to warm
+            warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+            self._profile = profile(activities=activities,
+                                    schedule=schedule(skip_first=step, wait=0, warmup=warmup, active=self.config.steps,
+                                                      repeat=1),
+                                    on_trace_ready=self._write, record_shapes=True, profile_memory=True)
         self._profile.step_num = step
+        self._profile.current_action = self._profile.schedule(step)  # the profiler read schedule(0) when built
         if self.config.memory_snapshot:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
         self._profile.__enter__()
