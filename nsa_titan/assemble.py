@@ -110,4 +110,5 @@ def build_loader(recipe: Recipe, runtime: Runtime, source, tokenizer, *, dp_rank
                             split=split, seed=recipe.job.seed, num_workers=data.num_workers,
                             prefetch_factor=data.prefetch_factor,
                             pin_memory=data.pin_memory and runtime.device.type == "cuda", add_bos=data.add_bos,
-                            shard_states=shard_states, check_source=False)
+                            min_document_tokens=data.min_document_tokens, shard_states=shard_states,
+                            check_source=False)

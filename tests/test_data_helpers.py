@@ -83,18 +83,25 @@ def _tokens(tokenizer, doc) -> list[int]:
 class ShardStreamModel:
     """The token stream of one shard, grown epoch by epoch on demand."""
 
-    def __init__(self, source, tokenizer, shard, num_shards, split, seed, add_bos=False):
+    def __init__(self, source, tokenizer, shard, num_shards, split, seed, add_bos=False, min_document_tokens=0):
         self.args = (source, tokenizer, shard, num_shards, split, seed)
         self.bos = [tokenizer.bos_id] if add_bos else []
+        self.min_document_tokens = min_document_tokens
         self.tokens: list[int] = []
         self.epoch = 0
-        self.empty = not shard_documents(source, shard, num_shards, split, seed, 0)
+        self.empty = not self._documents(0)
+
+    def _documents(self, epoch: int) -> list[list[int]]:
+        """The epoch's documents as the stream holds them ([BOS] + tokens + EOS), the short ones left out."""
+        source, tokenizer, shard, num_shards, split, seed = self.args
+        docs = [self.bos + _tokens(tokenizer, d) + [tokenizer.eos_id]
+                for d in shard_documents(source, shard, num_shards, split, seed, epoch)]
+        return [d for d in docs if len(d) >= self.min_document_tokens]
 
     def window(self, k: int, seq_len: int) -> torch.Tensor:
-        source, tokenizer, shard, num_shards, split, seed = self.args
         while len(self.tokens) < (k + 1) * seq_len + 1:
-            for doc in shard_documents(source, shard, num_shards, split, seed, self.epoch):
-                self.tokens += self.bos + _tokens(tokenizer, doc) + [tokenizer.eos_id]
+            for doc in self._documents(self.epoch):
+                self.tokens += doc
             self.epoch += 1
         return torch.tensor(self.tokens[k * seq_len : k * seq_len + seq_len + 1], dtype=torch.long)
 
@@ -114,6 +121,7 @@ def expected_batches(
     num_workers=0,
     start_counts: dict[int, int] | None = None,
     models: dict[int, ShardStreamModel] | None = None,
+    min_document_tokens: int = 0,
 ):
     """(batches, per-batch shard ids) a rank must yield; workers take turns batch by batch."""
     rank_shards = list(range(dp_rank, logical_shards, dp_world_size))
@@ -121,7 +129,8 @@ def expected_batches(
     models = models if models is not None else {}
     for s in rank_shards:
         if s not in models:
-            models[s] = ShardStreamModel(source, tokenizer, s, logical_shards, split, seed)
+            models[s] = ShardStreamModel(source, tokenizer, s, logical_shards, split, seed,
+                                         min_document_tokens=min_document_tokens)
     counts = {s: (start_counts or {}).get(s, 0) for s in rank_shards}
     batches, owners = [], []
     for b in range(num_batches):

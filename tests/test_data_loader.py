@@ -177,6 +177,38 @@ def test_exact_resume_with_two_workers(tmp_path, kind):
     check_exact_resume(make_source(kind, tmp_path), 2, 2, advance=7, follow=5, check_model=kind != "python_stdlib")
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_short_documents_are_skipped_and_resume_exactly(workers):
+    """data.min_document_tokens: the stream is the documents of at least that many tokens (EOS included),
+    in order; a resume from mid-stream, with skipped documents behind and ahead, continues it."""
+    new_source = make_source("synthetic", None)
+    layout = dict(seq_len=64, batch_size=2, logical_shards=4, num_workers=workers)
+    loader = byte_loader(new_source(), min_document_tokens=20, **layout)
+    it = iter(loader)
+    for _ in range(9):
+        next(it)
+    saved = pickle.loads(pickle.dumps(loader.state_dict()))
+    reference = [next(it) for _ in range(6)]
+    want, _ = expected_batches(new_source(), TOK, num_batches=15, min_document_tokens=20, **layout)
+    assert_same_batches(reference, want[9:])
+    unfiltered, _ = expected_batches(new_source(), TOK, num_batches=15, **layout)
+    assert not all(torch.equal(a["input"], b["input"]) for a, b in zip(want, unfiltered))  # the filter bites
+    whole = [b - a for batch in want for starts in batch["document_starts"]  # documents inside a row: the
+             for a, b in zip(starts.nonzero().flatten().tolist()[1:], starts.nonzero().flatten().tolist()[2:])]
+    assert whole and min(whole) >= 20  # first and last may be cut by the row's ends
+    resumed = byte_loader(new_source(), min_document_tokens=20, **layout)
+    resumed.load_state_dict(saved)
+    assert_same_batches(take(resumed, 6), reference)
+    with pytest.raises(UserError, match="another data stream"):
+        byte_loader(new_source(), min_document_tokens=10, **layout).load_state_dict(saved)
+
+
+def test_a_filter_that_leaves_no_document_says_so():
+    source = SyntheticSource(SyntheticArgs(num_documents=8, min_length=2, max_length=30, vocab_size=200))
+    with pytest.raises(UserError, match="at least data.min_document_tokens = 100 tokens.*lower min_document_tokens"):
+        take(byte_loader(source, min_document_tokens=100, logical_shards=1), 1)
+
+
 def test_resume_before_the_first_batch(tmp_path):
     source, _ = jsonl_source(tmp_path)
     loader = byte_loader(source, num_workers=0)

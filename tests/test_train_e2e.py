@@ -164,3 +164,24 @@ def test_the_trainer_tells_the_model_its_compile_backend(tmp_path, compile_args,
         assert trainer.model.use_flex_attention is flex
     finally:
         trainer.close()
+
+
+def test_the_recipe_filter_reaches_the_loader(tmp_path):
+    """data.min_document_tokens from the recipe: the debug recipe's stream holds long documents only."""
+    from nsa_titan import assemble
+    from nsa_titan.runtime import make_runtime
+
+    def document_lengths(minimum):
+        recipe = resolve([DEBUG, *TINY, f"--data.min_document_tokens={minimum}", "--data.logical_shards=1",
+                          "--training.seq_len=1024", "--model.max_seq_len=1024",
+                          f"--job.dump_folder={tmp_path}"]).recipe
+        source, tokenizer = assemble.build_source(recipe), assemble.build_tokenizer(recipe)
+        loader = assemble.build_loader(recipe, make_runtime("cpu", "float32"), source, tokenizer, dp_rank=0,
+                                       dp_size=1, split="train", batch_size=2)
+        it = iter(loader)  # one shard: the rows' inputs, one after another, are the stream
+        stream = torch.cat([next(it)["input"].flatten() for _ in range(40)])
+        edges = (stream == tokenizer.eos_id).nonzero().flatten().tolist()  # document ends
+        return [b - a for a, b in zip(edges[1:], edges[2:])]  # documents wholly inside the span
+
+    assert min(document_lengths(0)) < 3000
+    assert document_lengths(3000) and min(document_lengths(3000)) >= 3000

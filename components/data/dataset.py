@@ -33,6 +33,7 @@ class PackedShardsDataset(IterableDataset):
         seed: int,
         add_bos: bool,
         stream_id: str,
+        min_document_tokens: int = 0,
         dp_rank: int,
         shard_states: dict[int, dict] | None = None,
     ):
@@ -44,6 +45,7 @@ class PackedShardsDataset(IterableDataset):
         self.split = split
         self.seed = seed
         self.bos_id = tokenizer.bos_id if add_bos else None
+        self.min_document_tokens = min_document_tokens
         self.stream_id = stream_id
         self.dp_rank = dp_rank
         self._states: dict[int, dict] = {s: fresh_shard_state() for s in self.rank_shards}
@@ -103,8 +105,11 @@ class PackedShardsDataset(IterableDataset):
             for doc, cursor_after in self.source.documents(
                 shard, self.logical_shards, self.split, self.seed, epoch, cursor
             ):
-                tokens = encode_array(self.tokenizer, doc) if isinstance(doc, str) else doc
-                yield document_tokens(tokens, self.bos_id, self.tokenizer.eos_id), cursor_after
+                tokens = document_tokens(encode_array(self.tokenizer, doc) if isinstance(doc, str) else doc,
+                                         self.bos_id, self.tokenizer.eos_id)
+                # A skipped document is read again on resume (cursors count source documents) and skipped again.
+                if len(tokens) >= self.min_document_tokens:
+                    yield tokens, cursor_after
 
         return open_documents
 
@@ -121,10 +126,13 @@ class PackedShardsDataset(IterableDataset):
                 worker = torch.utils.data.get_worker_info()
                 if worker is not None and worker.num_workers > 1:
                     return  # this worker's shards are empty; the rank's other workers go on (the loader checks the rank)
+                at_least = f" of at least data.min_document_tokens = {self.min_document_tokens} tokens" \
+                    if self.min_document_tokens else ""
                 raise UserError(
                     f"data split {self.split!r}: logical shards {sorted(packers)} of rank {self.dp_rank} hold no "
-                    f"documents, so this rank has nothing to train on; add data, lower logical_shards "
+                    f"documents{at_least}, so this rank has nothing to train on; add data, lower logical_shards "
                     f"({self.logical_shards}) or num_workers, or raise the validation fraction for validation"
+                    + (", or lower min_document_tokens" if self.min_document_tokens else "")
                 )
             window = packers[next_shard(live)].next_window_with_starts()
             if window is None:

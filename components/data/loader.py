@@ -57,11 +57,13 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
         super().load_state_dict(state_dict)
 
 
-def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, add_bos: bool) -> str:
+def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, add_bos: bool,
+              min_document_tokens: int = 0) -> str:
     """Everything that fixes a shard's token stream; a saved state only continues an equal stream."""
     return (
         f"{source.fingerprint()}|tokenizer={tokenizer.name}:{tokenizer.vocab_size}|add_bos={add_bos}"
         f"|seed={seed}|logical_shards={logical_shards}|split={split}"
+        + (f"|min_document_tokens={min_document_tokens}" if min_document_tokens else "")  # older states stay valid
     )
 
 
@@ -80,6 +82,7 @@ def build_dataloader(
     prefetch_factor: int = 2,
     pin_memory: bool = False,
     add_bos: bool = False,
+    min_document_tokens: int = 0,
     shard_states: dict[int, dict] | None = None,
     check_source: bool = True,
 ) -> StatefulDataLoader:
@@ -115,7 +118,9 @@ def build_dataloader(
         split=split,
         seed=seed,
         add_bos=add_bos,
-        stream_id=stream_id(source, tokenizer, split=split, seed=seed, logical_shards=logical_shards, add_bos=add_bos),
+        min_document_tokens=min_document_tokens,
+        stream_id=stream_id(source, tokenizer, split=split, seed=seed, logical_shards=logical_shards, add_bos=add_bos,
+                            min_document_tokens=min_document_tokens),
         dp_rank=dp_rank,
         shard_states=shard_states,
     )

@@ -49,6 +49,9 @@ class DataConfig:
     prefetch_factor: int = f(2, "Batches each worker prepares ahead (needs num_workers > 0).", ge=1)
     pin_memory: bool = f(True, "Pin host batches for faster copies to a CUDA device (no effect on CPU).")
     add_bos: bool = f(False, "Start every document with the tokenizer's BOS token (documents always end with EOS).")
+    min_document_tokens: int = f(0, "Skip documents shorter than this many tokens (BOS and EOS included), in training "
+                                    "and validation: long-context training on long documents. 0 keeps every one.",
+                                 ge=0)
     source_args: Any = f(None, "The chosen source's arguments, in the table [data.<source>].",
                          args_for="source", placement="table")
     tokenizer_args: Any = f(None, "The chosen tokenizer's arguments, in the table [data.<tokenizer>].",
