@@ -4,7 +4,10 @@
     python -m bench.train_throughput --recipes recipes/nsa_125m.toml --seq-lens 2048 --steps 30
 
 Each case trains on the synthetic source (so data never limits the speed) with the recipe's own
-model, precision and compile settings, one process, checkpoints and validation off. The vocabulary
+model, precision and compile settings, one process, checkpoints and validation off. With
+--documents row (the default) every row is one document of seq_len tokens, so attention spans the
+whole length, as in long-context training on long documents; --documents packed keeps the synthetic
+source's 64-1024-token documents, packed and masked apart (attention then spans at most 1k tokens). The vocabulary
 is a stand-in BPE file of --vocab-size entries (default GPT-2's 50257, the 125M recipes' tokenizer),
 so the embedding and output layer cost what they cost in the real run, with no download. The result is
 the median tokens/s over the steps after warmup (compilation and autotuning excluded), written as
@@ -40,11 +43,14 @@ def write_standin_bpe(path: str, vocab_size: int) -> None:
 
 
 def synthetic_run_argv(recipe_path: str, seq_len: int, steps: int, local_batch: int, vocab_size: int, dump: str,
-                       extra: list[str]) -> list[str]:
+                       extra: list[str], one_document_per_row: bool = False) -> list[str]:
     """The recipe as a benchmark runs it: synthetic data over a stand-in vocabulary (written into
-    dump), one data rank's batch of local_batch rows a step, nothing saved, every step logged."""
+    dump), one data rank's batch of local_batch rows a step, nothing saved, every step logged.
+    one_document_per_row: documents of seq_len - 1 tokens, each with its EOS exactly one row."""
     bpe = os.path.join(dump, "standin.tiktoken")
     write_standin_bpe(bpe, vocab_size)
+    rows = [f"--data.synthetic.min_length={seq_len - 1}", f"--data.synthetic.max_length={seq_len - 1}"] \
+        if one_document_per_row else []
     return [recipe_path, f"--training.seq_len={seq_len}", f"--model.max_seq_len={max(seq_len, 2048)}",
             f"--training.steps={steps}", f"--training.local_batch_size={local_batch}",
             f"--training.global_batch_size={local_batch}", "--data.source=synthetic",
@@ -52,17 +58,18 @@ def synthetic_run_argv(recipe_path: str, seq_len: int, steps: int, local_batch: 
             f"--data.synthetic.vocab_size={vocab_size - 1}",
             "--data.num_workers=2", "--checkpoint.enable=false", "--validation.enable=false",
             "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--metrics.telemetry_freq=0",
-            "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={dump}", *extra]
+            "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={dump}", *rows, *extra]
 
 
 def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batch: int, vocab_size: int,
-             extra: list[str]) -> dict:
+             extra: list[str], documents: str = "row") -> dict:
     from nsa_titan.config import resolve
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as dump:
-        resolved = resolve(synthetic_run_argv(recipe_path, seq_len, steps, local_batch, vocab_size, dump, extra))
+        resolved = resolve(synthetic_run_argv(recipe_path, seq_len, steps, local_batch, vocab_size, dump, extra,
+                                              one_document_per_row=documents == "row"))
         runtime = make_runtime(resolved.recipe.training.device, resolved.recipe.training.dtype)
         if runtime.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -79,6 +86,7 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
     return {
         "recipe": recipe_path,
         "seq_len": seq_len,
+        "documents": "one per row" if documents == "row" else "packed (synthetic 64-1024 tokens)",
         "local_batch_size": local_batch,
         "steps": steps,
         "warmup_steps_excluded": warmup,
@@ -100,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--vocab-size", type=int, default=50257, help="stand-in vocabulary size (GPT-2: 50257)")
+    parser.add_argument("--documents", choices=("row", "packed"), default="row",
+                        help="row: every row one seq_len-token document; packed: short documents, masked apart")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test, not a benchmark)")
     args = parser.parse_args(argv)
@@ -115,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             if seq_len > 8192:
                 extra.append("--activation_checkpoint.mode=full")
             try:
-                result = run_case(recipe, seq_len, args.steps, args.warmup, batch, args.vocab_size, extra)
+                result = run_case(recipe, seq_len, args.steps, args.warmup, batch, args.vocab_size, extra,
+                                  args.documents)
             except torch.OutOfMemoryError as exc:
                 result = {"recipe": recipe, "seq_len": seq_len, "local_batch_size": batch, "error": f"OOM: {exc}"}
             print(json.dumps(result), flush=True)

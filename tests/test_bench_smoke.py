@@ -29,10 +29,33 @@ def test_train_throughput_writes_a_result(tmp_path, monkeypatch, capsys):
     result = json.loads((tmp_path / "train_throughput.json").read_text())
     (case,) = result["results"]
     assert case["tokens_per_second"] > 0 and case["local_batch_size"] == 2
+    assert case["documents"] == "one per row"
     # The stand-in vocabulary sized the model: embedding and output layer of 1000 rows each.
     assert case["vocab_size"] == 1000
     assert case["parameters"] == _debug_model_parameters(vocab_size=1000)
     assert result["environment"]["torch"] and result["environment"]["commit"]
+
+
+@pytest.mark.parametrize("one_per_row", [True, False])
+def test_benchmark_rows_are_one_document_each_by_default(tmp_path, one_per_row):
+    """--documents row: attention spans each row whole (dense takes plain causal SDPA, NSA one document)."""
+    from nsa_titan import assemble
+    from nsa_titan.config import resolve
+    from nsa_titan.runtime import make_runtime
+
+    argv = train_throughput.synthetic_run_argv("recipes/debug.toml", 128, 2, 2, 1000, str(tmp_path), [],
+                                               one_document_per_row=one_per_row)
+    recipe = resolve([*argv, "--training.device=cpu", "--data.num_workers=0", "--data.logical_shards=1"]).recipe
+    source, tokenizer = assemble.build_source(recipe), assemble.build_tokenizer(recipe)
+    loader = assemble.build_loader(recipe, make_runtime("cpu", "float32"), source, tokenizer, dp_rank=0, dp_size=1,
+                                   split="train", batch_size=2)
+    it = iter(loader)
+    batches = [next(it) for _ in range(20)]
+    inner_starts = sum(int(b["document_starts"][:, 1:].sum()) for b in batches)
+    if one_per_row:
+        assert inner_starts == 0 and all(bool((b["input"][:, -1] == tokenizer.eos_id).all()) for b in batches)
+    else:
+        assert inner_starts > 0
 
 
 def test_attention_bench_refuses_without_cuda(capsys):
