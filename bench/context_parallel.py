@@ -4,7 +4,7 @@
     python -m bench.context_parallel --seq-len 8192 --allow-cpu       # the same on the CPU over gloo
 
 Memory and time: for each cp size, one torchrun launch of cp processes trains the recipe on synthetic
-data, one sequence of --seq-len tokens a step, split over the cp ranks (FSDP2 shards the model over
+data, one sequence (one document) of --seq-len tokens a step, split over the cp ranks (FSDP2 shards the model over
 them too). Every rank reports its peak memory (CUDA: the allocator's peak; CPU: the process's peak
 resident set, the model and Python included) and its median step time after the first step. On the
 CPU every rank gets one thread, whatever cp is: ranks beyond the machine's cores share them, which
@@ -48,8 +48,8 @@ def _worker(args) -> int:
     extra = [f"--parallelism.context_parallel_degree={cp}", *args.override]
     dump = os.path.join(args.worker, "run")
     os.makedirs(dump, exist_ok=True)
-    resolved = resolve(synthetic_run_argv(args.recipe, args.seq_len, args.steps, 1, args.vocab_size, dump, extra),
-                       world_size=cp)
+    resolved = resolve(synthetic_run_argv(args.recipe, args.seq_len, args.steps, 1, args.vocab_size, dump, extra,
+                                          one_document_per_row=True), world_size=cp)
     runtime = make_runtime(resolved.recipe.training.device, resolved.recipe.training.dtype)
     trainer = Trainer(resolved, runtime)
     times = []
