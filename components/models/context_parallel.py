@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from components.models.dense_documents import FLEX_BLOCK, DenseDocuments, document_block_mask
-from components.nsa.documents import DocumentLayout, compressed_counts, rows_layout
+from components.nsa.documents import DocumentLayout, compressed_counts, rows_layout, token_documents
 from components.sequence_shard import SequenceShard
 
 
@@ -85,13 +85,6 @@ def context_shard(document_starts: torch.Tensor | None, rows: int, shard: Sequen
     chunks = tuple(_chunk_keys(cu, first_block, rows, T, a, b, block_size, block_stride) for a, b in shard.chunks())
     local = shard.positions()
     query_positions = layout.positions.view(rows, T)[:, local].reshape(-1)
-    dense_documents = None
-    if dense:
-        doc = (torch.searchsorted(cu, torch.arange(rows * T), right=True) - 1).view(rows, T)
-        query_ids, query_rows = doc[:, local], local.expand(rows, -1)
-        block_mask = document_block_mask(doc, FLEX_BLOCK, device, query_ids, query_rows) if flex else None
-        dense_documents = DenseDocuments(*(x.to(device) for x in (query_positions, doc)), False, block_mask,
-                                         *(x.to(device) for x in (query_ids, query_rows)))
 
     def put(x: torch.Tensor, varying: bool = True) -> torch.Tensor:
         x = x.to(device, non_blocking=True)
@@ -99,11 +92,20 @@ def context_shard(document_starts: torch.Tensor | None, rows: int, shard: Sequen
             torch._dynamo.maybe_mark_dynamic(x, 0)
         return x
 
+    query_positions = put(query_positions, False)
+    dense_documents = None
+    if dense:
+        doc = token_documents(cu)[0].view(rows, T)
+        query_ids, query_rows = doc[:, local], local.expand(rows, -1)
+        block_mask = document_block_mask(doc, FLEX_BLOCK, device, query_ids, query_rows) if flex else None
+        dense_documents = DenseDocuments(query_positions, put(doc, False), False, block_mask,
+                                         put(query_ids, False), put(query_rows, False))
+
     return ContextShard(
         shard=shard,
         layout=DocumentLayout(put(cu), put(layout.positions, False), put(layout.block_starts),
                               put(layout.block_positions)),
-        query_positions=put(query_positions, False),
+        query_positions=query_positions,
         chunks=tuple(ChunkKeys(*(put(x) for x in (c.tokens, c.blocks, c.cu_seqlens, c.cu_seqlens_q)))
                      for c in chunks),
         dense=dense_documents,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.nsa.documents import cu_seqlens_of_rows
+from components.nsa.documents import cu_seqlens_of_rows, token_documents
 
 FLEX_BLOCK = 128  # tokens per FlexAttention block (its default tile)
 
@@ -89,10 +89,8 @@ def document_block_mask(document_ids: torch.Tensor, block: int, device: torch.de
             & (k_doc_min[:, None, :] <= q_doc_max[:, :, None]))
     full = (q_whole[:, :, None] & k_whole[:, None, :] & (k_doc_min[:, None, :] == q_doc_min[:, :, None])
             & (k_row_max[None, None, :] <= q_row_min[:, :, None]))
-    keys = torch.cat([document_ids, torch.full((B, k_doc.numel() // B - T), -1, dtype=document_ids.dtype)], 1)
-    queries = q_doc.reshape(B, -1)  # padding (-1) matches no key document
-    rows = q_row.reshape(B, -1)
-    keys, queries, rows = keys.to(device), queries.to(device), rows.to(device)
+    # The padded ids for the mask: padding (-1) of queries matches no key document, and vice versa.
+    keys, queries, rows = (x.reshape(B, -1).to(device) for x in (k_doc, q_doc, q_row))
 
     def same_document_not_after(b, h, q, kv):
         return (queries[b, q] == keys[b, kv]) & (kv <= rows[b, q])
@@ -111,10 +109,9 @@ def dense_documents(document_starts: torch.Tensor, device: torch.device, *, flex
     CUDA, the only place it pays) also the FlexAttention mask, unless every row is one document."""
     cu = cu_seqlens_of_rows(document_starts)
     B, T = document_starts.shape
-    lengths = cu.diff()
-    positions = torch.arange(B * T) - cu[:-1].repeat_interleave(lengths)
-    ids = torch.arange(lengths.numel()).repeat_interleave(lengths).view(B, T)
-    one_per_row = lengths.numel() == B
+    ids, positions = token_documents(cu)
+    ids = ids.view(B, T)
+    one_per_row = cu.numel() - 1 == B
     device = torch.device(device)
     mask = document_block_mask(ids, block, device) if flex and not one_per_row else None
     return DenseDocuments(positions.to(device, non_blocking=True), ids.to(device, non_blocking=True), one_per_row,

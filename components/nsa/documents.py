@@ -130,13 +130,21 @@ def compressed_counts(lengths: torch.Tensor, block_size: int, block_stride: int)
     return torch.where(lengths >= block_size, (lengths - block_size).div(block_stride, rounding_mode="floor") + 1, 0)
 
 
+def token_documents(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the document of every token, its position within that document), int64 [T] each, for the packed
+    row cu_seqlens describes (on its device; no checks)."""
+    lengths = cu_seqlens.diff()
+    ids = torch.arange(lengths.numel(), device=cu_seqlens.device).repeat_interleave(lengths)
+    return ids, torch.arange(ids.numel(), device=cu_seqlens.device) - cu_seqlens[ids]
+
+
 def document_layout(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, block_stride: int) -> DocumentLayout:
     """The layout of one packed row of num_tokens tokens (checked as the op checks cu_seqlens), on
     cu_seqlens' device. Vectorised: no Python loop over documents."""
     document_starts(cu_seqlens, num_tokens)  # the checks
     cu = cu_seqlens.to("cpu", torch.int64)
     lengths = cu.diff()
-    positions = torch.arange(num_tokens) - cu[:-1].repeat_interleave(lengths)
+    positions = token_documents(cu)[1]
     blocks = compressed_counts(lengths, block_size, block_stride)
     first_block = torch.cumsum(blocks, 0) - blocks  # each document's first block in the packed k_cmp
     block_index = torch.arange(int(blocks.sum())) - first_block.repeat_interleave(blocks)  # within its document
