@@ -4,8 +4,10 @@
 
 Stages, in the order the op runs them: the compressed branch (interval attention over the
 compressed keys), block selection, the selected branch, the window branch, and the gating. Each is
-timed forward, and backward from a random output gradient (selection has no backward). Results go
-to bench/results/attention_stages-<gpu>-<time>.json with the environment. Needs CUDA; --allow-cpu
+timed forward, and backward from a random output gradient (selection has no backward). The selected
+branch's launchers are also timed in both of its layouts (query- and block-major forward and dQ,
+tile_configs.selected_layout), side by side. Results go to
+bench/results/attention_stages-<gpu>-<time>.json with the environment. Needs CUDA; --allow-cpu
 runs it under Triton's interpreter at tiny sizes as a smoke test (times mean nothing there).
 """
 
@@ -88,6 +90,30 @@ def stage_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
     return rows
 
 
+def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
+    """The selected branch's forward and backward launchers, once per layout, on one selection."""
+    from components.nsa.triton import ops
+    from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
+    from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
+    from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
+
+    l, d, lp, n = args.block_size, args.block_stride, args.sel_block_size, args.num_selected
+    scale = args.head_dim ** -0.5
+    with torch.no_grad():
+        q, k_cmp, _, k, v, *_ = (x.detach() for x in nsa_inputs(args, T, dtype, device))
+        _, lse_cmp = ops.interval_attention(q, k_cmp, k_cmp, d, l - 1, 0, scale)
+        selection = ops.select_blocks(q, k_cmp, lse_cmp, l, d, lp, n, scale)
+        o, lse2 = selected_attention_fwd(q, k, v, selection, lp, scale)
+        do = torch.randn_like(o)
+    forward = {"query": selected_attention_fwd, "block": selected_attention_fwd_blocks}
+    measure = timer(device, args.rep_ms)
+    return [{"seq_len": T, "layout": layout,
+             "fwd_ms": measure(lambda: forward[layout](q, k, v, selection, lp, scale)),
+             "bwd_ms": measure(lambda: selected_attention_bwd(do, q, k, v, o, lse2, selection, lp, scale,
+                                                              dq_layout=layout))}
+            for layout in ("query", "block")]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from components.nsa.triton.launch import interpreting
@@ -102,13 +128,17 @@ def main(argv=None) -> int:
         return 2
     dtype = DTYPES[args.dtype]
     report = {"benchmark": "attention_stages", "environment": describe_environment(), "config": vars(args),
-              "results": []}
+              "results": [], "selected_layouts": []}
     for T in args.seq_lens:
         for row in stage_times(args, T, dtype, device):
             report["results"].append(row)
             bwd = f"{row['bwd_ms']:9.3f} ms bwd" if "bwd_ms" in row else " " * 16
             print(f"T={T:6d} {row['stage']:11s} {row['fwd_ms']:9.3f} ms fwd ({row['share_of_fwd']:5.1%})  {bwd}",
                   flush=True)
+        for row in selected_layout_times(args, T, dtype, device):
+            report["selected_layouts"].append(row)
+            print(f"T={T:6d} selected, {row['layout']}-major forward and dQ: {row['fwd_ms']:9.3f} ms fwd  "
+                  f"{row['bwd_ms']:9.3f} ms bwd", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     write_report(report, "attention_stages", args.out)

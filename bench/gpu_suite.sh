@@ -7,7 +7,7 @@
 #              100-102 with a memory snapshot); dense attention's FlexAttention over packed documents
 #   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens, 125M and paper heads
 #              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
-#              where the NSA op's time goes
+#              where the NSA op's time goes, and the selected branch's two layouts side by side
 #   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k
 #
 # No phase named: all three. JSON results go to bench/results/, each phase's log to
@@ -30,7 +30,7 @@ phase_check() {
   local dump
   dump=$(mktemp -d)
   "$py" -m pytest -q -x tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py tests/test_nsa_triton_compile.py \
-    tests/test_dense_documents_gpu.py &&
+    tests/test_nsa_triton_block_major.py tests/test_dense_documents_gpu.py &&
   "$py" -m nsa_titan.cli doctor recipes/nsa_125m.toml --data.source=synthetic --data.tokenizer=byte &&
   "$py" -m nsa_titan.cli inspect recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
     --compile.enable=true --job.dump_folder="$dump/inspect" --fail-on-break &&

@@ -1,5 +1,8 @@
 """Compile every NSA Triton kernel of one forward + backward for a GPU target and report its resources.
 
+Both layouts of the selected branch are compiled (tile_configs.selected_layout): the op's, and the
+other one's launchers on the same inputs.
+
     python -m bench.kernel_resources [--arch 90 80] [--head-dims 32 64 128 256] [--dtypes bf16 fp16 fp32]
                                      [--heads 12 --kv-heads 4] [--packed] [--json FILE]
 
@@ -23,6 +26,9 @@ import torch
 from bench.attention import DTYPES, add_nsa_args, cu_seqlens_of, nsa_hyper, nsa_inputs
 from bench.environment import write_report
 from components.nsa.triton import nsa_attention_triton
+from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
+from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
+from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
 from components.nsa.triton.offline_compile import compile_only, target_for
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,7 +59,19 @@ def compile_one(args: argparse.Namespace, arch: int, head_dim: int, dtype: torch
             inputs = nsa_inputs(shape, args.seq_len, dtype, device="cpu", lengths=lengths)
             o = nsa_attention_triton(*inputs, **nsa_hyper(args), cu_seqlens=cu_seqlens)
             o.float().sum().backward()
+            compile_selected_layouts(args, inputs, cu_seqlens)
     return kernels
+
+
+def compile_selected_layouts(args: argparse.Namespace, inputs: list, cu_seqlens) -> None:
+    """The selected branch's forward and backward launchers in both layouts (launch shapes do not
+    depend on which blocks are chosen: every query takes block 0)."""
+    q, _, _, k, v, *_ = (x.detach() for x in inputs)
+    sel = torch.zeros(1, q.shape[1], k.shape[2], args.num_selected, dtype=torch.int64)
+    scale = q.shape[-1] ** -0.5
+    for layout, forward in (("query", selected_attention_fwd), ("block", selected_attention_fwd_blocks)):
+        o, lse2 = forward(q, k, v, sel, args.sel_block_size, scale, cu_seqlens)
+        selected_attention_bwd(o, q, k, v, o, lse2, sel, args.sel_block_size, scale, cu_seqlens, dq_layout=layout)
 
 
 def main(argv=None) -> int:

@@ -71,7 +71,8 @@ def test_attention_bench_refuses_without_cuda(capsys):
 
 def test_attention_stages_times_every_stage(tmp_path):
     """Under the interpreter (the CPU suite's Triton): every stage runs forward and, but for
-    selection, backward; the shares add up. No time is asserted."""
+    selection, backward; the shares add up; the selected branch runs in both layouts. No time is
+    asserted."""
     from components.nsa.triton.launch import interpreting
 
     from bench import attention_stages
@@ -89,6 +90,9 @@ def test_attention_stages_times_every_stage(tmp_path):
     assert all(r["fwd_ms"] > 0 for r in rows) and "bwd_ms" not in rows[1]
     assert all(r["bwd_ms"] > 0 for r in rows if r["stage"] != "selection")
     assert abs(sum(r["share_of_fwd"] for r in rows) - 1) < 1e-9
+    layouts = json.loads(out.read_text())["selected_layouts"]
+    assert [(r["seq_len"], r["layout"]) for r in layouts] == [(40, "query"), (40, "block")]
+    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in layouts)
 
 
 def test_attention_speedups_pair_each_nsa_timing_with_sdpa_at_the_same_length_and_mode():

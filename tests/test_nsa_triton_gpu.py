@@ -89,6 +89,16 @@ def test_each_branch_matches_reference(T, H, Hkv, D):
     _assert_branches_match_reference(*_inputs(T, H, Hkv, D)[:7])
 
 
+@pytest.mark.parametrize("T,H,Hkv,D", [pytest.param(8192, 12, 4, 64, id="T8k-G3-D64"),
+                                        pytest.param(32768, 12, 4, 64, id="T32k-G3-D64")])
+def test_branches_match_reference_in_the_selected_block_layout(T, H, Hkv, D, monkeypatch):
+    """The 125M head layout (G = 3) with the selected branch's block-major forward and dQ."""
+    from components.nsa.triton import tile_configs
+
+    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size: "block")
+    _assert_branches_match_reference(*_inputs(T, H, Hkv, D)[:7])
+
+
 def _assert_branches_match_reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cu_seqlens=None):
     """Each branch's op (o, dq, dk, dv) against the reference with the kernel's selection; with
     cu_seqlens, the reference runs on each document alone."""
@@ -152,7 +162,11 @@ def test_whole_op_matches_reference_with_the_same_selection(T, H, Hkv, D):
         _assert_close(gr, rg, name)
 
 
-def test_backward_is_deterministic_and_sync_free():
+@pytest.mark.parametrize("layout", ["query", "block"])
+def test_backward_is_deterministic_and_sync_free(layout, monkeypatch):
+    from components.nsa.triton import tile_configs
+
+    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size: layout)
     xs = _inputs(4096, 16, 2, 128)
     grad_out = torch.randn(1, 4096, 16, 128, device="cuda", dtype=torch.bfloat16)
     out = nsa_attention_triton(*xs, **HYPER)  # compile every kernel outside the checked region

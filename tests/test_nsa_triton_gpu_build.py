@@ -1,7 +1,7 @@
 """Every NSA Triton kernel compiles for Hopper and Ampere and fits their shared memory, checked on CPU.
 
 The interpreter tests prove the kernels' arithmetic; this proves what only the compiler sees: the
-kernels of one forward + backward are compiled by Triton for sm_90 (H100/H200) and sm_80 (A100),
+kernels of one forward + backward (the selected branch in both layouts) are compiled by Triton for sm_90 (H100/H200) and sm_80 (A100),
 ptxas included, at head dims 32 to 256 and in bf16, fp16 and fp32, and none needs more shared
 memory than the GPU has (that would fail at launch); on sm_90 in bf16 and fp16 none spills
 registers to local memory. Runs in subprocesses without TRITON_INTERPRET.
@@ -17,6 +17,8 @@ KERNELS = {
     "_interval_attn_fwd_kernel", "_select_blocks_kernel", "_selected_attn_fwd_kernel", "_softmax_delta_kernel",
     "_interval_attn_bwd_dq_kernel", "_interval_attn_bwd_dkdv_kernel", "_selected_attn_bwd_dq_kernel",
     "_selected_attn_bwd_dkdv_kernel", "_sum_partials_kernel",
+    # the selected branch's block layout (tile_configs.selected_layout)
+    "_selected_fwd_blocks_kernel", "_merge_partials_kernel", "_sum_dq_partials_kernel",
 }
 # (arguments, what they cover). The two runs go in parallel: each uses one core.
 RUNS = {

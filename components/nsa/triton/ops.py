@@ -21,10 +21,12 @@ from typing import Optional
 
 import torch
 
+from components.nsa.triton import tile_configs
 from components.nsa.triton.interval_attention import interval_attention_bwd, interval_attention_fwd
 from components.nsa.triton.launch import last_dim_contiguous
 from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
 from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
+from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
 from components.nsa.triton.selection_kernel import select_blocks_kernel
 
 Tensor = torch.Tensor
@@ -113,7 +115,9 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel_idx: Tensor, sel_blo
                        sm_scale: float, cu_seqlens: Optional[Tensor] = None,
                        cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     q, k, v = _dense(q, k, v)
-    return selected_attention_fwd(q, k, v, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q)
+    by_blocks = tile_configs.selected_layout(q.shape[2] // k.shape[2]) == "block"
+    forward = selected_attention_fwd_blocks if by_blocks else selected_attention_fwd
+    return forward(q, k, v, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q)
 
 
 @selected_attention.register_fake

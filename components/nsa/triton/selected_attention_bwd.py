@@ -1,14 +1,17 @@
 """Selected-branch attention backward, deterministic and without an O(T^2) scan.
 
-dQ: one program per (query, batch, KV group), the forward's walk over the n selected blocks,
-recomputing P from the saved lse2.
+dK/dV: the selection is inverted into per-key-block lists of queries (selection_lists), so each
+key block visits exactly the queries that chose it. Block 0 (and other popular blocks) are chosen
+by most queries, so long lists are cut into work items of at most SEGMENT queries; each item writes
+its own fp32 partial dK/dV and a second kernel sums a block's partials in item order.
 
-dK/dV: the selection is inverted into per-key-block lists of queries (a stable sort in torch,
-queries ascending inside a list), so each key block visits exactly the queries that chose it.
-Block 0 (and other popular blocks) are chosen by most queries, so long lists are cut into work
-items of at most SEGMENT queries; each item writes its own fp32 partial dK/dV and a second kernel
-sums a block's partials in item order. No atomics, no dependence on scheduling: bitwise
-reproducible. Everything is sized from shapes alone, so there is no host sync.
+dQ, query layout: one program per (query, batch, KV group), the forward's walk over the n selected
+blocks, recomputing P from the saved lse2. Block layout (tile_configs.selected_layout): the dK/dV
+kernel, which already holds dS for each (query, head) and key block, also writes dS.K as an fp32
+partial per entry and key sub-tile, and a third kernel sums each query's partials in slot order.
+
+No atomics, no dependence on scheduling: bitwise reproducible. Everything is sized from shapes
+alone, so there is no host sync.
 
 Packed documents (cu_seqlens, B = 1): selections count blocks from each query's document start;
 dQ reads keys from the query's document, and dK/dV numbers the key blocks document after
@@ -23,8 +26,9 @@ import triton.language as tl
 
 from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
-from components.nsa.triton.packing import document_starts, selection_blocks
 from components.nsa.triton.selected_attention_fwd import key_tile, query_documents
+from components.nsa.triton.selection_lists import (key_block_span, query_entries, selection_lists, work_item,
+                                                   work_item_segment)
 from components.nsa.triton.softmax_delta import softmax_delta
 from components.nsa.triton.tiles import grid_position, load_rows, softmax_grads, token_in_document
 
@@ -76,43 +80,23 @@ def _selected_attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _key_block_span(BLOCKS, STARTS, blk, NUM_BLOCKS, SEL_BLOCK, T, PACKED: tl.constexpr):
-    """(first token, end of its document) of key block blk: block blk of the row, or with PACKED
-    the blk-th of the packed row's per-document blocks (a tile table over tokens in tiles of l')."""
-    if PACKED:
-        doc = tl.load(BLOCKS + blk)
-        start = tl.load(STARTS + doc)
-        return start + tl.load(BLOCKS + NUM_BLOCKS + blk) * SEL_BLOCK, tl.load(STARTS + doc + 1)
-    else:
-        return blk * SEL_BLOCK, T
-
-
-@triton.jit
 def _selected_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, QUERY_LIST, LIST_START, ITEM_BIN, ITEM_START, PART_DK, PART_DV, BLOCKS, STARTS,
-    TOKEN_TABLE,
+    Q, K, V, DO, LSE2, DELTA, QUERY_LIST, LIST_START, ITEM_BIN, ITEM_START, PART_DK, PART_DV, PART_DQ, BLOCKS,
+    STARTS, TOKEN_TABLE,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
     T, H, HKV, G, NUM_BINS, NUM_SEL_BLOCKS, SEL_BLOCK, SEGMENT, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, QUERIES: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr,
+    WRITE_DQ: tl.constexpr,
 ):
     item = tl.program_id(0)
     sub = tl.program_id(1)
-    bin_id = tl.load(ITEM_BIN + item)
-    if bin_id < NUM_BINS:  # the grid is an upper bound on the number of items
-        seg = item - tl.load(ITEM_START + bin_id)
-        list_end = tl.load(LIST_START + bin_id + 1)
-        e_lo = tl.load(LIST_START + bin_id) + seg * SEGMENT
-        e_hi = tl.minimum(list_end, e_lo + SEGMENT)
-        blk = bin_id % NUM_SEL_BLOCKS
-        bh = bin_id // NUM_SEL_BLOCKS
-        hk = (bh % HKV).to(tl.int64)
-        b = (bh // HKV).to(tl.int64)
-
+    if tl.load(ITEM_BIN + item) < NUM_BINS:  # the grid is an upper bound on the number of items
+        e_lo, e_hi, blk, hk, b = work_item(item, ITEM_BIN, ITEM_START, LIST_START, NUM_SEL_BLOCKS, HKV, SEGMENT)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         in_block = sub * BLOCK_K + tl.arange(0, BLOCK_K)
-        pos, end = _key_block_span(BLOCKS, STARTS, blk, NUM_SEL_BLOCKS, SEL_BLOCK, T, PACKED)
+        pos, end = key_block_span(BLOCKS, STARTS, blk, NUM_SEL_BLOCKS, SEL_BLOCK, T, PACKED)
         pos = pos + in_block
         k_ok = (in_block < SEL_BLOCK) & (pos < end)
         kv_mask = k_ok[:, None] & d_ok[None, :]
@@ -143,6 +127,10 @@ def _selected_attn_bwd_dkdv_kernel(
             p, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+            if WRITE_DQ:  # this key sub-tile's share of each (query, head)'s dQ, at its entry
+                dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+                part = (entry.to(tl.int64) * SUB_BLOCKS + sub) * G + g
+                tl.store(PART_DQ + part[:, None] * D + offs_d[None, :], dq * sm_scale, mask=row_mask)
 
         offs_r = sub * BLOCK_K + tl.arange(0, BLOCK_K)
         part = item.to(tl.int64) * (SUB_BLOCKS * BLOCK_K * BLOCK_D) + offs_r[:, None] * BLOCK_D + offs_d[None, :]
@@ -166,7 +154,7 @@ def _sum_partials_kernel(
     b = (bh // HKV).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_r = sub * ROWS + tl.arange(0, ROWS)
-    pos, end = _key_block_span(BLOCKS, STARTS, blk, NUM_SEL_BLOCKS, SEL_BLOCK, T, PACKED)
+    pos, end = key_block_span(BLOCKS, STARTS, blk, NUM_SEL_BLOCKS, SEL_BLOCK, T, PACKED)
     pos = pos + offs_r
     mask = ((offs_r < SEL_BLOCK) & (pos < end))[:, None] & (offs_d < D)[None, :]
     in_part = (offs_r < PART_ROWS)[:, None]
@@ -184,45 +172,35 @@ def _sum_partials_kernel(
     tl.store(DV + b * sdvb + hk * sdvh + rows * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
 
 
-def invert_selection(sel_idx: torch.Tensor, num_sel_blocks: int, segment: int,
-                     token_first_block: torch.Tensor | None = None):
-    """Per-(batch, KV group, selection block) query lists and their cut into work items.
-
-    Returns (query_list [E] int32, list_start [bins + 1], item_bin [max_items], item_start
-    [bins + 1], max_items) where bin = (b * Hkv + g) * Ts + j and list bin holds, ascending, the
-    queries whose selection for group g contains block j. Unused slots sort past the last bin.
-    Packed documents: token_first_block [T] numbers each query's block 0 (j counts from there).
-    """
-    B, T, HKV, N = sel_idx.shape
-    device = sel_idx.device
-    num_bins = B * HKV * num_sel_blocks
-    # Entries ordered (b, g, t, slot): a stable sort by bin keeps each list's queries ascending.
-    idx = sel_idx.permute(0, 2, 1, 3).to(torch.int64)
-    if token_first_block is not None:
-        idx = torch.where(idx >= 0, idx + token_first_block.view(1, 1, T, 1), idx)
-    bh = torch.arange(B * HKV, device=device).view(B, HKV, 1, 1) * num_sel_blocks
-    bins = torch.where(idx >= 0, bh + idx, num_bins).reshape(-1)
-    sorted_bins, order = torch.sort(bins, stable=True)
-    query_list = (order // N % T).to(torch.int32)
-    probes = torch.arange(num_bins + 1, device=device)
-    list_start = torch.searchsorted(sorted_bins, probes)
-    counts = list_start[1:] - list_start[:-1]
-    items_per_bin = (counts + segment - 1) // segment
-    item_end = torch.cumsum(items_per_bin, 0)
-    item_start = torch.cat([item_end.new_zeros(1), item_end])
-    # Items number at most E / segment + bins; unused grid slots get bin = num_bins and exit.
-    max_items = bins.numel() // segment + num_bins
-    item_bin = torch.searchsorted(item_end, torch.arange(max_items, device=device), right=True)
-    return query_list, list_start, item_bin, item_start, max_items
+@triton.jit
+def _sum_dq_partials_kernel(
+    PART_DQ, ENTRY_OF, IDX, DQ,
+    sib, sit, sih, sdqb, sdqt, sdqh,
+    T, HKV, G, NUM_SEL,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SUB_BLOCKS: tl.constexpr,
+):
+    # One program per (query, batch, KV group): per head, its partials summed slot by slot, sub-tile by sub-tile.
+    b, hk, t64, used, entry = query_entries(IDX, ENTRY_OF, sib, sit, sih, T, HKV, NUM_SEL, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    mask = used[:, None] & d_ok[None, :]
+    for g in range(G):
+        dq = tl.zeros([BLOCK_D], tl.float32)
+        for sub in tl.static_range(SUB_BLOCKS):
+            part = (entry * SUB_BLOCKS + sub) * G + g
+            dq += tl.sum(tl.load(PART_DQ + part[:, None] * D + offs_d[None, :], mask=mask, other=0.0), 0)
+        tl.store(DQ + b * sdqb + t64 * sdqt + (hk * G + g) * sdqh + offs_d, dq.to(DQ.dtype.element_ty), mask=d_ok)
 
 
 def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                            lse2: torch.Tensor, sel_idx: torch.Tensor, sel_block_size: int, sm_scale: float,
                            cu_seqlens: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                           segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           segment: int | None = None,
+                           dq_layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v); with cu_seqlens (B = 1) sel_idx counts blocks from
-    each query's document start. `segment` (queries per dK/dV work item) only changes the work
-    split, not the result beyond fp32 summation order."""
+    each query's document start. `segment` (queries per dK/dV work item) and `dq_layout` ("query" or
+    "block"; default tile_configs.selected_layout) only change the work split, not the result beyond
+    fp32 summation order."""
     B, T, H, D = q.shape
     HKV = k.shape[2]
     G = H // HKV
@@ -235,59 +213,66 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     delta = softmax_delta(do, o)  # [B, H, T]
     block_d = head_block(D)
     precision = dot_precision(q.dtype)
-    tiles = tile_configs.tiles("selected_dq", block_d, q.element_size())
-    block_k = key_tile(sel_block_size, tiles.keys)
-    sub_blocks = cdiv(sel_block_size, block_k)
-
     packed = cu_seqlens is not None
     token_table = query_documents(cu_seqlens, cu_seqlens_q, T)
+    dq_by_blocks = (dq_layout or tile_configs.selected_layout(G)) == "block"
+    if not dq_by_blocks:
+        _selected_dq(q, k, v, do, lse2, delta, sel_idx, dq, token_table, sel_block_size, sm_scale)
+
+    tiles = tile_configs.tiles("selected_dkdv", block_d, q.element_size())
+    block_k = key_tile(sel_block_size, tiles.keys)
+    sub_blocks = cdiv(sel_block_size, block_k)
+    block_g = next_pow2(G)
+    queries = max(1, tiles.rows // block_g)  # (query, head) rows per step: whole padded head groups
+    segment = segment or work_item_segment(queries)
+    lists = selection_lists(sel_idx, sel_block_size, k.shape[1], segment, cu_seqlens, cu_seqlens_q)
+    part_rows = sub_blocks * block_k
+    part_shape = (lists.max_items, part_rows, block_d)
+    part_dk = torch.empty(part_shape, device=q.device, dtype=torch.float32)
+    part_dv = torch.empty(part_shape, device=q.device, dtype=torch.float32)
+    # Block layout: an fp32 dQ partial per (entry, key sub-tile, head).
+    part_dq = torch.empty(sel_idx.numel() * sub_blocks * G, D, device=q.device, dtype=torch.float32) \
+        if dq_by_blocks else None
+    _selected_attn_bwd_dkdv_kernel[(lists.max_items, sub_blocks)](
+        q, k, v, do, lse2, delta, lists.query_list, lists.list_start, lists.item_bin, lists.item_start,
+        part_dk, part_dv, part_dq, lists.blocks, lists.starts, token_table,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        T, H, HKV, G, lists.num_bins, lists.num_sel_blocks, sel_block_size, segment, sm_scale * LOG2E, sm_scale,
+        D=D, BLOCK_D=block_d, BLOCK_G=block_g, QUERIES=queries, BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
+        PRECISION=precision, PACKED=packed, WRITE_DQ=dq_by_blocks, num_warps=tiles.warps, num_stages=tiles.stages,
+    )
+    # Both powers of two (tl.arange needs one); rows past part_rows are masked off in the kernel.
+    sum_rows = min(next_pow2(part_rows), 2048 // block_d)
+    _sum_partials_kernel[(lists.num_bins, cdiv(part_rows, sum_rows))](
+        part_dk, part_dv, lists.item_start, dk, dv, lists.blocks, lists.starts,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        T, HKV, lists.num_sel_blocks, sel_block_size,
+        D=D, BLOCK_D=block_d, ROWS=sum_rows, PART_ROWS=part_rows, PACKED=packed, num_warps=4,
+    )
+    if dq_by_blocks:
+        _sum_dq_partials_kernel[flat_grid(T, B * HKV)](
+            part_dq, lists.entry_of, sel_idx, dq,
+            sel_idx.stride(0), sel_idx.stride(1), sel_idx.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+            T, HKV, G, num_sel,
+            D=D, BLOCK_D=block_d, BLOCK_N=next_pow2(num_sel), SUB_BLOCKS=sub_blocks, num_warps=4,
+        )
+    return dq, dk, dv
+
+
+def _selected_dq(q, k, v, do, lse2, delta, sel_idx, dq, token_table, sel_block_size: int, sm_scale: float) -> None:
+    """dq (written in place) by the query-major kernel."""
+    B, T, H, D = q.shape
+    HKV = k.shape[2]
+    tiles = tile_configs.tiles("selected_dq", head_block(D), q.element_size())
+    block_k = key_tile(sel_block_size, tiles.keys)
     _selected_attn_bwd_dq_kernel[flat_grid(T, B * HKV)](
         q, k, v, do, lse2, delta, sel_idx, dq, token_table,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         sel_idx.stride(0), sel_idx.stride(1), sel_idx.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-        T, H, HKV, G, num_sel, sel_block_size, sm_scale * LOG2E, sm_scale,
-        D=D, BLOCK_D=block_d, BLOCK_G=max(16, next_pow2(G)), BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
-        PRECISION=precision, PACKED=packed, num_warps=tiles.warps, num_stages=tiles.stages,
+        T, H, HKV, H // HKV, sel_idx.shape[-1], sel_block_size, sm_scale * LOG2E, sm_scale,
+        D=D, BLOCK_D=head_block(D), BLOCK_G=max(16, next_pow2(H // HKV)), BLOCK_K=block_k,
+        SUB_BLOCKS=cdiv(sel_block_size, block_k), PRECISION=dot_precision(q.dtype), PACKED=token_table is not None,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
-
-    if packed:  # key blocks numbered document after document
-        starts = document_starts(cu_seqlens)
-        query_starts = starts if cu_seqlens_q is None else document_starts(cu_seqlens_q)
-        blocks, token_first_block = selection_blocks(starts, sel_block_size, k.shape[1], query_starts, T)
-        num_sel_blocks = blocks.shape[1]
-    else:
-        starts = blocks = token_first_block = None
-        num_sel_blocks = cdiv(T, sel_block_size)
-    tiles = tile_configs.tiles("selected_dkdv", block_d, q.element_size())
-    block_k = key_tile(sel_block_size, tiles.keys)
-    sub_blocks = cdiv(sel_block_size, block_k)
-    block_g = next_pow2(G)
-    queries = max(1, tiles.rows // block_g)  # (query, head) rows per step
-    if segment is None:
-        # At most 512 steps per work item: short enough to balance the GPU when block 0's list
-        # holds every query, long enough to keep the fp32 partials near the size of dK + dV.
-        segment = queries * 512
-    query_list, list_start, item_bin, item_start, max_items = invert_selection(sel_idx, num_sel_blocks, segment,
-                                                                               token_first_block)
-    part_rows = sub_blocks * block_k
-    part_shape = (max_items, part_rows, block_d)
-    part_dk = torch.empty(part_shape, device=q.device, dtype=torch.float32)
-    part_dv = torch.empty(part_shape, device=q.device, dtype=torch.float32)
-    _selected_attn_bwd_dkdv_kernel[(max_items, sub_blocks)](
-        q, k, v, do, lse2, delta, query_list, list_start, item_bin, item_start, part_dk, part_dv, blocks, starts,
-        token_table, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        T, H, HKV, G, B * HKV * num_sel_blocks, num_sel_blocks, sel_block_size, segment, sm_scale * LOG2E, sm_scale,
-        D=D, BLOCK_D=block_d, BLOCK_G=block_g, QUERIES=queries, BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
-        PRECISION=precision, PACKED=packed, num_warps=tiles.warps, num_stages=tiles.stages,
-    )
-    # Both powers of two (tl.arange needs one); rows past part_rows are masked off in the kernel.
-    sum_rows = min(next_pow2(part_rows), 2048 // block_d)
-    _sum_partials_kernel[(B * HKV * num_sel_blocks, cdiv(part_rows, sum_rows))](
-        part_dk, part_dv, item_start, dk, dv, blocks, starts,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        T, HKV, num_sel_blocks, sel_block_size,
-        D=D, BLOCK_D=block_d, ROWS=sum_rows, PART_ROWS=part_rows, PACKED=packed, num_warps=4,
-    )
-    return dq, dk, dv

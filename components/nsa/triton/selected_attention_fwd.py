@@ -79,6 +79,13 @@ def query_documents(cu_seqlens: torch.Tensor | None, cu_seqlens_q: torch.Tensor 
     return None if cu_seqlens is None else query_token_table(cu_seqlens, cu_seqlens_q, num_queries)
 
 
+def forward_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (o like q, contiguous; lse2 [B, H, T] fp32) for a selected forward to fill."""
+    B, T, H, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty(B, H, T, device=q.device, dtype=torch.float32))
+
+
 def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel_idx: torch.Tensor,
                            sel_block_size: int, sm_scale: float, cu_seqlens: torch.Tensor | None = None,
                            cu_seqlens_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +96,7 @@ def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     HKV = k.shape[2]
     G = H // HKV
     num_sel = sel_idx.shape[-1]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse2 = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    o, lse2 = forward_outputs(q)
     if B * T * H == 0:
         return o, lse2
     tiles = tile_configs.tiles("selected_fwd", head_block(D), q.element_size())

@@ -41,6 +41,8 @@ _HALF = {
     "selected_dq": {32: Tiles(0, 64, 8, 2), 64: Tiles(0, 64, 8, 2), 128: Tiles(0, 32, 8, 2), 256: Tiles(0, 64, 8, 2)},
     "selected_dkdv": {32: Tiles(32, 64, 8, 2), 64: Tiles(32, 64, 8, 2), 128: Tiles(32, 64, 8, 2),
                       256: Tiles(16, 32, 8, 2)},
+    "selected_fwd_blocks": {32: Tiles(64, 64, 4, 2), 64: Tiles(64, 64, 4, 2), 128: Tiles(32, 64, 4, 2),
+                            256: Tiles(16, 32, 8, 2)},
 }
 _FP32 = {
     "interval_fwd": {32: Tiles(128, 64, 8, 3), 64: Tiles(32, 32, 4, 2), 128: Tiles(16, 32, 4, 1),
@@ -55,6 +57,8 @@ _FP32 = {
     "selected_dq": {32: Tiles(0, 64, 8, 2), 64: Tiles(0, 64, 8, 2), 128: Tiles(0, 64, 8, 2), 256: Tiles(0, 64, 8, 1)},
     "selected_dkdv": {32: Tiles(32, 32, 8, 2), 64: Tiles(16, 16, 8, 2), 128: Tiles(16, 16, 4, 1),
                       256: Tiles(16, 16, 4, 1)},
+    "selected_fwd_blocks": {32: Tiles(32, 32, 4, 2), 64: Tiles(32, 32, 4, 2), 128: Tiles(16, 32, 4, 1),
+                            256: Tiles(16, 16, 4, 1)},
 }
 
 
@@ -62,3 +66,13 @@ def tiles(kernel: str, block_d: int, element_bytes: int) -> Tiles:
     """The launch shape of `kernel` for padded head dim block_d (16 to 256) and input element size."""
     table = _HALF if element_bytes <= 2 else _FP32
     return table[kernel][max(32, block_d)]
+
+
+def selected_layout(group_size: int) -> str:
+    """How the selected branch's forward and dQ walk the selection: "query" (one program per query and
+    KV group, its G heads padded to at least 16 rows, the n blocks' keys read per query) or "block"
+    (one pass per selected key block over the queries that chose it, fp32 partials merged per
+    query; selected_attention_fwd_blocks). dK/dV is block-major either way. The block layout is
+    built for small groups, where query-major pads most rows; which is faster has not been
+    measured on a GPU yet (bench.attention_stages times both), so the query layout stays the default."""
+    return "query"
