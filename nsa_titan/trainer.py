@@ -82,11 +82,12 @@ class Trainer:
                             f"{runtime.device.type}. Fix: set --profiling.memory_snapshot=false, or train on CUDA.")
 
         fault = recipe.fault
+        single = recipe.parallelism.fsdp_single_process
         init_process_group(runtime, max(recipe.parallelism.init_timeout_seconds, fault.step_timeout_seconds + 60,
-                                        fault.first_step_timeout_seconds + 60))
+                                        fault.first_step_timeout_seconds + 60), single)
         replicate, shard = data_parallel_degrees(recipe, runtime.world_size)
         cp = recipe.parallelism.context_parallel_degree
-        self.mesh, cp_mesh = build_mesh(runtime, replicate, shard, cp)
+        self.mesh, cp_mesh = build_mesh(runtime, replicate, shard, cp, single)
         # Ranks are (replicate, shard, cp) with cp varying fastest: a cp group shares one data rank.
         self.dp_rank, self.dp_size = runtime.rank // cp, runtime.world_size // cp
         self.shard = None if cp_mesh is None else SequenceShard(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp,
@@ -379,9 +380,12 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
         recipe, t, state, fault = self.recipe, self.recipe.training, self.state, self.recipe.fault
+        layout = f" ({self.shard.size}-way context parallel)" if self.shard is not None else ""
+        if self.mesh is not None:
+            layout += ", FSDP2 over " + " x ".join(f"{name} {size}" for name, size in
+                                                    zip(self.mesh.mesh_dim_names, self.mesh.shape))
         self._say(f"model {recipe.model.name}: {self.num_params:,} parameters | recipe {self.resolved.hash} | "
-                  f"{self.runtime.world_size} process(es) on {self.runtime.device.type}"
-                  f"{f' ({self.shard.size}-way context parallel)' if self.shard is not None else ''} | "
+                  f"{self.runtime.world_size} process(es) on {self.runtime.device.type}{layout} | "
                   f"global batch {self.global_batch} x {t.seq_len} tokens, {self.grad_accum} micro-batch(es)/step")
         rank = self.runtime.rank
         self.watchdog = Watchdog(fault.step_timeout_seconds, fault.first_step_timeout_seconds, self.stacks_path,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.launch import DEBUG, REPO_ROOT, TINY, env, free_port, losses, metrics, start_training, train
+from tests.launch import DEBUG, REPO_ROOT, TINY, env, free_port, losses, start_training, train
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +27,7 @@ def single_process_losses(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     proc = train([*COMMON, f"--job.dump_folder={out}"])
     assert proc.returncode == 0, proc.stderr
+    assert "FSDP2" not in proc.stdout + proc.stderr  # one process trains unwrapped unless asked
     return losses(out)
 
 
@@ -35,7 +36,11 @@ LAYOUTS = {
     "ddp": (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2"]),
     "hsdp": (4, ["--parallelism.data_parallel_shard_degree=2", "--parallelism.data_parallel_replicate_degree=2",
                  "--training.local_batch_size=1"]),
+    # FSDP2 on a mesh of one rank (what a one-GPU machine can run of the sharded path)
+    "fsdp_one_process": (1, ["--parallelism.fsdp_single_process=true"]),
 }
+MESHES = {"fsdp": "dp_replicate 1 x dp_shard 2", "ddp": "dp_replicate 2 x dp_shard 1",
+          "hsdp": "dp_replicate 2 x dp_shard 2", "fsdp_one_process": "dp_replicate 1 x dp_shard 1"}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -43,6 +48,7 @@ def test_layout_matches_single_process(tmp_path, single_process_losses, layout):
     nproc, flags = LAYOUTS[layout]
     proc = train([*COMMON, *flags, f"--job.dump_folder={tmp_path}"], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"FSDP2 over {MESHES[layout]} |" in proc.stdout + proc.stderr
     got = losses(tmp_path)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, expected in single_process_losses.items():

@@ -34,6 +34,9 @@ class ParallelismConfig:
     data_parallel_replicate_degree: int = f(1, "Replicas (DDP, or HSDP when sharding too); -1 fills the rest.", ge=-1)
     context_parallel_degree: int = f(1, "Ranks sharing each sequence (context parallelism): each holds 1/cp of every "
                                         "row and gathers the keys it needs; FSDP shards over dp_shard x cp.", ge=1)
+    fsdp_single_process: bool = f(False, "Wrap the model in FSDP2 even when the job is one process (a mesh of one "
+                                         "rank): the mixed-precision policy, collectives and sharded state of "
+                                         "multi-device runs, on one device. Off: one process trains under autocast.")
     fsdp_reshard_after_forward: str = f("default", "Free gathered parameters after forward: default, always or never.",
                                         choices=("default", "always", "never"))
     init_timeout_seconds: int = f(300, "Seconds to wait for all ranks at start-up (collectives get at least the "

@@ -13,14 +13,17 @@ from nsa_titan.runtime import Runtime
 REPLICATE, SHARD, CONTEXT = "dp_replicate", "dp_shard", "cp"
 
 
-def init_process_group(runtime: Runtime, timeout_seconds: float) -> None:
+def init_process_group(runtime: Runtime, timeout_seconds: float, single_process: bool = False) -> None:
     """Join the job; a rank that never arrives, or a collective that never completes, fails after
     `timeout_seconds` (the caller makes it outlast the watchdog's limits, so a hang is diagnosed
-    with stack dumps before the communicator gives up)."""
-    if runtime.world_size == 1 or dist.is_initialized():
+    with stack dumps before the communicator gives up). One process joins nothing unless
+    `single_process` asks for a group of its own (FSDP2 on a mesh of one rank)."""
+    if (runtime.world_size == 1 and not single_process) or dist.is_initialized():
         return
     backend = "nccl" if runtime.device.type == "cuda" else "gloo"
     kwargs = {"device_id": runtime.device} if runtime.device.type == "cuda" else {}
+    if runtime.world_size == 1:  # no launcher to meet: an in-memory store
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds), **kwargs)
 
 
@@ -29,15 +32,15 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def build_mesh(runtime: Runtime, replicate: int, shard: int, context: int = 1) -> tuple[DeviceMesh | None,
-                                                                                        DeviceMesh | None]:
+def build_mesh(runtime: Runtime, replicate: int, shard: int, context: int = 1,
+               single_process: bool = False) -> tuple[DeviceMesh | None, DeviceMesh | None]:
     """(the (replicate, shard) mesh FSDP2 works on, the context-parallel mesh or None).
 
     With context parallelism the ranks form a (replicate, shard, cp) mesh, cp varying fastest (the
     ranks of a cp group are neighbours, on one node when they fit); FSDP2 shards over shard x cp
     flattened into the mesh's "dp_shard" dimension, as torchtitan does: a cp rank holds part of the
     sequence, not of the model, so it can hold part of the parameters instead of a copy."""
-    if runtime.world_size == 1:
+    if runtime.world_size == 1 and not single_process:
         return None, None
     if context == 1:
         return init_device_mesh(runtime.device.type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD)), None
