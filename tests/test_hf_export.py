@@ -93,6 +93,33 @@ def test_greedy_generation_with_the_cache_matches(exported):
     torch.testing.assert_close(steps, full[:, 36:96], rtol=0, atol=1e-5)
 
 
+def test_padded_rows_compute_what_each_row_computes_alone(exported):
+    """Prompts of different lengths in one batch, padded on the left for generation and on the right for
+    scoring: each row's new tokens and logits are those of the row run alone; padding between a row's
+    tokens is refused."""
+    _, folder = exported
+    model = _auto_model(folder)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (37, 20, 1)]
+    width, pad = max(len(p) for p in prompts), 257
+    ids = {side: torch.full((len(prompts), width), pad) for side in ("left", "right")}
+    mask = {side: torch.zeros(len(prompts), width, dtype=torch.long) for side in ("left", "right")}
+    for i, p in enumerate(prompts):
+        ids["left"][i, width - len(p):], mask["left"][i, width - len(p):] = p, 1
+        ids["right"][i, :len(p)], mask["right"][i, :len(p)] = p, 1
+    greedy = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=pad)
+    together = model.generate(ids["left"], attention_mask=mask["left"], **greedy)
+    with torch.no_grad():
+        scored = model(ids["right"], attention_mask=mask["right"]).logits
+        for i, p in enumerate(prompts):
+            alone = model.generate(p[None], **greedy)
+            assert torch.equal(together[i, width:], alone[0, len(p):]), i
+            torch.testing.assert_close(scored[i, :len(p)], model(p[None]).logits[0], rtol=0, atol=1e-6)
+            assert not scored[i, len(p):].any()  # pad positions: zero logits
+        with pytest.raises(ValueError, match="padding between its tokens"):
+            model(ids["right"][:1], attention_mask=torch.tensor([[1] * 10 + [0] + [1] * (width - 11)]))
+
+
 def test_the_tokenizer_encodes_as_in_training(exported):
     from nsa_titan import assemble
     from nsa_titan.config import resolve

@@ -21,6 +21,11 @@ trainer's model computes (the same weights, names and numerics), one sequence pe
 Attention runs in fp32 over query chunks (memory grows with chunk x length, not length^2), which
 makes this the reference math, not a fast kernel. Generation keeps a cache of every layer's keys
 and values and the compressed blocks done so far.
+
+Padded batches (attention_mask with zeros, padding on either side of each row): every row runs
+alone on its own tokens, with its own cache, so it computes exactly what it would unpadded (NSA's
+blocks count from a sequence's first token, so padding cannot simply be masked). Pad positions
+get zero logits. Generation pads on the left (tokenizer.padding_side = "left").
 """
 
 from __future__ import annotations
@@ -126,11 +131,13 @@ class LayerCache:
 
 
 class NSATitanCache:
-    """Every layer's LayerCache and the number of tokens they hold."""
+    """Every layer's LayerCache and the number of tokens (input columns) they hold; for a padded batch,
+    one cache per row (`rows`), each holding that row's real tokens only."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, rows: int = 0):
         self.layers = [LayerCache() for _ in range(num_layers)]
         self.length = 0
+        self.rows = [NSATitanCache(num_layers) for _ in range(rows)] if rows else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -340,22 +347,64 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, labels=None,
                 return_dict=None, **kwargs):
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("padding is not supported: every row must be one unpadded sequence (attention_mask "
-                             "all ones); run rows of different lengths one at a time")
-        if past_key_values is not None and input_ids.shape[1] + past_key_values.length > self.config.max_seq_len:
-            raise ValueError(f"{past_key_values.length + input_ids.shape[1]} tokens exceed max_seq_len "
-                             f"{self.config.max_seq_len}")
-        if past_key_values is None and input_ids.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"{input_ids.shape[1]} tokens exceed max_seq_len {self.config.max_seq_len}")
         cache = past_key_values
-        if cache is None and (use_cache if use_cache is not None else self.config.use_cache) and not self.training:
-            cache = NSATitanCache(self.config.n_layers)
-        logits = self.model(input_ids, cache)
+        caching = cache is not None or ((use_cache if use_cache is not None else self.config.use_cache)
+                                        and not self.training)
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if padded or (cache is not None and cache.rows is not None):
+            logits, cache = self._padded_rows(input_ids, attention_mask, cache, caching)
+        else:
+            self._check_length((0 if cache is None else cache.length) + input_ids.shape[1])
+            if cache is None and caching:
+                cache = NSATitanCache(self.config.n_layers)
+            logits = self.model(input_ids, cache)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+
+    def _check_length(self, tokens: int):
+        if tokens > self.config.max_seq_len:
+            raise ValueError(f"{tokens} tokens exceed max_seq_len {self.config.max_seq_len}")
+
+    def _padded_rows(self, input_ids, attention_mask, cache, caching: bool):
+        """Logits [B, T, V] of a padded batch, each row computed alone on its real tokens (and cache)."""
+        B, T = input_ids.shape
+        seen = 0 if cache is None else cache.length
+        if attention_mask is None:
+            attention_mask = torch.ones(B, seen + T, dtype=torch.long, device=input_ids.device)
+        if attention_mask.shape != (B, seen + T):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, seen + T)}: "
+                             f"every column seen so far and the {T} new ones")
+        real = attention_mask.bool()
+        for i in range(B):
+            where = real[i].nonzero()
+            if len(where) and int(where[-1] - where[0]) + 1 != len(where):
+                raise ValueError(f"row {i} of attention_mask has padding between its tokens: pad only before "
+                                 "a sequence or after it (for generation, before it: tokenizer.padding_side = "
+                                 "'left')")
+        if cache is None and caching:
+            cache = NSATitanCache(self.config.n_layers, rows=B)
+        elif cache is not None and cache.rows is None:  # an unpadded start, now padded: one cache per row
+            if cache.length:
+                raise ValueError("padding appeared after generation started unpadded; pad the prompts instead")
+            cache.rows = [NSATitanCache(self.config.n_layers) for _ in range(B)]
+        logits = None
+        for i in range(B):
+            new = real[i, seen:]
+            if not bool(new.any()):
+                continue
+            row_cache = None if cache is None else cache.rows[i]
+            self._check_length(int(real[i, :seen].sum()) + int(new.sum()))
+            row = self.model(input_ids[i, new][None], row_cache)[0]
+            if logits is None:
+                logits = row.new_zeros(B, T, row.shape[-1])
+            logits[i, new] = row
+        if logits is None:  # nothing but padding
+            logits = torch.zeros(B, T, self.config.vocab_size, device=input_ids.device)
+        if cache is not None:
+            cache.length = seen + T
+        return logits, cache
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=True,
                                       **kwargs):
