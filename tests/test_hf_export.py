@@ -74,18 +74,28 @@ def test_transformers_gives_the_trainers_logits(exported):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
+def _count_tokens_per_call(model) -> list[int]:
+    """The number of tokens each call of the model's decoder stack gets, appended as calls happen."""
+    calls, inner = [], model.model.forward
+    model.model.forward = lambda input_ids, cache: calls.append(input_ids.shape[1]) or inner(input_ids, cache)
+    return calls
+
+
 def test_greedy_generation_with_the_cache_matches(exported):
     """transformers' generate through the model's own cache: the same tokens as nsa_titan's generate, and
-    every step's logits equal to the full forward's at that position (blocks complete during decoding)."""
+    every step's logits equal to the full forward's at that position (blocks complete during decoding).
+    After the prompt, each step feeds the model one token: the cache is used, not rebuilt."""
     from components.models import generate
     from nsa_titan.export import load_exported
 
     _, folder = exported
     ours, _ = load_exported(folder)
     theirs = _auto_model(folder)
+    calls = _count_tokens_per_call(theirs)
     prompt = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(1))
     out = theirs.generate(prompt, max_new_tokens=60, do_sample=False, return_dict_in_generate=True,
                           output_logits=True, eos_token_id=None, pad_token_id=257)
+    assert calls == [37] + [1] * 59
     assert torch.equal(out.sequences, generate(ours, prompt, 60, temperature=0))
     with torch.no_grad():
         full = ours(out.sequences)
@@ -95,10 +105,11 @@ def test_greedy_generation_with_the_cache_matches(exported):
 
 def test_padded_rows_compute_what_each_row_computes_alone(exported):
     """Prompts of different lengths in one batch, padded on the left for generation and on the right for
-    scoring: each row's new tokens and logits are those of the row run alone; padding between a row's
-    tokens is refused."""
+    scoring: each row's new tokens, logits and loss are those of the row run alone, each generation step
+    feeds every row's cache one token; padding between a row's tokens is refused."""
     _, folder = exported
     model = _auto_model(folder)
+    calls = _count_tokens_per_call(model)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (37, 20, 1)]
     width, pad = max(len(p) for p in prompts), 257
@@ -109,13 +120,19 @@ def test_padded_rows_compute_what_each_row_computes_alone(exported):
         ids["right"][i, :len(p)], mask["right"][i, :len(p)] = p, 1
     greedy = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=pad)
     together = model.generate(ids["left"], attention_mask=mask["left"], **greedy)
+    assert calls == [37, 20, 1] + [1, 1, 1] * 29
     with torch.no_grad():
-        scored = model(ids["right"], attention_mask=mask["right"]).logits
+        scored = model(ids["right"], attention_mask=mask["right"], labels=ids["right"])
+        losses = []
         for i, p in enumerate(prompts):
             alone = model.generate(p[None], **greedy)
             assert torch.equal(together[i, width:], alone[0, len(p):]), i
-            torch.testing.assert_close(scored[i, :len(p)], model(p[None]).logits[0], rtol=0, atol=1e-6)
-            assert not scored[i, len(p):].any()  # pad positions: zero logits
+            torch.testing.assert_close(scored.logits[i, :len(p)], model(p[None]).logits[0], rtol=0, atol=1e-6)
+            assert not scored.logits[i, len(p):].any()  # pad positions: zero logits
+            if len(p) > 1:
+                losses.append(model(p[None], labels=p[None]).loss * (len(p) - 1))
+        # the batch's loss is the mean over every row's real next-token predictions, as alone
+        torch.testing.assert_close(scored.loss, sum(losses) / sum(len(p) - 1 for p in prompts), rtol=1e-6, atol=0)
         with pytest.raises(ValueError, match="padding between its tokens"):
             model(ids["right"][:1], attention_mask=torch.tensor([[1] * 10 + [0] + [1] * (width - 11)]))
 

@@ -105,3 +105,14 @@ def test_the_op_in_the_block_layout_matches_the_reference(monkeypatch, packed):
     for name, a, b in zip(("o",) + ORDER, mine, reference):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=5e-5, msg=name)
     assert calls == ["forward"]  # the block-major forward ran, and dQ did not take the query-major kernel
+
+
+def test_more_entries_than_int32_tables_hold_is_one_clear_error(monkeypatch):
+    from components.errors import UserError
+    from components.nsa.triton import selection_lists
+
+    monkeypatch.setattr(selection_lists, "MAX_ENTRIES", 100)
+    q, k, v = (torch.randn(1, 40, h, 16, device=DEVICE) for h in (2, 1, 1))
+    sel = random_selection([40], [40], 1, 8, 3, torch.Generator().manual_seed(0))  # 120 entries
+    with pytest.raises(UserError, match="smaller batch or sequence"):
+        selected_attention_fwd_blocks(q, k, v, sel, 8, 0.25)

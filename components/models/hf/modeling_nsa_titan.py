@@ -347,7 +347,9 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, labels=None,
                 return_dict=None, **kwargs):
-        cache = past_key_values
+        cache = past_key_values if past_key_values is not None else kwargs.get("cache")  # transformers 5: cache
+        if cache is not None and not isinstance(cache, NSATitanCache):
+            raise ValueError(f"this model keeps its own cache (NSATitanCache), not {type(cache).__name__}")
         caching = cache is not None or ((use_cache if use_cache is not None else self.config.use_cache)
                                         and not self.training)
         padded = attention_mask is not None and not bool(attention_mask.all())
@@ -360,7 +362,11 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
             logits = self.model(input_ids, cache)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            targets = labels[:, 1:]
+            if padded:  # a pad neither predicts nor is predicted
+                real = attention_mask[:, -input_ids.shape[1]:].bool()
+                targets = targets.masked_fill(~(real[:, :-1] & real[:, 1:]), -100)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
     def _check_length(self, tokens: int):
@@ -389,28 +395,27 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
             if cache.length:
                 raise ValueError("padding appeared after generation started unpadded; pad the prompts instead")
             cache.rows = [NSATitanCache(self.config.n_layers) for _ in range(B)]
-        logits = None
+        if cache is not None and len(cache.rows) != B:
+            raise ValueError(f"the cache holds {len(cache.rows)} rows, the batch {B}")
+        logits = self.model.output.weight.new_zeros(B, T, self.config.vocab_size)
         for i in range(B):
             new = real[i, seen:]
             if not bool(new.any()):
                 continue
             row_cache = None if cache is None else cache.rows[i]
-            self._check_length(int(real[i, :seen].sum()) + int(new.sum()))
-            row = self.model(input_ids[i, new][None], row_cache)[0]
-            if logits is None:
-                logits = row.new_zeros(B, T, row.shape[-1])
-            logits[i, new] = row
-        if logits is None:  # nothing but padding
-            logits = torch.zeros(B, T, self.config.vocab_size, device=input_ids.device)
+            self._check_length((0 if row_cache is None else row_cache.length) + int(new.sum()))
+            logits[i, new] = self.model(input_ids[i, new][None], row_cache)[0].to(logits.dtype)
         if cache is not None:
             cache.length = seen + T
         return logits, cache
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=True,
                                       **kwargs):
-        if isinstance(past_key_values, NSATitanCache) and past_key_values.length:
-            input_ids = input_ids[:, past_key_values.length:]  # only the tokens the cache has not seen
+        # transformers 4 passes the cache as past_key_values, 5 as cache (with next_sequence_length)
+        cache = past_key_values if past_key_values is not None else kwargs.get("cache")
+        if isinstance(cache, NSATitanCache) and cache.length:
+            input_ids = input_ids[:, cache.length:]  # only the tokens the cache has not seen
         else:
-            past_key_values = None
-        return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": use_cache,
+            cache = None
+        return {"input_ids": input_ids, "past_key_values": cache, "use_cache": use_cache,
                 "attention_mask": attention_mask}

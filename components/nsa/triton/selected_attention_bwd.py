@@ -225,7 +225,8 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     block_g = next_pow2(G)
     queries = max(1, tiles.rows // block_g)  # (query, head) rows per step: whole padded head groups
     segment = segment or work_item_segment(queries)
-    lists = selection_lists(sel_idx, sel_block_size, k.shape[1], segment, cu_seqlens, cu_seqlens_q)
+    lists = selection_lists(sel_idx, sel_block_size, k.shape[1], segment, cu_seqlens, cu_seqlens_q,
+                            entries=dq_by_blocks)
     part_rows = sub_blocks * block_k
     part_shape = (lists.max_items, part_rows, block_d)
     part_dk = torch.empty(part_shape, device=q.device, dtype=torch.float32)

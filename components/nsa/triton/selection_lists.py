@@ -25,11 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
+from components.errors import UserError
 from components.nsa.triton.launch import cdiv
 from components.nsa.triton.packing import document_starts, selection_blocks
 from components.nsa.triton.tiles import grid_position
 
 Tensor = torch.Tensor
+MAX_ENTRIES = 2**31 - 1  # entry_of and query_list are int32
 
 
 class SelectionLists(NamedTuple):
@@ -40,17 +42,22 @@ class SelectionLists(NamedTuple):
     max_items: int  # the launch size: an upper bound on the work items
     num_bins: int
     num_sel_blocks: int  # key blocks per (batch, KV group)
-    entry_of: Tensor  # int32 [B, Hkv, T, n]: where entry (b, g, t, slot) stands in query_list
+    entry_of: Tensor | None  # int32 [B, Hkv, T, n]: where entry (b, g, t, slot) stands in query_list
     blocks: Tensor | None  # packed: (document, block in it) of every key block number; else None
     starts: Tensor | None  # packed: each document's first key, then the end twice; else None
 
 
 def selection_lists(sel_idx: Tensor, sel_block_size: int, num_keys: int, segment: int,
-                    cu_seqlens: Tensor | None = None, cu_seqlens_q: Tensor | None = None) -> SelectionLists:
+                    cu_seqlens: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
+                    entries: bool = False) -> SelectionLists:
     """The lists of sel_idx [B, T, Hkv, n] over num_keys keys per row, in items of at most `segment`
-    queries. Unused slots (-1) sort past the last bin and belong to no list."""
+    queries. Unused slots (-1) sort past the last bin and belong to no list. entry_of only with
+    `entries` (the kernels that write per-entry partials need it); else None."""
     B, T, HKV, N = sel_idx.shape
     device = sel_idx.device
+    if entries and sel_idx.numel() > MAX_ENTRIES:
+        raise UserError(f"the selected branch's block layout numbers {sel_idx.numel()} (query, slot) entries, more "
+                        f"than its int32 tables hold ({MAX_ENTRIES}); use a smaller batch or sequence per step")
     if cu_seqlens is not None:
         starts = document_starts(cu_seqlens)
         query_starts = starts if cu_seqlens_q is None else document_starts(cu_seqlens_q)
@@ -69,8 +76,11 @@ def selection_lists(sel_idx: Tensor, sel_block_size: int, num_keys: int, segment
     bins = torch.where(idx >= 0, bh + idx, num_bins).reshape(-1)
     sorted_bins, order = torch.sort(bins, stable=True)
     query_list = (order // N % T).to(torch.int32)
-    entry_of = torch.empty_like(order, dtype=torch.int32)
-    entry_of[order] = torch.arange(order.numel(), device=device, dtype=torch.int32)
+    entry_of = None
+    if entries:
+        entry_of = torch.empty_like(order, dtype=torch.int32)
+        entry_of[order] = torch.arange(order.numel(), device=device, dtype=torch.int32)
+        entry_of = entry_of.view(B, HKV, T, N)
 
     list_start = torch.searchsorted(sorted_bins, torch.arange(num_bins + 1, device=device))
     counts = list_start[1:] - list_start[:-1]
@@ -80,7 +90,7 @@ def selection_lists(sel_idx: Tensor, sel_block_size: int, num_keys: int, segment
     max_items = bins.numel() // segment + num_bins
     item_bin = torch.searchsorted(item_end, torch.arange(max_items, device=device), right=True)
     return SelectionLists(query_list, list_start, item_bin, item_start, max_items, num_bins, num_sel_blocks,
-                          entry_of.view(B, HKV, T, N), blocks, starts)
+                          entry_of, blocks, starts)
 
 
 def work_item_segment(queries_per_step: int) -> int:

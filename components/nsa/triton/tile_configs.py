@@ -73,6 +73,8 @@ def selected_layout(group_size: int) -> str:
     KV group, its G heads padded to at least 16 rows, the n blocks' keys read per query) or "block"
     (one pass per selected key block over the queries that chose it, fp32 partials merged per
     query; selected_attention_fwd_blocks). dK/dV is block-major either way. The block layout is
-    built for small groups, where query-major pads most rows; which is faster has not been
-    measured on a GPU yet (bench.attention_stages times both), so the query layout stays the default."""
+    built for small groups, where query-major pads most rows; its fp32 partials take about
+    B x T x Hkv x n x G x D x 4 bytes for the call (forward, and again for dQ), so it is no choice for
+    large G x D at long T. Which is faster has not been measured on a GPU yet
+    (bench.attention_stages times both), so the query layout stays the default."""
     return "query"
