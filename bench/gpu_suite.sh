@@ -9,7 +9,8 @@
 #   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens, 125M and paper heads
 #              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
 #              where the NSA op's time goes, and the selected branch's two layouts side by side
-#   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k
+#   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k;
+#              nsa_125m at 2k again with CUDA graphs (compile.mode = reduce-overhead)
 #
 # No phase named: all three. JSON results go to bench/results/, each phase's log to
 # bench/results/logs/<phase>.log. Exit status: the number of phases that failed.
@@ -48,7 +49,10 @@ phase_attention() {
   "$py" -m bench.attention_stages --seq-lens 8192 65536 &&
   "$py" -m bench.attention_stages --preset paper --seq-lens 8192 65536
 }
-phase_train() { "$py" -m bench.train_throughput --seq-lens 2048 32768; }
+phase_train() {
+  "$py" -m bench.train_throughput --seq-lens 2048 32768 &&
+  "$py" -m bench.train_throughput --seq-lens 2048 --recipes recipes/nsa_125m.toml --override=--compile.mode=reduce-overhead
+}
 
 phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(check attention train)

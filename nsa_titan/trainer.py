@@ -19,6 +19,7 @@ from nsa_titan import assemble, registry
 from nsa_titan.checkpoint import Checkpointer, RunState
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
+from nsa_titan.config.schema import CUDA_GRAPH_MODES
 from nsa_titan.config.toml_io import tomllib
 from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.hf_folder import is_hf_folder, load_hf_weights
@@ -80,6 +81,9 @@ class Trainer:
         if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":  # training.device = auto: known now
             raise UserError(f"profiling.memory_snapshot records the CUDA allocator, but this run trains on "
                             f"{runtime.device.type}. Fix: set --profiling.memory_snapshot=false, or train on CUDA.")
+        if recipe.compile.enable and recipe.compile.mode in CUDA_GRAPH_MODES and runtime.device.type != "cuda":
+            raise UserError(f"compile.mode = {recipe.compile.mode!r} replays CUDA graphs, but this run trains on "
+                            f"{runtime.device.type}. Fix: set --compile.mode=default, or train on CUDA.")
 
         fault = recipe.fault
         single = recipe.parallelism.fsdp_single_process
@@ -174,7 +178,8 @@ class Trainer:
         apply_activation_checkpointing(plan.blocks, recipe.activation_checkpoint.mode,
                                        recipe.activation_checkpoint.selective_every)
         if recipe.compile.enable:
-            compile_blocks(plan.blocks, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend)
+            compile_blocks(plan.blocks, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend,
+                           mode=recipe.compile.mode)
             if self.model_part.compiled is not None:
                 self.model_part.compiled(self.model, recipe.compile.backend)
         if self.mesh is not None:

@@ -102,6 +102,12 @@ CASES = [
     ("plugin missing", "", ["--job.plugins=no_such_module_xyz"], ["job.plugins", "could not be imported"]),
     ("unknown optimizer", "", ["--optimizer.name=lion"], ["optimizer.name", "adamw"]),
     ("byte tokenizer takes no arguments", "[data.byte]\nx = 1\n", [], ["data.byte", "takes no arguments"]),
+    ("compile mode of another backend", "[compile]\nbackend = \"aot_eager\"\nmode = \"max-autotune-no-cudagraphs\"\n",
+     [], ["compile.mode", "a mode of the inductor backend", "aot_eager"]),
+    ("cuda graphs on the cpu", "", ["--compile.enable=true", "--compile.mode=reduce-overhead", "--training.device=cpu"],
+     ["compile.mode", "replays CUDA graphs", "training.device is 'cpu'"]),
+    ("cuda graphs with fsdp", "", ["--compile.mode=max-autotune", "--parallelism.fsdp_single_process=true"],
+     ["compile.mode", "FSDP2 gathers them", "max-autotune-no-cudagraphs"]),
     ("impossible degrees", "[parallelism]\ndata_parallel_shard_degree = 2\ndata_parallel_replicate_degree = 2\n", [],
      ["parallelism.data_parallel_shard_degree", "world size is 1"]),
 ]

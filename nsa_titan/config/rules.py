@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nsa_titan import registry
 from nsa_titan.config.errors import Problem
-from nsa_titan.config.schema import Recipe
+from nsa_titan.config.schema import CUDA_GRAPH_MODES, Recipe
 
 
 def _changed(section, name: str) -> bool:
@@ -136,7 +136,24 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if recipe.data.num_workers == 0 and _changed(recipe.data, "prefetch_factor"):
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
             "remove it, or set data.num_workers > 0")
+    _check_compile(recipe, world_size, source_of, add)
     if recipe.activation_checkpoint.mode != "selective" and _changed(recipe.activation_checkpoint, "selective_every"):
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
             f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
             "remove it, or set activation_checkpoint.mode = 'selective'")
+
+
+def _check_compile(recipe: Recipe, world_size: int | None, source_of, add) -> None:
+    """compile.mode against the backend and the layout (inspect compiles whatever compile.enable says)."""
+    comp = recipe.compile
+    if comp.mode != "default" and comp.backend != "inductor":
+        add("compile.mode", comp.mode, f"is a mode of the inductor backend, but compile.backend is {comp.backend!r}",
+            "set compile.backend = 'inductor', or compile.mode = 'default'")
+    if comp.mode in CUDA_GRAPH_MODES:
+        if recipe.training.device == "cpu":
+            add("compile.mode", comp.mode, "replays CUDA graphs, but training.device is 'cpu'",
+                "use compile.mode = 'default' (or 'max-autotune-no-cudagraphs'), or train on CUDA")
+        if (world_size or 1) > 1 or recipe.parallelism.fsdp_single_process:
+            add("compile.mode", comp.mode, "replays CUDA graphs, which need the parameters at fixed addresses; FSDP2 "
+                "gathers them afresh every step", "use compile.mode = 'max-autotune-no-cudagraphs', or train in "
+                "one process without parallelism.fsdp_single_process")

@@ -135,11 +135,18 @@ class ValidationConfig:
     steps: int = f(10, "Batches per validation.", ge=1)
 
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # compile modes that capture CUDA graphs
+
+
 @dataclass
 class CompileConfig:
     enable: bool = f(False, "torch.compile each transformer block in place.")
     fullgraph: bool = f(True, "Require one graph per block: a graph break is an error.")
     backend: str = f("inductor", "torch.compile backend.", choices=("inductor", "aot_eager", "eager"))
+    mode: str = f("default", "Inductor's mode: default; max-autotune-no-cudagraphs (autotuned kernels); "
+                             "reduce-overhead (CUDA graphs replay each block's kernels) or max-autotune (both): "
+                             "those two need CUDA and one process.",
+                  choices=("default", "max-autotune-no-cudagraphs") + CUDA_GRAPH_MODES)
 
 
 @dataclass

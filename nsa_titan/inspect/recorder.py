@@ -100,11 +100,18 @@ def _symbolic_inputs(gm: torch.fx.GraphModule) -> list[str]:
 class RecordingBackend:
     """Record, then delegate to the named backend (looked up as torch.compile would)."""
 
-    def __init__(self, backend: str, tracker: BlockTracker):
+    def __init__(self, backend: str, tracker: BlockTracker, mode: str = "default"):
         from torch._dynamo import lookup_backend
 
         self.name = backend
         self.inner = lookup_backend(backend)
+        if mode != "default":  # inductor's mode, as torch.compile(mode=...) would apply it
+            import functools
+
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
+
+            self.inner = functools.partial(compile_fx, config_patches=list_mode_options(mode))
         self.tracker = tracker
         self.graphs: list[GraphRecord] = []
 

@@ -128,7 +128,7 @@ def _compiled_model(recipe, runtime, vocab_size: int):
     apply_activation_checkpointing(blocks, recipe.activation_checkpoint.mode,
                                    recipe.activation_checkpoint.selective_every)
     tracker = BlockTracker()
-    recorder = RecordingBackend(recipe.compile.backend, tracker)
+    recorder = RecordingBackend(recipe.compile.backend, tracker, recipe.compile.mode)
     compile_blocks(blocks, fullgraph=False, backend=recorder)
     part = registry.get("model", recipe.model.name)
     if part.compiled is not None:  # the model picks its kernels as it does for the backend in training

@@ -11,9 +11,11 @@ from typing import Sequence
 from torch import nn
 
 
-def compile_blocks(blocks: Sequence[nn.Module], *, fullgraph: bool, backend: str) -> None:
+def compile_blocks(blocks: Sequence[nn.Module], *, fullgraph: bool, backend, mode: str = "default") -> None:
+    """backend: a name, or a callable (inspect's recorder, which applies the mode itself)."""
+    options = {} if mode == "default" or callable(backend) else {"mode": mode}
     for block in blocks:
-        block.compile(fullgraph=fullgraph, backend=backend)
+        block.compile(fullgraph=fullgraph, backend=backend, **options)
 
 
 def compile_counters() -> dict[str, int]:
