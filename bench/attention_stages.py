@@ -107,11 +107,25 @@ def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list
         do = torch.randn_like(o)
     forward = {"query": selected_attention_fwd, "block": selected_attention_fwd_blocks}
     measure = timer(device, args.rep_ms)
-    return [{"seq_len": T, "layout": layout,
-             "fwd_ms": measure(lambda: forward[layout](q, k, v, selection, lp, scale)),
-             "bwd_ms": measure(lambda: selected_attention_bwd(do, q, k, v, o, lse2, selection, lp, scale,
-                                                              dq_layout=layout))}
-            for layout in ("query", "block")]
+    rows = []
+    for layout in ("query", "block"):
+        def run_forward():
+            return forward[layout](q, k, v, selection, lp, scale)
+
+        def run_backward():
+            return selected_attention_bwd(do, q, k, v, o, lse2, selection, lp, scale, dq_layout=layout)
+
+        row = {"seq_len": T, "layout": layout, "fwd_ms": measure(run_forward), "bwd_ms": measure(run_backward)}
+        if device == "cuda":  # the layout's own workspace: peak memory of a call above what was held before
+            for name, fn in (("fwd", run_forward), ("bwd", run_backward)):
+                torch.cuda.synchronize()
+                held = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                fn()
+                torch.cuda.synchronize()
+                row[f"{name}_extra_gib"] = (torch.cuda.max_memory_allocated() - held) / 2**30
+        rows.append(row)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -137,8 +151,10 @@ def main(argv=None) -> int:
                   flush=True)
         for row in selected_layout_times(args, T, dtype, device):
             report["selected_layouts"].append(row)
+            memory = (f"  (+{row['fwd_extra_gib']:.2f} / +{row['bwd_extra_gib']:.2f} GiB during fwd / bwd)"
+                      if "fwd_extra_gib" in row else "")
             print(f"T={T:6d} selected, {row['layout']}-major forward and dQ: {row['fwd_ms']:9.3f} ms fwd  "
-                  f"{row['bwd_ms']:9.3f} ms bwd", flush=True)
+                  f"{row['bwd_ms']:9.3f} ms bwd{memory}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     write_report(report, "attention_stages", args.out)
