@@ -137,6 +137,24 @@ def test_padded_rows_compute_what_each_row_computes_alone(exported):
             model(ids["right"][:1], attention_mask=torch.tensor([[1] * 10 + [0] + [1] * (width - 11)]))
 
 
+def test_beam_search_with_the_cache_equals_it_without(exported):
+    """Beam search reorders the cache between steps (reorder_cache): with the cache, the beams come out
+    as they do when every step recomputes the whole sequence; for one row and for a left-padded batch."""
+    _, folder = exported
+    model = _auto_model(folder)
+    gen = torch.Generator().manual_seed(3)
+    one = torch.randint(0, 256, (1, 23), generator=gen)
+    padded = torch.randint(0, 256, (2, 23), generator=gen)
+    mask = torch.ones_like(padded)
+    mask[1, :9] = 0
+    beams = dict(num_beams=3, num_return_sequences=3, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                 pad_token_id=257)
+    for ids, attention_mask in ((one, None), (padded, mask)):
+        cached = model.generate(ids, attention_mask=attention_mask, use_cache=True, **beams)
+        recomputed = model.generate(ids, attention_mask=attention_mask, use_cache=False, **beams)
+        assert torch.equal(cached, recomputed)
+
+
 def test_the_tokenizer_encodes_as_in_training(exported):
     from nsa_titan import assemble
     from nsa_titan.config import resolve

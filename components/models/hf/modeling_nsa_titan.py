@@ -118,10 +118,16 @@ def ungrouped(o):
 
 
 class LayerCache:
-    """One layer's keys and values so far (by name), and NSA's compressed blocks done so far."""
+    """One layer's keys and values so far (by name), and NSA's compressed blocks done so far. Tensors are
+    replaced, never written in place, so caches may share them."""
 
     def __init__(self):
         self.tensors: dict[str, torch.Tensor] = {}
+
+    def select_rows(self, index: torch.Tensor) -> "LayerCache":
+        picked = LayerCache()
+        picked.tensors = {name: x.index_select(0, index.to(x.device)) for name, x in self.tensors.items()}
+        return picked
 
     def extend(self, **new):
         for name, x in new.items():
@@ -141,6 +147,20 @@ class NSATitanCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row i now continues row beam_idx[i]."""
+        if self.rows is not None:
+            self.rows = [self.rows[i]._copy() for i in beam_idx.tolist()]
+        self.layers = [layer.select_rows(beam_idx) for layer in self.layers]
+
+    def _copy(self) -> "NSATitanCache":
+        copy = NSATitanCache(0)
+        copy.layers = [LayerCache() for _ in self.layers]
+        for mine, theirs in zip(copy.layers, self.layers):
+            mine.tensors = dict(theirs.tensors)
+        copy.length = self.length
+        return copy
 
 
 # ---- attention ----------------------------------------------------------------------------------
