@@ -12,7 +12,7 @@ from nsa_titan.config import RecipeError, resolve
 COMMANDS = {
     "train": "train from a recipe: nsa-titan train RECIPE.toml [--section.field=VALUE ...]",
     "export": "consolidate a run's checkpoint: nsa-titan export RECIPE.toml [overrides] --output FILE, or "
-              "--format hf --output DIR for a Hugging Face transformers folder",
+              "--format hf --output DIR [--dtype bfloat16] for a Hugging Face transformers folder",
     "sample": "generate text: nsa-titan sample EXPORTED_FILE|HF_DIR [--prompt TEXT] [--max-new-tokens N] "
               "[--temperature T] [--top-k K] [--seed S]",
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE --text TEXT|--text-file FILE "
@@ -88,15 +88,19 @@ def export(argv: list[str]) -> int:
 
     output = take_option(argv, "--output")
     form = take_option(argv, "--format", "pt")
+    dtype = take_option(argv, "--dtype")
     writers = {"pt": export_checkpoint, "hf": export_hf}
     if form not in writers:
         return _fail(f"error: --format {form!r} is not one of pt (one torch file for nsa-titan) or hf (a Hugging "
                      f"Face transformers folder). Fix: --format=pt or --format=hf.")
+    if dtype is not None and form != "hf":
+        return _fail("error: --dtype applies to --format hf (the pt file keeps the training weights as they are). "
+                     "Fix: add --format hf, or drop --dtype.")
     if not output:
         example = "--format hf --output outputs/debug/hf" if form == "hf" else "--output outputs/debug/model.pt"
         return _fail(f"error: export needs --output. Fix: e.g. `nsa-titan export recipes/debug.toml {example}`.")
     resolved = resolve(argv, world_size=None)
-    path, step = writers[form](resolved, output)
+    path, step = writers[form](resolved, output, *(() if dtype is None else (dtype,)))
     print(f"exported step {step} to {path}")
     return 0
 

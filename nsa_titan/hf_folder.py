@@ -1,8 +1,8 @@
 """A trained model as a Hugging Face transformers folder, and back.
 
-    nsa-titan export RECIPE [overrides] --format hf --output DIR
+    nsa-titan export RECIPE [overrides] --format hf --output DIR [--dtype float32|bfloat16|float16]
 
-writes model.safetensors, config.json, generation_config.json, tokenizer.json,
+writes model.safetensors (its floating-point weights in --dtype, default float32), config.json, generation_config.json, tokenizer.json,
 tokenizer_config.json, the model's self-contained modeling file and the resolved recipe
 (nsa_titan_recipe.toml). `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` loads
 it. The way back: `checkpoint.initial_load_path = DIR` starts a run from its weights, and
@@ -25,6 +25,7 @@ from nsa_titan.config import ResolvedRecipe
 from nsa_titan.observe.progress import progress
 
 FORMAT = "nsa_titan.hf.v1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTS, CONFIG, RECIPE = "model.safetensors", "config.json", "nsa_titan_recipe.toml"
 
 
@@ -47,14 +48,18 @@ def is_hf_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG)) and os.path.isfile(os.path.join(path, WEIGHTS))
 
 
-def export_hf(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
-    """Write the run's newest complete checkpoint (or checkpoint.load_step) as a Hugging Face folder."""
+def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32") -> tuple[str, int]:
+    """Write the run's newest complete checkpoint (or checkpoint.load_step) as a Hugging Face folder,
+    floating-point weights in `dtype` (one of DTYPES)."""
     from components.data.hf_files import write_tokenizer_files
     from nsa_titan.rebuild import load_checkpoint_model
 
     _require("safetensors")
     from safetensors.torch import save_file
 
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}. Fix: e.g. --dtype bfloat16 (half "
+                        f"the size; the trained weights are float32).")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise UserError(f"--output {output!r} already exists and is not an empty folder; nothing was written. "
                         f"Fix: choose a new folder, or remove this one first.")
@@ -67,13 +72,14 @@ def export_hf(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
     os.makedirs(tmp)
     tokens = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     config = {**fmt.config, **tokens, "model_type": fmt.model_type, "architectures": list(fmt.architectures),
-              "auto_map": fmt.auto_map, "torch_dtype": "float32",
+              "auto_map": fmt.auto_map, "torch_dtype": dtype,
               "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
                             "model_args": dataclasses.asdict(recipe.model.args), "step": step,
                             "recipe_hash": resolved.hash}}
     stages = {
-        "weights": lambda: save_file(fmt.to_hf(model.state_dict()), os.path.join(tmp, WEIGHTS),
-                                     metadata={"format": "pt"}),
+        "weights": lambda: save_file({name: x.to(DTYPES[dtype]) if x.is_floating_point() else x
+                                      for name, x in fmt.to_hf(model.state_dict()).items()},
+                                     os.path.join(tmp, WEIGHTS), metadata={"format": "pt"}),
         "modeling file": lambda: shutil.copyfile(fmt.modeling_file,
                                                  os.path.join(tmp, os.path.basename(fmt.modeling_file))),
         "tokenizer": lambda: write_tokenizer_files(tokenizer, tmp, fmt.max_length),
@@ -136,6 +142,8 @@ def read_hf_folder(path: str) -> HFFolder:
     from nsa_titan.rebuild import model_arguments
 
     part = registry.get("model", model_name)
+    # The package's models hold float32 weights, whatever the folder stores.
+    tensors = {name: x.float() if x.is_floating_point() else x for name, x in tensors.items()}
     state = _hf_format(part, model_arguments(part, model_args), vocab_size).from_hf(tensors)
     recipe_file = os.path.join(path, RECIPE)
     recipe_toml = open(recipe_file, encoding="utf-8").read() if os.path.isfile(recipe_file) else None

@@ -238,6 +238,31 @@ def test_a_sharded_run_starts_from_the_folder(tmp_path_factory):
     assert first["hf"] == first["dcp"]
 
 
+def test_a_bfloat16_folder_holds_the_rounded_weights(exported, tmp_path):
+    """--dtype bfloat16: half the bytes; transformers computes nearly the float32 folder's logits; read
+    back (initial_load_path, sample, eval), the weights are the float32 ones rounded to bfloat16."""
+    from safetensors.torch import load_file
+
+    from nsa_titan.hf_folder import read_hf_folder
+
+    argv, folder = exported
+    half = str(tmp_path / "bf16")
+    assert cli.main(["export", *argv, "--format", "hf", "--output", half, "--dtype", "bfloat16"]) == 0
+    full_weights, half_weights = (load_file(os.path.join(f, "model.safetensors")) for f in (folder, half))
+    assert {x.dtype for x in half_weights.values()} == {torch.bfloat16}
+    assert all(torch.equal(half_weights[k], x.bfloat16()) for k, x in full_weights.items())
+    assert json.load(open(os.path.join(half, "config.json")))["torch_dtype"] == "bfloat16"
+    back = read_hf_folder(half).state_dict
+    assert all(x.dtype == torch.float32 for x in back.values() if x.is_floating_point())
+    assert all(torch.equal(back[k], x.bfloat16().float()) for k, x in read_hf_folder(folder).state_dict.items())
+    tokens = torch.randint(0, 258, (1, 100), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = _auto_model(folder)(tokens).logits
+        got = _auto_model(half)(tokens).logits.float()
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert error < 2e-2, error
+
+
 def test_sample_reads_the_folder(exported, tmp_path, capsys):
     _, folder = exported
     assert cli.main(["sample", folder, "--prompt", "def ", "--max-new-tokens", "5"]) == 0
@@ -247,6 +272,8 @@ def test_sample_reads_the_folder(exported, tmp_path, capsys):
 @pytest.mark.parametrize("setup, extra, message", [
     ("full", ["--format", "hf"], "already exists and is not an empty folder"),
     (None, ["--format", "onnx"], "--format 'onnx' is not one of pt"),
+    (None, ["--format", "hf", "--dtype", "fp8"], "--dtype 'fp8' is not one of float32, bfloat16, float16"),
+    (None, ["--dtype", "bfloat16"], "--dtype applies to --format hf"),
 ])
 def test_bad_export_requests(tmp_path, capsys, setup, extra, message):
     argv = [DEBUG, *TINY, f"--job.dump_folder={tmp_path}/run"]
