@@ -13,7 +13,8 @@
 #              nsa_125m at 2k again with CUDA graphs (compile.mode = reduce-overhead)
 #
 # No phase named: all three. JSON results go to bench/results/, each phase's log to
-# bench/results/logs/<phase>.log. Exit status: the number of phases that failed.
+# bench/results/logs/<phase>.log, and the tables of this run's results (bench.report) to
+# bench/results/logs/report.md. Exit status: the number of phases that failed.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -57,6 +58,7 @@ phase_train() {
 phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(check attention train)
 failed=0
+stamp=$(mktemp)  # results newer than this are this run's
 for phase in "${phases[@]}"; do
   if ! declare -F "phase_$phase" >/dev/null; then
     echo "error: unknown phase '$phase'; choose from: check attention train" >&2
@@ -71,4 +73,8 @@ for phase in "${phases[@]}"; do
     failed=$((failed + 1))
   fi
 done
+mapfile -t fresh < <(find bench/results -maxdepth 1 -name '*.json' -newer "$stamp" | sort)
+if [ ${#fresh[@]} -gt 0 ]; then
+  "$py" -m bench.report "${fresh[@]}" | tee "$logs/report.md"
+fi
 exit "$failed"

@@ -93,6 +93,10 @@ def test_attention_stages_times_every_stage(tmp_path):
     layouts = json.loads(out.read_text())["selected_layouts"]
     assert [(r["seq_len"], r["layout"]) for r in layouts] == [(40, "query"), (40, "block")]
     assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in layouts)
+    from bench.report import render  # the README's table reads this file
+
+    table = render(json.loads(out.read_text()))
+    assert "| 40 | selected |" in table and "| 40 | block-major |" in table
 
 
 def test_attention_speedups_pair_each_nsa_timing_with_sdpa_at_the_same_length_and_mode():
