@@ -10,7 +10,9 @@ engine calls them and knows nothing else about the model's insides. All are opti
                                               when each row is split over context_parallel ranks
     self_check(args, device) -> SelfCheck     a short numerical check of the model's op on this device
     attention_maps(model, tokens) -> {layer: AttentionMap}   what each sparse attention layer chose
-    telemetry(model, tokens, documents=None) -> {name: 0-d tensor}   documents as the forward gets them
+    telemetry(model, tokens, documents=None, context=None) -> {name: 0-d tensor}   documents and context
+                                              as the forward gets them (with context, every rank of the
+                                              group calls it and gets the whole rows' numbers)
     telemetry_applies(args) -> bool
     flops_per_token(args, vocab_size, seq_len) -> float    for MFU
     describe(args) -> str                     the model's attention in a few words, for reports

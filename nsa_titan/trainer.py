@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import sys
@@ -118,6 +119,11 @@ class Trainer:
         self._build_model()
         if self.shard is not None:  # the model says now, not at step 1, when it cannot split its sequences
             self.model_part.context_shard(self.model, None, 1, self.shard, torch.device("cpu"))
+            telemetry = self.model_part.telemetry
+            if recipe.metrics.telemetry_freq and "context" not in inspect.signature(telemetry).parameters:
+                raise UserError(f"model {recipe.model.name!r} cannot take attention telemetry of split sequences (its "
+                                f"telemetry hook has no context= parameter). Fix: set --metrics.telemetry_freq=0, "
+                                f"or parallelism.context_parallel_degree = 1.")
 
         self.peak_flops = peak_flops_per_second(runtime.device, recipe.metrics.peak_tflops)
         self.flops_per_token = None
@@ -360,12 +366,18 @@ class Trainer:
             self._validation_cache = kept
 
     def telemetry(self) -> dict[str, float]:
-        """Attention telemetry on a fixed batch; runs on every rank (sharded models gather for it)."""
+        """Attention telemetry on a fixed batch; runs on every rank (sharded models gather for it; under
+        context parallelism each rank takes its share of the rows and the model combines them)."""
         self.model.eval()
-        documents = self._documents(self._probe)
+        probe = self._probe
         with self._autocast():
-            stats = self.model_part.telemetry(self.model, self._probe.inputs,
-                                              *(() if documents is None else (documents,)))
+            if self.shard is not None:
+                context = self.model_part.context_shard(self.model, probe.document_starts, probe.inputs.shape[0],
+                                                        self.shard, probe.inputs.device)
+                stats = self.model_part.telemetry(self.model, self.shard.split(probe.inputs), context=context)
+            else:
+                documents = self._documents(probe)
+                stats = self.model_part.telemetry(self.model, probe.inputs, *(() if documents is None else (documents,)))
         return telemetry_records(stats)
 
     def attention_figures(self, step: int) -> None:

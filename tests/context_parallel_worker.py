@@ -1,7 +1,8 @@
 """Run under torch.distributed.run by tests/test_context_parallel.py: a tiny fp64 transformer's logits
 and every parameter gradient under context parallelism equal one process's forward of the whole rows.
 
-argv: attention (nsa | dense), document masking (0 | 1). Prints "ok" per rank on success.
+argv: attention (nsa | dense), document masking (0 | 1). Prints "ok" per rank on success. NSA also
+checks the attention telemetry of the split rows against the whole rows'.
 argv: saved, attention: prints what one block saves for backward per local token (bytes, fp32), rows of
 one document (the most keys each chunk's queries see), for doctor's memory estimate."""
 
@@ -47,9 +48,28 @@ def main(attention: str, masking: bool) -> None:
     for (name, _), got, want in zip(model.named_parameters(), grads, expected):
         dist.all_reduce(got)
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)
+    if attention == "nsa":
+        check_telemetry(model, tokens, starts if masking else None, shard, context)
     print(f"rank {rank}: ok")
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
+
+
+def check_telemetry(model, tokens, starts, shard: SequenceShard, context) -> None:
+    """Attention telemetry of the split rows (each rank its share, combined) equals the whole rows'. The
+    gates are pushed off 0.5 first, so that a rank's share alone would give other numbers. The statistics
+    are fp32 (gate_stats), hence fp32 tolerances."""
+    from components.models.telemetry import collect_nsa_telemetry
+
+    with torch.no_grad():
+        for layer in model.layers:
+            for weight in layer.attention.gate.parameters():
+                weight.mul_(40)
+    whole = collect_nsa_telemetry(model, tokens, starts)
+    split = collect_nsa_telemetry(model, shard.split(tokens), context=context)
+    assert whole.keys() == split.keys()
+    for key in whole:
+        torch.testing.assert_close(split[key], whole[key], rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
 def print_saved_bytes(attention: str) -> None:

@@ -21,7 +21,9 @@ STEPS = 5
 # Same global batch (4 rows of 64 tokens) in every layout: one data rank accumulates 2 micro-batches of 2.
 COMMON = [*TINY, f"--training.steps={STEPS}", "--training.local_batch_size=2", "--training.global_batch_size=4"]
 DENSE = [os.path.join(REPO_ROOT, "recipes", "debug_dense.toml"), *(a for a in COMMON if "nsa." not in a)]
-NSA = [DEBUG, *COMMON]
+# Attention telemetry at steps 2 and 4, of the first micro-batch's two rows (the same rows wherever one
+# data rank holds the whole batch, split or not).
+NSA = [DEBUG, *COMMON, "--metrics.telemetry_freq=2"]
 # The Triton kernels under the interpreter (about 4 s a step for one block over 2 x 32 tokens): one
 # block, short rows, blocks small enough that both chunks of both ranks have compressed blocks.
 TRITON = [DEBUG, *TINY, "--training.steps=3", "--model.nsa.backend=triton", "--model.n_layers=1",
@@ -92,6 +94,20 @@ def _assert_same_training(got, expected):
             assert got[step][key] == pytest.approx(expected[step][key], rel=RTOL), (step, key, got, expected)
 
 
+def _assert_same_telemetry(got, expected):
+    """The split run's telemetry (each rank on its share, combined) is the whole rows' telemetry."""
+    def telemetry(records):
+        return {r["step"]: {k: v for k, v in r.items() if k.startswith("telemetry/")} for r in records
+                if any(k.startswith("telemetry/") for k in r)}
+
+    got, expected = telemetry(got), telemetry(expected)
+    assert sorted(got) == sorted(expected) == [2, 4]
+    for step in expected:
+        assert sorted(got[step]) == sorted(expected[step])
+        for key, value in expected[step].items():
+            assert got[step][key] == pytest.approx(value, rel=RTOL, abs=1e-6), (step, key)
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """One process's runs of the NSA debug recipe (masking on, then off) and of the dense one."""
@@ -111,8 +127,19 @@ def one_process(tmp_path_factory):
 def test_training_equals_one_process(tmp_path, one_process, name, nproc, args, baseline):
     got = _run(args, nproc, tmp_path)
     _assert_same_training(got, one_process[baseline])
+    if name.startswith("cp2") and baseline.startswith("nsa"):  # one data rank: the same probe rows
+        _assert_same_telemetry(got, one_process[baseline])
     if "--compile.enable=true" in args:  # inductor, fullgraph: one graph for every step's new boundaries
         assert {(r["compiled_graphs"], r["graph_breaks"]) for r in _steps(got).values()} == {(1, 0)}
+
+
+def test_a_telemetry_hook_that_cannot_split_sequences_is_refused_at_start(tmp_path):
+    plugin = os.path.join(REPO_ROOT, "tests", "plugins", "breaking_model.py")
+    proc = train([*NSA, *CP2, f"--job.plugins={plugin}", "--model.name=whole_rows_telemetry_transformer",
+                  f"--job.dump_folder={tmp_path}"], nproc=2, timeout=300)
+    assert proc.returncode != 0
+    assert "telemetry hook has no context= parameter). Fix: set --metrics.telemetry_freq=0" in proc.stderr
+    assert "step 1/" not in proc.stdout
 
 
 @pytest.mark.parametrize("first,then", [(2, 1), (1, 2)], ids=["cp2-to-cp1", "cp1-to-cp2"])

@@ -14,7 +14,7 @@ from components.models.args import TransformerArgs
 from components.models.context_parallel import ContextShard
 from components.models.kv_cache import LayerKV
 from components.models.rope import apply_rope
-from components.nsa import nsa_attention, nsa_attention_at, select_blocks
+from components.nsa import nsa_attention, nsa_attention_at, select_blocks, select_blocks_of_last_queries
 from components.nsa.compression import KVCompressor, compressed_block_positions, num_compressed_blocks
 from components.nsa.documents import DocumentLayout
 
@@ -143,12 +143,7 @@ class NSAAttention(nn.Module):
         the keys its ChunkKeys picks out."""
         B, Tl, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        whole = context.layout
-        q = apply_rope(self.wq(x).reshape(1, B * Tl, H, D), cos, sin, context.query_positions).view(B, 2, Tl // 2, H, D)
-        wkv_out = context.shard.gather(self.wkv(x))
-        p = self._rotate_kv(q, wkv_out.reshape(1, -1, wkv_out.shape[-1]), cos, sin, whole.positions)
-        k_cmp = apply_rope(self.compress_k(p.k_raw, whole.block_starts), cos, sin, whole.block_positions)
-        v_cmp = self.compress_v(p.v_raw, whole.block_starts)
+        q, p, k_cmp, v_cmp = self._context_inputs(x, cos, sin, context)
         gates = self.gates(x).view(B, 2, Tl // 2, H, 3)
         out = []
         for half, chunk in enumerate(context.chunks):
@@ -168,12 +163,35 @@ class NSAAttention(nn.Module):
             out.append(o.view(B, Tl // 2, H, D))
         return self.wo(torch.stack(out, dim=1).reshape(B, Tl, H * D))
 
+    def _context_inputs(self, x: torch.Tensor, cos, sin, context: ContextShard):
+        """(q [B, 2, local_len / 2, H, D] of this rank's two chunks, the whole rows' projections, k_cmp,
+        v_cmp) under context parallelism: the key/value projection gathered from every rank."""
+        B, Tl, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        whole = context.layout
+        q = apply_rope(self.wq(x).reshape(1, B * Tl, H, D), cos, sin, context.query_positions).view(B, 2, Tl // 2, H, D)
+        wkv_out = context.shard.gather(self.wkv(x))
+        p = self._rotate_kv(q, wkv_out.reshape(1, -1, wkv_out.shape[-1]), cos, sin, whole.positions)
+        k_cmp = apply_rope(self.compress_k(p.k_raw, whole.block_starts), cos, sin, whole.block_positions)
+        return q, p, k_cmp, self.compress_v(p.v_raw, whole.block_starts)
+
     @torch.no_grad()
     def gates_and_selection(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            documents: DocumentLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            documents: DocumentLayout | None = None,
+                            context: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """For telemetry: the gates [B, T, H, 3] and the selected blocks [B, T, Hkv, n] (-1 unused, counted
-        from each query's document start) that the forward on this input x uses."""
+        from each query's document start) that the forward on this input x uses; under context
+        parallelism, of this rank's local tokens."""
         B, T, _ = x.shape
+        if context is not None:
+            q, _, k_cmp, _ = self._context_inputs(x, cos, sin, context)
+            H, D, Hkv = self.n_heads, self.head_dim, self.n_kv_heads
+            chunks = [select_blocks_of_last_queries(q[:, half].reshape(1, B * T // 2, H, D),
+                                                    k_cmp.index_select(1, chunk.blocks), cu_seqlens=chunk.cu_seqlens,
+                                                    cu_seqlens_q=chunk.cu_seqlens_q, num_keys=chunk.tokens.numel(),
+                                                    **self.selection).view(B, T // 2, Hkv, -1)
+                      for half, chunk in enumerate(context.chunks)]
+            return self.gates(x), torch.stack(chunks, dim=1).view(B, T, self.n_kv_heads, -1)
         p, k_cmp, _, packed = self._branch_inputs(x, cos, sin, documents)
         return self.gates(x), select_blocks(p.q, k_cmp, **self.selection, **packed).view(B, T, self.n_kv_heads, -1)
 

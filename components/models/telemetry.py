@@ -48,6 +48,13 @@ def selection_distance_hist(selected: torch.Tensor, sel_block_size: int, num_buc
     """selected [B, T, Hkv, n] (-1 unused) -> [num_buckets] share of the selected blocks at each
     distance (query's current block minus selected block), bucketed as `distance_bucket_labels`.
     positions [B, T]: each query's position in its document (packed documents), else 0 .. T-1."""
+    counts = selection_distance_counts(selected, sel_block_size, num_buckets, positions)
+    return counts / counts.sum().clamp(min=1)
+
+
+def selection_distance_counts(selected: torch.Tensor, sel_block_size: int, num_buckets: int = 8,
+                              positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The selected blocks per distance bucket, as selection_distance_hist before it normalises."""
     if positions is None:
         positions = torch.arange(selected.shape[1], device=selected.device)[None]
     current = (positions // sel_block_size)[:, :, None, None]
@@ -55,8 +62,7 @@ def selection_distance_hist(selected: torch.Tensor, sel_block_size: int, num_buc
     distance = torch.where(valid, current - selected, torch.zeros_like(selected))
     edges = 2 ** torch.arange(num_buckets - 1, device=selected.device)  # 1, 2, 4, ...
     bucket = torch.searchsorted(edges, distance.flatten().contiguous(), right=True)
-    counts = torch.zeros(num_buckets, device=selected.device).scatter_add_(0, bucket, valid.flatten().float())
-    return counts / counts.sum().clamp(min=1)
+    return torch.zeros(num_buckets, device=selected.device).scatter_add_(0, bucket, valid.flatten().float())
 
 
 @contextlib.contextmanager
@@ -77,45 +83,71 @@ def telemetry_applies(args) -> bool:
     return args.attention == "nsa"
 
 
-def nsa_layer_outputs(model: nn.Module, tokens: torch.Tensor, documents=None):
+def nsa_layer_outputs(model: nn.Module, tokens: torch.Tensor, documents=None, context=None):
     """The one forward walk: (layer index, NSA layer, gates [B, T, H, 3], selected [B, T, Hkv, n]) for
     each NSA layer of a Transformer (unwrapped; sharded ones inside _unsharded), on tokens [B, T] and
-    optionally their packed documents (a DocumentLayout, as the model's forward builds it)."""
+    optionally their packed documents (a DocumentLayout, as the model's forward builds it), or under
+    context parallelism on this rank's share of the rows and its ContextShard."""
     cos, sin = model.rope.cos, model.rope.sin
-    with_documents = () if documents is None else (documents,)
+    where = {"context": context} if context is not None else {} if documents is None else {"documents": documents}
     h = model.tok_embeddings(tokens)
     for i, block in enumerate(model.layers):
         attention = block.attention
         if isinstance(attention, NSAAttention):
-            gates, selected = attention.gates_and_selection(block.attention_norm(h), cos, sin, *with_documents)
+            gates, selected = attention.gates_and_selection(block.attention_norm(h), cos, sin, **where)
             yield i, attention, gates, selected
-        h = block.forward(h, cos, sin, *with_documents)
+        h = block.forward(h, cos, sin, **where)
 
 
 @torch.no_grad()
-def collect_nsa_telemetry(model: nn.Module, tokens: torch.Tensor, documents=None, *,
-                          num_buckets: int = 8) -> dict[str, torch.Tensor]:
+def collect_nsa_telemetry(model: nn.Module, tokens: torch.Tensor, documents=None, *, num_buckets: int = 8,
+                          context=None) -> dict[str, torch.Tensor]:
     """Per NSA layer i, 0-d tensors keyed 'nsa/layer{i}/{cmp|sel|win}/gate_{mean|entropy|collapse}'
     and 'nsa/layer{i}/sel_distance/{bucket label}' (shares summing to 1; distances within documents
     when documents are given).
 
     `model` is the Transformer itself (unwrap DDP's `.module`); tokens [B, T] and documents (the
-    document_starts [B, T] or their layout) as for forward.
+    document_starts [B, T] or their layout) as for forward. Under context parallelism: this rank's
+    share of the rows and the forward's `context`; the ranks of the group combine their numbers (a
+    collective: every rank of the group calls it) into those of the whole rows.
     """
     if num_buckets < 2:
         raise UserError(f"num_buckets must be >= 2 (distance 0 and the rest), got {num_buckets}")
-    stats: dict[str, torch.Tensor] = {}
     labels = distance_bucket_labels(num_buckets)
     if isinstance(documents, torch.Tensor):
         documents = model.document_layout(documents, tokens.device)
-    positions = None if documents is None else documents.positions.view(tokens.shape)
+    if context is not None:
+        positions = context.query_positions.view(tokens.shape)
+    else:
+        positions = None if documents is None else documents.positions.view(tokens.shape)
+    means: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
     with _unsharded(model):
-        for i, attention, gates, selected in nsa_layer_outputs(model, tokens, documents):
-            prefix = f"nsa/layer{i}/"
-            stats.update({prefix + key: value for key, value in gate_stats(gates).items()})
-            hist = selection_distance_hist(selected, attention.selection["sel_block_size"], num_buckets, positions)
-            stats.update({f"{prefix}sel_distance/{label}": hist[b] for b, label in enumerate(labels)})
+        for i, attention, gates, selected in nsa_layer_outputs(model, tokens, documents, context):
+            means.update({f"nsa/layer{i}/{key}": value for key, value in gate_stats(gates).items()})
+            counts[f"nsa/layer{i}/"] = selection_distance_counts(selected, attention.selection["sel_block_size"],
+                                                                 num_buckets, positions)
+    if context is not None and context.shard.size > 1:
+        _combine_over_ranks(means, counts, context.shard)
+    stats = dict(means)
+    for prefix, bucket_counts in counts.items():
+        shares = bucket_counts / bucket_counts.sum().clamp(min=1)
+        stats.update({f"{prefix}sel_distance/{label}": shares[b] for b, label in enumerate(labels)})
     return stats
+
+
+def _combine_over_ranks(means: dict, counts: dict, shard) -> None:
+    """Means over equal shares of the tokens average; counts add (in place, one all-reduce)."""
+    import torch.distributed as dist
+
+    if not means:
+        return
+    n = len(means)
+    mean_dtype, count_dtype = next(iter(means.values())).dtype, next(iter(counts.values())).dtype
+    flat = torch.cat([torch.stack(list(means.values())).double(), *(c.double() for c in counts.values())])
+    dist.all_reduce(flat, group=shard.group)
+    means.update(zip(means, (flat[:n] / shard.size).to(mean_dtype).unbind()))
+    counts.update(zip(counts, flat[n:].to(count_dtype).split([c.numel() for c in counts.values()])))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,8 @@ from components.nsa.compression import (
 )
 from components.nsa.hyperparams import check_hyperparameters, hyperparameter_problems, num_selection_blocks
 from components.nsa.backends import BACKENDS, available_backends, get_backend, register_backend, unregister_backend
-from components.nsa.op import nsa_attention, nsa_attention_at, select_blocks, select_blocks_at
+from components.nsa.op import (nsa_attention, nsa_attention_at, select_blocks, select_blocks_at,
+                               select_blocks_of_last_queries)
 from components.nsa.selection import overlap_tokens, overlap_weights
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "overlap_weights",
     "select_blocks",
     "select_blocks_at",
+    "select_blocks_of_last_queries",
 ]

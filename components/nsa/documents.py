@@ -78,16 +78,17 @@ def query_counts(cu_seqlens_q: torch.Tensor, token_slices: list[slice]) -> list[
 
 
 def per_document(fn, tensors: tuple, kinds: tuple, cu_seqlens, block_size: int, block_stride: int,
-                 cu_seqlens_q=None):
+                 cu_seqlens_q=None, num_tokens: int | None = None):
     """fn(*tensors, q_start=...) on each packed document's own slices (NSA_SPEC.md section 4), each
     output list concatenated back along dim 1. Documents of equal length (rows cut from one long
     document, say) run together as one batch: each row of a batch is computed on its own, so this
     changes nothing but the number of calls. With cu_seqlens_q a document's queries (QUERY inputs)
     are its last ones, and fn gets the position of the first. Without cu_seqlens, fn(*tensors,
-    q_start=0) once."""
+    q_start=0) once. num_tokens: the documents' total length where no TOKEN input tells it."""
     if cu_seqlens is None:
         return fn(*tensors, q_start=0)
-    slices = document_slices(cu_seqlens, tensors[kinds.index(TOKEN)].shape[1], block_size, block_stride)
+    total = tensors[kinds.index(TOKEN)].shape[1] if num_tokens is None else num_tokens
+    slices = document_slices(cu_seqlens, total, block_size, block_stride)
     for x, kind in zip(tensors, kinds):
         if kind == BLOCK and x.shape[1] != slices[-1][1].stop:
             raise ValueError(f"k_cmp / v_cmp hold {x.shape[1]} compressed blocks, but the documents of cu_seqlens "

@@ -10,7 +10,7 @@ import torch
 from components.errors import UserError
 from components.nsa.backends import get_backend
 from components.nsa.checks import check_attention_call, check_selection_call
-from components.nsa.documents import BLOCK, TOKEN, per_document
+from components.nsa.documents import BLOCK, QUERY, TOKEN, per_document
 from components.nsa.reference import nsa_attention_at_reference
 from components.nsa.selection import select_blocks_at_reference
 
@@ -72,10 +72,27 @@ def select_blocks(q, k_cmp, *, block_size: int, block_stride: int, sel_block_siz
                                 sel_block_size=sel_block_size, num_selected=num_selected)
     check_selection_call(q, k_cmp, q_start=0, block_size=block_size, block_stride=block_stride,
                          sel_block_size=sel_block_size, num_selected=num_selected, cu_seqlens=cu_seqlens)
-    hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
-                 num_selected=num_selected)
-    return per_document(lambda q_doc, k_doc, q_start: select_blocks_at_reference(q_doc, k_doc, q_start=q_start, **hyper),
-                        (q, k_cmp), (TOKEN, BLOCK), cu_seqlens, block_size, block_stride)
+    return _selection_per_document(q, k_cmp, (TOKEN, BLOCK), cu_seqlens, block_size=block_size,
+                                   block_stride=block_stride, sel_block_size=sel_block_size, num_selected=num_selected)
+
+
+def _selection_per_document(q, k_cmp, kinds, cu_seqlens, cu_seqlens_q=None, num_tokens=None, **hyper):
+    def select(q_doc, k_doc, q_start):
+        return select_blocks_at_reference(q_doc, k_doc, q_start=q_start, **hyper)
+
+    return per_document(select, (q, k_cmp), kinds, cu_seqlens, hyper["block_size"], hyper["block_stride"],
+                        cu_seqlens_q, num_tokens)
+
+
+def select_blocks_of_last_queries(q, k_cmp, *, cu_seqlens: torch.Tensor, cu_seqlens_q: torch.Tensor, num_keys: int,
+                                  block_size: int, block_stride: int, sel_block_size: int,
+                                  num_selected: int) -> torch.Tensor:
+    """select_blocks for packed documents whose queries are their last ones (the op's query offsets,
+    context parallelism): q [1, sum of query counts, H, D], k_cmp the compressed blocks of the
+    documents' num_keys tokens; block indices count from each document's start. The reference math,
+    for telemetry; the caller builds the tables from its own layout (not checked here)."""
+    return _selection_per_document(q, k_cmp, (QUERY, BLOCK), cu_seqlens, cu_seqlens_q, num_keys, block_size=block_size,
+                                   block_stride=block_stride, sel_block_size=sel_block_size, num_selected=num_selected)
 
 
 def select_blocks_at(q, k_cmp, *, q_start: int, block_size: int, block_stride: int, sel_block_size: int,

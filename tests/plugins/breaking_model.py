@@ -1,4 +1,5 @@
-"""A recipe plugin registering two transformers that torch.compile cannot compile whole.
+"""A recipe plugin registering transformers the engine must handle with care: two that torch.compile
+cannot compile whole, one without hooks, one whose telemetry cannot split sequences.
 
 `breaking_transformer`: each block reads a tensor value into Python (`float(...)`, a host sync)
 between attention and the feed-forward, which Dynamo cannot trace: every block compiles as two
@@ -61,3 +62,14 @@ register("model", "eager_transformer", build_eager_transformer, args=Transformer
 # The transformer without its hooks: the engine cannot tell its blocks, so it cannot compile them.
 register("model", "blockless_transformer", Transformer, args=TransformerArgs,
          doc="transformer registered without hooks", replace=True)
+
+
+def _whole_rows_telemetry(model, tokens, documents=None):
+    """A telemetry hook written before context parallelism: it cannot take a rank's share of the rows."""
+    return {}
+
+
+# The transformer whose telemetry hook has no context= parameter.
+register("model", "whole_rows_telemetry_transformer", Transformer, args=TransformerArgs,
+         doc="transformer whose telemetry hook takes whole rows only", replace=True,
+         **{**transformer_hooks(), "telemetry": _whole_rows_telemetry})
