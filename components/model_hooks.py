@@ -9,7 +9,8 @@ engine calls them and knows nothing else about the model's insides. All are opti
     activation_memory(args, context_parallel) -> ActivationMemory   what one block keeps for backward
                                               when each row is split over context_parallel ranks
     self_check(args, device) -> SelfCheck     a short numerical check of the model's op on this device
-    attention_maps(model, tokens) -> {layer: AttentionMap}   what each sparse attention layer chose
+    attention_maps(model, tokens, context=None) -> {layer: AttentionMap}   what each sparse attention
+                                              layer chose (with context: the whole rows', gathered)
     telemetry(model, tokens, documents=None, context=None) -> {name: 0-d tensor}   documents and context
                                               as the forward gets them (with context, every rank of the
                                               group calls it and gets the whole rows' numbers)

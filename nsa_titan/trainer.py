@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
@@ -152,6 +153,11 @@ class Trainer:
             self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder))
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)
+        if (self._draw_attention and self.shard is not None
+                and "context" not in inspect.signature(self.model_part.attention_maps).parameters):
+            raise UserError(f"model {recipe.model.name!r} cannot draw attention maps of split sequences (its "
+                            f"attention_maps hook has no context= parameter). Fix: set "
+                            f"--metrics.enable_tensorboard=false or --metrics.telemetry_freq=0.")
         if self._draw_attention:
             _require_matplotlib()
         self.wandb = None
@@ -385,14 +391,22 @@ class Trainer:
         runs the walk (a sharded model gathers for it); rank 0 draws."""
         from nsa_titan.observe.plots import attention_figures
 
-        tokens = self._probe.inputs[:1]
-        if self._documents(self._probe) is not None:  # the model sees documents apart: picture the first
-            later = self._probe.document_starts[0, 1:].nonzero()
-            tokens = tokens[:, :int(later[0]) + 1] if len(later) else tokens
+        probe = self._probe
+        end = probe.inputs.shape[1]
+        if self._documents(probe) is not None:  # the model sees documents apart: picture the first
+            later = probe.document_starts[0, 1:].nonzero()
+            end = int(later[0]) + 1 if len(later) else end
         with self._autocast():
-            maps = self.model_part.attention_maps(self.model, tokens)
+            if self.shard is not None:  # every rank walks its share; the maps come back whole
+                context = self.model_part.context_shard(self.model, probe.document_starts, probe.inputs.shape[0],
+                                                        self.shard, probe.inputs.device)
+                maps = self.model_part.attention_maps(self.model, self.shard.split(probe.inputs), context=context)
+                maps = {i: dataclasses.replace(m, gates=m.gates[:1, :end], selected=m.selected[:1, :end])
+                        for i, m in maps.items()}
+            else:
+                maps = self.model_part.attention_maps(self.model, probe.inputs[:1, :end])
         if self.tensorboard is not None and maps:
-            self.tensorboard.write_figures(step, attention_figures(maps, tokens.shape[1]))
+            self.tensorboard.write_figures(step, attention_figures(maps, end))
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:

@@ -2,7 +2,7 @@
 and every parameter gradient under context parallelism equal one process's forward of the whole rows.
 
 argv: attention (nsa | dense), document masking (0 | 1). Prints "ok" per rank on success. NSA also
-checks the attention telemetry of the split rows against the whole rows'.
+checks the attention telemetry and maps of the split rows against the whole rows'.
 argv: saved, attention: prints what one block saves for backward per local token (bytes, fp32), rows of
 one document (the most keys each chunk's queries see), for doctor's memory estimate."""
 
@@ -50,6 +50,7 @@ def main(attention: str, masking: bool) -> None:
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)
     if attention == "nsa":
         check_telemetry(model, tokens, starts if masking else None, shard, context)
+        check_attention_maps(model, tokens, starts if masking else None, shard, context)
     print(f"rank {rank}: ok")
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
@@ -70,6 +71,22 @@ def check_telemetry(model, tokens, starts, shard: SequenceShard, context) -> Non
     assert whole.keys() == split.keys()
     for key in whole:
         torch.testing.assert_close(split[key], whole[key], rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+def check_attention_maps(model, tokens, starts, shard: SequenceShard, context) -> None:
+    """The maps the split rows give (gathered from the group) equal the whole rows' (each row's first
+    document, where documents are masked apart)."""
+    from components.models.telemetry import attention_maps
+
+    split = attention_maps(model, shard.split(tokens), context=context)
+    for row in range(B):
+        later = [] if starts is None else starts[row, 1:].nonzero()
+        end = int(later[0]) + 1 if len(later) else T
+        whole = attention_maps(model, tokens[row:row + 1, :end])
+        assert whole.keys() == split.keys()
+        for i, expected in whole.items():
+            torch.testing.assert_close(split[i].gates[row:row + 1, :end], expected.gates, rtol=1e-12, atol=1e-12)
+            assert torch.equal(split[i].selected[row:row + 1, :end], expected.selected), (row, i)
 
 
 def print_saved_bytes(attention: str) -> None:

@@ -117,7 +117,7 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,nproc,args,baseline", [
-    ("cp2", 2, [*NSA, *CP2], "nsa"),
+    ("cp2", 2, [*NSA, *CP2, "--metrics.enable_tensorboard=true"], "nsa"),
     ("cp2_unmasked", 2, [*NSA, *CP2, "--model.document_masking=false"], "nsa_unmasked"),
     ("dp2_cp2", 4, [*NSA, *CP2], "nsa"),
     ("cp2_compiled", 2, [*NSA, *CP2, "--compile.enable=true"], "nsa"),
@@ -129,6 +129,14 @@ def test_training_equals_one_process(tmp_path, one_process, name, nproc, args, b
     _assert_same_training(got, one_process[baseline])
     if name.startswith("cp2") and baseline.startswith("nsa"):  # one data rank: the same probe rows
         _assert_same_telemetry(got, one_process[baseline])
+    if "--metrics.enable_tensorboard=true" in args:  # and the pictures drawn at telemetry steps
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        assert sorted(events.Tags()["images"]) == ["attention/gates", "attention/selection_layer0",
+                                                   "attention/selection_layer1"]
+        assert all([e.step for e in events.Images(tag)] == [2, 4] for tag in events.Tags()["images"])
     if "--compile.enable=true" in args:  # inductor, fullgraph: one graph for every step's new boundaries
         assert {(r["compiled_graphs"], r["graph_breaks"]) for r in _steps(got).values()} == {(1, 0)}
 

@@ -165,13 +165,20 @@ def _on_reference_backend(model: nn.Module):
 
 
 @torch.no_grad()
-def attention_maps(model: nn.Module, tokens: torch.Tensor) -> dict[int, AttentionMap]:
+def attention_maps(model: nn.Module, tokens: torch.Tensor, context=None) -> dict[int, AttentionMap]:
     """layer index -> what that NSA layer chose on tokens [B, T] (one document a row), on any device
-    (the walk uses the reference backend). Sharded models are gathered meanwhile: every rank calls it."""
+    (the walk uses the reference backend). Sharded models are gathered meanwhile: every rank calls it.
+    Under context parallelism: this rank's share of the rows and the forward's context (its documents);
+    the maps are the whole rows', gathered from the group."""
+    maps = {}
     with _on_reference_backend(model), _unsharded(model):
-        return {i: AttentionMap(gates, selected, block_tokens=layer.selection["sel_block_size"],
-                                groups=layer.n_kv_heads, branches=BRANCHES,
-                                legend={"sel_block_size": layer.selection["sel_block_size"],
-                                        "num_selected": layer.selection["num_selected"], "groups": layer.n_kv_heads,
-                                        "query_heads_per_group": layer.n_heads // layer.n_kv_heads})
-                for i, layer, gates, selected in nsa_layer_outputs(model, tokens)}
+        for i, layer, gates, selected in nsa_layer_outputs(model, tokens, context=context):
+            if context is not None:
+                gates, selected = context.shard.gather(gates), context.shard.gather(selected)
+            maps[i] = AttentionMap(gates, selected, block_tokens=layer.selection["sel_block_size"],
+                                   groups=layer.n_kv_heads, branches=BRANCHES,
+                                   legend={"sel_block_size": layer.selection["sel_block_size"],
+                                           "num_selected": layer.selection["num_selected"],
+                                           "groups": layer.n_kv_heads,
+                                           "query_heads_per_group": layer.n_heads // layer.n_kv_heads})
+    return maps
