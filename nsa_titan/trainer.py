@@ -118,13 +118,18 @@ class Trainer:
         self.source = assemble.build_source(recipe)
         self.model_part = registry.get("model", recipe.model.name)
         self._build_model()
+        self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
+                                and self.model_part.attention_maps is not None)
         if self.shard is not None:  # the model says now, not at step 1, when it cannot split its sequences
             self.model_part.context_shard(self.model, None, 1, self.shard, torch.device("cpu"))
-            telemetry = self.model_part.telemetry
-            if recipe.metrics.telemetry_freq and "context" not in inspect.signature(telemetry).parameters:
-                raise UserError(f"model {recipe.model.name!r} cannot take attention telemetry of split sequences (its "
-                                f"telemetry hook has no context= parameter). Fix: set --metrics.telemetry_freq=0, "
-                                f"or parallelism.context_parallel_degree = 1.")
+            uses = {"telemetry": (recipe.metrics.telemetry_freq > 0, "take attention telemetry",
+                                  "--metrics.telemetry_freq=0, or parallelism.context_parallel_degree = 1"),
+                    "attention_maps": (self._draw_attention, "draw attention maps",
+                                       "--metrics.enable_tensorboard=false or --metrics.telemetry_freq=0")}
+            for hook, (used, what, fix) in uses.items():  # the hooks the run calls take a rank's share
+                if used and "context" not in inspect.signature(getattr(self.model_part, hook)).parameters:
+                    raise UserError(f"model {recipe.model.name!r} cannot {what} of split sequences (its {hook} hook "
+                                    f"has no context= parameter). Fix: set {fix}.")
 
         self.peak_flops = peak_flops_per_second(runtime.device, recipe.metrics.peak_tflops)
         self.flops_per_token = None
@@ -151,13 +156,6 @@ class Trainer:
         self.tensorboard = None
         if runtime.is_main and recipe.metrics.enable_tensorboard:
             self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder))
-        self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
-                                and self.model_part.attention_maps is not None)
-        if (self._draw_attention and self.shard is not None
-                and "context" not in inspect.signature(self.model_part.attention_maps).parameters):
-            raise UserError(f"model {recipe.model.name!r} cannot draw attention maps of split sequences (its "
-                            f"attention_maps hook has no context= parameter). Fix: set "
-                            f"--metrics.enable_tensorboard=false or --metrics.telemetry_freq=0.")
         if self._draw_attention:
             _require_matplotlib()
         self.wandb = None
@@ -280,8 +278,7 @@ class Trainer:
         """(logits, the targets they predict): of the whole rows, or under context parallelism of this
         rank's share of every row (the model gathers what its share needs from the others)."""
         if self.shard is not None:
-            context = self.model_part.context_shard(self.model, batch.document_starts, batch.inputs.shape[0],
-                                                    self.shard, batch.inputs.device)
+            context = self._context(batch)
             with self._autocast():
                 return self.model(self.shard.split(batch.inputs), context=context), self.shard.split(batch.targets)
         documents = self._documents(batch)
@@ -371,6 +368,11 @@ class Trainer:
         if keep:
             self._validation_cache = kept
 
+    def _context(self, batch: Batch):
+        """The forward's `context` for this rank's share of the batch's rows (context parallelism)."""
+        return self.model_part.context_shard(self.model, batch.document_starts, batch.inputs.shape[0], self.shard,
+                                             batch.inputs.device)
+
     def telemetry(self) -> dict[str, float]:
         """Attention telemetry on a fixed batch; runs on every rank (sharded models gather for it; under
         context parallelism each rank takes its share of the rows and the model combines them)."""
@@ -378,8 +380,7 @@ class Trainer:
         probe = self._probe
         with self._autocast():
             if self.shard is not None:
-                context = self.model_part.context_shard(self.model, probe.document_starts, probe.inputs.shape[0],
-                                                        self.shard, probe.inputs.device)
+                context = self._context(probe)
                 stats = self.model_part.telemetry(self.model, self.shard.split(probe.inputs), context=context)
             else:
                 documents = self._documents(probe)
@@ -398,8 +399,7 @@ class Trainer:
             end = int(later[0]) + 1 if len(later) else end
         with self._autocast():
             if self.shard is not None:  # every rank walks its share; the maps come back whole
-                context = self.model_part.context_shard(self.model, probe.document_starts, probe.inputs.shape[0],
-                                                        self.shard, probe.inputs.device)
+                context = self._context(probe)
                 maps = self.model_part.attention_maps(self.model, self.shard.split(probe.inputs), context=context)
                 maps = {i: dataclasses.replace(m, gates=m.gates[:1, :end], selected=m.selected[:1, :end])
                         for i, m in maps.items()}

@@ -27,8 +27,8 @@ import triton.language as tl
 from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
 from components.nsa.triton.selected_attention_fwd import key_tile, query_documents
-from components.nsa.triton.selection_lists import (key_block_span, query_entries, selection_lists, work_item,
-                                                   work_item_segment)
+from components.nsa.triton.selection_lists import (bin_position, key_block_span, query_entries, selection_lists,
+                                                   work_item, work_item_segment)
 from components.nsa.triton.softmax_delta import softmax_delta
 from components.nsa.triton.tiles import grid_position, load_rows, softmax_grads, token_in_document
 
@@ -148,10 +148,7 @@ def _sum_partials_kernel(
     # One program per (key block, ROWS rows of it); a partial holds PART_ROWS rows per item.
     bin_id = tl.program_id(0)
     sub = tl.program_id(1)
-    blk = bin_id % NUM_SEL_BLOCKS
-    bh = bin_id // NUM_SEL_BLOCKS
-    hk = (bh % HKV).to(tl.int64)
-    b = (bh // HKV).to(tl.int64)
+    blk, hk, b = bin_position(bin_id, NUM_SEL_BLOCKS, HKV)
     offs_d = tl.arange(0, BLOCK_D)
     offs_r = sub * ROWS + tl.arange(0, ROWS)
     pos, end = key_block_span(BLOCKS, STARTS, blk, NUM_SEL_BLOCKS, SEL_BLOCK, T, PACKED)

@@ -106,8 +106,15 @@ def work_item(item, ITEM_BIN, ITEM_START, LIST_START, NUM_SEL_BLOCKS, HKV, SEGME
     seg = item - tl.load(ITEM_START + bin_id)
     e_lo = tl.load(LIST_START + bin_id) + seg * SEGMENT
     e_hi = tl.minimum(tl.load(LIST_START + bin_id + 1), e_lo + SEGMENT)
+    blk, hk, b = bin_position(bin_id, NUM_SEL_BLOCKS, HKV)
+    return e_lo, e_hi, blk, hk, b
+
+
+@triton.jit
+def bin_position(bin_id, NUM_SEL_BLOCKS, HKV):
+    """(key block, KV group, batch) of a bin: bin = (b * Hkv + g) * blocks + block."""
     bh = bin_id // NUM_SEL_BLOCKS
-    return e_lo, e_hi, bin_id % NUM_SEL_BLOCKS, (bh % HKV).to(tl.int64), (bh // HKV).to(tl.int64)
+    return bin_id % NUM_SEL_BLOCKS, (bh % HKV).to(tl.int64), (bh // HKV).to(tl.int64)
 
 
 @triton.jit
