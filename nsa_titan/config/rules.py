@@ -136,14 +136,14 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if recipe.data.num_workers == 0 and _changed(recipe.data, "prefetch_factor"):
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
             "remove it, or set data.num_workers > 0")
-    _check_compile(recipe, world_size, source_of, add)
+    _check_compile(recipe, world_size, add)
     if recipe.activation_checkpoint.mode != "selective" and _changed(recipe.activation_checkpoint, "selective_every"):
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
             f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
             "remove it, or set activation_checkpoint.mode = 'selective'")
 
 
-def _check_compile(recipe: Recipe, world_size: int | None, source_of, add) -> None:
+def _check_compile(recipe: Recipe, world_size: int | None, add) -> None:
     """compile.mode against the backend and the layout (inspect compiles whatever compile.enable says)."""
     comp = recipe.compile
     if comp.mode != "default" and comp.backend != "inductor":
