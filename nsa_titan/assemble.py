@@ -90,10 +90,12 @@ def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer,
     optimizer's lr is set to initial_lr x the factor there), as a resumed run with new settings needs.
     """
     sched = recipe.lr_scheduler
+    shape = registry.get("lr_schedule", sched.decay_type).build
+    decay_steps = None if sched.decay_steps == -1 else sched.decay_steps
 
     def factor(completed: int) -> float:
         return lr_factor(completed + 1, warmup_steps=sched.warmup_steps, total_steps=recipe.training.steps,
-                         decay=sched.decay_type, min_lr_factor=sched.min_lr_factor)
+                         shape=shape, min_lr_factor=sched.min_lr_factor, decay_steps=decay_steps)
 
     # A scheduler steps once when built: last_epoch = completed_steps - 1 lands it on completed_steps.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=completed_steps - 1)

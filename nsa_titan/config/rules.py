@@ -130,9 +130,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                      f"{source_of('lr_scheduler.warmup_steps')} is longer than the run (training.steps = {t.steps}): "
                      f"the learning rate stays in warmup and peaks at "
                      f"{t.steps / recipe.lr_scheduler.warmup_steps:.0%} of optimizer.lr")
-    if recipe.lr_scheduler.decay_type == "constant" and _changed(recipe.lr_scheduler, "min_lr_factor"):
-        add("lr_scheduler.min_lr_factor", recipe.lr_scheduler.min_lr_factor,
-            "has no effect with decay_type = 'constant'", "remove it, or choose decay_type 'cosine' or 'linear'")
+    _check_lr_schedule(recipe, add, notes, source_of)
     if recipe.data.num_workers == 0 and _changed(recipe.data, "prefetch_factor"):
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
             "remove it, or set data.num_workers > 0")
@@ -141,6 +139,23 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
             f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
             "remove it, or set activation_checkpoint.mode = 'selective'")
+
+
+def _check_lr_schedule(recipe: Recipe, add, notes: list[str], source_of) -> None:
+    sched, steps = recipe.lr_scheduler, recipe.training.steps
+    if sched.decay_type == "constant":
+        for name in ("min_lr_factor", "decay_steps"):
+            if _changed(sched, name):
+                add(f"lr_scheduler.{name}", getattr(sched, name), "has no effect with decay_type = 'constant'",
+                    "remove it, or choose a decaying shape such as decay_type = 'cosine'")
+    elif sched.decay_steps == 0:
+        add("lr_scheduler.decay_steps", 0, "is a decay of no steps",
+            "use -1 to decay over every step after warmup, or decay_type = 'constant' for no decay")
+    elif sched.decay_steps > steps - sched.warmup_steps:
+        # Like a long warmup: a shortened trial run is still a run; its decay starts after warmup.
+        notes.append(f"lr_scheduler.decay_steps = {sched.decay_steps} from {source_of('lr_scheduler.decay_steps')} "
+                     f"is longer than the steps after warmup ({max(steps - sched.warmup_steps, 0)}): "
+                     "the decay runs over those instead, still ending at min_lr_factor on the last step")
 
 
 def _check_compile(recipe: Recipe, world_size: int | None, add) -> None:

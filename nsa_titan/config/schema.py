@@ -86,7 +86,11 @@ class OptimizerConfig:
 @dataclass
 class LRSchedulerConfig:
     warmup_steps: int = f(0, "Steps of linear warmup from 0 to the peak learning rate.", ge=0)
-    decay_type: str = f("cosine", "Decay after warmup.", component="lr_schedule")
+    decay_type: str = f("cosine", "Decay shape, a registered schedule: cosine, linear, sqrt (1 - sqrt of the "
+                        "progress), constant or a plugin's.",
+                        component="lr_schedule")
+    decay_steps: int = f(-1, "Decay over the run's last this many steps, at the peak before them "
+                             "(warmup-stable-decay); -1 decays over every step after warmup.", ge=-1)
     min_lr_factor: float = f(0.1, "Final learning rate as a fraction of the peak.", ge=0.0, le=1.0)
 
 
