@@ -31,12 +31,13 @@ def test_metrics_schema_mfu_tensorboard_telemetry_and_manifest(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     recipe = resolve(argv).recipe
     fpt = flops_per_token(recipe.model.args, TOKENIZERS["byte"][1]().vocab_size, recipe.training.seq_len)
-    from components.optim import lr_factor
+    from components.optim import SCHEDULES, lr_factor
 
     sched = recipe.lr_scheduler
     for r in steps:
         assert r["lr"] == pytest.approx(recipe.optimizer.lr * lr_factor(
-            r["step"], warmup_steps=sched.warmup_steps, total_steps=recipe.training.steps, decay=sched.decay_type,
+            r["step"], warmup_steps=sched.warmup_steps, total_steps=recipe.training.steps,
+            shape=SCHEDULES[sched.decay_type],
             min_lr_factor=sched.min_lr_factor), rel=1e-12)
         assert r["tokens_per_second"] > 0 and r["step_time_s"] > 0 and r["data_wait_s"] >= 0
         expected_mfu = 100 * r["tokens_per_second_per_device"] * fpt / 1e9
