@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from components.errors import UserError
+from components.model_hooks import AttentionMap
 from nsa_titan import assemble
 from nsa_titan.cli import main
 from nsa_titan.config import resolve
@@ -43,8 +44,12 @@ def test_selection_colors_cells():
 def test_the_pictures_draw_those_numbers(tmp_path):
     counts = torch.tensor([[2, 0], [1, 0], [0, 2], [2, 1]])
     colors = plots.selection_colors(counts, num_groups=2, block_tokens=2)
-    fig = plots.selection_figure(colors, 0, {"groups": 2})
+    chosen = AttentionMap(gates=torch.zeros(1, 4, 2, 3), selected=torch.zeros(1, 4, 2, 3, dtype=torch.long),
+                          block_tokens=2, groups=2, branches=("cmp", "sel", "win"))
+    fig = plots.selection_figure(colors, 0, chosen)
     assert np.array_equal(fig.axes[0].images[0].get_array(), colors)
+    assert fig.axes[0].get_xlabel() == "selection block (2 tokens)"
+    assert "(n = 3)" in fig.axes[0].get_title() and "all 2 key/value groups" in fig.axes[0].get_title()
     means = torch.tensor([[0.5, 0.25, 1.0], [0.0, 0.75, 0.1]])
     branches = ("cmp", "sel", "win")
     fig = plots.gate_figure(means, [0, 3], branches)

@@ -80,17 +80,18 @@ def selection_colors(counts: torch.Tensor, num_groups: int, block_tokens: int) -
     return colors
 
 
-def selection_figure(colors: np.ndarray, layer: int, legend: dict):
-    """The selection picture of selection_colors' cells, one pixel block per cell."""
+def selection_figure(colors: np.ndarray, layer: int, chosen: AttentionMap):
+    """The selection picture of selection_colors' cells (of the layer's map `chosen`), one pixel
+    block per cell."""
     plt = pyplot()
     T, nb, _ = colors.shape
     fig, ax = plt.subplots(figsize=(max(6, min(3 + nb * 0.25, 14)), max(4, min(2 + T * 0.04, 14))),
                            layout="constrained")
     ax.imshow(colors, interpolation="nearest", aspect="auto", extent=(-0.5, nb - 0.5, T - 0.5, -0.5))
-    ax.set_xlabel(f"selection block ({legend.get('sel_block_size', '?')} tokens)")
+    ax.set_xlabel(f"selection block ({chosen.block_tokens} tokens)")
     ax.set_ylabel("query position")
-    ax.set_title(f"layer {layer}: the blocks each query selected (n = {legend.get('num_selected', '?')})\n"
-                 f"white: no group, darkest: all {legend.get('groups', '?')} key/value groups, grey: future",
+    ax.set_title(f"layer {layer}: the blocks each query selected (n = {chosen.selected.shape[-1]})\n"
+                 f"white: no group, darkest: all {chosen.groups} key/value groups, grey: future",
                  fontsize=9)
     return fig
 
@@ -143,8 +144,7 @@ def attention_figures(maps: dict[int, AttentionMap], num_tokens: int) -> dict[st
     'attention/selection_layer{i}' for every sparse attention layer."""
     figures = {"attention/gates": gate_figure(_gate_means(maps), sorted(maps), _branches(maps))}
     for i, chosen in sorted(maps.items()):
-        figures[f"attention/selection_layer{i}"] = selection_figure(_selection_colors_of(chosen, num_tokens)[1], i,
-                                                             chosen.legend)
+        figures[f"attention/selection_layer{i}"] = selection_figure(_selection_colors_of(chosen, num_tokens)[1], i, chosen)
     return figures
 
 
@@ -165,7 +165,7 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
     branches = _branches(maps)
 
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"selection": _save(selection_figure(colors, layer, chosen.legend),
+    paths = {"selection": _save(selection_figure(colors, layer, chosen),
                                 os.path.join(out_dir, f"selection_layer{layer}.png")),
              "gates": _save(gate_figure(gate_means, layer_ids, branches), os.path.join(out_dir, "gates.png"))}
     legend = {
