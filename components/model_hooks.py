@@ -6,8 +6,9 @@ engine calls them and knows nothing else about the model's insides. All are opti
     parallel_plan(model) -> ParallelPlan      the blocks to activation-checkpoint, compile and shard
                                               one by one, and the other modules sharded on their own
                                               before the root (the model itself)
-    activation_memory(args, context_parallel) -> ActivationMemory   what one block keeps for backward
-                                              when each row is split over context_parallel ranks
+    activation_memory(args, layout) -> ActivationMemory   what one block keeps for backward, and what
+                                              a forward holds once, when run as layout (a MemoryLayout)
+                                              says
     self_check(args, device) -> SelfCheck     a short numerical check of the model's op on this device
     attention_maps(model, tokens, context=None) -> {layer: AttentionMap}   what each sparse attention
                                               layer chose (with context: the whole rows', gathered)
@@ -64,6 +65,18 @@ class ActivationMemory:
     # With context parallelism: also saved per token of the whole rows (keys and values gathered from
     # the group, say). 0 when each rank holds whole rows.
     per_row_token: float = 0.0
+    # Held once per forward (not per block) for each (query the rank holds, key of its row) pair: an
+    # explicit attention mask, say. 0 when attention needs none.
+    per_row_pair: float = 0.0
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """How the engine will run the model, as far as its memory depends on it."""
+
+    context_parallel: int = 1  # ranks sharing each row
+    compile_backend: str | None = None  # torch.compile backend of the blocks; None: eager
+    device_type: str = "cuda"
 
 
 @dataclass(frozen=True)

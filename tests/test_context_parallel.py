@@ -62,6 +62,7 @@ def test_memory_estimate_is_near_what_a_block_saves(nproc):
     """doctor's estimate of one NSA block's saved tensors per local token (activation_memory's per_block
     plus cp x per_row_token) against saved-tensor hooks on a block run under context parallelism."""
     from components.models.args import TransformerArgs
+    from components.model_hooks import MemoryLayout
     from components.models.hooks import activation_memory
 
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
@@ -71,7 +72,7 @@ def test_memory_estimate_is_near_what_a_block_saves(nproc):
     assert proc.returncode == 0, proc.stderr[-4000:]
     measured = float(proc.stdout.split("saved_bytes_per_local_token")[1].split()[0])
     args = TransformerArgs(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=1024)  # the worker's model
-    estimate = activation_memory(args, nproc)
+    estimate = activation_memory(args, MemoryLayout(context_parallel=nproc))
     estimated = (estimate.per_block + nproc * estimate.per_row_token) * 4  # fp32
     assert abs(estimated - measured) / measured < 0.1, (estimated, measured)
 

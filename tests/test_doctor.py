@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from nsa_titan.config import resolve
 from components.models.hooks import activation_memory
 from components.nsa import self_check as nsa_check
 from nsa_titan.doctor import checks
-from components.model_hooks import ActivationMemory
+from components.model_hooks import ActivationMemory, MemoryLayout
 from nsa_titan.doctor.memory import estimate_memory
 from tests.saved_tensors import saved_bytes
 from tests.launch import DEBUG
@@ -156,5 +157,28 @@ def test_memory_estimate_follows_its_formula():
     split = ActivationMemory(blocks=2, per_block=10, block_input=4, per_row_token=3)
     cp = estimate_memory(**{**common, "activation": split}, shard=1, ac_mode="none", context_parallel=4)
     assert cp.activations == 2 * (512 * 10 + 512 * 4 * 3) * 4
-    assert activation_memory(args, 1).per_row_token == 0
-    assert activation_memory(args, 2).per_block < activation.per_block  # the key terms count per row token instead
+    assert activation_memory(args, MemoryLayout(1)).per_row_token == 0
+    assert activation_memory(args, MemoryLayout(2)).per_block < activation.per_block  # the key terms count per row token instead
+
+
+def test_the_estimate_counts_the_explicit_mask_of_dense_documents():
+    """Dense attention over packed documents holds one [B, T, T] mask per forward (as SDPA's bias) wherever
+    FlexAttention does not run: eager, another compile backend, or the CPU."""
+    dense = dataclasses.replace(resolve([DEBUG.replace("debug.toml", "debug_dense.toml")]).recipe.model.args,
+                                document_masking=True)
+    assert activation_memory(dense, MemoryLayout(compile_backend="inductor")).per_row_pair == 0
+    for layout in (MemoryLayout(), MemoryLayout(compile_backend="aot_eager"),
+                   MemoryLayout(compile_backend="inductor", device_type="cpu"),
+                   MemoryLayout(context_parallel=2)):
+        assert activation_memory(dense, layout).per_row_pair == 1, layout
+    assert activation_memory(dataclasses.replace(dense, document_masking=False)).per_row_pair == 0
+    assert activation_memory(resolve([DEBUG]).recipe.model.args).per_row_pair == 0  # NSA needs no mask
+    common = dict(num_params=1000, block_params=100, vocab_size=256, shard=1, bf16=True, ac_mode="full", ac_every=2)
+    masked = estimate_memory(activation=activation_memory(dense), tokens=2 * 512, seq_len=512, **common)
+    assert masked.masks == 2 * 512 * 512 * 2  # two rows' [T, T] bias in bf16, whatever the checkpointing
+    assert masked.total - estimate_memory(activation=activation_memory(dense, MemoryLayout(compile_backend="inductor")),
+                                          tokens=2 * 512, seq_len=512, **common).total == masked.masks
+    assert "+ masks 0.00" in masked.describe()
+    split = estimate_memory(activation=activation_memory(dense, MemoryLayout(2)), tokens=512, seq_len=1024,
+                            context_parallel=2, **common)
+    assert split.masks == 512 * 1024 * 2  # the rank's queries against the whole rows' keys

@@ -193,10 +193,45 @@ def test_the_block_mask_is_built_only_where_flex_attention_runs():
     assert dense_documents(starts, torch.device("cpu"), flex=False).block_mask is None
     assert dense_documents(torch.zeros(2, 40, dtype=torch.bool), torch.device("cpu"), flex=True).block_mask is None
     model = build_transformer(tiny_args("dense"), VOCAB)
-    assert not model.use_flex_attention
+    assert model.compile_backend is None and not model._flex_on(torch.device("cuda"))
     for backend, flex in (("inductor", True), ("aot_eager", False), ("eager", False)):
         compiled(model, backend)
-        assert model.use_flex_attention == flex
         assert model._flex_on(torch.device("cuda")) == flex and not model._flex_on(torch.device("cpu"))
     compiled(model, "inductor")
     assert model.document_layout(starts, torch.device("cpu")).block_mask is None
+
+
+def test_one_mask_serves_every_layer_of_a_forward():
+    """The explicit mask is built once per forward, as SDPA's 0 / -inf bias in the queries' dtype: the
+    layers save one [B, 1, T, T] bias for backward, not one each, and compute exactly what SDPA's
+    boolean mask gives (it converts a boolean mask into the same bias)."""
+    from tests.saved_tensors import saved_bytes
+
+    torch.manual_seed(0)
+    B, T = 2, 48
+    tokens = torch.randint(0, VOCAB, (B, T))
+    starts = starts_of([[10, 38], [20, 20, 8]], T)
+    extra = {}
+    for layers in (1, 3):
+        model = build_transformer(tiny_args("dense", n_layers=layers), VOCAB)
+        documents = model.document_layout(starts, tokens.device)
+        plain = model.document_layout(torch.zeros(B, T, dtype=torch.bool), tokens.device)
+        extra[layers] = (saved_bytes(model, lambda: model(tokens, documents))
+                         - saved_bytes(model, lambda: model(tokens, plain)))
+    mask_bytes = B * T * T * 4  # one fp32 bias; the rest of the difference is a few elements per token
+    assert mask_bytes <= extra[1] < 1.5 * mask_bytes, extra
+    assert extra[3] - extra[1] < mask_bytes / 2, extra  # two more layers, no more masks
+
+    seen = []
+    bool_mask = DenseDocuments.with_bias
+    logits = model(tokens, documents)
+    try:
+        DenseDocuments.with_bias = lambda self, dtype: seen.append(dtype) or self  # each layer builds its own
+        assert torch.equal(model(tokens, documents), logits) and seen == [torch.float32]
+    finally:
+        DenseDocuments.with_bias = bool_mask
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        shared = documents.with_bias(torch.bfloat16)
+        assert shared.bias.dtype == torch.bfloat16 and shared.attention_mask(torch.bfloat16) is shared.bias
+        assert shared.attention_mask(torch.float32).dtype == torch.bool  # another dtype: the boolean mask
+        assert torch.equal(model(tokens, documents), model(tokens, shared))

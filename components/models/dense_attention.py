@@ -71,8 +71,8 @@ class DenseAttention(nn.Module):
             o = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                block_mask=documents.block_mask, enable_gqa=self.n_heads != self.n_kv_heads)
             return o.transpose(1, 2)
-        # Eager, or on the CPU: an explicit [B, 1, Tq, T] mask (exact, O(Tq x T) booleans).
-        return _sdpa(q, k, v, mask=documents.explicit_mask())
+        # Eager, or on the CPU: an explicit [B, 1, Tq, T] mask (exact, O(Tq x T) elements, built once per forward).
+        return _sdpa(q, k, v, mask=documents.attention_mask(q.dtype))
 
     # ---- incremental decoding -------------------------------------------------------------
     def new_layer_cache(self, batch_size: int, capacity: int, device, dtype) -> LayerKV:

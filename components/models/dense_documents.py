@@ -12,7 +12,7 @@ blocks compiled with inductor on CUDA use it and everything else uses SDPA with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -20,6 +20,12 @@ from torch.nn.attention.flex_attention import BlockMask
 from components.nsa.documents import cu_seqlens_of_rows, token_documents
 
 FLEX_BLOCK = 128  # tokens per FlexAttention block (its default tile)
+
+
+def flex_attention_runs(compile_backend: str | None, device_type: str) -> bool:
+    """Whether rows of several documents take FlexAttention (else SDPA with an explicit mask): it pays
+    only fused by inductor, and it has no CPU backward."""
+    return compile_backend == "inductor" and device_type == "cuda"
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,28 @@ class DenseDocuments:
     block_mask: BlockMask | None  # FlexAttention's mask (CUDA rows with several documents), else None
     query_ids: torch.Tensor | None = None  # [B, Tq] int64: each query's document, when queries are a subset
     query_rows: torch.Tensor | None = None  # [B, Tq] int64: each query's position in its row, likewise
+    bias: torch.Tensor | None = None  # [B, 1, Tq, T]: explicit_mask as 0 / -inf in the compute dtype, shared by layers
+
+    @property
+    def needs_explicit_mask(self) -> bool:
+        """SDPA with a mask: rows of several documents where FlexAttention does not run."""
+        return not self.one_per_row and self.block_mask is None
+
+    def with_bias(self, dtype: torch.dtype) -> DenseDocuments:
+        """These documents with the explicit mask built once as SDPA's additive bias in `dtype` (the dtype
+        the queries will have), for every layer of one forward to share. Each layer handing SDPA its own
+        boolean mask would make it convert one and save it for backward, per layer: L x Tq x T elements
+        where one copy does."""
+        if not self.needs_explicit_mask or (self.bias is not None and self.bias.dtype == dtype):
+            return self
+        mask = self.explicit_mask()
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return replace(self, bias=bias)
+
+    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask SDPA takes for queries of `dtype`: the shared bias when it was built for that dtype,
+        else the boolean mask (which SDPA converts into the same 0 / -inf bias)."""
+        return self.bias if self.bias is not None and self.bias.dtype == dtype else self.explicit_mask()
 
     def explicit_mask(self) -> torch.Tensor:
         """[B, 1, Tq, T] bool: a key is visible when it is in the query's document and not after it."""

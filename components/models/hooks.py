@@ -29,7 +29,11 @@ instead (per_row_token): dense keeps the gathered k and v (2 kv); NSA keeps the 
 inputs over the whole rows (2 (l/d) kv), the keys and values each chunk's op call picks out (p kv,
 about one whole row's worth over the two calls; fewer with documents) and the RoPE tables of the
 rotated keys at every row position (2 r D). p = 4 and r = 2 with kv_per_branch, else 2 and 1;
-D = head_dim. Dense's explicit [local, T] mask is not counted.
+D = head_dim.
+
+Dense attention over packed documents, where FlexAttention does not run (dense_documents.py), holds
+one explicit mask per forward, shared by the layers: one element per (local query, key of its row)
+pair (per_row_pair), counted for rows of several documents.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ import time
 import torch
 
 from components.errors import UserError
-from components.model_hooks import FAIL, OK, WARN, ActivationMemory, ParallelPlan, SelfCheck, ShardGroup
+from components.model_hooks import FAIL, OK, WARN, ActivationMemory, MemoryLayout, ParallelPlan, SelfCheck, ShardGroup
 from components.models.args import TransformerArgs
+from components.models.dense_documents import flex_attention_runs
 from components.models.flops import flops_per_token
 from components.models.hf import hf_format
 from components.models.telemetry import attention_maps, collect_nsa_telemetry, telemetry_applies
@@ -53,8 +58,9 @@ def parallel_plan(model) -> ParallelPlan:
                                        ShardGroup((model.norm, model.output), keep_gathered=True)))
 
 
-def activation_memory(args: TransformerArgs, context_parallel: int = 1) -> ActivationMemory:
+def activation_memory(args: TransformerArgs, layout: MemoryLayout = MemoryLayout()) -> ActivationMemory:
     d, H = args.dim, args.n_heads
+    context_parallel = layout.context_parallel
     kv = args.n_kv_heads * args.head_dim
     per_block = 4 * d + 4 * args.mlp_hidden_dim()
     if args.attention != "nsa":
@@ -67,9 +73,13 @@ def activation_memory(args: TransformerArgs, context_parallel: int = 1) -> Activ
         compression = 2 * (nsa.block_size / nsa.block_stride) * kv
         keys = (n_kv + 2) * kv + compression
         row_keys = compression + picked * kv + 2 * rotated * args.head_dim
+    mask = args.attention != "nsa" and args.document_masking and \
+        not flex_attention_runs(layout.compile_backend, layout.device_type)
+    pairs = 1.0 if mask else 0.0
     if context_parallel == 1:
-        return ActivationMemory(blocks=args.n_layers, per_block=per_block + keys, block_input=d)
-    return ActivationMemory(blocks=args.n_layers, per_block=per_block, block_input=d, per_row_token=row_keys)
+        return ActivationMemory(blocks=args.n_layers, per_block=per_block + keys, block_input=d, per_row_pair=pairs)
+    return ActivationMemory(blocks=args.n_layers, per_block=per_block, block_input=d, per_row_token=row_keys,
+                            per_row_pair=pairs)
 
 
 def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:
@@ -114,7 +124,7 @@ def documents(model, document_starts: torch.Tensor, device: torch.device):
 def compiled(model, backend: str) -> None:
     """Dense attention masks documents through FlexAttention only where inductor fuses it (elsewhere
     it computes every score): tell the model which backend compiled its blocks."""
-    model.use_flex_attention = backend == "inductor"
+    model.compile_backend = backend
 
 
 def context_shard(model, document_starts: torch.Tensor | None, rows: int, shard, device: torch.device):

@@ -8,6 +8,7 @@ Everything outside the attention module is identical for both kinds. Built for t
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from components.errors import UserError
 from components.models.args import TransformerArgs
 from components.models.context_parallel import ContextShard, context_shard
 from components.models.dense_attention import DenseAttention
-from components.models.dense_documents import DenseDocuments, dense_documents
+from components.models.dense_documents import DenseDocuments, dense_documents, flex_attention_runs
 from components.models.kv_cache import KVCache, LayerKV
 from components.models.mlp import SwiGLU
 from components.models.norms import RMSNorm
@@ -57,6 +58,12 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the attention's queries will have: autocast's, else the activations' own."""
+    device = h.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+
+
 class Transformer(nn.Module):
     def __init__(self, args: TransformerArgs, vocab_size: int):
         super().__init__()
@@ -66,9 +73,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, vocab_size, bias=False)
-        # Dense attention masks documents through FlexAttention when its blocks are compiled with inductor
-        # (set by the `compiled` hook) on CUDA; otherwise through an explicit mask.
-        self.use_flex_attention = False
+        # Dense attention masks documents through FlexAttention where flex_attention_runs says (the
+        # `compiled` hook tells the blocks' backend); otherwise through an explicit mask.
+        self.compile_backend: str | None = None
         self._tie()
         if not self.norm.weight.is_meta:
             self.init_weights()
@@ -139,6 +146,8 @@ class Transformer(nn.Module):
             raise ValueError(f"the document layout covers {documents.positions.shape[0]} tokens but the batch "
                              f"{tuple(tokens.shape)} has {tokens.numel()}; build it from this batch's document_starts")
         h = self.tok_embeddings(tokens)
+        if isinstance(documents, DenseDocuments):
+            documents = documents.with_bias(_compute_dtype(h))
         for layer in self.layers:
             # Blocks are called without the argument when there is none: plugin blocks need not take it.
             h = layer(h, self.rope.cos, self.rope.sin) if documents is None else \
@@ -151,6 +160,8 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens {tuple(tokens.shape)} are not the share of the rows this context was built for "
                              f"({context.query_positions.shape[0]} tokens, {context.shard.local_len} per row)")
         h = self.tok_embeddings(tokens)
+        if context.dense is not None:
+            context = replace(context, dense=context.dense.with_bias(_compute_dtype(h)))
         for layer in self.layers:
             h = layer(h, self.rope.cos, self.rope.sin, context=context)
         return self.output(self.norm(h))
@@ -172,7 +183,7 @@ class Transformer(nn.Module):
                              dense=self.args.attention != "nsa", flex=self._flex_on(device), device=device)
 
     def _flex_on(self, device) -> bool:
-        return self.use_flex_attention and torch.device(device).type == "cuda"  # FlexAttention has no CPU backward
+        return flex_attention_runs(self.compile_backend, torch.device(device).type)
 
     def document_layout(self, document_starts: torch.Tensor,
                         device: torch.device) -> DocumentLayout | DenseDocuments:

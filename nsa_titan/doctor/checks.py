@@ -177,6 +177,7 @@ def check_model(recipe, device: torch.device) -> Check:
 
 def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     """The estimate of nsa_titan/doctor/memory.py against what one device (or one process's share of the host) has."""
+    from components.model_hooks import MemoryLayout
     from nsa_titan import assemble, registry
     from nsa_titan.config.rules import LayoutError, data_parallel_degrees
     from nsa_titan.doctor.memory import estimate_memory
@@ -195,8 +196,9 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     ac = recipe.activation_checkpoint
     t = recipe.training
-    activation = part.activation_memory(recipe.model.args, *((cp,) if cp > 1 else ()))
-    estimate = estimate_memory(activation=activation, context_parallel=cp,
+    compiled = recipe.compile.backend if recipe.compile.enable else None
+    activation = part.activation_memory(recipe.model.args, MemoryLayout(cp, compiled, runtime.device.type))
+    estimate = estimate_memory(activation=activation, context_parallel=cp, seq_len=t.seq_len,
                                num_params=assemble.count_parameters(model),
                                block_params=block_params, vocab_size=tokenizer.vocab_size, shard=shard,
                                tokens=t.local_batch_size * t.seq_len // cp, bf16=runtime.autocast_dtype is not None,

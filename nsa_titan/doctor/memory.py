@@ -11,8 +11,10 @@
                                            bf16 autocast else 4; a checkpointed block keeps only its
                                            input (i elements per token) and the one being recomputed
                                            holds a full block's worth (the last term)
+    masks       = N x T x m x a_bytes      held once per forward: m elements per (local query, key of
+                                           its row) pair, e.g. an explicit attention mask (T = seq_len)
     logits      = N x V x (a_bytes + 8)    logits, their fp32 copy for the loss and its gradient
-a, r and the blocks' count L come from the model part's activation_memory hook (the transformer's
+a, r, m and the blocks' count L come from the model part's activation_memory hook (the transformer's
 formula is in components/models/hooks.py); V = vocab.
 """
 
@@ -34,15 +36,17 @@ class MemoryEstimate:
     gathered: float
     activations: float
     logits: float
+    masks: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.states + self.gathered + self.activations + self.logits
+        return self.states + self.gathered + self.activations + self.masks + self.logits
 
     def describe(self) -> str:
+        masks = f" + masks {self.masks / GiB:.2f}" if self.masks else ""
         return (f"~{self.total / GiB:.2f} GiB per device = states {self.states / GiB:.2f} (16 B x {self.params:,} "
                 f"params / shard {self.shard}) + gathered {self.gathered / GiB:.2f} + activations "
-                f"{self.activations / GiB:.2f} + logits {self.logits / GiB:.2f}")
+                f"{self.activations / GiB:.2f}{masks} + logits {self.logits / GiB:.2f}")
 
 
 def checkpointed_blocks(blocks: int, mode: str, every: int) -> int:
@@ -54,9 +58,10 @@ def checkpointed_blocks(blocks: int, mode: str, every: int) -> int:
 
 
 def estimate_memory(*, activation: ActivationMemory, num_params: int, block_params: int, vocab_size: int, shard: int,
-                    tokens: int, bf16: bool, ac_mode: str, ac_every: int, context_parallel: int = 1) -> MemoryEstimate:
+                    tokens: int, bf16: bool, ac_mode: str, ac_every: int, context_parallel: int = 1,
+                    seq_len: int = 0) -> MemoryEstimate:
     """Bytes per device for one training step of a model made of blocks (see the module docstring);
-    tokens: those the rank holds per micro-batch."""
+    tokens: those the rank holds per micro-batch, of rows of seq_len tokens."""
     a_bytes = 2 if bf16 else 4
     states = 16 * num_params / shard
     gathered = 2 * block_params * a_bytes if shard > 1 else 0.0
@@ -67,4 +72,5 @@ def estimate_memory(*, activation: ActivationMemory, num_params: int, block_para
     if ckpt:
         activations += per_block
     logits = tokens * vocab_size * (a_bytes + 8)
-    return MemoryEstimate(num_params, shard, states, gathered, activations, logits)
+    masks = tokens * seq_len * activation.per_row_pair * a_bytes
+    return MemoryEstimate(num_params, shard, states, gathered, activations, logits, masks)
