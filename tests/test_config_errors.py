@@ -138,6 +138,7 @@ def test_warmup_longer_than_the_run_is_a_note_not_an_error(tmp_path):
     assert proc.returncode == 0, proc.stderr
     note = next(line for line in proc.stdout.splitlines() if line.startswith("note: lr_scheduler.warmup_steps"))
     assert "= 10 from" in note and "longer than the run (training.steps = 2)" in note and "20% of optimizer.lr" in note
+    assert "decay_steps" not in proc.stdout  # the default decay needs no note
     assert "step 2/2" in proc.stdout
 
 
