@@ -113,4 +113,4 @@ def ensure_builtins() -> None:
         _builtins_loaded = True
         from nsa_titan import parts
 
-        parts.register_builtins(register)
+        parts.register_builtins(register, get)

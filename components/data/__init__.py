@@ -7,10 +7,14 @@ from components.data.sharding import (
     shards_of_rank,
 )
 from components.data.sources import SOURCES
+from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_source
 from components.data.tokenizers import TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer
 
 __all__ = [
+    "MIXTURE",
     "SOURCES",
+    "MixtureArgs",
+    "build_mixture_source",
     "TOKENIZERS",
     "ByteTokenizer",
     "TiktokenArgs",

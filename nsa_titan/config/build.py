@@ -14,7 +14,7 @@ from typing import Any
 from components.problems import bound_problem, suggest
 from nsa_titan import registry
 from nsa_titan.config.errors import Problem
-from nsa_titan.config.fields import default_of, is_dataclass_type, resolved_types, type_name
+from nsa_titan.config.fields import default_of, is_dataclass_type, named_tables_of, resolved_types, type_name
 from nsa_titan.config.overrides import CliText
 
 _BOOL_TEXT = {"true": True, "false": False}
@@ -97,6 +97,9 @@ class RecipeBuilder:
         default = default_of(fld)
         if is_dataclass_type(tp):
             return self.build(tp, table.get(fld.name, {}), path)
+        entry = named_tables_of(tp)
+        if entry is not None:
+            return self._named_tables(entry, table.get(fld.name, {}), path)
         if fld.name not in table:
             if default is dataclasses.MISSING:
                 self.problem(path, None, "is required", f"set {path} in the recipe")
@@ -107,6 +110,8 @@ class RecipeBuilder:
             check_bounds(value, fld.metadata)
             if "component" in fld.metadata:
                 registry.get(fld.metadata["component"], value)
+                if value in fld.metadata.get("exclude", ()):
+                    raise _Invalid(fld.metadata["exclude"][value], f"choose another {fld.metadata['component']}")
         except _Invalid as bad:
             self.problem(path, raw, bad.why, bad.fix)
             return default
@@ -116,6 +121,13 @@ class RecipeBuilder:
                          f"choose one of: {', '.join(names)} (job.plugins can register more)")
             return default
         return value
+
+    def _named_tables(self, entry: type, raw: Any, path: str) -> dict[str, Any]:
+        """[path.NAME] tables, each built as an `entry`."""
+        if not isinstance(raw, dict):
+            self.problem(path, raw, "must hold named tables", f"write each as [{path}.NAME] with its fields under it")
+            return {}
+        return {name: self.build(entry, value, _join(path, name)) for name, value in raw.items()}
 
     def _unused_when_switched_off(self, fld: dataclasses.Field, values: dict, table: dict, path: str) -> Any:
         """A field used only while a sibling has a given value (metadata used_when = (sibling, value)),

@@ -8,7 +8,10 @@ import the engine.
 Two metadata keys are the engine's own:
 "choices" may be a callable returning the allowed values when the recipe is checked.
 
-- "component": the field names a registered part of this kind ("model", "data_source", ...).
+- "component": the field names a registered part of this kind ("model", "data_source", ...);
+  "exclude" maps parts it may not name to why not.
+A field typed `dict[str, Entry]` (Entry a dataclass) holds tables the user names, one Entry each.
+
 - "args_for": the field holds the arguments of the part named by the sibling field given here;
   "placement" says where they live in TOML: "inline" (the rest of the same table, as in [model])
   or "table" (a sub-table named after the chosen part, as in [data.text_files]).
@@ -65,6 +68,8 @@ def type_name(tp: Any) -> str:
         return f"list[{type_name(inner)}]"
     if dataclasses.is_dataclass(tp):
         return "table"
+    if named_tables_of(tp) is not None:
+        return "tables"
     if tp is Any:
         return "table"
     return getattr(tp, "__name__", str(tp))
@@ -72,3 +77,12 @@ def type_name(tp: Any) -> str:
 
 def is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def named_tables_of(tp: Any) -> type | None:
+    """The entry dataclass of a `dict[str, Entry]` field (tables named by the user, e.g.
+    [data.mixture.sources.web]), else None."""
+    if typing.get_origin(tp) is not dict:
+        return None
+    key, value = typing.get_args(tp) or (None, None)
+    return value if key is str and is_dataclass_type(value) else None

@@ -6,7 +6,7 @@ import dataclasses
 
 from components.problems import choices_of
 from nsa_titan import registry
-from nsa_titan.config.fields import default_of, doc_of, is_dataclass_type, resolved_types, type_name
+from nsa_titan.config.fields import default_of, doc_of, is_dataclass_type, named_tables_of, resolved_types, type_name
 from nsa_titan.config.schema import Recipe
 from nsa_titan.config.toml_io import toml_value
 
@@ -25,7 +25,10 @@ def help_text() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _describe(cls: type, path: str, lines: list[str]) -> None:
+def _describe(cls: type, path: str, lines: list[str], within: tuple[type, ...] = ()) -> None:
+    """cls's fields under path; `within` holds the classes described above it: a part that may not hold
+    itself (a mixture of sources) is not listed inside itself."""
+    within = (*within, cls)
     hints = resolved_types(cls)
     by_name = {fld.name: fld for fld in dataclasses.fields(cls)}
     for fld in dataclasses.fields(cls):
@@ -35,15 +38,20 @@ def _describe(cls: type, path: str, lines: list[str]) -> None:
             kind = by_name[fld.metadata["args_for"]].metadata["component"]
             for name in registry.available(kind):
                 part = registry.get(kind, name)
-                if part.args is None:
+                if part.args is None or part.args in within:
                     continue
                 where = path if fld.metadata.get("placement") == "inline" else f"{path}.{name}"
                 lines.append(f"\n  [{where}]  arguments of {kind} {name!r}" + (f": {part.doc}" if part.doc else ""))
-                _describe(part.args, where, lines)
+                _describe(part.args, where, lines, within)
             continue
         if is_dataclass_type(tp):
             lines.append(f"\n[{full}]  {doc_of(fld)}")
-            _describe(tp, full, lines)
+            _describe(tp, full, lines, within)
+            continue
+        entry = named_tables_of(tp)
+        if entry is not None:
+            lines.append(f"\n[{full}.NAME]  {doc_of(fld)}")
+            _describe(entry, f"{full}.NAME", lines, within)
             continue
         extra = ""
         meta = fld.metadata

@@ -22,6 +22,8 @@ def recipe_to_table(obj: Any) -> dict:
                 table[getattr(obj, fld.metadata["args_for"])] = args
         elif dataclasses.is_dataclass(value):
             table[fld.name] = recipe_to_table(value)
+        elif isinstance(value, dict):  # named tables
+            table[fld.name] = {name: recipe_to_table(entry) for name, entry in value.items()}
         else:
             table[fld.name] = list(value) if isinstance(value, (list, tuple)) else value
     return table

@@ -1,0 +1,169 @@
+"""data.source = "mixture": weighted interleaving of sources, exact resume, and its recipe tables."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from components.data.sources.mixture import MixtureArgs, MixtureEntry, MixtureSource, build_mixture_source
+from nsa_titan import cli
+from nsa_titan.config import resolve
+from tests.launch import DEBUG, TINY, losses, train
+
+
+class Counting:
+    """`per_shard[shard]` documents per epoch, named by source, shard, epoch and index; cursor = index + 1."""
+
+    def __init__(self, name: str, per_shard: dict[int, int], validation: bool = True):
+        self.name, self.per_shard, self.validation = name, per_shard, validation
+
+    def has_split(self, split):
+        return split == "train" or self.validation
+
+    def fingerprint(self):
+        return f"counting({self.name},{sorted(self.per_shard.items())})"
+
+    def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        for j in range(cursor or 0, self.per_shard.get(shard, 0)):
+            yield f"{self.name}/{split}/{shard}/{epoch}/{j}", j + 1
+
+
+def take(source, n, shard=0, split="train", cursor=None, epoch=0):
+    return list(itertools.islice(source.documents(shard, 4, split, 7, epoch, cursor), n))
+
+
+def mixture(weights=(3.0, 1.0), sizes=(50, 20), **kw):
+    names = ["web", "code"][: len(weights)]
+    return MixtureSource(names, list(weights), [Counting(n, {0: s, 1: s}, **kw) for n, s in zip(names, sizes)])
+
+
+def test_documents_come_in_the_weights_proportions_and_each_source_in_its_own_order():
+    docs = [d for d, _ in take(mixture(), 4000)]
+    web = [d for d in docs if d.startswith("web")]
+    assert abs(len(web) / len(docs) - 0.75) < 0.03
+    # Each source's documents are its own stream, epoch after epoch (the small one repeats more often).
+    for name, size in (("web", 50), ("code", 20)):
+        own = [d for d in docs if d.startswith(name)]
+        assert own == [f"{name}/train/0/{e}/{j}" for e in range(len(own) // size + 1) for j in range(size)][:len(own)]
+    assert docs != [d for d, _ in take(mixture(), 4000, shard=1)][:4000]  # shards draw differently
+
+
+def test_a_cursor_resumes_exactly():
+    source = mixture()
+    run = take(source, 300)
+    for stop in (0, 1, 49, 137, 299):
+        resumed = take(source, 300 - stop - 1, cursor=run[stop][1])
+        assert resumed == run[stop + 1:]
+    json.dumps(run[-1][1])  # cursors are plain data, as checkpoints keep them
+
+
+def test_new_weights_on_resume_continue_every_source_where_it_stopped():
+    run = take(mixture(), 100)
+    cursor = run[-1][1]
+    after = [d for d, _ in take(mixture(weights=(1.0, 3.0)), 400, cursor=cursor)]
+    assert abs(sum(d.startswith("code") for d in after) / 400 - 0.75) < 0.06
+    last = {name: max((d for d, _ in run if d.startswith(name)), key=lambda d: (int(d.split("/")[3]),
+                                                                               int(d.split("/")[4])))
+            for name in ("web", "code")}
+    for name, size in (("web", 50), ("code", 20)):
+        epoch, j = map(int, last[name].split("/")[3:])
+        following = f"{name}/train/0/{epoch + (j + 1) // size}/{(j + 1) % size}"
+        assert next(d for d in after if d.startswith(name)) == following
+
+
+def test_an_empty_shard_of_one_source_drops_it_there_and_all_empty_ends_the_stream():
+    source = MixtureSource(["web", "code"], [1.0, 1.0], [Counting("web", {0: 5}), Counting("code", {0: 3, 1: 4})])
+    on_one = [d for d, _ in take(source, 50, shard=1)]
+    assert len(on_one) == 50 and all(d.startswith("code") for d in on_one)
+    assert take(source, 10, shard=2) == []  # the shard is empty in every source: the packer sees an empty epoch
+
+
+def test_validation_mixes_the_sources_that_hold_validation():
+    source = MixtureSource(["web", "code"], [1.0, 1.0], [Counting("web", {0: 5}),
+                                                         Counting("code", {0: 5}, validation=False)])
+    assert source.has_split("validation")
+    assert {d.split("/")[0] for d, _ in take(source, 20, split="validation")} == {"web"}
+    assert not MixtureSource(["a"], [1.0], [Counting("a", {0: 1}, validation=False)]).has_split("validation")
+
+
+def test_the_fingerprint_names_the_sources_not_the_weights():
+    assert mixture().fingerprint() == mixture(weights=(1.0, 1.0)).fingerprint()
+    assert mixture().fingerprint() != mixture(sizes=(50, 21)).fingerprint()
+
+
+def test_the_builder_refuses_a_mixture_of_one_and_a_nested_mixture():
+    built = []
+    source = build_mixture_source(MixtureArgs({"a": MixtureEntry(1.0, "x", 1), "b": MixtureEntry(2.0, "y", 2)}),
+                                  lambda name, args: built.append((name, args)) or Counting(name, {0: 1}))
+    assert built == [("x", 1), ("y", 2)] and source.weights == [1.0, 2.0]
+    problems = MixtureArgs({"a": MixtureEntry(1.0, "mixture")}).check()
+    assert [p.field for p in problems] == ["sources", "sources.a.source"]
+
+
+MIXED = """extends = "{debug}"
+[data]
+source = "mixture"
+[data.mixture.sources.code]
+weight = 1.0
+source = "python_stdlib"
+validation_fraction = 0.1
+[data.mixture.sources.noise]
+weight = 3.0
+source = "synthetic"
+max_length = 100
+"""
+
+
+def write_recipe(tmp_path, text=MIXED) -> str:
+    path = tmp_path / "mixed.toml"
+    path.write_text(text.format(debug=DEBUG))
+    return str(path)
+
+
+def test_the_recipe_takes_named_source_tables_and_prints_them_back(tmp_path):
+    path = write_recipe(tmp_path)
+    resolved = resolve([path, "--data.mixture.sources.noise.weight=2.5"])
+    entries = resolved.recipe.data.source_args.sources
+    assert list(entries) == ["code", "noise"]
+    assert entries["noise"].weight == 2.5 and entries["noise"].args.max_length == 100
+    assert entries["code"].args.validation_fraction == 0.1
+    printed = tmp_path / "printed.toml"
+    printed.write_text(resolved.toml)
+    assert resolve([str(printed)]).hash == resolved.hash  # the printed recipe is the same recipe
+
+
+@pytest.mark.parametrize("text, flags, expected", [
+    (MIXED.replace("weight = 3.0\n", ""), [], ["data.mixture.sources.noise.weight", "is required"]),
+    (MIXED, ["--data.mixture.sources.noise.weight=0"], ["data.mixture.sources.noise.weight", "greater than 0"]),
+    (MIXED, ["--data.mixture.sources.noise.max_lenght=5"], ["data.mixture.sources.noise.max_lenght",
+                                                             "did you mean 'max_length'"]),
+    (MIXED, ["--data.mixture.sources.noise.source=synthetik"], ["data.mixture.sources.noise.source",
+                                                                 "did you mean 'synthetic'"]),
+    (MIXED.split("[data.mixture.sources.noise]")[0], [], ["data.mixture.sources", "at least two sources"]),
+    (MIXED, ["--data.mixture.sources.inner.weight=1", "--data.mixture.sources.inner.source=mixture"],
+     ["data.mixture.sources.inner.source", "cannot hold a mixture"]),
+    (MIXED, ["--data.source=synthetic", "--data.mixture.sources.noise.weight=2"], ["[data.mixture]",
+                                                                                   "data.source = 'synthetic'"]),
+])
+def test_a_wrong_mixture_is_a_recipe_error(tmp_path, capsys, text, flags, expected):
+    code = cli.main(["train", write_recipe(tmp_path, text), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    for fragment in expected:
+        assert fragment in err, f"{fragment!r} missing from:\n{err}"
+
+
+def test_a_mixed_run_resumes_to_the_bit(tmp_path):
+    """Train with a mixture, die after a checkpoint, resume: the same losses as the run that went on."""
+    argv = [write_recipe(tmp_path), *TINY, "--training.steps=4", "--checkpoint.enable=true",
+            "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0", "--metrics.log_freq=1"]
+    whole = tmp_path / "whole"
+    assert train([*argv, f"--job.dump_folder={whole}"]).returncode == 0
+    cut = tmp_path / "cut"
+    first = train([*argv, f"--job.dump_folder={cut}", "--training.steps=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = train([*argv, f"--job.dump_folder={cut}"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert losses(cut) == losses(whole)
