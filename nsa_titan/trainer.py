@@ -41,6 +41,7 @@ from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_s
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
 from nsa_titan.run_folder import prepare_run_folder
+from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 
 NUMERICAL_FAULT_EXIT = 3
@@ -79,6 +80,7 @@ class Trainer:
         self.resolved = resolved
         self.recipe = recipe = resolved.recipe
         self.runtime = runtime
+        self.gc: ScheduledGC | None = None  # from run() on
         t, dump = recipe.training, recipe.job.dump_folder
         if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":  # training.device = auto: known now
             raise UserError(f"profiling.memory_snapshot records the CUDA allocator, but this run trains on "
@@ -427,6 +429,7 @@ class Trainer:
                       f"--training.steps to train on, or use another --job.dump_folder to start afresh.")
             return
         iterator = iter(self.train_loader)
+        self.gc = ScheduledGC(t.gc_freq)
         run_start = time.perf_counter()
         first_step = state.step
         window_start, window_tokens = run_start, 0
@@ -445,6 +448,7 @@ class Trainer:
                 warn(self.nan_guard.skip_message(state.step))
             self.watchdog.beat(state.step)
             self.heartbeat.beat(state.step, force=state.step == t.steps)
+            self.gc.after_step(state.step)
 
             log_now = state.step % recipe.metrics.log_freq == 0 or state.step in (first_step + 1, t.steps)
             if log_now:
@@ -522,6 +526,8 @@ class Trainer:
                 sink.write(record)
 
     def close(self) -> None:
+        if self.gc is not None:
+            self.gc.close()
         self.profiler.close()
         if self.watchdog is not None:
             self.watchdog.stop()

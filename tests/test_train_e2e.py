@@ -186,3 +186,31 @@ def test_the_recipe_filter_reaches_the_loader(tmp_path):
 
     assert min(document_lengths(0)) < 3000
     assert document_lengths(3000) and min(document_lengths(3000)) >= 3000
+
+
+@pytest.mark.parametrize("freq", [0, 2])
+def test_garbage_is_collected_on_the_step_schedule(tmp_path, monkeypatch, freq):
+    """training.gc_freq: automatic collection is off during the run and the young generations are
+    collected every freq steps; 0 leaves Python's automatic collector alone. Either way it is on after."""
+    import gc
+
+    from nsa_titan.trainer import Trainer
+
+    enabled, collections = [], []
+    train_step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self, it: enabled.append(gc.isenabled()) or train_step(self, it))
+    def record(phase, info):  # collections while automatic collection is off: the scheduled ones
+        if phase == "start" and not gc.isenabled():
+            collections.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        assert cli.main(["train", DEBUG, *TINY, "--training.steps=4", f"--training.gc_freq={freq}",
+                         f"--job.dump_folder={tmp_path}"]) == 0
+    finally:
+        gc.callbacks.remove(record)
+    assert gc.isenabled()
+    if freq:
+        assert enabled == [False] * 4 and collections == [1] * (1 + 4 // freq)  # the clean start, then steps 2 and 4
+    else:
+        assert enabled == [True] * 4 and collections == []

@@ -72,6 +72,8 @@ class TrainingConfig:
                     choices=("auto", "cpu", "cuda"))
     dtype: str = f("auto", "Compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU), float32 or bfloat16.",
                    choices=("auto", "float32", "bfloat16"))
+    gc_freq: int = f(50, "Run Python's garbage collector every this many steps on every rank, instead of "
+                         "when allocations trigger it (one rank's pause stalls all); 0 leaves it automatic.", ge=0)
 
 
 @dataclass
