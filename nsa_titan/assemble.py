@@ -13,8 +13,7 @@ from components.optim import lr_factor
 
 
 def build_part(kind: str, name: str, args):
-    part = registry.get(kind, name)
-    return part.build(args) if part.args is not None else part.build()
+    return registry.build(kind, name, args)
 
 
 def build_tokenizer(recipe: Recipe):

@@ -1,27 +1,24 @@
 """The built-in parts: what a recipe can name without plugins.
 
-The registry calls `register_builtins(register, get)` on first use, handing over its `register`
-and `get` (so this module needs nothing from the registry). NSA backends are not listed: the registry reads
+The registry calls `register_builtins(register, build)` on first use, handing over its `register`
+and `build` (so this module needs nothing from the registry). NSA backends are not listed: the registry reads
 components.nsa's backend table directly.
 """
 
 from __future__ import annotations
 
 
-def register_builtins(register, get) -> None:
+def register_builtins(register, build) -> None:
     from components import data, models, optim
 
     register("model", "transformer", models.build_transformer, args=models.TransformerArgs,
              doc="decoder-only transformer; attention = 'nsa' or 'dense'", **models.transformer_hooks())
     for name, (args_cls, factory) in data.SOURCES.items():
         register("data_source", name, factory, args=args_cls)
-
-    def build_source(name: str, args):
-        """A mixture's source, built as the recipe's own source is (plugin sources included)."""
-        part = get("data_source", name)
-        return part.build(args) if part.args is not None else part.build()
-
-    register("data_source", data.MIXTURE, lambda args: data.build_mixture_source(args, build_source),
+    # A mixture's sources are built as the recipe's own source is (plugin sources included).
+    register("data_source", data.MIXTURE,
+             lambda args: data.build_mixture_source(args, lambda name, part_args: build("data_source", name,
+                                                                                      part_args)),
              args=data.MixtureArgs, doc="a weighted mixture of other sources, [data.mixture.sources.NAME] each")
     for name, (args_cls, factory) in data.TOKENIZERS.items():
         register("tokenizer", name, factory, args=args_cls)

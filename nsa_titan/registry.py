@@ -77,6 +77,12 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
     return part
 
 
+def build(kind: str, name: str, args: Any) -> Any:
+    """The part `name` built from its recipe arguments (a part without arguments takes none)."""
+    part = get(kind, name)
+    return part.build(args) if part.args is not None else part.build()
+
+
 def get(kind: str, name: str) -> Part:
     if kind == "attention_backend":
         if name not in nsa.available_backends():
@@ -113,4 +119,4 @@ def ensure_builtins() -> None:
         _builtins_loaded = True
         from nsa_titan import parts
 
-        parts.register_builtins(register, get)
+        parts.register_builtins(register, build)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from components.errors import UserError
 from components.data.sources.mixture import MixtureArgs, MixtureEntry, MixtureSource, build_mixture_source
 from nsa_titan import cli
 from nsa_titan.config import resolve
@@ -14,10 +15,11 @@ from tests.launch import DEBUG, TINY, losses, train
 
 
 class Counting:
-    """`per_shard[shard]` documents per epoch, named by source, shard, epoch and index; cursor = index + 1."""
+    """`per_shard[shard]` documents per epoch, named by source, shard, epoch and index; cursor = index + 1
+    (or always None: a source may keep no position within an epoch)."""
 
-    def __init__(self, name: str, per_shard: dict[int, int], validation: bool = True):
-        self.name, self.per_shard, self.validation = name, per_shard, validation
+    def __init__(self, name: str, per_shard: dict[int, int], validation: bool = True, cursors: bool = True):
+        self.name, self.per_shard, self.validation, self.cursors = name, per_shard, validation, cursors
 
     def has_split(self, split):
         return split == "train" or self.validation
@@ -27,11 +29,11 @@ class Counting:
 
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         for j in range(cursor or 0, self.per_shard.get(shard, 0)):
-            yield f"{self.name}/{split}/{shard}/{epoch}/{j}", j + 1
+            yield f"{self.name}/{split}/{shard}/{epoch}/{j}", j + 1 if self.cursors else None
 
 
-def take(source, n, shard=0, split="train", cursor=None, epoch=0):
-    return list(itertools.islice(source.documents(shard, 4, split, 7, epoch, cursor), n))
+def take(source, n, shard=0, split="train", cursor=None, epoch=0, **prepare):
+    return list(itertools.islice(source.documents(shard, 4, split, 7, epoch, cursor, **prepare), n))
 
 
 def mixture(weights=(3.0, 1.0), sizes=(50, 20), **kw):
@@ -80,6 +82,35 @@ def test_an_empty_shard_of_one_source_drops_it_there_and_all_empty_ends_the_stre
     assert take(source, 10, shard=2) == []  # the shard is empty in every source: the packer sees an empty epoch
 
 
+def test_a_source_without_cursors_goes_on_epoch_after_epoch():
+    source = MixtureSource(["a", "b"], [1.0, 1.0], [Counting("a", {0: 3}, cursors=False), Counting("b", {0: 3})])
+    docs = [d for d, _ in take(source, 200)]
+    a = [d for d in docs if d.startswith("a")]
+    assert 70 < len(a) < 130 and a[-1].split("/")[3] == str((len(a) - 1) // 3)
+
+
+def test_the_weights_hold_for_the_documents_the_loader_keeps():
+    """prepare (the loader's tokenization and length filter) skips a document: the draw goes on to the
+    same source's next one, and a source that keeps none drops out instead of spinning."""
+    source = mixture(weights=(1.0, 1.0))
+    keep_odd_web = lambda d: None if d.startswith("web") and int(d.split("/")[4]) % 2 else d.upper()  # noqa: E731
+    docs = [d for d, _ in take(source, 2000, prepare=keep_odd_web)]
+    assert all(d.isupper() for d in docs) and abs(sum(d.startswith("WEB") for d in docs) / 2000 - 0.5) < 0.04
+    assert all(int(d.split("/")[4]) % 2 == 0 for d in docs if d.startswith("WEB"))
+    run = take(source, 300, prepare=keep_odd_web)
+    assert take(source, 150, cursor=run[149][1], prepare=keep_odd_web) == run[150:]
+    no_web = [d for d, _ in take(source, 100, prepare=lambda d: None if d.startswith("web") else d)]
+    assert len(no_web) == 100 and all(d.startswith("code") for d in no_web)
+    assert take(source, 10, prepare=lambda d: None) == []  # nothing kept anywhere: the stream ends
+
+
+def test_the_order_of_the_tables_is_not_the_streams():
+    build = lambda name, args: Counting(name, {0: 9})  # noqa: E731
+    ab = build_mixture_source(MixtureArgs({"a": MixtureEntry(1.0, "a"), "b": MixtureEntry(2.0, "b")}), build)
+    ba = build_mixture_source(MixtureArgs({"b": MixtureEntry(2.0, "b"), "a": MixtureEntry(1.0, "a")}), build)
+    assert ab.fingerprint() == ba.fingerprint() and take(ab, 50) == take(ba, 50)
+
+
 def test_validation_mixes_the_sources_that_hold_validation():
     source = MixtureSource(["web", "code"], [1.0, 1.0], [Counting("web", {0: 5}),
                                                          Counting("code", {0: 5}, validation=False)])
@@ -93,13 +124,13 @@ def test_the_fingerprint_names_the_sources_not_the_weights():
     assert mixture().fingerprint() != mixture(sizes=(50, 21)).fingerprint()
 
 
-def test_the_builder_refuses_a_mixture_of_one_and_a_nested_mixture():
+def test_the_builder_builds_each_source_and_refuses_a_mixture_of_one():
     built = []
     source = build_mixture_source(MixtureArgs({"a": MixtureEntry(1.0, "x", 1), "b": MixtureEntry(2.0, "y", 2)}),
                                   lambda name, args: built.append((name, args)) or Counting(name, {0: 1}))
     assert built == [("x", 1), ("y", 2)] and source.weights == [1.0, 2.0]
-    problems = MixtureArgs({"a": MixtureEntry(1.0, "mixture")}).check()
-    assert [p.field for p in problems] == ["sources", "sources.a.source"]
+    with pytest.raises(UserError, match="at least two sources"):
+        build_mixture_source(MixtureArgs({"a": MixtureEntry(1.0, "x")}), lambda name, args: None)
 
 
 MIXED = """extends = "{debug}"
@@ -146,11 +177,13 @@ def test_the_recipe_takes_named_source_tables_and_prints_them_back(tmp_path):
      ["data.mixture.sources.inner.source", "cannot hold a mixture"]),
     (MIXED, ["--data.source=synthetic", "--data.mixture.sources.noise.weight=2"], ["[data.mixture]",
                                                                                    "data.source = 'synthetic'"]),
+    (MIXED + "[data.mixture.sources]\nweb = 3\n", [], ["data.mixture.sources.web = 3", "must be a table"]),
 ])
 def test_a_wrong_mixture_is_a_recipe_error(tmp_path, capsys, text, flags, expected):
     code = cli.main(["train", write_recipe(tmp_path, text), *flags])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
+    assert err.startswith("error: the recipe has 1 problem:"), err
     for fragment in expected:
         assert fragment in err, f"{fragment!r} missing from:\n{err}"
 
@@ -167,3 +200,52 @@ def test_a_mixed_run_resumes_to_the_bit(tmp_path):
     second = train([*argv, f"--job.dump_folder={cut}"])
     assert second.returncode == 0, second.stderr[-3000:]
     assert losses(cut) == losses(whole)
+
+
+class Texts(Counting):
+    """Text documents of `length` characters."""
+
+    def __init__(self, name, length, count=40):
+        super().__init__(name, {s: count for s in range(4)})
+        self.length = length
+
+    def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        for doc, after in super().documents(shard, num_shards, split, seed, epoch, cursor):
+            yield (doc + " " * self.length)[: self.length], after
+
+
+def test_the_loader_skips_short_documents_before_the_weights_count(tmp_path):
+    """data.min_document_tokens through the real loader: a source of short documents drops out, and
+    when no source keeps any the run stops with the loader's message instead of spinning."""
+    from components.data import ByteTokenizer, build_dataloader
+
+    def first_batch(sources):
+        source = MixtureSource([s.name for s in sources], [1.0] * len(sources), sources)
+        loader = build_dataloader(source, ByteTokenizer(), seq_len=64, batch_size=2, logical_shards=4,
+                                  min_document_tokens=20, check_source=False)
+        return next(iter(loader))["input"]
+
+    batch = first_batch([Texts("l", 30), Texts("s", 10)])
+    text = bytes(t for t in batch.flatten().tolist() if t < 256).decode()
+    assert "l/train" in text and "s/train" not in text
+    with pytest.raises(UserError, match="hold no documents of at least data.min_document_tokens = 20"):
+        first_batch([Texts("s", 10), Texts("t", 5)])
+
+
+def test_a_source_argument_named_like_an_entry_field_is_refused(tmp_path, capsys):
+    """Arguments sit beside weight and source: a plugin source's own `weight` could not be told apart."""
+    from dataclasses import dataclass, field
+
+    from nsa_titan import registry
+
+    @dataclass
+    class WeightedArgs:
+        weight: float = field(default=1.0, metadata={"doc": "a weight of its own"})
+
+    registry.register("data_source", "weighted", lambda args: Counting("w", {0: 1}), args=WeightedArgs)
+    try:
+        code = cli.main(["train", write_recipe(tmp_path), "--data.mixture.sources.noise.source=weighted"])
+    finally:
+        registry._PARTS["data_source"].pop("weighted")
+    err = capsys.readouterr().err
+    assert code == 2 and "data.mixture.sources.noise.weight" in err and "cannot be told apart" in err, err

@@ -230,8 +230,15 @@ def test_one_mask_serves_every_layer_of_a_forward():
         assert torch.equal(model(tokens, documents), logits) and seen == [torch.float32]
     finally:
         DenseDocuments.with_bias = bool_mask
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        shared = documents.with_bias(torch.bfloat16)
-        assert shared.bias.dtype == torch.bfloat16 and shared.attention_mask(torch.bfloat16) is shared.bias
-        assert shared.attention_mask(torch.float32).dtype == torch.bool  # another dtype: the boolean mask
-        assert torch.equal(model(tokens, documents), model(tokens, shared))
+    shared = documents.with_bias(torch.bfloat16)
+    assert shared.bias.dtype == torch.bfloat16 and shared.attention_mask(torch.bfloat16) is shared.bias
+    assert shared.attention_mask(torch.float32).dtype == torch.bool  # another dtype: the boolean mask
+    masks = []
+    attention_mask = DenseDocuments.attention_mask
+    try:
+        DenseDocuments.attention_mask = lambda self, dtype: masks.append(attention_mask(self, dtype)) or masks[-1]
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the queries are bf16: every layer takes the bf16 bias
+            model(tokens, documents)
+    finally:
+        DenseDocuments.attention_mask = attention_mask
+    assert len(masks) == 3 and all(m.dtype == torch.bfloat16 and m is masks[0] for m in masks)

@@ -100,15 +100,22 @@ class PackedShardsDataset(IterableDataset):
         self._packers = None
 
     # ----- iteration -----------------------------------------------------------------------------
+    def _prepare(self, doc) -> Any:
+        """A source document as the stream's tokens, or None when it is too short to keep."""
+        tokens = document_tokens(encode_array(self.tokenizer, doc) if isinstance(doc, str) else doc,
+                                 self.bos_id, self.tokenizer.eos_id)
+        return tokens if len(tokens) >= self.min_document_tokens else None
+
     def _open_documents(self, shard: int):
         def open_documents(epoch: int, cursor: Any):
-            for doc, cursor_after in self.source.documents(
-                shard, self.logical_shards, self.split, self.seed, epoch, cursor
-            ):
-                tokens = document_tokens(encode_array(self.tokenizer, doc) if isinstance(doc, str) else doc,
-                                         self.bos_id, self.tokenizer.eos_id)
+            args = (shard, self.logical_shards, self.split, self.seed, epoch, cursor)
+            if getattr(self.source, "prepares_documents", False):  # it skips and counts kept documents itself
+                yield from self.source.documents(*args, prepare=self._prepare)
+                return
+            for doc, cursor_after in self.source.documents(*args):
+                tokens = self._prepare(doc)
                 # A skipped document is read again on resume (cursors count source documents) and skipped again.
-                if len(tokens) >= self.min_document_tokens:
+                if tokens is not None:
                     yield tokens, cursor_after
 
         return open_documents

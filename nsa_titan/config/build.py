@@ -127,7 +127,14 @@ class RecipeBuilder:
         if not isinstance(raw, dict):
             self.problem(path, raw, "must hold named tables", f"write each as [{path}.NAME] with its fields under it")
             return {}
-        return {name: self.build(entry, value, _join(path, name)) for name, value in raw.items()}
+        built = {}
+        for name, value in raw.items():
+            if isinstance(value, dict):
+                built[name] = self.build(entry, value, _join(path, name))
+            else:  # one problem, not one per required field of an empty table
+                self.problem(_join(path, name), value, "must be a table",
+                             f"write it as [{_join(path, name)}] with its fields under it")
+        return built
 
     def _unused_when_switched_off(self, fld: dataclasses.Field, values: dict, table: dict, path: str) -> Any:
         """A field used only while a sibling has a given value (metadata used_when = (sibling, value)),
@@ -153,6 +160,10 @@ class RecipeBuilder:
         if fld.metadata.get("placement") == "inline":
             args_cls = part.args if part else None
             arg_names = {f.name for f in dataclasses.fields(args_cls)} if args_cls else set()
+            for clash in sorted(arg_names & known):
+                self.problem(_join(path, clash), None, f"{kind} {chosen!r} has an argument named like a field of "
+                             f"[{path}] beside it, so the two cannot be told apart",
+                             f"rename that argument of {kind} {chosen!r}")
             known.update(arg_names)
             if part is None:
                 known.update(k for k in table if k not in known)  # nothing more to say about them

@@ -58,7 +58,8 @@ def _describe(cls: type, path: str, lines: list[str], within: tuple[type, ...] =
         if "choices" in meta:
             extra = f" (one of: {', '.join(map(str, choices_of(meta)))})"
         elif "component" in meta:
-            extra = f" (registered: {', '.join(registry.available(meta['component']))})"
+            offered = [n for n in registry.available(meta["component"]) if n not in meta.get("exclude", ())]
+            extra = f" (registered: {', '.join(offered)})"
         default = default_of(fld)
         shown = toml_value(default) if default is not dataclasses.MISSING else "required"
         lines.append(f"  --{full}: {type_name(tp)} = {shown}  {doc_of(fld)}{extra}")

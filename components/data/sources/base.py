@@ -12,6 +12,9 @@ A source is a picklable object with:
     (tokenized by the loader) or an int64 array of token ids. `cursor` is None at the start of the
     epoch, or a cursor_after returned earlier: iteration then continues right after that document.
     Cursors are small (ints or lists of ints) and go into checkpoints.
+  - optionally `prepares_documents = True`: documents() then also takes `prepare`, the loader's
+    document -> token array (None: skip it), and yields only prepared, kept documents (a mixture
+    does, to weigh the documents kept).
 
 Logical shards partition the corpus: each document belongs to exactly one shard, and the set of
 documents of a shard is the same in every epoch (only their order changes, seeded by seed, shard

@@ -3,11 +3,15 @@
 Each logical shard of the mixture is the same logical shard of every source, interleaved: the k-th
 document of a shard comes from source i with probability weight_i / sum(weights), drawn from a
 stable hash of (seed, shard, epoch, k), so the choice needs no state beyond k. The proportions hold
-by documents (not tokens). A source that runs out of documents starts its next epoch on its own (a
-small source is repeated, a large one is not exhausted); one whose shard holds no documents at all
-drops out of that shard. The mixture's cursor is k and every source's (epoch, cursor): a resumed run
-continues each source where it stopped. Weights are not part of the stream's identity, so they may
-change on resume: the new weights apply from the next document on.
+for the documents the loader keeps (by documents, not tokens): a document it skips
+(data.min_document_tokens) is replaced by the next one of the same source. A source that runs out
+starts its next epoch on its own (a small source repeats, a large one is not exhausted); one whose
+shard keeps no document in a whole epoch drops out of that shard. Validation mixes the sources
+that hold a validation split.
+
+The cursor is k and every source's (epoch, cursor): a resumed run continues each source where it
+stopped. Weights are not part of the stream's identity, so they may change on resume: the new
+weights apply from the next document on. Sources are ordered by name, not by the recipe's tables.
 
 The sources are built by a `build_source(name, args)` the engine provides (so plugin sources mix too).
 """
@@ -47,19 +51,16 @@ class MixtureArgs:
     )
 
     def check(self) -> list[Problem]:
-        found = []
         if len(self.sources) < 2:
-            found.append(problem("sources", sorted(self.sources), "a mixture needs at least two sources",
-                                 "add tables [data.mixture.sources.NAME] with weight and source, or choose "
-                                 "the one source as data.source"))
-        for name, entry in self.sources.items():
-            if entry.source == MIXTURE:
-                found.append(problem(f"sources.{name}.source", MIXTURE, "a mixture cannot hold a mixture",
-                                     "list the inner mixture's sources here, with their weights multiplied"))
-        return found
+            return [problem("sources", sorted(self.sources), "a mixture needs at least two sources",
+                            "add tables [data.mixture.sources.NAME] with weight and source, or choose the one "
+                            "source as data.source")]
+        return []
 
 
 class MixtureSource:
+    prepares_documents = True  # documents() takes the loader's `prepare`: the weights count kept documents
+
     def __init__(self, names: list[str], weights: list[float], sources: list):
         self.names, self.weights, self.sources = names, weights, sources
 
@@ -86,10 +87,13 @@ class MixtureSource:
         parts = ",".join(f"{n}={s.fingerprint()}" for n, s in zip(self.names, self.sources))
         return f"mixture({digest(parts)}:{','.join(self.names)})"
 
-    def documents(self, shard: int, num_shards: int, split: str, seed: int, epoch: int,
-                  cursor: Any) -> Iterator[tuple[Any, Any]]:
-        # cursor: [k, [[epoch, cursor, alive] per source]]
-        k, states = cursor if cursor is not None else (0, [[0, None, self._has(i, split)]
+    def documents(self, shard: int, num_shards: int, split: str, seed: int, epoch: int, cursor: Any,
+                  prepare: Callable[[Any], Any] = lambda document: document) -> Iterator[tuple[Any, Any]]:
+        """The shard's mixed stream: prepare(document) of each source document, skipping those it
+        returns None for (the loader's tokenization and length filter), so the weights hold for the
+        documents kept and a source whose shard keeps none drops out of it."""
+        # cursor: [k, per source [epoch, cursor, alive, kept a document this epoch]]
+        k, states = cursor if cursor is not None else (0, [[0, None, self._has(i, split), False]
                                                           for i in range(len(self.sources))])
         states = [list(s) for s in states]
         readers: dict[int, Iterator] = {}
@@ -97,6 +101,8 @@ class MixtureSource:
             alive = [i for i, s in enumerate(states) if s[2]]
             if not alive:
                 return
+            # Until a document is kept, the k-th draw is the same: a skipped document is replaced by
+            # the next one of the same source.
             i = self._choose(alive, unit_hash(f"mixture/{seed}/{shard}/{epoch}/{k}"))
             state = states[i]
             if i not in readers:
@@ -104,14 +110,18 @@ class MixtureSource:
             item = next(readers[i], None)
             if item is None:
                 del readers[i]
-                if state[1] is None:  # a whole epoch without one document: this shard of it is empty
+                if state[3]:  # the epoch kept a document: on to the next
+                    state[0], state[1], state[3] = state[0] + 1, None, False
+                else:  # a whole epoch without one kept document: this shard of the source holds none
                     state[2] = False
-                else:
-                    state[0], state[1] = state[0] + 1, None
-                continue  # the same k draws again among the sources left
+                continue
             document, state[1] = item
+            prepared = prepare(document)
+            if prepared is None:
+                continue
+            state[3] = True
             k += 1
-            yield document, [k, [list(s) for s in states]]
+            yield prepared, [k, [list(s) for s in states]]
 
     def _choose(self, alive: list[int], u: float) -> int:
         total = sum(self.weights[i] for i in alive)
@@ -125,6 +135,6 @@ class MixtureSource:
 
 def build_mixture_source(args: MixtureArgs, build_source: Callable[[str, Any], Any]) -> MixtureSource:
     raise_problems("data source mixture", args.check())
-    names = list(args.sources)
+    names = sorted(args.sources)  # the tables' order (which extends may change) is not the stream's
     entries = [args.sources[n] for n in names]
     return MixtureSource(names, [e.weight for e in entries], [build_source(e.source, e.args) for e in entries])
