@@ -32,13 +32,25 @@ class Counting:
             yield f"{self.name}/{split}/{shard}/{epoch}/{j}", j + 1 if self.cursors else None
 
 
+class Texts(Counting):
+    """Text documents of `length` characters."""
+
+    def __init__(self, name, length, count=40):
+        super().__init__(name, {s: count for s in range(4)})
+        self.length = length
+
+    def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        for doc, after in super().documents(shard, num_shards, split, seed, epoch, cursor):
+            yield (doc + " " * self.length)[: self.length], after
+
+
 def take(source, n, shard=0, split="train", cursor=None, epoch=0, **prepare):
     return list(itertools.islice(source.documents(shard, 4, split, 7, epoch, cursor, **prepare), n))
 
 
-def mixture(weights=(3.0, 1.0), sizes=(50, 20), **kw):
+def mixture(weights=(3.0, 1.0), sizes=(50, 20), by="documents", **kw):
     names = ["web", "code"][: len(weights)]
-    return MixtureSource(names, list(weights), [Counting(n, {0: s, 1: s}, **kw) for n, s in zip(names, sizes)])
+    return MixtureSource(names, list(weights), [Counting(n, {0: s, 1: s}, **kw) for n, s in zip(names, sizes)], by)
 
 
 def test_documents_come_in_the_weights_proportions_and_each_source_in_its_own_order():
@@ -52,8 +64,26 @@ def test_documents_come_in_the_weights_proportions_and_each_source_in_its_own_or
     assert docs != [d for d, _ in take(mixture(), 4000, shard=1)][:4000]  # shards draw differently
 
 
-def test_a_cursor_resumes_exactly():
-    source = mixture()
+def test_token_shares_follow_the_weights_within_one_document():
+    """by = "tokens": long and short documents, weights 1 : 2 -> tokens 1 : 2, at every point of the stream."""
+    source = MixtureSource(["long", "short"], [1.0, 2.0], [Texts("long", 100), Texts("short", 7)], "tokens")
+    tokens = {"long": 0, "short": 0}
+    for doc, _ in take(source, 3000):
+        tokens[doc.split("/")[0]] += len(doc)
+        assert abs(tokens["long"] - tokens["short"] / 2) <= 100
+    assert tokens["long"] > 10_000
+    # New weights count afresh from the resume: no burst of one source to make up the past.
+    cursor = take(source, 3000)[-1][1]
+    resumed = MixtureSource(["long", "short"], [1.0, 1.0], [Texts("long", 100), Texts("short", 7)], "tokens")
+    after = {"long": 0, "short": 0}
+    for doc, _ in take(resumed, 300, cursor=cursor):
+        after[doc.split("/")[0]] += len(doc)
+        assert abs(after["long"] - after["short"]) <= 100
+
+
+@pytest.mark.parametrize("by", ["documents", "tokens"])
+def test_a_cursor_resumes_exactly(by):
+    source = mixture(by=by)
     run = take(source, 300)
     for stop in (0, 1, 49, 137, 299):
         resumed = take(source, 300 - stop - 1, cursor=run[stop][1])
@@ -76,14 +106,16 @@ def test_new_weights_on_resume_continue_every_source_where_it_stopped():
 
 
 def test_an_empty_shard_of_one_source_drops_it_there_and_all_empty_ends_the_stream():
-    source = MixtureSource(["web", "code"], [1.0, 1.0], [Counting("web", {0: 5}), Counting("code", {0: 3, 1: 4})])
+    source = MixtureSource(["web", "code"], [1.0, 1.0], [Counting("web", {0: 5}), Counting("code", {0: 3, 1: 4})],
+                           "documents")
     on_one = [d for d, _ in take(source, 50, shard=1)]
     assert len(on_one) == 50 and all(d.startswith("code") for d in on_one)
     assert take(source, 10, shard=2) == []  # the shard is empty in every source: the packer sees an empty epoch
 
 
 def test_a_source_without_cursors_goes_on_epoch_after_epoch():
-    source = MixtureSource(["a", "b"], [1.0, 1.0], [Counting("a", {0: 3}, cursors=False), Counting("b", {0: 3})])
+    source = MixtureSource(["a", "b"], [1.0, 1.0], [Counting("a", {0: 3}, cursors=False), Counting("b", {0: 3})],
+                           "documents")
     docs = [d for d, _ in take(source, 200)]
     a = [d for d in docs if d.startswith("a")]
     assert 70 < len(a) < 130 and a[-1].split("/")[3] == str((len(a) - 1) // 3)
@@ -113,7 +145,7 @@ def test_the_order_of_the_tables_is_not_the_streams():
 
 def test_validation_mixes_the_sources_that_hold_validation():
     source = MixtureSource(["web", "code"], [1.0, 1.0], [Counting("web", {0: 5}),
-                                                         Counting("code", {0: 5}, validation=False)])
+                                                         Counting("code", {0: 5}, validation=False)], "documents")
     assert source.has_split("validation")
     assert {d.split("/")[0] for d, _ in take(source, 20, split="validation")} == {"web"}
     assert not MixtureSource(["a"], [1.0], [Counting("a", {0: 1}, validation=False)]).has_split("validation")
@@ -200,18 +232,6 @@ def test_a_mixed_run_resumes_to_the_bit(tmp_path):
     second = train([*argv, f"--job.dump_folder={cut}"])
     assert second.returncode == 0, second.stderr[-3000:]
     assert losses(cut) == losses(whole)
-
-
-class Texts(Counting):
-    """Text documents of `length` characters."""
-
-    def __init__(self, name, length, count=40):
-        super().__init__(name, {s: count for s in range(4)})
-        self.length = length
-
-    def documents(self, shard, num_shards, split, seed, epoch, cursor):
-        for doc, after in super().documents(shard, num_shards, split, seed, epoch, cursor):
-            yield (doc + " " * self.length)[: self.length], after
 
 
 def test_the_loader_skips_short_documents_before_the_weights_count(tmp_path):

@@ -1,17 +1,21 @@
 """A weighted mixture of document sources, e.g. web text with code.
 
-Each logical shard of the mixture is the same logical shard of every source, interleaved: the k-th
-document of a shard comes from source i with probability weight_i / sum(weights), drawn from a
-stable hash of (seed, shard, epoch, k), so the choice needs no state beyond k. The proportions hold
-for the documents the loader keeps (by documents, not tokens): a document it skips
-(data.min_document_tokens) is replaced by the next one of the same source. A source that runs out
-starts its next epoch on its own (a small source repeats, a large one is not exhausted); one whose
-shard keeps no document in a whole epoch drops out of that shard. Validation mixes the sources
-that hold a validation split.
+Each logical shard of the mixture is the same logical shard of every source, interleaved. The
+weights share out either
+  - tokens (by = "tokens"): the next document comes from the source whose tokens so far, over its
+    weight, are the fewest (ties: the first name), so each source's share of the tokens stays within
+    one document of its weight's share; or
+  - documents (by = "documents"): the k-th document comes from source i with probability
+    weight_i / sum(weights), drawn from a stable hash of (seed, shard, epoch, k).
+Both count the documents the loader keeps: one it skips (data.min_document_tokens) is replaced by
+the next one of the same source. A source that runs out starts its next epoch on its own (a small
+source repeats, a large one is not exhausted); one whose shard keeps no document in a whole epoch
+drops out of that shard. Validation mixes the sources that hold a validation split.
 
-The cursor is k and every source's (epoch, cursor): a resumed run continues each source where it
-stopped. Weights are not part of the stream's identity, so they may change on resume: the new
-weights apply from the next document on. Sources are ordered by name, not by the recipe's tables.
+The cursor holds k, every source's (epoch, cursor) and token count, and the weights: a resumed run
+continues each source where it stopped. Weights are not part of the stream's identity, so they may
+change on resume: they apply from the next document on, and the token shares count afresh. Sources
+are ordered by name, not by the recipe's tables.
 
 The sources are built by a `build_source(name, args)` the engine provides (so plugin sources mix too).
 """
@@ -49,6 +53,10 @@ class MixtureArgs:
         metadata={"doc": "the mixed sources by name, e.g. [data.mixture.sources.web] weight = 0.7, "
                          "source = \"text_files\", paths = [...]"},
     )
+    by: str = field(default="tokens", metadata={
+        "doc": "what the weights share out: tokens (the next document comes from the source furthest below "
+               "its share of the tokens so far) or documents (drawn at random by weight)",
+        "choices": ("tokens", "documents")})
 
     def check(self) -> list[Problem]:
         if len(self.sources) < 2:
@@ -61,8 +69,8 @@ class MixtureArgs:
 class MixtureSource:
     prepares_documents = True  # documents() takes the loader's `prepare`: the weights count kept documents
 
-    def __init__(self, names: list[str], weights: list[float], sources: list):
-        self.names, self.weights, self.sources = names, weights, sources
+    def __init__(self, names: list[str], weights: list[float], sources: list, by: str = "tokens"):
+        self.names, self.weights, self.sources, self.by = names, weights, sources, by
 
     def check(self) -> None:
         for source in self.sources:
@@ -92,18 +100,24 @@ class MixtureSource:
         """The shard's mixed stream: prepare(document) of each source document, skipping those it
         returns None for (the loader's tokenization and length filter), so the weights hold for the
         documents kept and a source whose shard keeps none drops out of it."""
-        # cursor: [k, per source [epoch, cursor, alive, kept a document this epoch]]
-        k, states = cursor if cursor is not None else (0, [[0, None, self._has(i, split), False]
-                                                          for i in range(len(self.sources))])
+        # cursor: [k, per source [epoch, cursor, alive, kept a document this epoch, tokens kept], weights]
+        k, states, weights = cursor if cursor is not None else (
+            0, [[0, None, self._has(i, split), False, 0] for i in range(len(self.sources))], self.weights)
         states = [list(s) for s in states]
+        if list(weights) != list(self.weights):  # new weights: their token shares count from here
+            for state in states:
+                state[4] = 0
         readers: dict[int, Iterator] = {}
         while True:
             alive = [i for i, s in enumerate(states) if s[2]]
             if not alive:
                 return
-            # Until a document is kept, the k-th draw is the same: a skipped document is replaced by
-            # the next one of the same source.
-            i = self._choose(alive, unit_hash(f"mixture/{seed}/{shard}/{epoch}/{k}"))
+            # Until a document is kept, the choice is the same: a skipped document is replaced by the
+            # next one of the same source.
+            if self.by == "tokens":
+                i = min(alive, key=lambda j: states[j][4] / self.weights[j])
+            else:
+                i = self._choose(alive, unit_hash(f"mixture/{seed}/{shard}/{epoch}/{k}"))
             state = states[i]
             if i not in readers:
                 readers[i] = iter(self.sources[i].documents(shard, num_shards, split, seed, state[0], state[1]))
@@ -120,8 +134,9 @@ class MixtureSource:
             if prepared is None:
                 continue
             state[3] = True
+            state[4] += len(prepared)
             k += 1
-            yield prepared, [k, [list(s) for s in states]]
+            yield prepared, [k, [list(s) for s in states], list(self.weights)]
 
     def _choose(self, alive: list[int], u: float) -> int:
         total = sum(self.weights[i] for i in alive)
@@ -137,4 +152,5 @@ def build_mixture_source(args: MixtureArgs, build_source: Callable[[str, Any], A
     raise_problems("data source mixture", args.check())
     names = sorted(args.sources)  # the tables' order (which extends may change) is not the stream's
     entries = [args.sources[n] for n in names]
-    return MixtureSource(names, [e.weight for e in entries], [build_source(e.source, e.args) for e in entries])
+    return MixtureSource(names, [e.weight for e in entries], [build_source(e.source, e.args) for e in entries],
+                         args.by)
