@@ -1,4 +1,5 @@
-"""The run folder: the resolved recipe and its hash, written before anything trains."""
+"""The run folder: created first; the resolved recipe and its hash, written once the run is known to start
+(a run refused at start-up, say a resume that does not fit, leaves the folder's records as they were)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from components.errors import UserError
 RECIPE_FILE = "recipe.toml"
 
 
-def prepare_run_folder(folder: str, resolved) -> str:
-    """Create the folder and write the resolved recipe; an earlier run's different recipe is kept aside."""
+def create_run_folder(folder: str) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create job.dump_folder {folder!r}: {exc.strerror}. Fix: choose a writable folder "
                         f"with --job.dump_folder=PATH.") from None
+
+
+def write_run_recipe(folder: str, resolved) -> str:
+    """Write the resolved recipe; an earlier run's different recipe is kept aside."""
     path = os.path.join(folder, RECIPE_FILE)
     header = f"# resolved recipe, hash {resolved.hash}\n"
     if os.path.exists(path):

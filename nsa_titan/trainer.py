@@ -40,7 +40,7 @@ from nsa_titan.parallel.compile import compile_blocks, compile_counters
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
-from nsa_titan.run_folder import prepare_run_folder
+from nsa_titan.run_folder import create_run_folder, write_run_recipe
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 
@@ -107,9 +107,7 @@ class Trainer:
         self.local_tokens_per_step = self.tokens_per_step // runtime.world_size
 
         if runtime.is_main:
-            prepare_run_folder(dump, resolved)
-            write_manifest(dump, recipe_toml=resolved.toml, recipe_hash=resolved.hash, argv=sys.argv,
-                           world_size=runtime.world_size, device=runtime.device)
+            create_run_folder(dump)
         self.stacks_path = os.path.join(dump, "stacks", f"rank-{runtime.rank}.txt")
         install_sigusr1(self.stacks_path)
         self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0)
@@ -152,6 +150,10 @@ class Trainer:
         if recipe.validation.enable:
             self._check_validation_data()
         self._restore()
+        if runtime.is_main:  # the run starts: record what it is (a run refused above leaves the records alone)
+            write_run_recipe(dump, resolved)
+            write_manifest(dump, recipe_toml=resolved.toml, recipe_hash=resolved.hash, argv=sys.argv,
+                           world_size=runtime.world_size, device=runtime.device)
         self.stop = GracefulStop(dump)
         self._stop_agreed = False
         self.metrics = MetricsLog(os.path.join(dump, "metrics.jsonl")) if runtime.is_main else None

@@ -62,3 +62,24 @@ def test_git_missing_is_not_an_error(tmp_path, monkeypatch):
                           device=torch.device("cpu"))
     with open(path, encoding="utf-8") as fh:
         assert json.load(fh)["git"]["commit"] == "unknown"
+
+
+def test_a_refused_resume_leaves_the_runs_records_and_a_resume_keeps_the_old_manifest(tmp_path):
+    """The recipe and manifest are written once the run starts: a resume refused at start-up (another
+    model) changes neither; a resume that starts keeps the manifest before it in manifests/."""
+    from nsa_titan import cli
+    from tests.launch import DEBUG, TINY
+
+    argv = ["train", DEBUG, *TINY, "--training.steps=2", "--checkpoint.enable=true", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(argv) == 0
+    records = {name: (tmp_path / name).read_text() for name in ("manifest.json", "recipe.toml")}
+    assert cli.main([*argv, "--training.steps=3", "--model.dim=64"]) == 2
+    assert {name: (tmp_path / name).read_text() for name in records} == records
+    assert not (tmp_path / "manifests").exists()
+
+    assert cli.main([*argv, "--training.steps=3"]) == 0
+    kept = list((tmp_path / "manifests").iterdir())
+    assert [p.read_text() for p in kept] == [records["manifest.json"]]
+    started = [json.loads(text)["start_unix_time"] for text in (records["manifest.json"],
+                                                                 (tmp_path / "manifest.json").read_text())]
+    assert started[1] > started[0]

@@ -70,9 +70,25 @@ def accelerator_info() -> dict:
     return info
 
 
+def _keep_previous(path: str) -> None:
+    """A resumed run's manifest replaces the one before it: keep that one in manifests/, named by its start."""
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as fh:
+            started = float(json.load(fh)["start_unix_time"])
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable: name it by its file's time
+        started = os.path.getmtime(path)
+    folder = os.path.join(os.path.dirname(path), "manifests")
+    os.makedirs(folder, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    os.replace(path, os.path.join(folder, f"manifest-{stamp}-{int(started * 1000) % 1000:03d}.json"))
+
+
 def write_manifest(folder: str, *, recipe_toml: str, recipe_hash: str, argv: list[str], world_size: int,
                    device: torch.device) -> str:
-    """Write {folder}/manifest.json (atomically) and return its path. Call on rank 0 at start-up.
+    """Write {folder}/manifest.json (atomically) and return its path; an earlier one moves into
+    {folder}/manifests/. Call on rank 0 once the run is known to start.
 
     argv: the full command line (sys.argv); device: this process's training device.
     """
@@ -95,6 +111,7 @@ def write_manifest(folder: str, *, recipe_toml: str, recipe_hash: str, argv: lis
     }
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, MANIFEST_FILE)
+    _keep_previous(path)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(manifest, fh, indent=2)
