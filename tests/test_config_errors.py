@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from nsa_titan import cli
+from nsa_titan.config import resolve
 from tests.conftest import REPO_ROOT
 
 BASE = """
@@ -91,6 +92,8 @@ CASES = [
     ("infinite lr flag", "", ["--optimizer.lr=inf"], ["flag '--optimizer.lr=inf'", "finite number, got inf"]),
     ("negative infinity flag", "", ["--training.max_norm=-inf"], ["training.max_norm", "finite number, got -inf"]),
     ("nan in a list", "", ["--optimizer.betas=0.9,nan"], ["optimizer.betas", "finite number, got nan"]),
+    ("no betas", "", ["--optimizer.betas="], ["optimizer.betas", "must be two numbers"]),
+    ("no betas in a file", "[optimizer]\nbetas = []\n", [], ["optimizer.betas", "must be two numbers"]),
     ("min lr factor above one", "[lr_scheduler]\nmin_lr_factor = 1.5\n", [], ["lr_scheduler.min_lr_factor", "at most 1.0"]),
     ("min lr with constant", "[lr_scheduler]\ndecay_type = \"constant\"\nmin_lr_factor = 0.2\n", [],
      ["lr_scheduler.min_lr_factor", "no effect"]),
@@ -186,9 +189,18 @@ def test_invalid_toml(tmp_path, capsys):
     assert code == 2 and "is not valid TOML" in err and "broken.toml" in err
 
 
+def test_a_flag_given_twice_takes_the_last_and_says_so():
+    resolved = resolve(["--training.steps=3", "--training.steps", "5"])
+    assert resolved.recipe.training.steps == 5
+    assert resolved.notes == ("training.steps is set twice on the command line: '--training.steps 5' replaces "
+                              "'--training.steps=3'",)
+
+
 def test_missing_recipe_file(tmp_path, capsys):
     code, err = run_cli(capsys, [str(tmp_path / "nope.toml")])
     assert code == 2 and "file not found" in err and "nope.toml" in err
+    code, err = run_cli(capsys, [str(tmp_path)])
+    assert code == 2 and "is a folder, not a recipe file" in err
 
 
 def test_extends_missing_file(tmp_path, capsys):

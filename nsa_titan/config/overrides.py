@@ -6,7 +6,7 @@ serves ints, floats (3e-4), booleans (true / false), comma-separated lists and c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nsa_titan.config.errors import Problem
 
@@ -22,12 +22,15 @@ class CommandLine:
     recipe: str | None
     overrides: list[tuple[str, str, CliText]]  # (flag as typed, dotted key, value)
     actions: set[str]
+    notes: list[str] = field(default_factory=list)  # worth telling the user (a field set twice)
 
 
 def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
     recipe: str | None = None
     overrides: list[tuple[str, str, CliText]] = []
     actions: set[str] = set()
+    flag_of: dict[str, str] = {}  # field -> the flag that set it
+    notes: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -62,8 +65,11 @@ def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
             problems.append(Problem(f"flag {arg!r}", key, None, "is not a field path",
                                     "name a field as section.field, e.g. --training.steps=20"))
             continue
+        if key in flag_of:  # the last one wins, as a wrapper script appending flags expects; say so
+            notes.append(f"{key} is set twice on the command line: {flag!r} replaces {flag_of[key]!r}")
+        flag_of[key] = flag
         overrides.append((flag, key, CliText(value)))
-    return CommandLine(recipe, overrides, actions)
+    return CommandLine(recipe, overrides, actions, notes)
 
 
 def apply_overrides(table: dict, origin: dict[str, str], overrides: list[tuple[str, str, CliText]],

@@ -68,7 +68,7 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
         raise RecipeError(problems)
     text = dumps(recipe_to_table(recipe))
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    return ResolvedRecipe(recipe, text, digest, path, cmd, tuple(builder.notes))
+    return ResolvedRecipe(recipe, text, digest, path, cmd, tuple(cmd.notes + builder.notes))
 
 
 def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]) -> None:

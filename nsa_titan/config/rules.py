@@ -112,8 +112,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add("training.seq_len", t.seq_len, f"exceeds the model's max_seq_len = {max_len}",
             f"lower training.seq_len or raise model.max_seq_len to at least {t.seq_len}")
 
-    if recipe.optimizer.betas and (len(recipe.optimizer.betas) != 2 or
-                                   not all(0.0 <= b < 1.0 for b in recipe.optimizer.betas)):
+    if len(recipe.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in recipe.optimizer.betas):
         add("optimizer.betas", recipe.optimizer.betas, "must be two numbers in [0, 1)", "write betas = [0.9, 0.95]")
     if recipe.checkpoint.keep_latest_k == 1:
         add("checkpoint.keep_latest_k", 1, "keeping one checkpoint loses it while the next one is written",

@@ -61,7 +61,8 @@ def shown_path(path: str) -> str:
 
 def read_toml(path: str, problems: list[Problem], where: str) -> dict | None:
     if not os.path.isfile(path):
-        problems.append(Problem(where, "recipe", path, "file not found",
+        why = "is a folder, not a recipe file" if os.path.isdir(path) else "file not found"
+        problems.append(Problem(where, "recipe", path, why,
                                 "check the path; recipes live in recipes/ (e.g. recipes/debug.toml)"))
         return None
     try:

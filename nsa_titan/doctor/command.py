@@ -9,7 +9,8 @@ from nsa_titan.doctor.checks import FAIL, OK, WARN, Check
 NEEDS_RECIPE = ("data", "dump folder", "NSA backend", "memory estimate")
 USAGE = ("nsa-titan doctor RECIPE.toml [--section.field=VALUE ...] [--world-size N]\n"
          "  --world-size N   check the recipe for N processes (default: this launch's WORLD_SIZE, else 1)\n"
-         "Prints one line per check (ok / warn / fail); exit 1 when a check fails, 2 on bad input.")
+         "Prints one line per check (ok / warn / fail); exit 1 when a check fails (the recipe's own included),\n"
+         "2 when the command line is wrong (no recipe named, a bad --world-size).")
 
 
 def _pop_world_size(argv: list[str]) -> int | None:
