@@ -10,12 +10,22 @@ from components.errors import UserError
 RECIPE_FILE = "recipe.toml"
 
 
-def create_run_folder(folder: str) -> None:
+def create_run_folder(folder: str, checkpoint_folder: str | None = None) -> None:
+    """The dump folder, and the checkpoint folder inside it when the run saves checkpoints: found
+    unwritable now, not at the first save after hours of training."""
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create job.dump_folder {folder!r}: {exc.strerror}. Fix: choose a writable folder "
                         f"with --job.dump_folder=PATH.") from None
+    if checkpoint_folder is not None:
+        path = os.path.join(folder, checkpoint_folder)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create the checkpoint folder {path!r} (checkpoint.folder = "
+                            f"{checkpoint_folder!r}): {exc.strerror}. Fix: choose a writable folder with "
+                            f"--checkpoint.folder=NAME (inside job.dump_folder, or an absolute path).") from None
 
 
 def write_run_recipe(folder: str, resolved) -> str:

@@ -107,7 +107,7 @@ class Trainer:
         self.local_tokens_per_step = self.tokens_per_step // runtime.world_size
 
         if runtime.is_main:
-            create_run_folder(dump)
+            create_run_folder(dump, recipe.checkpoint.folder if recipe.checkpoint.enable else None)
         self.stacks_path = os.path.join(dump, "stacks", f"rank-{runtime.rank}.txt")
         install_sigusr1(self.stacks_path)
         self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0)

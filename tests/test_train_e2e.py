@@ -214,3 +214,16 @@ def test_garbage_is_collected_on_the_step_schedule(tmp_path, monkeypatch, freq):
         assert enabled == [False] * 4 and collections == [1] * (1 + 4 // freq)  # the clean start, then steps 2 and 4
     else:
         assert enabled == [True] * 4 and collections == []
+
+
+def test_folders_that_cannot_be_written_stop_the_run_before_it_trains(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    assert cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={a_file / 'run'}"]) == 2
+    assert "cannot create job.dump_folder" in capsys.readouterr().err
+    run = tmp_path / "run"
+    code = cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={run}", "--checkpoint.enable=true",
+                     f"--checkpoint.folder={a_file / 'ckpt'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot create the checkpoint folder" in err and "Traceback" not in err, err
+    assert not (run / "metrics.jsonl").exists()  # nothing trained: no step to lose
