@@ -14,13 +14,23 @@ def _loader(source, **kw):
     return build_dataloader(source, ByteTokenizer(), seq_len=16, batch_size=2, logical_shards=2, **kw)
 
 
-def test_lone_surrogates_and_invalid_utf8_do_not_stop_the_data(tmp_path):
+def test_invalid_utf8_stops_the_data_naming_the_file_unless_the_recipe_says_replace(tmp_path):
     path = tmp_path / "odd.jsonl"
     with open(path, "wb") as fh:
         fh.write(b'{"text": "a lone \\ud83d surrogate"}\n')
         fh.write(b'{"text": "latin-1 byte \xe9 here"}\n')
         fh.write(b'{"text": "plain text"}\n')
-    source = TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0))
+    strict = TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0))
+    with pytest.raises(UserError, match=r"odd\.jsonl is not UTF-8 text \(byte 59 of the file, line 2.*"
+                                        r"invalid_utf8 = 'replace'"):
+        next(iter(build_dataloader(strict, ByteTokenizer(), seq_len=16, batch_size=2, logical_shards=1)))
+    binary = tmp_path / "noise.txt"
+    binary.write_bytes(bytes(range(128, 256)) * 8)
+    with pytest.raises(UserError, match=r"noise\.txt is not UTF-8 text \(byte 0 of the file"):
+        TextFilesSource(TextFilesArgs(paths=[str(binary)])).check()  # found before training, by doctor too
+
+    source = TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0, invalid_utf8="replace"))
+    assert source.fingerprint() != strict.fingerprint()
     batches = iter(build_dataloader(source, ByteTokenizer(), seq_len=16, batch_size=2, logical_shards=1))
     # With one shard, the targets in order are its token stream (documents in this epoch's order).
     stream = [t for _ in range(4) for row in next(batches)["target"] for t in row.tolist()]

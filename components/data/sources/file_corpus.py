@@ -23,6 +23,7 @@ piece by (seed, shard, epoch, piece). The cursor is [piece position, document po
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import math
@@ -110,8 +111,12 @@ def _line_number(path: str, offset: int) -> int:
 class FileCorpus:
     """Pieces and documents of a list of local files. Picklable; caches metadata per process."""
 
-    def __init__(self, files: list[CorpusFile], text_field: str, validation_fraction: float, what: str):
+    def __init__(self, files: list[CorpusFile], text_field: str, validation_fraction: float, what: str,
+                 invalid_utf8: str = "error", fix: str = ""):
+        """invalid_utf8: "error" stops at bytes that are not UTF-8 (naming the file and the `fix`),
+        "replace" reads them as U+FFFD."""
         self.files = files
+        self.invalid_utf8, self.fix = invalid_utf8, fix
         self.text_field = text_field
         self.validation_fraction = validation_fraction
         self.what = what
@@ -209,9 +214,9 @@ class FileCorpus:
                     return
                 if not line.strip():
                     continue
+                text = self._decode(line, path, offset)
                 try:
-                    # Bytes that are not UTF-8 become U+FFFD, as for whole-file documents.
-                    record = json.loads(line.decode("utf-8", "replace") if isinstance(line, bytes) else line)
+                    record = json.loads(text)
                 except ValueError as e:
                     raise UserError(
                         f"{self.what}: {path} line {_line_number(path, offset)} is not valid JSON ({e}); "
@@ -241,16 +246,31 @@ class FileCorpus:
                 )
         return values
 
+    def _decode(self, data: bytes, path: str, offset: int = 0, final: bool = True) -> str:
+        """UTF-8 text of bytes read from `path` at `offset`, as invalid_utf8 says; final=False: the bytes
+        stop at a read limit, so a character cut there is not an error."""
+        decoder = codecs.getincrementaldecoder("utf-8")("strict" if self.invalid_utf8 == "error" else "replace")
+        try:
+            return decoder.decode(data, final=final)
+        except UnicodeDecodeError as e:
+            raise UserError(f"{self.what}: {path} is not UTF-8 text (byte {offset + e.start} of the file"
+                            f"{f', line {_line_number(path, offset)}' if offset else ''}: {e.reason}). Fix: "
+                            f"convert it to UTF-8 or remove it{self.fix}") from None
+
+    def _read_whole(self, path: str, limit: int = -1) -> str:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read(limit)
+        except OSError as e:
+            raise UserError(f"{self.what}: cannot read {path} ({e}); fix its permissions or remove it") from e
+        return self._decode(data, path, final=not 0 < limit <= len(data))
+
     def read_piece(self, piece: tuple[int, int, int, int], split: str) -> list[str]:
         """The non-empty documents of `split` in one piece, in file order."""
         i, a, b, c = piece
         f = self.files[i]
         if f.kind == "whole":
-            try:
-                with open(f.path, encoding="utf-8", errors="replace") as fh:
-                    text = fh.read()
-            except OSError as e:
-                raise UserError(f"{self.what}: cannot read {f.path} ({e}); fix its permissions or remove it") from e
+            text = self._read_whole(f.path)
             return [text] if text else []
         if f.kind == "jsonl":
             texts = [t for t, _ in self._jsonl_texts(f.path, a, b)]
@@ -279,13 +299,8 @@ class FileCorpus:
             if budget <= 0:
                 return
             if f.kind == "whole":
-                if m[1] > 0:
-                    try:
-                        with open(f.path, encoding="utf-8", errors="replace") as fh:
-                            if fh.read(4096):
-                                return
-                    except OSError as e:
-                        raise UserError(f"{self.what}: cannot read {f.path} ({e}); fix its permissions") from e
+                if m[1] > 0 and self._read_whole(f.path, 4096):
+                    return
                 budget -= 1
             elif f.kind == "jsonl":
                 for text, _ in self._jsonl_texts(f.path, 0, m[1]):

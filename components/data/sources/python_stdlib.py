@@ -52,7 +52,9 @@ class PythonStdlibSource:
                     f"data source python_stdlib: no .py files under {root!r} (this Python ships without its "
                     "standard library sources); use data source text_files instead"
                 )
-            self._corpus = FileCorpus(files, "text", self.args.validation_fraction, "data source python_stdlib")
+            # A few test modules are in other encodings on purpose: their odd bytes read as U+FFFD.
+            self._corpus = FileCorpus(files, "text", self.args.validation_fraction, "data source python_stdlib",
+                                      invalid_utf8="replace")
         return self._corpus
 
     def check(self) -> None:

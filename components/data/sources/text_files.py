@@ -23,6 +23,11 @@ class TextFilesArgs:
         default=0.01,
         metadata={"doc": "share of documents held out for validation (by a stable hash)", "ge": 0.0, "le": 0.5},
     )
+    invalid_utf8: str = field(
+        default="error",
+        metadata={"doc": "bytes that are not UTF-8 in .txt/.jsonl files: error (stop, naming the file) or replace "
+                         "(read them as U+FFFD)", "choices": ("error", "replace")},
+    )
 
     def check(self) -> list[Problem]:
         if not self.paths:
@@ -42,7 +47,9 @@ class TextFilesSource:
         if self._corpus is None:
             files = corpus_files(expand_paths(list(self.args.paths), "data source text_files"))
             self._corpus = FileCorpus(
-                files, self.args.text_field, self.args.validation_fraction, "data source text_files"
+                files, self.args.text_field, self.args.validation_fraction, "data source text_files",
+                self.args.invalid_utf8, " from data.text_files.paths, or set data.text_files.invalid_utf8 = "
+                "'replace' to read such bytes as U+FFFD",
             )
         return self._corpus
 
@@ -52,7 +59,8 @@ class TextFilesSource:
 
     def fingerprint(self) -> str:
         a = self.args
-        return f"text_files({self.corpus().fingerprint()},field={a.text_field},val={a.validation_fraction})"
+        replace = ",utf8=replace" if a.invalid_utf8 == "replace" else ""  # other text: another stream
+        return f"text_files({self.corpus().fingerprint()},field={a.text_field},val={a.validation_fraction}{replace})"
 
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
