@@ -245,102 +245,198 @@ class Checkpointer:
         `reshard_data(old rank states)` must return a loader that continues every old rank's stream.
         """
         path = self.step_dir(step)
+        self._check_marker(step)
         record = self._read_train_state(step)
-        model_dir = os.path.join(path, "model")
-        try:
-            metadata = dcp.FileSystemReader(model_dir).read_metadata()
-        except Exception as exc:  # noqa: BLE001 - any failure to read it means the same to the user
-            raise self._unreadable(step, os.path.join(model_dir, ".metadata"), _reason(exc)) from None
-        truncated = truncated_shards(model_dir, metadata)
-        if truncated:
-            raise self._unreadable(step, *truncated[0]) from None
         tensors = {"model": get_model_state_dict(state.model),
                    "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
-        mismatches = shape_mismatches(tensor_shapes(tensors), metadata)
-        if mismatches:
-            raise self._mismatch(step, mismatches)
-        try:
-            dcp.load(tensors, checkpoint_id=model_dir, no_dist=not dist.is_initialized())
-        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise self._unreadable(step, model_dir, _reason(exc)) from None
+        _read_tensors(os.path.join(path, "model"), tensors, mismatch=lambda found: self._mismatch(step, found),
+                      unreadable=lambda file, why: self._unreadable(step, file, why))
         set_model_state_dict(state.model, tensors["model"])
         set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
         state.lr_scheduler.load_state_dict(record["lr_scheduler"])
         old_world = int(record["world_size"])
         old_cp = int(record.get("context_parallel_degree", 1))  # data rank d was saved by rank d * old_cp
-        if record.get("data_layout") == data_layout:
-            mine = self._read_rank_file(step, self.rank // self.context_parallel * old_cp)
-            state.dataloader.load_state_dict(mine["dataloader"])
-            if self.rank < old_world:
-                _set_rng_state(self._read_rank_file(step, self.rank)["rng"])
-        else:
-            if reshard_data is None:
-                raise UserError(f"checkpoint {path} was written with data layout {record.get('data_layout')} "
-                                f"and this run has {data_layout}; the data cannot continue exactly. Fix: resume "
-                                f"with the original world size and data.num_workers.")
-            old = [self._read_rank_file(step, r * old_cp) for r in range(old_world // old_cp)]
-            state.dataloader = reshard_data([o["dataloader"] for o in old])
-            if self.rank < old_world:
-                _set_rng_state(self._read_rank_file(step, self.rank)["rng"])
-        state.step = int(record["step"])
-        state.tokens_seen = int(record["tokens_seen"])
+        same_layout = record.get("data_layout") == data_layout
+        if not same_layout and reshard_data is None:
+            raise UserError(f"checkpoint {path} was written with data layout {record.get('data_layout')} "
+                            f"and this run has {data_layout}; the data cannot continue exactly. Fix: resume "
+                            f"with the original world size and data.num_workers.")
+        ranks = ([self.rank // self.context_parallel * old_cp] if same_layout
+                 else [r * old_cp for r in range(old_world // old_cp)])
+        saved = [self._read_rank_file(step, r)["dataloader"] for r in ranks]
+        try:
+            if same_layout:
+                state.dataloader.load_state_dict(saved[0])
+            else:
+                state.dataloader = reshard_data(saved)
+        except UserError as exc:  # the loader says what differs; the engine knows how to keep the weights
+            raise UserError(f"{exc}\nTo start the data from the beginning with this checkpoint's weights (and a fresh "
+                            f"optimizer and LR schedule): train in a new --job.dump_folder with "
+                            f"--checkpoint.initial_load_path={path}") from None
+        if self.rank < old_world:
+            _set_rng_state(self._read_rank_file(step, self.rank)["rng"])
+        state.step = record["step"]
+        state.tokens_seen = record["tokens_seen"]
         return record
+
+    def _check_marker(self, step: int, resuming: bool = True) -> None:
+        problem = _marker_problem(self.step_dir(step), step)
+        if problem:
+            raise self._unreadable(step, os.path.join(self.step_dir(step), COMPLETE), problem, resuming)
 
     def _read_train_state(self, step: int) -> dict:
         file = os.path.join(self.step_dir(step), "train_state.json")
         try:
             with open(file, encoding="utf-8") as fh:
                 record = json.load(fh)
-            for key in ("step", "tokens_seen", "lr_scheduler", "world_size"):
-                record[key]  # noqa: B018 - present, or the file is not ours
-            return record
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError) as exc:
             raise self._unreadable(step, file, _reason(exc)) from None
+        # A hand-edited file: wrong types fail deep in the resume, another step resumes the wrong count.
+        problem = _not_ours(record, {"step": int, "tokens_seen": int, "world_size": int, "lr_scheduler": dict})
+        if problem is None and record["step"] != step:
+            problem = f"its step is {record['step']}, not the folder's {step}"
+        if problem:
+            raise self._unreadable(step, file, f"does not hold what a checkpoint writes ({problem})")
+        return record
 
     def _read_rank_file(self, step: int, rank: int) -> dict:
         file = os.path.join(self.step_dir(step), "ranks", f"rank-{rank}.pt")
         try:
-            return torch.load(file, map_location="cpu", weights_only=False)
+            payload = torch.load(file, map_location="cpu", weights_only=False)
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
             raise self._unreadable(step, file, _reason(exc)) from None
+        problem = _not_ours(payload, {"dataloader": dict, "rng": dict})
+        if problem:
+            raise self._unreadable(step, file, f"does not hold what a checkpoint writes ({problem})")
+        return payload
 
-    def _unreadable(self, step: int, file: str, why: str) -> UserError:
-        """A damaged checkpoint: name the file, and the older complete steps one can resume from instead."""
+    def _unreadable(self, step: int, file: str, why: str, resuming: bool = True) -> UserError:
+        """A damaged checkpoint: name the file, and the older complete steps one can use instead
+        (resuming: train's resume; else export or eval, which move nothing)."""
         older = [s for s in complete_steps(self.folder) if s < step]
-        if older:
+        if older and resuming:
             fix = (f"resume from an older complete step ({', '.join(map(str, older))}) with "
                    f"--checkpoint.load_step=N (newer checkpoints are moved aside, not deleted), or restore the file")
-        else:
+        elif older:
+            fix = (f"use an older complete step ({', '.join(map(str, older))}) with --checkpoint.load_step=N, or "
+                   f"restore the file")
+        elif resuming:
             fix = ("restore the file, or start afresh with another --job.dump_folder (no older complete step "
                    "exists to resume from)")
+        else:
+            fix = "restore the file (no older complete step exists)"
         return UserError(f"checkpoint step {step} cannot be read: {file} {why}. Fix: {fix}.")
 
-    def _mismatch(self, step: int, mismatches: list[str]) -> UserError:
+    def _mismatch(self, step: int, mismatches: list[str], resuming: bool = True) -> UserError:
         """A checkpoint of another model or optimizer: name the first differences and the ways on."""
-        shown = "; ".join(mismatches[:3]) + (f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
         run_folder = os.path.dirname(os.path.abspath(self.folder))
         model_fits = not any(m.startswith("model.") for m in mismatches)
         weights = (f" To keep its weights with a new optimizer, start in another --job.dump_folder with "
                    f"--checkpoint.initial_load_path={self.step_dir(step)}." if model_fits else "")
-        return UserError(
-            f"checkpoint {self.step_dir(step)} does not fit this run's "
-            f"{'optimizer' if model_fits else 'model'}: {shown}. Fix: resume with the recipe that wrote it "
-            f"(kept in {run_folder} as recipe.toml, or recipe.<hash>.toml when a later run changed it), or "
-            f"start afresh with another --job.dump_folder.{weights}")
+        recipe = (f"the recipe that wrote it (kept in {run_folder} as recipe.toml, or recipe.<hash>.toml when a "
+                  f"later run changed it)")
+        fix = (f"resume with {recipe}, or start afresh with another --job.dump_folder.{weights}" if resuming
+               else f"use {recipe}.")
+        return UserError(f"checkpoint {self.step_dir(step)} does not fit this run's "
+                         f"{'optimizer' if model_fits else 'model'}: {_first(mismatches)}. Fix: {fix}")
 
     def load_weights_only(self, model: nn.Module, path: str) -> None:
         """checkpoint.initial_load_path: the model weights of a checkpoint folder, nothing else."""
+        if not os.path.exists(path):
+            raise UserError(f"checkpoint.initial_load_path = {path!r} does not exist, so it holds no checkpoint. "
+                            f"Fix: point it at a step-N folder of an earlier run.")
         model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
         if not os.path.isfile(os.path.join(model_dir, ".metadata")):
             raise UserError(f"checkpoint.initial_load_path = {path!r} holds no checkpoint (no .metadata found). "
                             f"Fix: point it at a step-N folder of an earlier run.")
+        step_dir = os.path.dirname(os.path.abspath(model_dir))
+        folder, name = os.path.split(step_dir)
+
+        def unreadable(file: str, why: str) -> UserError:
+            others = [f"step-{s}" for s in complete_steps(folder) if f"step-{s}" != name]
+            where = f"another complete one of that run ({', '.join(others)})" if others else "a complete step-N folder"
+            return UserError(f"checkpoint.initial_load_path = {path!r} cannot be read: {file} {why}. Fix: point it "
+                             f"at {where}, or restore the file.")
+
+        def mismatch(found: list[str]) -> UserError:
+            return UserError(f"checkpoint.initial_load_path = {path!r} does not fit this model: {_first(found)}. Fix: "
+                             f"set the model fields to those of the run that wrote it (its recipe.toml, in "
+                             f"{os.path.dirname(folder)}), or start from a checkpoint of this model.")
+
+        # A step folder this package wrote counts only with its marker, as on resume (no marker: an interrupted save).
+        if model_dir != path or os.path.isfile(os.path.join(step_dir, "train_state.json")):
+            step = STEP_DIR.match(name)
+            problem = _marker_problem(step_dir, int(step.group(1)) if step else None)
+            if problem:
+                raise unreadable(os.path.join(step_dir, COMPLETE), problem)
+
         state = {"model": get_model_state_dict(model)}
-        try:
-            dcp.load(state, checkpoint_id=model_dir, no_dist=not dist.is_initialized())
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise UserError(f"checkpoint.initial_load_path = {path!r} does not fit this model ({exc}). Fix: use a "
-                            f"checkpoint of the same model architecture.") from None
+        _read_tensors(model_dir, state, unreadable=unreadable, mismatch=mismatch)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+
+
+def read_model_weights(folder: str, step: int, state: dict) -> None:
+    """export and eval, on one process: the model tensors of the complete checkpoint `step` in `folder` into
+    state ({"model": model.state_dict()}), with the checks and messages of a resume."""
+    reader = Checkpointer(folder, keep_latest_k=0, async_mode="disabled", rank=0, world_size=1, say=print)
+    reader._check_marker(step, resuming=False)
+    _read_tensors(os.path.join(reader.step_dir(step), "model"), state,
+                  unreadable=lambda file, why: reader._unreadable(step, file, why, resuming=False),
+                  mismatch=lambda found: reader._mismatch(step, found, resuming=False), no_dist=True)
+
+
+def _read_tensors(model_dir: str, tensors: dict, *, unreadable: Callable[[str, str], UserError],
+                  mismatch: Callable[[list[str]], UserError], no_dist: bool | None = None) -> None:
+    """dcp.load into `tensors`, after the checks that turn a damaged checkpoint (unreadable(file, why)) or
+    one of another shape (mismatch(differences)) into a message instead of torch's traceback."""
+    try:
+        metadata = dcp.FileSystemReader(model_dir).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any failure to read it means the same to the user
+        raise unreadable(os.path.join(model_dir, ".metadata"), _reason(exc)) from None
+    truncated = truncated_shards(model_dir, metadata)
+    if truncated:
+        raise unreadable(*truncated[0])
+    mismatches = shape_mismatches(tensor_shapes(tensors), metadata)
+    if mismatches:
+        raise mismatch(mismatches)
+    try:
+        no_dist = not dist.is_initialized() if no_dist is None else no_dist
+        dcp.load(tensors, checkpoint_id=model_dir, no_dist=no_dist)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise unreadable(model_dir, _reason(exc)) from None
+
+
+def _marker_problem(step_dir: str, step: int | None) -> str | None:
+    """What is wrong with a step folder's COMPLETE marker (None: it is the one a save of `step` writes)."""
+    try:
+        with open(os.path.join(step_dir, COMPLETE), encoding="utf-8") as fh:
+            marker = json.load(fh)
+    except FileNotFoundError:
+        return "is missing (the save was interrupted, so the other files may be partial)"
+    except OSError as exc:
+        return _reason(exc)
+    except ValueError:
+        return "does not hold what a checkpoint writes (not JSON)"
+    problem = _not_ours(marker, {"step": int})
+    if problem is None and step is not None and marker["step"] != step:
+        problem = f"its step is {marker['step']}, not the folder's {step}"
+    return f"does not hold what a checkpoint writes ({problem})" if problem else None
+
+
+def _not_ours(record: Any, fields: dict[str, type]) -> str | None:
+    """Why a loaded file is not what a save wrote: not a dict, or a field missing or of another type."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not a dict"
+    for key, kind in fields.items():
+        if key not in record:
+            return f"no {key!r} entry"
+        if not isinstance(record[key], kind) or isinstance(record[key], bool):
+            return f"its {key} is {record[key]!r}, not {'a whole number' if kind is int else 'a ' + kind.__name__}"
+    return None
+
+
+def _first(found: list[str]) -> str:
+    return "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
 
 
 def _reason(exc: BaseException) -> str:

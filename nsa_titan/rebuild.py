@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from components.errors import UserError
 from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import complete_steps
+from nsa_titan.checkpoint import complete_steps, read_model_weights
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import RecipeError
@@ -35,7 +34,7 @@ def load_checkpoint_model(resolved: ResolvedRecipe):
     model.to_empty(device="cpu")
     model.init_weights()  # buffers; every parameter is then overwritten from the checkpoint
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=os.path.join(folder, f"step-{step}", "model"), no_dist=True)
+    read_model_weights(folder, step, state)  # a damaged or mismatched checkpoint gets resume's message
     model.load_state_dict(state["model"], strict=True)
     return model.eval(), tokenizer, step
 

@@ -1,0 +1,144 @@
+"""A damaged or hand-edited checkpoint, met by every command that reads one (train's resume and
+checkpoint.initial_load_path, export, eval): one message naming the file and the way on, exit 2, nothing lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from nsa_titan import cli
+from tests.launch import DEBUG, TINY
+from tests.test_checkpoint import _damage_metadata, _damage_shard
+
+# One layer and checkpoints on, over TINY's values (a field may be given once).
+BASE = [DEBUG, *(f for f in TINY if not f.startswith(("--model.n_layers=", "--checkpoint.enable="))),
+        "--model.n_layers=1", "--checkpoint.enable=true", "--training.local_batch_size=2",
+        "--training.global_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 4-step run with complete checkpoints at steps 2 and 4 (each test damages a copy)."""
+    folder = tmp_path_factory.mktemp("damage") / "run"
+    assert cli.main(["train", *BASE, "--training.steps=4", "--checkpoint.interval=2",
+                     f"--job.dump_folder={folder}"]) == 0
+    return folder
+
+
+@pytest.fixture
+def run(saved, tmp_path, capsys):
+    folder = tmp_path / "run"
+    shutil.copytree(saved, folder)
+    capsys.readouterr()
+    return folder
+
+
+def step_dir(folder, step):
+    return os.path.join(folder, "checkpoint", f"step-{step}")
+
+
+def edit_json(path, name, **changes):
+    file = os.path.join(path, name)
+    with open(file) as fh:
+        record = json.load(fh)
+    with open(file, "w") as fh:
+        json.dump({**record, **changes}, fh)
+
+
+def refused(capsys, code, *words):
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+def listing(folder):
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files)
+
+
+def train(folder, *extra):
+    return cli.main(["train", *BASE, "--training.steps=6", f"--job.dump_folder={folder}", *extra])
+
+
+@pytest.mark.parametrize("damage", [_damage_shard, _damage_metadata], ids=["cut shard", "garbage metadata"])
+def test_initial_load_path_of_a_damaged_step_names_the_file(run, tmp_path, capsys, damage):
+    name = damage(step_dir(run, 4))
+    code = train(tmp_path / "new", f"--checkpoint.initial_load_path={step_dir(run, 4)}")
+    refused(capsys, code, "checkpoint.initial_load_path", "cannot be read", name, "step-2", "Fix:")
+
+
+def test_initial_load_path_into_another_shape_names_the_tensors(run, tmp_path, capsys):
+    code = train(tmp_path / "new", "--model.dim=64", f"--checkpoint.initial_load_path={step_dir(run, 4)}")
+    refused(capsys, code, "does not fit this model", "model.tok_embeddings.weight is [258, 32] in the checkpoint but "
+            "[258, 64] here", "recipe.toml", "Fix:")
+
+
+def test_initial_load_path_missing_or_interrupted(run, tmp_path, capsys):
+    code = train(tmp_path / "new", f"--checkpoint.initial_load_path={tmp_path / 'nowhere'}")
+    refused(capsys, code, "does not exist", "Fix:")
+    os.remove(os.path.join(step_dir(run, 4), "COMPLETE"))
+    code = train(tmp_path / "new", f"--checkpoint.initial_load_path={step_dir(run, 4)}")
+    refused(capsys, code, "COMPLETE", "interrupted", "step-2", "Fix:")
+
+
+@pytest.mark.parametrize("damage", [_damage_shard, _damage_metadata], ids=["cut shard", "garbage metadata"])
+@pytest.mark.parametrize("command", ["export", "eval"])
+def test_export_and_eval_of_a_damaged_newest_step_name_the_older_one(run, tmp_path, capsys, damage, command):
+    name = damage(step_dir(run, 4))
+    before = listing(run)
+    out = ["--output", str(tmp_path / "x.pt")] if command == "export" else ["--out", str(tmp_path / "eval")]
+    code = cli.main([command, *BASE, f"--job.dump_folder={run}", *out])
+    refused(capsys, code, "checkpoint step 4 cannot be read", name, "older complete step (2)", "--checkpoint.load_step")
+    assert listing(run) == before and not os.path.exists(tmp_path / "x.pt")
+
+
+def test_export_into_another_shape_names_the_tensors(run, tmp_path, capsys):
+    code = cli.main(["export", *BASE, "--model.dim=64", f"--job.dump_folder={run}", "--output", str(tmp_path / "x.pt")])
+    refused(capsys, code, "does not fit this run's model", "model.tok_embeddings.weight is [258, 32]", "recipe.toml")
+
+
+def garble_marker(path):
+    with open(os.path.join(path, "COMPLETE"), "w") as fh:
+        fh.write("garbage")
+    return "COMPLETE"
+
+
+def unrelated_rank_file(path):
+    torch.save({"weights": torch.zeros(2)}, os.path.join(path, "ranks", "rank-0.pt"))
+    return "rank-0.pt"
+
+
+@pytest.mark.parametrize("edit", [
+    lambda path: edit_json(path, "train_state.json", step="four") or "train_state.json",
+    lambda path: edit_json(path, "train_state.json", step=40) or "train_state.json",
+    unrelated_rank_file,
+    garble_marker,
+    lambda path: edit_json(path, "COMPLETE", step=40) or "COMPLETE",
+], ids=["step not a number", "step of another folder", "unrelated rank file", "garbage marker",
+        "marker of another step"])
+def test_a_hand_edited_step_is_refused_for_the_older_one(run, capsys, edit):
+    name = edit(step_dir(run, 4))
+    before = listing(run)
+    code = train(run)
+    refused(capsys, code, "checkpoint step 4 cannot be read", name, "does not hold what a checkpoint writes",
+            "older complete step (2)", "--checkpoint.load_step")
+    assert listing(run) == before  # nothing moved aside or deleted
+    code = cli.main(["export", *BASE, f"--job.dump_folder={run}", "--output", str(run / "x.pt")])
+    if name == "COMPLETE":  # export reads the marker and the model only
+        refused(capsys, code, "checkpoint step 4 cannot be read", name)
+    else:
+        assert code == 0
+
+
+def test_another_data_stream_names_the_weights_only_start(run, tmp_path, capsys):
+    code = train(run, "--job.seed=7")  # the seed orders the data: the saved positions belong to another stream
+    refused(capsys, code, "another data stream", f"--checkpoint.initial_load_path={step_dir(run, 4)}",
+            "--job.dump_folder")
+    # The way the message names works.
+    assert train(tmp_path / "new", "--job.seed=7", f"--checkpoint.initial_load_path={step_dir(run, 4)}") == 0
