@@ -4,7 +4,8 @@ A checkpoint is the folder {dump_folder}/{checkpoint.folder}/step-N holding
 - model/: DCP shards of the model and optimizer (they reshard to any world size or layout on load);
 - train_state.json: step, tokens seen, LR schedule, the world size and degrees that wrote it;
 - ranks/rank-R.pt: rank R's dataloader state and RNG states;
-- COMPLETE: written last and atomically, once every other file is on disk. Only folders with it count.
+- COMPLETE: written last and atomically, once every other file is on disk, with each file's size and
+  CRC-32 (checked before a load reads them). Only folders with it count.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from components.errors import UserError
-from nsa_titan.checkpoint_checks import shape_mismatches, tensor_shapes, truncated_shards
+from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mismatches, tensor_shapes,
+                                         truncated_shards)
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -143,8 +145,8 @@ class Checkpointer:
             self._pending = (state.step, future)
         else:
             dcp.save(tensors, checkpoint_id=checkpoint_id, no_dist=no_dist)
-            _barrier()  # every rank's files are on disk before the checkpoint is declared complete
-            self._mark_complete(state.step)
+            # Every rank's files are on disk before the checkpoint is declared complete.
+            self._mark_complete(state.step, _gather(self._own_checksums(state.step)))
 
     def save_in_flight(self) -> bool:
         """Whether this rank's background save is still writing (False when none is pending)."""
@@ -165,8 +167,7 @@ class Checkpointer:
         step, future = self._pending
         self._pending = None
         future.result()
-        _barrier(self._async_group)
-        self._mark_complete(step)
+        self._mark_complete(step, _gather(self._own_checksums(step), self._async_group))
 
     def _save_rank_state(self, state: RunState, path: str) -> None:
         payload = {"dataloader": state.dataloader.state_dict(), "rng": _rng_state(), "rank": self.rank,
@@ -181,10 +182,23 @@ class Checkpointer:
                   "lr_scheduler": state.lr_scheduler.state_dict(), "saved_at": time.time(), **state.extra}
         _write_atomically(os.path.join(path, "train_state.json"), json.dumps(record, indent=1).encode())
 
-    def _mark_complete(self, step: int) -> None:
+    def _own_checksums(self, step: int) -> dict[str, list[int]]:
+        """Size and CRC-32 of the files this rank wrote for `step` (read back while the page cache holds
+        them), so a later load finds a file damaged in place instead of training from it."""
+        path = self.step_dir(step)
+        own = [os.path.join("ranks", f"rank-{self.rank}.pt")]
+        own += [os.path.join("model", name) for name in sorted(os.listdir(os.path.join(path, "model")))
+                if name.startswith(f"__{self.rank}_") and name.endswith(".distcp")]
+        if self.rank == 0:
+            own += ["train_state.json", os.path.join("model", ".metadata")]
+        return {name: file_checksum(os.path.join(path, name)) for name in own}
+
+    def _mark_complete(self, step: int, checksums: list[dict[str, list[int]]]) -> None:
         if self.rank == 0:
             path = self.step_dir(step)
-            _write_atomically(os.path.join(path, COMPLETE), json.dumps({"step": step, "time": time.time()}).encode())
+            files = {name: value for rank_sums in checksums for name, value in rank_sums.items()}
+            _write_atomically(os.path.join(path, COMPLETE),
+                              json.dumps({"step": step, "time": time.time(), "files": files}).encode())
             _fsync_dir(path)
             self.say(f"checkpoint saved: {path}")
             self._retain()
@@ -279,10 +293,14 @@ class Checkpointer:
         state.tokens_seen = record["tokens_seen"]
         return record
 
-    def _check_marker(self, step: int, resuming: bool = True) -> None:
+    def _check_marker(self, step: int, resuming: bool = True, under: str = "") -> None:
+        """The step's COMPLETE marker, then the files it records (those `under` a subfolder, if given)."""
         problem = _marker_problem(self.step_dir(step), step)
         if problem:
             raise self._unreadable(step, os.path.join(self.step_dir(step), COMPLETE), problem, resuming)
+        damaged = _first_changed_file(self.step_dir(step), under)
+        if damaged:
+            raise self._unreadable(step, *damaged, resuming)
 
     def _read_train_state(self, step: int) -> dict:
         file = os.path.join(self.step_dir(step), "train_state.json")
@@ -369,6 +387,9 @@ class Checkpointer:
             problem = _marker_problem(step_dir, int(step.group(1)) if step else None)
             if problem:
                 raise unreadable(os.path.join(step_dir, COMPLETE), problem)
+            damaged = _first_changed_file(step_dir, "model")
+            if damaged:
+                raise unreadable(*damaged)
 
         state = {"model": get_model_state_dict(model)}
         _read_tensors(model_dir, state, unreadable=unreadable, mismatch=mismatch)
@@ -379,7 +400,7 @@ def read_model_weights(folder: str, step: int, state: dict) -> None:
     """export and eval, on one process: the model tensors of the complete checkpoint `step` in `folder` into
     state ({"model": model.state_dict()}), with the checks and messages of a resume."""
     reader = Checkpointer(folder, keep_latest_k=0, async_mode="disabled", rank=0, world_size=1, say=print)
-    reader._check_marker(step, resuming=False)
+    reader._check_marker(step, resuming=False, under="model")
     _read_tensors(os.path.join(reader.step_dir(step), "model"), state,
                   unreadable=lambda file, why: reader._unreadable(step, file, why, resuming=False),
                   mismatch=lambda found: reader._mismatch(step, found, resuming=False), no_dist=True)
@@ -420,7 +441,22 @@ def _marker_problem(step_dir: str, step: int | None) -> str | None:
     problem = _not_ours(marker, {"step": int})
     if problem is None and step is not None and marker["step"] != step:
         problem = f"its step is {marker['step']}, not the folder's {step}"
+    files = marker.get("files", {}) if isinstance(marker, dict) else {}  # checksums (older saves have none)
+    if problem is None and not (isinstance(files, dict) and all(
+            isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v) for v in files.values())):
+        problem = "its files entry is not the sizes and checksums a save records"
     return f"does not hold what a checkpoint writes ({problem})" if problem else None
+
+
+def _first_changed_file(step_dir: str, under: str = "") -> tuple[str, str] | None:
+    """The first file (and what is wrong with it) that differs from the checksums in the step's marker,
+    looking at those `under` a subfolder if given; each rank reads its share of the files."""
+    with open(os.path.join(step_dir, COMPLETE), encoding="utf-8") as fh:
+        files = json.load(fh).get("files", {})
+    names = sorted(n for n in files if not under or n.startswith(under + os.sep))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    found = changed_files(step_dir, {n: files[n] for n in names[rank::world]})
+    return next((f[0] for f in _gather(found[:1]) if f), None)
 
 
 def _not_ours(record: Any, fields: dict[str, type]) -> str | None:
@@ -449,6 +485,15 @@ def _reason(exc: BaseException) -> str:
         return "is missing"
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
     return f"cannot be read ({type(exc).__name__}{': ' + text if text else ''})"
+
+
+def _gather(value: Any, group=None) -> list[Any]:
+    """Every rank's `value`, in rank order (also a barrier: no rank goes on before all have sent)."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
 
 
 def _barrier(group=None) -> None:

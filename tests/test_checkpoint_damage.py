@@ -123,6 +123,13 @@ def unrelated_rank_file(path):
 ], ids=["step not a number", "step of another folder", "unrelated rank file", "garbage marker",
         "marker of another step"])
 def test_a_hand_edited_step_is_refused_for_the_older_one(run, capsys, edit):
+    # As saved before COMPLETE recorded checksums (which would find any of these edits first, see below):
+    # what each file holds is checked too.
+    marker = os.path.join(step_dir(run, 4), "COMPLETE")
+    with open(marker) as fh:
+        record = json.load(fh)
+    with open(marker, "w") as fh:
+        json.dump({k: v for k, v in record.items() if k != "files"}, fh)
     name = edit(step_dir(run, 4))
     before = listing(run)
     code = train(run)
@@ -142,3 +149,33 @@ def test_another_data_stream_names_the_weights_only_start(run, tmp_path, capsys)
             "--job.dump_folder")
     # The way the message names works.
     assert train(tmp_path / "new", "--job.seed=7", f"--checkpoint.initial_load_path={step_dir(run, 4)}") == 0
+
+
+def _flip_bytes(step):
+    """4 KiB of other bytes inside a shard, its size kept: only the checksums can tell."""
+    model = os.path.join(step, "model")
+    shard = os.path.join(model, next(f for f in sorted(os.listdir(model)) if f.endswith(".distcp")))
+    with open(shard, "r+b") as fh:
+        fh.seek(os.path.getsize(shard) // 2)
+        block = fh.read(4096)
+        fh.seek(-len(block), os.SEEK_CUR)
+        fh.write(bytes(b ^ 0xFF for b in block))
+    return os.path.basename(shard)
+
+
+def test_bytes_changed_in_place_are_found_by_the_checksums(run, tmp_path, capsys):
+    """A shard damaged without changing its size loaded before and trained on garbage (the NaN guard then
+    blamed the learning rate); the sizes and CRC-32s the save recorded in COMPLETE find it first."""
+    name = _flip_bytes(step_dir(run, 4))
+    for command in (["train", *BASE, "--training.steps=6", f"--job.dump_folder={run}"],
+                    ["export", *BASE, f"--job.dump_folder={run}", "--output", str(tmp_path / "m.pt")],
+                    ["train", *BASE, "--training.steps=6", f"--job.dump_folder={tmp_path / 'new'}",
+                     f"--checkpoint.initial_load_path={step_dir(run, 4)}"]):
+        err = refused(capsys, cli.main(command), name, "checksum differs", "Fix:")
+        assert "(2)" in err or "(step-2)" in err, err  # the older, whole step
+    with open(os.path.join(step_dir(run, 2), "COMPLETE")) as fh:
+        recorded = json.load(fh)["files"]
+    assert {"train_state.json", "ranks/rank-0.pt", "model/.metadata"} <= set(recorded)
+    assert any(n.startswith("model/__0_") and n.endswith(".distcp") for n in recorded)
+    assert cli.main(["train", *BASE, "--training.steps=6", f"--job.dump_folder={run}",
+                     "--checkpoint.load_step=2"]) == 0  # the older step is whole and resumes
