@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 
 from components.errors import UserError
-from nsa_titan.command_options import take_option
+from nsa_titan.command_options import check_output, refuse_unknown_options, take_option
 from nsa_titan.config import RecipeError, resolve
 
 COMMANDS = {
@@ -14,7 +15,7 @@ COMMANDS = {
     "export": "consolidate a run's checkpoint: nsa-titan export RECIPE.toml [overrides] --output FILE, or "
               "--format hf --output DIR [--dtype bfloat16] for a Hugging Face transformers folder",
     "sample": "generate text: nsa-titan sample EXPORTED_FILE|HF_DIR [--prompt TEXT] [--max-new-tokens N] "
-              "[--temperature T] [--top-k K] [--seed S]",
+              "[--temperature T (0 = greedy)] [--top-k K (the K likeliest tokens; default all)] [--seed S]",
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE --text TEXT|--text-file FILE "
             "[--layer N] --out DIR",
     "eval": "loss by context position, a passkey probe and lm-eval tasks: nsa-titan eval RECIPE.toml|EXPORTED_FILE "
@@ -115,13 +116,22 @@ def sample(argv: list[str]) -> int:
 
     prompt = take_option(argv, "--prompt", "")
     numbers = {}
-    for name, kind, default in (("--max-new-tokens", int, "200"), ("--temperature", float, "0.8"),
-                                ("--top-k", int, "0"), ("--seed", int, "0")):
-        text = take_option(argv, name, default)
+    # (option, type, default, lowest, highest, example): nan or inf would reach the sampler, --top-k 0 would
+    # silently mean "no top-k" (leave it out for that), a seed past 64 bits overflows torch's generator.
+    for name, kind, default, low, high, example in (
+            ("--max-new-tokens", int, "200", 0, None, "200"), ("--temperature", float, "0.8", 0, None, "0.8"),
+            ("--top-k", int, None, 1, None, "40"), ("--seed", int, "0", 0, 2**64 - 1, "0")):
+        text = numbers[name] = take_option(argv, name, default)
+        if text is None:
+            continue
         try:
-            numbers[name] = kind(text)
+            value = numbers[name] = kind(text)
         except ValueError:
-            return _fail(f"error: {name} = {text!r} is not a {kind.__name__}. Fix: e.g. {name}={default}.")
+            return _fail(f"error: {name} = {text!r} is not a {kind.__name__}. Fix: e.g. {name}={example}.")
+        if not ((kind is int or math.isfinite(value)) and low <= value and (high is None or value <= high)):
+            bounds = f">= {low}" if high is None else f"in {low}..{high}"
+            return _fail(f"error: {name} = {text!r} must be a finite number {bounds}. Fix: e.g. {name}={example}.")
+    refuse_unknown_options(argv, "sample", "--prompt, --max-new-tokens, --temperature, --top-k, --seed")
     if len(argv) != 1:
         return _fail("error: sample takes one exported model file. Fix: `nsa-titan sample outputs/debug/model.pt "
                      "--prompt 'def '`.")
@@ -131,7 +141,7 @@ def sample(argv: list[str]) -> int:
     generator = torch.Generator().manual_seed(numbers["--seed"])
     with torch.no_grad():
         out = generate(model, torch.tensor([ids], dtype=torch.long), numbers["--max-new-tokens"],
-                       temperature=numbers["--temperature"], top_k=numbers["--top-k"] or None, generator=generator)
+                       temperature=numbers["--temperature"], top_k=numbers["--top-k"], generator=generator)
     print(tokenizer.decode(out[0].tolist()))
     return 0
 
@@ -144,12 +154,15 @@ def plot(argv: list[str]) -> int:
     usage = ("`nsa-titan plot outputs/debug/model.pt --text 'def f(x):' --out plots/` or, from the run's newest "
              "checkpoint, `nsa-titan plot recipes/debug.toml [overrides] --text ... --out plots/`")
     from_recipe = bool(argv) and argv[0].endswith(".toml")
+    if not from_recipe:  # a recipe takes overrides, which resolve checks
+        refuse_unknown_options(argv, "plot", "--text, --text-file, --layer, --out")
     if not argv or (len(argv) != 1 and not from_recipe):
         return _fail(f"error: plot takes one exported model file or a recipe. Fix: {usage}.")
     if (text is None) == (text_file is None):
         return _fail(f"error: plot needs exactly one of --text TEXT or --text-file FILE. Fix: {usage}.")
     if not out:
         return _fail(f"error: plot needs --out DIR for the pictures. Fix: {usage}.")
+    check_output("--out", out, folder=True)
     try:
         layer = int(layer_text)
     except ValueError:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from components.errors import UserError
 
 
@@ -18,3 +20,34 @@ def take_option(argv: list[str], name: str, default: str | None = None) -> str |
             del argv[i]
             return arg.split("=", 1)[1]
     return default
+
+
+def refuse_unknown_options(argv: list[str], command: str, known: str) -> None:
+    """An option still in argv once the command took its own is a typo or another command's: name it."""
+    unknown = [arg.split("=", 1)[0] for arg in argv if arg.startswith("-")]
+    if unknown:
+        raise UserError(f"{command} has no option {unknown[0]!r}. Fix: remove it, or use one of {known}.")
+
+
+def check_output(flag: str, path: str, *, folder: bool, fresh: bool = False) -> None:
+    """Refuse, before any work, an output that cannot be written: the wrong kind (folder: the output is a folder,
+    else one file), one under a file or an unwritable folder, or (fresh) one that exists already, so that
+    nothing is overwritten (an empty folder counts as new)."""
+    kind = "folder" if folder else "file"
+    if os.path.exists(path):
+        if os.path.isdir(path) != folder:
+            example = "" if folder else f", e.g. {os.path.join(path, 'model.pt')!r}"
+            raise UserError(f"{flag} {path!r} is a {'file' if folder else 'folder'}, but the output is a {kind}; "
+                            f"nothing was written. Fix: choose a {kind} path{example}.")
+        if fresh and (not folder or os.listdir(path)):
+            raise UserError(f"{flag} {path!r} already exists{' and is not an empty folder' if folder else ''}; "
+                            f"nothing was written. Fix: choose a new {kind}, or remove this one first.")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{flag} {path!r} cannot be created: {existing!r} is a file, not a folder. Fix: choose a "
+                        f"path under a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path!r} cannot be created: the folder {existing!r} is not writable. Fix: choose "
+                        f"a folder you can write to.")

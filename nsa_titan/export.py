@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from components.errors import UserError
+from nsa_titan.command_options import check_output
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
 
@@ -24,6 +25,7 @@ FORMAT = "nsa_titan.export.v1"
 
 
 def export_checkpoint(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
+    check_output("--output", output, folder=False, fresh=True)
     recipe = resolved.recipe
     model, tokenizer, step = load_checkpoint_model(resolved)
     payload = {
@@ -37,9 +39,16 @@ def export_checkpoint(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
         "recipe_hash": resolved.hash,
     }
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = output + ".tmp"
-    torch.save(payload, tmp)
-    os.replace(tmp, output)
+    tmp = output + f".tmp-{os.getpid()}"
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, output)
+    except OSError as exc:
+        raise UserError(f"cannot write --output {output!r} ({exc.strerror or exc}); nothing was written. Fix: free "
+                        f"some space, or choose another path.") from None
+    finally:
+        if os.path.exists(tmp):  # a partial file
+            os.remove(tmp)
     return output, step
 
 
@@ -48,11 +57,15 @@ def load_exported(path: str, device: str | torch.device = "cpu") -> tuple[nn.Mod
     eval mode, its metadata: model_name, model_args, vocab_size, step, recipe_toml)."""
     if os.path.isdir(path):
         return _load_hf_folder(path, device)
+    if path.endswith(".toml"):
+        raise UserError(f"{path!r} is a recipe, not an exported model. Fix: run `nsa-titan export {path} --output "
+                        f"FILE` first and give FILE here.")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise UserError(f"cannot read exported model {path!r} ({exc}). Fix: export it again with "
-                        f"`nsa-titan export RECIPE --output FILE`.") from None
+    except Exception as exc:  # torch's unpickler fails on other files with any error (IndexError, UnpicklingError...)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not a file torch can load"
+        raise UserError(f"cannot read exported model {path!r} ({reason}). Fix: give a file written by "
+                        f"`nsa-titan export RECIPE --output FILE` (or a folder of --format hf).") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UserError(f"{path!r} is not an nsa_titan export (format {FORMAT}). Fix: export it with nsa-titan export.")
     model = rebuild_model(payload["model_name"], payload["model_args"], payload["vocab_size"], payload["state_dict"], device)

@@ -21,6 +21,7 @@ import torch
 
 from components.errors import UserError
 from nsa_titan import registry
+from nsa_titan.command_options import check_output
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.observe.progress import progress
 
@@ -60,9 +61,7 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32") -> 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}. Fix: e.g. --dtype bfloat16 (half "
                         f"the size; the trained weights are float32).")
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise UserError(f"--output {output!r} already exists and is not an empty folder; nothing was written. "
-                        f"Fix: choose a new folder, or remove this one first.")
+    check_output("--output", output, folder=True, fresh=True)
     recipe = resolved.recipe
     model, tokenizer, step = load_checkpoint_model(resolved)
     part = registry.get("model", recipe.model.name)

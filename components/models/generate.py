@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from components.errors import UserError
@@ -41,8 +43,8 @@ def generate(
         raise UserError(f"prompt must be [batch, tokens] with at least one token, got shape {tuple(prompt.shape)}")
     if max_new_tokens < 0:
         raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < math.inf:  # nan too, which the sampler would meet as nan probabilities
+        raise UserError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"top_k must be >= 1 or None, got {top_k}")
     device = model.tok_embeddings.weight.device

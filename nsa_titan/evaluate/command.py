@@ -17,7 +17,7 @@ import os
 
 from components.errors import UserError
 from nsa_titan import assemble, registry
-from nsa_titan.command_options import take_option
+from nsa_titan.command_options import check_output, refuse_unknown_options, take_option
 from nsa_titan.config import resolve
 from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length
 from nsa_titan.evaluate.position_loss import loss_by_position
@@ -28,7 +28,8 @@ from nsa_titan.observe.progress import progress
 USAGE = "`nsa-titan eval recipes/debug.toml --out outputs/debug/eval` (or an exported model file instead of the recipe)"
 
 
-def _numbers(argv: list[str], name: str, kind, default: str | None):
+def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = False):
+    """The comma-separated values of option `name` (None when absent); one: exactly one value."""
     text = take_option(argv, name, default)
     if text is None:
         return None
@@ -39,6 +40,8 @@ def _numbers(argv: list[str], name: str, kind, default: str | None):
                         f"{name}={default or '64,128'}.") from None
     if not values:
         raise UserError(f"{name} is empty. Fix: give at least one value.")
+    if one and len(values) > 1:
+        raise UserError(f"{name} = {text!r} gives {len(values)} values; it takes one. Fix: e.g. {name}={values[0]}.")
     return values
 
 
@@ -51,6 +54,8 @@ def _load(argv: list[str]):
         resolved = resolve(argv, world_size=None)
         model, tokenizer, step = load_checkpoint_model(resolved)
         return model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}"
+    refuse_unknown_options(argv, "eval", "--out, --batches, --lengths, --depths, --trials, --tasks, --task-dir, "
+                                         "--limit (recipe overrides go with a recipe, not an exported file)")
     if len(argv) != 1:
         raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
     model, meta = load_exported(argv[0])
@@ -63,15 +68,19 @@ def run_command(argv: list[str]) -> int:
     out = take_option(argv, "--out")
     if not out:
         raise UserError(f"eval needs --out DIR for its results. Fix: {USAGE}.")
-    batches = _numbers(argv, "--batches", int, None)
+    check_output("--out", out, folder=True)
+    batches = _numbers(argv, "--batches", int, None, one=True)
     lengths = _numbers(argv, "--lengths", int, None)
     depths = _numbers(argv, "--depths", float, "0,0.25,0.5,0.75,1")
-    trials = _numbers(argv, "--trials", int, "5")[0]
-    if any(not 0 <= d <= 1 for d in depths) or trials < 1 or (batches and batches[0] < 1):
-        raise UserError("--depths must lie in [0, 1], --trials and --batches be >= 1. Fix: e.g. --depths 0,0.5,1.")
+    trials = _numbers(argv, "--trials", int, "5", one=True)[0]
+    task_limit = _numbers(argv, "--limit", int, None, one=True)
+    # not 0 <= nan: a nan depth is refused too; --limit 0 would mean "no limit" to the harness
+    if any(not 0 <= d <= 1 for d in depths) or trials < 1 or (batches and batches[0] < 1) or (
+            task_limit and task_limit[0] < 1):
+        raise UserError("--depths must lie in [0, 1], --trials, --batches and --limit be >= 1. Fix: e.g. "
+                        "--depths 0,0.5,1.")
     tasks = take_option(argv, "--tasks")
     task_dir = take_option(argv, "--task-dir")
-    task_limit = _numbers(argv, "--limit", int, None)
     if task_dir and not os.path.isdir(task_dir):
         raise UserError(f"--task-dir {task_dir!r} is not a folder. Fix: give the folder holding your task YAML files.")
     if (task_dir or task_limit) and not tasks:
@@ -102,11 +111,21 @@ def run_command(argv: list[str]) -> int:
     from nsa_titan.runtime import make_runtime
 
     runtime = make_runtime("cpu", "float32")
-    loader = assemble.build_loader(recipe, runtime, assemble.build_source(recipe), tokenizer, dp_rank=0, dp_size=1,
-                                   split="validation", batch_size=recipe.training.local_batch_size)
     count = batches[0] if batches else recipe.validation.steps
-    iterator = iter(loader)
-    held_out = [next(iterator) for _ in range(count)]
+    try:
+        loader = assemble.build_loader(recipe, runtime, assemble.build_source(recipe), tokenizer, dp_rank=0,
+                                       dp_size=1, split="validation", batch_size=recipe.training.local_batch_size)
+        iterator = iter(loader)
+        held_out = [next(iterator) for _ in range(count)]
+    except UserError as exc:
+        if argv[0].endswith(".toml"):
+            raise
+        # The data's own fix ("fix the path") means the recipe, which an exported file carries unchangeable.
+        field = "paths" if hasattr(recipe.data.source_args, "paths") else "FIELD"
+        raise UserError(f"the held-out data named by the recipe saved in {argv[0]!r} cannot be read here ({exc}); "
+                        f"eval takes no recipe overrides with an exported model. Fix: put the data back where that "
+                        f"recipe names it, or evaluate the run's checkpoint from its recipe with the new location, e.g. "
+                        f"`nsa-titan eval RECIPE.toml --data.{recipe.data.source}.{field}=... --out {out}`.") from None
     positions = loss_by_position(model, documents_of, held_out, recipe.training.seq_len, progress("held-out loss"))
 
     from components.models import generate

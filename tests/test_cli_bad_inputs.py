@@ -1,0 +1,138 @@
+"""Bad input to sample, plot, eval and export: exit code 2, one message naming the problem and the fix, no
+traceback, nothing overwritten and no stray file left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from nsa_titan import cli
+from tests.conftest import REPO_ROOT
+from tests.launch import DEBUG, TINY, env
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(train argv, exported model file, corpus folder) of a one-step run on a small text_files corpus."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def square(x):\n    return x * x\n" * 800)
+    argv = [DEBUG, *TINY, "--model.max_seq_len=128", "--training.steps=1", "--checkpoint.enable=true",
+            f"--job.dump_folder={root}/run", "--data.source=text_files", f"--data.text_files.paths={corpus}/a.txt"]
+    assert cli.main(["train", *argv]) == 0
+    exported = str(root / "model.pt")
+    assert cli.main(["export", *argv, "--output", exported]) == 0
+    return argv, exported, corpus
+
+
+def refused(capsys, args: list[str], *fragments: str) -> str:
+    """Run the CLI in this process; it must exit 2 with a message holding every fragment."""
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+def test_sample_of_a_recipe_says_export_first(capsys):
+    refused(capsys, ["sample", DEBUG], "is a recipe, not an exported model", "nsa-titan export")
+
+
+def test_run_train_sh_sample_without_arguments_says_export_first():
+    done = subprocess.run([os.path.join(REPO_ROOT, "run_train.sh"), "sample"], capture_output=True, text=True,
+                          env=env(), cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "debug.toml' is a recipe, not an exported model" in done.stderr
+
+
+@pytest.mark.parametrize("command, extra", [("sample", []), ("plot", ["--text", "hi", "--out", "OUT"]),
+                                            ("eval", ["--out", "OUT"])])
+def test_a_file_torch_cannot_load_is_one_clear_error(tmp_path, capsys, command, extra):
+    junk = tmp_path / "passwd"
+    junk.write_text("root:x:0:0:root:/root:/bin/bash\n")  # torch's unpickler raised IndexError on it
+    extra = [str(tmp_path / "out") if x == "OUT" else x for x in extra]
+    refused(capsys, [command, str(junk), *extra], "cannot read exported model", "not a file torch can load",
+            "nsa-titan export RECIPE --output FILE")
+
+
+@pytest.mark.parametrize("option, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-k", "0"),
+                                           ("--seed", str(2**70)), ("--max-new-tokens", "-1")])
+def test_sample_refuses_out_of_range_numbers(run, capsys, option, value):
+    short = [] if option == "--max-new-tokens" else ["--max-new-tokens=4"]
+    refused(capsys, ["sample", run[1], option, value, *short], f"{option} = {value!r} must be a finite number",
+            "Fix: e.g.")
+
+
+def test_generate_refuses_a_nan_temperature(run):
+    import torch
+
+    from components.errors import UserError
+    from components.models import generate
+    from nsa_titan.export import load_exported
+
+    model, _ = load_exported(run[1])
+    with pytest.raises(UserError, match="temperature must be finite"):
+        generate(model, torch.tensor([[1, 2]]), 2, temperature=float("nan"))
+
+
+@pytest.mark.parametrize("command, extra", [("sample", []), ("plot", ["--text", "hi", "--out", "OUT"]),
+                                            ("eval", ["--out", "OUT"])])
+def test_an_unknown_option_is_named(run, tmp_path, capsys, command, extra):
+    extra = [str(tmp_path / "out") if x == "OUT" else x for x in extra]
+    refused(capsys, [command, run[1], "--nosuch", "3", *extra], f"{command} has no option '--nosuch'")
+
+
+@pytest.mark.parametrize("extra, message", [(["--batches", "1,2"], "--batches = '1,2' gives 2 values; it takes one"),
+                                            (["--limit", "0"], "--limit be >= 1")])
+def test_eval_refuses_numbers_it_would_misread(run, tmp_path, capsys, extra, message):
+    refused(capsys, ["eval", run[1], "--out", str(tmp_path / "out"), *extra], message)
+
+
+def test_export_to_a_folder_is_refused_without_a_stray_file(run, tmp_path, capsys):
+    folder = tmp_path / "existing"
+    folder.mkdir()
+    refused(capsys, ["export", *run[0], "--output", str(folder)], f"--output '{folder}' is a folder",
+            "Fix: choose a file path")
+    assert os.listdir(tmp_path) == ["existing"] and os.listdir(folder) == []
+
+
+def test_export_over_an_existing_file_is_refused(run, tmp_path, capsys):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    refused(capsys, ["export", *run[0], "--output", str(mine)], "already exists; nothing was written",
+            "remove this one first")
+    assert mine.read_text() == "mine" and os.listdir(tmp_path) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("command, extra, target, message", [
+    ("export", [], "FILE/x.pt", "cannot be created: 'FILE' is a file, not a folder"),
+    ("export", ["--format", "hf"], "FILE/x", "cannot be created: 'FILE' is a file, not a folder"),
+    ("plot", ["--text", "hi"], "FILE", "--out 'FILE' is a file, but the output is a folder"),
+    ("plot", ["--text", "hi"], "FILE/x", "cannot be created: 'FILE' is a file, not a folder"),
+    ("eval", [], "FILE", "--out 'FILE' is a file, but the output is a folder"),
+])
+def test_an_output_path_that_cannot_be_written_is_refused(run, tmp_path, capsys, command, extra, target, message):
+    file = tmp_path / "file"
+    file.write_text("mine")
+    source = run[0] if command == "export" else [run[1]]
+    flag = "--output" if command == "export" else "--out"
+    target, message = target.replace("FILE", str(file)), message.replace("FILE", str(file))
+    refused(capsys, [command, *source, *extra, flag, target], message, "Fix: choose")
+    assert file.read_text() == "mine" and os.listdir(tmp_path) == ["file"]
+
+
+def test_eval_of_an_export_whose_data_moved_says_what_can_be_done(run, tmp_path, capsys):
+    _, exported, corpus = run
+    moved = corpus.with_name("corpus_moved")
+    corpus.rename(moved)
+    try:
+        refused(capsys, ["eval", exported, "--out", str(tmp_path / "out"), "--batches", "1", "--trials", "1"],
+                "does not exist", "eval takes no recipe overrides with an exported model", "put the data back",
+                "nsa-titan eval RECIPE.toml --data.text_files.paths=")
+    finally:
+        moved.rename(corpus)
