@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -120,9 +119,8 @@ def _load_encoding(encoding: str):
             raise UserError(f"tokenizer tiktoken: cannot read the BPE file {encoding!r} ({e.strerror})") from None
         ranks = _bpe_ranks(encoding, content)
         specials = {ENDOFTEXT: max(ranks.values()) + 1}
-        # The data stream's id follows the file's content, not where it lies.
         return tiktoken.Encoding(
-            name=f"{os.path.basename(encoding)}@{hashlib.sha256(content).hexdigest()[:12]}",
+            name=os.path.basename(encoding),  # the data stream's name, as runs saved it
             pat_str=CL100K_SPLIT_PATTERN,
             mergeable_ranks=ranks,
             special_tokens=specials,
@@ -154,8 +152,8 @@ class TiktokenTokenizer:
         self.eos_id = int(self._enc.encode_single_token(ENDOFTEXT))
         self.bos_id = self.eos_id
 
-    # Workers receive the arguments and load the encoding themselves, which is cheap after the
-    # first load and avoids shipping the merge table.
+    # Workers receive the arguments and load the encoding themselves (a file is parsed again, well
+    # under a second for 100k ranks), which avoids shipping the merge table.
     def __getstate__(self):
         return {"args": self.args}
 

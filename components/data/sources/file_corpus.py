@@ -253,9 +253,9 @@ class FileCorpus:
         try:
             return decoder.decode(data, final=final)
         except UnicodeDecodeError as e:
-            raise UserError(f"{self.what}: {path} is not UTF-8 text (byte {offset + e.start} of the file"
-                            f"{f', line {_line_number(path, offset)}' if offset else ''}: {e.reason}). Fix: "
-                            f"convert it to UTF-8 or remove it{self.fix}") from None
+            raise UserError(f"{self.what}: {path} is not UTF-8 text (byte {offset + e.start} of the file, line "
+                            f"{_line_number(path, offset + e.start)}: {e.reason}). Fix: convert it to UTF-8 or "
+                            f"remove it{self.fix}") from None
 
     def _read_whole(self, path: str, limit: int = -1) -> str:
         try:
@@ -263,7 +263,8 @@ class FileCorpus:
                 data = fh.read(limit)
         except OSError as e:
             raise UserError(f"{self.what}: cannot read {path} ({e}); fix its permissions or remove it") from e
-        return self._decode(data, path, final=not 0 < limit <= len(data))
+        text = self._decode(data, path, final=not 0 < limit <= len(data))
+        return text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as text-mode reading gave them
 
     def read_piece(self, piece: tuple[int, int, int, int], split: str) -> list[str]:
         """The non-empty documents of `split` in one piece, in file order."""

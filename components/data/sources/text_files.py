@@ -59,8 +59,8 @@ class TextFilesSource:
 
     def fingerprint(self) -> str:
         a = self.args
-        replace = ",utf8=replace" if a.invalid_utf8 == "replace" else ""  # other text: another stream
-        return f"text_files({self.corpus().fingerprint()},field={a.text_field},val={a.validation_fraction}{replace})"
+        # invalid_utf8 is not part of it: every document "error" reads, "replace" reads the same.
+        return f"text_files({self.corpus().fingerprint()},field={a.text_field},val={a.validation_fraction})"
 
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
