@@ -17,7 +17,7 @@ import pickle
 import re
 import shutil
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -112,7 +112,8 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.say = say
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, Future] | None = None  # (step, its files' checksums once written)
+        self._checksummer = ThreadPoolExecutor(max_workers=1) if async_mode == "async" else None
         self._async_group = None
         if async_mode == "async" and dist.is_initialized():
             # Background saves must not share a communicator with training's collectives.
@@ -142,7 +143,8 @@ class Checkpointer:
             future = dcp.async_save(tensors, checkpoint_id=checkpoint_id, process_group=self._async_group,
                                     no_dist=no_dist)
             future = getattr(future, "upload_completion", future)
-            self._pending = (state.step, future)
+            # The checksums read the files back: in the background too, once DCP has written them.
+            self._pending = (state.step, self._checksummer.submit(self._checksums_when_written, future, state.step))
         else:
             dcp.save(tensors, checkpoint_id=checkpoint_id, no_dist=no_dist)
             # Every rank's files are on disk before the checkpoint is declared complete.
@@ -166,8 +168,7 @@ class Checkpointer:
             return
         step, future = self._pending
         self._pending = None
-        future.result()
-        self._mark_complete(step, _gather(self._own_checksums(step), self._async_group))
+        self._mark_complete(step, _gather(future.result(), self._async_group))
 
     def _save_rank_state(self, state: RunState, path: str) -> None:
         payload = {"dataloader": state.dataloader.state_dict(), "rng": _rng_state(), "rank": self.rank,
@@ -181,6 +182,10 @@ class Checkpointer:
                   "context_parallel_degree": self.context_parallel, "data_layout": data_layout,
                   "lr_scheduler": state.lr_scheduler.state_dict(), "saved_at": time.time(), **state.extra}
         _write_atomically(os.path.join(path, "train_state.json"), json.dumps(record, indent=1).encode())
+
+    def _checksums_when_written(self, written: Future, step: int) -> dict[str, list[int]]:
+        written.result()
+        return self._own_checksums(step)
 
     def _own_checksums(self, step: int) -> dict[str, list[int]]:
         """Size and CRC-32 of the files this rank wrote for `step` (read back while the page cache holds

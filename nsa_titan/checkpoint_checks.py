@@ -84,7 +84,11 @@ def changed_files(folder: str, recorded: dict[str, list[int]]) -> list[tuple[str
         if not os.path.isfile(path):
             problems.append((path, "is missing"))
             continue
-        have = file_checksum(path)
+        try:
+            have = file_checksum(path)
+        except OSError as exc:  # a failing disk: a finding like the others (every rank must reach the gather)
+            problems.append((path, f"cannot be read ({exc.strerror or exc})"))
+            continue
         if have[0] != size:
             problems.append((path, f"is {have[0]} bytes, but the save wrote {size}"))
         elif have[1] != crc:

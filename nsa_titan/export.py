@@ -43,9 +43,10 @@ def export_checkpoint(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
     try:
         torch.save(payload, tmp)
         os.replace(tmp, output)
-    except OSError as exc:
-        raise UserError(f"cannot write --output {output!r} ({exc.strerror or exc}); nothing was written. Fix: free "
-                        f"some space, or choose another path.") from None
+    except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise UserError(f"cannot write --output {output!r} ({why}); nothing was written. Fix: free some space, or "
+                        f"choose another path.") from None
     finally:
         if os.path.exists(tmp):  # a partial file
             os.remove(tmp)

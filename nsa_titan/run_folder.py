@@ -1,5 +1,5 @@
-"""The run folder: created first; the resolved recipe and its hash, written once the run is known to start
-(a run refused at start-up, say a resume that does not fit, leaves the folder's records as they were)."""
+"""The run folder: created first, and the resolved recipe with its hash (the trainer says when: in a folder
+of an earlier run, once this one is known to start)."""
 
 from __future__ import annotations
 

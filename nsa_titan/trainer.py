@@ -27,7 +27,7 @@ from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.hf_folder import is_hf_folder, load_hf_weights
 from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
-from nsa_titan.observe.manifest import write_manifest
+from nsa_titan.observe.manifest import MANIFEST_FILE, write_manifest
 from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog, WandbLog
 from nsa_titan.observe.mfu import mfu_percent, peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
@@ -106,8 +106,15 @@ class Trainer:
         # Each rank holds 1/world of a step's tokens (its cp share of its data rank's rows).
         self.local_tokens_per_step = self.tokens_per_step // runtime.world_size
 
+        # What the run is, in recipe.toml and manifest.json: at once in a new folder (a crash at start-up
+        # still says what crashed); in a folder of an earlier run only once this one is known to start
+        # (below), so a resume refused at start-up leaves that run's records as they were.
+        records_pending = False
         if runtime.is_main:
             create_run_folder(dump, recipe.checkpoint.folder if recipe.checkpoint.enable else None)
+            records_pending = os.path.exists(os.path.join(dump, MANIFEST_FILE))
+            if not records_pending:
+                self._write_records()
         self.stacks_path = os.path.join(dump, "stacks", f"rank-{runtime.rank}.txt")
         install_sigusr1(self.stacks_path)
         self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0)
@@ -150,10 +157,8 @@ class Trainer:
         if recipe.validation.enable:
             self._check_validation_data()
         self._restore()
-        if runtime.is_main:  # the run starts: record what it is (a run refused above leaves the records alone)
-            write_run_recipe(dump, resolved)
-            write_manifest(dump, recipe_toml=resolved.toml, recipe_hash=resolved.hash, argv=sys.argv,
-                           world_size=runtime.world_size, device=runtime.device)
+        if records_pending:
+            self._write_records()
         self.stop = GracefulStop(dump)
         self._stop_agreed = False
         self.metrics = MetricsLog(os.path.join(dump, "metrics.jsonl")) if runtime.is_main else None
@@ -506,6 +511,12 @@ class Trainer:
             self.checkpointer.finish_pending()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _write_records(self) -> None:
+        dump, resolved = self.recipe.job.dump_folder, self.resolved
+        write_run_recipe(dump, resolved)
+        write_manifest(dump, recipe_toml=resolved.toml, recipe_hash=resolved.hash, argv=sys.argv,
+                       world_size=self.runtime.world_size, device=self.runtime.device)
+
     def _autocast(self):
         # With data parallelism the mixed-precision policy casts parameters; autocast is for one process.
         return self.runtime.autocast() if self.mesh is None else contextlib.nullcontext()

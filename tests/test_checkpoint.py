@@ -134,11 +134,25 @@ def _damage_metadata(step_dir):
     return ".metadata"
 
 
+def forget_checksums(step_dir):
+    """The step as saved before COMPLETE recorded its files' checksums: the checks of what each file
+    holds must find the damage themselves."""
+    marker = os.path.join(step_dir, COMPLETE)
+    with open(marker, encoding="utf-8") as fh:
+        record = json.load(fh)
+    with open(marker, "w", encoding="utf-8") as fh:
+        json.dump({k: v for k, v in record.items() if k != "files"}, fh)
+
+
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "no checksums"])
 @pytest.mark.parametrize("damage", [_damage_shard, _damage_rank_file, _damage_metadata],
                          ids=["truncated shard", "truncated rank file", "corrupt metadata"])
-def test_a_damaged_checkpoint_names_its_file_and_the_older_steps(tmp_path, capsys, three_checkpoints, damage):
+def test_a_damaged_checkpoint_names_its_file_and_the_older_steps(tmp_path, capsys, three_checkpoints, damage,
+                                                                 checksums):
     folder = tmp_path / "run"
     shutil.copytree(three_checkpoints, folder)
+    if not checksums:
+        forget_checksums(os.path.join(ckpt_dir(folder), "step-3"))
     name = damage(os.path.join(ckpt_dir(folder), "step-3"))
     before = sorted(os.listdir(ckpt_dir(folder)))
     capsys.readouterr()
@@ -146,6 +160,7 @@ def test_a_damaged_checkpoint_names_its_file_and_the_older_steps(tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("error: checkpoint step 3 cannot be read: ") and name in err, err
+    assert ("but the save wrote" in err) == checksums, err  # with checksums, they find it first
     assert "Traceback" not in err and err.count("error:") == 1
     assert "older complete step (1, 2)" in err and "--checkpoint.load_step=N" in err
     assert sorted(os.listdir(ckpt_dir(folder))) == before  # nothing deleted or moved
@@ -344,6 +359,14 @@ def test_async_saves_on_two_ranks_complete(tmp_path):
     run(tmp_path, "--checkpoint.interval=1", "--checkpoint.async_mode=async",
         "--parallelism.data_parallel_shard_degree=2", nproc=2, steps=4)
     assert complete_steps(ckpt_dir(tmp_path)) == [1, 2, 3, 4]
+    # Each marker records every file of its step, both ranks' (checksummed in the background).
+    for step in (1, 4):
+        folder = os.path.join(ckpt_dir(tmp_path), f"step-{step}")
+        with open(os.path.join(folder, COMPLETE), encoding="utf-8") as fh:
+            recorded = json.load(fh)["files"]
+        on_disk = {os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files}
+        assert set(recorded) == on_disk - {COMPLETE}
+        assert {"model/__0_0.distcp", "model/__1_0.distcp", "ranks/rank-1.pt"} <= set(recorded)
 
 
 def json_records(folder):

@@ -12,7 +12,7 @@ import torch
 
 from nsa_titan import cli
 from tests.launch import DEBUG, TINY
-from tests.test_checkpoint import _damage_metadata, _damage_shard
+from tests.test_checkpoint import _damage_metadata, _damage_shard, forget_checksums
 
 # One layer and checkpoints on, over TINY's values (a field may be given once).
 BASE = [DEBUG, *(f for f in TINY if not f.startswith(("--model.n_layers=", "--checkpoint.enable="))),
@@ -66,8 +66,11 @@ def train(folder, *extra):
     return cli.main(["train", *BASE, "--training.steps=6", f"--job.dump_folder={folder}", *extra])
 
 
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "no checksums"])
 @pytest.mark.parametrize("damage", [_damage_shard, _damage_metadata], ids=["cut shard", "garbage metadata"])
-def test_initial_load_path_of_a_damaged_step_names_the_file(run, tmp_path, capsys, damage):
+def test_initial_load_path_of_a_damaged_step_names_the_file(run, tmp_path, capsys, damage, checksums):
+    if not checksums:
+        forget_checksums(step_dir(run, 4))
     name = damage(step_dir(run, 4))
     code = train(tmp_path / "new", f"--checkpoint.initial_load_path={step_dir(run, 4)}")
     refused(capsys, code, "checkpoint.initial_load_path", "cannot be read", name, "step-2", "Fix:")
@@ -87,9 +90,13 @@ def test_initial_load_path_missing_or_interrupted(run, tmp_path, capsys):
     refused(capsys, code, "COMPLETE", "interrupted", "step-2", "Fix:")
 
 
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "no checksums"])
 @pytest.mark.parametrize("damage", [_damage_shard, _damage_metadata], ids=["cut shard", "garbage metadata"])
 @pytest.mark.parametrize("command", ["export", "eval"])
-def test_export_and_eval_of_a_damaged_newest_step_name_the_older_one(run, tmp_path, capsys, damage, command):
+def test_export_and_eval_of_a_damaged_newest_step_name_the_older_one(run, tmp_path, capsys, damage, command,
+                                                                     checksums):
+    if not checksums:
+        forget_checksums(step_dir(run, 4))
     name = damage(step_dir(run, 4))
     before = listing(run)
     out = ["--output", str(tmp_path / "x.pt")] if command == "export" else ["--out", str(tmp_path / "eval")]
@@ -125,11 +132,7 @@ def unrelated_rank_file(path):
 def test_a_hand_edited_step_is_refused_for_the_older_one(run, capsys, edit):
     # As saved before COMPLETE recorded checksums (which would find any of these edits first, see below):
     # what each file holds is checked too.
-    marker = os.path.join(step_dir(run, 4), "COMPLETE")
-    with open(marker) as fh:
-        record = json.load(fh)
-    with open(marker, "w") as fh:
-        json.dump({k: v for k, v in record.items() if k != "files"}, fh)
+    forget_checksums(step_dir(run, 4))
     name = edit(step_dir(run, 4))
     before = listing(run)
     code = train(run)

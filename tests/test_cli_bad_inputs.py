@@ -132,7 +132,7 @@ def test_eval_of_an_export_whose_data_moved_says_what_can_be_done(run, tmp_path,
     corpus.rename(moved)
     try:
         refused(capsys, ["eval", exported, "--out", str(tmp_path / "out"), "--batches", "1", "--trials", "1"],
-                "does not exist", "eval takes no recipe overrides with an exported model", "put the data back",
-                "nsa-titan eval RECIPE.toml --data.text_files.paths=")
+                "does not exist", "eval takes no recipe overrides with an exported model", "make the data readable",
+                "nsa-titan eval RECIPE.toml --data.text_files.FIELD=")
     finally:
         moved.rename(corpus)

@@ -83,3 +83,14 @@ def test_a_refused_resume_leaves_the_runs_records_and_a_resume_keeps_the_old_man
     started = [json.loads(text)["start_unix_time"] for text in (records["manifest.json"],
                                                                  (tmp_path / "manifest.json").read_text())]
     assert started[1] > started[0]
+
+
+def test_a_new_run_that_fails_at_start_up_still_says_what_it_was(tmp_path, capsys):
+    from nsa_titan import cli
+    from tests.launch import DEBUG, TINY
+
+    missing = tmp_path / "no_such_checkpoint"
+    assert cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'run'}",
+                     f"--checkpoint.initial_load_path={missing}"]) == 2
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert str(missing) in manifest["recipe_toml"] and (tmp_path / "run" / "recipe.toml").exists()

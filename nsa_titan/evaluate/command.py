@@ -120,12 +120,13 @@ def run_command(argv: list[str]) -> int:
     except UserError as exc:
         if argv[0].endswith(".toml"):
             raise
-        # The data's own fix ("fix the path") means the recipe, which an exported file carries unchangeable.
-        field = "paths" if hasattr(recipe.data.source_args, "paths") else "FIELD"
+        # The data's own fix (the path, a data setting) means the recipe, which an exported file carries
+        # unchangeable: the way to change it is the run's checkpoint and recipe.
         raise UserError(f"the held-out data named by the recipe saved in {argv[0]!r} cannot be read here ({exc}); "
-                        f"eval takes no recipe overrides with an exported model. Fix: put the data back where that "
-                        f"recipe names it, or evaluate the run's checkpoint from its recipe with the new location, e.g. "
-                        f"`nsa-titan eval RECIPE.toml --data.{recipe.data.source}.{field}=... --out {out}`.") from None
+                        f"eval takes no recipe overrides with an exported model. Fix: make the data readable where "
+                        f"that recipe names it, or evaluate the run's checkpoint from its recipe with the data "
+                        f"settings changed, e.g. `nsa-titan eval RECIPE.toml --data.{recipe.data.source}.FIELD=... "
+                        f"--out {out}`.") from None
     positions = loss_by_position(model, documents_of, held_out, recipe.training.seq_len, progress("held-out loss"))
 
     from components.models import generate
