@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from components.data import DataStreamMismatch
 from components.errors import UserError
 from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mismatches, tensor_shapes,
                                          truncated_shards)
@@ -257,11 +258,14 @@ class Checkpointer:
         return done[-1] if done else None
 
     def load(self, state: RunState, step: int, *, data_layout: dict,
-             reshard_data: Callable[[list[dict]], Any] | None) -> dict:
+             reshard_data: Callable[[list[dict]], Any] | None,
+             restart_data: Callable[[], Any] | None = None) -> dict:
         """Restore everything saved at `step` into `state`.
 
         The data continues exactly when the data layout (world size, workers) is unchanged; otherwise
         `reshard_data(old rank states)` must return a loader that continues every old rank's stream.
+        When the saved data is another stream (the recipe's data changed), `restart_data()` gives the
+        loader that starts the new one; without it, that is an error.
         """
         path = self.step_dir(step)
         self._check_marker(step)
@@ -288,10 +292,13 @@ class Checkpointer:
                 state.dataloader.load_state_dict(saved[0])
             else:
                 state.dataloader = reshard_data(saved)
-        except UserError as exc:  # the loader says what differs; the engine knows how to keep the weights
-            raise UserError(f"{exc}\nTo start the data from the beginning with this checkpoint's weights (and a fresh "
-                            f"optimizer and LR schedule): train in a new --job.dump_folder with "
-                            f"--checkpoint.initial_load_path={path}") from None
+        except DataStreamMismatch as exc:  # the loader says what differs; the engine knows the ways on
+            if restart_data is None:
+                raise UserError(f"{exc}\nTo train on the new data from its beginning, resuming the model, optimizer "
+                                f"and step: --checkpoint.data_mismatch=restart. With this checkpoint's weights "
+                                f"only: train in a new --job.dump_folder with --checkpoint.initial_load_path={path}"
+                                ) from None
+            state.dataloader = restart_data()
         if self.rank < old_world:
             _set_rng_state(self._read_rank_file(step, self.rank)["rng"])
         state.step = record["step"]

@@ -225,7 +225,9 @@ class Trainer:
             return
         step = self.checkpointer.agree_resume_step(ckpt.load_step) if ckpt.enable else None
         if step is not None:
-            self.checkpointer.load(self.state, step, data_layout=self._data_layout(), reshard_data=self._reshard_data)
+            restart = self._restart_data if ckpt.data_mismatch == "restart" else None
+            self.checkpointer.load(self.state, step, data_layout=self._data_layout(), reshard_data=self._reshard_data,
+                                   restart_data=restart)
             self.checkpointer.abandon_after(step)
             self.train_loader = self.state.dataloader
             self._apply_recipe_optimizer_settings()
@@ -252,6 +254,12 @@ class Trainer:
         self.lr_scheduler = assemble.build_lr_scheduler(self.recipe, self.optimizer,
                                                         completed_steps=self.lr_scheduler.last_epoch)
         self.state.lr_scheduler = self.lr_scheduler
+
+    def _restart_data(self):
+        """checkpoint.data_mismatch = restart: the recipe's data from its beginning."""
+        self._say("note: the checkpoint's data stream is not this recipe's (checkpoint.data_mismatch = 'restart'): "
+                  "the new data starts from its beginning; model, optimizer, LR schedule and step resume")
+        return self._loader("train")
 
     def _data_layout(self) -> dict:
         """What must match for a saved loader state to continue exactly as it is."""

@@ -12,6 +12,7 @@ import torch
 
 from nsa_titan import cli
 from tests.launch import DEBUG, TINY
+from tests.launch import metrics as read_metrics
 from tests.test_checkpoint import _damage_metadata, _damage_shard, forget_checksums
 
 # One layer and checkpoints on, over TINY's values (a field may be given once).
@@ -149,9 +150,29 @@ def test_a_hand_edited_step_is_refused_for_the_older_one(run, capsys, edit):
 def test_another_data_stream_names_the_weights_only_start(run, tmp_path, capsys):
     code = train(run, "--job.seed=7")  # the seed orders the data: the saved positions belong to another stream
     refused(capsys, code, "another data stream", f"--checkpoint.initial_load_path={step_dir(run, 4)}",
-            "--job.dump_folder")
-    # The way the message names works.
+            "--job.dump_folder", "--checkpoint.data_mismatch=restart")
+    # The ways the message names work.
     assert train(tmp_path / "new", "--job.seed=7", f"--checkpoint.initial_load_path={step_dir(run, 4)}") == 0
+
+
+def test_new_data_on_resume_restarts_the_data_and_resumes_the_rest(run, tmp_path, capsys):
+    """checkpoint.data_mismatch = restart: another data stream (here other data altogether) starts from its
+    beginning while model, optimizer and step resume; the checkpoints after it carry the new stream, so a
+    preempted run resumes it exactly with the same command (the flag restarts nothing then)."""
+    new_data = ["--data.source=synthetic", "--data.synthetic.max_length=100", "--checkpoint.data_mismatch=restart",
+                "--checkpoint.interval=1", "--metrics.log_freq=1"]
+    assert train(run, *new_data) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "step 4" in out and "the new data starts from its beginning" in out
+    straight = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r and r["step"] > 4}
+    assert sorted(straight) == [5, 6]
+    preempted = tmp_path / "preempted"
+    shutil.copytree(run, preempted)
+    shutil.rmtree(step_dir(preempted, 6))
+    open(os.path.join(preempted, "metrics.jsonl"), "w").close()
+    assert train(preempted, *new_data) == 0
+    assert "the new data starts" not in capsys.readouterr().out
+    assert {r["step"]: r["loss"] for r in read_metrics(preempted) if "loss" in r} == {6: straight[6]}
 
 
 def _flip_bytes(step):

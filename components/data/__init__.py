@@ -1,5 +1,6 @@
 """Data: sources, tokenizers, packing and the resumable per-rank sharded loader."""
 
+from components.data.dataset import DataStreamMismatch
 from components.data.loader import build_dataloader, stream_id
 from components.data.sharding import (
     loader_state_by_logical_shard,
@@ -11,6 +12,7 @@ from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_
 from components.data.tokenizers import TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer
 
 __all__ = [
+    "DataStreamMismatch",
     "MIXTURE",
     "SOURCES",
     "MixtureArgs",

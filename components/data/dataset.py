@@ -20,6 +20,10 @@ from components.data.tokenizers import encode_array
 _STATE_KEYS = ("epoch", "cursor", "skip", "windows", "empty")
 
 
+class DataStreamMismatch(UserError):
+    """A saved data state belongs to another stream (other data settings): it cannot continue this one."""
+
+
 class PackedShardsDataset(IterableDataset):
     def __init__(
         self,
@@ -69,7 +73,7 @@ class PackedShardsDataset(IterableDataset):
 
     def check_stream(self, saved: str) -> None:
         if saved != self.stream_id:
-            raise UserError(
+            raise DataStreamMismatch(
                 "the data state was written for another data stream and cannot continue this one:\n"
                 f"  saved:   {saved}\n  current: {self.stream_id}\n"
                 "restore the data settings of that run (source, tokenizer, add_bos, seed, logical_shards, "

@@ -119,7 +119,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
             "use 2 or more, or 0 to keep all")
     ckpt = recipe.checkpoint
     if not ckpt.enable:
-        for name in ("load_step", "interval", "keep_latest_k", "async_mode"):
+        for name in ("load_step", "interval", "keep_latest_k", "async_mode", "data_mismatch"):
             if _changed(ckpt, name) and source_of(f"checkpoint.{name}").startswith("flag"):
                 add(f"checkpoint.{name}", getattr(ckpt, name), "is set on the command line but checkpoint.enable "
                     "is false, so it would be ignored", "add --checkpoint.enable=true")

@@ -107,6 +107,10 @@ class CheckpointConfig:
                                    "folder of `nsa-titan export --format hf`) when no checkpoint exists.")
     async_mode: str = f("disabled", "disabled, or async to overlap saving with training.",
                         choices=("disabled", "async"))
+    data_mismatch: str = f("error", "When a resume finds the checkpoint's data stream is not this recipe's (another "
+                                    "source, mixture, tokenizer or seed): error, or restart (train on the new data "
+                                    "from its beginning, resuming the model, optimizer, LR schedule and step).",
+                           choices=("error", "restart"))
 
 
 @dataclass
