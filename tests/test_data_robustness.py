@@ -83,3 +83,27 @@ def test_whole_files_read_with_newlines_as_text_mode_gives_them(tmp_path):
     path.write_bytes(b"one\r\ntwo\rthree\n")
     source = TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0))
     assert [d for d, _ in source.documents(0, 1, "train", 0, 0, None)] == ["one\ntwo\nthree\n"]
+
+
+def test_the_full_scan_finds_a_bad_byte_deep_in_a_corpus(tmp_path, monkeypatch):
+    """scan() (doctor's) decodes every file in chunks: characters cut by a chunk's end are no error, a bad
+    byte far past what check() reads is named with its byte and line, and so is a file cut mid-character."""
+    import components.data.sources.file_corpus as file_corpus
+
+    monkeypatch.setattr(file_corpus, "_SCAN_CHUNK", 7)  # every multi-byte character below crosses a chunk end
+    good = tmp_path / "good.txt"
+    good.write_text("é€𝄞 line\n" * 3000, encoding="utf-8")
+    bad = tmp_path / "later.jsonl"
+    lines = [b'{"text": "fine \xc3\xa9"}\n'] * 500
+    bad.write_bytes(b"".join(lines) + b'{"text": "bad \xff"}\n')
+    assert "every text file decodes as UTF-8" in TextFilesSource(TextFilesArgs(paths=[str(good)])).scan()
+    source = TextFilesSource(TextFilesArgs(paths=[str(good), str(bad)]))
+    source.check()  # samples the start only
+    where = sum(map(len, lines)) + len(b'{"text": "bad ')
+    with pytest.raises(UserError, match=rf"later\.jsonl is not UTF-8 text \(byte {where} of the file, line 501"):
+        source.scan()
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes("ok €".encode()[:-1])
+    with pytest.raises(UserError, match=r"cut\.txt is not UTF-8 text \(byte 3 of the file, line 1: unexpected end"):
+        TextFilesSource(TextFilesArgs(paths=[str(cut)])).scan()
+    assert TextFilesSource(TextFilesArgs(paths=[str(bad)], invalid_utf8="replace")).corpus().scan_text() == 0

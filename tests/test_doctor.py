@@ -64,6 +64,24 @@ def test_missing_data_path_fails_clearly(tmp_path, capsys):
     assert lines["recipe"][0] == "ok" and lines["memory estimate"][0] == "ok"
 
 
+def test_a_bad_byte_deep_in_a_text_corpus_fails_the_data_check(tmp_path, capsys):
+    """Training reads the start of the corpus at start-up; doctor reads all of it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("plain text\n" * 2000)
+    (corpus / "b.txt").write_bytes(b"more text\n" * 2000 + b"caf\xe9\n")
+    flags = [f"--job.dump_folder={tmp_path / 'run'}", "--data.source=text_files",
+             f"--data.text_files.paths={corpus}", "--data.text_files.validation_fraction=0"]
+    code, lines = _doctor(capsys, DEBUG, *flags)
+    assert code == 1 and lines["data"][0] == "fail", lines["data"]
+    assert "b.txt is not UTF-8 text (byte 20003 of the file, line 2001" in lines["data"][1]
+    code, lines = _doctor(capsys, DEBUG, *flags, "--data.text_files.invalid_utf8=replace")
+    assert code == 0 and lines["data"][0] == "ok", lines["data"]
+    (corpus / "b.txt").write_bytes(b"more text\n" * 2000)
+    code, lines = _doctor(capsys, DEBUG, *flags)
+    assert code == 0 and "every text file decodes as UTF-8 (0.0 MiB read)" in lines["data"][1], lines["data"]
+
+
 def test_invalid_recipe_fails_and_skips_what_depends_on_it(tmp_path, capsys):
     code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--model.nsa.block_stride=5")
     assert code == 1

@@ -112,13 +112,16 @@ def check_data(recipe, runtime) -> tuple[Check, object | None]:
         loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0, dp_size=1, split="train",
                                        batch_size=recipe.training.local_batch_size)
         batch = next(iter(loader))
+        scan = getattr(source, "scan", None)  # the whole corpus once: what a long run would meet late
+        scanned = scan() if callable(scan) else ""
     except UserError as exc:
         return Check(name, FAIL, str(exc)), tokenizer
     inputs = batch["input"]
     documents = int(batch["document_starts"].sum())
     detail = (f"one batch {tuple(inputs.shape)} of token ids {int(inputs.min())}..{int(inputs.max())} "
               f"(vocab {tokenizer.vocab_size}) holding {documents} documents or pieces of them (mean "
-              f"{inputs.numel() / documents:.0f} tokens), in {time.perf_counter() - start:.1f} s")
+              f"{inputs.numel() / documents:.0f} tokens){'; ' + scanned if scanned else ''}, in "
+              f"{time.perf_counter() - start:.1f} s")
     expected = (recipe.training.local_batch_size, recipe.training.seq_len)
     if tuple(inputs.shape) != expected or int(inputs.max()) >= tokenizer.vocab_size or int(inputs.min()) < 0:
         return Check(name, FAIL, detail + f"; expected shape {expected} and ids in 0..{tokenizer.vocab_size - 1}"), tokenizer

@@ -7,6 +7,8 @@ A source is a picklable object with:
   - optionally `has_split(split)`: False when the split is empty by construction (e.g. no
     validation held out), so the loader can refuse it before training;
   - optionally `check_tokenizer(tokenizer)`: raises UserError when the source cannot feed it;
+  - optionally `scan()`: reads the whole corpus once for what check() only samples (doctor calls it),
+    raising UserError, else returning what it found in a few words;
   - `documents(shard, num_shards, split, seed, epoch, cursor)`: the documents of one logical shard
     for one epoch, in that epoch's order, as (document, cursor_after) pairs. A document is a str
     (tokenized by the loader) or an int64 array of token ids. `cursor` is None at the start of the

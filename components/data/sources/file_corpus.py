@@ -103,6 +103,9 @@ def corpus_files(paths: list[str]) -> list[CorpusFile]:
     return [CorpusFile(p, kind_of(p), os.path.relpath(p, root)) for p in paths]
 
 
+_SCAN_CHUNK = 16 * 2**20
+
+
 def _line_number(path: str, offset: int) -> int:
     with open(path, "rb") as f:
         return f.read(offset).count(b"\n") + 1
@@ -256,6 +259,33 @@ class FileCorpus:
             raise UserError(f"{self.what}: {path} is not UTF-8 text (byte {offset + e.start} of the file, line "
                             f"{_line_number(path, offset + e.start)}: {e.reason}). Fix: convert it to UTF-8 or "
                             f"remove it{self.fix}") from None
+
+    def scan_text(self) -> int:
+        """Decode every .txt/.jsonl file once, as training will, so that a byte that is not UTF-8 deep
+        in a corpus is found before a long run (check() reads only the start). Returns the bytes read."""
+        if self.invalid_utf8 != "error":
+            return 0
+        total = 0
+        for f in self.files:
+            if f.kind == "parquet":  # Arrow holds strings as valid UTF-8 already
+                continue
+            decoder = codecs.getincrementaldecoder("utf-8")("strict")
+            offset = 0
+            try:
+                with open(f.path, "rb") as fh:
+                    while chunk := fh.read(_SCAN_CHUNK):
+                        pending = decoder.getstate()[0]  # a character cut by the last chunk's end
+                        try:
+                            decoder.decode(chunk)
+                        except UnicodeDecodeError:  # decoded again from a character start: the message's place
+                            self._decode(pending + chunk, f.path, offset - len(pending))
+                        offset += len(chunk)
+                    pending = decoder.getstate()[0]
+                    self._decode(pending, f.path, offset - len(pending))  # a character cut by the file's end
+            except OSError as e:
+                raise UserError(f"{self.what}: cannot read {f.path} ({e}); fix its permissions or remove it") from e
+            total += offset
+        return total
 
     def _read_whole(self, path: str, limit: int = -1) -> str:
         try:

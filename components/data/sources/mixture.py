@@ -78,6 +78,11 @@ class MixtureSource:
             if callable(check):
                 check()
 
+    def scan(self) -> str:
+        found = [f"{name}: {source.scan()}" for name, source in zip(self.names, self.sources)
+                 if callable(getattr(source, "scan", None))]
+        return "; ".join(found)
+
     def check_tokenizer(self, tokenizer) -> None:
         for source in self.sources:
             check = getattr(source, "check_tokenizer", None)

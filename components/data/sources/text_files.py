@@ -57,6 +57,10 @@ class TextFilesSource:
         raise_problems("data source text_files", self.args.check())
         self.corpus().check()
 
+    def scan(self) -> str:
+        """Read every file once (doctor): what check() samples, in full."""
+        return f"every text file decodes as UTF-8 ({self.corpus().scan_text() / 2**20:.1f} MiB read)"
+
     def fingerprint(self) -> str:
         a = self.args
         # invalid_utf8 is not part of it: every document "error" reads, "replace" reads the same.
