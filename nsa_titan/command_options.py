@@ -22,6 +22,17 @@ def take_option(argv: list[str], name: str, default: str | None = None) -> str |
     return default
 
 
+def existing_ancestor(path: str) -> str:
+    """The path itself, or its nearest parent that exists: where creating it would start."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
 def refuse_unknown_options(argv: list[str], command: str, known: str) -> None:
     """An option still in argv once the command took its own is a typo or another command's: name it."""
     unknown = [arg.split("=", 1)[0] for arg in argv if arg.startswith("-")]
@@ -42,9 +53,7 @@ def check_output(flag: str, path: str, *, folder: bool, fresh: bool = False) -> 
         if fresh and (not folder or os.listdir(path)):
             raise UserError(f"{flag} {path!r} already exists{' and is not an empty folder' if folder else ''}; "
                             f"nothing was written. Fix: choose a new {kind}, or remove this one first.")
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = existing_ancestor(path)
     if not os.path.isdir(existing):
         raise UserError(f"{flag} {path!r} cannot be created: {existing!r} is a file, not a folder. Fix: choose a "
                         f"path under a folder.")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from components.errors import UserError
+from nsa_titan.command_options import existing_ancestor
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 SUPPORTED_TORCH = ((2, 11), (2, 13))
@@ -128,16 +129,6 @@ def check_data(recipe, runtime) -> tuple[Check, object | None]:
     return Check(name, OK, detail), tokenizer
 
 
-def _existing_ancestor(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
 def checkpoint_bytes(num_params: int, keep: int) -> int:
     """fp32 weights and two AdamW moments per checkpoint, times the checkpoints kept (0 keeps all: count 2)."""
     return 12 * num_params * max(keep if keep > 0 else 2, 1)
@@ -145,7 +136,7 @@ def checkpoint_bytes(num_params: int, keep: int) -> int:
 
 def check_dump_folder(folder: str, needed: int) -> Check:
     """Writable (tried with a real file) and with room: at least MIN_FREE_DISK and what checkpoints need."""
-    target = _existing_ancestor(folder)
+    target = existing_ancestor(folder)
     shown = folder if target == os.path.abspath(folder) else f"{folder} (to be created under {target})"
     if not os.path.isdir(target):
         return Check("dump folder", FAIL, f"{target} exists but is not a folder. Fix: set --job.dump_folder to a "
