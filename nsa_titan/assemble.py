@@ -12,17 +12,13 @@ from components.model_hooks import ParallelPlan
 from components.optim import lr_factor
 
 
-def build_part(kind: str, name: str, args):
-    return registry.build(kind, name, args)
-
-
 def build_tokenizer(recipe: Recipe):
-    return build_part("tokenizer", recipe.data.tokenizer, recipe.data.tokenizer_args)
+    return registry.build("tokenizer", recipe.data.tokenizer, recipe.data.tokenizer_args)
 
 
 def build_source(recipe: Recipe):
     """The data source, checked once here (the loaders built from it do not check it again)."""
-    source = build_part("data_source", recipe.data.source, recipe.data.source_args)
+    source = registry.build("data_source", recipe.data.source, recipe.data.source_args)
     check = getattr(source, "check", None)
     if callable(check):
         check()
