@@ -67,3 +67,14 @@ def metrics(folder) -> list[dict]:
 
 def losses(folder) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(folder) if "loss" in r}
+
+
+def assert_cuda_only_refused_at_start(tmp_path, capsys, flags: list[str], message: str) -> None:
+    """A CUDA-only setting with training.device = auto on a machine without CUDA, known only once the
+    run starts: exit 2 with `message`, before the run folder is made."""
+    from nsa_titan import cli
+
+    argv = [DEBUG, *TINY, *flags, "--training.device=auto", f"--job.dump_folder={tmp_path / 'run'}"]
+    assert cli.main(["train", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -7,10 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from nsa_titan import cli
 from nsa_titan.inspect.recorder import BlockTracker, RecordingBackend
 from nsa_titan.parallel.compile import compile_blocks
-from tests.launch import DEBUG, TINY
+from tests.launch import assert_cuda_only_refused_at_start
 
 
 @pytest.mark.parametrize("mode,expected", [("default", {}), ("reduce-overhead", {"mode": "reduce-overhead"}),
@@ -34,8 +33,5 @@ def test_cuda_graphs_off_cuda_are_an_error(tmp_path, capsys):
     """training.device = auto on a machine without CUDA: known only once the run starts."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA, where CUDA graphs run")
-    argv = [DEBUG, *TINY, "--compile.enable=true", "--compile.mode=reduce-overhead", "--training.device=auto",
-            f"--job.dump_folder={tmp_path / 'run'}"]
-    assert cli.main(["train", *argv]) == 2
-    assert "replays CUDA graphs, but this run trains on cpu. Fix: set --compile.mode=default" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()  # refused before the run folder is made
+    assert_cuda_only_refused_at_start(tmp_path, capsys, ["--compile.enable=true", "--compile.mode=reduce-overhead"],
+                                      "replays CUDA graphs, but this run trains on cpu. Fix: set --compile.mode=default")

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerAction
 
 from nsa_titan import cli
 from nsa_titan.observe.step_profiler import StepProfiler
-from tests.launch import DEBUG, TINY
+from tests.launch import DEBUG, TINY, assert_cuda_only_refused_at_start
 
 
 def _profiled_steps(trace_path) -> list[int]:
@@ -108,8 +108,5 @@ def test_a_memory_snapshot_off_cuda_is_an_error(tmp_path, capsys):
     """training.device = auto on a machine without CUDA: known only once the run starts."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA, where the snapshot works")
-    argv = [DEBUG, *TINY, "--profiling.enable=true", "--profiling.memory_snapshot=true", "--training.device=auto",
-            f"--job.dump_folder={tmp_path / 'run'}"]
-    assert cli.main(["train", *argv]) == 2
-    assert "this run trains on cpu. Fix: set --profiling.memory_snapshot=false" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()  # refused before the run folder is made
+    assert_cuda_only_refused_at_start(tmp_path, capsys, ["--profiling.enable=true", "--profiling.memory_snapshot=true"],
+                                      "this run trains on cpu. Fix: set --profiling.memory_snapshot=false")
