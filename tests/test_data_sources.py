@@ -238,30 +238,107 @@ def test_huggingface_cursor_replays_to_the_same_place(hf_parquet):
     assert tail == [d for d, _ in full[5:]]
 
 
-class _FlakyStream:
-    """A streamed dataset whose first `failures` iterations break after `after` batches."""
+@pytest.fixture(scope="module")
+def hf_row_groups(tmp_path_factory):
+    """120 documents in 3 files of row groups of 7 (18 data sources once resharded), none held out."""
+    folder = tmp_path_factory.mktemp("hf_rg")
+    texts = unique_texts(120, seed=21, prefix="rg")
+    for i in range(3):
+        write_parquet(str(folder / f"{i}.parquet"), texts[40 * i:40 * (i + 1)], row_group_size=7)
+    args = HuggingFaceArgs(path="parquet", name="", data_files=[str(folder / "*.parquet")], validation_fraction=0.0,
+                           shuffle_buffer=5)
+    return args, texts
 
-    def __init__(self, inner, failures, after):
-        self.inner, self.failures, self.after = inner, failures, after
+
+def _counting_reads(monkeypatch):
+    """Count the documents read from the stream (before any shuffling or skipping)."""
+    reads = [0]
+    texts = HuggingFaceSource._texts
+
+    def counted(self, dataset):
+        for batch in texts(self, dataset):
+            reads[0] += len(batch)
+            yield batch
+
+    monkeypatch.setattr(HuggingFaceSource, "_texts", counted)
+    monkeypatch.setattr("components.data.sources.huggingface._READ_BATCH", 3)
+    return reads
+
+
+# (shard, logical shards): all in one; 18 sources over 4 (ds.shard); over 3 (split_dataset_by_node by
+# source); over 24, more shards than sources (every shard reads the stream and keeps one example in 24).
+@pytest.mark.parametrize("shard,num_shards", [(0, 1), (1, 4), (2, 3), (5, 24)])
+def test_huggingface_resumes_from_any_cursor_rereading_at_most_one_chunk(hf_row_groups, monkeypatch, shard,
+                                                                         num_shards):
+    args, texts = hf_row_groups
+    args = HuggingFaceArgs(**{**args.__dict__, "shuffle_buffer": 5 if num_shards < 24 else 2})
+    reads = _counting_reads(monkeypatch)
+    source = HuggingFaceSource(args)
+    full = list(source.documents(shard, num_shards, "train", 4, 0, None))
+    docs = [d for d, _ in full]
+    assert len(full) > 2 * args.shuffle_buffer and set(docs) <= set(texts) and docs != sorted(docs)
+    # Mid-chunk and chunk-end cursors alike, about a dozen of them (each resume reopens the dataset).
+    for i, (_, cursor) in list(enumerate(full))[::max(1, len(full) // 12)] + [(len(full) - 1, full[-1])]:
+        reads[0] = 0
+        fresh = HuggingFaceSource(args)  # as after a restart: nothing loaded yet
+        assert [d for d, _ in fresh.documents(shard, num_shards, "train", 4, 0, cursor)] == docs[i + 1:], i
+        if num_shards <= len(texts) // 7:
+            # What a resume reads: the documents after the cursor, plus at most the rest of its chunk and one
+            # read batch (the whole shard's stream, before).
+            assert reads[0] <= len(docs) - (i + 1) + args.shuffle_buffer + 3, (i, reads[0])
+    # Loading a position into the stream does not leak into the source's next epoch.
+    reused = HuggingFaceSource(args)
+    list(reused.documents(shard, num_shards, "train", 4, 0, full[len(full) // 2][1]))
+    assert [d for d, _ in reused.documents(shard, num_shards, "train", 4, 1, None)] == \
+        [d for d, _ in HuggingFaceSource(args).documents(shard, num_shards, "train", 4, 1, None)]
+
+
+def test_huggingface_cursor_of_a_shuffle_buffer_resumes_in_its_order(hf_row_groups):
+    """Checkpoints saved before chunks hold a count of documents: they resume the old buffer's order."""
+    from components.data.sources.base import order_rng
+    from components.data.sources.huggingface import buffered_shuffle
+
+    args, _ = hf_row_groups
+    in_order = [d for d, _ in HuggingFaceSource(HuggingFaceArgs(**{**args.__dict__, "shuffle_buffer": 0})).documents(
+        1, 4, "train", 4, 0, None)]
+    old_order = list(buffered_shuffle(in_order, args.shuffle_buffer, order_rng(4, 1, 0)))
+    resumed = list(HuggingFaceSource(args).documents(1, 4, "train", 4, 0, 3))
+    assert [d for d, _ in resumed] == old_order[3:]
+    assert [c for _, c in resumed] == list(range(4, len(old_order) + 1))
+
+
+class _FlakyStream:
+    """A streamed dataset whose k-th iteration breaks after `breaks[k]` batches (later ones do not break)."""
+
+    def __init__(self, inner, breaks):
+        self.inner, self.breaks = inner, list(breaks)
+        self.loaded_states = 0
 
     def iter(self, batch_size):
+        after = self.breaks.pop(0) if self.breaks else None
         for i, batch in enumerate(self.inner.iter(batch_size=batch_size)):
-            if i == self.after and self.failures > 0:
-                self.failures -= 1
+            if i == after:
                 raise ConnectionError("connection reset by peer")
             yield batch
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.loaded_states += 1
+        self.inner.load_state_dict(state)
 
 
 def test_huggingface_read_failures_are_retried_from_the_same_document(hf_parquet, monkeypatch, caplog):
     source, _ = hf_parquet
-    expected = list(source.documents(1, 2, "train", 9, 0, None))
+    expected = [d for d, _ in source.documents(0, 1, "train", 9, 0, None)]
     flaky = HuggingFaceSource(HuggingFaceArgs(**{**source.args.__dict__, "read_retries": 3}))
     original = flaky._shard_dataset
     streams = {}
 
     def flaky_shard(shard, num_shards, hf_split):
         key = (shard, num_shards, hf_split)
-        streams.setdefault(key, _FlakyStream(original(shard, num_shards, hf_split), failures=2, after=5))
+        streams.setdefault(key, _FlakyStream(original(shard, num_shards, hf_split), breaks=[4, 4]))
         return streams[key]
 
     monkeypatch.setattr(flaky, "_shard_dataset", flaky_shard)
@@ -269,19 +346,24 @@ def test_huggingface_read_failures_are_retried_from_the_same_document(hf_parquet
     monkeypatch.setattr("components.data.sources.huggingface.time.sleep", pauses.append)
     monkeypatch.setattr("components.data.sources.huggingface._READ_BATCH", 4)
     with caplog.at_level("WARNING"):
-        assert list(flaky.documents(1, 2, "train", 9, 0, None)) == expected
-    assert pauses == [2, 4]
+        # The same documents, though read in smaller batches (cursors name other, equivalent places).
+        assert [d for d, _ in flaky.documents(0, 1, "train", 9, 0, None)] == expected
     assert "retry 1 of 3" in caplog.text and "connection reset by peer" in caplog.text
-    # It broke mid-stream: documents had been yielded, and the retry skipped exactly those.
-    resumed_at = [int(m) for m in re.findall(r"from document (\d+)", caplog.text)]
-    assert len(resumed_at) == 2 and 0 < resumed_at[0] < len(expected)
+    # It broke mid-stream twice, each time after new documents (so the pause did not grow), and each retry
+    # reopened the stream where the last document was, not at its start.
+    assert pauses == [2, 2]
+    resumed_at = [int(m) for m in re.findall(r"after document (\d+)", caplog.text)]
+    assert len(resumed_at) == 2 and 0 < resumed_at[0] < resumed_at[1] < len(expected)
+    assert streams[(0, 1, "train")].loaded_states == 2
 
     # A failure that does not go away: a clear error once the retries are spent.
     stubborn = HuggingFaceSource(HuggingFaceArgs(**{**source.args.__dict__, "read_retries": 2}))
-    stream = _FlakyStream(stubborn._shard_dataset(1, 2, "train"), failures=10, after=0)
+    stream = _FlakyStream(stubborn._shard_dataset(1, 2, "train"), breaks=[0] * 10)
     monkeypatch.setattr(stubborn, "_shard_dataset", lambda *a: stream)
+    pauses.clear()
     with pytest.raises(UserError, match="failed 3 times in a row.*resumes from the last checkpoint"):
         list(stubborn.documents(1, 2, "train", 9, 0, None))
+    assert pauses == [2, 4]  # failures in a row pause longer each time
 
 
 def test_huggingface_errors(hf_parquet, monkeypatch):

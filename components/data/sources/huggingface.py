@@ -6,18 +6,24 @@ Logical shard s of S reads only its own data sources (files or parquet row group
     when there are at least S sources: ds.shard(S, s, contiguous=False) (uneven but disjoint);
   - else every shard reads the whole stream and keeps one example in S (split_dataset_by_node's
     example strategy), which multiplies reading by S: a warning says so.
-Order: the shard's stream goes through a shuffle buffer seeded by (seed, shard, epoch). The cursor is
-the number of documents already yielded in the epoch; resuming replays the stream up to it (reads,
-but does not tokenize, what it skips).
+Order: the shard's stream is read in chunks of `shuffle_buffer` documents, and each chunk is shuffled
+by a generator seeded by (seed, shard, epoch, chunk). The cursor holds the chunk's number, the
+stream's position where the chunk starts (datasets' own state_dict, so a resume opens the stream
+there: parquet files and row groups before it are not read) and how many of its documents were
+yielded. A resume therefore re-reads at most one chunk, wherever it stopped in the epoch.
+Cursors saved before chunks (a count of documents, from a shuffle buffer) still resume: they replay
+the stream up to that count in the old order, until the epoch ends.
 Validation: `validation_split` names a split of the dataset; when empty, a document is validation
 iff unit_hash(its text) < validation_fraction.
 Streaming over a network fails now and then; a read that fails is retried (read_retries times, with
-growing pauses) by reopening the shard's stream and replaying it to the same document, so the
-documents are the same as without the failure.
+growing pauses) by reopening the shard's stream at the last cursor, so the documents are the same as
+without the failure.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,6 +34,7 @@ from components.problems import Problem, problem, raise_problems
 
 log = logging.getLogger(__name__)
 _READ_BATCH = 64
+_LOCAL_BUILDERS = ("parquet", "json", "csv", "text", "arrow")
 
 
 @dataclass
@@ -53,7 +60,9 @@ class HuggingFaceArgs:
         default_factory=list, metadata={"doc": "data files for builders such as 'parquet' (globs allowed)"}
     )
     shuffle_buffer: int = field(
-        default=512, metadata={"doc": "documents held per logical shard to shuffle the stream (0: keep order)", "ge": 0}
+        default=512,
+        metadata={"doc": "documents shuffled together: each logical shard reads its stream in chunks of this many "
+                         "and shuffles each chunk (0 or 1: keep order); a resume re-reads at most one chunk", "ge": 0},
     )
     read_retries: int = field(
         default=6,
@@ -67,7 +76,7 @@ class HuggingFaceArgs:
                 "validation_split", self.validation_split,
                 f"equals split {self.split!r}, so validation would repeat training data",
                 "name another split or leave it '' to hold out validation_fraction by hash"))
-        if self.path in ("parquet", "json", "csv", "text", "arrow") and not self.data_files:
+        if self.path in _LOCAL_BUILDERS and not self.data_files:
             problems.append(problem("data_files", None, f"builder {self.path!r} needs data_files",
                                     "list the local files as paths or globs"))
         return problems
@@ -115,7 +124,10 @@ class HuggingFaceSource:
             import datasets
 
             a = self.args
+            counts = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
             try:
+                # A builder over local files pings the Hub's download counter (a 3 s timeout offline) at every load.
+                datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts and a.path not in _LOCAL_BUILDERS
                 ds = datasets.load_dataset(
                     a.path, a.name or None, split=hf_split, streaming=True, data_files=list(a.data_files) or None
                 )
@@ -125,6 +137,8 @@ class HuggingFaceSource:
                     "download the parquet files once and use data source text_files with paths = "
                     "['<folder>/*.parquet'] (or huggingface with path = 'parquet' and data_files)"
                 ) from e
+            finally:
+                datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
             self._loaded[hf_split] = ds
         return self._loaded[hf_split]
 
@@ -161,7 +175,7 @@ class HuggingFaceSource:
                         f"{self._what()}: no field {field_name!r}; the fields are {sorted(batch)}; "
                         "set text_field to the one holding the text"
                     )
-                yield from batch[field_name]
+                yield batch[field_name]
         except UserError:
             raise
         except Exception as e:  # network and decoding failures surface here during streaming
@@ -172,7 +186,7 @@ class HuggingFaceSource:
         splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
         for hf_split in splits:
             try:
-                first = next(iter(self._texts(self._load(hf_split))), None)
+                first = next((t for batch in self._texts(self._load(hf_split)) for t in batch), None)
             except _ReadFailed as e:
                 raise UserError(f"{self._what()}: reading split {hf_split!r} failed ({e})") from e
             if first is None:
@@ -191,13 +205,12 @@ class HuggingFaceSource:
         )
 
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
-        position = 0 if cursor is None else int(cursor)
-        failures = 0
+        failures = yielded = 0
         while True:
             try:
-                for text, position in self._documents_once(shard, num_shards, split, seed, epoch, position):
-                    failures = 0
-                    yield text, position
+                for text, cursor in self._documents_once(shard, num_shards, split, seed, epoch, cursor):
+                    failures, yielded = 0, yielded + 1
+                    yield text, cursor
                 return
             except _ReadFailed as e:
                 failures += 1
@@ -208,20 +221,53 @@ class HuggingFaceSource:
                         "last checkpoint. Offline, use data source text_files over downloaded parquet files"
                     ) from e
                 pause = min(60, 2**failures)
-                log.warning("%s: reading logical shard %d failed (%s); retry %d of %d in %d s, from document %d",
-                            self._what(), shard, e, failures, self.args.read_retries, pause, position)
+                log.warning("%s: reading logical shard %d failed (%s); retry %d of %d in %d s, after document %d",
+                            self._what(), shard, e, failures, self.args.read_retries, pause, yielded)
                 time.sleep(pause)
 
     def _documents_once(self, shard, num_shards, split, seed, epoch, cursor):
-        hf_split = self._hf_split(split)
-        texts = (t for t in self._texts(self._shard_dataset(shard, num_shards, hf_split)) if t)
-        if not self.args.validation_split:
-            texts = (t for t in texts if split_of(t, self.args.validation_fraction) == split)
+        if isinstance(cursor, int):
+            yield from self._replayed_documents(shard, num_shards, split, seed, epoch, cursor)
+            return
+        chunk_no, state, skip, done = cursor if cursor is not None else (0, None, 0, 0)
+        dataset = self._shard_dataset(shard, num_shards, self._hf_split(split))
+        if state is not None:
+            dataset.load_state_dict(json.loads(state))
+        addressed = self._addressed(self._kept_batches(dataset, split), state, skip)
+        size = max(1, self.args.shuffle_buffer)
+        while chunk := list(itertools.islice(addressed, size)):
+            (_, start, _), (_, _, after) = chunk[0], chunk[-1]
+            order = order_rng(seed, shard, epoch, chunk_no).permutation(len(chunk)) if size > 1 else range(len(chunk))
+            for j in range(done, len(chunk)):
+                # After a chunk's last document the cursor names the next chunk: a resume there reads nothing again.
+                yield chunk[order[j]][0], ([chunk_no, *start, j + 1] if j + 1 < len(chunk) else [chunk_no + 1, *after, 0])
+            chunk_no, done = chunk_no + 1, 0
+
+    @staticmethod
+    def _addressed(batches, state, skip):
+        """(text, its address, the next text's address); an address is (the stream's state before the text's
+        batch, the text's index among the batch's kept texts), which a resume can open."""
+        for texts, after in batches:
+            for i in range(skip, len(texts)):
+                yield texts[i], (state, i), ((state, i + 1) if i + 1 < len(texts) else (after, 0))
+            state, skip = after, 0
+
+    def _kept_batches(self, dataset, split):
+        """(the texts of one read batch that belong to `split`, the stream's state after it as JSON)."""
+        for texts in self._texts(dataset):
+            kept = [t for t in texts if t]
+            if not self.args.validation_split:
+                kept = [t for t in kept if split_of(t, self.args.validation_fraction) == split]
+            yield kept, json.dumps(dataset.state_dict())
+
+    def _replayed_documents(self, shard, num_shards, split, seed, epoch, count):
+        """The order of cursors saved before chunks: a shuffle buffer, resumed by replaying `count` documents."""
+        texts = (t for batch, _ in self._kept_batches(self._shard_dataset(shard, num_shards, self._hf_split(split)), split)
+                 for t in batch)
         if self.args.shuffle_buffer > 1:
             texts = buffered_shuffle(texts, self.args.shuffle_buffer, order_rng(seed, shard, epoch))
-        start = 0 if cursor is None else int(cursor)
         for position, text in enumerate(texts):
-            if position >= start:
+            if position >= count:
                 yield text, position + 1
 
 
