@@ -157,3 +157,14 @@ def test_context_parallel_bench_reports_every_rank_and_the_balance(tmp_path, mon
     assert all(r["peak_memory_gib"] > 0 and len(r["step_seconds"]) == 2 for run in runs.values() for r in run["ranks"])
     assert {(b["cp"], b["split"]) for b in result["balance"]} == {(2, "head-tail"), (2, "contiguous")}
     assert all(len(b["rank_seconds"]) == 2 and b["imbalance"] >= 1 for b in result["balance"])
+
+
+def test_data_resume_bench_times_both_cursors(tmp_path):
+    from bench import data_resume
+
+    out = tmp_path / "data_resume.json"
+    assert data_resume.main(["--documents", "600", "--row-group", "50", "--at", "0.8", "--shards", "2",
+                             "--shuffle-buffer", "16", "--folder", str(tmp_path), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["resumed_after_documents"] == 240
+    assert set(result["seconds_to_first_document"]) == {"stream_state_cursor", "count_cursor_replay"}

@@ -1,0 +1,86 @@
+"""Time a huggingface-source resume late in an epoch: opening the stream at its saved state against
+replaying it up to a count of documents (the cursor that checkpoints saved before chunks); prints one
+JSON object.
+
+    python bench/data_resume.py [--documents 200000] [--row-group 2000] [--at 0.9] [--shards 1]
+
+The corpus is local parquet (written once into --folder), read through datasets' streaming
+`parquet` builder, as a Hub dataset's parquet files are. Reported: seconds from the call to the
+first document after the cursor, for both kinds of cursor at the same place in the epoch (the count
+cursor resumes the old shuffle-buffer order; what is timed is how far each reads before yielding),
+and the seconds the stream took to get there from the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.environment import describe_environment, write_report  # noqa: E402
+from components.data.sources import HuggingFaceArgs, HuggingFaceSource  # noqa: E402
+
+
+def write_corpus(folder: str, documents: int, row_group: int) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = os.path.join(folder, f"corpus-{documents}-{row_group}.parquet")
+    if not os.path.exists(path):
+        words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "lambda"]
+        texts = [f"document {i}: " + " ".join(words[(i * 7 + j) % 8] for j in range(60 + i % 200))
+                 for i in range(documents)]
+        pq.write_table(pa.table({"text": texts}), path, row_group_size=row_group)
+    return path
+
+
+def first_after(source: HuggingFaceSource, shards: int, cursor) -> tuple[float, str]:
+    start = time.perf_counter()
+    text, _ = next(iter(source.documents(0, shards, "train", 0, 0, cursor)))
+    return time.perf_counter() - start, text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--documents", type=int, default=200_000)
+    parser.add_argument("--row-group", type=int, default=2000)
+    parser.add_argument("--at", type=float, default=0.9, help="where in the shard's epoch to resume (0..1)")
+    parser.add_argument("--shards", type=int, default=1, help="logical shards (the first one is read)")
+    parser.add_argument("--shuffle-buffer", type=int, default=512)
+    parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "nsa_titan_bench_data_resume"))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    os.makedirs(args.folder, exist_ok=True)
+    path = write_corpus(args.folder, args.documents, args.row_group)
+    hf_args = HuggingFaceArgs(path="parquet", name="", data_files=[path], validation_fraction=0.0,
+                              shuffle_buffer=args.shuffle_buffer)
+
+    walk_start = time.perf_counter()
+    stream = HuggingFaceSource(hf_args).documents(0, args.shards, "train", 0, 0, None)
+    in_shard = 0
+    target = int(args.at * args.documents / args.shards)
+    for in_shard, (_, cursor) in enumerate(stream, start=1):
+        if in_shard == target:
+            break
+    walk_seconds = time.perf_counter() - walk_start
+    state_seconds, _ = first_after(HuggingFaceSource(hf_args), args.shards, cursor)
+    replay_seconds, _ = first_after(HuggingFaceSource(hf_args), args.shards, in_shard)
+    report = {
+        "environment": describe_environment(),
+        "documents": args.documents, "row_group": args.row_group, "shards": args.shards,
+        "shuffle_buffer": args.shuffle_buffer, "resumed_after_documents": in_shard,
+        "seconds_to_reach_cursor_from_start": round(walk_seconds, 3),
+        "seconds_to_first_document": {"stream_state_cursor": round(state_seconds, 3),
+                                      "count_cursor_replay": round(replay_seconds, 3)},
+    }
+    write_report(report, "data_resume", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
