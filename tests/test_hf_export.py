@@ -135,6 +135,12 @@ def test_padded_rows_compute_what_each_row_computes_alone(exported):
         torch.testing.assert_close(scored.loss, sum(losses) / sum(len(p) - 1 for p in prompts), rtol=1e-6, atol=0)
         with pytest.raises(ValueError, match="padding between its tokens"):
             model(ids["right"][:1], attention_mask=torch.tensor([[1] * 10 + [0] + [1] * (width - 11)]))
+        # Without a cache (as in training), a batch padded on the right runs in one call, to the same numbers.
+        del calls[:]
+        batched = model(ids["right"], attention_mask=mask["right"], labels=ids["right"], use_cache=False)
+        assert calls == [width] and batched.past_key_values is None
+        torch.testing.assert_close(batched.logits, scored.logits, rtol=0, atol=1e-6)
+        torch.testing.assert_close(batched.loss, scored.loss, rtol=1e-6, atol=0)
 
 
 def test_beam_search_with_the_cache_equals_it_without(exported):

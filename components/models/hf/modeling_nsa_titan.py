@@ -25,7 +25,9 @@ and values and the compressed blocks done so far.
 Padded batches (attention_mask with zeros, padding on either side of each row): every row runs
 alone on its own tokens, with its own cache, so it computes exactly what it would unpadded (NSA's
 blocks count from a sequence's first token, so padding cannot simply be masked). Pad positions
-get zero logits. Generation pads on the left (tokenizer.padding_side = "left").
+get zero logits. Generation pads on the left (tokenizer.padding_side = "left"). A batch padded on
+the right only, without a cache (training), runs in one call: its rows start together, and causal
+attention keeps the pads after a row's tokens out of their logits.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 QUERY_CHUNK = 256  # queries per attention chunk
+
+
+def _prefix_rows(attention_mask) -> bool:
+    """Whether every row's real tokens come first (padding on the right only)."""
+    real = attention_mask.bool()
+    return bool((real[:, 1:] <= real[:, :-1]).all())
 
 
 class NSATitanConfig(PretrainedConfig):
@@ -373,7 +381,12 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         caching = cache is not None or ((use_cache if use_cache is not None else self.config.use_cache)
                                         and not self.training)
         padded = attention_mask is not None and not bool(attention_mask.all())
-        if padded or (cache is not None and cache.rows is not None):
+        if padded and cache is None and not caching and _prefix_rows(attention_mask):
+            # Right padding only: each row's tokens start at column 0, and a causal model's logits there do not
+            # depend on the pads after them, so the batch runs in one call (training on padded batches).
+            self._check_length(input_ids.shape[1])
+            logits = self.model(input_ids, None).masked_fill(~attention_mask.bool()[..., None], 0)
+        elif padded or (cache is not None and cache.rows is not None):
             logits, cache = self._padded_rows(input_ids, attention_mask, cache, caching)
         else:
             self._check_length((0 if cache is None else cache.length) + input_ids.shape[1])
