@@ -200,3 +200,20 @@ def test_the_estimate_counts_the_explicit_mask_of_dense_documents():
     split = estimate_memory(activation=activation_memory(dense, MemoryLayout(2)), tokens=512, seq_len=1024,
                             context_parallel=2, **common)
     assert split.masks == 512 * 1024 * 2  # the rank's queries against the whole rows' keys
+
+
+def test_a_failing_activation_memory_hook_is_named_with_its_signature(tmp_path, capsys, monkeypatch):
+    """A plugin's hook written for the earlier signature (args, context_parallel) fails with a message that
+    says how the hook is called now, not with a bare TypeError."""
+    from nsa_titan import registry
+
+    part = registry.get("model", "transformer")
+
+    def earlier_hook(args, context_parallel):
+        return ActivationMemory(per_block=args.dim * 12 // context_parallel)
+
+    monkeypatch.setitem(registry._PARTS["model"], "transformer", dataclasses.replace(part, activation_memory=earlier_hook))
+    code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path / 'run'}")
+    assert code == 1 and lines["memory estimate"][0] == "fail"
+    assert "activation_memory hook failed (TypeError" in lines["memory estimate"][1]
+    assert "reads layout.context_parallel" in lines["memory estimate"][1]

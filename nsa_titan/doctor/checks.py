@@ -191,7 +191,13 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     ac = recipe.activation_checkpoint
     t = recipe.training
     compiled = recipe.compile.backend if recipe.compile.enable else None
-    activation = part.activation_memory(recipe.model.args, MemoryLayout(cp, compiled, runtime.device.type))
+    try:
+        activation = part.activation_memory(recipe.model.args, MemoryLayout(cp, compiled, runtime.device.type))
+    except Exception as e:  # a plugin's hook
+        return Check("memory estimate", FAIL, f"model {recipe.model.name!r}'s activation_memory hook failed "
+                                              f"({type(e).__name__}: {e}). It is called as (args, layout), layout a "
+                                              "components.model_hooks.MemoryLayout; a hook written for (args, "
+                                              "context_parallel) reads layout.context_parallel instead")
     estimate = estimate_memory(activation=activation, context_parallel=cp, seq_len=t.seq_len,
                                num_params=assemble.count_parameters(model),
                                block_params=block_params, vocab_size=tokenizer.vocab_size, shard=shard,
