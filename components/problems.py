@@ -61,6 +61,11 @@ def choices_of(meta: Mapping[str, Any]) -> tuple | None:
     return tuple(choices()) if callable(choices) else choices
 
 
+# What a field's metadata may say; anything else would be ignored, so tests refuse it.
+FIELD_METADATA = frozenset({"doc", "choices", "ge", "gt", "le", "lt", "component", "args_for", "placement", "exclude",
+                            "used_when"})
+
+
 def bound_problem(value: Any, meta: Mapping[str, Any]) -> tuple[str, str] | None:
     """(why, fix) when value breaks the field's choices or bounds, else None."""
     choices = choices_of(meta)
@@ -69,7 +74,7 @@ def bound_problem(value: Any, meta: Mapping[str, Any]) -> tuple[str, str] | None
                 f"choose one of {', '.join(map(str, choices))}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         for key, ok, words in (("ge", lambda v, b: v >= b, "at least"), ("gt", lambda v, b: v > b, "greater than"),
-                               ("le", lambda v, b: v <= b, "at most")):
+                               ("le", lambda v, b: v <= b, "at most"), ("lt", lambda v, b: v < b, "less than")):
             if key in meta and not ok(value, meta[key]):
                 return f"must be {words} {meta[key]}", f"use a value {words} {meta[key]}"
     return None

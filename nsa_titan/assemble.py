@@ -73,8 +73,9 @@ def count_parameters(model: nn.Module) -> int:
 
 def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
     opt = recipe.optimizer
-    return registry.get("optimizer", opt.name).build(model, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                                      weight_decay=opt.weight_decay)
+    part = registry.get("optimizer", opt.name)
+    own = {} if part.args is None else {"args": opt.args}  # an optimizer registered with arguments gets them
+    return part.build(model, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay, **own)
 
 
 def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer,

@@ -23,5 +23,7 @@ def register_builtins(register, build) -> None:
     for name, (args_cls, factory) in data.TOKENIZERS.items():
         register("tokenizer", name, factory, args=args_cls)
     register("optimizer", "adamw", optim.build_adamw, doc="AdamW, weight decay on matrices only")
+    register("optimizer", "muon", optim.build_muon, args=optim.MuonArgs,
+             doc="Muon for the linear layers' matrices, AdamW for embeddings, output head, norms and biases")
     for name, shape in optim.SCHEDULES.items():
         register("lr_schedule", name, shape)

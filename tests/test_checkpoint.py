@@ -25,6 +25,8 @@ LAYOUTS = {
     "single": (1, []),
     "ddp": (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2"]),
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree=2"]),
+    # Muon's momentum is sharded like its matrices; its update is gathered whole
+    "fsdp_muon": (2, ["--parallelism.data_parallel_shard_degree=2", "--optimizer.name=muon"]),
 }
 
 

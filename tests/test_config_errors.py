@@ -242,3 +242,48 @@ def test_process_exit_code_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "training.steps = 0: must be at least 1" in proc.stderr
+
+
+def test_every_field_says_only_what_the_checks_read():
+    """A metadata key no check reads (say a bound spelled 'max') would be ignored without a word: every field
+    of the recipe schema and of every registered part's arguments carries known keys only."""
+    import dataclasses
+    import typing
+
+    from components.problems import FIELD_METADATA
+    from nsa_titan import registry
+    from nsa_titan.config.schema import Recipe
+
+    seen, stack = set(), [Recipe]
+    stack += [registry.get(kind, name).args for kind in registry.KINDS for name in registry.available(kind)
+              if kind != "attention_backend"]
+    checked = 0
+    while stack:
+        cls = stack.pop()
+        if cls is None or cls in seen or not dataclasses.is_dataclass(cls):
+            continue
+        seen.add(cls)
+        hints = typing.get_type_hints(cls)
+        for fld in dataclasses.fields(cls):
+            assert set(fld.metadata) <= FIELD_METADATA, (cls.__name__, fld.name, set(fld.metadata) - FIELD_METADATA)
+            checked += 1
+            stack += [t for t in (hints[fld.name], *typing.get_args(hints[fld.name])) if isinstance(t, type)]
+    assert checked > 100
+
+
+@pytest.mark.parametrize("flag,expected", [("--optimizer.muon.momentum=1", "must be less than 1.0"),
+                                           ("--optimizer.muon.ns_steps=0", "must be at least 1"),
+                                           ("--optimizer.muon.adjust_lr=spectral", "must be one of")])
+def test_muon_arguments_are_checked(flag, expected):
+    from nsa_titan.config.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=f"optimizer.muon.*{expected}"):
+        resolve(["recipes/debug.toml", "--optimizer.name=muon", flag])
+
+
+def test_muon_arguments_without_muon_are_refused():
+    from nsa_titan.config.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"optimizer.muon") as error:
+        resolve(["recipes/debug.toml", "--optimizer.muon.ns_steps=3"])
+    assert "adamw" in str(error.value)

@@ -55,6 +55,23 @@ def test_layout_matches_single_process(tmp_path, single_process_losses, layout):
         assert got[step] == pytest.approx(expected, rel=RTOL), (layout, step, got, single_process_losses)
 
 
+def test_muon_under_fsdp_matches_single_process(tmp_path, single_process_losses):
+    """Muon orthogonalizes whole matrices: under FSDP2 each rank gathers the update, so two sharded ranks
+    train as one process does (and Muon moved the weights: its losses are not AdamW's)."""
+    muon = [*COMMON, "--optimizer.name=muon"]
+    single = train([*muon, f"--job.dump_folder={tmp_path / 'single'}"])
+    assert single.returncode == 0, single.stderr[-4000:]
+    nproc, flags = LAYOUTS["fsdp"]
+    sharded = train([*muon, *flags, f"--job.dump_folder={tmp_path / 'fsdp'}"], nproc=nproc)
+    assert sharded.returncode == 0, sharded.stderr[-4000:]
+    assert f"FSDP2 over {MESHES['fsdp']} |" in sharded.stdout + sharded.stderr
+    expected, got = losses(tmp_path / "single"), losses(tmp_path / "fsdp")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=RTOL), (step, got, expected)
+    assert expected[STEPS] != pytest.approx(single_process_losses[STEPS], rel=1e-3)
+
+
 def test_two_node_launch_on_loopback(tmp_path):
     port = free_port()
     procs = []

@@ -1,7 +1,8 @@
 """Recipe fields: one helper to declare them and a few to read their metadata back.
 
 Every recipe field is a dataclass field whose metadata carries a one-line "doc" and, where it
-applies, "choices" and numeric bounds ("ge", "gt", "le"). Components declare their argument
+applies, "choices" and numeric bounds ("ge", "gt", "le", "lt"); components.problems.FIELD_METADATA
+lists every key a field may carry. Components declare their argument
 dataclasses with plain `dataclasses.field(metadata=...)` in the same convention, so they need not
 import the engine.
 
@@ -25,13 +26,13 @@ from typing import Any
 
 
 def f(default: Any = dataclasses.MISSING, doc: str = "", *, choices=None, ge=None, gt=None,
-      le=None, component: str | None = None, args_for: str | None = None,
+      le=None, lt=None, component: str | None = None, args_for: str | None = None,
       placement: str | None = None) -> Any:
     """Declare a recipe field with its one-line doc and constraints."""
     if not doc:
         raise ValueError("every recipe field needs a one-line doc")
     meta = {"doc": doc}
-    for key, value in (("choices", choices), ("ge", ge), ("gt", gt), ("le", le),
+    for key, value in (("choices", choices), ("ge", ge), ("gt", gt), ("le", le), ("lt", lt),
                        ("component", component), ("args_for", args_for),
                        ("placement", placement)):
         if value is not None:

@@ -78,11 +78,14 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = f("adamw", "Registered optimizer.", component="optimizer")
+    name: str = f("adamw", "Registered optimizer: adamw, or muon (Muon for the hidden matrices, AdamW for the "
+                           "rest).", component="optimizer")
     lr: float = f(3e-4, "Peak learning rate.", gt=0.0)
-    betas: list[float] = f([0.9, 0.95], "Adam betas (beta1, beta2).")
+    betas: list[float] = f([0.9, 0.95], "Adam betas (beta1, beta2); with muon, for the parameters AdamW updates.")
     eps: float = f(1e-8, "Adam epsilon.", gt=0.0)
     weight_decay: float = f(0.1, "Decoupled weight decay for matrices; norms, biases and embeddings get none.", ge=0.0)
+    args: Any = f(None, "The chosen optimizer's own arguments, in the table [optimizer.<name>].",
+                  args_for="name", placement="table")
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""optimizer.name = "muon": which parameters Muon updates, its update against torch's own Muon and AdamW, and
+a state that resumes exactly (the sharded path runs in tests/test_distributed.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from components.optim.muon import MuonArgs, build_muon, muon_params, orthogonalized
+from nsa_titan import assemble
+from nsa_titan.config import resolve
+from tests.launch import DEBUG
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+HYPER = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _model(*flags):
+    recipe = resolve([DEBUG, "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+                      *flags]).recipe
+    torch.manual_seed(0)
+    model = assemble.build_model_on_meta(recipe, 258)
+    assemble.materialize(model, torch.device("cpu"), 0, distributed=False,
+                         build_reference=lambda: assemble.build_model_on_meta(recipe, 258))
+    return model
+
+
+def _names(model, params):
+    ids = {id(p) for p in params}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tied):
+    model = _model(f"--model.tie_embeddings={str(tied).lower()}")
+    muon = _names(model, muon_params(model))
+    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert muon and muon <= linear and all(".layers." in f".{n}" for n in muon)
+    # Every block's linear layers are Muon's: attention projections, NSA's gate and compression, the MLP.
+    assert {n for n in linear if n.startswith("layers.")} == muon
+    rest = {n for n, _ in model.named_parameters()} - muon
+    assert {n for n in rest if n.startswith(("tok_embeddings", "output"))} == (
+        {"tok_embeddings.weight"} if tied else {"tok_embeddings.weight", "output.weight"})
+    optimizer = build_muon(model, **HYPER, args=MuonArgs())
+    groups = {(g["muon"], g["weight_decay"]): _names(model, g["params"]) for g in optimizer.param_groups}
+    assert groups[(True, 0.1)] == muon
+    assert "tok_embeddings.weight" in groups[(False, 0.0)]  # tables are not decayed
+    assert ("output.weight" in groups.get((False, 0.1), set())) != tied  # an untied head is decayed, by AdamW
+
+
+def _random_grads(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 0.01
+
+
+def test_steps_equal_torchs_muon_and_adamw():
+    """Three steps on random gradients: the Muon matrices exactly as torch.optim.Muon (torch's own
+    implementation, for single tensors) moves them, the rest exactly as torch.optim.AdamW."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    ours = build_muon(model, **HYPER, args=MuonArgs())
+    matrices = muon_params(reference)
+    theirs_muon = torch.optim.Muon(matrices, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], momentum=0.95,
+                                   nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw")
+    decayed = [g for g in ours.param_groups if not g["muon"]]
+    by_name = dict(reference.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    theirs_adamw = torch.optim.AdamW([{"params": [by_name[names[id(p)]] for p in g["params"]],
+                                       "weight_decay": g["weight_decay"]} for g in decayed],
+                                     lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], foreach=True)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(3):
+        _random_grads(model, step)
+        _random_grads(reference, step)
+        ours.step()
+        theirs_muon.step()
+        theirs_adamw.step()
+    for name, p in model.named_parameters():
+        assert not torch.equal(p, start[name]), name
+        torch.testing.assert_close(p, by_name[name], rtol=0, atol=0, msg=name)
+
+
+def test_orthogonalized_has_singular_values_near_one():
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((64, 16), (16, 64), (48, 48)):
+        s = torch.linalg.svdvals(orthogonalized(torch.randn(*shape, generator=gen), 5).float())
+        assert s.min() > 0.5 and s.max() < 1.3, (shape, s.min(), s.max())
+
+
+def test_a_saved_state_resumes_exactly():
+    """Through the state dict checkpoints save (DCP's get/set_optimizer_state_dict): five steps equal three,
+    a save, a fresh model and optimizer loaded from it, and two more, to the bit."""
+    model = _model()
+    optimizer = build_muon(model, **HYPER, args=MuonArgs())
+    for step in range(3):
+        _random_grads(model, step)
+        optimizer.step()
+    saved_model = copy.deepcopy(model.state_dict())
+    saved = copy.deepcopy(get_optimizer_state_dict(model, optimizer))
+    assert any("momentum_buffer" in s for s in saved["state"].values())
+    assert any("exp_avg" in s for s in saved["state"].values())
+    for step in (3, 4):
+        _random_grads(model, step)
+        optimizer.step()
+
+    resumed = _model()
+    resumed.load_state_dict(saved_model)
+    again = build_muon(resumed, **HYPER, args=MuonArgs())
+    set_optimizer_state_dict(resumed, again, saved)
+    for step in (3, 4):
+        _random_grads(resumed, step)
+        again.step()
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_the_lr_schedule_drives_both_groups():
+    model = _model()
+    optimizer = build_muon(model, **HYPER, args=MuonArgs())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 if step == 0 else 0.25)
+    assert {g["lr"] for g in optimizer.param_groups} == {HYPER["lr"] * 0.5}
+    _random_grads(model, 0)
+    optimizer.step()
+    schedule.step()
+    assert {g["lr"] for g in optimizer.param_groups} == {HYPER["lr"] * 0.25}
+    # torch's AdamW steps this optimizer's own AdamW groups (the dicts the schedule sets), not copies
+    assert all(any(g is mine for mine in optimizer.param_groups) for g in optimizer._adamw.param_groups)
