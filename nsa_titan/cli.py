@@ -7,13 +7,14 @@ import sys
 import warnings
 
 from components.errors import UserError
-from nsa_titan.command_options import check_output, refuse_unknown_options, take_option
+from nsa_titan.command_options import check_output, refuse_unknown_options, take_flag, take_option
 from nsa_titan.config import RecipeError, resolve
 
 COMMANDS = {
     "train": "train from a recipe: nsa-titan train RECIPE.toml [--section.field=VALUE ...]",
     "export": "consolidate a run's checkpoint: nsa-titan export RECIPE.toml [overrides] --output FILE, or "
-              "--format hf --output DIR [--dtype bfloat16] for a Hugging Face transformers folder",
+              "--format hf --output DIR [--dtype bfloat16] for a Hugging Face transformers folder; "
+              "--overwrite replaces an earlier export there",
     "sample": "generate text: nsa-titan sample EXPORTED_FILE|HF_DIR [--prompt TEXT] [--max-new-tokens N] "
               "[--temperature T (0 = greedy)] [--top-k K (the K likeliest tokens; default all)] [--seed S]",
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE --text TEXT|--text-file FILE "
@@ -90,6 +91,7 @@ def export(argv: list[str]) -> int:
     output = take_option(argv, "--output")
     form = take_option(argv, "--format", "pt")
     dtype = take_option(argv, "--dtype")
+    overwrite = take_flag(argv, "--overwrite")
     writers = {"pt": export_checkpoint, "hf": export_hf}
     if form not in writers:
         return _fail(f"error: --format {form!r} is not one of pt (one torch file for nsa-titan) or hf (a Hugging "
@@ -101,7 +103,7 @@ def export(argv: list[str]) -> int:
         example = "--format hf --output outputs/debug/hf" if form == "hf" else "--output outputs/debug/model.pt"
         return _fail(f"error: export needs --output. Fix: e.g. `nsa-titan export recipes/debug.toml {example}`.")
     resolved = resolve(argv, world_size=None)
-    path, step = writers[form](resolved, output, *(() if dtype is None else (dtype,)))
+    path, step = writers[form](resolved, output, *(() if dtype is None else (dtype,)), overwrite=overwrite)
     print(f"exported step {step} to {path}")
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from components.errors import UserError
 
@@ -40,10 +41,19 @@ def refuse_unknown_options(argv: list[str], command: str, known: str) -> None:
         raise UserError(f"{command} has no option {unknown[0]!r}. Fix: remove it, or use one of {known}.")
 
 
-def check_output(flag: str, path: str, *, folder: bool, fresh: bool = False) -> None:
+def take_flag(argv: list[str], name: str) -> bool:
+    """Remove every bare `NAME` from argv; whether there was one."""
+    found = name in argv
+    argv[:] = [arg for arg in argv if arg != name]
+    return found
+
+
+def check_output(flag: str, path: str, *, folder: bool, fresh: bool = False,
+                 replaceable: Callable[[str], bool] | None = None) -> None:
     """Refuse, before any work, an output that cannot be written: the wrong kind (folder: the output is a folder,
     else one file), one under a file or an unwritable folder, or (fresh) one that exists already, so that
-    nothing is overwritten (an empty folder counts as new)."""
+    nothing is overwritten (an empty folder counts as new). With `replaceable` (--overwrite), an existing
+    output it recognizes (an earlier one of this command) may be replaced; anything else still may not."""
     kind = "folder" if folder else "file"
     if os.path.exists(path):
         if os.path.isdir(path) != folder:
@@ -51,9 +61,15 @@ def check_output(flag: str, path: str, *, folder: bool, fresh: bool = False) -> 
             raise UserError(f"{flag} {path!r} is a {'file' if folder else 'folder'}, but the output is a {kind}; "
                             f"nothing was written. Fix: choose a {kind} path{example}.")
         if fresh and (not folder or os.listdir(path)):
-            raise UserError(f"{flag} {path!r} already exists{' and is not an empty folder' if folder else ''}; "
-                            f"nothing was written. Fix: choose a new {kind}, or remove this one first.")
-    existing = existing_ancestor(path)
+            if replaceable is None:
+                raise UserError(f"{flag} {path!r} already exists{' and is not an empty folder' if folder else ''}; "
+                                f"nothing was written. Fix: choose a new {kind}, remove this one first, or add "
+                                f"--overwrite to replace an earlier export there.")
+            if not replaceable(path):
+                raise UserError(f"{flag} {path!r} already exists and is not an earlier export, so --overwrite "
+                                f"leaves it alone; nothing was written. Fix: choose a new {kind}.")
+    # A fresh output is written beside its path, then moved there: its folder must take new entries.
+    existing = existing_ancestor(os.path.dirname(os.path.abspath(path)) if fresh and os.path.exists(path) else path)
     if not os.path.isdir(existing):
         raise UserError(f"{flag} {path!r} cannot be created: {existing!r} is a file, not a folder. Fix: choose a "
                         f"path under a folder.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
 
 import torch
 from torch import nn
@@ -24,8 +25,19 @@ __all__ = ["FORMAT", "export_checkpoint", "load_checkpoint_model", "load_exporte
 FORMAT = "nsa_titan.export.v1"
 
 
-def export_checkpoint(resolved: ResolvedRecipe, output: str) -> tuple[str, int]:
-    check_output("--output", output, folder=False, fresh=True)
+def is_export_file(path: str) -> bool:
+    """Whether `path` is a file this command wrote (its format tag is in the torch archive's pickle; the
+    tensors are not read)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+            return len(pickles) == 1 and FORMAT.encode() in archive.read(pickles[0])
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def export_checkpoint(resolved: ResolvedRecipe, output: str, overwrite: bool = False) -> tuple[str, int]:
+    check_output("--output", output, folder=False, fresh=True, replaceable=is_export_file if overwrite else None)
     recipe = resolved.recipe
     model, tokenizer, step = load_checkpoint_model(resolved)
     payload = {

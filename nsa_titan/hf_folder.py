@@ -49,9 +49,22 @@ def is_hf_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG)) and os.path.isfile(os.path.join(path, WEIGHTS))
 
 
-def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32") -> tuple[str, int]:
+def is_exported_folder(path: str) -> bool:
+    """Whether `path` is a folder this command wrote (its config names this format)."""
+    try:
+        with open(os.path.join(path, CONFIG), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("nsa_titan"), dict) and \
+        config["nsa_titan"].get("format") == FORMAT
+
+
+def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
+              overwrite: bool = False) -> tuple[str, int]:
     """Write the run's newest complete checkpoint (or checkpoint.load_step) as a Hugging Face folder,
-    floating-point weights in `dtype` (one of DTYPES)."""
+    floating-point weights in `dtype` (one of DTYPES). With `overwrite`, an earlier export there is replaced
+    once the new one is written, if it holds only files an export writes."""
     from components.data.hf_files import write_tokenizer_files
     from nsa_titan.rebuild import load_checkpoint_model
 
@@ -61,7 +74,7 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32") -> 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}. Fix: e.g. --dtype bfloat16 (half "
                         f"the size; the trained weights are float32).")
-    check_output("--output", output, folder=True, fresh=True)
+    check_output("--output", output, folder=True, fresh=True, replaceable=is_exported_folder if overwrite else None)
     recipe = resolved.recipe
     model, tokenizer, step = load_checkpoint_model(resolved)
     part = registry.get("model", recipe.model.name)
@@ -90,12 +103,31 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32") -> 
     try:
         for stage in progress("export")(stages):
             stages[stage]()
-        if os.path.isdir(output):
-            os.rmdir(output)  # empty, checked above
-        os.replace(tmp, output)
+        _replace_folder(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return output, step
+
+
+def _replace_folder(new: str, output: str) -> None:
+    """Move the written folder to `output`; an earlier export there (checked to be one) is swapped out and
+    removed only once the new one is in place, and only when it holds nothing the new one does not."""
+    if not os.path.isdir(output):
+        os.replace(new, output)
+        return
+    extra = sorted(set(os.listdir(output)) - set(os.listdir(new)))
+    if extra:
+        raise UserError(f"--output {output!r} holds {', '.join(map(repr, extra[:3]))}, which an export does not "
+                        "write, so --overwrite leaves the folder as it is; nothing was replaced. Fix: move those "
+                        "files out, or choose a new folder.")
+    old = output.rstrip(os.sep) + f".old-{os.getpid()}"
+    os.replace(output, old)
+    try:
+        os.replace(new, output)
+    except OSError:
+        os.replace(old, output)  # put the earlier export back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_json(path: str, payload: dict) -> None:

@@ -105,8 +105,26 @@ def test_export_over_an_existing_file_is_refused(run, tmp_path, capsys):
     mine = tmp_path / "notes.txt"
     mine.write_text("mine")
     refused(capsys, ["export", *run[0], "--output", str(mine)], "already exists; nothing was written",
-            "remove this one first")
+            "remove this one first", "--overwrite")
     assert mine.read_text() == "mine" and os.listdir(tmp_path) == ["notes.txt"]
+    # --overwrite replaces earlier exports only
+    for junk in (b"mine", b"PK\x03\x04 not a zip"):
+        mine.write_bytes(junk)
+        refused(capsys, ["export", *run[0], "--output", str(mine), "--overwrite"], "is not an earlier export")
+        assert mine.read_bytes() == junk and os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_export_overwrite_replaces_an_earlier_export(run, tmp_path, capsys):
+    from nsa_titan.export import load_exported
+
+    argv, exported, _ = run
+    target = tmp_path / "model.pt"
+    target.write_bytes(open(exported, "rb").read())
+    before = target.stat().st_mtime_ns
+    assert cli.main(["export", *argv, "--output", str(target), "--overwrite"]) == 0
+    assert "exported step 1" in capsys.readouterr().out
+    assert target.stat().st_mtime_ns != before and os.listdir(tmp_path) == ["model.pt"]
+    assert load_exported(str(target))[1]["step"] == 1
 
 
 @pytest.mark.parametrize("command, extra, target, message", [

@@ -308,3 +308,29 @@ def test_a_damaged_folder_is_one_clear_error(exported, tmp_path):
     (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(UserError, match="does not describe an nsa_titan model"):
         load_exported(str(broken))
+
+
+def test_overwrite_replaces_an_earlier_folder_and_nothing_else(exported, tmp_path, capsys):
+    import shutil
+
+    argv, folder = exported
+    target = tmp_path / "hf"
+    shutil.copytree(folder, target)
+    (target / "model.safetensors").write_bytes(b"stale")
+    assert cli.main(["export", *argv, "--format", "hf", "--output", str(target), "--overwrite"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no stray temporary or old folder
+    assert (target / "model.safetensors").read_bytes() == open(os.path.join(folder, "model.safetensors"), "rb").read()
+
+    # A file the user added is not an export's: the folder is kept as it is.
+    (target / "README.md").write_text("my model card")
+    assert cli.main(["export", *argv, "--format", "hf", "--output", str(target), "--overwrite"]) == 2
+    assert "holds 'README.md', which an export does not write" in capsys.readouterr().err
+    assert (target / "README.md").read_text() == "my model card" and sorted(os.listdir(tmp_path)) == ["hf"]
+
+    # A folder that is not an export at all is refused before any work.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    assert cli.main(["export", *argv, "--format", "hf", "--output", str(other), "--overwrite"]) == 2
+    assert "is not an earlier export" in capsys.readouterr().err
+    assert os.listdir(other) == ["config.json"]
