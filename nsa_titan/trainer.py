@@ -241,16 +241,19 @@ class Trainer:
             self._say(f"initial weights from {ckpt.initial_load_path}")
 
     def _apply_recipe_optimizer_settings(self) -> None:
-        """The recipe, not the checkpoint, says lr, betas, eps and weight decay: a resumed run may change them.
+        """The recipe, not the checkpoint, says the optimizer's settings (lr, betas, eps, weight decay, an
+        optimizer's own arguments such as Muon's momentum): a resumed run may change them.
 
         Loading an optimizer state restores its param_groups' settings, and the LR schedule its
-        base_lrs; both are set back from the recipe (unchanged values leave the run bit-identical):
-        the schedule is built again from the recipe at the step it had reached.
+        base_lrs; both are set back from the recipe (unchanged values leave the run bit-identical): every
+        group takes the settings a fresh optimizer built from the recipe has, and the schedule is built
+        again from the recipe at the step it had reached.
         """
         opt = self.recipe.optimizer
         fresh = assemble.build_optimizer(self.recipe, self.model).param_groups
         for group, wanted in zip(self.optimizer.param_groups, fresh):
-            group.update(betas=tuple(opt.betas), eps=opt.eps, weight_decay=wanted["weight_decay"], initial_lr=opt.lr)
+            group.update({k: v for k, v in wanted.items() if k not in ("params", "lr", "initial_lr")},
+                         initial_lr=opt.lr)
         self.lr_scheduler = assemble.build_lr_scheduler(self.recipe, self.optimizer,
                                                         completed_steps=self.lr_scheduler.last_epoch)
         self.state.lr_scheduler = self.lr_scheduler

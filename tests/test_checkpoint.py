@@ -335,6 +335,19 @@ def test_resume_takes_optimizer_settings_from_the_recipe(tmp_path):
         assert logged[step] == pytest.approx(expected, rel=1e-12)
 
 
+def test_resume_takes_an_optimizers_own_arguments_from_the_recipe(tmp_path):
+    """Muon's settings live in its param group, which a loaded state replaces: the recipe's win."""
+    argv = [*BASE, "--optimizer.name=muon", "--training.steps=4", "--checkpoint.interval=2",
+            f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv]) == 0
+    straight = losses(tmp_path)
+    rewind_to(tmp_path, 2)
+    assert cli.main(["train", *argv, "--optimizer.muon.ns_steps=1", "--optimizer.muon.momentum=0.5"]) == 0
+    resumed = losses(tmp_path)
+    assert resumed[3] == straight[3]  # the weights after step 2 are the checkpoint's
+    assert resumed[4] != straight[4]  # step 3's update used the new settings
+
+
 def test_a_warmup_stable_decay_run_extended_on_resume_decays_at_its_new_end(tmp_path):
     argv = [*BASE, "--checkpoint.interval=2", "--lr_scheduler.decay_steps=1", "--lr_scheduler.decay_type=linear",
             "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}"]

@@ -255,8 +255,8 @@ def _counting_reads(monkeypatch):
     reads = [0]
     texts = HuggingFaceSource._texts
 
-    def counted(self, dataset):
-        for batch in texts(self, dataset):
+    def counted(self, dataset, *rest):
+        for batch in texts(self, dataset, *rest):
             reads[0] += len(batch)
             yield batch
 
@@ -395,3 +395,25 @@ def test_registry_names_every_source(tmp_path):
         args = args_cls(paths=[str(tmp_path)]) if name == "text_files" else args_cls()
         source = factory(args)
         assert callable(source.check) and callable(source.documents)
+
+
+def test_huggingface_position_from_another_datasets_version_or_layout_is_refused(hf_row_groups, monkeypatch):
+    """A saved stream position is datasets' own state: another version, or one that does not fit the files,
+    stops with one message naming the cause, not six network retries."""
+    import json
+
+    import datasets
+
+    args, _ = hf_row_groups
+    monkeypatch.setattr("components.data.sources.huggingface.time.sleep", lambda s: pytest.fail("retried"))
+    monkeypatch.setattr("components.data.sources.huggingface._READ_BATCH", 3)
+    cursor = list(HuggingFaceSource(args).documents(1, 4, "train", 4, 0, None))[7][1]
+    saved = json.loads(cursor[1])
+    assert saved["datasets"] == datasets.__version__
+    older = [cursor[0], json.dumps({**saved, "datasets": "2.0.0"}), *cursor[2:]]
+    with pytest.raises(UserError, match=f"saved by datasets 2.0.0, and this is datasets {datasets.__version__}.*"
+                                        "pip install datasets==2.0.0"):
+        list(HuggingFaceSource(args).documents(1, 4, "train", 4, 0, older))
+    broken = [cursor[0], json.dumps({**saved, "stream": {"unexpected": 1}}), *cursor[2:]]
+    with pytest.raises(UserError, match="saved position in the stream does not fit"):
+        list(HuggingFaceSource(args).documents(1, 4, "train", 4, 0, broken))

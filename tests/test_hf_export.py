@@ -141,6 +141,12 @@ def test_padded_rows_compute_what_each_row_computes_alone(exported):
         assert calls == [width] and batched.past_key_values is None
         torch.testing.assert_close(batched.logits, scored.logits, rtol=0, atol=1e-6)
         torch.testing.assert_close(batched.loss, scored.loss, rtol=1e-6, atol=0)
+        # A pad id outside the vocabulary (an added [PAD]) is never looked up, as on the per-row path.
+        outside = ids["right"].masked_fill(mask["right"] == 0, 10**6)
+        torch.testing.assert_close(model(outside, attention_mask=mask["right"], use_cache=False).logits, scored.logits,
+                                   rtol=0, atol=1e-6)
+        with pytest.raises(ValueError, match="attention_mask has shape"):
+            model(ids["right"], attention_mask=mask["right"][:, -1:], use_cache=False)
 
 
 def test_beam_search_with_the_cache_equals_it_without(exported):

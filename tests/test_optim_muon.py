@@ -129,3 +129,25 @@ def test_the_lr_schedule_drives_both_groups():
     assert {g["lr"] for g in optimizer.param_groups} == {HYPER["lr"] * 0.25}
     # torch's AdamW steps this optimizer's own AdamW groups (the dicts the schedule sets), not copies
     assert all(any(g is mine for mine in optimizer.param_groups) for g in optimizer._adamw.param_groups)
+
+
+def test_a_copy_steps_like_the_original():
+    """copy.deepcopy keeps an optimizer's groups and state only: the copy rebuilds its AdamW part."""
+    model = _model()
+    optimizer = build_muon(model, **HYPER, args=MuonArgs())
+    _random_grads(model, 0)
+    optimizer.step()
+    twin_model = copy.deepcopy(model)
+    twin = build_muon(twin_model, **HYPER, args=MuonArgs())
+    twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # a live state dict shares its tensors
+    copied = copy.deepcopy(twin)  # a copy of the optimizer alone (its params are copies too)
+    assert not hasattr(copied, "_adamw") or copied._adamw is None
+    for opt, m in ((optimizer, model), (twin, twin_model)):
+        _random_grads(m, 1)
+        opt.step()
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+    params = [p for g in copied.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    copied.step()  # runs: the AdamW part is built again

@@ -11,7 +11,8 @@ result) and keeps its own shard. A single process, DDP and FSDP therefore comput
 
 `adjust_lr = "match_rms_adamw"` scales each matrix's update to the RMS AdamW's would have
 (0.2 * sqrt(max(rows, cols))), so one learning rate and weight decay serve both groups; "original"
-scales by sqrt(max(1, rows / cols)).
+scales by sqrt(max(1, rows / cols)), Muon's own convention, whose learning rates are tens of times
+AdamW's: with it the one optimizer.lr suits one group or the other, not both.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 self._muon_step(group)
         adamw = [g for g in self.param_groups if not g["muon"]]
         if adamw:
+            if getattr(self, "_adamw", None) is None:  # a copy (pickling keeps only groups and state)
+                self._adamw = torch.optim.AdamW([{"params": g["params"]} for g in adamw], foreach=True)
             self._adamw.param_groups, self._adamw.state = adamw, self.state
             self._adamw.step()
         return loss

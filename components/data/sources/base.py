@@ -13,7 +13,7 @@ A source is a picklable object with:
     for one epoch, in that epoch's order, as (document, cursor_after) pairs. A document is a str
     (tokenized by the loader) or an int64 array of token ids. `cursor` is None at the start of the
     epoch, or a cursor_after returned earlier: iteration then continues right after that document.
-    Cursors are small (ints, strings and lists of them) and go into checkpoints.
+    Cursors are small (ints, strings, None and lists of them) and go into checkpoints.
   - optionally `prepares_documents = True`: documents() then also takes `prepare`, the loader's
     document -> token array (None: skip it), and yields only prepared, kept documents (a mixture
     does, to weigh the documents kept).

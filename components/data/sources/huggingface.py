@@ -8,9 +8,12 @@ Logical shard s of S reads only its own data sources (files or parquet row group
     example strategy), which multiplies reading by S: a warning says so.
 Order: the shard's stream is read in chunks of `shuffle_buffer` documents, and each chunk is shuffled
 by a generator seeded by (seed, shard, epoch, chunk). The cursor holds the chunk's number, the
-stream's position where the chunk starts (datasets' own state_dict, so a resume opens the stream
-there: parquet files and row groups before it are not read) and how many of its documents were
-yielded. A resume therefore re-reads at most one chunk, wherever it stopped in the epoch.
+stream's position where the chunk starts (datasets' own state_dict, with the datasets version that
+wrote it) and how many of its documents were yielded. A resume opens the stream at that position:
+the data sources before it are not read; its own source (a parquet file, or a row group when files
+were split) is read from its start up to the position, skipped without being decoded into texts;
+then at most one chunk is read again. So a resume costs at most one data source and one chunk,
+wherever it stopped in the epoch.
 Cursors saved before chunks (a count of documents, from a shuffle buffer) still resume: they replay
 the stream up to that count in the old order, until the epoch ends.
 Validation: `validation_split` names a split of the dataset; when empty, a document is validation
@@ -166,10 +169,12 @@ class HuggingFaceSource:
             )
         return split_dataset_by_node(base, rank=shard, world_size=num_shards)
 
-    def _texts(self, dataset):
+    def _texts(self, dataset, resumed: bool = False):
         field_name = self.args.text_field
+        first = True
         try:
             for batch in dataset.iter(batch_size=_READ_BATCH):
+                first = False
                 if field_name not in batch:
                     raise UserError(
                         f"{self._what()}: no field {field_name!r}; the fields are {sorted(batch)}; "
@@ -179,6 +184,11 @@ class HuggingFaceSource:
         except UserError:
             raise
         except Exception as e:  # network and decoding failures surface here during streaming
+            if first and resumed and isinstance(e, (KeyError, TypeError, IndexError, AttributeError)):
+                # datasets applies a loaded position at the first read: these mean the position does not fit
+                raise UserError(f"{self._what()}: the saved position in the stream does not fit this dataset "
+                                f"({type(e).__name__}: {e}); was the checkpoint written for other data files? Fix: "
+                                "resume with the files that wrote it") from e
             raise _ReadFailed(f"{type(e).__name__}: {e}") from e
 
     def check(self) -> None:
@@ -232,8 +242,8 @@ class HuggingFaceSource:
         chunk_no, state, skip, done = cursor if cursor is not None else (0, None, 0, 0)
         dataset = self._shard_dataset(shard, num_shards, self._hf_split(split))
         if state is not None:
-            dataset.load_state_dict(json.loads(state))
-        addressed = self._addressed(self._kept_batches(dataset, split), state, skip)
+            self._load_position(dataset, json.loads(state), shard)
+        addressed = self._addressed(self._kept_batches(dataset, split, resumed=state is not None), state, skip)
         size = max(1, self.args.shuffle_buffer)
         while chunk := list(itertools.islice(addressed, size)):
             (_, start, _), (_, _, after) = chunk[0], chunk[-1]
@@ -252,13 +262,29 @@ class HuggingFaceSource:
                 yield texts[i], (state, i), ((state, i + 1) if i + 1 < len(texts) else (after, 0))
             state, skip = after, 0
 
-    def _kept_batches(self, dataset, split):
-        """(the texts of one read batch that belong to `split`, the stream's state after it as JSON)."""
-        for texts in self._texts(dataset):
+    def _kept_batches(self, dataset, split, resumed: bool = False):
+        """(the texts of one read batch that belong to `split`, the stream's position after it as JSON)."""
+        import datasets
+
+        for texts in self._texts(dataset, resumed):
             kept = [t for t in texts if t]
             if not self.args.validation_split:
                 kept = [t for t in kept if split_of(t, self.args.validation_fraction) == split]
-            yield kept, json.dumps(dataset.state_dict())
+            yield kept, json.dumps({"datasets": datasets.__version__, "stream": dataset.state_dict()})
+
+    def _load_position(self, dataset, saved: dict, shard: int) -> None:
+        """Open `dataset` at a saved position: one from another datasets version may mean another place (its
+        state's layout is the library's own), so it is refused rather than trusted."""
+        import datasets
+
+        if saved.get("datasets") != datasets.__version__:
+            raise UserError(
+                f"{self._what()}: logical shard {shard}'s position in the stream was saved by datasets "
+                f"{saved.get('datasets')}, and this is datasets {datasets.__version__}, whose stream positions may "
+                f"differ. Fix: pip install datasets=={saved.get('datasets')} to resume exactly (upgrade once the "
+                "run is done)"
+            )
+        dataset.load_state_dict(saved["stream"])
 
     def _replayed_documents(self, shard, num_shards, split, seed, epoch, count):
         """The order of cursors saved before chunks: a shuffle buffer, resumed by replaying `count` documents."""

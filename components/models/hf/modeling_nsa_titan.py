@@ -381,11 +381,14 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         caching = cache is not None or ((use_cache if use_cache is not None else self.config.use_cache)
                                         and not self.training)
         padded = attention_mask is not None and not bool(attention_mask.all())
-        if padded and cache is None and not caching and _prefix_rows(attention_mask):
+        if (padded and cache is None and not caching and attention_mask.shape == input_ids.shape
+                and _prefix_rows(attention_mask)):
             # Right padding only: each row's tokens start at column 0, and a causal model's logits there do not
-            # depend on the pads after them, so the batch runs in one call (training on padded batches).
+            # depend on the pads after them, so the batch runs in one call (training on padded batches). Pads
+            # become token 0, so a pad id outside the vocabulary is never looked up.
             self._check_length(input_ids.shape[1])
-            logits = self.model(input_ids, None).masked_fill(~attention_mask.bool()[..., None], 0)
+            real = attention_mask.bool()
+            logits = self.model(input_ids.masked_fill(~real, 0), None).masked_fill(~real[..., None], 0)
         elif padded or (cache is not None and cache.rows is not None):
             logits, cache = self._padded_rows(input_ids, attention_mask, cache, caching)
         else:
