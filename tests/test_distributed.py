@@ -55,21 +55,28 @@ def test_layout_matches_single_process(tmp_path, single_process_losses, layout):
         assert got[step] == pytest.approx(expected, rel=RTOL), (layout, step, got, single_process_losses)
 
 
-def test_muon_under_fsdp_matches_single_process(tmp_path, single_process_losses):
-    """Muon orthogonalizes whole matrices: under FSDP2 each rank gathers the update, so two sharded ranks
-    train as one process does (and Muon moved the weights: its losses are not AdamW's)."""
-    muon = [*COMMON, "--optimizer.name=muon"]
-    single = train([*muon, f"--job.dump_folder={tmp_path / 'single'}"])
-    assert single.returncode == 0, single.stderr[-4000:]
-    nproc, flags = LAYOUTS["fsdp"]
-    sharded = train([*muon, *flags, f"--job.dump_folder={tmp_path / 'fsdp'}"], nproc=nproc)
+@pytest.fixture(scope="module")
+def single_process_muon_losses(tmp_path_factory, single_process_losses):
+    out = tmp_path_factory.mktemp("single_muon")
+    proc = train([*COMMON, "--optimizer.name=muon", f"--job.dump_folder={out}"])
+    assert proc.returncode == 0, proc.stderr
+    muon = losses(out)
+    assert muon[STEPS] != pytest.approx(single_process_losses[STEPS], rel=1e-3)  # Muon moved the weights, not AdamW
+    return muon
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+def test_muon_when_sharded_matches_single_process(tmp_path, single_process_muon_losses, layout):
+    """Muon orthogonalizes whole matrices: under FSDP2 (and HSDP's 2-D mesh) each rank gathers the update,
+    so sharded ranks train as one process does."""
+    nproc, flags = LAYOUTS[layout]
+    sharded = train([*COMMON, "--optimizer.name=muon", *flags, f"--job.dump_folder={tmp_path}"], nproc=nproc)
     assert sharded.returncode == 0, sharded.stderr[-4000:]
-    assert f"FSDP2 over {MESHES['fsdp']} |" in sharded.stdout + sharded.stderr
-    expected, got = losses(tmp_path / "single"), losses(tmp_path / "fsdp")
+    assert f"FSDP2 over {MESHES[layout]} |" in sharded.stdout + sharded.stderr
+    got = losses(tmp_path)
     assert sorted(got) == list(range(1, STEPS + 1))
-    for step in expected:
-        assert got[step] == pytest.approx(expected[step], rel=RTOL), (step, got, expected)
-    assert expected[STEPS] != pytest.approx(single_process_losses[STEPS], rel=1e-3)
+    for step, expected in single_process_muon_losses.items():
+        assert got[step] == pytest.approx(expected, rel=RTOL), (layout, step, got, single_process_muon_losses)
 
 
 def test_two_node_launch_on_loopback(tmp_path):
