@@ -4,8 +4,9 @@
 #   check      the GPU tests (Triton kernels in bf16 at 2k-32k against the reference, and under
 #              compile), `doctor` on the 125M recipe, `inspect --fail-on-break` and a 200-step
 #              run of the debug model with the Triton backend, compiled, in bf16 (profiling steps
-#              100-102 with a memory snapshot), and 50 steps of it as FSDP2 on a mesh of this one GPU (NCCL);
-#              dense attention's FlexAttention over packed documents
+#              100-102 with a memory snapshot), and 50 steps of it as FSDP2 on a mesh of this one GPU (NCCL),
+#              then 20 with the Muon optimizer (its gather of sharded matrices on NCCL); dense attention's
+#              FlexAttention over packed documents
 #   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens, 125M and paper heads
 #              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
 #              where the NSA op's time goes, and the selected branch's two layouts side by side
@@ -42,7 +43,9 @@ phase_check() {
     --profiling.enable=true --profiling.start_step=100 --profiling.memory_snapshot=true &&
   ls -l "$dump/train/profile" &&
   "$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
-    --compile.enable=true --training.steps=50 --parallelism.fsdp_single_process=true --job.dump_folder="$dump/fsdp"
+    --compile.enable=true --training.steps=50 --parallelism.fsdp_single_process=true --job.dump_folder="$dump/fsdp" &&
+  "$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
+    --training.steps=20 --parallelism.fsdp_single_process=true --optimizer.name=muon --job.dump_folder="$dump/muon"
 }
 phase_attention() {
   "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 --packed 1024 8192 &&
