@@ -307,12 +307,9 @@ class Checkpointer:
 
     def _check_marker(self, step: int, resuming: bool = True, under: str = "") -> None:
         """The step's COMPLETE marker, then the files it records (those `under` a subfolder, if given)."""
-        problem = _marker_problem(self.step_dir(step), step)
-        if problem:
-            raise self._unreadable(step, os.path.join(self.step_dir(step), COMPLETE), problem, resuming)
-        damaged = _first_changed_file(self.step_dir(step), under)
-        if damaged:
-            raise self._unreadable(step, *damaged, resuming)
+        found = _step_folder_finding(self.step_dir(step), step, under)
+        if found:
+            raise self._unreadable(step, *found, resuming)
 
     def _read_train_state(self, step: int) -> dict:
         file = os.path.join(self.step_dir(step), "train_state.json")
@@ -396,12 +393,9 @@ class Checkpointer:
         # A step folder this package wrote counts only with its marker, as on resume (no marker: an interrupted save).
         if model_dir != path or os.path.isfile(os.path.join(step_dir, "train_state.json")):
             step = STEP_DIR.match(name)
-            problem = _marker_problem(step_dir, int(step.group(1)) if step else None)
-            if problem:
-                raise unreadable(os.path.join(step_dir, COMPLETE), problem)
-            damaged = _first_changed_file(step_dir, "model")
-            if damaged:
-                raise unreadable(*damaged)
+            found = _step_folder_finding(step_dir, int(step.group(1)) if step else None, "model")
+            if found:
+                raise unreadable(*found)
 
         state = {"model": get_model_state_dict(model)}
         _read_tensors(model_dir, state, unreadable=unreadable, mismatch=mismatch)
@@ -439,17 +433,26 @@ def _read_tensors(model_dir: str, tensors: dict, *, unreadable: Callable[[str, s
         raise unreadable(model_dir, _reason(exc)) from None
 
 
-def _marker_problem(step_dir: str, step: int | None) -> str | None:
-    """What is wrong with a step folder's COMPLETE marker (None: it is the one a save of `step` writes)."""
+def _step_folder_finding(step_dir: str, step: int | None, under: str = "") -> tuple[str, str] | None:
+    """(file, what is wrong with it) for a step folder's COMPLETE marker, else for the first file that differs
+    from the checksums the marker records (those `under` a subfolder, if given); None when all is as saved."""
+    marker, problem = _read_marker(step_dir, step)
+    if problem:
+        return os.path.join(step_dir, COMPLETE), problem
+    return _first_changed_file(step_dir, marker.get("files", {}), under)
+
+
+def _read_marker(step_dir: str, step: int | None) -> tuple[dict, str | None]:
+    """A step folder's COMPLETE marker, and what is wrong with it (None: it is the one a save of `step` writes)."""
     try:
         with open(os.path.join(step_dir, COMPLETE), encoding="utf-8") as fh:
             marker = json.load(fh)
     except FileNotFoundError:
-        return "is missing (the save was interrupted, so the other files may be partial)"
+        return {}, "is missing (the save was interrupted, so the other files may be partial)"
     except OSError as exc:
-        return _reason(exc)
+        return {}, _reason(exc)
     except ValueError:
-        return "does not hold what a checkpoint writes (not JSON)"
+        return {}, "does not hold what a checkpoint writes (not JSON)"
     problem = _not_ours(marker, {"step": int})
     if problem is None and step is not None and marker["step"] != step:
         problem = f"its step is {marker['step']}, not the folder's {step}"
@@ -457,14 +460,12 @@ def _marker_problem(step_dir: str, step: int | None) -> str | None:
     if problem is None and not (isinstance(files, dict) and all(
             isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v) for v in files.values())):
         problem = "its files entry is not the sizes and checksums a save records"
-    return f"does not hold what a checkpoint writes ({problem})" if problem else None
+    return marker, (f"does not hold what a checkpoint writes ({problem})" if problem else None)
 
 
-def _first_changed_file(step_dir: str, under: str = "") -> tuple[str, str] | None:
-    """The first file (and what is wrong with it) that differs from the checksums in the step's marker,
-    looking at those `under` a subfolder if given; each rank reads its share of the files."""
-    with open(os.path.join(step_dir, COMPLETE), encoding="utf-8") as fh:
-        files = json.load(fh).get("files", {})
+def _first_changed_file(step_dir: str, files: dict, under: str = "") -> tuple[str, str] | None:
+    """The first of the marker's `files` (and what is wrong with it) that differs from its recorded size and
+    checksum, looking at those `under` a subfolder if given; each rank reads its share of the files."""
     names = sorted(n for n in files if not under or n.startswith(under + os.sep))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     found = changed_files(step_dir, {n: files[n] for n in names[rank::world]})
