@@ -35,7 +35,7 @@ def _require(module: str):
         return __import__(module)
     except ImportError:
         raise UserError(f"the Hugging Face format needs the {module} package. Fix: pip install "
-                        f"'nsa_titan[hf]'.") from None
+                        f"-e '.[hf]' in the nsa_titan checkout.") from None
 
 
 def _hf_format(part, args, vocab_size: int):

@@ -63,8 +63,8 @@ def _require_matplotlib() -> None:
         pyplot()
     except UserError:
         raise UserError("TensorBoard gets the telemetry steps' attention pictures, drawn with matplotlib, which is "
-                        "not installed. Fix: pip install 'nsa_titan[plots]', or set --metrics.telemetry_freq=0 or "
-                        "--metrics.enable_tensorboard=false.") from None
+                        "not installed. Fix: pip install -e '.[plots]' in the nsa_titan checkout, or set "
+                        "--metrics.telemetry_freq=0 or --metrics.enable_tensorboard=false.") from None
 
 
 class TrainingFault(Exception):

@@ -15,7 +15,7 @@ from nsa_titan import cli
 from tests.launch import DEBUG, TINY, losses
 from tests.test_data_hf_tokenizer import trained  # noqa: F401 (a fixture)
 
-transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'nsa_titan[hf]')")
+transformers = pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]')")
 
 DEBUG_DENSE = DEBUG.replace("debug.toml", "debug_dense.toml")
 LONG = [a for a in TINY if "seq_len" not in a] + ["--training.seq_len=128", "--model.max_seq_len=256"]

@@ -13,7 +13,7 @@ import pytest
 from nsa_titan import cli
 from tests.launch import DEBUG, TINY
 
-lm_eval = pytest.importorskip("lm_eval", reason="the lm_eval extra (pip install 'nsa_titan[lm_eval]')")
+lm_eval = pytest.importorskip("lm_eval", reason="the lm_eval extra (pip install -e '.[lm_eval]')")
 
 RUN = [DEBUG, *[a for a in TINY if "seq_len" not in a], "--training.seq_len=128", "--model.max_seq_len=256",
        "--training.steps=2", "--checkpoint.enable=true"]

@@ -180,7 +180,8 @@ def test_tensorboard_pictures_without_matplotlib_are_one_clear_error(tmp_path, c
     argv = [*BASE, "--training.steps=1", "--metrics.enable_tensorboard=true", "--metrics.telemetry_freq=1",
             f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv]) == 2
-    assert "pip install 'nsa_titan[plots]', or set --metrics.telemetry_freq=0" in capsys.readouterr().err
+    assert "pip install -e '.[plots]' in the nsa_titan checkout, or set --metrics.telemetry_freq=0" in \
+        capsys.readouterr().err
 
 
 def test_wandb_missing_is_one_clear_error(tmp_path, hide_package):

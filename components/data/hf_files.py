@@ -70,7 +70,7 @@ def hf_tokenizer_json(tokenizer) -> tuple[str, str, str]:
         import tokenizers  # noqa: F401
     except ImportError:
         raise UserError("writing Hugging Face tokenizer files needs the tokenizers package. Fix: pip install "
-                        "'nsa_titan[hf]'.") from None
+                        "-e '.[hf]' in the nsa_titan checkout.") from None
     if isinstance(tokenizer, HFTokenizer):
         from components.data.hf_tokenizer import _tokenizer_file
 

@@ -1,6 +1,6 @@
 """A Hugging Face `tokenizers` tokenizer (a tokenizer.json file, or a folder that holds one).
 
-The `tokenizers` package is optional (`pip install 'nsa_titan[hf]'`). Like the other tokenizers,
+The `tokenizers` package is optional (the `hf` extra). Like the other tokenizers,
 encode adds no special tokens and reads special-token strings in the text as plain text. Special
 ids may lie anywhere in the vocabulary (unlike the byte and tiktoken tokenizers, whose specials sit
 above every ordinary id).
@@ -61,7 +61,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise UserError("tokenizer hf_tokenizer needs the tokenizers package. Fix: pip install "
-                            "'nsa_titan[hf]' (or pip install tokenizers).") from None
+                            "-e '.[hf]' in the nsa_titan checkout (or pip install tokenizers).") from None
         file = _tokenizer_file(args.path)
         try:
             self._tok = Tokenizer.from_file(file)

@@ -28,7 +28,7 @@ def require_lm_eval():
         import lm_eval  # noqa: F401
     except ImportError:
         raise UserError("--tasks runs lm-evaluation-harness, which is not installed. Fix: pip install "
-                        "'nsa_titan[lm_eval]' (or pip install lm_eval).") from None
+                        "-e '.[lm_eval]' in the nsa_titan checkout (or pip install lm_eval).") from None
 
 
 def lm_class():

@@ -10,7 +10,7 @@ gates.png               per layer a group of bars, the mean gate of each of the 
 plots.json              the legend: colours and the plotted numbers.
 
 The model part's attention_maps hook says what each layer chose; this module only draws.
-matplotlib is an optional dependency (`pip install 'nsa_titan[plots]'`); only drawing needs it.
+matplotlib is an optional dependency (the `plots` extra); only drawing needs it.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise UserError("plots need matplotlib, which is not installed. Fix: pip install 'nsa_titan[plots]' "
-                        "(or pip install matplotlib).") from None
+        raise UserError("plots need matplotlib, which is not installed. Fix: pip install -e '.[plots]' in the "
+                        "nsa_titan checkout (or pip install matplotlib).") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

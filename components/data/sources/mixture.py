@@ -35,7 +35,8 @@ MIXTURE = "mixture"
 class MixtureEntry:
     """One source of a mixture: its weight, its registered name and that source's own arguments."""
 
-    weight: float = field(metadata={"doc": "relative share of the mixture's documents", "gt": 0.0})
+    weight: float = field(metadata={"doc": "relative share of the mixture: of its tokens or its documents, as "
+                                           "data.mixture.by says", "gt": 0.0})
     source: str = field(metadata={"doc": "registered document source", "component": "data_source",
                                   "exclude": {MIXTURE: "a mixture cannot hold a mixture: list the inner one's "
                                                        "sources here, with their weights multiplied"}})
