@@ -437,8 +437,11 @@ def _step_folder_finding(step_dir: str, step: int | None, under: str = "") -> tu
     """(file, what is wrong with it) for a step folder's COMPLETE marker, else for the first file that differs
     from the checksums the marker records (those `under` a subfolder, if given); None when all is as saved."""
     marker, problem = _read_marker(step_dir, step)
-    if problem:
-        return os.path.join(step_dir, COMPLETE), problem
+    # Every rank hears what any rank found (one rank's storage may differ), so all stop, or all go on to the
+    # checksums' collective together: a rank that stopped alone would leave the others waiting there.
+    found = next((f[0] for f in _gather([(os.path.join(step_dir, COMPLETE), problem)] if problem else []) if f), None)
+    if found:
+        return tuple(found)
     return _first_changed_file(step_dir, marker.get("files", {}), under)
 
 

@@ -65,6 +65,10 @@ def check_output(flag: str, path: str, *, folder: bool, fresh: bool = False,
                 raise UserError(f"{flag} {path!r} already exists{' and is not an empty folder' if folder else ''}; "
                                 f"nothing was written. Fix: choose a new {kind}, remove this one first, or add "
                                 f"--overwrite to replace an earlier export there.")
+            if os.path.islink(path):
+                raise UserError(f"{flag} {path!r} is a symbolic link; --overwrite replaces only what is at the path "
+                                f"itself; nothing was written. Fix: give the path it points to, "
+                                f"{os.path.realpath(path)!r}.")
             if not replaceable(path):
                 raise UserError(f"{flag} {path!r} already exists and is not an earlier export, so --overwrite "
                                 f"leaves it alone; nothing was written. Fix: choose a new {kind}.")

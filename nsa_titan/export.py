@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 import zipfile
 
 import torch
@@ -32,7 +33,7 @@ def is_export_file(path: str) -> bool:
         with zipfile.ZipFile(path) as archive:
             pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
             return len(pickles) == 1 and FORMAT.encode() in archive.read(pickles[0])
-    except (OSError, zipfile.BadZipFile):
+    except Exception:  # zipfile raises many kinds on files that are not archives
         return False
 
 
@@ -50,11 +51,15 @@ def export_checkpoint(resolved: ResolvedRecipe, output: str, overwrite: bool = F
         "recipe_toml": resolved.toml,
         "recipe_hash": resolved.hash,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = output + f".tmp-{os.getpid()}"
+    target = os.path.abspath(output)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"  # a new name (mkstemp's would make the export owner-only)
     try:
         torch.save(payload, tmp)
-        os.replace(tmp, output)
+        if os.path.lexists(target) and not (overwrite and is_export_file(target)):  # it appeared, or changed
+            raise UserError(f"--output {output!r} appeared or changed while exporting and is not an earlier export; it "
+                            "is left as it is and nothing was written. Fix: choose a new file.")
+        os.replace(tmp, target)
     except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
         raise UserError(f"cannot write --output {output!r} ({why}); nothing was written. Fix: free some space, or "

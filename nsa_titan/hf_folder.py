@@ -16,6 +16,8 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
+import uuid
 
 import torch
 
@@ -79,8 +81,9 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
     model, tokenizer, step = load_checkpoint_model(resolved)
     part = registry.get("model", recipe.model.name)
     fmt = _hf_format(part, recipe.model.args, tokenizer.vocab_size)
-    tmp = os.path.abspath(output).rstrip(os.sep) + f".tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    target = os.path.abspath(output)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"  # a new name (mkdtemp's folder would be owner-only)
     os.makedirs(tmp)
     tokens = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     config = {**fmt.config, **tokens, "model_type": fmt.model_type, "architectures": list(fmt.architectures),
@@ -103,29 +106,45 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
     try:
         for stage in progress("export")(stages):
             stages[stage]()
-        _replace_folder(tmp, output)
+        _replace_folder(tmp, target, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return output, step
 
 
-def _replace_folder(new: str, output: str) -> None:
-    """Move the written folder to `output`; an earlier export there (checked to be one) is swapped out and
-    removed only once the new one is in place, and only when it holds nothing the new one does not."""
+def _replace_folder(new: str, output: str, overwrite: bool) -> None:
+    """Move the written folder to `output`. An empty folder there is removed first (one that filled while
+    exporting stops the export). With `overwrite`, an earlier export there, checked again now and holding
+    nothing the new one does not, is swapped out and removed only once the new one is in place."""
     if not os.path.isdir(output):
         os.replace(new, output)
         return
+    if not overwrite or not os.listdir(output):
+        try:
+            os.rmdir(output)
+        except OSError:
+            raise UserError(f"--output {output!r} was empty when the export began and is not now; it is left as "
+                            "it is and nothing was written. Fix: choose a new folder.") from None
+        os.replace(new, output)
+        return
+    if not is_exported_folder(output):
+        raise UserError(f"--output {output!r} is no longer an earlier export; it is left as it is and nothing was "
+                        "written. Fix: choose a new folder.")
     extra = sorted(set(os.listdir(output)) - set(os.listdir(new)))
     if extra:
         raise UserError(f"--output {output!r} holds {', '.join(map(repr, extra[:3]))}, which an export does not "
                         "write, so --overwrite leaves the folder as it is; nothing was replaced. Fix: move those "
                         "files out, or choose a new folder.")
-    old = output.rstrip(os.sep) + f".old-{os.getpid()}"
-    os.replace(output, old)
+    old = tempfile.mkdtemp(dir=os.path.dirname(output), prefix=os.path.basename(output) + ".old-")
+    os.replace(output, old)  # onto the empty folder just made
     try:
         os.replace(new, output)
-    except OSError:
-        os.replace(old, output)  # put the earlier export back
+    except BaseException:
+        try:
+            os.replace(old, output)  # put the earlier export back
+        except OSError:
+            raise UserError(f"replacing --output {output!r} failed midway; the earlier export is kept in {old!r}. "
+                            f"Fix: move it back to {output!r}.") from None
         raise
     shutil.rmtree(old, ignore_errors=True)
 

@@ -246,14 +246,17 @@ class Trainer:
 
         Loading an optimizer state restores its param_groups' settings, and the LR schedule its
         base_lrs; both are set back from the recipe (unchanged values leave the run bit-identical): every
-        group takes the settings a fresh optimizer built from the recipe has, and the schedule is built
+        group takes those settings from a fresh optimizer built from the recipe, and the schedule is built
         again from the recipe at the step it had reached.
         """
         opt = self.recipe.optimizer
         fresh = assemble.build_optimizer(self.recipe, self.model).param_groups
-        for group, wanted in zip(self.optimizer.param_groups, fresh):
-            group.update({k: v for k, v in wanted.items() if k not in ("params", "lr", "initial_lr")},
-                         initial_lr=opt.lr)
+        # Only what the recipe sets: a group may also hold an optimizer's running state, which must resume.
+        owned = {"betas", "eps", "weight_decay"}
+        if opt.args is not None:
+            owned |= {f.name for f in dataclasses.fields(opt.args)}
+        for group, wanted in zip(self.optimizer.param_groups, fresh, strict=True):
+            group.update({k: wanted[k] for k in owned if k in wanted}, initial_lr=opt.lr)
         self.lr_scheduler = assemble.build_lr_scheduler(self.recipe, self.optimizer,
                                                         completed_steps=self.lr_scheduler.last_epoch)
         self.state.lr_scheduler = self.lr_scheduler

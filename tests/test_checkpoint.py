@@ -348,6 +348,18 @@ def test_resume_takes_an_optimizers_own_arguments_from_the_recipe(tmp_path):
     assert resumed[4] != straight[4]  # step 3's update used the new settings
 
 
+def test_resume_keeps_running_state_an_optimizer_holds_in_its_groups(tmp_path):
+    """Only the settings a recipe owns are set back on resume: a count the optimizer keeps in its param groups
+    (as schedule-free optimizers do) resumes with the rest of its state, so the run continues to the bit."""
+    argv = [*BASE, "--job.plugins=tests.plugins.group_counter", "--optimizer.name=group_counter",
+            "--training.steps=4", "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv]) == 0
+    straight = losses(tmp_path)
+    rewind_to(tmp_path, 2)
+    assert cli.main(["train", *argv]) == 0
+    assert losses(tmp_path) == {3: straight[3], 4: straight[4]}
+
+
 def test_a_warmup_stable_decay_run_extended_on_resume_decays_at_its_new_end(tmp_path):
     argv = [*BASE, "--checkpoint.interval=2", "--lr_scheduler.decay_steps=1", "--lr_scheduler.decay_type=linear",
             "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}"]

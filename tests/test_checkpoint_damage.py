@@ -203,3 +203,23 @@ def test_bytes_changed_in_place_are_found_by_the_checksums(run, tmp_path, capsys
     assert any(n.startswith("model/__0_") and n.endswith(".distcp") for n in recorded)
     assert cli.main(["train", *BASE, "--training.steps=6", f"--job.dump_folder={run}",
                      "--checkpoint.load_step=2"]) == 0  # the older step is whole and resumes
+
+
+def test_a_marker_only_another_rank_finds_wrong_stops_every_rank(run, monkeypatch):
+    """Ranks may see a step folder differently (node-local storage, a passing NFS error): what any rank finds
+    wrong with the COMPLETE marker reaches every rank, so none goes on alone into the checksums' collective,
+    where it would wait for the ranks that stopped."""
+    from nsa_titan import checkpoint
+
+    marker = os.path.join(step_dir(run, 4), checkpoint.COMPLETE)
+    assert checkpoint._step_folder_finding(step_dir(run, 4), 4) is None  # this rank finds it sound
+    calls = []
+
+    def another_rank_found(value, group=None):
+        calls.append(value)
+        return [value, [(marker, "cannot be read (OSError: stale file handle)")]] if len(calls) == 1 else [value]
+
+    monkeypatch.setattr(checkpoint, "_gather", another_rank_found)
+    found = checkpoint._step_folder_finding(step_dir(run, 4), 4)
+    assert found == (marker, "cannot be read (OSError: stale file handle)")
+    assert calls == [[]]  # it said it found nothing, and stopped before the checksums' gather

@@ -154,3 +154,34 @@ def test_eval_of_an_export_whose_data_moved_says_what_can_be_done(run, tmp_path,
                 "nsa-titan eval RECIPE.toml --data.text_files.FIELD=")
     finally:
         moved.rename(corpus)
+
+
+def test_a_file_export_is_readable_as_the_umask_says(run):
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(run[1]).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_file_that_appears_while_exporting_is_left_alone(run, tmp_path, capsys, monkeypatch):
+    import torch
+
+    target = tmp_path / "model.pt"
+    save = torch.save
+
+    def save_then_someone_writes(obj, path):
+        save(obj, path)
+        target.write_text("mine")
+
+    monkeypatch.setattr("nsa_titan.export.torch.save", save_then_someone_writes)
+    refused(capsys, ["export", *run[0], "--output", str(target)], "appeared or changed while exporting")
+    assert target.read_text() == "mine" and os.listdir(tmp_path) == ["model.pt"]
+
+
+def test_export_overwrite_refuses_a_symbolic_link(run, tmp_path, capsys):
+    real = tmp_path / "real.pt"
+    real.write_bytes(open(run[1], "rb").read())
+    link = tmp_path / "link.pt"
+    link.symlink_to(real)
+    refused(capsys, ["export", *run[0], "--output", str(link), "--overwrite"], "is a symbolic link",
+            f"give the path it points to, '{real}'")
+    assert link.is_symlink()

@@ -310,15 +310,15 @@ def test_huggingface_cursor_of_a_shuffle_buffer_resumes_in_its_order(hf_row_grou
 class _FlakyStream:
     """A streamed dataset whose k-th iteration breaks after `breaks[k]` batches (later ones do not break)."""
 
-    def __init__(self, inner, breaks):
-        self.inner, self.breaks = inner, list(breaks)
+    def __init__(self, inner, breaks, error=ConnectionError("connection reset by peer")):
+        self.inner, self.breaks, self.error = inner, list(breaks), error
         self.loaded_states = 0
 
     def iter(self, batch_size):
         after = self.breaks.pop(0) if self.breaks else None
         for i, batch in enumerate(self.inner.iter(batch_size=batch_size)):
             if i == after:
-                raise ConnectionError("connection reset by peer")
+                raise self.error
             yield batch
 
     def state_dict(self):
@@ -417,3 +417,25 @@ def test_huggingface_position_from_another_datasets_version_or_layout_is_refused
     broken = [cursor[0], json.dumps({**saved, "stream": {"unexpected": 1}}), *cursor[2:]]
     with pytest.raises(UserError, match="saved position in the stream does not fit"):
         list(HuggingFaceSource(args).documents(1, 4, "train", 4, 0, broken))
+
+
+def test_huggingface_a_retry_that_fails_at_its_first_read_is_retried(hf_row_groups, monkeypatch):
+    """Only a position taken from a checkpoint is judged at its first read: a retry opens at a position this
+    run read itself, so any failure there (even a KeyError from a dropped connection) is retried."""
+    args, _ = hf_row_groups
+    monkeypatch.setattr("components.data.sources.huggingface._READ_BATCH", 3)
+    monkeypatch.setattr("components.data.sources.huggingface.time.sleep", lambda s: None)
+    expected = [d for d, _ in HuggingFaceSource(args).documents(0, 1, "train", 4, 0, None)]
+    flaky = HuggingFaceSource(args)
+    original = flaky._shard_dataset
+    stream = _FlakyStream(original(0, 1, "train"), breaks=[4, 0], error=KeyError("pa_table"))
+    monkeypatch.setattr(flaky, "_shard_dataset", lambda *a: stream)
+    assert [d for d, _ in flaky.documents(0, 1, "train", 4, 0, None)] == expected
+    assert stream.loaded_states == 2  # both retries reopened at a position
+
+
+def test_huggingface_a_position_that_is_not_one_is_refused(hf_row_groups):
+    args, _ = hf_row_groups
+    for state in ("[1, 2]", '{"datasets": "5.2.0"}', '"text"'):
+        with pytest.raises(UserError, match="saved position in the stream is not one this version writes"):
+            list(HuggingFaceSource(args).documents(1, 4, "train", 4, 0, [1, state, 0, 0]))

@@ -340,3 +340,66 @@ def test_overwrite_replaces_an_earlier_folder_and_nothing_else(exported, tmp_pat
     assert cli.main(["export", *argv, "--format", "hf", "--output", str(other), "--overwrite"]) == 2
     assert "is not an earlier export" in capsys.readouterr().err
     assert os.listdir(other) == ["config.json"]
+
+
+def test_replacing_a_folder_never_loses_what_was_there(tmp_path, monkeypatch):
+    """The last step of a folder export, against what may happen meanwhile: an empty output that filled up is
+    left alone (without --overwrite), one that stopped being an export is left alone (with it), and a swap that
+    fails midway puts the earlier export back."""
+    from components.errors import UserError
+    from nsa_titan.hf_folder import CONFIG, FORMAT, _replace_folder
+
+    def folder(name, files):
+        path = tmp_path / name
+        path.mkdir()
+        for file, text in files.items():
+            (path / file).write_text(text)
+        return str(path)
+
+    export = {CONFIG: json.dumps({"nsa_titan": {"format": FORMAT}}), "model.safetensors": "new"}
+    filled = folder("filled", {"notes.txt": "mine"})
+    with pytest.raises(UserError, match="was empty when the export began"):
+        _replace_folder(folder("new1", export), filled, overwrite=False)
+    assert os.listdir(filled) == ["notes.txt"]
+
+    changed = folder("changed", {CONFIG: '{"model_type": "llama"}'})
+    with pytest.raises(UserError, match="no longer an earlier export"):
+        _replace_folder(folder("new2", export), changed, overwrite=True)
+    assert os.listdir(changed) == [CONFIG]
+
+    earlier = folder("earlier", {**export, "model.safetensors": "old"})
+    real_replace, calls = os.replace, []
+
+    def failing_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr("nsa_titan.hf_folder.os.replace", failing_second)
+    with pytest.raises(OSError):
+        _replace_folder(folder("new3", export), earlier, overwrite=True)
+    assert (tmp_path / "earlier" / "model.safetensors").read_text() == "old"
+    assert not [n for n in os.listdir(tmp_path) if ".old-" in n]  # the earlier export is back where it was
+
+
+def test_overwrite_refuses_a_symbolic_link(exported, tmp_path, capsys):
+    import shutil
+
+    argv, folder = exported
+    target = tmp_path / "real"
+    shutil.copytree(folder, target)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    assert cli.main(["export", *argv, "--format", "hf", "--output", str(link), "--overwrite"]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert link.is_symlink() and sorted(os.listdir(target)) == sorted(os.listdir(folder))
+
+
+def test_an_export_is_readable_as_the_umask_says(exported):
+    """Written under a temporary name and moved into place: not owner-only, as a mkdtemp folder would be."""
+    _, folder = exported
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(folder).st_mode & 0o777 == 0o777 & ~umask
+    assert os.stat(os.path.join(folder, "config.json")).st_mode & 0o777 == 0o666 & ~umask

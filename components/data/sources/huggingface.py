@@ -184,7 +184,8 @@ class HuggingFaceSource:
         except UserError:
             raise
         except Exception as e:  # network and decoding failures surface here during streaming
-            if first and resumed and isinstance(e, (KeyError, TypeError, IndexError, AttributeError)):
+            if (first and resumed and isinstance(e, (KeyError, TypeError, IndexError, AttributeError))
+                    and not type(e).__module__.startswith("pyarrow")):  # pyarrow's errors are about the data read
                 # datasets applies a loaded position at the first read: these mean the position does not fit
                 raise UserError(f"{self._what()}: the saved position in the stream does not fit this dataset "
                                 f"({type(e).__name__}: {e}); was the checkpoint written for other data files? Fix: "
@@ -218,7 +219,9 @@ class HuggingFaceSource:
         failures = yielded = 0
         while True:
             try:
-                for text, cursor in self._documents_once(shard, num_shards, split, seed, epoch, cursor):
+                # Only the first opening takes a position from a checkpoint; a retry's is one this run read.
+                saved = failures == 0 and yielded == 0
+                for text, cursor in self._documents_once(shard, num_shards, split, seed, epoch, cursor, saved):
                     failures, yielded = 0, yielded + 1
                     yield text, cursor
                 return
@@ -235,7 +238,7 @@ class HuggingFaceSource:
                             self._what(), shard, e, failures, self.args.read_retries, pause, yielded)
                 time.sleep(pause)
 
-    def _documents_once(self, shard, num_shards, split, seed, epoch, cursor):
+    def _documents_once(self, shard, num_shards, split, seed, epoch, cursor, saved: bool = True):
         if isinstance(cursor, int):
             yield from self._replayed_documents(shard, num_shards, split, seed, epoch, cursor)
             return
@@ -243,14 +246,16 @@ class HuggingFaceSource:
         dataset = self._shard_dataset(shard, num_shards, self._hf_split(split))
         if state is not None:
             self._load_position(dataset, json.loads(state), shard)
-        addressed = self._addressed(self._kept_batches(dataset, split, resumed=state is not None), state, skip)
+        addressed = self._addressed(self._kept_batches(dataset, split, resumed=saved and state is not None), state,
+                                    skip)
         size = max(1, self.args.shuffle_buffer)
         while chunk := list(itertools.islice(addressed, size)):
             (_, start, _), (_, _, after) = chunk[0], chunk[-1]
             order = order_rng(seed, shard, epoch, chunk_no).permutation(len(chunk)) if size > 1 else range(len(chunk))
             for j in range(done, len(chunk)):
                 # After a chunk's last document the cursor names the next chunk: a resume there reads nothing again.
-                yield chunk[order[j]][0], ([chunk_no, *start, j + 1] if j + 1 < len(chunk) else [chunk_no + 1, *after, 0])
+                cursor_after = [chunk_no, *start, j + 1] if j + 1 < len(chunk) else [chunk_no + 1, *after, 0]
+                yield chunk[order[j]][0], cursor_after
             chunk_no, done = chunk_no + 1, 0
 
     @staticmethod
@@ -277,6 +282,9 @@ class HuggingFaceSource:
         state's layout is the library's own), so it is refused rather than trusted."""
         import datasets
 
+        if not isinstance(saved, dict) or not isinstance(saved.get("stream"), dict):
+            raise UserError(f"{self._what()}: logical shard {shard}'s saved position in the stream is not one this "
+                            "version writes. Fix: resume with the version of nsa_titan that wrote the checkpoint")
         if saved.get("datasets") != datasets.__version__:
             raise UserError(
                 f"{self._what()}: logical shard {shard}'s position in the stream was saved by datasets "
@@ -288,8 +296,8 @@ class HuggingFaceSource:
 
     def _replayed_documents(self, shard, num_shards, split, seed, epoch, count):
         """The order of cursors saved before chunks: a shuffle buffer, resumed by replaying `count` documents."""
-        texts = (t for batch, _ in self._kept_batches(self._shard_dataset(shard, num_shards, self._hf_split(split)), split)
-                 for t in batch)
+        dataset = self._shard_dataset(shard, num_shards, self._hf_split(split))
+        texts = (t for batch, _ in self._kept_batches(dataset, split) for t in batch)
         if self.args.shuffle_buffer > 1:
             texts = buffered_shuffle(texts, self.args.shuffle_buffer, order_rng(seed, shard, epoch))
         for position, text in enumerate(texts):
