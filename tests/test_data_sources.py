@@ -436,6 +436,6 @@ def test_huggingface_a_retry_that_fails_at_its_first_read_is_retried(hf_row_grou
 
 def test_huggingface_a_position_that_is_not_one_is_refused(hf_row_groups):
     args, _ = hf_row_groups
-    for state in ("[1, 2]", '{"datasets": "5.2.0"}', '"text"'):
+    for state in ("[1, 2]", '{"datasets": "5.2.0"}', '"text"', "not JSON {", 7):
         with pytest.raises(UserError, match="saved position in the stream is not one this version writes"):
             list(HuggingFaceSource(args).documents(1, 4, "train", 4, 0, [1, state, 0, 0]))

@@ -245,7 +245,7 @@ class HuggingFaceSource:
         chunk_no, state, skip, done = cursor if cursor is not None else (0, None, 0, 0)
         dataset = self._shard_dataset(shard, num_shards, self._hf_split(split))
         if state is not None:
-            self._load_position(dataset, json.loads(state), shard)
+            self._load_position(dataset, state, shard)
         addressed = self._addressed(self._kept_batches(dataset, split, resumed=saved and state is not None), state,
                                     skip)
         size = max(1, self.args.shuffle_buffer)
@@ -277,11 +277,15 @@ class HuggingFaceSource:
                 kept = [t for t in kept if split_of(t, self.args.validation_fraction) == split]
             yield kept, json.dumps({"datasets": datasets.__version__, "stream": dataset.state_dict()})
 
-    def _load_position(self, dataset, saved: dict, shard: int) -> None:
-        """Open `dataset` at a saved position: one from another datasets version may mean another place (its
-        state's layout is the library's own), so it is refused rather than trusted."""
+    def _load_position(self, dataset, state: str, shard: int) -> None:
+        """Open `dataset` at a saved position (JSON): one from another datasets version may mean another place
+        (its state's layout is the library's own), so it is refused rather than trusted."""
         import datasets
 
+        try:
+            saved = json.loads(state)
+        except (TypeError, ValueError):
+            saved = None
         if not isinstance(saved, dict) or not isinstance(saved.get("stream"), dict):
             raise UserError(f"{self._what()}: logical shard {shard}'s saved position in the stream is not one this "
                             "version writes. Fix: resume with the version of nsa_titan that wrote the checkpoint")
