@@ -4,6 +4,7 @@ a state that resumes exactly (the sharded path runs in tests/test_distributed.py
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -151,3 +152,23 @@ def test_a_copy_steps_like_the_original():
     for p in params:
         p.grad = torch.zeros_like(p)
     copied.step()  # runs: the AdamW part is built again
+
+
+@pytest.mark.parametrize("layout,nproc", [("1d", 3), ("2d", 4)])
+def test_sharded_matrices_are_dealt_out_and_come_back_exact(layout, nproc):
+    """Row-sharded matrices (uneven, some with fewer rows than ranks) orthogonalized by one rank each give
+    every rank its rows of the whole matrix's result, to the bit; each rank ran only its share."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.launch import REPO_ROOT, env, free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+               os.path.join(REPO_ROOT, "tests", "sharded_orthogonalize_worker.py"), layout]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = [int(n) for n in re.findall(r"rank \d+: ok (\d+)", proc.stdout)]  # ranks' lines may interleave
+    shard_group = nproc if layout == "1d" else nproc // 2
+    assert len(runs) == nproc and sum(runs) == 7 * (nproc // shard_group)  # every matrix once per shard group

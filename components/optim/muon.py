@@ -5,9 +5,10 @@ layers inside the model. AdamW updates the rest: embedding tables, a linear laye
 from a vocabulary (an output head: its in or out size is an embedding's number of rows), norms and
 biases. Muon's matrices and AdamW's matrices take weight decay; tables, norms and biases do not.
 
-Parameters sharded by FSDP2 (DTensor): orthogonalizing needs the whole matrix, so each rank gathers
-the momentum update of every Muon matrix, runs the iteration on it (every rank computes the same
-result) and keeps its own shard. A single process, DDP and FSDP therefore compute the same update.
+Parameters sharded by FSDP2 (DTensor): orthogonalizing needs the whole matrix. The matrices are dealt
+out over the ranks of the shard group: each is put together whole on one rank, orthogonalized there,
+and its rows sent back (components/optim/sharded_orthogonalize.py). A single process, DDP and FSDP
+therefore compute the same update, and each rank runs only its share of the iterations.
 
 `adjust_lr = "match_rms_adamw"` scales each matrix's update to the RMS AdamW's would have
 (0.2 * sqrt(max(rows, cols))), so one learning rate and weight decay serve both groups; "original"
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from components.optim.adamw import param_groups as adamw_groups
+from components.optim.sharded_orthogonalize import orthogonalize_all
 
 # The quintic Newton-Schulz coefficients Muon is published with (steep at zero: few steps suffice).
 _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -83,20 +85,6 @@ def muon_params(model: nn.Module) -> list[nn.Parameter]:
     return list(chosen.values())
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """`whole` laid out as `param` is: this rank's shard of it when param is a DTensor."""
-    if not hasattr(param, "device_mesh"):
-        return whole
-    from torch.distributed.tensor import distribute_tensor
-
-    # Every rank holds the same whole matrix, so each keeps its shard without communicating.
-    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
-
-
 class MuonWithAdamW(torch.optim.Optimizer):
     """One optimizer (one state dict, one LR schedule) over Muon's groups and AdamW's groups.
 
@@ -135,6 +123,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         momentum, lr = group["momentum"], group["lr"]
+        params, updates = [], []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -143,10 +132,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            step = _like(orthogonalized(_whole(update), group["ns_steps"]).to(p.dtype), p)
+            params.append(p)
+            updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
+        # Sharded matrices are dealt out over the ranks, each orthogonalized whole by one of them.
+        steps = orthogonalize_all(updates, lambda whole: orthogonalized(whole, group["ns_steps"]))
+        for p, step in zip(params, steps):
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(step, alpha=-lr * _scale(group["adjust_lr"], p.shape))
+            p.add_(step.to(p.dtype), alpha=-lr * _scale(group["adjust_lr"], p.shape))
 
 
 def build_muon(model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,

@@ -3,7 +3,8 @@
     states      = 16 B x P / shard         fp32 weights, fp32 grads, AdamW exp_avg and exp_avg_sq;
                                            FSDP shards all four over the shard degree, DDP does not
                                            (Muon keeps one buffer for its matrices, 4 B per parameter
-                                           fewer; its step also gathers one whole matrix at a time)
+                                           fewer; its step puts together whole the matrices a rank
+                                           orthogonalizes, one turn at a time)
     gathered    = 2 x P_block x p_bytes    with shard > 1: the running block's all-gathered params
                                            plus the next one's prefetch (p_bytes 2 under bf16, else 4)
     activations = L_kept x A                A = (N x a + N x cp x r) x a_bytes, one block's saved tensors;

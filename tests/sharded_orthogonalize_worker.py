@@ -1,0 +1,54 @@
+"""Run under torch.distributed.run by tests/test_optim_muon.py: matrices sharded by rows as FSDP2 shards
+them (DTensor, Shard(0)), some with fewer rows than ranks and of several shapes, orthogonalized by
+orthogonalize_all: each rank's result is its rows of the whole matrix's result, to the bit, and each rank
+ran only its share of the iterations. A 2-D mesh (replicate x shard, as HSDP) too.
+
+argv: mesh ("1d" | "2d"). Prints "ok <iterations run>" per rank on success."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from components.optim.muon import orthogonalized
+from components.optim.sharded_orthogonalize import orthogonalize_all
+
+SHAPES = [(8, 5), (3, 7), (64, 16), (1, 4), (16, 64), (10, 10), (5, 3)]
+
+
+def main(layout: str) -> None:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if layout == "1d":
+        mesh, placements = init_device_mesh("cpu", (world,)), [Shard(0)]
+    else:
+        mesh, placements = init_device_mesh("cpu", (2, world // 2)), [Replicate(), Shard(0)]
+    gen = torch.Generator().manual_seed(0)
+    wholes = [torch.randn(*shape, generator=gen) for shape in SHAPES]  # the same on every rank
+    sharded = [distribute_tensor(w, mesh, placements, src_data_rank=None) for w in wholes]
+    runs = []
+
+    def counted(whole):
+        runs.append(whole.shape)
+        return orthogonalized(whole, 5)
+
+    results = orthogonalize_all(sharded, counted)
+    for whole, got, want_layout in zip(wholes, results, sharded):
+        expected = distribute_tensor(orthogonalized(whole, 5).to(whole.dtype), mesh, placements, src_data_rank=None)
+        assert got.placements == want_layout.placements and got.shape == whole.shape
+        assert torch.equal(got.to_local(), expected.to_local()), (whole.shape, got.to_local(), expected.to_local())
+        assert torch.equal(got.full_tensor(), orthogonalized(whole, 5).to(whole.dtype))
+    shard_group = mesh.size(len(placements) - 1)
+    assert len(runs) <= -(-len(SHAPES) // shard_group), runs  # its share, not every matrix
+    plain = orthogonalize_all([wholes[0]], counted)[0]  # a plain tensor: whole, on this rank
+    assert torch.equal(plain, orthogonalized(wholes[0], 5))
+    print(f"rank {dist.get_rank()}: ok {len(runs) - 1}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
