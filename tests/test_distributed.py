@@ -65,10 +65,11 @@ def single_process_muon_losses(tmp_path_factory, single_process_losses):
     return muon
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "fsdp_one_process"])
 def test_muon_when_sharded_matches_single_process(tmp_path, single_process_muon_losses, layout):
-    """Muon orthogonalizes whole matrices: under FSDP2 (and HSDP's 2-D mesh) each rank gathers the update,
-    so sharded ranks train as one process does."""
+    """Muon orthogonalizes whole matrices: under FSDP2 (and HSDP's 2-D mesh) the matrices are dealt out over
+    the shard group, each put together whole on one rank, so sharded ranks train as one process does (a mesh
+    of one rank holds them whole)."""
     nproc, flags = LAYOUTS[layout]
     sharded = train([*COMMON, "--optimizer.name=muon", *flags, f"--job.dump_folder={tmp_path}"], nproc=nproc)
     assert sharded.returncode == 0, sharded.stderr[-4000:]

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from components.optim.adamw import param_groups as adamw_groups
-from components.optim.sharded_orthogonalize import orthogonalize_all
+from components.optim.sharded_orthogonalize import orthogonalize_each
 
 # The quintic Newton-Schulz coefficients Muon is published with (steep at zero: few steps suffice).
 _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -123,22 +123,25 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         momentum, lr = group["momentum"], group["lr"]
-        params, updates = [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+
+        def update_of(i: int) -> torch.Tensor:  # called once per matrix, when its turn comes
+            p = params[i]
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
-            params.append(p)
-            updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
-        # Sharded matrices are dealt out over the ranks, each orthogonalized whole by one of them.
-        steps = orthogonalize_all(updates, lambda whole: orthogonalized(whole, group["ns_steps"]))
-        for p, step in zip(params, steps):
+            return p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+        def apply(i: int, step: torch.Tensor) -> None:
+            p = params[i]
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(step.to(p.dtype), alpha=-lr * _scale(group["adjust_lr"], p.shape))
+
+        # Sharded matrices are dealt out over the ranks, each orthogonalized whole by one of them.
+        orthogonalize_each([p.grad for p in params], update_of, lambda whole: orthogonalized(whole, group["ns_steps"]),
+                           apply)
 
 
 def build_muon(model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,

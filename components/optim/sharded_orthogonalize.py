@@ -25,36 +25,39 @@ import torch.distributed as dist
 Orthogonalize = Callable[[torch.Tensor], torch.Tensor]
 
 
-def orthogonalize_all(updates: list[torch.Tensor], orthogonalize: Orthogonalize) -> list[torch.Tensor]:
-    """For each update, `orthogonalize(whole update)` in the update's dtype and layout: a DTensor's result is
-    a DTensor of the same placements (this rank's rows), a tensor's a tensor."""
-    results: list[torch.Tensor | None] = [None] * len(updates)
+def orthogonalize_each(grads: list[torch.Tensor], update_of: Callable[[int], torch.Tensor],
+                       orthogonalize: Orthogonalize, apply: Callable[[int, torch.Tensor], None]) -> None:
+    """For each i, apply(i, orthogonalize(the whole of update_of(i))) in the update's dtype and layout: a
+    DTensor's result is a DTensor of the same placements (this rank's rows), a tensor's a tensor.
+
+    grads[i] has the layout of update i. update_of(i) is called once for each i, when it is needed, and a
+    result is applied as soon as it is ready, so only one turn's matrices are held at a time. Which path a
+    matrix takes depends on its layout alone, the same on every rank, so every rank joins the same
+    collectives."""
     by_group: dict[tuple, list[int]] = {}
-    for i, u in enumerate(updates):
-        layout = _row_shard_group(u)
+    for i, g in enumerate(grads):
+        layout = _row_shard_group(g)
         if layout is None:
-            results[i] = _whole_then_like(u, orthogonalize)
+            apply(i, _whole_then_like(update_of(i), orthogonalize))
         else:
             by_group.setdefault(layout, []).append(i)
-    for (mesh, dim), indices in by_group.items():
-        shards = _dealt_out(mesh, dim, [updates[i] for i in indices], orthogonalize)
-        for i, local in zip(indices, shards):
-            results[i] = _from_local(local, updates[i])
-    return results
+    for (mesh, dim, _), indices in by_group.items():
+        _dealt_out(mesh, dim, indices, update_of, orthogonalize, apply)
 
 
-def _row_shard_group(u: torch.Tensor) -> tuple | None:
-    """(mesh, mesh dimension) when `u` is a 2-D DTensor whose rows are sharded over that one dimension (the
-    others replicated) as torch.chunk splits them; else None."""
-    if not hasattr(u, "device_mesh") or u.ndim != 2 or u.device_mesh.ndim != len(u.placements):
+def _row_shard_group(g: torch.Tensor) -> tuple | None:
+    """(mesh, mesh dimension, dtype) when `g` is a 2-D DTensor whose rows are sharded over that one mesh
+    dimension (the others replicated); else None. Placements, shape and dtype only: every rank decides
+    alike."""
+    if not hasattr(g, "device_mesh") or g.ndim != 2 or g.device_mesh.ndim != len(g.placements):
         return None
-    sharded = [d for d, p in enumerate(u.placements) if not p.is_replicate()]
-    if len(sharded) != 1 or not (u.placements[sharded[0]].is_shard() and u.placements[sharded[0]].dim == 0):
+    sharded = [d for d, p in enumerate(g.placements) if not p.is_replicate()]
+    if len(sharded) != 1:
         return None
-    mesh, dim = u.device_mesh, sharded[0]
-    if u.to_local().shape[0] != _row_counts(u.shape[0], mesh.size(dim))[mesh.get_local_rank(dim)]:
-        return None  # not the split this module assumes: take the safe path
-    return mesh, dim
+    placement = g.placements[sharded[0]]
+    if type(placement).__name__ != "Shard" or placement.dim != 0:  # not a strided or other special shard
+        return None
+    return g.device_mesh, sharded[0], g.dtype
 
 
 def _row_counts(rows: int, parts: int) -> list[int]:
@@ -63,30 +66,37 @@ def _row_counts(rows: int, parts: int) -> list[int]:
     return counts + [0] * (parts - len(counts))
 
 
-def _dealt_out(mesh, dim: int, updates: list[torch.Tensor], orthogonalize: Orthogonalize) -> list[torch.Tensor]:
-    """This rank's rows of each update's result, the matrices dealt out over the group's ranks in turns."""
+def _dealt_out(mesh, dim: int, indices: list[int], update_of, orthogonalize: Orthogonalize, apply) -> None:
+    """The matrices `indices` dealt out over the group's ranks in turns; each rank applies its rows of each."""
     group, me, size = mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim)
-    mine: list[torch.Tensor] = []
-    for start in range(0, len(updates), size):
-        turn = updates[start:start + size]  # matrix j of the turn is rank j's to compute
-        locals_ = [u.to_local() for u in turn]
-        rows = [_row_counts(u.shape[0], size) for u in turn]
+    for start in range(0, len(indices), size):
+        turn = indices[start:start + size]  # matrix j of the turn is rank j's to compute
+        updates = [update_of(i) for i in turn]
+        locals_ = [u.to_local() for u in updates]
+        rows = [_row_counts(u.shape[0], size) for u in updates]
+        for local, counts in zip(locals_, rows):
+            if local.shape[0] != counts[me]:
+                raise RuntimeError(f"a sharded matrix's rows are not split as torch.chunk splits them "
+                                   f"({local.shape[0]} rows here, {counts[me]} expected): Muon cannot put it together")
+        if size == 1:  # the whole matrix is here (FSDP2 on a mesh of one rank)
+            for i, u, local in zip(turn, updates, locals_):
+                apply(i, _from_local(orthogonalize(local).to(local.dtype).contiguous(), u))
+            continue
         owns = me < len(turn)
         # 1. my rows of matrix j go to rank j; I get every rank's rows of my matrix
         sent = [locals_[j].numel() if j < len(turn) else 0 for j in range(size)]
-        got = [rows[me][s] * turn[me].shape[1] for s in range(size)] if owns else [0] * size
+        got = [rows[me][s] * updates[me].shape[1] for s in range(size)] if owns else [0] * size
         parts = _exchange(torch.cat([t.contiguous().flatten() for t in locals_]), sent, got, group)
         # 2. my matrix, whole, orthogonalized, cut back into the ranks' rows
         if owns:
-            whole = parts.view(turn[me].shape)
+            whole = parts.view(updates[me].shape)
             back = orthogonalize(whole).to(whole.dtype).contiguous().flatten()
         else:
             back = locals_[0].new_empty(0)
         # 3. rank j's result comes back to me as my rows of matrix j
         results = _exchange(back, got, sent, group)
-        mine += list(torch.split(results, sent[:len(turn)]))
-        mine[-len(turn):] = [m.view(local.shape) for m, local in zip(mine[-len(turn):], locals_)]
-    return mine
+        for i, u, local, mine in zip(turn, updates, locals_, torch.split(results, sent[:len(turn)])):
+            apply(i, _from_local(mine.view(local.shape), u))
 
 
 def _exchange(send: torch.Tensor, send_counts: list[int], receive_counts: list[int], group) -> torch.Tensor:
