@@ -45,14 +45,19 @@ MESHES = {"fsdp": "dp_replicate 1 x dp_shard 2", "ddp": "dp_replicate 2 x dp_sha
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_matches_single_process(tmp_path, single_process_losses, layout):
+    assert_trains_like(single_process_losses, layout, tmp_path)
+
+
+def assert_trains_like(expected: dict, layout: str, folder, *extra: str) -> None:
+    """A run in `layout` (with `extra` flags) logs every step, on the mesh it says, with one process's losses."""
     nproc, flags = LAYOUTS[layout]
-    proc = train([*COMMON, *flags, f"--job.dump_folder={tmp_path}"], nproc=nproc)
+    proc = train([*COMMON, *extra, *flags, f"--job.dump_folder={folder}"], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"FSDP2 over {MESHES[layout]} |" in proc.stdout + proc.stderr
-    got = losses(tmp_path)
+    got = losses(folder)
     assert sorted(got) == list(range(1, STEPS + 1))
-    for step, expected in single_process_losses.items():
-        assert got[step] == pytest.approx(expected, rel=RTOL), (layout, step, got, single_process_losses)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=RTOL), (layout, step, got, expected)
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +75,7 @@ def test_muon_when_sharded_matches_single_process(tmp_path, single_process_muon_
     """Muon orthogonalizes whole matrices: under FSDP2 (and HSDP's 2-D mesh) the matrices are dealt out over
     the shard group, each put together whole on one rank, so sharded ranks train as one process does (a mesh
     of one rank holds them whole)."""
-    nproc, flags = LAYOUTS[layout]
-    sharded = train([*COMMON, "--optimizer.name=muon", *flags, f"--job.dump_folder={tmp_path}"], nproc=nproc)
-    assert sharded.returncode == 0, sharded.stderr[-4000:]
-    assert f"FSDP2 over {MESHES[layout]} |" in sharded.stdout + sharded.stderr
-    got = losses(tmp_path)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step, expected in single_process_muon_losses.items():
-        assert got[step] == pytest.approx(expected, rel=RTOL), (layout, step, got, single_process_muon_losses)
+    assert_trains_like(single_process_muon_losses, layout, tmp_path, "--optimizer.name=muon")
 
 
 def test_two_node_launch_on_loopback(tmp_path):
