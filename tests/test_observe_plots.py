@@ -68,7 +68,7 @@ def test_the_pictures_draw_those_numbers(tmp_path):
 
 def test_without_matplotlib_the_plot_command_says_how_to_install_it(hide_package):
     hide_package("matplotlib")
-    with pytest.raises(UserError, match=r"pip install 'nsa_titan\[plots\]'"):
+    with pytest.raises(UserError, match=r"pip install -e '\.\[plots\]' in the nsa_titan checkout"):
         plots.pyplot()
 
 
