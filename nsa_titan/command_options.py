@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Callable
 
 from components.errors import UserError
@@ -39,6 +40,14 @@ def refuse_unknown_options(argv: list[str], command: str, known: str) -> None:
     unknown = [arg.split("=", 1)[0] for arg in argv if arg.startswith("-")]
     if unknown:
         raise UserError(f"{command} has no option {unknown[0]!r}. Fix: remove it, or use one of {known}.")
+
+
+def new_name_beside(target: str) -> str:
+    """A name nothing has yet, beside the absolute path `target` (its folder made if missing), to write an output
+    under before moving it into place (what mkstemp and mkdtemp make would be owner-only; this keeps the umask's
+    permissions)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    return f"{target}.tmp-{uuid.uuid4().hex[:12]}"
 
 
 def take_flag(argv: list[str], name: str) -> bool:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import uuid
 import zipfile
 
 import torch
 from torch import nn
 
 from components.errors import UserError
-from nsa_titan.command_options import check_output
+from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
 
@@ -52,8 +51,7 @@ def export_checkpoint(resolved: ResolvedRecipe, output: str, overwrite: bool = F
         "recipe_hash": resolved.hash,
     }
     target = os.path.abspath(output)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"  # a new name (mkstemp's would make the export owner-only)
+    tmp = new_name_beside(target)
     try:
         torch.save(payload, tmp)
         if os.path.lexists(target) and not (overwrite and is_export_file(target)):  # it appeared, or changed

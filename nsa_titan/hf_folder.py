@@ -17,13 +17,12 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 
 import torch
 
 from components.errors import UserError
 from nsa_titan import registry
-from nsa_titan.command_options import check_output
+from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.observe.progress import progress
 
@@ -82,8 +81,7 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
     part = registry.get("model", recipe.model.name)
     fmt = _hf_format(part, recipe.model.args, tokenizer.vocab_size)
     target = os.path.abspath(output)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"  # a new name (mkdtemp's folder would be owner-only)
+    tmp = new_name_beside(target)
     os.makedirs(tmp)
     tokens = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     config = {**fmt.config, **tokens, "model_type": fmt.model_type, "architectures": list(fmt.architectures),
