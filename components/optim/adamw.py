@@ -6,6 +6,13 @@ import torch
 from torch import nn
 
 
+def linear_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable weight matrices of linear layers, except a weight tied to an embedding table."""
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    found = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
+    return [p for key, p in found.items() if key not in embedding_params and p.requires_grad]
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay the weight matrices of linear layers; never norms, biases, embedding tables or other
     learned tables (e.g. position embeddings).
@@ -13,13 +20,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     Embeddings are excluded because decay pulls rarely seen tokens' rows to zero. A weight tied to
     an embedding is not decayed either.
     """
-    embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    matrices = {id(p) for p in linear_matrices(model)}
     decay, no_decay = [], []
     for param in model.parameters():
         if not param.requires_grad:
             continue
-        if id(param) in linear_weights and id(param) not in embedding_params:
+        if id(param) in matrices:
             decay.append(param)
         else:
             no_decay.append(param)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from components.optim.adamw import param_groups as adamw_groups
+from components.optim.adamw import linear_matrices, param_groups as adamw_groups
 from components.optim.sharded_orthogonalize import orthogonalize_each
 
 # The quintic Newton-Schulz coefficients Muon is published with (steep at zero: few steps suffice).
@@ -71,18 +71,10 @@ def _scale(adjust_lr: str, shape: torch.Size) -> float:
 
 
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
-    """The weights Muon updates: linear layers' matrices, except those tied to or sized by an embedding."""
-    tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    table_params = {id(p) for m in tables for p in m.parameters()}
-    vocabularies = {m.num_embeddings for m in tables}
-    chosen = {}
-    for m in model.modules():
-        if not isinstance(m, nn.Linear) or not m.weight.requires_grad or id(m.weight) in table_params:
-            continue
-        if m.out_features in vocabularies or m.in_features in vocabularies:
-            continue
-        chosen[id(m.weight)] = m.weight
-    return list(chosen.values())
+    """The weights Muon updates: linear layers' matrices (AdamW's decayed ones), except those sized by an
+    embedding's vocabulary (an output head maps to it)."""
+    vocabularies = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [p for p in linear_matrices(model) if not vocabularies & set(p.shape)]
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
