@@ -228,8 +228,10 @@ def test_full_coverage_equals_dense_causal_attention(branch):
 
 def test_every_launch_fits_cuda_grid_limits(monkeypatch):
     """70000 (batch x KV head) rows: more than CUDA's 65535 on grid axes 1 and 2, so every launcher
-    must put them on axis 0 (limit 2^31 - 1). Launches are recorded, not run."""
+    must put them on axis 0 (limit 2^31 - 1). Launches are recorded, not run: under the interpreter
+    and on a GPU alike (kernels are then JIT functions)."""
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
     grids = {}
 
@@ -237,6 +239,7 @@ def test_every_launch_fits_cuda_grid_limits(monkeypatch):
         grids[self.fn.__name__] = grid(kwargs) if callable(grid) else grid
 
     monkeypatch.setattr(InterpretedFunction, "run", record)
+    monkeypatch.setattr(JITFunction, "run", record)
     B, T, D, lp = 70_000, 2, 16, 16
     q, k, v, do = (torch.randn(B, T, 1, D, device=DEVICE) for _ in range(4))
     sel = torch.zeros(B, T, 1, 1, dtype=torch.int64, device=DEVICE)
