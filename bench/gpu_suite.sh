@@ -11,7 +11,8 @@
 #              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
 #              where the NSA op's time goes, and the selected branch's two layouts side by side
 #   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k;
-#              nsa_125m at 2k again with CUDA graphs (compile.mode = reduce-overhead)
+#              nsa_125m at 2k again with CUDA graphs (compile.mode = reduce-overhead); python -m bench.loss_memory:
+#              the loss's peak memory at 65,536 tokens a step
 #
 # No phase named: all three. JSON results go to bench/results/, each phase's log to
 # bench/results/logs/<phase>.log, and the tables of this run's results (bench.report) to
@@ -55,7 +56,8 @@ phase_attention() {
 }
 phase_train() {
   "$py" -m bench.train_throughput --seq-lens 2048 32768 &&
-  "$py" -m bench.train_throughput --seq-lens 2048 --recipes recipes/nsa_125m.toml --override=--compile.mode=reduce-overhead
+  "$py" -m bench.train_throughput --seq-lens 2048 --recipes recipes/nsa_125m.toml --override=--compile.mode=reduce-overhead &&
+  "$py" -m bench.loss_memory --tokens 65536
 }
 
 phases=("$@")

@@ -2,8 +2,8 @@
 
     python -m bench.report bench/results/attention-*.json bench/results/train_throughput-*.json ...
 
-Reads what bench.attention, bench.attention_stages and bench.train_throughput write and prints, per
-file, where it was measured (GPU, versions, commit) and one table of its numbers. Targets (checked
+Reads what bench.attention, bench.attention_stages, bench.train_throughput and bench.loss_memory write
+and prints, per file, where it was measured (GPU, versions, commit) and one table of its numbers. Targets (checked
 where the file has the lengths): the NSA op's forward + backward at least 6x SDPA's speed at 64k
 tokens and at least SDPA's speed at 8k or below; nsa_125m at least 0.8x dense_125m's tokens/s at
 2k and at least 2x at 32k. Nothing here measures anything.
@@ -131,7 +131,17 @@ def train_tables(report: dict) -> list[str]:
     return lines
 
 
-TABLES = {"attention": attention_tables, "attention_stages": stage_tables, "train_throughput": train_tables}
+def loss_tables(report: dict) -> list[str]:
+    lines = ["Training loss, forward + backward on bf16 logits (peak memory above the logits):", "",
+             "| way | tokens | vocab | logits GiB | peak GiB above | seconds |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in report["results"]:
+        lines.append(f"| {r['way']} | {r['tokens']} | {r['vocab_size']} | {r['logits_gib']:.2f} | "
+                     f"{r['peak_above_logits_gib']:.2f} | {r['seconds']:.3f} |")
+    return lines
+
+
+TABLES = {"attention": attention_tables, "attention_stages": stage_tables, "train_throughput": train_tables,
+          "loss_memory": loss_tables}
 
 
 def render(report: dict) -> str:

@@ -12,7 +12,6 @@ import time
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from components.errors import UserError
 from components.sequence_shard import SequenceShard
@@ -25,6 +24,7 @@ from nsa_titan.config.schema import CUDA_GRAPH_MODES
 from nsa_titan.config.toml_io import tomllib
 from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.hf_folder import is_hf_folder, load_hf_weights
+from nsa_titan.loss import token_cross_entropy_sum
 from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
 from nsa_titan.observe.manifest import MANIFEST_FILE, write_manifest
@@ -324,8 +324,7 @@ class Trainer:
             logits, targets = self._forward(batch)
             # Every rank sees the same number of tokens, so dividing by the rank's token count and
             # averaging gradients over ranks (as data parallelism does) gives the global token mean.
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-            loss = loss / self.local_tokens_per_step
+            loss = token_cross_entropy_sum(logits, targets) / self.local_tokens_per_step
             loss.backward()
             loss_total += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.training.max_norm)
@@ -361,7 +360,7 @@ class Trainer:
         count = 0
         for batch in self._validation_batches():
             logits, targets = self._forward(batch)
-            total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").double()
+            total += token_cross_entropy_sum(logits, targets).double()
             count += targets.numel()  # the same on every rank, so the mean over ranks is the token mean
         loss = all_reduce_mean(total).item() / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}

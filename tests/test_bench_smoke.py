@@ -168,3 +168,14 @@ def test_data_resume_bench_times_both_cursors(tmp_path):
     result = json.loads(out.read_text())
     assert result["resumed_after_documents"] == 240
     assert set(result["seconds_to_first_document"]) == {"stream_state_cursor", "count_cursor_replay"}
+
+
+def test_loss_memory_bench_measures_both_ways_on_the_same_logits(tmp_path):
+    from bench import loss_memory
+
+    out = tmp_path / "loss_memory.json"
+    assert loss_memory.main(["--tokens", "64", "--vocab-size", "300", "--out", str(out)]) == 0
+    old, new = json.loads(out.read_text())["results"]
+    assert (old["way"], new["way"]) == ("fp32_copy", "chunked")
+    assert new["loss"] == pytest.approx(old["loss"], rel=1e-5)
+    assert new["peak_above_logits_gib"] >= 0 and new["seconds"] > 0

@@ -16,7 +16,9 @@
                                            holds a full block's worth (the last term)
     masks       = N x T x m x a_bytes      held once per forward: m elements per (local query, key of
                                            its row) pair, e.g. an explicit attention mask (T = seq_len)
-    logits      = N x V x (a_bytes + 8)    logits, their fp32 copy for the loss and its gradient
+    logits      = N x V x 2 x a_bytes      logits and their gradient (nsa_titan/loss.py upcasts
+                + 12 x min(N x V, C)       one chunk of C values at a time: an fp32 chunk, its
+                                           exponentials and slack)
 a, r, m and the blocks' count L come from the model part's activation_memory hook (the transformer's
 formula is in components/models/hooks.py); V = vocab.
 """
@@ -27,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from components.model_hooks import ActivationMemory
+from nsa_titan.loss import CHUNK_ELEMENTS
 
 GiB = 1024**3
 
@@ -74,6 +77,6 @@ def estimate_memory(*, activation: ActivationMemory, num_params: int, block_para
     activations = (blocks - ckpt) * per_block + ckpt * tokens * activation.block_input * a_bytes
     if ckpt:
         activations += per_block
-    logits = tokens * vocab_size * (a_bytes + 8)
+    logits = tokens * vocab_size * 2 * a_bytes + 12 * min(tokens * vocab_size, CHUNK_ELEMENTS)
     masks = tokens * seq_len * activation.per_row_pair * a_bytes
     return MemoryEstimate(num_params, shard, states, gathered, activations, logits, masks)

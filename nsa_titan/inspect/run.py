@@ -19,7 +19,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from components.errors import UserError
 from nsa_titan import assemble, registry
@@ -27,6 +26,7 @@ from nsa_titan.config import ResolvedRecipe
 from nsa_titan.inspect import artifacts, findings
 from nsa_titan.inspect.recorder import BlockTracker, GraphRecord, RecordingBackend
 from nsa_titan.inspect.trace_capture import StructuredTrace
+from nsa_titan.loss import token_cross_entropy_sum
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
 from nsa_titan.parallel.compile import compile_blocks
 from nsa_titan.runtime import make_runtime
@@ -147,8 +147,7 @@ def _step(model, part, runtime, inputs: torch.Tensor, targets: torch.Tensor,
         documents = None if part.documents is None else part.documents(model, document_starts, runtime.device)
         with runtime.autocast():
             logits = model(inputs) if documents is None else model(inputs, documents=documents)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(runtime.device).flatten())
-        loss.backward()
+        token_cross_entropy_sum(logits, targets.to(runtime.device)).backward()
         if runtime.device.type == "cuda":
             torch.cuda.synchronize()
     except UserError:
