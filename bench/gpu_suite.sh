@@ -1,25 +1,50 @@
 #!/usr/bin/env bash
-# The checks and benchmarks that need a CUDA GPU, in one go: ./bench/gpu_suite.sh [PHASE ...]
+# The checks and benchmarks that need a CUDA GPU, in one go, within a time budget:
 #
-#   check      the GPU tests (Triton kernels in bf16 at 2k-32k against the reference, and under
-#              compile), `doctor` on the 125M recipe, `inspect --fail-on-break` and a 200-step
-#              run of the debug model with the Triton backend, compiled, in bf16 (profiling steps
-#              100-102 with a memory snapshot), and 50 steps of it as FSDP2 on a mesh of this one GPU (NCCL),
-#              then 20 with the Muon optimizer (its gather of sharded matrices on NCCL); dense attention's
-#              FlexAttention over packed documents
+#   ./bench/gpu_suite.sh [--budget SECONDS] [--pack FILE] [PHASE ...]
+#
+#   check      the GPU tests (Triton kernels in bf16 at 2k-32k against the reference, determinism,
+#              compile, FlexAttention over documents), `doctor` on the 125M recipe, `inspect
+#              --fail-on-break` and a 200-step run of the debug model with the Triton backend,
+#              compiled, in bf16 (profiling steps 100-102 with a memory snapshot), 50 steps of it as
+#              FSDP2 on a mesh of this one GPU (NCCL), then 20 with the Muon optimizer. Four groups
+#              run side by side: they check results, they time nothing.
 #   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens, 125M and paper heads
 #              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
 #              where the NSA op's time goes, and the selected branch's two layouts side by side
 #   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k;
-#              nsa_125m at 2k again with CUDA graphs (compile.mode = reduce-overhead); python -m bench.loss_memory:
-#              the loss's peak memory at 65,536 tokens a step
+#              python -m bench.loss_memory at 65,536 tokens; nsa_125m at 2k with CUDA graphs
+#              (compile.mode = reduce-overhead)
 #
-# No phase named: all three. JSON results go to bench/results/, each phase's log to
-# bench/results/logs/<phase>.log, and the tables of this run's results (bench.report) to
-# bench/results/logs/report.md. Exit status: the number of phases that failed.
+# No phase named: all three. Timed steps run one after another. Every step has a time cap, cut to
+# what is left of --budget (default 540 s), so a short lease still brings back the steps that ran;
+# a step with no time left is skipped and says so. JSON results go to bench/results/, each step's log
+# to bench/results/logs/<step>.log, one line per step to bench/results/logs/summary.txt and the
+# tables of this run's results (bench.report) to bench/results/logs/report.md. --pack FILE writes
+# all of that (and this run's JSON) into one .tgz after every step, e.g. --pack "$OUT/gpu_suite.tgz"
+# on a device machine. Exit status: the number of steps that failed or were skipped.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+budget=540 pack=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --budget) budget=$2; shift 2 ;;
+    --pack) pack=$2; shift 2 ;;
+    -*) echo "error: unknown option '$1'; usage: $0 [--budget SECONDS] [--pack FILE] [check attention train]" >&2
+        exit 2 ;;
+    *) break ;;
+  esac
+done
+case "$budget" in ''|*[!0-9]*) echo "error: --budget takes whole seconds, got '$budget'" >&2; exit 2 ;; esac
+phases=("$@")
+[ ${#phases[@]} -gt 0 ] || phases=(check attention train)
+for phase in "${phases[@]}"; do
+  case "$phase" in
+    check|attention|train) ;;
+    *) echo "error: unknown phase '$phase'; choose from: check attention train" >&2; exit 2 ;;
+  esac
+done
 # A GPU image that already holds the core packages (bench/gpu_wheels.sh carries the ones it lacks) runs
 # as it is; elsewhere the project's environment is set up.
 if python3 -c "import torch, torchdata, datasets, tiktoken, pytest" >/dev/null 2>&1; then
@@ -30,56 +55,91 @@ fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 logs="$root/bench/results/logs"
 mkdir -p "$logs"
+: > "$logs/summary.txt"
+dump=$(mktemp -d)
+stamp=$(mktemp)  # results newer than this are this run's
+started=$SECONDS
+
+fresh_results() { find bench/results -maxdepth 1 -name '*.json' -newer "$stamp" | sort; }
+
+pack_results() {
+  [ -n "$pack" ] || return 0
+  local tmp="$pack.$BASHPID.tmp"
+  # shellcheck disable=SC2046
+  tar czf "$tmp" -C "$root" bench/results/logs $(fresh_results) 2>/dev/null && mv "$tmp" "$pack"
+}
+
+# step NAME CAP COMMAND...: run COMMAND for at most CAP seconds (less if the budget has less left).
+step() {
+  local name=$1 cap=$2 left rc start
+  shift 2
+  left=$((budget - (SECONDS - started)))
+  [ "$cap" -lt "$left" ] || cap=$left
+  if [ "$cap" -le 5 ]; then
+    echo "$name: SKIPPED (no time left of --budget $budget)" | tee -a "$logs/summary.txt"
+    return 1
+  fi
+  start=$SECONDS
+  timeout -k 10 "$cap" "$@" > "$logs/$name.log" 2>&1
+  rc=$?
+  local verdict="ok"
+  [ $rc -eq 0 ] || verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ", cut at ${cap} s"))"
+  echo "$name: $verdict in $((SECONDS - start)) s (log: bench/results/logs/$name.log)" | tee -a "$logs/summary.txt"
+  pack_results
+  return $rc
+}
+
+debug_run=("$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton)
+
+check_group_tests() {
+  step gpu_tests 300 "$py" -m pytest -q -rfE -p no:cacheprovider tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py \
+    tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py tests/test_dense_documents_gpu.py
+}
+check_group_train() {
+  step train_200_steps 240 "${debug_run[@]}" --compile.enable=true --training.steps=200 \
+    --job.dump_folder="$dump/train" --profiling.enable=true --profiling.start_step=100 \
+    --profiling.memory_snapshot=true &&
+  ls -l "$dump/train/profile" >> "$logs/train_200_steps.log"
+}
+check_group_fsdp() {
+  step fsdp_single_gpu 150 "${debug_run[@]}" --compile.enable=true --training.steps=50 \
+    --parallelism.fsdp_single_process=true --job.dump_folder="$dump/fsdp"
+  step muon_single_gpu 90 "${debug_run[@]}" --training.steps=20 --parallelism.fsdp_single_process=true \
+    --optimizer.name=muon --job.dump_folder="$dump/muon"
+}
+check_group_tools() {
+  step doctor 120 "$py" -m nsa_titan.cli doctor recipes/nsa_125m.toml --data.source=synthetic --data.tokenizer=byte
+  step inspect 150 "$py" -m nsa_titan.cli inspect recipes/debug.toml --training.device=cuda \
+    --model.nsa.backend=triton --compile.enable=true --job.dump_folder="$dump/inspect" --fail-on-break
+}
 
 phase_check() {
-  local dump
-  dump=$(mktemp -d)
-  "$py" -m pytest -q -x tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py tests/test_nsa_triton_compile.py \
-    tests/test_nsa_triton_block_major.py tests/test_dense_documents_gpu.py &&
-  "$py" -m nsa_titan.cli doctor recipes/nsa_125m.toml --data.source=synthetic --data.tokenizer=byte &&
-  "$py" -m nsa_titan.cli inspect recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
-    --compile.enable=true --job.dump_folder="$dump/inspect" --fail-on-break &&
-  "$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
-    --compile.enable=true --training.steps=200 --job.dump_folder="$dump/train" \
-    --profiling.enable=true --profiling.start_step=100 --profiling.memory_snapshot=true &&
-  ls -l "$dump/train/profile" &&
-  "$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
-    --compile.enable=true --training.steps=50 --parallelism.fsdp_single_process=true --job.dump_folder="$dump/fsdp" &&
-  "$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton \
-    --training.steps=20 --parallelism.fsdp_single_process=true --optimizer.name=muon --job.dump_folder="$dump/muon"
+  check_group_tests & check_group_train & check_group_fsdp & check_group_tools &
+  wait
 }
 phase_attention() {
-  "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 --packed 1024 8192 &&
-  "$py" -m bench.attention --preset paper --seq-lens 2048 4096 8192 16384 32768 65536 &&
-  "$py" -m bench.attention_stages --seq-lens 8192 65536 &&
-  "$py" -m bench.attention_stages --preset paper --seq-lens 8192 65536
+  step attention_125m 150 "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 --packed 1024 8192
+  step attention_stages 60 "$py" -m bench.attention_stages --seq-lens 8192 65536
+  step attention_paper 120 "$py" -m bench.attention --preset paper --seq-lens 2048 8192 32768 65536
+  step attention_stages_paper 60 "$py" -m bench.attention_stages --preset paper --seq-lens 8192 65536
 }
 phase_train() {
-  "$py" -m bench.train_throughput --seq-lens 2048 32768 &&
-  "$py" -m bench.train_throughput --seq-lens 2048 --recipes recipes/nsa_125m.toml --override=--compile.mode=reduce-overhead &&
-  "$py" -m bench.loss_memory --tokens 65536
+  step train_throughput 240 "$py" -m bench.train_throughput --seq-lens 2048 32768
+  step loss_memory 60 "$py" -m bench.loss_memory --tokens 65536
+  step train_reduce_overhead 150 "$py" -m bench.train_throughput --seq-lens 2048 --recipes recipes/nsa_125m.toml \
+    --override=--compile.mode=reduce-overhead
 }
 
-phases=("$@")
-[ ${#phases[@]} -gt 0 ] || phases=(check attention train)
-failed=0
-stamp=$(mktemp)  # results newer than this are this run's
 for phase in "${phases[@]}"; do
-  if ! declare -F "phase_$phase" >/dev/null; then
-    echo "error: unknown phase '$phase'; choose from: check attention train" >&2
-    exit 2
-  fi
-  echo "== $phase ($(date -u +%H:%M:%S))"
-  start=$SECONDS
-  if "phase_$phase" 2>&1 | tee "$logs/$phase.log"; then
-    echo "== $phase: ok in $((SECONDS - start)) s"
-  else
-    echo "== $phase: FAILED after $((SECONDS - start)) s (log: $logs/$phase.log)"
-    failed=$((failed + 1))
-  fi
+  echo "== $phase ($(date -u +%H:%M:%S), $((budget - (SECONDS - started))) s of the budget left)"
+  "phase_$phase"
 done
-mapfile -t fresh < <(find bench/results -maxdepth 1 -name '*.json' -newer "$stamp" | sort)
+mapfile -t fresh < <(fresh_results)
 if [ ${#fresh[@]} -gt 0 ]; then
-  "$py" -m bench.report "${fresh[@]}" | tee "$logs/report.md"
+  "$py" -m bench.report "${fresh[@]}" > "$logs/report.md"
 fi
-exit "$failed"
+pack_results
+echo "== summary"
+cat "$logs/summary.txt"
+[ ! -s "$logs/report.md" ] || tail -c 6000 "$logs/report.md"
+exit "$(grep -c -v ': ok in' "$logs/summary.txt")"

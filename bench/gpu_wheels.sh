@@ -3,7 +3,7 @@
 # transformers, tensorboard, matplotlib, but not torchdata or datasets), into .whl/ for the device
 # tool's `carry`. Then, on the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
-#     export PYTHONPATH=/tmp/site:$PWD && ./bench/gpu_suite.sh
+#     export PYTHONPATH=/tmp/site:$PWD && ./bench/gpu_suite.sh --budget 540 --pack "$OUT/gpu_suite.tgz"
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$root/.whl"
