@@ -68,6 +68,9 @@ class ActivationMemory:
     # Held once per forward (not per block) for each (query the rank holds, key of its row) pair: an
     # explicit attention mask, say. 0 when attention needs none.
     per_row_pair: float = 0.0
+    # Bytes held for the length of one block's call beside what blocks save, at MemoryLayout.tokens (an
+    # attention kernel's fp32 partials, say).
+    workspace_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class MemoryLayout:
     context_parallel: int = 1  # ranks sharing each row
     compile_backend: str | None = None  # torch.compile backend of the blocks; None: eager
     device_type: str = "cuda"
+    tokens: int = 0  # tokens the rank holds per micro-batch (0: not known)
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,29 @@ def test_the_estimate_counts_the_explicit_mask_of_dense_documents():
     assert split.masks == 512 * 1024 * 2  # the rank's queries against the whole rows' keys
 
 
+def test_the_estimate_counts_the_triton_block_layouts_partials():
+    """The Triton backend's selected branch holds fp32 partials for the call where it takes the block
+    layout (small head groups, partials within their limit); the estimate counts them as workspace."""
+    from components.nsa.triton import tile_configs
+
+    args = resolve([DEBUG, "--model.nsa.backend=triton"]).recipe.model.args
+    assert args.n_heads // args.n_kv_heads <= tile_configs.BLOCK_LAYOUT_MAX_GROUP
+    tokens = 8 * 256
+    block = activation_memory(args, MemoryLayout(tokens=tokens))
+    assert block.workspace_bytes == tokens * args.n_heads * args.nsa.num_selected * (args.head_dim + 1) * 4
+    common = dict(num_params=1000, block_params=100, vocab_size=256, shard=1, bf16=True, ac_mode="none",
+                  ac_every=2, tokens=tokens)
+    with_partials = estimate_memory(activation=block, **common)
+    without = estimate_memory(activation=dataclasses.replace(block, workspace_bytes=0.0), **common)
+    assert with_partials.total - without.total == block.workspace_bytes
+    assert "+ workspace" in with_partials.describe() and "+ workspace" not in without.describe()
+    # Past the partials' limit the query layout runs and holds none; the reference backend never does.
+    huge = tile_configs.BLOCK_LAYOUT_MAX_PARTIAL_BYTES // (args.n_heads * args.nsa.num_selected * 4) + 1
+    assert activation_memory(args, MemoryLayout(tokens=huge)).workspace_bytes == 0
+    reference = dataclasses.replace(args, nsa=dataclasses.replace(args.nsa, backend="reference"))
+    assert activation_memory(reference, MemoryLayout(tokens=tokens)).workspace_bytes == 0
+
+
 def test_a_failing_activation_memory_hook_is_named_with_its_signature(tmp_path, capsys, monkeypatch):
     """A plugin's hook written for the earlier signature (args, context_parallel) fails with a message that
     says how the hook is called now, not with a bare TypeError."""

@@ -22,6 +22,7 @@ from components.nsa.triton.launch import check_kernel_device, interpreter_proble
 from components.nsa.triton.offline_compile import compile_only, target_for
 from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
 from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
+from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or interpreting()),
@@ -247,8 +248,10 @@ def test_every_launch_fits_cuda_grid_limits(monkeypatch):
     interval_attention_bwd(do, q, k, v, o, lse2, 1, 0, 2, 0.25)
     select_blocks_triton(q, k[:, :0], block_size=8, block_stride=4, sel_block_size=lp, num_selected=1)
     o, lse2 = selected_attention_fwd(q, k, v, sel, lp, 0.25)
-    selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, 0.25)
-    assert len(grids) == 9, sorted(grids)  # every kernel of the forward and backward
+    selected_attention_fwd_blocks(q, k, v, sel, lp, 0.25)
+    for dq_layout in ("query", "block"):
+        selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, 0.25, dq_layout=dq_layout)
+    assert len(grids) == 12, sorted(grids)  # every kernel of the forward and backward, both selected layouts
     for name, grid in grids.items():
         grid = tuple(grid) + (1,) * (3 - len(grid))
         assert grid[0] <= 2**31 - 1 and grid[1] <= 65535 and grid[2] <= 65535, (name, grid)

@@ -88,7 +88,7 @@ def test_the_op_in_the_block_layout_matches_the_reference(monkeypatch, packed):
     from components.nsa.triton import ops, selected_attention_bwd as backward, tile_configs
     from tests.test_nsa_packed import ORDER, _grad_out, _documents, _output_and_grads, _packed
 
-    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size: "block")
+    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size, partial_bytes: "block")
     calls = []
 
     def spy(name, fn):
@@ -105,6 +105,30 @@ def test_the_op_in_the_block_layout_matches_the_reference(monkeypatch, packed):
     for name, a, b in zip(("o",) + ORDER, mine, reference):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=5e-5, msg=name)
     assert calls == ["forward"]  # the block-major forward ran, and dQ did not take the query-major kernel
+
+
+@pytest.mark.parametrize("limit, expected", [(None, ["forward"]), (0, ["query-major dq"])],
+                         ids=["small-group-block", "over-the-partials-limit-query"])
+def test_the_default_layout_takes_blocks_for_small_groups_within_the_partials_limit(monkeypatch, limit, expected):
+    """Groups of up to BLOCK_LAYOUT_MAX_GROUP heads run block-major, unless the call's partials pass
+    BLOCK_LAYOUT_MAX_PARTIAL_BYTES: then the forward and dQ run query-major."""
+    from components.nsa.triton import ops, selected_attention_bwd as backward, tile_configs
+    from tests.test_nsa_packed import H, HKV, _documents, _grad_out, _output_and_grads, _packed
+
+    assert H // HKV <= tile_configs.BLOCK_LAYOUT_MAX_GROUP
+    if limit is not None:
+        monkeypatch.setattr(tile_configs, "BLOCK_LAYOUT_MAX_PARTIAL_BYTES", limit)
+    calls = []
+
+    def spy(name, fn):
+        return lambda *args, **kwargs: calls.append(name) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "selected_attention_fwd_blocks", spy("forward", ops.selected_attention_fwd_blocks))
+    monkeypatch.setattr(backward, "_selected_dq", spy("query-major dq", backward._selected_dq))
+    docs = _documents([20], dtype=torch.float32, device=DEVICE)
+    inputs, _ = _packed(docs)
+    _output_and_grads(inputs, _grad_out(docs), "triton", None)
+    assert calls == expected
 
 
 def test_more_entries_than_int32_tables_hold_is_one_clear_error(monkeypatch):

@@ -95,7 +95,7 @@ def test_branches_match_reference_in_the_selected_block_layout(T, H, Hkv, D, mon
     """The 125M head layout (G = 3) with the selected branch's block-major forward and dQ."""
     from components.nsa.triton import tile_configs
 
-    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size: "block")
+    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size, partial_bytes: "block")
     _assert_branches_match_reference(*_inputs(T, H, Hkv, D)[:7])
 
 
@@ -168,7 +168,7 @@ def test_backward_is_deterministic_and_sync_free(layout, D, monkeypatch):
     """Bitwise equal twice: a race inside a kernel (a compiler's pipelining included) shows here."""
     from components.nsa.triton import tile_configs
 
-    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size: layout)
+    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size, partial_bytes: layout)
     xs = _inputs(4096, 16, 2, D)
     grad_out = torch.randn(1, 4096, 16, D, device="cuda", dtype=torch.bfloat16)
     out = nsa_attention_triton(*xs, **HYPER)  # compile every kernel outside the checked region

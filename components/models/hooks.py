@@ -76,10 +76,23 @@ def activation_memory(args: TransformerArgs, layout: MemoryLayout = MemoryLayout
     mask = args.attention != "nsa" and args.document_masking and \
         not flex_attention_runs(layout.compile_backend, layout.device_type)
     pairs = 1.0 if mask else 0.0
+    workspace = _nsa_workspace_bytes(args, layout.tokens)
     if context_parallel == 1:
-        return ActivationMemory(blocks=args.n_layers, per_block=per_block + keys, block_input=d, per_row_pair=pairs)
+        return ActivationMemory(blocks=args.n_layers, per_block=per_block + keys, block_input=d, per_row_pair=pairs,
+                                workspace_bytes=workspace)
     return ActivationMemory(blocks=args.n_layers, per_block=per_block, block_input=d, per_row_token=row_keys,
-                            per_row_pair=pairs)
+                            per_row_pair=pairs, workspace_bytes=workspace)
+
+
+def _nsa_workspace_bytes(args: TransformerArgs, tokens: int) -> float:
+    """The Triton selected branch's fp32 partials when it takes the block layout for these tokens."""
+    if args.attention != "nsa" or args.nsa.backend != "triton":
+        return 0.0
+    from components.nsa.triton import tile_configs
+
+    heads, group = args.n_heads, args.n_heads // args.n_kv_heads
+    partials = tile_configs.block_layout_partial_bytes(tokens, heads, args.nsa.num_selected, args.head_dim)
+    return float(partials) if tile_configs.selected_layout(group, partials) == "block" else 0.0
 
 
 def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:

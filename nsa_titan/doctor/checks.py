@@ -192,7 +192,8 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     t = recipe.training
     compiled = recipe.compile.backend if recipe.compile.enable else None
     try:
-        activation = part.activation_memory(recipe.model.args, MemoryLayout(cp, compiled, runtime.device.type))
+        activation = part.activation_memory(recipe.model.args, MemoryLayout(cp, compiled, runtime.device.type,
+                                                                            t.local_batch_size * t.seq_len // cp))
     except Exception as e:  # a plugin's hook
         return Check("memory estimate", FAIL, f"model {recipe.model.name!r}'s activation_memory hook failed "
                                               f"({type(e).__name__}: {e}). It is called as (args, layout), layout a "

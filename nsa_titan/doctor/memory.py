@@ -16,10 +16,12 @@
                                            holds a full block's worth (the last term)
     masks       = N x T x m x a_bytes      held once per forward: m elements per (local query, key of
                                            its row) pair, e.g. an explicit attention mask (T = seq_len)
+    workspace   = W                        bytes one block's call holds beside what blocks save, at N
+                                           tokens (the model part's hook says, e.g. a kernel's partials)
     logits      = N x V x 2 x a_bytes      logits and their gradient (nsa_titan/loss.py upcasts
                 + 12 x min(N x V, C)       one chunk of C values at a time: an fp32 chunk, its
                                            exponentials and slack)
-a, r, m and the blocks' count L come from the model part's activation_memory hook (the transformer's
+a, r, m, W and the blocks' count L come from the model part's activation_memory hook (the transformer's
 formula is in components/models/hooks.py); V = vocab.
 """
 
@@ -43,16 +45,18 @@ class MemoryEstimate:
     activations: float
     logits: float
     masks: float = 0.0
+    workspace: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.states + self.gathered + self.activations + self.masks + self.logits
+        return self.states + self.gathered + self.activations + self.masks + self.workspace + self.logits
 
     def describe(self) -> str:
         masks = f" + masks {self.masks / GiB:.2f}" if self.masks else ""
+        workspace = f" + workspace {self.workspace / GiB:.2f}" if self.workspace else ""
         return (f"~{self.total / GiB:.2f} GiB per device = states {self.states / GiB:.2f} (16 B x {self.params:,} "
                 f"params / shard {self.shard}) + gathered {self.gathered / GiB:.2f} + activations "
-                f"{self.activations / GiB:.2f}{masks} + logits {self.logits / GiB:.2f}")
+                f"{self.activations / GiB:.2f}{masks}{workspace} + logits {self.logits / GiB:.2f}")
 
 
 def checkpointed_blocks(blocks: int, mode: str, every: int) -> int:
@@ -79,4 +83,4 @@ def estimate_memory(*, activation: ActivationMemory, num_params: int, block_para
         activations += per_block
     logits = tokens * vocab_size * 2 * a_bytes + 12 * min(tokens * vocab_size, CHUNK_ELEMENTS)
     masks = tokens * seq_len * activation.per_row_pair * a_bytes
-    return MemoryEstimate(num_params, shard, states, gathered, activations, logits, masks)
+    return MemoryEstimate(num_params, shard, states, gathered, activations, logits, masks, activation.workspace_bytes)

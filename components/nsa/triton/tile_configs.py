@@ -71,18 +71,28 @@ def tiles(kernel: str, block_d: int, element_bytes: int) -> Tiles:
     return table[kernel][max(32, block_d)]
 
 
-def selected_layout(group_size: int) -> str:
+BLOCK_LAYOUT_MAX_GROUP = 4
+BLOCK_LAYOUT_MAX_PARTIAL_BYTES = 4 * 2**30
+
+
+def block_layout_partial_bytes(tokens: int, heads: int, num_selected: int, head_dim: int) -> int:
+    """The block layout's fp32 partials for one call of B x T = tokens queries: an output row and a
+    log-sum-exp per (query, head, selected block) in the forward, a dQ row per the same in the
+    backward (per key sub-tile: more than one only for fp32 inputs)."""
+    return tokens * heads * num_selected * (head_dim + 1) * 4
+
+
+def selected_layout(group_size: int, partial_bytes: int) -> str:
     """How the selected branch's forward and dQ walk the selection: "query" (one program per query and
     KV group, its G heads padded to at least 16 rows, the n blocks' keys read per query) or "block"
     (one pass per selected key block over the queries that chose it, fp32 partials merged per
     query; selected_attention_fwd_blocks). dK/dV is block-major either way. The block layout is
-    built for small groups, where query-major pads most rows; its fp32 partials take about
-    B x T x Hkv x n x G x D x 4 bytes for the call (forward, and again for dQ), so it is no choice for
-    large G x D at long T. Measured on an H100 in bf16 with G = 3, D = 64, n = 16 (bench.attention_stages,
-    forward + backward): block 3.7 ms against query 4.1 at 8k tokens, 16.1 against 28.0 at 64k. Groups
-    of up to 4 heads fill at most a quarter of query-major's 16 rows, so they take the block layout;
-    larger groups (unmeasured) stay query-major."""
-    return "block" if group_size <= BLOCK_LAYOUT_MAX_GROUP else "query"
-
-
-BLOCK_LAYOUT_MAX_GROUP = 4
+    built for small groups, where query-major pads most rows; its partials (partial_bytes, from
+    block_layout_partial_bytes) live for the length of the call, so past
+    BLOCK_LAYOUT_MAX_PARTIAL_BYTES the query layout, which needs none, is taken. Measured on an H100
+    in bf16 with G = 3, D = 64, n = 16 (bench.attention_stages, forward + backward): block 3.7 ms
+    against query 4.1 at 8k tokens, 16.1 against 28.0 at 64k (3.2 GiB of partials). Groups of up to 4
+    heads fill at most a quarter of query-major's 16 rows, so they take the block layout; larger
+    groups (unmeasured) stay query-major."""
+    small = group_size <= BLOCK_LAYOUT_MAX_GROUP and partial_bytes <= BLOCK_LAYOUT_MAX_PARTIAL_BYTES
+    return "block" if small else "query"
