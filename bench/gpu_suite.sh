@@ -17,20 +17,23 @@
 #              (compile.mode = reduce-overhead)
 #
 # No phase named: all three. Timed steps run one after another. Every step has a time cap, cut to
-# what is left of --budget (default 540 s), so a short lease still brings back the steps that ran;
-# a step with no time left is skipped and says so. JSON results go to bench/results/, each step's log
+# what is left of --budget (default 540 s, counted from the start, set-up included), so a short
+# lease still brings back the steps that ran; a step with no time left is skipped and says so. The
+# caps add up to more than 540 s: on one 10-minute call run one or two phases, e.g. `check`, then
+# `attention train` in a second call. JSON results go to bench/results/, each step's log
 # to bench/results/logs/<step>.log, one line per step to bench/results/logs/summary.txt and the
 # tables of this run's results (bench.report) to bench/results/logs/report.md. --pack FILE writes
 # all of that (and this run's JSON) into one .tgz after every step, e.g. --pack "$OUT/gpu_suite.tgz"
 # on a device machine. Exit status: the number of steps that failed or were skipped.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
 budget=540 pack=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --budget) budget=$2; shift 2 ;;
-    --pack) pack=$2; shift 2 ;;
+    --budget|--pack)
+      if [ $# -lt 2 ]; then echo "error: $1 needs a value" >&2; exit 2; fi
+      if [ "$1" = --budget ]; then budget=$2; else pack=$(realpath -m -- "$2"); fi
+      shift 2 ;;
     -*) echo "error: unknown option '$1'; usage: $0 [--budget SECONDS] [--pack FILE] [check attention train]" >&2
         exit 2 ;;
     *) break ;;
@@ -45,6 +48,7 @@ for phase in "${phases[@]}"; do
     *) echo "error: unknown phase '$phase'; choose from: check attention train" >&2; exit 2 ;;
   esac
 done
+cd "$root"
 # A GPU image that already holds the core packages (bench/gpu_wheels.sh carries the ones it lacks) runs
 # as it is; elsewhere the project's environment is set up.
 if python3 -c "import torch, torchdata, datasets, tiktoken, pytest" >/dev/null 2>&1; then
@@ -55,35 +59,46 @@ fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 logs="$root/bench/results/logs"
 mkdir -p "$logs"
+rm -f "$logs"/*.log "$logs/report.md"  # an earlier run's logs would be packed as this one's
 : > "$logs/summary.txt"
 dump=$(mktemp -d)
 stamp=$(mktemp)  # results newer than this are this run's
-started=$SECONDS
 
 fresh_results() { find bench/results -maxdepth 1 -name '*.json' -newer "$stamp" | sort; }
 
+# One archive at a time (the check phase's groups finish steps side by side); a log another group is
+# still writing is packed as far as it goes (tar's exit status 1).
 pack_results() {
   [ -n "$pack" ] || return 0
-  local tmp="$pack.$BASHPID.tmp"
-  # shellcheck disable=SC2046
-  tar czf "$tmp" -C "$root" bench/results/logs $(fresh_results) 2>/dev/null && mv "$tmp" "$pack"
+  (
+    flock 9
+    tmp="$pack.tmp"
+    # shellcheck disable=SC2046
+    tar czf "$tmp" --warning=no-file-changed -C "$root" bench/results/logs $(fresh_results) 2>/dev/null
+    if [ $? -le 1 ]; then mv "$tmp" "$pack"; else rm -f "$tmp"; fi
+  ) 9> "$dump/pack.lock"
 }
 
-# step NAME CAP COMMAND...: run COMMAND for at most CAP seconds (less if the budget has less left).
+# step NAME CAP COMMAND...: run COMMAND for at most CAP seconds, less if the budget (counted from this
+# script's start: SECONDS) has less left, keeping back KILL_GRACE for a command that ignores SIGTERM.
+KILL_GRACE=5
 step() {
-  local name=$1 cap=$2 left rc start
+  local name=$1 cap=$2 left rc start verdict="ok"
   shift 2
-  left=$((budget - (SECONDS - started)))
+  left=$((budget - SECONDS - KILL_GRACE - 5))
   [ "$cap" -lt "$left" ] || cap=$left
   if [ "$cap" -le 5 ]; then
     echo "$name: SKIPPED (no time left of --budget $budget)" | tee -a "$logs/summary.txt"
     return 1
   fi
   start=$SECONDS
-  timeout -k 10 "$cap" "$@" > "$logs/$name.log" 2>&1
+  timeout -k "$KILL_GRACE" "$cap" "$@" > "$logs/$name.log" 2>&1
   rc=$?
-  local verdict="ok"
-  [ $rc -eq 0 ] || verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ", cut at ${cap} s"))"
+  case $rc in
+    0) ;;
+    124|137) verdict="FAILED (cut at $cap s)" ;;
+    *) verdict="FAILED (exit $rc)" ;;
+  esac
   echo "$name: $verdict in $((SECONDS - start)) s (log: bench/results/logs/$name.log)" | tee -a "$logs/summary.txt"
   pack_results
   return $rc
@@ -131,7 +146,7 @@ phase_train() {
 }
 
 for phase in "${phases[@]}"; do
-  echo "== $phase ($(date -u +%H:%M:%S), $((budget - (SECONDS - started))) s of the budget left)"
+  echo "== $phase ($(date -u +%H:%M:%S), $((budget - SECONDS)) s of the budget left)"
   "phase_$phase"
 done
 mapfile -t fresh < <(fresh_results)

@@ -12,6 +12,7 @@ F.cross_entropy.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 2**26  # fp32 values per chunk: 256 MiB, a few times over while a chunk is worked on
@@ -39,6 +40,7 @@ class _TokenCrossEntropySum(torch.autograd.Function):
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
@@ -47,9 +49,9 @@ class _TokenCrossEntropySum(torch.autograd.Function):
             counted = target != IGNORE_INDEX
             # d(lse - x[target]) / dx = softmax(x) - onehot(target), per counted row.
             chunk = torch.exp(logits[rows].float() - lse[rows].unsqueeze(1))
-            chunk.scatter_add_(1, torch.where(counted, target, 0).unsqueeze(1),
-                               torch.where(counted, -1.0, 0.0).unsqueeze(1))
-            chunk *= torch.where(counted, grad_total, 0.0).unsqueeze(1)
+            weight = counted.to(chunk.dtype)
+            chunk.scatter_add_(1, torch.where(counted, target, 0).unsqueeze(1), -weight.unsqueeze(1))
+            chunk *= (weight * grad_total).unsqueeze(1)
             grad[rows] = chunk
         return grad, None
 
