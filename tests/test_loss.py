@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from nsa_titan import loss as loss_module
-from nsa_titan.loss import IGNORE_INDEX, token_cross_entropy_sum
+from nsa_titan.loss import IGNORE_INDEX, token_cross_entropy, token_cross_entropy_sum
 
 
 def _case(dtype, rows=3 * 37, vocab=101, seed=0):
@@ -51,3 +51,13 @@ def test_no_rows_is_zero():
     total = token_cross_entropy_sum(logits, torch.zeros(0, dtype=torch.long))
     total.backward()
     assert total.item() == 0.0 and logits.grad.shape == (0, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_token_losses_match_fp32_cross_entropy(dtype, monkeypatch):
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 16 * 101)  # several chunks, the last one short
+    logits, targets = _case(dtype)
+    mine = token_cross_entropy(logits, targets)
+    ref = F.cross_entropy(logits.detach().float().flatten(0, 1), targets.flatten(), reduction="none")
+    assert mine.shape == targets.shape and mine.dtype == torch.float32 and not mine.requires_grad
+    torch.testing.assert_close(mine.flatten(), ref, rtol=1e-6, atol=1e-5)

@@ -7,7 +7,8 @@ documents (the document is all it sees), else its position in the row.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from nsa_titan.loss import token_cross_entropy
 
 
 def context_positions(document_starts: torch.Tensor | None, shape: tuple[int, int], masked: bool) -> torch.Tensor:
@@ -33,7 +34,7 @@ def loss_by_position(model, documents_of, batches, seq_len: int, progress) -> di
         inputs = batch["input"].to(device)
         documents = documents_of(batch["document_starts"])
         logits = model(inputs) if documents is None else model(inputs, documents=documents)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["target"].to(device).flatten(), reduction="none")
+        loss = token_cross_entropy(logits, batch["target"].to(device)).flatten()
         positions = context_positions(batch["document_starts"], tuple(inputs.shape), documents is not None).flatten()
         total.index_add_(0, positions, loss.double().cpu())
         count.index_add_(0, positions, torch.ones_like(positions))
