@@ -17,7 +17,7 @@ from components.errors import UserError
 from components.sequence_shard import SequenceShard
 
 from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import Checkpointer, RunState
+from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.config.schema import CUDA_GRAPH_MODES
@@ -45,6 +45,7 @@ from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 
 NUMERICAL_FAULT_EXIT = 3
+OUT_OF_MEMORY_EXIT = 4
 # Validation batches kept in host memory between evaluations when they fit (2 int32 tensors and a bool
 # one per batch).
 VALIDATION_CACHE_BYTES = 1 << 30
@@ -431,6 +432,30 @@ class Trainer:
             self.tensorboard.write_figures(step, attention_figures(maps, end))
 
     # -- the loop --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _memory_fault(self, what: str, step: int):
+        """A device out of memory ends the run with one message: what ran out, the allocator's numbers,
+        what is kept and the recipe fields that lower the memory."""
+        try:
+            yield
+        except torch.OutOfMemoryError as exc:
+            raise TrainingFault(self._out_of_memory_message(what, step, exc), OUT_OF_MEMORY_EXIT) from None
+
+    def _out_of_memory_message(self, what: str, step: int, exc: BaseException) -> str:
+        allocator = " ".join(str(exc).split()).split(" If reserved but unallocated")[0].split(" See documentation")[0]
+        if self.checkpointer is None or not self.recipe.checkpoint.enable:
+            kept = "Checkpointing is off: there is nothing to resume from."
+        else:
+            done = complete_steps(self.checkpointer.folder)
+            kept = (f"The last checkpoint (step {done[-1]}) is kept; a rerun with the same dump folder resumes "
+                    f"from it." if done else "No checkpoint was written yet.")
+        t, ac = self.recipe.training, self.recipe.activation_checkpoint
+        return (f"rank {self.runtime.rank}: out of device memory in {what} {step} ({allocator.rstrip('.')}). {kept} "
+                f"Fix: lower training.local_batch_size (now {t.local_batch_size}; training.global_batch_size keeps "
+                f"the tokens per step by accumulating micro-batches), set activation_checkpoint.mode = 'full' (now "
+                f"'{ac.mode}'), shard over more GPUs, or shorten training.seq_len (now {t.seq_len}); `nsa-titan "
+                f"doctor RECIPE` estimates the memory per device.")
+
     def run(self) -> None:
         recipe, t, state, fault = self.recipe, self.recipe.training, self.state, self.recipe.fault
         layout = f" ({self.shard.size}-way context parallel)" if self.shard is not None else ""
@@ -457,7 +482,8 @@ class Trainer:
             step_start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
             self.profiler.before_step(state.step + 1)
-            loss, grad_norm, data_wait, decision = self.train_step(iterator)
+            with self._memory_fault("step", state.step + 1):
+                loss, grad_norm, data_wait, decision = self.train_step(iterator)
             state.step += 1
             self.profiler.after_step(state.step)
             state.tokens_seen += self.tokens_per_step
@@ -498,7 +524,8 @@ class Trainer:
                 self._log(record)
                 window_start, window_tokens = now, 0
             if recipe.validation.enable and (state.step % recipe.validation.freq == 0 or state.step == t.steps):
-                self._log({"step": state.step, **self.validate()})
+                with self._memory_fault("validation after step", state.step):
+                    self._log({"step": state.step, **self.validate()})
                 self.watchdog.beat(state.step)
             if recipe.metrics.telemetry_freq and state.step % recipe.metrics.telemetry_freq == 0:
                 records = self.telemetry()

@@ -15,7 +15,7 @@ from nsa_titan import cli
 from nsa_titan.checkpoint import complete_steps
 from nsa_titan.config import resolve
 from nsa_titan.observe.watchdog import HANG_EXIT_CODE
-from nsa_titan.trainer import NUMERICAL_FAULT_EXIT
+from nsa_titan.trainer import NUMERICAL_FAULT_EXIT, OUT_OF_MEMORY_EXIT
 from tests.launch import DEBUG, TINY, metrics, start_training, train
 
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2"]
@@ -97,6 +97,20 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     assert proc.stderr.count("error:") == 1 and "error: stopping at step 4" in proc.stderr, proc.stderr[-3000:]
     assert complete_steps(str(out / "checkpoint")) == [2]
     assert all(r["step"] < 4 for r in metrics(out) if "loss" in r)
+
+
+def test_out_of_memory_is_one_message_naming_the_fix_and_keeps_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = train([*BASE, "--training.steps=10", "--job.plugins=tests.plugins.oom_at_step", "--model.name=oom_at_step",
+                  "--model.oom_at_step=5", "--checkpoint.enable=true", "--checkpoint.interval=2",
+                  f"--job.dump_folder={out}"])
+    assert proc.returncode == OUT_OF_MEMORY_EXIT, proc.stderr[-3000:]
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    error = proc.stderr[proc.stderr.index("error:"):]
+    assert "out of device memory in step 5" in error and "Tried to allocate 12.27 GiB" in error
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in error  # no environment variable is the fix
+    assert "last checkpoint (step 4) is kept" in error and "training.local_batch_size" in error
+    assert complete_steps(str(out / "checkpoint"))[-1] == 4
 
 
 def test_bad_steps_can_be_skipped(tmp_path):

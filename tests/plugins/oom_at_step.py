@@ -1,0 +1,52 @@
+"""A transformer whose training forward runs out of device memory at a chosen step: for the trainer's
+out-of-memory message.
+
+    --job.plugins=tests.plugins.oom_at_step --model.name=oom_at_step --model.oom_at_step=3
+
+Training forwards are counted (one per step without gradient accumulation); the forward of step
+oom_at_step raises torch.OutOfMemoryError with the text CUDA's caching allocator gives. The count
+restarts with the process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from components.models import Transformer, TransformerArgs, transformer_hooks
+from nsa_titan.registry import register
+
+ALLOCATOR_TEXT = ("CUDA out of memory. Tried to allocate 12.27 GiB. GPU 0 has a total capacity of 79.18 GiB of which "
+                  "6.40 GiB is free. Including non-PyTorch memory, this process has 72.77 GiB memory in use. Of the "
+                  "allocated memory 60.88 GiB is allocated by PyTorch, and 11.17 GiB is reserved by PyTorch but "
+                  "unallocated. If reserved but unallocated memory is large try setting "
+                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+@dataclass
+class OomAtStepArgs(TransformerArgs):
+    oom_at_step: int = field(default=3, metadata={"doc": "the step (1-based) whose forward runs out of memory",
+                                                  "ge": 1})
+
+
+class OomAtStepTransformer(Transformer):
+    def __init__(self, args: OomAtStepArgs, vocab_size: int):
+        super().__init__(args, vocab_size)
+        self.training_forwards = 0
+
+    def forward(self, tokens: torch.Tensor, documents=None) -> torch.Tensor:
+        if self.training:
+            self.training_forwards += 1
+            if self.training_forwards == self.args.oom_at_step:
+                raise torch.OutOfMemoryError(ALLOCATOR_TEXT)
+        return super().forward(tokens, documents)
+
+
+def build_oom_at_step(args: OomAtStepArgs, vocab_size: int) -> OomAtStepTransformer:
+    return OomAtStepTransformer(args, vocab_size)
+
+
+register("model", "oom_at_step", build_oom_at_step, args=OomAtStepArgs, replace=True,
+         doc="test only: the transformer that runs out of device memory at a chosen training step",
+         **transformer_hooks())
