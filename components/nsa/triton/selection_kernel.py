@@ -4,11 +4,11 @@ One program per (tile of queries, batch, KV group). It walks the selection block
 for each chunk it recomputes the compressed probabilities p_cmp = exp2(s - lse2) of the G heads
 from the compressed branch's saved log-sum-exp (no [T, Tc] matrix in memory), sums the heads,
 folds them onto the chunk's selection blocks with one small matmul by the overlap weights, and
-merges the chunk into a running top-n. Scores ride in the high 32 bits of an int64 sort key and
-(2**31 - 1 - j) in the low bits, so a descending sort orders by score and breaks ties toward the
-smaller block. Non-negative floats order like their bit patterns; the forced blocks get the three
-largest patterns (+inf, then the largest finite floats) in their priority order, invalid ones the
-key -1.
+merges the chunk into a running top-n (bitonic_sort.merge_top_descending). Scores ride in the
+high 32 bits of an int64 sort key and (2**31 - 1 - j) in the low bits, so a descending sort orders
+by score and breaks ties toward the smaller block. Non-negative floats order like their bit
+patterns; the forced blocks get the three largest patterns (+inf, then the largest finite floats)
+in their priority order, invalid ones the key -1.
 
 Packed documents (cu_seqlens, B = 1): a tile holds queries of one document only (packing.py) and
 sees that document's compressed blocks, so its block numbers count from the document start. With
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from components.nsa.triton import tile_configs
-from components.nsa.triton.bitonic_sort import sort_descending
+from components.nsa.triton.bitonic_sort import merge_top_descending, sort_descending
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
 from components.nsa.triton.packing import DocumentTables
 from components.nsa.triton.tiles import document_tile
@@ -96,11 +96,7 @@ def _select_blocks_kernel(
         key = (bits << 32) | (2147483647 - offs_j).to(tl.int64)[None, :]  # 2**31 - 1 - j
         key = tl.where(valid, key, -1)
 
-        # Merge: sort the running top and the chunk together, keep the first TOP_PAD.
-        both = tl.reshape(tl.join(top, key), [BLOCK_T, 2 * TOP_PAD])
-        both = sort_descending(both, BLOCK_T, TOP_LOG + 1)
-        both = tl.permute(tl.reshape(both, [BLOCK_T, 2, TOP_PAD]), [0, 2, 1])
-        top, _rest = tl.split(both)
+        top = merge_top_descending(top, key, BLOCK_T, TOP_LOG)
 
     # Ascending block order with -1 last: sort the low bits (2**31 - 1 - j) descending.
     chosen = (cols[None, :] < NUM_SEL) & (top >= 0)
