@@ -165,8 +165,10 @@ def test_selected_dkdv_work_items_sum_to_the_same_gradients(lengths):
 
 
 @pytest.mark.parametrize("branch", ["compressed", "window"])
-@pytest.mark.parametrize("per_head", [False, True], ids=["group-per-program", "head-per-program"])
-def test_interval_branches_both_dkdv_splits_match_reference(branch, per_head):
+@pytest.mark.parametrize("per_head, split_queries", [(False, None), (True, None), (False, 7), (True, 4)],
+                         ids=["group-per-program", "head-per-program", "group-query-splits", "head-query-splits"])
+def test_interval_branches_both_dkdv_splits_match_reference(branch, per_head, split_queries):
+    """dK/dV by KV group or by query head, over all the queries that see a key tile or in runs of them."""
     B, T, H, Hkv, D, l, d, w = 1, 45, 6, 2, 16, 8, 4, 11
     Tk = num_compressed_blocks(T, l, d) if branch == "compressed" else T
     q = torch.randn(B, T, H, D, device=DEVICE, requires_grad=True)
@@ -180,16 +182,30 @@ def test_interval_branches_both_dkdv_splits_match_reference(branch, per_head):
     do = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, k, v), do)
     o, lse2 = interval_attention_fwd(q.detach(), k.detach(), v.detach(), *mask, D**-0.5)
-    grads = interval_attention_bwd(do, q.detach(), k.detach(), v.detach(), o, lse2, *mask, D**-0.5, per_head=per_head)
+    grads = interval_attention_bwd(do, q.detach(), k.detach(), v.detach(), o, lse2, *mask, D**-0.5, per_head=per_head,
+                                   split_queries=split_queries)
     for name, mine, theirs in zip(("o", "dq", "dk", "dv"), (o, *grads), (ref, *ref_grads)):
         torch.testing.assert_close(mine, theirs, atol=5e-5, rtol=5e-5, msg=name)
 
 
+def test_dkdv_query_splits_only_where_programs_are_few_and_loops_long():
+    from components.nsa.triton.interval_attention import (DKDV_MIN_SPLIT_QUERIES, DKDV_TARGET_PROGRAMS,
+                                                          dkdv_query_split)
+
+    assert dkdv_query_split(639, 48) == 639  # the window branch: short loops stay whole
+    assert dkdv_query_split(65536, 4096) == 65536  # programs enough
+    for span, programs in [(8192, 48), (32768, 192), (65536, 384), (65536, 1), (5000, 7)]:
+        per_program = dkdv_query_split(span, programs)
+        splits = -(-span // per_program)
+        assert splits > 1 and per_program >= DKDV_MIN_SPLIT_QUERIES and splits * programs <= DKDV_TARGET_PROGRAMS
+
+
 @pytest.mark.parametrize("branch", ["compressed", "window"])
-@pytest.mark.parametrize("per_head", [False, True], ids=["group-per-program", "head-per-program"])
-def test_interval_branches_on_packed_documents_equal_each_document_alone(branch, per_head):
+@pytest.mark.parametrize("per_head, split_queries", [(False, None), (True, None), (True, 3)],
+                         ids=["group-per-program", "head-per-program", "head-query-splits"])
+def test_interval_branches_on_packed_documents_equal_each_document_alone(branch, per_head, split_queries):
     """cu_seqlens: outputs, lse2 and gradients of a packed row are those of its documents run one by
-    one (one shorter than a compressed block, one of a single token), with both dK/dV splits."""
+    one (one shorter than a compressed block, one of a single token), with every dK/dV split."""
     lengths, H, Hkv, D, l, d, w = [13, 1, 5, 30], 4, 2, 16, 8, 4, 7
     keys = [num_compressed_blocks(n, l, d) if branch == "compressed" else n for n in lengths]
     mask = (d, l - 1, 0) if branch == "compressed" else (1, 0, w)
@@ -201,7 +217,7 @@ def test_interval_branches_on_packed_documents_equal_each_document_alone(branch,
     def run(q, k, v, do, cu_seqlens=None):
         o, lse2 = interval_attention_fwd(q, k, v, *mask, D**-0.5, cu_seqlens)
         return [o, lse2.transpose(1, 2), *interval_attention_bwd(do, q, k, v, o, lse2, *mask, D**-0.5, cu_seqlens,
-                                                                   per_head=per_head)]
+                                                                   per_head=per_head, split_queries=split_queries)]
 
     packed = run(q, k, v, do, cu_seqlens)
     parts = [run(q[:, t0:t1], k[:, k0:k1], v[:, k0:k1], do[:, t0:t1])

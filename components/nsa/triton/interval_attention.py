@@ -148,17 +148,20 @@ def _interval_attn_bwd_dq_kernel(
 def _interval_attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV, TILES, Q_STARTS, K_STARTS, Q_POS0,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
-    sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
-    T, NK, H, G, HO, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
+    sdks, sdkb, sdkt, sdkh, sdvs, sdvb, sdvt, sdvh,
+    T, NK, H, G, HO, NUM_ROWS, SPLIT_QUERIES, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
-    # One program per (key tile, output head). HO output heads: Hkv (each program sums its G
-    # query heads itself) or H (one query head each; the caller sums groups in a fixed order).
-    # Either way no two programs write the same element: deterministic, no atomics.
-    # A tile of one document's keys (the tile table runs over keys here).
+    # One program per (key tile, output head, query split). HO output heads: Hkv (each program sums
+    # its G query heads itself) or H (one query head each; the caller sums groups in a fixed order).
+    # Split s takes the s-th run of SPLIT_QUERIES of the queries that see the tile and writes its own
+    # partial (the caller sums splits in order). No two programs write the same element:
+    # deterministic, no atomics. A tile of one document's keys (the tile table runs over keys here).
     tile, pid_bh, q0, num_q, k0, num_k, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
                                                              tl.cdiv(NK, BLOCK_N), T, NK, PACKED)
+    split = (pid_bh // NUM_ROWS).to(tl.int64)
+    pid_bh = pid_bh % NUM_ROWS
     b = (pid_bh // HO).to(tl.int64)
     ho = pid_bh % HO
     heads_per_program = H // HO
@@ -177,9 +180,11 @@ def _interval_attn_bwd_dkdv_kernel(
     # Queries that see any key of the tile stand at positions [kpos(first), kpos(last) + window);
     # query i of the document at pos0 + i.
     n_last = tl.minimum(tile * BLOCK_N + BLOCK_N, num_k) - 1
-    t_lo = tl.minimum(tl.maximum(tile * BLOCK_N * KEY_STRIDE + KEY_OFFSET - pos0, 0), num_q)
-    t_hi = tl.minimum(tl.maximum(n_last * KEY_STRIDE + KEY_OFFSET + tl.minimum(WINDOW, num_q + pos0) - pos0, 0),
-                      num_q)
+    t_first = tl.minimum(tl.maximum(tile * BLOCK_N * KEY_STRIDE + KEY_OFFSET - pos0, 0), num_q)
+    t_end = tl.minimum(tl.maximum(n_last * KEY_STRIDE + KEY_OFFSET + tl.minimum(WINDOW, num_q + pos0) - pos0, 0),
+                       num_q)
+    t_lo = tl.minimum(t_first + split * SPLIT_QUERIES, t_end)
+    t_hi = tl.minimum(t_lo + SPLIT_QUERIES, t_end)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -200,10 +205,10 @@ def _interval_attn_bwd_dkdv_kernel(
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
 
     ho64 = ho.to(tl.int64)
-    tl.store(DK + b * sdkb + ho64 * sdkh + (k0 + keys)[:, None] * sdkt + offs_d[None, :],
+    tl.store(DK + split * sdks + b * sdkb + ho64 * sdkh + (k0 + keys)[:, None] * sdkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * sdvb + ho64 * sdvh + (k0 + keys)[:, None] * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=kv_mask)
+    tl.store(DV + split * sdvs + b * sdvb + ho64 * sdvh + (k0 + keys)[:, None] * sdvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 def _nonempty(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,9 +261,11 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
 def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                            lse2: torch.Tensor, key_stride: int, key_offset: int, window: int, sm_scale: float,
                            cu_seqlens: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                           per_head: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           per_head: bool | None = None,
+                           split_queries: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v). `per_head` forces how dK/dV work is split (one
-    program per query head, or per KV group); by default it follows the amount of parallelism."""
+    program per query head, or per KV group) and `split_queries` how many of the queries that see a
+    key tile one program takes; by default both follow the amount of parallelism (dkdv_query_split)."""
     B, T, H, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -293,21 +300,38 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     key_tiles = num_tiles or cdiv(NK, block_n)
     if per_head is None:
         per_head = G > 1 and B * Hkv * key_tiles < 1024
-    if per_head:
-        dk_out = torch.empty(B, NK, H, D, device=q.device, dtype=torch.float32)
-        dv_out = torch.empty(B, NK, H, D, device=q.device, dtype=torch.float32)
+    HO = H if per_head else Hkv
+    span = min(T, (block_n - 1) * key_stride + window)  # the most queries one key tile is seen by
+    split_queries = split_queries or dkdv_query_split(span, key_tiles * B * HO)
+    splits = cdiv(span, split_queries)
+    if per_head or splits > 1:  # fp32 partials, summed below in a fixed order
+        dk_out = torch.empty(splits, B, NK, HO, D, device=q.device, dtype=torch.float32)
+        dv_out = torch.empty(splits, B, NK, HO, D, device=q.device, dtype=torch.float32)
     else:
-        dk_out, dv_out = dk, dv
-    HO = dk_out.shape[2]
-    _interval_attn_bwd_dkdv_kernel[flat_grid(key_tiles, B * HO)](
+        dk_out, dv_out = dk.unsqueeze(0), dv.unsqueeze(0)
+    _interval_attn_bwd_dkdv_kernel[flat_grid(key_tiles, B * HO * splits)](
         q, k, v, do, lse2, delta, dk_out, dv_out, *tables,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-        T, NK, H, G, HO, num_tiles, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
+        *dk_out.stride()[:4], *dv_out.stride()[:4],
+        T, NK, H, G, HO, B * HO, split_queries, num_tiles, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
-    if per_head:
-        dk = dk_out.view(B, NK, Hkv, G, D).sum(3).to(k.dtype)
-        dv = dv_out.view(B, NK, Hkv, G, D).sum(3).to(v.dtype)
+    if per_head or splits > 1:
+        dk = dk_out.view(splits, B, NK, Hkv, HO // Hkv, D).sum((0, 4)).to(k.dtype)
+        dv = dv_out.view(splits, B, NK, Hkv, HO // Hkv, D).sum((0, 4)).to(v.dtype)
     return dq, dk, dv
+
+
+DKDV_TARGET_PROGRAMS = 2048  # enough programs to fill a GPU several times over
+DKDV_MIN_SPLIT_QUERIES = 2048  # no split below this: a program's loop stays long enough to pay off
+
+
+def dkdv_query_split(span: int, programs: int) -> int:
+    """Queries per dK/dV program: all `span` queries that can see a key tile, or where `programs`
+    (key tiles x batch x output heads) are too few to fill the GPU, runs of at least
+    DKDV_MIN_SPLIT_QUERIES so that about DKDV_TARGET_PROGRAMS programs run. The compressed branch's
+    first key tiles are seen by every later query: without splits its longest program walks the whole
+    row while few run beside it."""
+    splits = max(1, min(span // DKDV_MIN_SPLIT_QUERIES, DKDV_TARGET_PROGRAMS // max(programs, 1)))
+    return max(1, cdiv(span, splits))
