@@ -188,6 +188,15 @@ def test_interval_branches_both_dkdv_splits_match_reference(branch, per_head, sp
         torch.testing.assert_close(mine, theirs, atol=5e-5, rtol=5e-5, msg=name)
 
 
+def test_work_items_are_short_for_short_rows_and_long_for_long_ones():
+    from components.nsa.triton.selection_lists import MAX_ITEM_STEPS, MIN_ITEM_STEPS, work_item_segment
+
+    queries = 8  # (query, head) rows per step / padded group
+    assert work_item_segment(queries, 2048 * 4 * 16) == queries * MIN_ITEM_STEPS  # 2k tokens, 4 groups, n = 16
+    assert work_item_segment(queries, 65536 * 4 * 16) == queries * 256
+    assert work_item_segment(queries, 2**30) == queries * MAX_ITEM_STEPS
+
+
 def test_dkdv_query_splits_only_where_programs_are_few_and_loops_long():
     from components.nsa.triton.interval_attention import (DKDV_MIN_SPLIT_QUERIES, DKDV_TARGET_PROGRAMS,
                                                           dkdv_query_split)

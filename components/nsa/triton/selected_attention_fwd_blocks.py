@@ -131,7 +131,7 @@ def selected_attention_fwd_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     block_k = key_tile(sel_block_size, tiles.keys)
     block_g = next_pow2(G)
     queries = max(1, tiles.rows // block_g)  # (query, head) rows per step: whole padded head groups
-    segment = segment or work_item_segment(queries)
+    segment = segment or work_item_segment(queries, sel_idx.numel())
     lists = selection_lists(sel_idx, sel_block_size, k.shape[1], segment, cu_seqlens, cu_seqlens_q, entries=True)
     entries = sel_idx.numel()
     part_o = torch.empty(entries * G, D, device=q.device, dtype=torch.float32)

@@ -93,10 +93,18 @@ def selection_lists(sel_idx: Tensor, sel_block_size: int, num_keys: int, segment
                           entry_of, blocks, starts)
 
 
-def work_item_segment(queries_per_step: int) -> int:
-    """Queries per work item: at most 512 steps, short enough to balance the GPU when block 0's list
-    holds every query, long enough to keep per-item partials near the size of the result."""
-    return queries_per_step * 512
+WORK_ITEM_TARGET = 2048  # work items to aim for: enough to fill a GPU several times over
+MIN_ITEM_STEPS, MAX_ITEM_STEPS = 32, 512
+
+
+def work_item_segment(queries_per_step: int, entries: int) -> int:
+    """Queries per work item, for `entries` (query, slot) pairs: about WORK_ITEM_TARGET items of
+    MIN_ITEM_STEPS to MAX_ITEM_STEPS steps. Block 0's list holds every query, so its items are the
+    longest a launch runs: few entries (short rows) take short items, lest one program walk a whole
+    row while the GPU idles; many take long ones, which keeps the dK/dV per-item partials near the
+    size of the result."""
+    steps = entries // (queries_per_step * WORK_ITEM_TARGET)
+    return queries_per_step * min(MAX_ITEM_STEPS, max(MIN_ITEM_STEPS, steps))
 
 
 @triton.jit
