@@ -96,6 +96,7 @@ def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list
     from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
     from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
     from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
+    from components.nsa.triton.selection_lists import selection_lists, work_item_segment
 
     l, d, lp, n = args.block_size, args.block_stride, args.sel_block_size, args.num_selected
     scale = args.head_dim ** -0.5
@@ -115,7 +116,13 @@ def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list
         def run_backward():
             return selected_attention_bwd(do, q, k, v, o, lse2, selection, lp, scale, dq_layout=layout)
 
-        row = {"seq_len": T, "layout": layout, "fwd_ms": measure(run_forward), "bwd_ms": measure(run_backward)}
+        def build_lists():  # what each of the layout's passes builds before its kernels run (the segment
+            # only sizes the item table: 8 (query, head) rows a step stands in for the launchers' own)
+            return selection_lists(selection, lp, k.shape[1], work_item_segment(8, selection.numel()),
+                                   entries=layout == "block")
+
+        row = {"seq_len": T, "layout": layout, "fwd_ms": measure(run_forward), "bwd_ms": measure(run_backward),
+               "lists_ms": measure(build_lists)}
         if device == "cuda":  # the layout's own workspace: peak memory of a call above what was held before
             for name, fn in (("fwd", run_forward), ("bwd", run_backward)):
                 torch.cuda.synchronize()

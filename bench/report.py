@@ -95,11 +95,12 @@ def stage_tables(report: dict) -> list[str]:
     layouts = report.get("selected_layouts", [])
     if layouts:
         lines += ["", "Selected branch, both layouts (tile_configs.selected_layout):", "",
-                  "| tokens | layout | fwd ms | bwd ms | extra GiB fwd / bwd |", "| --- | --- | --- | --- | --- |"]
+                  "| tokens | layout | fwd ms | bwd ms | of which lists ms | extra GiB fwd / bwd |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for r in layouts:
             extra = (f"{r['fwd_extra_gib']:.2f} / {r['bwd_extra_gib']:.2f}" if "fwd_extra_gib" in r else "-")
             lines.append(f"| {r['seq_len']} | {r['layout']}-major | {_ms(r['fwd_ms'])} | {_ms(r['bwd_ms'])} | "
-                         f"{extra} |")
+                         f"{_ms(r.get('lists_ms'))} | {extra} |")
     return lines
 
 

@@ -92,7 +92,7 @@ def test_attention_stages_times_every_stage(tmp_path):
     assert abs(sum(r["share_of_fwd"] for r in rows) - 1) < 1e-9
     layouts = json.loads(out.read_text())["selected_layouts"]
     assert [(r["seq_len"], r["layout"]) for r in layouts] == [(40, "query"), (40, "block")]
-    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in layouts)
+    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["lists_ms"] > 0 for r in layouts)
     from bench.report import render  # the README's table reads this file
 
     table = render(json.loads(out.read_text()))
