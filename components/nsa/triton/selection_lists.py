@@ -73,7 +73,9 @@ def selection_lists(sel_idx: Tensor, sel_block_size: int, num_keys: int, segment
     if token_first_block is not None:
         idx = torch.where(idx >= 0, idx + token_first_block.view(1, 1, T, 1), idx)
     bh = torch.arange(B * HKV, device=device).view(B, HKV, 1, 1) * num_sel_blocks
-    bins = torch.where(idx >= 0, bh + idx, num_bins).reshape(-1)
+    # int32 bins when they fit (they do unless the lists are huge): a radix sort of half the key bits.
+    bin_dtype = torch.int32 if num_bins < MAX_ENTRIES else torch.int64
+    bins = torch.where(idx >= 0, bh + idx, num_bins).reshape(-1).to(bin_dtype)
     sorted_bins, order = torch.sort(bins, stable=True)
     query_list = (order // N % T).to(torch.int32)
     entry_of = None
@@ -82,7 +84,7 @@ def selection_lists(sel_idx: Tensor, sel_block_size: int, num_keys: int, segment
         entry_of[order] = torch.arange(order.numel(), device=device, dtype=torch.int32)
         entry_of = entry_of.view(B, HKV, T, N)
 
-    list_start = torch.searchsorted(sorted_bins, torch.arange(num_bins + 1, device=device))
+    list_start = torch.searchsorted(sorted_bins, torch.arange(num_bins + 1, device=device, dtype=bin_dtype))
     counts = list_start[1:] - list_start[:-1]
     item_end = torch.cumsum((counts + segment - 1) // segment, 0)
     item_start = torch.cat([item_end.new_zeros(1), item_end])
