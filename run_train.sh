@@ -35,7 +35,8 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 export PYTHONUNBUFFERED=1
 if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
-  # One process needs no launcher; its own exit code (2 bad input, 3 NaN stop, 124 hang) comes back.
+  # One process needs no launcher; its own exit code (2 bad input, 3 NaN stop, 4 out of device memory,
+  # 124 hang) comes back.
   exec "$py" -m nsa_titan.cli train "$@"
 fi
 # Check the recipe once, for the whole job's world size, before starting any process.

@@ -95,7 +95,8 @@ def stage_tables(report: dict) -> list[str]:
     layouts = report.get("selected_layouts", [])
     if layouts:
         lines += ["", "Selected branch, both layouts (tile_configs.selected_layout):", "",
-                  "| tokens | layout | fwd ms | bwd ms | of which lists ms | extra GiB fwd / bwd |",
+                  "| tokens | layout | fwd ms | bwd ms | lists ms (one build: block in fwd and bwd, query in bwd) | "
+                  "extra GiB fwd / bwd |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for r in layouts:
             extra = (f"{r['fwd_extra_gib']:.2f} / {r['bwd_extra_gib']:.2f}" if "fwd_extra_gib" in r else "-")

@@ -446,15 +446,23 @@ class Trainer:
         if self.checkpointer is None or not self.recipe.checkpoint.enable:
             kept = "Checkpointing is off: there is nothing to resume from."
         else:
+            if self.runtime.world_size == 1:  # a background save written before the fault completes
+                self.checkpointer.finish_pending()  # (with more ranks, the others may be stuck in a collective)
             done = complete_steps(self.checkpointer.folder)
-            kept = (f"The last checkpoint (step {done[-1]}) is kept; a rerun with the same dump folder resumes "
-                    f"from it." if done else "No checkpoint was written yet.")
+            kept = f"The last complete checkpoint (step {done[-1]}) is kept." if done else "No checkpoint was written yet."
         t, ac = self.recipe.training, self.recipe.activation_checkpoint
+        fixes = []
+        if t.local_batch_size > 1:
+            fixes.append(f"lower training.local_batch_size (now {t.local_batch_size}; keep "
+                         f"--training.global_batch_size={self.global_batch} to keep the tokens per step, in more "
+                         f"micro-batches)")
+        if ac.mode != "full":
+            fixes.append(f"set activation_checkpoint.mode = 'full' (now '{ac.mode}')")
+        if what.startswith("validation"):
+            fixes.append("set validation.enable = false (validation runs the training batch shape)")
+        fixes += ["shard over more GPUs", f"shorten training.seq_len (now {t.seq_len})"]
         return (f"rank {self.runtime.rank}: out of device memory in {what} {step} ({allocator.rstrip('.')}). {kept} "
-                f"Fix: lower training.local_batch_size (now {t.local_batch_size}; training.global_batch_size keeps "
-                f"the tokens per step by accumulating micro-batches), set activation_checkpoint.mode = 'full' (now "
-                f"'{ac.mode}'), shard over more GPUs, or shorten training.seq_len (now {t.seq_len}); `nsa-titan "
-                f"doctor RECIPE` estimates the memory per device.")
+                f"Fix: {'; or '.join(fixes)}. `nsa-titan doctor RECIPE` estimates the memory per device.")
 
     def run(self) -> None:
         recipe, t, state, fault = self.recipe, self.recipe.training, self.state, self.recipe.fault
@@ -523,6 +531,15 @@ class Trainer:
                     record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
                 self._log(record)
                 window_start, window_tokens = now, 0
+            if self._stop_agreed and self.runtime.is_main:
+                self.stop.consume_halt_file()
+            stopping = self._stop_agreed and state.step < t.steps
+            if self.checkpointer is not None and recipe.checkpoint.enable:
+                if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
+                    self.checkpointer.save(state, data_layout=self._data_layout(),
+                                           wait=stopping or state.step == t.steps)
+                    self.watchdog.beat(state.step)
+            # After the save: a validation that runs out of memory must not cost the step's checkpoint.
             if recipe.validation.enable and (state.step % recipe.validation.freq == 0 or state.step == t.steps):
                 with self._memory_fault("validation after step", state.step):
                     self._log({"step": state.step, **self.validate()})
@@ -533,15 +550,6 @@ class Trainer:
                 self._log({"step": state.step, **records}, console=False)
                 if self._draw_attention:
                     self.attention_figures(state.step)
-
-            if self._stop_agreed and self.runtime.is_main:
-                self.stop.consume_halt_file()
-            stopping = self._stop_agreed and state.step < t.steps
-            if self.checkpointer is not None and recipe.checkpoint.enable:
-                if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
-                    self.checkpointer.save(state, data_layout=self._data_layout(),
-                                           wait=stopping or state.step == t.steps)
-                    self.watchdog.beat(state.step)
             if stopping:
                 self._say(f"stopping after step {state.step} ({self.stop.reason})"
                           + ("; the checkpoint above resumes it" if recipe.checkpoint.enable else

@@ -99,17 +99,21 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     assert all(r["step"] < 4 for r in metrics(out) if "loss" in r)
 
 
-def test_out_of_memory_is_one_message_naming_the_fix_and_keeps_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_out_of_memory_is_one_message_naming_the_fix_and_keeps_the_checkpoint(tmp_path, async_mode):
+    """Step 4's checkpoint is complete after the fault at step 5, even when it was still being
+    written in the background (completed at the next step's agreement, which never comes)."""
     out = tmp_path / "run"
     proc = train([*BASE, "--training.steps=10", "--job.plugins=tests.plugins.oom_at_step", "--model.name=oom_at_step",
                   "--model.oom_at_step=5", "--checkpoint.enable=true", "--checkpoint.interval=2",
-                  f"--job.dump_folder={out}"])
+                  f"--checkpoint.async_mode={async_mode}", f"--job.dump_folder={out}"])
     assert proc.returncode == OUT_OF_MEMORY_EXIT, proc.stderr[-3000:]
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     error = proc.stderr[proc.stderr.index("error:"):]
     assert "out of device memory in step 5" in error and "Tried to allocate 12.27 GiB" in error
     assert "PYTORCH_CUDA_ALLOC_CONF" not in error  # no environment variable is the fix
-    assert "last checkpoint (step 4) is kept" in error and "training.local_batch_size" in error
+    assert "last complete checkpoint (step 4) is kept" in error
+    assert "lower training.local_batch_size (now 2; keep --training.global_batch_size=2" in error
     assert complete_steps(str(out / "checkpoint"))[-1] == 4
 
 

@@ -160,7 +160,7 @@ def _interval_attn_bwd_dkdv_kernel(
     # deterministic, no atomics. A tile of one document's keys (the tile table runs over keys here).
     tile, pid_bh, q0, num_q, k0, num_k, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
                                                              tl.cdiv(NK, BLOCK_N), T, NK, PACKED)
-    split = (pid_bh // NUM_ROWS).to(tl.int64)
+    split = pid_bh // NUM_ROWS  # int32 here (split * SPLIT_QUERIES < T); int64 only in the stores' offsets
     pid_bh = pid_bh % NUM_ROWS
     b = (pid_bh // HO).to(tl.int64)
     ho = pid_bh % HO
@@ -205,9 +205,9 @@ def _interval_attn_bwd_dkdv_kernel(
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
 
     ho64 = ho.to(tl.int64)
-    tl.store(DK + split * sdks + b * sdkb + ho64 * sdkh + (k0 + keys)[:, None] * sdkt + offs_d[None, :],
+    tl.store(DK + split.to(tl.int64) * sdks + b * sdkb + ho64 * sdkh + (k0 + keys)[:, None] * sdkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + split * sdvs + b * sdvb + ho64 * sdvh + (k0 + keys)[:, None] * sdvt + offs_d[None, :],
+    tl.store(DV + split.to(tl.int64) * sdvs + b * sdvb + ho64 * sdvh + (k0 + keys)[:, None] * sdvt + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
