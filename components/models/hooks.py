@@ -90,9 +90,10 @@ def _nsa_workspace_bytes(args: TransformerArgs, tokens: int) -> float:
         return 0.0
     from components.nsa.triton import tile_configs
 
-    heads, group = args.n_heads, args.n_heads // args.n_kv_heads
-    partials = tile_configs.block_layout_partial_bytes(tokens, heads, args.nsa.num_selected, args.head_dim)
-    return float(partials) if tile_configs.selected_layout(group, partials) == "block" else 0.0
+    H, n, D = args.n_heads, args.nsa.num_selected, args.head_dim
+    if tile_configs.selected_layout_for(tokens, H, args.n_kv_heads, n, D) != "block":
+        return 0.0
+    return float(tile_configs.block_layout_partial_bytes(tokens, H, n, D))
 
 
 def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:

@@ -304,7 +304,8 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     span = min(T, (block_n - 1) * key_stride + window)  # the most queries one key tile is seen by
     split_queries = split_queries or dkdv_query_split(span, key_tiles * B * HO)
     splits = cdiv(span, split_queries)
-    if per_head or splits > 1:  # fp32 partials, summed below in a fixed order
+    partials = per_head or splits > 1  # fp32 partials, summed below in a fixed order
+    if partials:
         dk_out = torch.empty(splits, B, NK, HO, D, device=q.device, dtype=torch.float32)
         dv_out = torch.empty(splits, B, NK, HO, D, device=q.device, dtype=torch.float32)
     else:
@@ -317,7 +318,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         T, NK, H, G, HO, B * HO, split_queries, num_tiles, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
-    if per_head or splits > 1:
+    if partials:
         dk = dk_out.view(splits, B, NK, Hkv, HO // Hkv, D).sum((0, 4)).to(k.dtype)
         dv = dv_out.view(splits, B, NK, Hkv, HO // Hkv, D).sum((0, 4)).to(v.dtype)
     return dq, dk, dv

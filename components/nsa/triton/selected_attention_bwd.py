@@ -212,8 +212,7 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     precision = dot_precision(q.dtype)
     packed = cu_seqlens is not None
     token_table = query_documents(cu_seqlens, cu_seqlens_q, T)
-    partials = tile_configs.block_layout_partial_bytes(B * T, H, num_sel, D)
-    dq_by_blocks = (dq_layout or tile_configs.selected_layout(G, partials)) == "block"
+    dq_by_blocks = (dq_layout or tile_configs.selected_layout_for(B * T, H, HKV, num_sel, D)) == "block"
     if not dq_by_blocks:
         _selected_dq(q, k, v, do, lse2, delta, sel_idx, dq, token_table, sel_block_size, sm_scale)
 

@@ -96,3 +96,9 @@ def selected_layout(group_size: int, partial_bytes: int) -> str:
     groups (unmeasured) stay query-major."""
     small = group_size <= BLOCK_LAYOUT_MAX_GROUP and partial_bytes <= BLOCK_LAYOUT_MAX_PARTIAL_BYTES
     return "block" if small else "query"
+
+
+def selected_layout_for(tokens: int, heads: int, kv_heads: int, num_selected: int, head_dim: int) -> str:
+    """selected_layout for one call of B x T = tokens queries: its group size and its partials."""
+    partials = block_layout_partial_bytes(tokens, heads, num_selected, head_dim)
+    return selected_layout(heads // kv_heads, partials)
