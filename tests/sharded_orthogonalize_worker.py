@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from components.optim.muon import orthogonalized
-from components.optim.sharded_orthogonalize import orthogonalize_each
+from components.optim.sharded_orthogonalize import largest_first, orthogonalize_each
 
 SHAPES = [(8, 5), (3, 7), (64, 16), (1, 4), (16, 64), (10, 10), (5, 3)]
 
@@ -44,6 +44,7 @@ def main(layout: str) -> None:
 
     orthogonalize_each(sharded, update_of, counted, results.__setitem__)
     assert sorted(asked) == list(range(len(SHAPES))) and sorted(results) == sorted(asked)  # once each, each applied
+    assert asked == largest_first(list(range(len(SHAPES))), [torch.Size(s) for s in SHAPES]), asked  # turns of like size
     for whole, got, want_layout in zip(wholes, [results[i] for i in range(len(SHAPES))], sharded):
         expected = distribute_tensor(orthogonalized(whole, 5).to(whole.dtype), mesh, placements, src_data_rank=None)
         assert got.placements == want_layout.placements and got.shape == whole.shape

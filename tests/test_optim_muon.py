@@ -11,6 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from components.optim.muon import MuonArgs, build_muon, muon_params, orthogonalized
+from components.optim.sharded_orthogonalize import largest_first
 from nsa_titan import assemble
 from nsa_titan.config import resolve
 from tests.launch import DEBUG
@@ -90,6 +91,12 @@ def test_orthogonalized_has_singular_values_near_one():
     for shape in ((64, 16), (16, 64), (48, 48)):
         s = torch.linalg.svdvals(orthogonalized(torch.randn(*shape, generator=gen), 5).float())
         assert s.min() > 0.5 and s.max() < 1.3, (shape, s.min(), s.max())
+
+
+def test_sharded_turns_take_the_costliest_matrices_first():
+    # cost rows x cols x min(rows, cols): (2048, 768) and (768, 2048) tie, then (768, 768), then the (256, 768)s
+    shapes = [torch.Size(s) for s in [(256, 768), (2048, 768), (768, 768), (768, 2048), (256, 768)]]
+    assert largest_first([10, 11, 12, 13, 14], shapes) == [11, 13, 12, 10, 14]  # ties keep parameter order
 
 
 def test_a_saved_state_resumes_exactly():

@@ -3,7 +3,7 @@
 Muon's update of a matrix needs the whole matrix. With FSDP2 every rank holds a block of rows of each
 (a DTensor sharded on dim 0 over one mesh dimension, replicated over any other). Gathering every
 matrix whole on every rank would repeat every iteration S times and move S times the data. Instead,
-matrices are dealt out in turns, matrix j of a turn to the group's rank j:
+matrices are dealt out in turns, largest first, matrix j of a turn to the group's rank j:
 
   1. an all-to-all sends each rank's rows of matrix j to rank j, which puts the whole matrix together;
   2. rank j orthogonalizes it;
@@ -42,7 +42,20 @@ def orthogonalize_each(grads: list[torch.Tensor], update_of: Callable[[int], tor
         else:
             by_group.setdefault(layout, []).append(i)
     for (mesh, dim, _), indices in by_group.items():
-        _dealt_out(mesh, dim, indices, update_of, orthogonalize, apply)
+        _dealt_out(mesh, dim, largest_first(indices, [grads[i].shape for i in indices]), update_of, orthogonalize,
+                   apply)
+
+
+def largest_first(indices: list[int], shapes: list[torch.Size]) -> list[int]:
+    """`indices` ordered by the cost of orthogonalizing each matrix (rows x cols x the smaller of the
+    two, Newton-Schulz's matmuls), largest first, ties in the given order. A turn lasts as long as its
+    costliest matrix, so turns of like-sized matrices waste least: in parameter order a turn would pair
+    an MLP matrix with a small KV projection, and every rank would wait on the MLP one."""
+    def cost(k: int) -> int:
+        rows, cols = shapes[k]
+        return rows * cols * min(rows, cols)
+
+    return [indices[k] for k in sorted(range(len(indices)), key=lambda k: -cost(k))]
 
 
 def _row_shard_group(g: torch.Tensor) -> tuple | None:
