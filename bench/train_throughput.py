@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gc
 import json
 import os
 import statistics
@@ -28,6 +29,7 @@ import time
 import torch
 
 from bench.environment import describe_environment, write_report
+from nsa_titan.trainer import OUT_OF_MEMORY_EXIT, TrainingFault
 
 DEFAULT_RECIPES = ["recipes/nsa_125m.toml", "recipes/dense_125m.toml"]
 
@@ -100,6 +102,14 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
     }
 
 
+def release_device_memory() -> None:
+    """What a case that ran out of memory left behind (its model, optimizer and activations, held by
+    the exception's frames until collected), given back before the next case."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
@@ -127,8 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 result = run_case(recipe, seq_len, args.steps, args.warmup, batch, args.vocab_size, extra,
                                   args.documents)
-            except torch.OutOfMemoryError as exc:
+            except (torch.OutOfMemoryError, TrainingFault) as exc:
+                # The trainer turns an out-of-memory step into a TrainingFault; building the model can raise
+                # the allocator's own error. Either way this case is recorded and the next one runs.
+                if isinstance(exc, TrainingFault) and exc.exit_code != OUT_OF_MEMORY_EXIT:
+                    raise
                 result = {"recipe": recipe, "seq_len": seq_len, "local_batch_size": batch, "error": f"OOM: {exc}"}
+            if "error" in result:  # outside the except block, whose exception holds the case's frames
+                release_device_memory()
             print(json.dumps(result), flush=True)
             results.append(result)
     payload = {"benchmark": "train_throughput", "environment": describe_environment(), "results": results}

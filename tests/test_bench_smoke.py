@@ -36,6 +36,23 @@ def test_train_throughput_writes_a_result(tmp_path, monkeypatch, capsys):
     assert result["environment"]["torch"] and result["environment"]["commit"]
 
 
+def test_train_throughput_records_an_out_of_memory_case_and_runs_the_next(tmp_path, monkeypatch):
+    """The trainer ends an out-of-memory step with a TrainingFault: the benchmark writes it down as the
+    case's error and goes on to the next case (here the next length, which runs out of memory too)."""
+    monkeypatch.setattr("bench.environment.results_path",
+                        lambda name: os.path.join(tmp_path, f"{name}.json"))
+    oom = ["--override=--job.plugins=tests.plugins.oom_at_step", "--override=--model.name=oom_at_step",
+           "--override=--model.oom_at_step=2"]
+    code = train_throughput.main(["--recipes", "recipes/debug.toml", "--seq-lens", "64", "32", "--steps", "3",
+                                  "--warmup", "1", "--tokens-per-step", "128", "--allow-cpu", "--vocab-size", "1000",
+                                  "--override=--model.nsa.window_size=16", *oom])
+    assert code == 0
+    cases = json.loads((tmp_path / "train_throughput.json").read_text())["results"]
+    assert [(c["seq_len"], c["local_batch_size"]) for c in cases] == [(64, 2), (32, 4)]
+    for case in cases:
+        assert case["error"].startswith("OOM: rank 0: out of device memory in step 2 (CUDA out of memory."), case["error"]
+
+
 @pytest.mark.parametrize("one_per_row", [True, False])
 def test_benchmark_rows_are_one_document_each_by_default(tmp_path, one_per_row):
     """--documents row: attention spans each row whole (dense takes plain causal SDPA, NSA one document)."""
