@@ -1,0 +1,103 @@
+"""bench/gpu_suite.sh, the one script a GPU session runs, checked here without a GPU: a copy of it in a
+scratch tree runs with a stand-in `python3` first on PATH, which records every command and answers
+at once (or fails where told). So its steps, time budget, logs, summary, archive and exit status are
+checked before a scarce GPU session depends on them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_suite.sh"
+
+# The stand-in interpreter: says yes to the suite's package probe, logs each command line, writes a
+# result JSON for a benchmark (as the real ones do), and fails the commands whose line matches
+# $STUB_FAIL or sleeps in those matching $STUB_SLOW.
+STUB = """#!/usr/bin/env bash
+echo "$*" >> "$STUB_LOG"
+if [ -n "${STUB_FAIL:-}" ] && [[ "$*" == *"$STUB_FAIL"* ]]; then echo "stub failure" >&2; exit 3; fi
+if [ -n "${STUB_SLOW:-}" ] && [[ "$*" == *"$STUB_SLOW"* ]]; then sleep 30; fi
+case "$*" in
+  *"-m bench.report"*) echo "| stub report |" ;;
+  *"-m bench."*) name=$(echo "$*" | sed -E 's/.*-m bench\\.([a-z_]+).*/\\1/'); echo '{}' > "bench/results/$name-stub.json" ;;
+esac
+exit 0
+"""
+
+
+def _suite(tmp_path: Path, *args: str, fail: str = "", slow: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+    root = tmp_path / "tree"
+    (root / "bench" / "results").mkdir(parents=True)
+    shutil.copy(SCRIPT, root / "bench" / "gpu_suite.sh")
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "python3").write_text(STUB)
+    (stubs / "python3").chmod(0o755)
+    log = tmp_path / "commands.log"
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", STUB_LOG=str(log), STUB_FAIL=fail, STUB_SLOW=slow)
+    proc = subprocess.run(["bash", str(root / "bench" / "gpu_suite.sh"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    return proc, root
+
+
+def _summary(root: Path) -> list[str]:
+    return (root / "bench" / "results" / "logs" / "summary.txt").read_text().splitlines()
+
+
+def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
+    pack = tmp_path / "out" / "gpu_suite.tgz"
+    pack.parent.mkdir()
+    proc, root = _suite(tmp_path, "--budget", "200", "--pack", str(pack))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = [line.split(":")[0] for line in _summary(root)]
+    assert sorted(steps) == sorted(["gpu_tests", "train_200_steps", "fsdp_single_gpu", "muon_single_gpu", "doctor",
+                                    "inspect", "attention_125m", "attention_stages", "attention_paper",
+                                    "attention_stages_paper", "train_throughput", "loss_memory",
+                                    "train_reduce_overhead"])
+    assert all(": ok in " in line for line in _summary(root))
+    commands = (tmp_path / "commands.log").read_text()
+    # The GPU runs use the Triton backend on CUDA, compiled with the default backend.
+    assert "-m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton " \
+           "--compile.enable=true --training.steps=200" in commands
+    assert "--fail-on-break" in commands and "tests/test_nsa_triton_gpu.py" in commands
+    with tarfile.open(pack) as tar:
+        names = tar.getnames()
+    assert "bench/results/logs/summary.txt" in names and "bench/results/logs/report.md" in names
+    assert "bench/results/attention-stub.json" in names and "bench/results/train_throughput-stub.json" in names
+    assert "| stub report |" in proc.stdout
+
+
+def test_failed_steps_are_counted_in_the_exit_status(tmp_path):
+    proc, root = _suite(tmp_path, "--budget", "200", "check", fail="--compile.enable=true")
+    failed = [line for line in _summary(root) if "FAILED (exit 3)" in line]
+    assert sorted(line.split(":")[0] for line in failed) == ["fsdp_single_gpu", "inspect", "train_200_steps"]
+    assert proc.returncode == 3
+    assert "stub failure" in (root / "bench" / "results" / "logs" / "inspect.log").read_text()
+
+
+def test_a_step_is_cut_at_the_budget_and_later_ones_are_skipped(tmp_path):
+    # 30 s of budget: the slow step is cut at what is left (less a grace), the steps after it are skipped.
+    proc, root = _suite(tmp_path, "--budget", "30", "attention", slow="--preset paper")
+    summary = _summary(root)
+    assert summary[0].startswith("attention_125m: ok") and summary[1].startswith("attention_stages: ok")
+    assert summary[2].startswith("attention_paper: FAILED (cut at")
+    assert summary[3] == "attention_stages_paper: SKIPPED (no time left of --budget 30)"
+    assert proc.returncode == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "ten"], "--budget takes whole seconds"),
+    (["--pack"], "--pack needs a value"),
+    (["warmup"], "unknown phase 'warmup'"),
+    (["--fast"], "unknown option '--fast'"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message):
+    proc, root = _suite(tmp_path, *args)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "commands.log").exists()
