@@ -227,8 +227,10 @@ class Trainer:
         step = self.checkpointer.agree_resume_step(ckpt.load_step) if ckpt.enable else None
         if step is not None:
             restart = self._restart_data if ckpt.data_mismatch == "restart" else None
-            self.checkpointer.load(self.state, step, data_layout=self._data_layout(), reshard_data=self._reshard_data,
-                                   restart_data=restart)
+            record = self.checkpointer.load(self.state, step, data_layout=self._data_layout(),
+                                            reshard_data=self._reshard_data, restart_data=restart)
+            if "nan_guard" in record:  # absent from checkpoints written before the guard's counts were kept
+                self.nan_guard.load_state_dict(record["nan_guard"])
             self.checkpointer.abandon_after(step)
             self.train_loader = self.state.dataloader
             self._apply_recipe_optimizer_settings()
@@ -497,6 +499,8 @@ class Trainer:
             state.tokens_seen += self.tokens_per_step
             window_tokens += self.tokens_per_step
             if decision == STOP:
+                if self.checkpointer is not None:  # a background save of a good step completes first; every
+                    self.checkpointer.finish_pending()  # rank stops here (the guard's answer is agreed)
                 raise TrainingFault(self.nan_guard.stop_message(state.step), NUMERICAL_FAULT_EXIT)
             if decision == SKIP and self.runtime.is_main:
                 warn(self.nan_guard.skip_message(state.step))
@@ -536,6 +540,7 @@ class Trainer:
             stopping = self._stop_agreed and state.step < t.steps
             if self.checkpointer is not None and recipe.checkpoint.enable:
                 if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
+                    state.extra["nan_guard"] = self.nan_guard.state_dict()
                     self.checkpointer.save(state, data_layout=self._data_layout(),
                                            wait=stopping or state.step == t.steps)
                     self.watchdog.beat(state.step)

@@ -87,11 +87,13 @@ def test_planted_hang_dumps_stacks_and_exits(tmp_path):
     assert "_blocked_forever" in dump  # the stuck frame is in the dump
 
 
-def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, async_mode):
+    """With async saves, step 2's checkpoint may still be writing when step 4 stops the run: it completes."""
     out = tmp_path / "run"
     proc = train([*BASE, "--training.steps=10", "--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step",
                   "--model.nan_at_step=4", "--model.nan_steps=0", "--checkpoint.enable=true",
-                  "--checkpoint.interval=2", f"--job.dump_folder={out}"])
+                  "--checkpoint.interval=2", f"--checkpoint.async_mode={async_mode}", f"--job.dump_folder={out}"])
     assert proc.returncode == NUMERICAL_FAULT_EXIT, proc.stderr[-3000:]
     assert "NaN" in proc.stderr and "step 4" in proc.stderr
     assert proc.stderr.count("error:") == 1 and "error: stopping at step 4" in proc.stderr, proc.stderr[-3000:]
@@ -126,6 +128,20 @@ def test_bad_steps_can_be_skipped(tmp_path):
     assert "update was skipped" in proc.stderr
     records = {r["step"]: r for r in metrics(out) if "loss" in r}
     assert records[6]["skipped_steps"] == 1 and records[6]["loss"] == records[6]["loss"]  # finite again
+
+
+def test_the_run_of_bad_steps_is_counted_across_a_resume(tmp_path):
+    """Steps 3 and 4 are bad and skipped (fault.max_bad_steps = 2), step 4 is saved; the resumed run's
+    first step is bad too: three in a row, so it stops there, as the run would have without the resume."""
+    out = tmp_path / "run"
+    nan = ["--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step", "--model.nan_steps=0",
+           "--fault.max_bad_steps=2", "--checkpoint.enable=true", "--checkpoint.interval=4", f"--job.dump_folder={out}"]
+    first = train([*BASE, *nan, "--training.steps=4", "--model.nan_at_step=3"])
+    assert first.returncode == 0 and first.stderr.count("update was skipped") == 2, first.stderr[-3000:]
+    # The plugin counts the forwards of this process: its first step (step 5) is bad.
+    resumed = train([*BASE, *nan, "--training.steps=6", "--model.nan_at_step=1"])
+    assert resumed.returncode == NUMERICAL_FAULT_EXIT, resumed.stderr[-3000:]
+    assert "error: stopping at step 5" in resumed.stderr and "3 step(s) in a row (3 in total)" in resumed.stderr
 
 
 def test_sigusr1_writes_stacks_without_stopping(tmp_path):

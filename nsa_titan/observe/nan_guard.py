@@ -55,6 +55,16 @@ class NanGuard:
         self.last_bad_step = step
         return STOP if self.consecutive_bad > self.max_bad_steps else SKIP
 
+    def state_dict(self) -> dict:
+        """The counts a checkpoint keeps, so a resumed run stops (or skips) where an uninterrupted one would."""
+        return {"consecutive_bad": self.consecutive_bad, "total_bad": self.total_bad,
+                "last_bad_step": self.last_bad_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consecutive_bad = int(state["consecutive_bad"])
+        self.total_bad = int(state["total_bad"])
+        self.last_bad_step = state["last_bad_step"]
+
     def skip_message(self, step: int) -> str:
         return (f"warning: step {step}: the loss or gradient norm is NaN/Inf on some rank; the update was skipped "
                 f"({self.consecutive_bad} bad step(s) in a row, {self.total_bad} in total; "
