@@ -155,6 +155,20 @@ def test_another_data_stream_names_the_weights_only_start(run, tmp_path, capsys)
     assert train(tmp_path / "new", "--job.seed=7", f"--checkpoint.initial_load_path={step_dir(run, 4)}") == 0
 
 
+def test_other_logical_shards_are_another_data_stream(run, capsys):
+    """More logical shards than the checkpoint's: its states lack the new shards, but the way on is the
+    data mismatch (restart the data), not a merge of rank states."""
+    shards = [f for f in BASE if not f.startswith("--data.logical_shards=")] + ["--data.logical_shards=8"]
+
+    def train_with(*extra):
+        return cli.main(["train", *shards, "--training.steps=6", f"--job.dump_folder={run}", *extra])
+
+    err = refused(capsys, train_with(), "another data stream", "--checkpoint.data_mismatch=restart")
+    assert "lacks logical shards" not in err
+    assert train_with("--checkpoint.data_mismatch=restart") == 0
+    assert "the new data starts from its beginning" in capsys.readouterr().out
+
+
 def test_new_data_on_resume_restarts_the_data_and_resumes_the_rest(run, tmp_path, capsys):
     """checkpoint.data_mismatch = restart: another data stream (here other data altogether) starts from its
     beginning while model, optimizer and step resume; the checkpoints after it carry the new stream, so a

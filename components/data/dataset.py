@@ -59,6 +59,10 @@ class PackedShardsDataset(IterableDataset):
 
     # ----- state ---------------------------------------------------------------------------------
     def _adopt(self, states: dict[int, dict], require_all: bool) -> None:
+        # The stream first: a state of another stream (e.g. other logical_shards) also lacks shards, and
+        # the mismatch is what the caller can act on (restart the data), not the missing shards.
+        for state in states.values():
+            self.check_stream(state.get("stream", self.stream_id))
         mine = [s for s in self.rank_shards if s in states]
         if require_all and len(mine) != len(self.rank_shards):
             missing = sorted(set(self.rank_shards) - set(states))
@@ -67,9 +71,7 @@ class PackedShardsDataset(IterableDataset):
                 "every rank of the checkpoint (merge_shard_states) before rebuilding"
             )
         for s in mine:
-            state = states[s]
-            self.check_stream(state.get("stream", self.stream_id))
-            self._states[s] = {k: state[k] for k in _STATE_KEYS}
+            self._states[s] = {k: states[s][k] for k in _STATE_KEYS}
 
     def check_stream(self, saved: str) -> None:
         if saved != self.stream_id:
