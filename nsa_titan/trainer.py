@@ -162,10 +162,15 @@ class Trainer:
             self._write_records()
         self.stop = GracefulStop(dump)
         self._stop_agreed = False
-        self.metrics = MetricsLog(os.path.join(dump, "metrics.jsonl")) if runtime.is_main else None
+        # Opened at the step the run starts from: records past it (from before a crash) are set aside.
+        start = self.state.step
+        self.metrics = MetricsLog(os.path.join(dump, "metrics.jsonl"), start) if runtime.is_main else None
+        if self.metrics is not None and self.metrics.set_aside:
+            self._say(f"metrics.jsonl held steps after {start}, the step this run starts from: they are moved "
+                      f"to {self.metrics.set_aside}")
         self.tensorboard = None
         if runtime.is_main and recipe.metrics.enable_tensorboard:
-            self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder))
+            self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder), start)
         if self._draw_attention:
             _require_matplotlib()
         self.wandb = None

@@ -144,6 +144,36 @@ def test_the_run_of_bad_steps_is_counted_across_a_resume(tmp_path):
     assert "error: stopping at step 5" in resumed.stderr and "3 step(s) in a row (3 in total)" in resumed.stderr
 
 
+def test_a_resume_logs_each_step_once(tmp_path, capsys):
+    """A crash after step 6 with the last checkpoint at 4: the resumed run logs 5 and 6 again. metrics.jsonl
+    and TensorBoard then hold each step once, the new values; the old records of 5 and 6 are set aside."""
+    import shutil
+
+    out = tmp_path / "run"
+    argv = ["train", *[f for f in BASE if f != "--checkpoint.enable=false"], "--training.steps=6",
+            "--checkpoint.enable=true", "--checkpoint.interval=4", "--metrics.enable_tensorboard=true",
+            f"--job.dump_folder={out}"]
+    assert cli.main(argv) == 0
+    first = {r["step"]: r for r in metrics(out) if "loss" in r}
+    shutil.rmtree(out / "checkpoint" / "step-6")  # as if the run died before its last save
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    assert "metrics.jsonl held steps after 4" in capsys.readouterr().out
+    records = [r for r in metrics(out) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records[:4]] == [first[s]["loss"] for s in (1, 2, 3, 4)]
+    (aside,) = [name for name in os.listdir(out) if name.startswith("metrics.after-step-4-")]
+    with open(out / aside, encoding="utf-8") as fh:
+        assert [json.loads(line)["step"] for line in fh] == [5, 6]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == \
+        [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
+
+
 def test_sigusr1_writes_stacks_without_stopping(tmp_path):
     out = tmp_path / "run"
     slow = ["--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]  # still running when polled

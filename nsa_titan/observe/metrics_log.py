@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import uuid
 from typing import Any
 
@@ -19,8 +20,14 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsLog:
-    def __init__(self, path: str):
+    """Appends to `path`. A run that starts at `start_step` (a resume) logs steps start_step + 1 on again:
+    records of later steps already in the file (written before a crash, or by a run abandoned for an
+    older checkpoint) move to metrics.after-step-<start_step>-<time>.jsonl beside it, so every step
+    appears once and nothing is lost."""
+
+    def __init__(self, path: str, start_step: int = 0):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.set_aside = set_aside_records_after(path, start_step)  # where they went, or None
         self._fh = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -31,11 +38,45 @@ class MetricsLog:
         self._fh.close()
 
 
+def _step_of(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None  # a line cut short by a crash: kept where it is, as it was
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def set_aside_records_after(path: str, step: int) -> str | None:
+    """Move the records of steps after `step` out of the JSON-lines file `path` into a file beside it;
+    returns that file's path, or None when there were none."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.readlines()
+    later = [line for line in lines if (_step_of(line) or 0) > step]
+    if not later:
+        return None
+    stem, ext = os.path.splitext(path)
+    aside = f"{stem}.after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}{ext}"
+    with open(aside, "w", encoding="utf-8") as fh:
+        fh.writelines(later)
+    kept = [line for line in lines if (_step_of(line) or 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.writelines(kept)
+    os.replace(tmp, path)
+    return aside
+
+
 class TensorBoardLog:
-    def __init__(self, folder: str):
+    """Scalars and figures in `folder`. A run that starts at `start_step` hides the events of later steps
+    already there (TensorBoard's purge_step), so a resumed run's steps are drawn once."""
+
+    def __init__(self, folder: str, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=folder)
+        self._writer = SummaryWriter(log_dir=folder, purge_step=start_step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
