@@ -326,8 +326,6 @@ class Trainer:
             start = time.perf_counter()
             batch = self._next_batch(iterator)
             data_wait += time.perf_counter() - start
-            if self._probe is None:
-                self._probe = Batch(*(None if x is None else x[:2].clone() for x in batch))
             set_gradient_sync(self.model, self.mesh, last_micro_batch=micro == self.grad_accum - 1)
             logits, targets = self._forward(batch)
             # Every rank sees the same number of tokens, so dividing by the rank's token count and
@@ -403,11 +401,20 @@ class Trainer:
         return self.model_part.context_shard(self.model, batch.document_starts, batch.inputs.shape[0], self.shard,
                                              batch.inputs.device)
 
+    def _fixed_probe(self) -> Batch:
+        """Two rows of the first batch of this rank's training stream, read from a loader of its own at
+        the stream's start: the same rows in every run of the recipe, resumed or not, so telemetry and its
+        pictures follow one document through training."""
+        if self._probe is None:
+            batch = self._next_batch(iter(self._loader("train")))
+            self._probe = Batch(*(None if x is None else x[:2].clone() for x in batch))
+        return self._probe
+
     def telemetry(self) -> dict[str, float]:
         """Attention telemetry on a fixed batch; runs on every rank (sharded models gather for it; under
         context parallelism each rank takes its share of the rows and the model combines them)."""
         self.model.eval()
-        probe = self._probe
+        probe = self._fixed_probe()
         with self._autocast():
             if self.shard is not None:
                 context = self._context(probe)
@@ -422,7 +429,7 @@ class Trainer:
         runs the walk (a sharded model gathers for it); rank 0 draws."""
         from nsa_titan.observe.plots import attention_figures
 
-        probe = self._probe
+        probe = self._fixed_probe()
         end = probe.inputs.shape[1]
         if self._documents(probe) is not None:  # the model sees documents apart: picture the first
             later = probe.document_starts[0, 1:].nonzero()

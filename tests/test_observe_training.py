@@ -174,6 +174,23 @@ def test_a_resume_logs_each_step_once(tmp_path, capsys):
         [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
 
 
+def test_telemetry_follows_the_same_rows_across_a_resume(tmp_path):
+    """The telemetry probe is the stream's first rows in every run: 4 steps straight and 2 + 2 resumed
+    report the same telemetry at step 4."""
+    base = [*[f for f in BASE if f != "--checkpoint.enable=false"], "--checkpoint.enable=true",
+            "--checkpoint.interval=2", "--metrics.telemetry_freq=2"]
+
+    def telemetry_at(out, step):
+        (record,) = [r for r in metrics(out) if r["step"] == step and any(k.startswith("telemetry/") for k in r)]
+        return record
+
+    assert cli.main(["train", *base, "--training.steps=4", f"--job.dump_folder={tmp_path / 'straight'}"]) == 0
+    resumed = tmp_path / "resumed"
+    assert cli.main(["train", *base, "--training.steps=2", f"--job.dump_folder={resumed}"]) == 0
+    assert cli.main(["train", *base, "--training.steps=4", f"--job.dump_folder={resumed}"]) == 0
+    assert telemetry_at(resumed, 4) == telemetry_at(tmp_path / "straight", 4)
+
+
 def test_sigusr1_writes_stacks_without_stopping(tmp_path):
     out = tmp_path / "run"
     slow = ["--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]  # still running when polled
