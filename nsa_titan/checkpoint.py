@@ -82,6 +82,18 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _new_folder(path: str) -> str:
+    """Create `path`, or path-2, path-3, ... where it exists (two branches set aside within one second)."""
+    candidate, n = path, 1
+    while True:
+        try:
+            os.makedirs(candidate)
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = f"{path}-{n}"
+
+
 def complete_steps(folder: str) -> list[int]:
     """Steps with a complete checkpoint, ascending."""
     if not os.path.isdir(folder):
@@ -221,30 +233,46 @@ class Checkpointer:
                 shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     # -- loading ---------------------------------------------------------------------------------
-    def agree_resume_step(self, load_step: int) -> int | None:
+    def agree_resume_step(self, load_step: int, branch: dict | None = None) -> int | None:
         """find_resume_step on rank 0, broadcast: every rank loads the same step (or none)."""
-        choice = [self.find_resume_step(load_step) if self.rank == 0 else None]
+        choice = [self.find_resume_step(load_step, branch) if self.rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
+
+    def _branch_of(self, step: int) -> dict | None:
+        """The branch recorded in a step's train_state.json (None when absent or unreadable: a damaged
+        step is then not taken for the branch's progress, and its own checks name the damage later)."""
+        try:
+            return self._read_train_state(step).get("branch")
+        except UserError:
+            return None
 
     def abandon_after(self, step: int) -> None:
         """Resuming from an older step starts a new branch of the run: the newer checkpoints move into
         abandoned-<time>/ (kept, never deleted), so no later resume returns to them."""
         newer = [s for s in complete_steps(self.folder) + incomplete_steps(self.folder) if s > step]
         if self.rank == 0 and newer:
-            aside = os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}")
-            os.makedirs(aside, exist_ok=True)
+            aside = _new_folder(os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"))
             for later in sorted(set(newer)):
                 os.replace(self.step_dir(later), os.path.join(aside, f"step-{later}"))
             self.say(f"resuming from step {step}: moved the newer checkpoints {sorted(set(newer))} to {aside}")
         _barrier()
 
-    def find_resume_step(self, load_step: int) -> int | None:
-        """The step to resume from: load_step when given (it must exist), else the newest complete one."""
+    def find_resume_step(self, load_step: int, branch: dict | None = None) -> int | None:
+        """The step to resume from: load_step when given (it must exist), else the newest complete one.
+
+        A run started from load_step records `branch` in its checkpoints. When the newest complete
+        checkpoint carries the same branch (the same command run again: a requeued job), the branch's
+        own progress is resumed rather than set aside for load_step once more."""
         done = complete_steps(self.folder)
         partial = incomplete_steps(self.folder)
         if load_step >= 0:
+            # Before load_step's own existence: retention (keep_latest_k) may have pruned it since.
+            if branch is not None and done and done[-1] > load_step and self._branch_of(done[-1]) == branch:
+                self.say(f"checkpoint.load_step = {load_step}: this command's run from step {load_step} already "
+                         f"reached step {done[-1]}; resuming there")
+                return done[-1]
             if load_step not in done:
                 why = ("is incomplete (no COMPLETE marker: the save was interrupted)" if load_step in partial
                        else "does not exist")

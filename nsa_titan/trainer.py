@@ -229,11 +229,15 @@ class Trainer:
         ckpt = self.recipe.checkpoint
         if self.checkpointer is None:
             return
-        step = self.checkpointer.agree_resume_step(ckpt.load_step) if ckpt.enable else None
+        # A run from an older step is a branch: its checkpoints name the step and the recipe, so the same
+        # command run again (a requeued job) resumes the branch instead of starting it over.
+        branch = {"from_step": ckpt.load_step, "recipe": self.resolved.hash} if ckpt.load_step >= 0 else None
+        step = self.checkpointer.agree_resume_step(ckpt.load_step, branch) if ckpt.enable else None
         if step is not None:
             restart = self._restart_data if ckpt.data_mismatch == "restart" else None
             record = self.checkpointer.load(self.state, step, data_layout=self._data_layout(),
                                             reshard_data=self._reshard_data, restart_data=restart)
+            self.state.extra["branch"] = branch if step == ckpt.load_step else record.get("branch")
             if "nan_guard" in record:  # absent from checkpoints written before the guard's counts were kept
                 self.nan_guard.load_state_dict(record["nan_guard"])
             self.checkpointer.abandon_after(step)

@@ -399,3 +399,26 @@ def test_async_saves_on_two_ranks_complete(tmp_path):
 def json_records(folder):
     with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as fh:
         return [json.loads(line) for line in fh]
+
+
+def test_branches_set_aside_within_one_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    """Two resumes from older steps in the same second: the second set-aside must not land in (and fail
+    on) the first one's folder."""
+    from nsa_titan import checkpoint
+
+    monkeypatch.setattr(checkpoint.time, "strftime", lambda fmt: "20260101-000000")
+    folder = tmp_path / "checkpoint"
+    ckpt = checkpoint.Checkpointer(str(folder), keep_latest_k=0, async_mode="disabled", rank=0, world_size=1,
+                                   say=lambda message: None)
+
+    def complete(step):
+        os.makedirs(ckpt.step_dir(step))
+        open(os.path.join(ckpt.step_dir(step), checkpoint.COMPLETE), "w").close()
+
+    for step in (2, 4):
+        complete(step)
+    ckpt.abandon_after(2)
+    complete(4)  # the new branch's own step 4
+    ckpt.abandon_after(2)
+    assert sorted(os.listdir(folder)) == ["abandoned-20260101-000000", "abandoned-20260101-000000-2", "step-2"]
+    assert all(os.listdir(folder / name) == ["step-4"] for name in sorted(os.listdir(folder))[:2])

@@ -155,6 +155,39 @@ def test_another_data_stream_names_the_weights_only_start(run, tmp_path, capsys)
     assert train(tmp_path / "new", "--job.seed=7", f"--checkpoint.initial_load_path={step_dir(run, 4)}") == 0
 
 
+def test_a_requeued_branch_from_load_step_resumes_its_own_progress(run, capsys):
+    """A run from an older step, preempted and started again with the same command, resumes where the
+    branch stopped (not from load_step once more, which would set its progress aside), even once
+    retention has pruned load_step; another command with that load_step starts a new branch."""
+    def branch(*extra):
+        return cli.main(["train", *BASE, "--training.steps=8", "--checkpoint.interval=2", "--checkpoint.load_step=2",
+                         "--checkpoint.keep_latest_k=0", f"--job.dump_folder={run}", *extra])
+
+    def resumed_at(step):
+        out = capsys.readouterr().out
+        assert f"resumed from {step_dir(run, step)} at step {step}" in out, out[-2000:]
+        return out
+
+    def abandoned():
+        return [name for name in os.listdir(run / "checkpoint") if name.startswith("abandoned-")]
+
+    assert branch() == 0
+    resumed_at(2)
+    assert len(abandoned()) == 1  # step 4 of the first run, set aside
+    shutil.rmtree(step_dir(run, 8))  # preempted after its step-6 save
+    assert branch() == 0
+    assert "this command's run from step 2 already reached step 6; resuming there" in resumed_at(6)
+    assert len(abandoned()) == 1  # nothing of the branch set aside
+
+    assert branch("--optimizer.lr=0.0005") == 0  # another recipe: a new branch from step 2
+    resumed_at(2)
+    assert len(abandoned()) == 2
+    shutil.rmtree(step_dir(run, 8))
+    shutil.rmtree(step_dir(run, 2))  # as retention would have pruned it
+    assert branch("--optimizer.lr=0.0005") == 0
+    resumed_at(6)
+
+
 def test_other_logical_shards_are_another_data_stream(run, capsys):
     """More logical shards than the checkpoint's: its states lack the new shards, but the way on is the
     data mismatch (restart the data), not a merge of rank states."""
