@@ -157,20 +157,17 @@ class Trainer:
                                              world_size=runtime.world_size, say=self._say, context_parallel=cp)
         if recipe.validation.enable:
             self._check_validation_data()
+        self._abandon_after: int | None = None  # a resume from an older step: set its newer steps aside
         self._restore()
-        if records_pending:
-            self._write_records()
+        # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
+        # replaced) waits for this run's first step to succeed (_begin): a start that fails, at start-up or
+        # in its first step, leaves the folder as it was.
+        self._records_pending = records_pending
+        self._begun = False
+        self.metrics: MetricsLog | None = None
+        self.tensorboard: TensorBoardLog | None = None
         self.stop = GracefulStop(dump)
         self._stop_agreed = False
-        # Opened at the step the run starts from: records past it (from before a crash) are set aside.
-        start = self.state.step
-        self.metrics = MetricsLog(os.path.join(dump, "metrics.jsonl"), start) if runtime.is_main else None
-        if self.metrics is not None and self.metrics.set_aside:
-            self._say(f"metrics.jsonl held steps after {start}, the step this run starts from: they are moved "
-                      f"to {self.metrics.set_aside}")
-        self.tensorboard = None
-        if runtime.is_main and recipe.metrics.enable_tensorboard:
-            self.tensorboard = TensorBoardLog(os.path.join(dump, recipe.metrics.save_tb_folder), start)
         if self._draw_attention:
             _require_matplotlib()
         self.wandb = None
@@ -240,7 +237,7 @@ class Trainer:
             self.state.extra["branch"] = branch if step == ckpt.load_step else record.get("branch")
             if "nan_guard" in record:  # absent from checkpoints written before the guard's counts were kept
                 self.nan_guard.load_state_dict(record["nan_guard"])
-            self.checkpointer.abandon_after(step)
+            self._abandon_after = step
             self.train_loader = self.state.dataloader
             self._apply_recipe_optimizer_settings()
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
@@ -251,6 +248,27 @@ class Trainer:
         elif ckpt.initial_load_path:
             self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
             self._say(f"initial weights from {ckpt.initial_load_path}")
+
+    def _begin(self) -> None:
+        """Once the first step has succeeded, on every rank: set aside what an older-step resume leaves
+        behind, write this run's records, and open the metrics sinks at the step the run started from
+        (records past it, logged before a crash, are set aside)."""
+        if self._begun:
+            return
+        self._begun = True
+        if self._abandon_after is not None:
+            self.checkpointer.abandon_after(self._abandon_after)  # a barrier: every rank comes here
+        if not self.runtime.is_main:
+            return
+        if self._records_pending:
+            self._write_records()
+        dump, start = self.recipe.job.dump_folder, self.state.step
+        self.metrics = MetricsLog(os.path.join(dump, "metrics.jsonl"), start)
+        if self.metrics.set_aside:
+            self._say(f"metrics.jsonl held steps after {start}, the step this run starts from: they are moved "
+                      f"to {self.metrics.set_aside}")
+        if self.recipe.metrics.enable_tensorboard:
+            self.tensorboard = TensorBoardLog(os.path.join(dump, self.recipe.metrics.save_tb_folder), start)
 
     def _apply_recipe_optimizer_settings(self) -> None:
         """The recipe, not the checkpoint, says the optimizer's settings (lr, betas, eps, weight decay, an
@@ -510,6 +528,7 @@ class Trainer:
             self.profiler.before_step(state.step + 1)
             with self._memory_fault("step", state.step + 1):
                 loss, grad_norm, data_wait, decision = self.train_step(iterator)
+            self._begin()
             state.step += 1
             self.profiler.after_step(state.step)
             state.tokens_seen += self.tokens_per_step

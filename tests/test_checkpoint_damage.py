@@ -188,6 +188,27 @@ def test_a_requeued_branch_from_load_step_resumes_its_own_progress(run, capsys):
     resumed_at(6)
 
 
+def test_a_start_that_fails_in_its_first_step_leaves_the_folder_as_it_was(run, capsys):
+    """A resume from an older step whose first step fails (here out of memory) has set nothing aside and
+    rewritten no record: a plain rerun resumes the newest step as before."""
+    def contents():
+        files = {}
+        for root, _, names in os.walk(run):
+            for name in names:
+                path = os.path.join(root, name)
+                with open(path, "rb") as fh:
+                    files[os.path.relpath(path, run)] = fh.read()
+        return files
+
+    before = contents()
+    code = train(run, "--checkpoint.load_step=2", "--job.plugins=tests.plugins.oom_at_step",
+                 "--model.name=oom_at_step", "--model.oom_at_step=1")
+    assert code == 4 and "out of device memory in step 3" in capsys.readouterr().err
+    assert contents() == before
+    assert train(run) == 0
+    assert f"resumed from {step_dir(run, 4)} at step 4" in capsys.readouterr().out
+
+
 def test_other_logical_shards_are_another_data_stream(run, capsys):
     """More logical shards than the checkpoint's: its states lack the new shards, but the way on is the
     data mismatch (restart the data), not a merge of rank states."""
