@@ -26,6 +26,8 @@ engine calls them and knows nothing else about the model's insides. All are opti
                                               each of the batch's rows is split over a context-parallel
                                               group (components.sequence_shard.SequenceShard); the model
                                               then gets only this rank's tokens of every row
+    device_problem(args, device) -> str | None   why the model cannot run on this device, with the fix
+                                              (asked at start-up, before anything is built); None if it can
     compiled(model, backend) -> None          the engine compiled the plan's blocks with this torch.compile
                                               backend: the model may pick kernels that pay off only when
                                               fused (the transformer's dense attention: FlexAttention under

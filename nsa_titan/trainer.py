@@ -125,6 +125,10 @@ class Trainer:
         self.tokenizer = assemble.build_tokenizer(recipe)
         self.source = assemble.build_source(recipe)
         self.model_part = registry.get("model", recipe.model.name)
+        if self.model_part.device_problem is not None:  # before anything is built or read
+            problem = self.model_part.device_problem(recipe.model.args, runtime.device)
+            if problem:
+                raise UserError(problem)
         self._build_model()
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)

@@ -296,6 +296,20 @@ def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
         nsa_attention_triton(*xs, **_hyper(8, 4, 8, 2, 4))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a CPU run without the interpreter")
+def test_training_with_the_triton_backend_on_the_cpu_is_refused_at_start(tmp_path, monkeypatch, capsys):
+    """Before the model is built or data read (it used to fail in the first step's forward)."""
+    from nsa_titan import cli
+    from tests.launch import DEBUG, TINY
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    code = cli.main(["train", DEBUG, *TINY, "--model.nsa.backend=triton", f"--job.dump_folder={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert "model.nsa.backend = 'triton' runs CUDA kernels, but this run is on cpu" in err
+    assert "--model.nsa.backend=reference" in err
+
+
 @pytest.mark.parametrize("triton_version, numpy_version, refused", [
     ("3.6.0", "2.4.6", True), ("3.3.1", "2.4.0rc1", True),
     ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False), ("3.10.1", "2.4.0", False), ("4.0.0", "3.0.0", False),

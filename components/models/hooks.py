@@ -96,16 +96,29 @@ def _nsa_workspace_bytes(args: TransformerArgs, tokens: int) -> float:
     return float(tile_configs.block_layout_partial_bytes(tokens, H, n, D))
 
 
+def _triton_without_cuda(args: TransformerArgs, device: torch.device) -> bool:
+    from components.nsa.triton.launch import interpreting
+
+    return args.attention == "nsa" and args.nsa.backend == "triton" and device.type != "cuda" and not interpreting()
+
+
+def device_problem(args: TransformerArgs, device: torch.device) -> str | None:
+    """Why the model cannot run on `device`, with the fix; None when it can."""
+    if _triton_without_cuda(args, device):
+        return (f"model.nsa.backend = 'triton' runs CUDA kernels, but this run is on {device.type}. Fix: run on a GPU "
+                f"(training.device = 'cuda' or 'auto'), or set --model.nsa.backend=reference")
+    return None
+
+
 def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:
     """With NSA attention: does the chosen backend compute NSA on this device (fp32, a small problem)?"""
     from components.nsa.self_check import check_backend
-    from components.nsa.triton.launch import interpreting
 
     nsa = args.nsa
     if args.attention != "nsa":
         return SelfCheck("NSA backend", OK, f"not used (attention {args.attention!r})")
     name = f"NSA backend {nsa.backend!r} on {device.type}"
-    if nsa.backend == "triton" and device.type != "cuda" and not interpreting():
+    if _triton_without_cuda(args, device):
         return SelfCheck(name, WARN, "skipped: the Triton kernels need a CUDA GPU (or Triton's interpreter, "
                                      "TRITON_INTERPRET=1); training here would fail. Fix: run on a GPU or use "
                                      "--model.nsa.backend=reference")
@@ -152,4 +165,4 @@ def transformer_hooks() -> dict:
     return dict(flops_per_token=flops_per_token, telemetry=collect_nsa_telemetry, telemetry_applies=telemetry_applies,
                 parallel_plan=parallel_plan, activation_memory=activation_memory, self_check=self_check,
                 attention_maps=attention_maps, describe=describe, documents=documents, hf_format=hf_format,
-                context_shard=context_shard, compiled=compiled)
+                context_shard=context_shard, compiled=compiled, device_problem=device_problem)
