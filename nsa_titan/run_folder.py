@@ -10,22 +10,23 @@ from components.errors import UserError
 RECIPE_FILE = "recipe.toml"
 
 
-def create_run_folder(folder: str, checkpoint_folder: str | None = None) -> None:
-    """The dump folder, and the checkpoint folder inside it when the run saves checkpoints: found
-    unwritable now, not at the first save after hours of training."""
+def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> None:
+    """The dump folder, and the output folders the run will write inside it ({recipe field: its value},
+    e.g. checkpoint.folder when checkpoints are on): found unwritable now, not at the first save after
+    hours of training."""
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create job.dump_folder {folder!r}: {exc.strerror}. Fix: choose a writable folder "
                         f"with --job.dump_folder=PATH.") from None
-    if checkpoint_folder is not None:
-        path = os.path.join(folder, checkpoint_folder)
+    for field, name in (outputs or {}).items():
+        path = os.path.join(folder, name)
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
-            raise UserError(f"cannot create the checkpoint folder {path!r} (checkpoint.folder = "
-                            f"{checkpoint_folder!r}): {exc.strerror}. Fix: choose a writable folder with "
-                            f"--checkpoint.folder=NAME (inside job.dump_folder, or an absolute path).") from None
+            raise UserError(f"cannot create the folder {path!r} ({field} = {name!r}): {exc.strerror}. Fix: choose a "
+                            f"writable folder with --{field}=NAME (inside job.dump_folder, or an absolute "
+                            f"path).") from None
 
 
 def write_run_recipe(folder: str, resolved) -> str:

@@ -112,7 +112,11 @@ class Trainer:
         # (below), so a resume refused at start-up leaves that run's records as they were.
         records_pending = False
         if runtime.is_main:
-            create_run_folder(dump, recipe.checkpoint.folder if recipe.checkpoint.enable else None)
+            outputs = {"checkpoint.folder": recipe.checkpoint.folder if recipe.checkpoint.enable else None,
+                       "metrics.save_tb_folder": recipe.metrics.save_tb_folder if recipe.metrics.enable_tensorboard
+                       else None,
+                       "profiling.folder": recipe.profiling.folder if recipe.profiling.enable else None}
+            create_run_folder(dump, {field: name for field, name in outputs.items() if name is not None})
             records_pending = os.path.exists(os.path.join(dump, MANIFEST_FILE))
             if not records_pending:
                 self._write_records()
