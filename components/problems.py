@@ -72,6 +72,8 @@ def bound_problem(value: Any, meta: Mapping[str, Any]) -> tuple[str, str] | None
     if choices is not None and value not in choices:
         return (f"must be one of {', '.join(map(repr, choices))}" + suggest(str(value), list(map(str, choices))),
                 f"choose one of {', '.join(map(str, choices))}")
+    if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+        return "is beyond a 64-bit integer", "use a smaller number"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         for key, ok, words in (("ge", lambda v, b: v >= b, "at least"), ("gt", lambda v, b: v > b, "greater than"),
                                ("le", lambda v, b: v <= b, "at most"), ("lt", lambda v, b: v < b, "less than")):

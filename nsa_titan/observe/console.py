@@ -14,7 +14,12 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+_ETA_CAP_S = 100 * 365 * 86400  # beyond this (a run of absurdly many steps) no date arithmetic is meaningful
+
+
 def _eta(seconds: float) -> str:
+    if not seconds < _ETA_CAP_S:
+        return "> 100 years"
     return str(timedelta(seconds=int(max(seconds, 0))))
 
 
