@@ -68,6 +68,12 @@ def _require_matplotlib() -> None:
                         "--metrics.telemetry_freq=0 or --metrics.enable_tensorboard=false.") from None
 
 
+def _is_allocation_failure(exc: BaseException) -> bool:
+    """An allocator that could not give the memory asked for: CUDA's (OutOfMemoryError) or the host's,
+    which raises a plain RuntimeError."""
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+
+
 class TrainingFault(Exception):
     """The run cannot go on (e.g. NaN losses); the message says why, the last checkpoint is kept."""
 
@@ -215,8 +221,23 @@ class Trainer:
         if self.mesh is not None:
             apply_data_parallel(self.model, plan, self.mesh, param_dtype=runtime.autocast_dtype,
                                 reshard_after_forward=recipe.parallelism.fsdp_reshard_after_forward)
-        assemble.materialize(self.model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
-                             distributed=self.mesh is not None)
+        try:
+            assemble.materialize(self.model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
+                                 distributed=self.mesh is not None)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not _is_allocation_failure(exc):
+                raise
+            raise UserError(self._model_too_large_message(runtime.device)) from None
+
+    def _model_too_large_message(self, device: torch.device) -> str:
+        """The model's parameters and buffers did not fit where they were made: their size, and the fixes."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        gib = sum(t.numel() * t.element_size() for t in tensors) / 2**30
+        shards = "" if self.mesh is None else f" (before sharding over {self.mesh.size()} ranks)"
+        return (f"the model does not fit in {device.type} memory: {self.num_params:,} parameters, {gib:,.1f} GiB of "
+                f"parameters and buffers{shards}, before any activation or optimizer state. Fix: check the model's "
+                f"sizes in the recipe (model.dim, model.n_layers, model.max_seq_len, ...), or shard over more devices. "
+                f"`nsa-titan doctor RECIPE` estimates the memory per device.")
 
     def _loader(self, split: str, shard_states: dict | None = None):
         """This rank's loader of one split, at the recipe's batch size (shard_states: continue from those)."""

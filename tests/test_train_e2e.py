@@ -216,6 +216,27 @@ def test_garbage_is_collected_on_the_step_schedule(tmp_path, monkeypatch, freq):
         assert enabled == [True] * 4 and collections == []
 
 
+def test_a_model_the_host_cannot_hold_is_one_message(tmp_path, capsys, monkeypatch):
+    """The host allocator's refusal (a plain RuntimeError, as for --model.dim=1000000) names the model's size
+    and the fix. Raised by a stand-in: really asking for terabytes could wake the OOM killer instead."""
+    from nsa_titan import assemble
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 640000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(assemble, "materialize", refuse)
+    code = cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert "the model does not fit in cpu memory:" in err and "parameters and buffers" in err
+    assert "model.dim, model.n_layers, model.max_seq_len" in err
+
+    monkeypatch.setattr(assemble, "materialize", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):  # any other error is not taken for a lack of memory
+        cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'run2'}"])
+
+
 def test_folders_that_cannot_be_written_stop_the_run_before_it_trains(tmp_path, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
