@@ -33,6 +33,25 @@ if [ -z "${NGPU:-}" ]; then
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+# Each launch variable is a whole number in its range, or the launch stops here naming it.
+check_count() {  # NAME VALUE MIN
+  case "$2" in
+    ''|*[!0-9]*) echo "error: $1=$2 is not a whole number. Fix: set $1 to a number of at least $3, or unset it." >&2
+                 exit 2 ;;
+  esac
+  if [ "$((10#$2))" -lt "$3" ]; then
+    echo "error: $1=$2 must be at least $3. Fix: set $1 to a number of at least $3, or unset it." >&2
+    exit 2
+  fi
+}
+check_count NGPU "$NGPU" 1
+check_count NNODES "$NNODES" 1
+check_count NODE_RANK "$NODE_RANK" 0
+NGPU=$((10#$NGPU)) NNODES=$((10#$NNODES)) NODE_RANK=$((10#$NODE_RANK))
+if [ "$NODE_RANK" -ge "$NNODES" ]; then
+  echo "error: NODE_RANK=$NODE_RANK must be below NNODES=$NNODES (nodes count from 0). Fix: set NODE_RANK to 0 .. $((NNODES - 1))." >&2
+  exit 2
+fi
 export PYTHONUNBUFFERED=1
 if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
   # One process needs no launcher; its own exit code (2 bad input, 3 NaN stop, 4 out of device memory,

@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from nsa_titan.cli import COMMANDS
 from tests.conftest import REPO_ROOT
 
@@ -23,3 +25,17 @@ def test_a_command_runs_through_the_script():
     done = subprocess.run([SCRIPT, "eval", "--help"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "nsa-titan eval" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"NGPU": "0"}, "NGPU=0 must be at least 1"),
+    ({"NGPU": "abc"}, "NGPU=abc is not a whole number"),
+    ({"NGPU": "-2"}, "NGPU=-2 is not a whole number"),
+    ({"NNODES": "x"}, "NNODES=x is not a whole number"),
+    ({"NODE_RANK": "2", "NNODES": "2"}, "NODE_RANK=2 must be below NNODES=2"),
+])
+def test_bad_launch_variables_are_named_before_anything_starts(variables, message):
+    done = subprocess.run([SCRIPT, "recipes/debug.toml"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                          env={**os.environ, **variables})
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
