@@ -115,7 +115,14 @@ def test_eval_runs_tasks_beside_its_own_probes(setup, tmp_path):
     (["--task-dir", "/nonexistent"], "--task-dir '/nonexistent' is not a folder"),
     (["--limit", "3"], "--task-dir and --limit apply to lm-eval tasks"),
 ])
-def test_bad_task_options(setup, tmp_path, capsys, extra, message):
+def test_bad_task_options(setup, tmp_path, capsys, monkeypatch, extra, message):
+    """Refused before the model is loaded (and hours of held-out loss and passkey run)."""
+    from nsa_titan.evaluate import command
+
+    def too_late(argv):
+        raise AssertionError("the model was loaded before the task options were checked")
+
+    monkeypatch.setattr(command, "_load", too_late)
     argv, _ = setup
     assert cli.main(["eval", *argv, "--out", str(tmp_path), "--batches", "1", "--trials", "1", "--depths", "0",
                      *extra]) == 2

@@ -85,10 +85,13 @@ def run_command(argv: list[str]) -> int:
         raise UserError(f"--task-dir {task_dir!r} is not a folder. Fix: give the folder holding your task YAML files.")
     if (task_dir or task_limit) and not tasks:
         raise UserError("--task-dir and --limit apply to lm-eval tasks. Fix: add --tasks NAME[,NAME...].")
+    task_names = [t for t in (tasks or "").split(",") if t]
+    manager = None
     if tasks:
-        from nsa_titan.evaluate.harness import require_lm_eval
+        from nsa_titan.evaluate.harness import require_lm_eval, task_manager
 
-        require_lm_eval()  # before the work
+        require_lm_eval()  # before the work, as are the task names
+        manager = task_manager(task_names, task_dir)
     pyplot()  # fail before the work when matplotlib is missing
     model, tokenizer, recipe, loaded = _load(argv)
     limit = recipe.model.args.max_seq_len - answer_tokens(tokenizer)
@@ -138,8 +141,8 @@ def run_command(argv: list[str]) -> int:
     if tasks:
         from nsa_titan.evaluate.harness import run_tasks
 
-        harness = run_tasks(model, tokenizer, [t for t in tasks.split(",") if t], task_dir,
-                            task_limit[0] if task_limit else None, recipe.job.seed)
+        harness = run_tasks(model, tokenizer, task_names, manager, task_limit[0] if task_limit else None,
+                            recipe.job.seed)
 
     os.makedirs(out, exist_ok=True)
     results = {"model": loaded, "position_loss": positions, "passkey": passkey}

@@ -136,10 +136,9 @@ def _load(path: str | None):
     return model, assemble.build_tokenizer(resolve_text(meta["recipe_toml"]).recipe)
 
 
-def run_tasks(model, tokenizer, tasks: list[str], task_dir: str | None, limit: int | None, seed: int) -> dict:
-    """simple_evaluate on the model; returns the harness's results (per task, its metrics)."""
-    lm = lm_class()(model=model, tokenizer=tokenizer)
-    from lm_eval import simple_evaluate
+def task_manager(tasks: list[str], task_dir: str | None):
+    """The harness's task index (with task_dir's YAML files), once every task in `tasks` is known to it: an
+    unknown name is refused before the model is loaded or anything evaluated."""
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=task_dir) if task_dir else TaskManager()
@@ -148,6 +147,15 @@ def run_tasks(model, tokenizer, tasks: list[str], task_dir: str | None, limit: i
         where = f" or in {task_dir}" if task_dir else ""
         raise UserError(f"lm-eval knows no task {', '.join(map(repr, unknown))}{where}. Fix: name tasks from "
                         f"`lm_eval ls tasks`, or give --task-dir with your task YAML files.")
+    return manager
+
+
+def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None, seed: int) -> dict:
+    """simple_evaluate on the model over `tasks` of `manager` (task_manager's); returns the harness's
+    results (per task, its metrics)."""
+    lm = lm_class()(model=model, tokenizer=tokenizer)
+    from lm_eval import simple_evaluate
+
     out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, random_seed=seed,
                           numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
                           log_samples=False, bootstrap_iters=0)
