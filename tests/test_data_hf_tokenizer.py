@@ -77,6 +77,21 @@ def test_bad_input_is_a_user_error(trained, tmp_path, args, message):
         HFTokenizer(args)
 
 
+@pytest.mark.parametrize("config", ["{bad json", "[1, 2]", b"\xff\xfe not utf-8"])
+def test_a_tokenizer_config_that_cannot_be_read_is_an_error_not_a_guess(trained, tmp_path, config):
+    """Its end-of-document token would otherwise silently fall back to a guessed one."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((trained / "tokenizer.json").read_bytes())
+    data = config if isinstance(config, bytes) else config.encode()
+    (folder / "tokenizer_config.json").write_bytes(data)
+    with pytest.raises(UserError, match="cannot read .*tokenizer_config.json.*set data.hf_tokenizer.eos_token"):
+        HFTokenizer(HFTokenizerArgs(path=str(folder)))
+    assert HFTokenizer(HFTokenizerArgs(path=str(folder), eos_token="<|endoftext|>", bos_token="<s>")).eos_id == 0
+    (folder / "tokenizer_config.json").unlink()  # no config at all: the usual end-of-document names are tried
+    assert HFTokenizer(HFTokenizerArgs(path=str(folder))).eos_id == 0
+
+
 def test_the_debug_recipe_trains_with_it(trained, tmp_path):
     assert TOKENIZERS["hf_tokenizer"][0] is HFTokenizerArgs
     out = tmp_path / "run"

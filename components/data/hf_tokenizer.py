@@ -44,13 +44,20 @@ def _tokenizer_file(path: str) -> str:
 
 
 def _config_token(file: str, key: str) -> str:
-    """bos_token / eos_token from the tokenizer_config.json beside the file, or ''."""
+    """bos_token / eos_token from the tokenizer_config.json beside the file, or '' when there is no such
+    file or it names none. A file that is there but cannot be read is an error, not a silent guess."""
     config = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+    if not os.path.exists(config):
+        return ""
     try:
         with open(config, encoding="utf-8") as fh:
-            value = json.load(fh).get(key) or ""
-    except (OSError, ValueError, AttributeError):
-        return ""
+            table = json.load(fh)
+        if not isinstance(table, dict):
+            raise ValueError(f"it holds {type(table).__name__}, not a JSON object")
+    except (OSError, ValueError) as exc:  # ValueError covers bad JSON and bad UTF-8
+        raise UserError(f"tokenizer hf_tokenizer: cannot read {config!r} ({exc}). Fix: repair or remove it, or set "
+                        f"data.hf_tokenizer.{key} to the token to use.") from None
+    value = table.get(key) or ""
     return value.get("content", "") if isinstance(value, dict) else str(value)
 
 
