@@ -177,10 +177,13 @@ def plot(argv: list[str]) -> int:
         return _fail(f"error: --layer = {layer_text!r} is not a layer number. Fix: e.g. --layer 0.")
     if text_file is not None:
         try:
-            with open(text_file, encoding="utf-8", errors="replace") as fh:
+            with open(text_file, encoding="utf-8") as fh:
                 text = fh.read()
         except OSError as exc:
             return _fail(f"error: cannot read --text-file {text_file!r} ({exc.strerror}). Fix: give a readable file.")
+        except UnicodeDecodeError as exc:  # as training refuses such a file: no silently replaced characters
+            return _fail(f"error: --text-file {text_file!r} is not UTF-8 text (byte {exc.start}: {exc.reason}). Fix: "
+                         f"convert it to UTF-8, e.g. iconv -t UTF-8.")
     if from_recipe:
         from nsa_titan.export import load_checkpoint_model
         from nsa_titan.observe.plots import plot_model

@@ -129,5 +129,9 @@ def test_plot_command_errors(exported, tmp_path, capsys):
     assert "exactly one of --text" in capsys.readouterr().err
     assert main(["plot", str(exported), "--text-file", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2
     assert "cannot read --text-file" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9".encode("latin-1"))
+    assert main(["plot", str(exported), "--text-file", str(latin1), "--out", str(tmp_path)]) == 2
+    assert "is not UTF-8 text (byte 3" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nothing.pt"), "--text", "a", "--out", str(tmp_path)]) == 2
     assert "cannot read exported model" in capsys.readouterr().err
