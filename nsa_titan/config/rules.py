@@ -117,12 +117,17 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if recipe.checkpoint.keep_latest_k == 1:
         add("checkpoint.keep_latest_k", 1, "keeping one checkpoint loses it while the next one is written",
             "use 2 or more, or 0 to keep all")
-    ckpt = recipe.checkpoint
-    if not ckpt.enable:
-        for name in ("load_step", "interval", "keep_latest_k", "async_mode", "data_mismatch"):
-            if _changed(ckpt, name) and source_of(f"checkpoint.{name}").startswith("flag"):
-                add(f"checkpoint.{name}", getattr(ckpt, name), "is set on the command line but checkpoint.enable "
-                    "is false, so it would be ignored", "add --checkpoint.enable=true")
+    # A flag for a feature the recipe switched off does nothing: say so (a recipe file may keep such
+    # settings for when the feature is on). Fields another command reads either way (checkpoint.folder
+    # for export and eval, validation.steps for eval, compile.* for inspect) are not listed.
+    for section, switch, names in _SWITCHED_FIELDS:
+        table = getattr(recipe, section)
+        if getattr(table, switch):
+            continue
+        for name in names:
+            if _changed(table, name) and source_of(f"{section}.{name}").startswith("flag"):
+                add(f"{section}.{name}", getattr(table, name), f"is set on the command line but {section}.{switch} "
+                    "is false, so it would be ignored", f"add --{section}.{switch}=true")
     if recipe.lr_scheduler.warmup_steps > t.steps:
         # A run shortened to try something (--training.steps=3) is still a run: it ends mid-warmup.
         notes.append(f"lr_scheduler.warmup_steps = {recipe.lr_scheduler.warmup_steps} from "
@@ -138,6 +143,16 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
             f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
             "remove it, or set activation_checkpoint.mode = 'selective'")
+
+
+# (section, its switch, the fields only that switch uses)
+_SWITCHED_FIELDS = (
+    ("checkpoint", "enable", ("load_step", "interval", "keep_latest_k", "async_mode", "data_mismatch")),
+    ("validation", "enable", ("freq",)),
+    ("profiling", "enable", ("start_step", "steps", "folder")),
+    ("metrics", "enable_tensorboard", ("save_tb_folder",)),
+    ("metrics", "enable_wandb", ("wandb_project", "wandb_mode")),
+)
 
 
 def _check_lr_schedule(recipe: Recipe, add, notes: list[str], source_of) -> None:
