@@ -270,6 +270,9 @@ class Trainer:
             self.train_loader = self.state.dataloader
             self._apply_recipe_optimizer_settings()
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
+            if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only
+                self._say(f"checkpoint.initial_load_path = {ckpt.initial_load_path!r} is not used: this run resumes "
+                          f"its own checkpoint (a new --job.dump_folder starts from those weights)")
         elif ckpt.initial_load_path and is_hf_folder(ckpt.initial_load_path):
             load_hf_weights(self.model, ckpt.initial_load_path, self.recipe.model.name, self.recipe.model.args,
                             self.tokenizer.vocab_size)

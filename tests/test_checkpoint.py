@@ -232,6 +232,10 @@ def test_initial_load_path_takes_weights_only(tmp_path, capsys):
     assert cli.main(["train", *argv]) == 0
     assert "initial weights from" in capsys.readouterr().out
     assert sorted(losses(target)) == [1, 2]  # a fresh run from step 1, not a resume
+    longer = [a for a in argv if not a.startswith("--training.steps=")] + ["--training.steps=3"]
+    assert cli.main(["train", *longer]) == 0  # the run's own checkpoint now: the path is not used, and it says so
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "is not used: this run resumes its own checkpoint" in out
     code = cli.main(["train", *BASE, "--training.steps=2", f"--job.dump_folder={tmp_path / 'other'}",
                      f"--checkpoint.initial_load_path={tmp_path / 'nowhere'}"])
     assert code == 2 and "holds no checkpoint" in capsys.readouterr().err
