@@ -87,6 +87,11 @@ def test_an_unknown_option_is_named(run, tmp_path, capsys, command, extra):
     refused(capsys, [command, run[1], "--nosuch", "3", *extra], f"{command} has no option '--nosuch'")
 
 
+def test_an_unknown_export_option_is_named_before_a_missing_output(capsys):
+    """A mistyped --output is named as such, not reported as --output missing."""
+    refused(capsys, ["export", DEBUG, "--outptu", "x.pt"], "export has no option '--outptu' (did you mean '--output'?)")
+
+
 @pytest.mark.parametrize("extra, message", [(["--batches", "1,2"], "--batches = '1,2' gives 2 values; it takes one"),
                                             (["--limit", "0"], "--limit be >= 1")])
 def test_eval_refuses_numbers_it_would_misread(run, tmp_path, capsys, extra, message):
