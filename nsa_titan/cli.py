@@ -18,8 +18,8 @@ COMMANDS = {
               "--overwrite replaces an earlier export there",
     "sample": "generate text: nsa-titan sample EXPORTED_FILE|HF_DIR [--prompt TEXT] [--max-new-tokens N] "
               "[--temperature T (0 = greedy)] [--top-k K (the K likeliest tokens; default all)] [--seed S]",
-    "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE --text TEXT|--text-file FILE "
-            "[--layer N] --out DIR",
+    "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE|RECIPE.toml [overrides] "
+            "--text TEXT|--text-file FILE [--layer N] --out DIR",
     "eval": "loss by context position, a passkey probe and lm-eval tasks: nsa-titan eval RECIPE.toml|EXPORTED_FILE "
             "--out DIR [--batches N] [--lengths 64,128] [--depths 0,0.5,1] [--trials N] [--tasks a,b "
             "[--task-dir DIR] [--limit N]]",
