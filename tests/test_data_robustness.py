@@ -96,7 +96,7 @@ def test_the_full_scan_finds_a_bad_byte_deep_in_a_corpus(tmp_path, monkeypatch):
     bad = tmp_path / "later.jsonl"
     lines = [b'{"text": "fine \xc3\xa9"}\n'] * 500
     bad.write_bytes(b"".join(lines) + b'{"text": "bad \xff"}\n')
-    assert "every text file decodes as UTF-8" in TextFilesSource(TextFilesArgs(paths=[str(good)])).scan()
+    assert "every file reads as training reads it (1 documents, " in TextFilesSource(TextFilesArgs(paths=[str(good)])).scan()
     source = TextFilesSource(TextFilesArgs(paths=[str(good), str(bad)]))
     source.check()  # samples the start only
     where = sum(map(len, lines)) + len(b'{"text": "bad ')
@@ -106,4 +106,33 @@ def test_the_full_scan_finds_a_bad_byte_deep_in_a_corpus(tmp_path, monkeypatch):
     cut.write_bytes("ok €".encode()[:-1])
     with pytest.raises(UserError, match=r"cut\.txt is not UTF-8 text \(byte 3 of the file, line 1: unexpected end"):
         TextFilesSource(TextFilesArgs(paths=[str(cut)])).scan()
-    assert TextFilesSource(TextFilesArgs(paths=[str(bad)], invalid_utf8="replace")).corpus().scan_text() == 0
+    assert TextFilesSource(TextFilesArgs(paths=[str(bad)], invalid_utf8="replace")).corpus().scan() == (
+        bad.stat().st_size, 501)  # replaced as training would: every line still parsed
+
+
+def test_the_full_scan_finds_a_cut_last_line_and_a_broken_row_group(tmp_path):
+    """What check()'s sample never reaches and training would meet hours in: a .jsonl whose last line was
+    cut off mid-write, and a parquet file whose ninth row group is damaged."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text('{"text": "a whole line"}\n' * 2000 + '{"text": "cut sho')
+    source = TextFilesSource(TextFilesArgs(paths=[str(cut)]))
+    source.check()
+    with pytest.raises(UserError, match=r"cut\.jsonl line 2001 is not valid JSON"):
+        source.scan()
+
+    table = pa.table({"text": [f"document {i} " * 20 for i in range(1000)]})
+    broken = tmp_path / "broken.parquet"
+    pq.write_table(table, broken, row_group_size=100)
+    chunk = pq.ParquetFile(broken).metadata.row_group(8).column(0)
+    with open(broken, "r+b") as fh:  # the ninth row group's pages, overwritten
+        fh.seek(chunk.data_page_offset)
+        fh.write(b"\x13" * chunk.total_compressed_size)
+    source = TextFilesSource(TextFilesArgs(paths=[str(broken)]))
+    source.check()
+    with pytest.raises(UserError, match=r"cannot read row group 8 of .*broken\.parquet"):
+        source.scan()
+    pq.write_table(table, broken, row_group_size=100)
+    assert "(1,000 documents, " in TextFilesSource(TextFilesArgs(paths=[str(broken)])).scan()

@@ -260,32 +260,44 @@ class FileCorpus:
                             f"{_line_number(path, offset + e.start)}: {e.reason}). Fix: convert it to UTF-8 or "
                             f"remove it{self.fix}") from None
 
-    def scan_text(self) -> int:
-        """Decode every .txt/.jsonl file once, as training will, so that a byte that is not UTF-8 deep
-        in a corpus is found before a long run (check() reads only the start). Returns the bytes read."""
+    def scan(self) -> tuple[int, int]:
+        """Read every record once, as training will: whole files decoded (in chunks), every .jsonl line
+        decoded, parsed and its text field checked, every parquet row group's text column read. Damage
+        deep in a corpus (a bad byte, a cut last line, a broken row group) is then found before a long
+        run, with training's own message (check() reads only the start). Returns (the files' bytes,
+        records read)."""
+        total, records = 0, 0
+        for f, m in zip(self.files, self.meta()):
+            if f.kind == "whole":
+                self._scan_whole(f.path)
+                total, records = total + m[1], records + 1
+            elif f.kind == "jsonl":
+                records += sum(1 for _ in self._jsonl_texts(f.path, 0, m[1]))
+                total += m[1]
+            else:
+                records += sum(len(self._parquet_texts(f.path, g, 0, n)) for g, n in enumerate(m[1]))
+                total += os.path.getsize(f.path)
+        return total, records
+
+    def _scan_whole(self, path: str) -> None:
+        """Decode one whole-file document in chunks (a bad byte is named with its place)."""
         if self.invalid_utf8 != "error":
-            return 0
-        total = 0
-        for f in self.files:
-            if f.kind == "parquet":  # Arrow holds strings as valid UTF-8 already
-                continue
-            decoder = codecs.getincrementaldecoder("utf-8")("strict")
-            offset = 0
-            try:
-                with open(f.path, "rb") as fh:
-                    while chunk := fh.read(_SCAN_CHUNK):
-                        pending = decoder.getstate()[0]  # a character cut by the last chunk's end
-                        try:
-                            decoder.decode(chunk)
-                        except UnicodeDecodeError:  # decoded again from a character start: the message's place
-                            self._decode(pending + chunk, f.path, offset - len(pending))
-                        offset += len(chunk)
-                    pending = decoder.getstate()[0]
-                    self._decode(pending, f.path, offset - len(pending))  # a character cut by the file's end
-            except OSError as e:
-                raise UserError(f"{self.what}: cannot read {f.path} ({e}); fix its permissions or remove it") from e
-            total += offset
-        return total
+            return  # replaced as read: nothing can fail
+        decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        offset = 0
+        try:
+            with open(path, "rb") as fh:
+                while chunk := fh.read(_SCAN_CHUNK):
+                    pending = decoder.getstate()[0]  # a character cut by the last chunk's end
+                    try:
+                        decoder.decode(chunk)
+                    except UnicodeDecodeError:  # decoded again from a character start: the message's place
+                        self._decode(pending + chunk, path, offset - len(pending))
+                    offset += len(chunk)
+                pending = decoder.getstate()[0]
+                self._decode(pending, path, offset - len(pending))  # a character cut by the file's end
+        except OSError as e:
+            raise UserError(f"{self.what}: cannot read {path} ({e}); fix its permissions or remove it") from e
 
     def _read_whole(self, path: str, limit: int = -1) -> str:
         try:

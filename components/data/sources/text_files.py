@@ -59,7 +59,8 @@ class TextFilesSource:
 
     def scan(self) -> str:
         """Read every file once (doctor): what check() samples, in full."""
-        return f"every text file decodes as UTF-8 ({self.corpus().scan_text() / 2**20:.1f} MiB read)"
+        size, records = self.corpus().scan()
+        return f"every file reads as training reads it ({records:,} documents, {size / 2**20:.1f} MiB)"
 
     def fingerprint(self) -> str:
         a = self.args
