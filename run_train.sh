@@ -15,6 +15,9 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 command=train
 case "${1:-}" in
   train|inspect|doctor|export|sample|plot|eval) command=$1; shift ;;
+  ''|-*|*.toml) ;;
+  # Neither a command nor a recipe file: the CLI names the commands (e.g. for 'evaluate').
+  *) [ -e "$1" ] || exec "$py" -m nsa_titan.cli "$@" ;;
 esac
 if [ $# -eq 0 ] || [[ "${1:-}" == -* ]]; then
   set -- "$root/recipes/debug.toml" "$@"

@@ -93,7 +93,8 @@ def test_an_unknown_export_option_is_named_before_a_missing_output(capsys):
 
 
 @pytest.mark.parametrize("extra, message", [(["--batches", "1,2"], "--batches = '1,2' gives 2 values; it takes one"),
-                                            (["--limit", "0"], "--limit be >= 1")])
+                                            (["--limit", "0"], "--limit must be at least 1, got 0"),
+                                            (["--batches", "0"], "--batches must be at least 1, got 0")])
 def test_eval_refuses_numbers_it_would_misread(run, tmp_path, capsys, extra, message):
     refused(capsys, ["eval", run[1], "--out", str(tmp_path / "out"), *extra], message)
 

@@ -39,3 +39,8 @@ def test_bad_launch_variables_are_named_before_anything_starts(variables, messag
                           env={**os.environ, **variables})
     assert done.returncode == 2 and done.stderr.startswith("error: ") and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_a_word_that_is_neither_a_command_nor_a_recipe_lists_the_commands():
+    done = subprocess.run([SCRIPT, "evaluate"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert done.returncode == 2 and "unknown command 'evaluate'" in done.stderr and "eval" in done.stderr

@@ -75,10 +75,11 @@ def run_command(argv: list[str]) -> int:
     trials = _numbers(argv, "--trials", int, "5", one=True)[0]
     task_limit = _numbers(argv, "--limit", int, None, one=True)
     # not 0 <= nan: a nan depth is refused too; --limit 0 would mean "no limit" to the harness
-    if any(not 0 <= d <= 1 for d in depths) or trials < 1 or (batches and batches[0] < 1) or (
-            task_limit and task_limit[0] < 1):
-        raise UserError("--depths must lie in [0, 1], --trials, --batches and --limit be >= 1. Fix: e.g. "
-                        "--depths 0,0.5,1.")
+    if any(not 0 <= d <= 1 for d in depths):
+        raise UserError(f"--depths must lie in [0, 1], got {','.join(map(str, depths))}. Fix: e.g. --depths 0,0.5,1.")
+    for name, given in (("--trials", [trials]), ("--batches", batches), ("--limit", task_limit)):
+        if given and given[0] < 1:
+            raise UserError(f"{name} must be at least 1, got {given[0]}. Fix: e.g. {name} 1.")
     tasks = take_option(argv, "--tasks")
     task_dir = take_option(argv, "--task-dir")
     if task_dir and not os.path.isdir(task_dir):
