@@ -59,17 +59,14 @@ def stage_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
     o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, lp, scale)
     o_win, _ = ops.interval_attention(q, k_win, v_win, 1, 0, w, scale)
 
-    def gate():
-        g = gates.float().unsqueeze(-1)
-        return (g[..., 0, :] * o_cmp.float() + g[..., 1, :] * o_sel.float() + g[..., 2, :] * o_win.float()).to(dtype)
-
     stages = {
         "compressed": (lambda: ops.interval_attention(q, k_cmp, v_cmp, d, l - 1, 0, scale)[0], [q, k_cmp, v_cmp]),
         "selection": (lambda: ops.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), l, d, lp, n, scale),
                       None),
         "selected": (lambda: ops.selected_attention(q, k_sel, v_sel, selection, lp, scale)[0], [q, k_sel, v_sel]),
         "window": (lambda: ops.interval_attention(q, k_win, v_win, 1, 0, w, scale)[0], [q, k_win, v_win]),
-        "gating": (gate, [gates]),
+        # Its backward is one kernel giving every input's gradient (those of the branch outputs too).
+        "gating": (lambda: ops.gate(o_cmp, o_sel, o_win, gates), [gates]),
     }
     measure = timer(device, args.rep_ms)
     rows = []

@@ -16,7 +16,7 @@ from tests.launch import REPO_ROOT, env
 KERNELS = {
     "_interval_attn_fwd_kernel", "_select_blocks_kernel", "_selected_attn_fwd_kernel", "_softmax_delta_kernel",
     "_interval_attn_bwd_dq_kernel", "_interval_attn_bwd_dkdv_kernel", "_selected_attn_bwd_dq_kernel",
-    "_selected_attn_bwd_dkdv_kernel", "_sum_partials_kernel",
+    "_selected_attn_bwd_dkdv_kernel", "_sum_partials_kernel", "_gate_fwd_kernel", "_gate_bwd_kernel",
     # the selected branch's block layout (tile_configs.selected_layout)
     "_selected_fwd_blocks_kernel", "_merge_partials_kernel", "_sum_dq_partials_kernel",
 }

@@ -1,9 +1,10 @@
 """NSA with Triton kernels: the same function as the reference (NSA_SPEC.md), only faster.
 
 Forward: the compressed branch (with its log-sum-exp) -> block selection from that log-sum-exp
--> selected attention -> window attention -> gates. The branch outputs are gated in fp32 by
-ordinary torch ops, so autograd (and torch.compile) derive the gate gradients and route each
-branch's share of dO into its op's backward. Selection is discrete: its inputs are detached.
+-> selected attention -> window attention -> gates. The branch outputs are gated in fp32 by a
+custom op of its own (gating.py), whose backward gives the gate gradients and each branch's share
+of dO, which autograd routes into that branch op's backward. Selection is discrete: its inputs are
+detached.
 cu_seqlens (packed documents, B = 1) goes to every op: each document is computed on its own.
 """
 
@@ -53,9 +54,7 @@ def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gat
     o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, sel_block_size, sm_scale, *docs)
     o_win, _ = ops.interval_attention(q, k_win, v_win, 1, 0, window_size, sm_scale, *docs)
 
-    g = gates.float().unsqueeze(-1)  # [B, T, H, 3, 1]
-    o = g[..., 0, :] * o_cmp.float() + g[..., 1, :] * o_sel.float() + g[..., 2, :] * o_win.float()
-    return o.to(q.dtype)
+    return ops.gate(o_cmp, o_sel, o_win, gates)  # in fp32, stored in q's dtype (the branches')
 
 
 @torch.no_grad()

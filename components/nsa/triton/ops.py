@@ -9,7 +9,8 @@ allocated and contiguous, matching the fake kernels.
     nsa_triton::select_blocks(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_size,
                               num_selected, sm_scale, cu_seqlens) -> LongTensor [B, T, Hkv, n]
     nsa_triton::selected_attention(q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens) -> (o, lse2)
-and the two backward ops. lse2 outputs carry no gradient. cu_seqlens (optional, B = 1): packed
+    nsa_triton::gate(o_cmp, o_sel, o_win, gates) -> o: the gated sum of the branches (gating.py)
+and the backward ops. lse2 outputs carry no gradient. cu_seqlens (optional, B = 1): packed
 documents, each computed on its own (NSA_SPEC.md section 4); the ops derive their tables from it
 on the device, so its values never enter the graph and moving boundaries recompile nothing.
 cu_seqlens_q (optional, with cu_seqlens): each document's queries are its last ones (context parallelism).
@@ -22,6 +23,7 @@ from typing import Optional
 import torch
 
 from components.nsa.triton import tile_configs
+from components.nsa.triton.gating import gate_bwd, gate_fwd
 from components.nsa.triton.interval_attention import interval_attention_bwd, interval_attention_fwd
 from components.nsa.triton.launch import last_dim_contiguous
 from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
@@ -157,3 +159,37 @@ def _selected_backward(ctx, do, _dlse2):
 
 
 selected_attention.register_autograd(_selected_backward, setup_context=_selected_setup)
+
+
+# ---- gates -------------------------------------------------------------------------------------
+
+@torch.library.custom_op("nsa_triton::gate", mutates_args=())
+def gate(o_cmp: Tensor, o_sel: Tensor, o_win: Tensor, gates: Tensor) -> Tensor:
+    return gate_fwd(*(x.contiguous() for x in (o_cmp, o_sel, o_win, gates)))
+
+
+@gate.register_fake
+def _gate_fake(o_cmp, o_sel, o_win, gates):
+    return torch.empty_like(o_cmp, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("nsa_triton::gate_backward", mutates_args=())
+def gate_backward(do: Tensor, o_cmp: Tensor, o_sel: Tensor, o_win: Tensor,
+                  gates: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return gate_bwd(*(x.contiguous() for x in (do, o_cmp, o_sel, o_win, gates)))
+
+
+@gate_backward.register_fake
+def _gate_backward_fake(do, o_cmp, o_sel, o_win, gates):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (o_cmp, o_sel, o_win, gates))
+
+
+def _gate_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gate_backward(ctx, do):
+    return gate_backward(do, *ctx.saved_tensors)
+
+
+gate.register_autograd(_gate_backward, setup_context=_gate_setup)
