@@ -276,9 +276,9 @@ class Checkpointer:
             if load_step not in done:
                 why = ("is incomplete (no COMPLETE marker: the save was interrupted)" if load_step in partial
                        else "does not exist")
-                listing = ", ".join(map(str, done)) or "none"
-                raise UserError(f"checkpoint.load_step = {load_step}: {self.step_dir(load_step)} {why}. "
-                                f"Fix: choose one of the complete steps ({listing}), or -1 for the newest.")
+                fix = (f"choose one of the complete steps ({', '.join(map(str, done))}), or -1 for the newest" if done
+                       else "the folder holds no complete checkpoint: set -1 to start the run afresh")
+                raise UserError(f"checkpoint.load_step = {load_step}: {self.step_dir(load_step)} {why}. Fix: {fix}.")
             return load_step
         newer_partial = [s for s in partial if not done or s > done[-1]]
         for step in newer_partial:

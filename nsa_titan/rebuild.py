@@ -25,10 +25,12 @@ def load_checkpoint_model(resolved: ResolvedRecipe):
     folder = os.path.join(recipe.job.dump_folder, recipe.checkpoint.folder)
     steps = complete_steps(folder)
     step = recipe.checkpoint.load_step if recipe.checkpoint.load_step >= 0 else (steps[-1] if steps else None)
-    if step is None or step not in steps:
-        raise UserError(f"no complete checkpoint {'at step ' + str(step) + ' ' if step is not None else ''}in {folder}."
-                        f" Fix: train with checkpoint.enable = true first, or pick one of: "
-                        f"{', '.join(map(str, steps)) or 'none'}.")
+    if not steps:
+        raise UserError(f"no complete checkpoint in {folder}. Fix: train with checkpoint.enable = true first (or "
+                        f"name the run's folder with --job.dump_folder).")
+    if step not in steps:
+        raise UserError(f"no complete checkpoint at step {step} in {folder}. Fix: choose one of the complete steps "
+                        f"({', '.join(map(str, steps))}) with --checkpoint.load_step, or -1 for the newest.")
     tokenizer = assemble.build_tokenizer(recipe)
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
     model.to_empty(device="cpu")

@@ -192,7 +192,13 @@ def test_load_step_missing_is_an_error(tmp_path, capsys):
     assert cli.main(["train", *argv]) == 0
     code = cli.main(["train", *argv, "--checkpoint.load_step=7"])
     err = capsys.readouterr().err
-    assert code == 2 and "load_step = 7" in err and "does not exist" in err and "1, 2" in err
+    assert code == 2 and "load_step = 7" in err and "does not exist" in err and "complete steps (1, 2)" in err
+    code = cli.main(["train", *argv[:-1], f"--job.dump_folder={tmp_path / 'empty'}", "--checkpoint.load_step=3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds no complete checkpoint: set -1 to start the run afresh" in err
+    code = cli.main(["export", *argv[:-1], f"--job.dump_folder={tmp_path / 'empty'}", "--output", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no complete checkpoint in" in err and "train with checkpoint.enable = true first" in err
 
 
 def test_keep_latest_k(tmp_path):
