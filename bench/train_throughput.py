@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_case(recipe, seq_len, args.steps, args.warmup, batch, args.vocab_size, extra,
                                   args.documents)
             except (torch.OutOfMemoryError, TrainingFault) as exc:
-                # The trainer turns an out-of-memory step into a TrainingFault; building the model can raise
-                # the allocator's own error. Either way this case is recorded and the next one runs.
+                # The trainer ends a step, or a model build, that runs out of memory with a TrainingFault (the
+                # allocator's own error may still escape elsewhere). Either way the case is recorded and the next runs.
                 if isinstance(exc, TrainingFault) and exc.exit_code != OUT_OF_MEMORY_EXIT:
                     raise
                 result = {"recipe": recipe, "seq_len": seq_len, "local_batch_size": batch, "error": f"OOM: {exc}"}

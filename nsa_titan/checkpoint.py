@@ -348,6 +348,9 @@ class Checkpointer:
             raise self._unreadable(step, file, _reason(exc)) from None
         # A hand-edited file: wrong types fail deep in the resume, another step resumes the wrong count.
         problem = _not_ours(record, {"step": int, "tokens_seen": int, "world_size": int, "lr_scheduler": dict})
+        if problem is None and "nan_guard" in record:  # written by runs that keep the NaN guard's counts
+            found = _not_ours(record["nan_guard"], {"consecutive_bad": int, "total_bad": int})
+            problem = found and f"its nan_guard entry is {found}"
         if problem is None and record["step"] != step:
             problem = f"its step is {record['step']}, not the folder's {step}"
         if problem:

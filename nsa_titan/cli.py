@@ -98,8 +98,9 @@ def export(argv: list[str]) -> int:
     form = take_option(argv, "--format", "pt")
     dtype = take_option(argv, "--dtype")
     overwrite = take_flag(argv, "--overwrite")
-    # What is left is the recipe and its --section.field overrides; an option without a dot is a typo.
-    stray = [a.split("=", 1)[0] for a in argv if a.startswith("-") and "." not in a.split("=", 1)[0]]
+    # What is left is the recipe and its --section.field overrides (a value may follow as the next word,
+    # e.g. -1); an option without a dot is a typo.
+    stray = [a.split("=", 1)[0] for a in argv if a.startswith("--") and "." not in a.split("=", 1)[0]]
     if stray:
         from components.problems import suggest
 

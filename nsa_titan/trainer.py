@@ -227,7 +227,7 @@ class Trainer:
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not _is_allocation_failure(exc):
                 raise
-            raise UserError(self._model_too_large_message(runtime.device)) from None
+            raise TrainingFault(self._model_too_large_message(runtime.device), OUT_OF_MEMORY_EXIT) from None
 
     def _model_too_large_message(self, device: torch.device) -> str:
         """The model's parameters and buffers did not fit where they were made: their size, and the fixes."""
@@ -560,7 +560,8 @@ class Trainer:
             self.profiler.before_step(state.step + 1)
             with self._memory_fault("step", state.step + 1):
                 loss, grad_norm, data_wait, decision = self.train_step(iterator)
-            self._begin()
+            if decision != STOP:  # agreed by every rank: all of them begin (a collective) or none
+                self._begin()
             state.step += 1
             self.profiler.after_step(state.step)
             state.tokens_seen += self.tokens_per_step

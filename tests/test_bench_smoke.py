@@ -53,6 +53,23 @@ def test_train_throughput_records_an_out_of_memory_case_and_runs_the_next(tmp_pa
         assert case["error"].startswith("OOM: rank 0: out of device memory in step 2 (CUDA out of memory."), case["error"]
 
 
+def test_train_throughput_records_a_model_too_large_to_build(tmp_path, monkeypatch):
+    """A case whose model cannot be placed (the allocator refuses at build time) is recorded too."""
+    from nsa_titan import assemble
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 640000000000 bytes")
+
+    monkeypatch.setattr(assemble, "materialize", refuse)
+    monkeypatch.setattr("bench.environment.results_path", lambda name: os.path.join(tmp_path, f"{name}.json"))
+    assert train_throughput.main(["--recipes", "recipes/debug.toml", "--seq-lens", "64", "32", "--steps", "3",
+                                  "--warmup", "1", "--tokens-per-step", "128", "--allow-cpu", "--vocab-size", "1000",
+                                  "--override=--model.nsa.window_size=16"]) == 0
+    cases = json.loads((tmp_path / "train_throughput.json").read_text())["results"]
+    assert [c["seq_len"] for c in cases] == [64, 32]
+    assert all(c["error"].startswith("OOM: the model does not fit in cpu memory") for c in cases), cases
+
+
 @pytest.mark.parametrize("one_per_row", [True, False])
 def test_benchmark_rows_are_one_document_each_by_default(tmp_path, one_per_row):
     """--documents row: attention spans each row whole (dense takes plain causal SDPA, NSA one document)."""

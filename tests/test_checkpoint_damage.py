@@ -128,8 +128,9 @@ def unrelated_rank_file(path):
     unrelated_rank_file,
     garble_marker,
     lambda path: edit_json(path, "COMPLETE", step=40) or "COMPLETE",
+    lambda path: edit_json(path, "train_state.json", nan_guard=None) or "train_state.json",
 ], ids=["step not a number", "step of another folder", "unrelated rank file", "garbage marker",
-        "marker of another step"])
+        "marker of another step", "NaN guard counts garbled"])
 def test_a_hand_edited_step_is_refused_for_the_older_one(run, capsys, edit):
     # As saved before COMPLETE recorded checksums (which would find any of these edits first, see below):
     # what each file holds is checked too.
@@ -188,9 +189,15 @@ def test_a_requeued_branch_from_load_step_resumes_its_own_progress(run, capsys):
     resumed_at(6)
 
 
-def test_a_start_that_fails_in_its_first_step_leaves_the_folder_as_it_was(run, capsys):
-    """A resume from an older step whose first step fails (here out of memory) has set nothing aside and
-    rewritten no record: a plain rerun resumes the newest step as before."""
+@pytest.mark.parametrize("failure, code, message", [
+    (["--job.plugins=tests.plugins.oom_at_step", "--model.name=oom_at_step", "--model.oom_at_step=1"], 4,
+     "out of device memory in step 3"),
+    (["--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step", "--model.nan_at_step=1",
+      "--model.nan_steps=0"], 3, "stopping at step 3"),
+], ids=["out of memory", "NaN stop"])
+def test_a_start_that_fails_in_its_first_step_leaves_the_folder_as_it_was(run, capsys, failure, code, message):
+    """A resume from an older step whose first step fails has set nothing aside and rewritten no record:
+    a plain rerun resumes the newest step as before."""
     def contents():
         files = {}
         for root, _, names in os.walk(run):
@@ -201,9 +208,8 @@ def test_a_start_that_fails_in_its_first_step_leaves_the_folder_as_it_was(run, c
         return files
 
     before = contents()
-    code = train(run, "--checkpoint.load_step=2", "--job.plugins=tests.plugins.oom_at_step",
-                 "--model.name=oom_at_step", "--model.oom_at_step=1")
-    assert code == 4 and "out of device memory in step 3" in capsys.readouterr().err
+    assert train(run, "--checkpoint.load_step=2", *failure) == code
+    assert message in capsys.readouterr().err
     assert contents() == before
     assert train(run) == 0
     assert f"resumed from {step_dir(run, 4)} at step 4" in capsys.readouterr().out

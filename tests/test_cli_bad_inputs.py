@@ -90,6 +90,10 @@ def test_an_unknown_option_is_named(run, tmp_path, capsys, command, extra):
 def test_an_unknown_export_option_is_named_before_a_missing_output(capsys):
     """A mistyped --output is named as such, not reported as --output missing."""
     refused(capsys, ["export", DEBUG, "--outptu", "x.pt"], "export has no option '--outptu' (did you mean '--output'?)")
+    # An override's value may follow as the next word, a negative number included: not an option.
+    err = refused(capsys, ["export", DEBUG, "--output", "x.pt", "--job.dump_folder", "/nonexistent/run",
+                           "--checkpoint.load_step", "-1"], "no complete checkpoint")
+    assert "has no option" not in err
 
 
 @pytest.mark.parametrize("extra, message", [(["--batches", "1,2"], "--batches = '1,2' gives 2 values; it takes one"),

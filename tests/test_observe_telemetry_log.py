@@ -40,3 +40,25 @@ def test_real_telemetry(tmp_path):
     log.close()
     with open(tmp_path / "metrics.jsonl", encoding="utf-8") as fh:
         assert json.loads(fh.read()) == {"step": 3, **records}
+
+
+def test_resumed_metrics_set_aside_later_steps_and_a_cut_line(tmp_path, monkeypatch):
+    """Records past the resume step and a last line cut short by a crash move beside the file; a second
+    set-aside within the same second gets a file of its own; appending after it gives whole records."""
+    from nsa_titan.observe import metrics_log
+
+    monkeypatch.setattr(metrics_log.time, "strftime", lambda fmt: "20260101-000000")
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "loss": 1.5}\n{"step": 4, "lo')
+    log = MetricsLog(str(path), start_step=2)
+    log.write({"step": 3, "loss": 1.25})
+    log.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 1.25}]
+    first = tmp_path / "metrics.after-step-2-20260101-000000.jsonl"
+    assert log.set_aside == str(first) and first.read_text() == '{"step": 3, "loss": 1.5}\n{"step": 4, "lo\n'
+    again = MetricsLog(str(path), start_step=2)  # the same crash loop, within the second
+    again.close()
+    assert again.set_aside == str(tmp_path / "metrics.after-step-2-20260101-000000-2.jsonl")
+    assert first.read_text().startswith('{"step": 3, "loss": 1.5}')  # the first set-aside kept
+    assert MetricsLog(str(path), start_step=3).set_aside is None  # nothing past step 3, no cut line

@@ -156,6 +156,7 @@ def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None, se
     lm = lm_class()(model=model, tokenizer=tokenizer)
     from lm_eval import simple_evaluate
 
+    seed %= 2**32  # NumPy's seeds stop below 2**32; the recipe's seed may be any 64-bit number
     out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, random_seed=seed,
                           numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
                           log_samples=False, bootstrap_iters=0)

@@ -22,8 +22,9 @@ def _plain(value: Any) -> Any:
 class MetricsLog:
     """Appends to `path`. A run that starts at `start_step` (a resume) logs steps start_step + 1 on again:
     records of later steps already in the file (written before a crash, or by a run abandoned for an
-    older checkpoint) move to metrics.after-step-<start_step>-<time>.jsonl beside it, so every step
-    appears once and nothing is lost."""
+    older checkpoint), and a last line a crash cut short, move to
+    metrics.after-step-<start_step>-<time>.jsonl beside it, so every step appears once, every line is a
+    whole record, and nothing is lost."""
 
     def __init__(self, path: str, start_step: int = 0):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -39,32 +40,47 @@ class MetricsLog:
 
 
 def _step_of(line: str) -> int | None:
+    """The record's step; None for a line that is not a whole record (cut short by a crash)."""
     try:
         record = json.loads(line)
     except ValueError:
-        return None  # a line cut short by a crash: kept where it is, as it was
+        return None
     step = record.get("step") if isinstance(record, dict) else None
     return step if isinstance(step, int) else None
 
 
+def _new_file(path: str) -> str:
+    """Create `path`, or stem-2.ext, stem-3.ext, ... where it exists; returns the name created."""
+    stem, ext = os.path.splitext(path)
+    candidate, n = path, 1
+    while True:
+        try:
+            with open(candidate, "x", encoding="utf-8"):
+                return candidate
+        except FileExistsError:
+            n += 1
+            candidate = f"{stem}-{n}{ext}"
+
+
 def set_aside_records_after(path: str, step: int) -> str | None:
-    """Move the records of steps after `step` out of the JSON-lines file `path` into a file beside it;
-    returns that file's path, or None when there were none."""
+    """Move the records of steps after `step`, and any line that is not a whole record (the last one,
+    cut short by a crash), out of the JSON-lines file `path` into a new file beside it; returns that
+    file's path, or None when every line stays."""
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as fh:
         lines = fh.readlines()
-    later = [line for line in lines if (_step_of(line) or 0) > step]
+    steps = [_step_of(line) for line in lines]
+    later = [line for line, s in zip(lines, steps) if s is None or s > step]
     if not later:
         return None
     stem, ext = os.path.splitext(path)
-    aside = f"{stem}.after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}{ext}"
+    aside = _new_file(f"{stem}.after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}{ext}")
     with open(aside, "w", encoding="utf-8") as fh:
-        fh.writelines(later)
-    kept = [line for line in lines if (_step_of(line) or 0) <= step]
+        fh.writelines(line if line.endswith("\n") else line + "\n" for line in later)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        fh.writelines(kept)
+        fh.writelines(line for line, s in zip(lines, steps) if s is not None and s <= step)
     os.replace(tmp, path)
     return aside
 
