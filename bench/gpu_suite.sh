@@ -108,7 +108,8 @@ debug_run=("$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cud
 
 check_group_tests() {
   step gpu_tests 300 "$py" -m pytest -q -rfE -p no:cacheprovider tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py \
-    tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py tests/test_dense_documents_gpu.py
+    tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py \
+    tests/test_dense_documents_gpu.py
 }
 check_group_train() {
   step train_200_steps 240 "${debug_run[@]}" --compile.enable=true --training.steps=200 \
