@@ -128,6 +128,8 @@ CASES = [
      ["--metrics.save_tb_folder=boards"], ["metrics.save_tb_folder", "metrics.enable_tensorboard is false"]),
     ("wandb project with wandb off", "", ["--metrics.wandb_project=mine"],
      ["metrics.wandb_project", "metrics.enable_wandb is false", "--metrics.enable_wandb=true"]),
+    ("reshard choice without sharding", "", ["--parallelism.fsdp_reshard_after_forward=never"],
+     ["parallelism.fsdp_reshard_after_forward", "shards nothing", "--parallelism.fsdp_single_process=true"]),
     ("impossible degrees", "[parallelism]\ndata_parallel_shard_degree = 2\ndata_parallel_replicate_degree = 2\n", [],
      ["parallelism.data_parallel_shard_degree", "world size is 1"]),
 ]

@@ -139,6 +139,12 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
             "remove it, or set data.num_workers > 0")
     _check_compile(recipe, world_size, add)
+    par = recipe.parallelism
+    if (world_size == 1 and not par.fsdp_single_process and _changed(par, "fsdp_reshard_after_forward")
+            and source_of("parallelism.fsdp_reshard_after_forward").startswith("flag")):
+        add("parallelism.fsdp_reshard_after_forward", par.fsdp_reshard_after_forward, "is set on the command line, "
+            "but one process without parallelism.fsdp_single_process shards nothing, so it would be ignored",
+            "remove it, or add --parallelism.fsdp_single_process=true (or launch several processes)")
     if recipe.activation_checkpoint.mode != "selective" and _changed(recipe.activation_checkpoint, "selective_every"):
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
             f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
