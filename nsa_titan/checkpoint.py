@@ -34,6 +34,7 @@ from components.data import DataStreamMismatch
 from components.errors import UserError
 from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mismatches, tensor_shapes,
                                          truncated_shards)
+from nsa_titan.run_folder import create_new
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -80,18 +81,6 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _new_folder(path: str) -> str:
-    """Create `path`, or path-2, path-3, ... where it exists (two branches set aside within one second)."""
-    candidate, n = path, 1
-    while True:
-        try:
-            os.makedirs(candidate)
-            return candidate
-        except FileExistsError:
-            n += 1
-            candidate = f"{path}-{n}"
 
 
 def complete_steps(folder: str) -> list[int]:
@@ -253,7 +242,7 @@ class Checkpointer:
         abandoned-<time>/ (kept, never deleted), so no later resume returns to them."""
         newer = [s for s in complete_steps(self.folder) + incomplete_steps(self.folder) if s > step]
         if self.rank == 0 and newer:
-            aside = _new_folder(os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"))
+            aside = create_new(os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"), os.makedirs)
             for later in sorted(set(newer)):
                 os.replace(self.step_dir(later), os.path.join(aside, f"step-{later}"))
             self.say(f"resuming from step {step}: moved the newer checkpoints {sorted(set(newer))} to {aside}")

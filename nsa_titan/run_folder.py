@@ -4,10 +4,25 @@ of an earlier run, once this one is known to start)."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from components.errors import UserError
 
 RECIPE_FILE = "recipe.toml"
+
+
+def create_new(path: str, make: Callable[[str], None]) -> str:
+    """make(path), or make(stem-2.ext), make(stem-3.ext), ... while the name is taken (make must raise
+    FileExistsError then); returns the name made. For what is set aside within one second of another."""
+    stem, ext = os.path.splitext(path)
+    candidate, n = path, 1
+    while True:
+        try:
+            make(candidate)
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = f"{stem}-{n}{ext}"
 
 
 def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> None:

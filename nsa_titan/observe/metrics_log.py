@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from components.errors import UserError
+from nsa_titan.run_folder import create_new
 
 
 def _plain(value: Any) -> Any:
@@ -49,17 +50,9 @@ def _step_of(line: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def _new_file(path: str) -> str:
-    """Create `path`, or stem-2.ext, stem-3.ext, ... where it exists; returns the name created."""
-    stem, ext = os.path.splitext(path)
-    candidate, n = path, 1
-    while True:
-        try:
-            with open(candidate, "x", encoding="utf-8"):
-                return candidate
-        except FileExistsError:
-            n += 1
-            candidate = f"{stem}-{n}{ext}"
+def _new_empty_file(path: str) -> None:
+    with open(path, "x", encoding="utf-8"):
+        pass
 
 
 def set_aside_records_after(path: str, step: int) -> str | None:
@@ -75,7 +68,7 @@ def set_aside_records_after(path: str, step: int) -> str | None:
     if not later:
         return None
     stem, ext = os.path.splitext(path)
-    aside = _new_file(f"{stem}.after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}{ext}")
+    aside = create_new(f"{stem}.after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}{ext}", _new_empty_file)
     with open(aside, "w", encoding="utf-8") as fh:
         fh.writelines(line if line.endswith("\n") else line + "\n" for line in later)
     tmp = path + ".tmp"
