@@ -98,15 +98,9 @@ def export(argv: list[str]) -> int:
     form = take_option(argv, "--format", "pt")
     dtype = take_option(argv, "--dtype")
     overwrite = take_flag(argv, "--overwrite")
-    # What is left is the recipe and its --section.field overrides (a value may follow as the next word,
-    # e.g. -1); an option without a dot is a typo.
-    stray = [a.split("=", 1)[0] for a in argv if a.startswith("--") and "." not in a.split("=", 1)[0]]
-    if stray:
-        from components.problems import suggest
-
-        options = ["--output", "--format", "--dtype", "--overwrite"]
-        return _fail(f"error: export has no option {stray[0]!r}{suggest(stray[0], options)}. Fix: use "
-                     f"{', '.join(options)}, or recipe overrides --section.field=VALUE.")
+    # What is left is the recipe and its overrides.
+    refuse_unknown_options(argv, "export", "--output, --format, --dtype, --overwrite, or recipe overrides "
+                                           "--section.field=VALUE", overrides=True)
     writers = {"pt": export_checkpoint, "hf": export_hf}
     if form not in writers:
         return _fail(f"error: --format {form!r} is not one of pt (one torch file for nsa-titan) or hf (a Hugging "

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from typing import Callable
 
 from components.errors import UserError
+from components.problems import suggest
 
 
 def take_option(argv: list[str], name: str, default: str | None = None) -> str | None:
@@ -35,11 +37,17 @@ def existing_ancestor(path: str) -> str:
     return path
 
 
-def refuse_unknown_options(argv: list[str], command: str, known: str) -> None:
-    """An option still in argv once the command took its own is a typo or another command's: name it."""
-    unknown = [arg.split("=", 1)[0] for arg in argv if arg.startswith("-")]
+def refuse_unknown_options(argv: list[str], command: str, known: str, overrides: bool = False) -> None:
+    """An option still in argv once the command took its own is a typo or another command's: name it (with
+    the closest of `known`'s options). overrides: argv also holds recipe overrides, --section.field with a
+    dot, whose value may follow as the next word (a negative number included): only --words without a dot
+    are options then."""
+    names = [arg.split("=", 1)[0] for arg in argv]
+    unknown = [n for n in names if n.startswith("--") and "." not in n] if overrides else \
+        [n for n in names if n.startswith("-")]
     if unknown:
-        raise UserError(f"{command} has no option {unknown[0]!r}. Fix: remove it, or use one of {known}.")
+        close = suggest(unknown[0], re.findall(r"--[a-z][a-z-]*", known))
+        raise UserError(f"{command} has no option {unknown[0]!r}{close}. Fix: remove it, or use one of {known}.")
 
 
 def new_name_beside(target: str) -> str:
