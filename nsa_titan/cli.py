@@ -66,7 +66,7 @@ def train(argv: list[str]) -> int:
     from nsa_titan.trainer import Trainer
 
     from nsa_titan.parallel.distributed import barrier, destroy_process_group
-    from nsa_titan.trainer import OUT_OF_MEMORY_EXIT, TrainingFault
+    from nsa_titan.trainer import TrainingFault
 
     recipe = resolved.recipe
     runtime = make_runtime(recipe.training.device, recipe.training.dtype)
@@ -76,14 +76,18 @@ def train(argv: list[str]) -> int:
             trainer.run()
         finally:
             trainer.close()
-        barrier()  # a finished run: no rank tears the process group down while another still uses it
+        # A finished run: no rank tears the process group down while another still uses it, and gloo's
+        # threads get the time to free the last collectives' tensors (one still freeing when the
+        # interpreter shuts down aborts the process).
+        barrier()
     except TrainingFault as fault:
         print(f"error: {fault}", file=sys.stderr, flush=True)
-        if fault.exit_code == OUT_OF_MEMORY_EXIT and runtime.world_size > 1:
+        if not fault.every_rank and runtime.world_size > 1:
             # Only this rank failed: the others wait in a collective that will never complete, and tearing
             # the process group down would wait for them. End here; the launcher stops the rest.
             sys.stdout.flush()
             os._exit(fault.exit_code)
+        barrier()  # every rank stopped here together
         return fault.exit_code
     finally:
         destroy_process_group()

@@ -75,11 +75,14 @@ def _is_allocation_failure(exc: BaseException) -> bool:
 
 
 class TrainingFault(Exception):
-    """The run cannot go on (e.g. NaN losses); the message says why, the last checkpoint is kept."""
+    """The run cannot go on (e.g. NaN losses); the message says why, the last checkpoint is kept.
+    `every_rank`: every rank raised it at the same point (an agreed decision), so they can still meet;
+    otherwise this rank alone failed (out of memory) and the others wait in a collective."""
 
-    def __init__(self, message: str, exit_code: int):
+    def __init__(self, message: str, exit_code: int, every_rank: bool):
         super().__init__(message)
         self.exit_code = exit_code
+        self.every_rank = every_rank
 
 
 class Trainer:
@@ -227,7 +230,8 @@ class Trainer:
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not _is_allocation_failure(exc):
                 raise
-            raise TrainingFault(self._model_too_large_message(runtime.device), OUT_OF_MEMORY_EXIT) from None
+            raise TrainingFault(self._model_too_large_message(runtime.device), OUT_OF_MEMORY_EXIT,
+                                every_rank=False) from None
 
     def _model_too_large_message(self, device: torch.device) -> str:
         """The model's parameters and buffers did not fit where they were made: their size, and the fixes."""
@@ -507,7 +511,8 @@ class Trainer:
         try:
             yield
         except torch.OutOfMemoryError as exc:
-            raise TrainingFault(self._out_of_memory_message(what, step, exc), OUT_OF_MEMORY_EXIT) from None
+            raise TrainingFault(self._out_of_memory_message(what, step, exc), OUT_OF_MEMORY_EXIT,
+                                every_rank=False) from None
 
     def _out_of_memory_message(self, what: str, step: int, exc: BaseException) -> str:
         allocator = " ".join(str(exc).split()).split(" If reserved but unallocated")[0].split(" See documentation")[0]
@@ -569,7 +574,8 @@ class Trainer:
             if decision == STOP:
                 if self.checkpointer is not None:  # a background save of a good step completes first; every
                     self.checkpointer.finish_pending()  # rank stops here (the guard's answer is agreed)
-                raise TrainingFault(self.nan_guard.stop_message(state.step), NUMERICAL_FAULT_EXIT)
+                raise TrainingFault(self.nan_guard.stop_message(state.step), NUMERICAL_FAULT_EXIT,
+                                    every_rank=True)
             if decision == SKIP and self.runtime.is_main:
                 warn(self.nan_guard.skip_message(state.step))
             self.watchdog.beat(state.step)

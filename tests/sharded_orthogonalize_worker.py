@@ -56,6 +56,10 @@ def main(layout: str) -> None:
     orthogonalize_each([wholes[0]], lambda i: wholes[0], counted, plain.__setitem__)  # a plain tensor: whole, here
     assert torch.equal(plain[0], orthogonalized(wholes[0], 5))
     print(f"rank {dist.get_rank()}: ok {len(runs) - 1}")
+    # Gloo's worker threads free a finished collective's tensors after the caller has moved on, taking the
+    # GIL to do so; one still freeing when the interpreter shuts down aborts the process. A barrier waits
+    # (GIL released) until every rank is done, which gives them that time, as the trainer's exit does.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -67,6 +67,9 @@ nan = float("nan")
 # rank 1 alone sees a NaN loss at the second step, rank 0 alone an infinite one at the fourth
 losses = {0: [1.0, 1.0, 1.0, float("inf"), 1.0], 1: [1.0, nan, 1.0, 1.0, 1.0]}[rank]
 print(json.dumps([guard.check(torch.tensor(l), torch.tensor(0.5)) for l in losses]), flush=True)
+# gloo's threads free the last collective's tensors before the interpreter shuts down (see
+# sharded_orthogonalize_worker.py)
+dist.barrier()
 dist.destroy_process_group()
 """
 

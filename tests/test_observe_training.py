@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -99,6 +100,25 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, async_mo
     assert proc.stderr.count("error:") == 1 and "error: stopping at step 4" in proc.stderr, proc.stderr[-3000:]
     assert complete_steps(str(out / "checkpoint")) == [2]
     assert all(r["step"] < 4 for r in metrics(out) if "loss" in r)
+
+
+def test_a_nan_stop_on_two_ranks_ends_both_cleanly(tmp_path):
+    """Every rank agrees on the stop, so each ends with the numerical fault's exit code and its one message,
+    after meeting the others (no rank torn down mid-collective, none killed by a signal); step 2's
+    checkpoint is complete."""
+    out = tmp_path / "run"
+    proc = train([*BASE, "--training.steps=6", "--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step",
+                  "--model.nan_at_step=4", "--model.nan_steps=0", "--checkpoint.enable=true",
+                  "--checkpoint.interval=2", f"--job.dump_folder={out}"], nproc=2)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: stopping at step 4") == 2, proc.stderr[-3000:]
+    # The launcher names the first rank to fail and how (it may stop the other with SIGTERM once that one
+    # is out); no rank aborted on the way out.
+    first = proc.stderr.split("Root Cause")[-1]
+    assert re.search(rf"exitcode\s*:\s*{NUMERICAL_FAULT_EXIT}\b", first), proc.stderr[-3000:]
+    assert "SIGABRT" not in proc.stderr and "SIGSEGV" not in proc.stderr
+    assert "nsa_titan/trainer.py" not in proc.stderr  # one message, no traceback of the trainer
+    assert complete_steps(str(out / "checkpoint")) == [2]
 
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
