@@ -23,6 +23,7 @@ import json
 import os
 import resource
 import statistics
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ import torch
 from bench.environment import describe_environment, write_report
 
 DEFAULT_RECIPE = "recipes/nsa_125m.toml"
+LAUNCH_TIMEOUT_SECONDS = 1800  # one cp size's launch: a hung rank is recorded, not waited on for ever
 
 
 # ---- memory and step time: one torchrun launch per cp size ------------------------------------------
@@ -40,6 +42,7 @@ def _worker(args) -> int:
     """One rank of a launch: train, then write this rank's peak memory and step times."""
     from bench.train_throughput import synthetic_run_argv
     from nsa_titan.config import resolve
+    from nsa_titan.parallel.distributed import barrier, destroy_process_group
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer
 
@@ -72,6 +75,10 @@ def _worker(args) -> int:
               "memory_kind": "cuda max allocated" if cuda else "process peak resident set"}
     with open(os.path.join(args.worker, f"rank-{rank}.json"), "w", encoding="utf-8") as fh:
         json.dump(record, fh)
+    # As the trainer's own exit does: the ranks meet before gloo or NCCL is torn down (a rank whose
+    # communicator still frees a collective's tensors while the interpreter shuts down aborts).
+    barrier()
+    destroy_process_group()
     return 0
 
 
@@ -83,9 +90,18 @@ def measure_cp(recipe: str, cp: int, seq_len: int, steps: int, vocab_size: int, 
                    "--vocab-size", str(vocab_size), *(f"--override={o}" for o in overrides)]
         # One thread per rank on the CPU at every cp size, so that cp = 1 is not given more cores.
         env = dict(os.environ, OMP_NUM_THREADS="1") if not torch.cuda.is_available() else None
-        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        # A session of its own, so that a launch that hangs is stopped with every rank it started.
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate()
+            return {"cp": cp, "seq_len": seq_len,
+                    "error": f"no result within {LAUNCH_TIMEOUT_SECONDS} s (stopped): {stderr[-2000:]}"}
         if proc.returncode:
-            return {"cp": cp, "seq_len": seq_len, "error": proc.stderr[-2000:]}
+            return {"cp": cp, "seq_len": seq_len, "error": stderr[-2000:]}
         ranks = [json.load(open(os.path.join(folder, f"rank-{r}.json"), encoding="utf-8")) for r in range(cp)]
     return {"cp": cp, "seq_len": seq_len, "tokens_per_rank": seq_len // cp, "ranks": ranks,
             "max_peak_memory_gib": max(r["peak_memory_gib"] for r in ranks),

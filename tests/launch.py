@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,9 +39,15 @@ def train_command(args: list[str], nproc: int = 1) -> list[str]:
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *args]
 
 
-def train(args: list[str], nproc: int = 1, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(args, nproc), capture_output=True, text=True, env=env(), cwd=REPO_ROOT,
-                          timeout=timeout, **popen)
+def train(args: list[str], nproc: int = 1, timeout: float | None = None, **popen) -> subprocess.CompletedProcess:
+    """The run's result; it must end within `timeout` s (by default 300, 600 for several ranks sharing the
+    cores)."""
+    timeout = timeout if timeout is not None else (300 if nproc == 1 else 600)
+    popen.setdefault("start_new_session", True)
+    proc = subprocess.Popen(train_command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(), cwd=REPO_ROOT, **popen)
+    out, err = finish(proc, timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def start_training(args: list[str], folder, nproc: int = 1, timeout: float = 180, command: list[str] | None = None,
@@ -48,16 +55,36 @@ def start_training(args: list[str], folder, nproc: int = 1, timeout: float = 180
     """Launch a run in the background and return once its first step is logged in folder/metrics.jsonl.
     `command` replaces the usual `python -m nsa_titan.cli train` (or torchrun) prefix of args."""
     argv = [*command, *args] if command else train_command(args, nproc)
+    popen.setdefault("start_new_session", True)  # so that finish() can stop every process it starts
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env(), **(extra_env or {})}, cwd=REPO_ROOT, **popen)
     path = os.path.join(folder, "metrics.jsonl")
     deadline = time.time() + timeout
     while not (os.path.exists(path) and os.path.getsize(path) > 0):
         if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
+            _stop_all(proc)
             raise AssertionError(f"training never started:\n{proc.communicate()[1][-3000:]}")
         time.sleep(0.2)
     return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """(stdout, stderr) of a run started by train or start_training once it exits. One still running after
+    `timeout` s is killed with every process it started, and the test fails: a leftover run would take
+    the machine's cores from every test after it."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop_all(proc)
+        raise AssertionError(f"the run was still going after {timeout} s; stopped:\n"
+                             f"{proc.communicate()[1][-3000:]}") from None
+
+
+def _stop_all(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its session: torchrun, the ranks and their loader workers
+    except ProcessLookupError:
+        pass
 
 
 def metrics(folder) -> list[dict]:

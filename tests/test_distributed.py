@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.launch import DEBUG, REPO_ROOT, TINY, env, free_port, losses, start_training, train
+from tests.launch import DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses, start_training, train
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_two_node_launch_on_loopback(tmp_path):
 def test_killed_rank_makes_the_other_exit(tmp_path):
     """kill -9 one rank mid-run: the survivor must exit non-zero soon, not hang."""
     proc = start_training([*COMMON, "--training.steps=100000", "--parallelism.data_parallel_shard_degree=2",
-                           f"--job.dump_folder={tmp_path}"], tmp_path, nproc=2, start_new_session=True)
+                           f"--job.dump_folder={tmp_path}"], tmp_path, nproc=2)
     children = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "nsa_titan.cli"], capture_output=True, text=True)
     pids = [int(p) for p in children.stdout.split()]
     assert len(pids) == 2, children.stdout
@@ -114,7 +114,7 @@ def test_halt_file_stops_every_rank_at_the_same_step(tmp_path):
                            "--checkpoint.interval=100000", "--parallelism.data_parallel_shard_degree=2",
                            f"--job.dump_folder={tmp_path}"], tmp_path, nproc=2)
     open(os.path.join(tmp_path, "HALT"), "w").close()
-    out, err = proc.communicate(timeout=120)
+    out, err = finish(proc, timeout=120)
     assert proc.returncode == 0, err[-3000:]
     stopped = re.search(r"stopping after step (\d+)", out)
     assert stopped, out
@@ -128,7 +128,7 @@ def test_sigterm_to_the_launcher_saves_even_with_loader_workers(tmp_path):
                            "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path}"],
                           tmp_path, nproc=2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = finish(proc, timeout=120)
     stopped = re.search(r"stopping after step (\d+) \(SIGTERM\)", out)
     assert stopped, (out[-2000:], err[-3000:])
     assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))
@@ -142,7 +142,7 @@ def test_run_train_sh_turns_a_stop_signal_into_a_clean_stop_of_every_rank(tmp_pa
                            f"--job.dump_folder={tmp_path}"], tmp_path,
                           command=[os.path.join(REPO_ROOT, "run_train.sh")], extra_env={"NGPU": "2"})
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=180)
+    out, err = finish(proc, timeout=180)
     assert proc.returncode == 0, err[-3000:]
     stopped = re.search(r"stopping after step (\d+) \(halt file", out)
     assert stopped, (out[-2000:], err[-3000:])

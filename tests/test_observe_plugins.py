@@ -61,7 +61,7 @@ from nsa_titan.observe.watchdog import Watchdog
 dump = sys.argv[1]
 source = hang.HangAfterSource(hang.HangAfterArgs(after_batches=3, batch_size=2, seq_len=16))
 loader = build_dataloader(source, ByteTokenizer(), seq_len=16, batch_size=2, logical_shards=4)
-watchdog = Watchdog(2.0, 60.0, dump)
+watchdog = Watchdog(6.0, 60.0, dump)  # far above a batch's time, even on a loaded machine
 for step, batch in enumerate(loader, start=1):
     assert batch["input"].shape == (2, 16)
     print(f"batch {step}", flush=True)

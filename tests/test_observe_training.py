@@ -17,7 +17,7 @@ from nsa_titan.checkpoint import complete_steps
 from nsa_titan.config import resolve
 from nsa_titan.observe.watchdog import HANG_EXIT_CODE
 from nsa_titan.trainer import NUMERICAL_FAULT_EXIT, OUT_OF_MEMORY_EXIT
-from tests.launch import DEBUG, TINY, metrics, start_training, train
+from tests.launch import DEBUG, TINY, finish, metrics, start_training, train
 
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2"]
 
@@ -79,7 +79,7 @@ def test_planted_hang_dumps_stacks_and_exits(tmp_path):
     out = tmp_path / "run"
     proc = train([*BASE, "--training.steps=50", "--job.plugins=tests.plugins.hang", "--data.source=hang_after",
                   "--data.hang_after.after_batches=2", "--data.hang_after.batch_size=2",
-                  "--data.hang_after.seq_len=64", "--fault.step_timeout_seconds=3",
+                  "--data.hang_after.seq_len=64", "--fault.step_timeout_seconds=8",
                   f"--job.dump_folder={out}"], timeout=240)
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
     assert "fault.step_timeout_seconds" in proc.stderr and "after step 2" in proc.stderr
@@ -226,7 +226,7 @@ def test_sigusr1_writes_stacks_without_stopping(tmp_path):
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=120)
+        finish(proc, timeout=120)
     assert proc.returncode == 0
 
 
