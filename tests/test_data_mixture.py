@@ -105,6 +105,50 @@ def test_new_weights_on_resume_continue_every_source_where_it_stopped():
         assert next(d for d in after if d.startswith(name)) == following
 
 
+@pytest.mark.parametrize("old,new", [(("documents", (3.0, 1.0)), ("documents", (1.0, 3.0))),
+                                     (("tokens", (3.0, 1.0)), ("tokens", (1.0, 3.0))),
+                                     (("tokens", (3.0, 1.0)), ("documents", (3.0, 1.0))),
+                                     (("documents", (1.0, 1.0)), ("tokens", (1.0, 9.0)))])
+def test_a_changed_rule_still_chooses_the_document_the_cursor_was_before(old, new):
+    """The loader saves the position before the document it is in the middle of, so the first document
+    after a resume must be that one whatever the new weights or `by` say; the new rule takes over after it."""
+    run = take(mixture(weights=old[1], by=old[0]), 120)
+    changed = 0
+    for stop in range(0, 119, 7):
+        resumed = take(mixture(weights=new[1], by=new[0]), 60, cursor=run[stop][1])
+        assert resumed[0][0] == run[stop + 1][0]
+        changed += [d for d, _ in resumed] != [d for d, _ in run[stop + 1:stop + 61]]
+    assert changed  # and the new rule does choose differently afterwards
+
+
+def test_new_weights_on_resume_finish_the_loaders_document_in_progress():
+    """Through the loader: saved in the middle of a document, resumed with other weights, the first row
+    goes on with the rest of that document, exactly as the run with the old weights does."""
+    from components.data import ByteTokenizer, build_dataloader
+
+    def loader(weights, state=None):
+        built = build_dataloader(MixtureSource(["a", "b"], list(weights), [Texts("a", 29), Texts("b", 23)]),
+                                 ByteTokenizer(), seq_len=16, batch_size=1, logical_shards=1, check_source=False)
+        if state is not None:
+            built.load_state_dict(state)
+        return iter(built), built
+
+    saved = 0
+    for cut in range(3, 12):
+        batches, whole = loader((0.5, 0.5))
+        for _ in range(cut):
+            next(batches)
+        state = whole.state_dict()
+        going_on = next(batches)["input"][0].tolist()
+        if 257 not in going_on:
+            continue
+        saved += 1
+        rest = going_on[:going_on.index(257) + 1]  # up to the in-progress document's end of text
+        resumed = next(loader((0.9, 0.1), state)[0])["input"][0].tolist()
+        assert resumed[:len(rest)] == rest, (cut, rest, resumed)
+    assert saved >= 5
+
+
 def test_an_empty_shard_of_one_source_drops_it_there_and_all_empty_ends_the_stream():
     source = MixtureSource(["web", "code"], [1.0, 1.0], [Counting("web", {0: 5}), Counting("code", {0: 3, 1: 4})],
                            "documents")

@@ -12,10 +12,12 @@ the next one of the same source. A source that runs out starts its next epoch on
 source repeats, a large one is not exhausted); one whose shard keeps no document in a whole epoch
 drops out of that shard. Validation mixes the sources that hold a validation split.
 
-The cursor holds k, every source's (epoch, cursor) and token count, and the weights: a resumed run
-continues each source where it stopped. Weights are not part of the stream's identity, so they may
-change on resume: they apply from the next document on, and the token shares count afresh. Sources
-are ordered by name, not by the recipe's tables.
+The cursor holds k, every source's (epoch, cursor) and token count, the weights and `by`: a resumed
+run continues each source where it stopped. Weights and `by` are not part of the stream's identity,
+so they may change on resume. The first document a resumed stream reads is the one the loader was in
+the middle of (it saves the position before that document), so the cursor's own weights and rule
+choose it again; the new ones apply from the document after it, and the token shares count afresh
+from the resume. Sources are ordered by name, not by the recipe's tables.
 
 The sources are built by a `build_source(name, args)` the engine provides (so plugin sources mix too).
 """
@@ -106,13 +108,14 @@ class MixtureSource:
         """The shard's mixed stream: prepare(document) of each source document, skipping those it
         returns None for (the loader's tokenization and length filter), so the weights hold for the
         documents kept and a source whose shard keeps none drops out of it."""
-        # cursor: [k, per source [epoch, cursor, alive, kept a document this epoch, tokens kept], weights]
-        k, states, weights = cursor if cursor is not None else (
+        # cursor: [k, per source [epoch, cursor, alive, kept a document this epoch, tokens kept], weights,
+        # by] (cursors saved before `by` was kept have three parts: their rule is taken as unchanged)
+        k, states, weights, *saved_by = cursor if cursor is not None else (
             0, [[0, None, self._has(i, split), False, 0] for i in range(len(self.sources))], self.weights)
         states = [list(s) for s in states]
-        if list(weights) != list(self.weights):  # new weights: their token shares count from here
-            for state in states:
-                state[4] = 0
+        rule = (list(weights), saved_by[0] if saved_by else self.by)
+        # A changed rule still chooses the document the loader was in the middle of, as it did before.
+        changed = rule != (list(self.weights), self.by)
         readers: dict[int, Iterator] = {}
         while True:
             alive = [i for i, s in enumerate(states) if s[2]]
@@ -120,10 +123,11 @@ class MixtureSource:
                 return
             # Until a document is kept, the choice is the same: a skipped document is replaced by the
             # next one of the same source.
-            if self.by == "tokens":
-                i = min(alive, key=lambda j: states[j][4] / self.weights[j])
+            rule_weights, rule_by = rule
+            if rule_by == "tokens":
+                i = min(alive, key=lambda j: states[j][4] / rule_weights[j])
             else:
-                i = self._choose(alive, unit_hash(f"mixture/{seed}/{shard}/{epoch}/{k}"))
+                i = self._choose(alive, rule_weights, unit_hash(f"mixture/{seed}/{shard}/{epoch}/{k}"))
             state = states[i]
             if i not in readers:
                 readers[i] = iter(self.sources[i].documents(shard, num_shards, split, seed, state[0], state[1]))
@@ -139,16 +143,21 @@ class MixtureSource:
             prepared = prepare(document)
             if prepared is None:
                 continue
+            if changed:  # the new rule from here on; its token shares count from the resume
+                rule, changed = (list(self.weights), self.by), False
+                for other in states:
+                    other[4] = 0
             state[3] = True
             state[4] += len(prepared)
             k += 1
-            yield prepared, [k, [list(s) for s in states], list(self.weights)]
+            yield prepared, [k, [list(s) for s in states], list(self.weights), self.by]
 
-    def _choose(self, alive: list[int], u: float) -> int:
-        total = sum(self.weights[i] for i in alive)
+    @staticmethod
+    def _choose(alive: list[int], weights: list[float], u: float) -> int:
+        total = sum(weights[i] for i in alive)
         edge = 0.0
         for i in alive:
-            edge += self.weights[i] / total
+            edge += weights[i] / total
             if u < edge:
                 return i
         return alive[-1]  # u within rounding of 1
