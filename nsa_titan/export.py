@@ -18,6 +18,7 @@ from torch import nn
 from components.errors import UserError
 from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan.config import ResolvedRecipe
+from nsa_titan.config.resolve import import_plugins_of
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
 
 __all__ = ["FORMAT", "export_checkpoint", "load_checkpoint_model", "load_exported"]
@@ -84,8 +85,18 @@ def load_exported(path: str, device: str | torch.device = "cpu") -> tuple[nn.Mod
                         f"`nsa-titan export RECIPE --output FILE` (or a folder of --format hf).") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UserError(f"{path!r} is not an nsa_titan export (format {FORMAT}). Fix: export it with nsa-titan export.")
-    model = rebuild_model(payload["model_name"], payload["model_args"], payload["vocab_size"], payload["state_dict"], device)
+    wrong = [key for key, kind in _PAYLOAD.items() if not isinstance(payload.get(key), kind)]
+    if wrong:
+        raise UserError(f"{path!r} is an incomplete nsa_titan export ({', '.join(wrong)} missing or of the wrong "
+                        f"type). Fix: export the run again with `nsa-titan export RECIPE --output FILE`.")
+    import_plugins_of(payload["recipe_toml"])  # a plugin may register the model
+    model = rebuild_model(payload["model_name"], payload["model_args"], payload["vocab_size"], payload["state_dict"],
+                          device, path)
     return model, {k: v for k, v in payload.items() if k != "state_dict"}
+
+
+# What an export file must hold, by type (step is an int, or None for weights of no checkpoint step).
+_PAYLOAD = {"model_name": str, "model_args": dict, "vocab_size": int, "state_dict": dict, "recipe_toml": str}
 
 
 def _load_hf_folder(path: str, device) -> tuple[nn.Module, dict]:
@@ -96,6 +107,6 @@ def _load_hf_folder(path: str, device) -> tuple[nn.Module, dict]:
         raise UserError(f"{path!r} has no {RECIPE}, which names the tokenizer and data. Fix: export the run again "
                         f"with `nsa-titan export RECIPE --format hf --output DIR`, or copy the run's recipe there "
                         f"as {RECIPE}.")
-    model = rebuild_model(folder.model_name, folder.model_args, folder.vocab_size, folder.state_dict, device)
+    model = rebuild_model(folder.model_name, folder.model_args, folder.vocab_size, folder.state_dict, device, path)
     return model, {"format": "hf", "model_name": folder.model_name, "model_args": folder.model_args,
                    "vocab_size": folder.vocab_size, "step": folder.step, "recipe_toml": folder.recipe_toml}

@@ -187,14 +187,22 @@ def read_hf_folder(path: str) -> HFFolder:
         tensors = load_file(os.path.join(path, WEIGHTS), device="cpu")
     except (OSError, SafetensorError) as exc:
         raise UserError(f"{os.path.join(path, WEIGHTS)} cannot be read ({exc}). {fix}") from None
+    from nsa_titan.config.resolve import import_plugins_of
     from nsa_titan.rebuild import model_arguments
 
+    recipe_file = os.path.join(path, RECIPE)
+    recipe_toml = open(recipe_file, encoding="utf-8").read() if os.path.isfile(recipe_file) else None
+    if recipe_toml is not None:
+        import_plugins_of(recipe_toml)  # a plugin may register the model
     part = registry.get("model", model_name)
     # The package's models hold float32 weights, whatever the folder stores.
     tensors = {name: x.float() if x.is_floating_point() else x for name, x in tensors.items()}
-    state = _hf_format(part, model_arguments(part, model_args), vocab_size).from_hf(tensors)
-    recipe_file = os.path.join(path, RECIPE)
-    recipe_toml = open(recipe_file, encoding="utf-8").read() if os.path.isfile(recipe_file) else None
+    try:
+        state = _hf_format(part, model_arguments(part, model_args), vocab_size).from_hf(tensors)
+    except (KeyError, ValueError, RuntimeError) as exc:  # tensors missing, or of other shapes than config.json says
+        raise UserError(f"the weights in {os.path.join(path, WEIGHTS)} do not fit the model {CONFIG} describes "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r}). Fix: export "
+                        f"the run again rather than editing {CONFIG}.") from None
     return HFFolder(model_name, model_args, vocab_size, state, ours.get("step"), recipe_toml)
 
 

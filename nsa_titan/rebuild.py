@@ -41,16 +41,23 @@ def load_checkpoint_model(resolved: ResolvedRecipe):
     return model.eval(), tokenizer, step
 
 
-def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict: dict, device) -> nn.Module:
+def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict: dict, device,
+                  source: str = "the saved weights") -> nn.Module:
     """The model `model_name` with arguments `model_args` (a recipe's [model.args] as a dict) and these
-    weights, in eval mode on `device`."""
+    weights, in eval mode on `device`. `source` names where they came from in a mismatch's message."""
     part = registry.get("model", model_name)
     args = model_arguments(part, model_args)
     with torch.device("meta"):
         model = part.build(args, vocab_size)
     model.to_empty(device=device)
     model.init_weights()
-    model.load_state_dict(state_dict, strict=True)
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except RuntimeError as exc:  # names missing, unexpected or of other shapes than the arguments make
+        detail = " ".join(str(exc).split("\n\t")[1:2]) or str(exc).splitlines()[0]
+        raise UserError(f"the weights in {source} do not fit the model its arguments describe ({model_name}, "
+                        f"vocab_size {vocab_size}): {detail.strip()} Fix: export the run again rather than editing "
+                        f"the saved model arguments.") from None
     return model.eval()
 
 

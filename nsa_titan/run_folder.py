@@ -4,7 +4,8 @@ of an earlier run, once this one is known to start)."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+import tomllib
+from typing import Any, Callable
 
 from components.errors import UserError
 
@@ -34,6 +35,7 @@ def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> Non
     except OSError as exc:
         raise UserError(f"cannot create job.dump_folder {folder!r}: {exc.strerror}. Fix: choose a writable folder "
                         f"with --job.dump_folder=PATH.") from None
+    _check_recipe_slot(folder)
     for field, name in (outputs or {}).items():
         path = os.path.join(folder, name)
         try:
@@ -44,14 +46,40 @@ def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> Non
                             f"path).") from None
 
 
+RESOLVED_HEADER = "# resolved recipe, hash "
+
+
+def _first_line(path: str) -> str | None:
+    """The file's first line; None when there is no file."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.readline()
+    except FileNotFoundError:
+        return None
+
+
+def _check_recipe_slot(folder: str) -> None:
+    """A recipe.toml in the dump folder that no run wrote (a user's own recipe kept beside its outputs)
+    would be replaced by the run's resolved recipe: refused before anything is written."""
+    path = os.path.join(folder, RECIPE_FILE)
+    try:
+        first = _first_line(path)
+    except OSError as exc:
+        raise UserError(f"cannot read {path!r}: {exc.strerror}. The run keeps its resolved recipe under that name. "
+                        f"Fix: make it readable, or choose another --job.dump_folder.") from None
+    if first is not None and not first.startswith(RESOLVED_HEADER):
+        raise UserError(f"{path!r} was not written by a run (it does not begin with '{RESOLVED_HEADER.strip()}'), "
+                        f"and the run keeps its resolved recipe under that name. Fix: move your file out of the "
+                        f"dump folder (or rename it), or choose another --job.dump_folder.")
+
+
 def write_run_recipe(folder: str, resolved) -> str:
     """Write the resolved recipe; an earlier run's different recipe is kept aside."""
     path = os.path.join(folder, RECIPE_FILE)
-    header = f"# resolved recipe, hash {resolved.hash}\n"
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            first = fh.readline()
-        if first != header and first.startswith("# resolved recipe, hash "):
+    header = f"{RESOLVED_HEADER}{resolved.hash}\n"
+    first = _first_line(path)
+    if first is not None:
+        if first != header and first.startswith(RESOLVED_HEADER):
             old_hash = first.strip().rsplit(" ", 1)[-1]
             os.replace(path, os.path.join(folder, f"recipe.{old_hash}.toml"))
     tmp = path + ".tmp"
@@ -59,3 +87,40 @@ def write_run_recipe(folder: str, resolved) -> str:
         fh.write(header + resolved.toml)
     os.replace(tmp, path)
     return path
+
+
+def recipe_changes(folder: str, resolved, limit: int = 12) -> list[str]:
+    """What this run's recipe changes from the one the folder's last run kept as recipe.toml, field by field
+    ('model.nsa.window_size: 64 -> 32'), at most `limit` of them and a count of the rest; [] when the same
+    or when there is none to compare with. A resumed run says so: a changed field is applied, not ignored,
+    and should not pass unseen."""
+    path = os.path.join(folder, RECIPE_FILE)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        if not text.startswith(RESOLVED_HEADER) or text.startswith(f"{RESOLVED_HEADER}{resolved.hash}\n"):
+            return []
+        before, now = _flat(tomllib.loads(text)), _flat(tomllib.loads(resolved.toml))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []  # nothing readable to compare with
+    changes = [f"{key}: {_short(before.get(key, _UNSET))} -> {_short(now.get(key, _UNSET))}"
+               for key in sorted(before.keys() | now.keys()) if before.get(key, _UNSET) != now.get(key, _UNSET)]
+    return changes[:limit] + ([f"and {len(changes) - limit} more"] if len(changes) > limit else [])
+
+
+def _flat(table: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+_UNSET = object()
+
+
+def _short(value: Any) -> str:
+    text = "(not set)" if value is _UNSET else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

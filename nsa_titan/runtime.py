@@ -31,8 +31,19 @@ class Runtime:
 
 def launch_world() -> tuple[int, int, int]:
     """(rank, local rank, world size) as torchrun set them; one process when launched directly."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
-            int(os.environ.get("WORLD_SIZE", 1)))
+    values = []
+    for name, default, low in (("RANK", 0, 0), ("LOCAL_RANK", 0, 0), ("WORLD_SIZE", 1, 1)):
+        text = os.environ.get(name, str(default))
+        if not (text.strip().isdigit() and int(text) >= low):
+            raise UserError(f"the environment variable {name} = {text!r} is not a whole number >= {low}; the "
+                            f"launcher (torchrun, run_train.sh) sets it. Fix: unset it to run one process, or "
+                            f"launch through ./run_train.sh.")
+        values.append(int(text))
+    rank, local_rank, world_size = values
+    if rank >= world_size:
+        raise UserError(f"RANK = {rank} is not below WORLD_SIZE = {world_size} in the environment. Fix: unset both "
+                        f"to run one process, or launch through ./run_train.sh.")
+    return rank, local_rank, world_size
 
 
 def make_runtime(device_choice: str, dtype_choice: str) -> Runtime:

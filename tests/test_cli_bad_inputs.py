@@ -1,10 +1,11 @@
-"""Bad input to sample, plot, eval and export: exit code 2, one message naming the problem and the fix, no
-traceback, nothing overwritten and no stray file left behind."""
+"""Bad input to sample, plot, eval, export and inspect, and a garbled launch environment: exit code 2, one
+message naming the problem and the fix, no traceback, nothing overwritten and no stray file left behind."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -58,6 +59,74 @@ def test_a_file_torch_cannot_load_is_one_clear_error(tmp_path, capsys, command, 
     extra = [str(tmp_path / "out") if x == "OUT" else x for x in extra]
     refused(capsys, [command, str(junk), *extra], "cannot read exported model", "not a file torch can load",
             "nsa-titan export RECIPE --output FILE")
+
+
+def test_an_incomplete_or_mismatched_export_is_one_clear_error(run, tmp_path, capsys):
+    """A payload with the format tag but not the rest, or weights that do not fit the saved arguments (an
+    edited file), is refused with what is wrong, not a KeyError or a size-mismatch traceback."""
+    import torch
+
+    from nsa_titan.export import FORMAT
+
+    _, exported, _ = run
+    partial = tmp_path / "partial.pt"
+    torch.save({"format": FORMAT, "model_name": "transformer"}, partial)
+    refused(capsys, ["sample", str(partial)], "is an incomplete nsa_titan export",
+            "model_args, vocab_size, state_dict, recipe_toml missing", "export the run again")
+    payload = torch.load(exported, weights_only=True)
+    payload["vocab_size"] = 100
+    edited = tmp_path / "edited.pt"
+    torch.save(payload, edited)
+    refused(capsys, ["sample", str(edited)], f"the weights in {edited} do not fit the model",
+            "vocab_size 100", "tok_embeddings.weight", "Fix: export the run again")
+
+
+@pytest.mark.parametrize("variables, fragment", [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE = 'abc' is not a whole number"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE = '0' is not a whole number >= 1"),
+    ({"RANK": "-1"}, "RANK = '-1' is not a whole number"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK = 2 is not below WORLD_SIZE")])
+def test_a_garbled_launch_environment_is_named(capsys, monkeypatch, variables, fragment):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    refused(capsys, ["train", DEBUG, "--print-config"], fragment, "Fix: unset")
+
+
+def test_inspect_into_a_folder_that_cannot_be_made_is_refused(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    refused(capsys, ["inspect", DEBUG, *TINY, f"--job.dump_folder={a_file}"], "cannot create the inspection folder",
+            "--job.dump_folder=PATH")
+
+
+def test_an_export_with_another_recipe_than_the_runs_says_what_differs(run, tmp_path, capsys):
+    """A model field given to export that the run did not train with is recorded in the export: said, not
+    silent. The run's own recipe exports without the note."""
+    argv, _, _ = run
+    assert cli.main(["export", *argv, "--model.rope_theta=20000.0", "--output", str(tmp_path / "other.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "note: the export's recipe differs from the run's recipe.toml: model.rope_theta: " in out
+    assert out.rstrip().endswith("-> 20000.0"), out
+    assert cli.main(["export", *argv, "--output", str(tmp_path / "same.pt")]) == 0
+    assert "differs" not in capsys.readouterr().out
+
+
+def test_an_export_of_a_plugin_model_loads_in_a_fresh_process(tmp_path):
+    """The saved recipe's job.plugins are imported before its model is rebuilt (a plugin may register it);
+    a .py plugin that one process resolves twice (train, then export) registers its parts once."""
+    plugin = tmp_path / "my_models.py"
+    plugin.write_text("from components.models import TransformerArgs, build_transformer, transformer_hooks\n"
+                      "from nsa_titan.registry import register\n"
+                      "register('model', 'my_transformer', build_transformer, args=TransformerArgs,\n"
+                      "         **transformer_hooks())\n")
+    argv = [DEBUG, *TINY, "--training.steps=1", "--checkpoint.enable=true", f"--job.plugins={plugin}",
+            "--model.name=my_transformer", f"--job.dump_folder={tmp_path / 'run'}"]
+    assert cli.main(["train", *argv]) == 0
+    exported = tmp_path / "model.pt"
+    assert cli.main(["export", *argv, "--output", str(exported)]) == 0
+    done = subprocess.run([sys.executable, "-m", "nsa_titan.cli", "sample", str(exported), "--max-new-tokens", "3"],
+                          capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("option, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-k", "0"),

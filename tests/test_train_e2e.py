@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -235,6 +236,40 @@ def test_a_model_the_host_cannot_hold_is_one_message(tmp_path, capsys, monkeypat
     monkeypatch.setattr(assemble, "materialize", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
     with pytest.raises(RuntimeError, match="other"):  # any other error is not taken for a lack of memory
         cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'run2'}"])
+
+
+def test_a_users_own_recipe_in_the_dump_folder_is_never_replaced(tmp_path, capsys):
+    """A recipe kept beside its outputs (dump_folder = its own folder) is the user's file: the run, which
+    keeps its resolved recipe as recipe.toml there, refuses before writing anything; a run's own
+    resolved recipe is still replaced (an earlier one kept aside) as before."""
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    mine = f'# my experiment\nextends = "{DEBUG}"\n[job]\ndump_folder = "{folder}"\n'
+    (folder / "recipe.toml").write_text(mine)
+    assert cli.main(["train", str(folder / "recipe.toml"), *TINY, "--training.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "was not written by a run" in err and "move your file out" in err, err
+    assert (folder / "recipe.toml").read_text() == mine and sorted(os.listdir(folder)) == ["recipe.toml"]
+    run = tmp_path / "run"
+    assert cli.main(["train", DEBUG, *TINY, "--training.steps=1", f"--job.dump_folder={run}"]) == 0
+    assert (run / "recipe.toml").read_text().startswith("# resolved recipe, hash ")
+
+
+def test_a_resume_with_a_changed_recipe_names_each_change(tmp_path, capsys):
+    """Fields changed on resume are applied (a new window, more steps): the run names each one, old and new,
+    so that no change passes unseen; the same recipe resumes without the note."""
+    run = [DEBUG, *TINY, "--checkpoint.enable=true", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *run, "--training.steps=1"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *run, "--training.steps=2", "--model.nsa.window_size=32"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "note: the recipe differs from the one this run folder's last run kept" in out
+    assert "model.nsa.window_size: 16 -> 32" in out and "training.steps: 1 -> 2" in out, out
+    assert cli.main(["train", *run, "--training.steps=3", "--model.nsa.window_size=32"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "training.steps: 2 -> 3" in out and "window_size: " not in out, out
+    assert cli.main(["train", *run, "--training.steps=3", "--model.nsa.window_size=32"]) == 0  # nothing to train
+    assert "the recipe differs" not in capsys.readouterr().out
 
 
 def test_folders_that_cannot_be_written_stop_the_run_before_it_trains(tmp_path, capsys):

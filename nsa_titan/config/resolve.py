@@ -57,6 +57,19 @@ def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
     return _finish(table, origin, problems, world_size, None, CommandLine(None, [], set()))
 
 
+def import_plugins_of(text: str) -> None:
+    """Import the job.plugins a saved recipe names (before its model is rebuilt: a plugin may register
+    it). A recipe that is not valid TOML is left to resolve_text to report."""
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return
+    problems: list[Problem] = []
+    _import_plugins(table, {"job.plugins": "saved recipe"}, problems)
+    if problems:
+        raise RecipeError(problems)
+
+
 def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_size: int | None, path: str | None,
             cmd: CommandLine) -> ResolvedRecipe:
     _import_plugins(table, origin, problems)
@@ -85,6 +98,10 @@ def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]
             if name.endswith(".py"):
                 if not os.path.isfile(name):
                     raise ModuleNotFoundError(f"no file {name}")
+                loaded = sys.modules.get(os.path.basename(name)[:-3])
+                if loaded is not None and os.path.isfile(getattr(loaded, "__file__", None) or "") and \
+                        os.path.samefile(loaded.__file__, name):
+                    continue  # imported by an earlier recipe of this process: its parts are registered
                 spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[spec.name] = module

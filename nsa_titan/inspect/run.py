@@ -113,7 +113,11 @@ def _fresh_folder(folder: str) -> None:
             shutil.rmtree(path)
         elif os.path.exists(path):
             os.remove(path)
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the inspection folder {folder!r}: {exc.strerror}. Fix: choose a writable "
+                        f"folder with --job.dump_folder=PATH.") from None
 
 
 def _compiled_model(recipe, runtime, vocab_size: int):
