@@ -107,6 +107,16 @@ def test_world_size_shards_the_optimizer_states(tmp_path, capsys):
     assert two == pytest.approx(one / 2, abs=0.011)  # GiB printed with two decimals
 
 
+def test_the_estimate_counts_the_models_buffers(tmp_path, capsys):
+    """RoPE tables for every position up to max_seq_len are buffers: a max_seq_len far beyond memory fails
+    the estimate, as the run would fail to build the model."""
+    _, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}")
+    assert lines["memory estimate"][0] == "ok" and "buffers" not in lines["memory estimate"][1]
+    code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--model.max_seq_len=100000000000")
+    assert code == 1 and lines["memory estimate"][0] == "fail", lines["memory estimate"]
+    assert "+ buffers " in lines["memory estimate"][1]
+
+
 HYPER = dict(block_size=8, block_stride=4, sel_block_size=16, num_selected=2, window_size=12)
 
 

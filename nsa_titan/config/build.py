@@ -141,10 +141,13 @@ class RecipeBuilder:
         e.g. model.nsa while model.attention = 'nsa': set while switched off, it is not used."""
         sibling, wanted = fld.metadata["used_when"]
         default = default_of(fld)
-        # Only values that differ from the default count as set: a rendered recipe writes every field.
-        if values[sibling] == wanted or values[fld.name] == default:
-            return values[fld.name]
         field_path = _join(path, fld.name)
+        # Only values that differ from the default count as set in a file (a rendered recipe writes every
+        # field); a flag is set whatever its value: it was asked for.
+        flagged = any(source.startswith("flag") and (key == field_path or key.startswith(field_path + "."))
+                      for key, source in self.origin.items())
+        if values[sibling] == wanted or (values[fld.name] == default and not flagged):
+            return values[fld.name]
         self._set_but_unused(field_path, field_path, _join(path, sibling), values[sibling], wanted)
         return default
 

@@ -12,6 +12,11 @@ def _changed(section, name: str) -> bool:
     return getattr(section, name) != getattr(type(section)(), name)
 
 
+def _set(section, path: str, name: str, source_of) -> bool:
+    """Whether a field was asked for: a value other than the default, or any value given as a flag."""
+    return _changed(section, name) or source_of(f"{path}.{name}").startswith("flag")
+
+
 class LayoutError(ValueError):
     """The data-parallel degrees cannot be resolved for this world size; the message says why."""
 
@@ -124,8 +129,8 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         table = getattr(recipe, section)
         if getattr(table, switch):
             continue
-        for name in names:
-            if _changed(table, name) and source_of(f"{section}.{name}").startswith("flag"):
+        for name in names:  # a flag counts as set even at the default value: it was asked for
+            if source_of(f"{section}.{name}").startswith("flag"):
                 add(f"{section}.{name}", getattr(table, name), f"is set on the command line but {section}.{switch} "
                     "is false, so it would be ignored", f"add --{section}.{switch}=true")
     if recipe.lr_scheduler.warmup_steps > t.steps:
@@ -135,17 +140,18 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                      f"the learning rate stays in warmup and peaks at "
                      f"{t.steps / recipe.lr_scheduler.warmup_steps:.0%} of optimizer.lr")
     _check_lr_schedule(recipe, add, notes, source_of)
-    if recipe.data.num_workers == 0 and _changed(recipe.data, "prefetch_factor"):
+    if recipe.data.num_workers == 0 and _set(recipe.data, "data", "prefetch_factor", source_of):
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
             "remove it, or set data.num_workers > 0")
     _check_compile(recipe, world_size, add)
     par = recipe.parallelism
-    if (world_size == 1 and not par.fsdp_single_process and _changed(par, "fsdp_reshard_after_forward")
+    if (world_size == 1 and not par.fsdp_single_process
             and source_of("parallelism.fsdp_reshard_after_forward").startswith("flag")):
         add("parallelism.fsdp_reshard_after_forward", par.fsdp_reshard_after_forward, "is set on the command line, "
             "but one process without parallelism.fsdp_single_process shards nothing, so it would be ignored",
             "remove it, or add --parallelism.fsdp_single_process=true (or launch several processes)")
-    if recipe.activation_checkpoint.mode != "selective" and _changed(recipe.activation_checkpoint, "selective_every"):
+    if recipe.activation_checkpoint.mode != "selective" and _set(recipe.activation_checkpoint, "activation_checkpoint",
+                                                                 "selective_every", source_of):
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
             f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
             "remove it, or set activation_checkpoint.mode = 'selective'")

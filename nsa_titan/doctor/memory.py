@@ -21,6 +21,8 @@
     logits      = N x V x 2 x a_bytes      logits and their gradient (nsa_titan/loss.py upcasts
                 + 12 x min(N x V, C)       one chunk of C values at a time: an fp32 chunk, its
                                            exponentials and slack)
+    buffers     = B                        the model's buffers as built (e.g. RoPE tables for every
+                                           position up to max_seq_len); FSDP does not shard them
 a, r, m, W and the blocks' count L come from the model part's activation_memory hook (the transformer's
 formula is in components/models/hooks.py); V = vocab.
 """
@@ -46,14 +48,17 @@ class MemoryEstimate:
     logits: float
     masks: float = 0.0
     workspace: float = 0.0
+    buffers: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.states + self.gathered + self.activations + self.masks + self.workspace + self.logits
+        return (self.states + self.gathered + self.activations + self.masks + self.workspace + self.logits
+                + self.buffers)
 
     def describe(self) -> str:
         masks = f" + masks {self.masks / GiB:.2f}" if self.masks else ""
         workspace = f" + workspace {self.workspace / GiB:.2f}" if self.workspace else ""
+        workspace += f" + buffers {self.buffers / GiB:.2f}" if self.buffers >= 0.005 * GiB else ""
         return (f"~{self.total / GiB:.2f} GiB per device = states {self.states / GiB:.2f} (16 B x {self.params:,} "
                 f"params / shard {self.shard}) + gathered {self.gathered / GiB:.2f} + activations "
                 f"{self.activations / GiB:.2f}{masks}{workspace} + logits {self.logits / GiB:.2f}")
@@ -69,7 +74,7 @@ def checkpointed_blocks(blocks: int, mode: str, every: int) -> int:
 
 def estimate_memory(*, activation: ActivationMemory, num_params: int, block_params: int, vocab_size: int, shard: int,
                     tokens: int, bf16: bool, ac_mode: str, ac_every: int, context_parallel: int = 1,
-                    seq_len: int = 0) -> MemoryEstimate:
+                    seq_len: int = 0, buffer_bytes: float = 0.0) -> MemoryEstimate:
     """Bytes per device for one training step of a model made of blocks (see the module docstring);
     tokens: those the rank holds per micro-batch, of rows of seq_len tokens."""
     a_bytes = 2 if bf16 else 4
@@ -83,4 +88,5 @@ def estimate_memory(*, activation: ActivationMemory, num_params: int, block_para
         activations += per_block
     logits = tokens * vocab_size * 2 * a_bytes + 12 * min(tokens * vocab_size, CHUNK_ELEMENTS)
     masks = tokens * seq_len * activation.per_row_pair * a_bytes
-    return MemoryEstimate(num_params, shard, states, gathered, activations, logits, masks, activation.workspace_bytes)
+    return MemoryEstimate(num_params, shard, states, gathered, activations, logits, masks, activation.workspace_bytes,
+                          buffer_bytes)
