@@ -128,6 +128,14 @@ CASES = [
      ["--metrics.save_tb_folder=boards"], ["metrics.save_tb_folder", "metrics.enable_tensorboard is false"]),
     ("wandb project with wandb off", "", ["--metrics.wandb_project=mine"],
      ["metrics.wandb_project", "metrics.enable_wandb is false", "--metrics.enable_wandb=true"]),
+    ("checkpoint flag at its default with checkpoints off", "[checkpoint]\nenable = false\n",
+     ["--checkpoint.interval=500"], ["checkpoint.interval", "checkpoint.enable is false"]),
+    ("prefetch flag at its default without workers", "", ["--data.prefetch_factor=2"],
+     ["data.prefetch_factor", "without worker processes"]),
+    ("selective_every flag at its default", "", ["--activation_checkpoint.selective_every=2"],
+     ["activation_checkpoint.selective_every", "mode = 'selective'"]),
+    ("reshard choice at its default without sharding", "", ["--parallelism.fsdp_reshard_after_forward=default"],
+     ["parallelism.fsdp_reshard_after_forward", "shards nothing"]),
     ("reshard choice without sharding", "", ["--parallelism.fsdp_reshard_after_forward=never"],
      ["parallelism.fsdp_reshard_after_forward", "shards nothing", "--parallelism.fsdp_single_process=true"]),
     ("impossible degrees", "[parallelism]\ndata_parallel_shard_degree = 2\ndata_parallel_replicate_degree = 2\n", [],
@@ -303,3 +311,11 @@ def test_muon_arguments_without_muon_are_refused():
     with pytest.raises(RecipeError, match=r"optimizer.muon") as error:
         resolve(["recipes/debug.toml", "--optimizer.muon.ns_steps=3"])
     assert "adamw" in str(error.value)
+
+
+def test_an_nsa_flag_at_its_default_on_a_dense_recipe_is_refused(capsys):
+    """The dense recipe holds no [model.nsa]: a flag for it is refused at the default value too."""
+    dense = os.path.join(REPO_ROOT, "recipes", "debug_dense.toml")
+    assert cli.main(["train", dense, "--model.nsa.num_selected=16", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "flag '--model.nsa.num_selected=16'" in err and "would be ignored" in err, err
