@@ -51,7 +51,7 @@ def train(argv: list[str]) -> int:
         print(help_text(), end="")
         return 0
     rank, _, world_size = launch_world()
-    resolved = resolve(argv, world_size=world_size)
+    resolved = resolve(argv, world_size=world_size, actions=("print_config",))
     if "print_config" in resolved.command_line.actions:
         notes = "".join(f"# note: {note}\n" for note in resolved.notes)
         print(f"# resolved recipe, hash {resolved.hash}\n{notes}{resolved.toml}", end="")

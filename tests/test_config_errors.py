@@ -83,6 +83,8 @@ CASES = [
     ("override of a table", "", ["--training=5"], ["training", "is a table"]),
     ("override below a value", "", ["--training.steps.x=5"], ["training.steps", "is a value, not a table"]),
     ("not an override", "", ["-x"], ["'-x'", "is not an override"]),
+    ("print-config misspelled", "", ["--print_config"], ["is not an option (did you mean --print-config?)"]),
+    ("print-config with a value", "", ["--print-config=true"], ["takes no value", "write --print-config alone"]),
     ("two recipes", "", ["other.toml"], ["a second recipe path"]),
     ("betas wrong length", "[optimizer]\nbetas = [0.9]\n", [], ["optimizer.betas", "two numbers"]),
     ("betas not a list", "[optimizer]\nbetas = 0.9\n", [], ["optimizer.betas", "expected a list"]),
@@ -319,3 +321,13 @@ def test_an_nsa_flag_at_its_default_on_a_dense_recipe_is_refused(capsys):
     assert cli.main(["train", dense, "--model.nsa.num_selected=16", "--print-config"]) == 2
     err = capsys.readouterr().err
     assert "flag '--model.nsa.num_selected=16'" in err and "would be ignored" in err, err
+
+
+def test_an_action_another_command_ignores_is_refused(tmp_path, capsys):
+    """--print-config is train's: doctor (or export, eval, inspect) would ignore it, so it is a problem."""
+    from nsa_titan.config.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="is not an option of this command"):
+        resolve([write(tmp_path, ""), "--print-config"])
+    assert resolve([write(tmp_path, ""), "--print-config"], actions=("print_config",)).command_line.actions == \
+        {"print_config"}

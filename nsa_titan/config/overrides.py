@@ -6,6 +6,7 @@ serves ints, floats (3e-4), booleans (true / false), comma-separated lists and c
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 from nsa_titan.config.errors import Problem
@@ -52,6 +53,15 @@ def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
             continue
         key, sep, value = arg[2:].partition("=")
         flag = arg
+        if f"--{key}" in ACTIONS:  # --print-config=true
+            problems.append(Problem(f"flag {arg!r}", key, None, "takes no value", f"write --{key} alone"))
+            continue
+        if "." not in key:  # not a field path: perhaps an option misspelled (--print_config)
+            close = difflib.get_close_matches(f"--{key}", [a for a in ACTIONS if a.startswith("--")], n=1, cutoff=0.7)
+            if close:
+                problems.append(Problem(f"flag {arg!r}", key, None, f"is not an option (did you mean {close[0]}?)",
+                                        f"write {close[0]}"))
+                continue
         if not sep:
             if i < len(argv) and not argv[i].startswith("--"):
                 value = argv[i]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import Problem, RecipeError
-from nsa_titan.config.overrides import CommandLine, apply_overrides, parse_args
+from nsa_titan.config.overrides import ACTIONS, CommandLine, apply_overrides, parse_args
 from nsa_titan.config.render import recipe_to_table
 from nsa_titan.config.rules import check_rules
 from nsa_titan.config.schema import Recipe
@@ -28,14 +28,20 @@ class ResolvedRecipe:
     notes: tuple[str, ...] = ()  # overrides worth telling the user about
 
 
-def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str | None = None) -> ResolvedRecipe:
+def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str | None = None,
+            actions: tuple[str, ...] = ()) -> ResolvedRecipe:
     """Parse, compose and check a recipe; raise RecipeError listing every problem at once.
 
     world_size=None checks everything but the layout rules (for commands that read a run's files
-    in one process, such as export, whatever layout trained it).
+    in one process, such as export, whatever layout trained it). `actions`: the command-line actions
+    the command acts on (say print_config for train); another one given is a problem, not ignored.
     """
     problems: list[Problem] = []
     cmd = parse_args(argv, problems)
+    for action in sorted(cmd.actions - set(actions) - {"help"}):  # help is answered before a recipe is read
+        flag = next(f for f, a in ACTIONS.items() if a == action)
+        problems.append(Problem(f"flag {flag!r}", "command", None, "is not an option of this command, which would "
+                                "ignore it", f"drop it (`nsa-titan train RECIPE {flag}` prints the resolved recipe)"))
     path = cmd.recipe or default_recipe
     table: dict = {}
     origin: dict[str, str] = {}
