@@ -83,6 +83,7 @@ CASES = [
     ("override of a table", "", ["--training=5"], ["training", "is a table"]),
     ("override below a value", "", ["--training.steps.x=5"], ["training.steps", "is a value, not a table"]),
     ("not an override", "", ["-x"], ["'-x'", "is not an override"]),
+    ("an empty argument", "", [""], ["is an empty recipe path", "name the recipe file"]),
     ("print-config misspelled", "", ["--print_config"], ["is not an option (did you mean --print-config?)"]),
     ("print-config with a value", "", ["--print-config=true"], ["takes no value", "write --print-config alone"]),
     ("two recipes", "", ["other.toml"], ["a second recipe path"]),
@@ -331,3 +332,10 @@ def test_an_action_another_command_ignores_is_refused(tmp_path, capsys):
         resolve([write(tmp_path, ""), "--print-config"])
     assert resolve([write(tmp_path, ""), "--print-config"], actions=("print_config",)).command_line.actions == \
         {"print_config"}
+
+
+def test_a_recipe_path_through_a_broken_link_says_so(tmp_path, capsys):
+    loop = tmp_path / "loop.toml"
+    loop.symlink_to(loop)
+    code, err = run_cli(capsys, [str(loop)])
+    assert code == 2 and "is a symbolic link that leads to no file" in err, err

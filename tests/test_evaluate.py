@@ -90,6 +90,7 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     ([], "eval needs --out DIR"),
     (["--out", "X", "--depths", "0,2"], "--depths must lie in"),
     (["--out", "X", "--lengths", "abc"], "is not a comma-separated list of ints"),
+    (["--out", "X", "--depths", "0.5,,"], "--depths = '0.5,,' is not a comma-separated list of floats"),
     (["--out", "X", "--lengths", "500"], "--lengths must lie in"),
 ])
 def test_eval_bad_options(checkpointed_run, tmp_path, capsys, extra, message):

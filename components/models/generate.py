@@ -55,8 +55,9 @@ def generate(
     B, T0 = prompt.shape
     total = T0 + max_new_tokens
     if total > model.args.max_seq_len:
-        raise UserError(f"prompt + new tokens = {total} exceeds max_seq_len {model.args.max_seq_len}; "
-                        f"generate fewer tokens or shorten the prompt")
+        raise UserError(f"prompt + new tokens = {T0} + {max_new_tokens} = {total} exceeds the model's max_seq_len "
+                        f"{model.args.max_seq_len}. Fix: ask for at most {max(model.args.max_seq_len - T0, 0)} new "
+                        f"tokens (sample's --max-new-tokens), or shorten the prompt")
     out = prompt.new_empty(B, total)
     out[:, :T0] = prompt
     if max_new_tokens == 0:

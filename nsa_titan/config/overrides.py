@@ -39,6 +39,10 @@ def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
         if arg in ACTIONS:
             actions.add(ACTIONS[arg])
             continue
+        if not arg.strip():  # an unset shell variable, say: not "no recipe"
+            problems.append(Problem("argument ''", "recipe", None, "is an empty recipe path",
+                                    "name the recipe file, e.g. recipes/debug.toml"))
+            continue
         if not arg.startswith("-"):
             if recipe is None:
                 recipe = arg

@@ -61,7 +61,12 @@ def shown_path(path: str) -> str:
 
 def read_toml(path: str, problems: list[Problem], where: str) -> dict | None:
     if not os.path.isfile(path):
-        why = "is a folder, not a recipe file" if os.path.isdir(path) else "file not found"
+        if os.path.isdir(path):
+            why = "is a folder, not a recipe file"
+        elif os.path.islink(path):
+            why = "is a symbolic link that leads to no file (a broken link, or a loop)"
+        else:
+            why = "file not found"
         problems.append(Problem(where, "recipe", path, why,
                                 "check the path; recipes live in recipes/ (e.g. recipes/debug.toml)"))
         return None

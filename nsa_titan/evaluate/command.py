@@ -34,7 +34,7 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
     if text is None:
         return None
     try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",")]  # an empty entry ('0.5,,') is a mistake, not skipped
     except ValueError:
         raise UserError(f"{name} = {text!r} is not a comma-separated list of {kind.__name__}s. Fix: e.g. "
                         f"{name}={default or '64,128'}.") from None

@@ -193,7 +193,8 @@ class FileCorpus:
             return ""
         if not isinstance(text, str):
             raise UserError(
-                f"{self.what}: {path} {where}: field {self.text_field!r} is a {type(text).__name__}, not a string"
+                f"{self.what}: {path} {where}: field {self.text_field!r} is a {type(text).__name__}, not a string. "
+                f"Fix: set text_field to the field holding the text, or write the text as a string there"
             )
         return text
 
