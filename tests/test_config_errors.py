@@ -75,7 +75,7 @@ CASES = [
      ["training.global_batch_size", "not a multiple of", "local_batch_size"]),
     ("seq_len beyond model", "", ["--training.seq_len=256"], ["training.seq_len", "max_seq_len = 128"]),
     ("dense with nsa settings", "", ["--model.attention=dense", "--model.nsa.num_selected=3"],
-     ["model.nsa", "would be ignored", "attention = 'nsa'"]),
+     ["flag '--model.nsa.num_selected=3'", "model.nsa", "would be ignored", "remove that flag", "attention = 'nsa'"]),
     ("unknown override", "", ["--training.step=5"], ["training.step", "did you mean 'steps'"]),
     ("bad int override", "", ["--training.steps=abc"], ["training.steps", "expected a whole number", "'abc'"]),
     ("bad bool override", "", ["--compile.enable=yes"], ["compile.enable", "expected true or false"]),

@@ -251,8 +251,8 @@ def test_the_recipe_takes_named_source_tables_and_prints_them_back(tmp_path):
     (MIXED.split("[data.mixture.sources.noise]")[0], [], ["data.mixture.sources", "at least two sources"]),
     (MIXED, ["--data.mixture.sources.inner.weight=1", "--data.mixture.sources.inner.source=mixture"],
      ["data.mixture.sources.inner.source", "cannot hold a mixture"]),
-    (MIXED, ["--data.source=synthetic", "--data.mixture.sources.noise.weight=2"], ["[data.mixture]",
-                                                                                   "data.source = 'synthetic'"]),
+    (MIXED, ["--data.source=synthetic", "--data.mixture.sources.noise.weight=2"],
+     ["flag '--data.mixture.sources.noise.weight=2'", "remove that flag", "data.source = 'synthetic'"]),
     (MIXED + "[data.mixture.sources]\nweb = 3\n", [], ["data.mixture.sources.web = 3", "must be a table"]),
 ])
 def test_a_wrong_mixture_is_a_recipe_error(tmp_path, capsys, text, flags, expected):

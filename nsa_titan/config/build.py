@@ -34,12 +34,13 @@ class RecipeBuilder:
 
     # -- reporting ---------------------------------------------------------------------------
     def source_of(self, path: str) -> str:
+        """Where `path` was set; for a table, where its fields were, a flag first (the layer the user just
+        typed, and the one to change)."""
         if path in self.origin:
             return self.origin[path]
-        for key, source in self.origin.items():
-            if key.startswith(path + "."):
-                return source
-        return "defaults"
+        inside = [source for key, source in self.origin.items() if key.startswith(path + ".")]
+        flags = [source for source in inside if source.startswith("flag")]
+        return flags[-1] if flags else inside[0] if inside else "defaults"
 
     def _superseded(self, table_path: str, choice_path: str) -> bool:
         """A table set in an earlier layer (an extended preset, or the recipe under command-line flags)
@@ -58,8 +59,9 @@ class RecipeBuilder:
             self.notes.append(f"{shown} from {self.source_of(path)} is not used: "
                               f"{self.source_of(switch_path)} chose {switch_path} = {chosen!r}")
         else:
+            what = "that flag" if self.source_of(path).startswith("flag") else shown
             self.problem(path, None, f"is set but {switch_path} = {chosen!r}, so it would be ignored",
-                         f"remove {shown} or set {switch_path} = {wanted!r}")
+                         f"remove {what} or set {switch_path} = {wanted!r}")
 
     def problem(self, path: str, value: Any, why: str, fix: str) -> None:
         shown = str(value) if isinstance(value, CliText) else value
