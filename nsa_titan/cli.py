@@ -118,11 +118,12 @@ def export(argv: list[str]) -> int:
     resolved = resolve(argv, world_size=None)
     path, step = writers[form](resolved, output, *(() if dtype is None else (dtype,)), overwrite=overwrite)
     print(f"exported step {step} to {path}")
-    from nsa_titan.run_folder import recipe_changes
+    from nsa_titan.run_folder import recipe_change_note
 
-    changes = recipe_changes(resolved.recipe.job.dump_folder, resolved)
-    if changes:  # e.g. a model field given here that the run did not train with: the export records it
-        print(f"note: the export's recipe differs from the run's recipe.toml: {'; '.join(changes)}")
+    # e.g. a model field given here that the run did not train with: the export records it
+    note = recipe_change_note(resolved, "the export's recipe differs from the run's recipe.toml")
+    if note:
+        print(note)
     return 0
 
 

@@ -108,6 +108,12 @@ def recipe_changes(folder: str, resolved, limit: int = 12) -> list[str]:
     return changes[:limit] + ([f"and {len(changes) - limit} more"] if len(changes) > limit else [])
 
 
+def recipe_change_note(resolved, lead: str) -> str | None:
+    """'note: LEAD: field: old -> new; ...' for the fields recipe_changes finds in the run's folder, or None."""
+    changes = recipe_changes(resolved.recipe.job.dump_folder, resolved)
+    return f"note: {lead}: {'; '.join(changes)}" if changes else None
+
+
 def _flat(table: dict, prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in table.items():

@@ -40,7 +40,7 @@ from nsa_titan.parallel.compile import compile_blocks, compile_counters
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
-from nsa_titan.run_folder import create_run_folder, recipe_changes, write_run_recipe
+from nsa_titan.run_folder import create_run_folder, recipe_change_note, write_run_recipe
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 
@@ -274,10 +274,10 @@ class Trainer:
             self.train_loader = self.state.dataloader
             self._apply_recipe_optimizer_settings()
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
-            changes = recipe_changes(self.recipe.job.dump_folder, self.resolved)
-            if changes:
-                self._say(f"note: the recipe differs from the one this run folder's last run kept (recipe.toml); "
-                          f"the new values apply from here: {'; '.join(changes)}")
+            note = recipe_change_note(self.resolved, "the recipe differs from the one this run folder's last run "
+                                                     "kept (recipe.toml); the new values apply from here")
+            if note:
+                self._say(note)
             if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only
                 self._say(f"checkpoint.initial_load_path = {ckpt.initial_load_path!r} is not used: this run resumes "
                           f"its own checkpoint (a new --job.dump_folder starts from those weights)")

@@ -74,7 +74,8 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     code = cli.main(["eval", *checkpointed_run, "--out", str(out), "--batches", "2", "--trials", "1",
                      "--depths", "0,1"])
     assert code == 0, capsys.readouterr().err
-    assert "evaluated checkpoint step 2" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "evaluated checkpoint step 2" in said and "differs" not in said
     results = json.loads((out / "eval.json").read_text())
     positions = results["position_loss"]
     assert positions["positions"] == list(range(64)) and sum(positions["tokens"]) == 2 * 8 * 64  # 2 batches of 8 rows
@@ -84,6 +85,14 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     assert all(0 <= a <= 1 for row in passkey["accuracy"] for a in row)
     for name in ("position_loss.png", "passkey.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def test_eval_says_where_its_recipe_differs_from_the_runs(checkpointed_run, tmp_path, capsys):
+    code = cli.main(["eval", *checkpointed_run, "--training.steps=9", "--out", str(tmp_path / "eval"), "--batches",
+                     "1", "--trials", "1", "--depths", "0"])
+    said = capsys.readouterr().out
+    assert code == 0 and "note: the recipe differs from the run's recipe.toml" in said
+    assert "training.steps: 2 -> 9" in said, said
 
 
 @pytest.mark.parametrize("extra, message", [

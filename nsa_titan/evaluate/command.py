@@ -49,10 +49,15 @@ def _load(argv: list[str]):
     """(model, tokenizer, recipe, what was loaded) from a recipe's checkpoint or an exported file."""
     from nsa_titan.config.resolve import resolve_text
     from nsa_titan.export import load_checkpoint_model, load_exported
+    from nsa_titan.run_folder import recipe_change_note
 
     if argv and argv[0].endswith(".toml"):
         resolved = resolve(argv, world_size=None)
         model, tokenizer, step = load_checkpoint_model(resolved)
+        note = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (eval reads the model, "
+                                            "tokenizer and data fields)")
+        if note:
+            print(note)
         return model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}"
     refuse_unknown_options(argv, "eval", "--out, --batches, --lengths, --depths, --trials, --tasks, --task-dir, "
                                          "--limit (recipe overrides go with a recipe, not an exported file)")
