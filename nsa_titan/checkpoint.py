@@ -135,10 +135,15 @@ class Checkpointer:
         _barrier()
         os.makedirs(os.path.join(path, "ranks"), exist_ok=True)
         self._save_rank_state(state, path)
+        stepped = _has_stepped(state.optimizer)
         if self.rank == 0:
-            self._save_train_state(state, path, data_layout)
+            self._save_train_state(state, path, data_layout, stepped)
         tensors = {"model": get_model_state_dict(state.model),
                    "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
+        if not stepped:
+            # torch makes an unstepped optimizer's state by stepping it at lr 0, which leaves AdamW's step
+            # count at 1 (its bias correction would then shrink the first real update): put it back
+            state.optimizer.state.clear()
         checkpoint_id = os.path.join(path, "model")
         no_dist = not dist.is_initialized()
         if self.async_mode == "async" and not wait:
@@ -179,10 +184,11 @@ class Checkpointer:
         torch.save(payload, buffer)
         _write_atomically(os.path.join(path, "ranks", f"rank-{self.rank}.pt"), buffer.getvalue())
 
-    def _save_train_state(self, state: RunState, path: str, data_layout: dict) -> None:
+    def _save_train_state(self, state: RunState, path: str, data_layout: dict, optimizer_stepped: bool) -> None:
         record = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size,
                   "context_parallel_degree": self.context_parallel, "data_layout": data_layout,
-                  "lr_scheduler": state.lr_scheduler.state_dict(), "saved_at": time.time(), **state.extra}
+                  "lr_scheduler": state.lr_scheduler.state_dict(), "optimizer_stepped": optimizer_stepped,
+                  "saved_at": time.time(), **state.extra}
         _write_atomically(os.path.join(path, "train_state.json"), json.dumps(record, indent=1).encode())
 
     def _checksums_when_written(self, written: Future, step: int) -> dict[str, list[int]]:
@@ -293,6 +299,8 @@ class Checkpointer:
                       unreadable=lambda file, why: self._unreadable(step, file, why))
         set_model_state_dict(state.model, tensors["model"])
         set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
+        if not record.get("optimizer_stepped", True):  # saved before any update (all skipped): none here either
+            state.optimizer.state.clear()
         state.lr_scheduler.load_state_dict(record["lr_scheduler"])
         old_world = int(record["world_size"])
         old_cp = int(record.get("context_parallel_degree", 1))  # data rank d was saved by rank d * old_cp
@@ -340,6 +348,8 @@ class Checkpointer:
         if problem is None and "nan_guard" in record:  # written by runs that keep the NaN guard's counts
             found = _not_ours(record["nan_guard"], {"consecutive_bad": int, "total_bad": int})
             problem = found and f"its nan_guard entry is {found}"
+        if problem is None and not isinstance(record.get("optimizer_stepped", True), bool):
+            problem = f"its optimizer_stepped is {record['optimizer_stepped']!r}, not true or false"
         if problem is None and record["step"] != step:
             problem = f"its step is {record['step']}, not the folder's {step}"
         if problem:
@@ -535,3 +545,8 @@ def _gather(value: Any, group=None) -> list[Any]:
 def _barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer holds state, i.e. has made an update (every step so far may have been skipped)."""
+    return any(len(entry) for entry in optimizer.state.values())

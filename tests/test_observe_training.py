@@ -150,6 +150,28 @@ def test_bad_steps_can_be_skipped(tmp_path):
     assert records[6]["skipped_steps"] == 1 and records[6]["loss"] == records[6]["loss"]  # finite again
 
 
+def test_a_checkpoint_before_any_update_leaves_the_first_update_whole(tmp_path):
+    """Step 1 is bad and skipped, and saved: the optimizer has made no update yet. Saving it must not
+    leave AdamW's step count at 1 (torch builds an unstepped optimizer's state by stepping it at lr 0),
+    nor may resuming: step 2's update, and so step 3's loss, equal those of the run that saved nothing."""
+    nan = ["--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step", "--model.nan_steps=1",
+           "--fault.max_bad_steps=1"]
+    plain = tmp_path / "plain"
+    assert cli.main(["train", *BASE, *nan, "--model.nan_at_step=1", "--training.steps=3",
+                     f"--job.dump_folder={plain}"]) == 0
+    saved = ["--checkpoint.enable=true", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path / 'saved'}"]
+    assert cli.main(["train", *BASE, *nan, *saved, "--model.nan_at_step=1", "--training.steps=3"]) == 0
+    cut = ["--checkpoint.enable=true", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path / 'cut'}"]
+    assert cli.main(["train", *BASE, *nan, *cut, "--model.nan_at_step=1", "--training.steps=1"]) == 0
+    record = json.loads((tmp_path / "cut" / "checkpoint" / "step-1" / "train_state.json").read_text())
+    assert record["optimizer_stepped"] is False
+    # The resumed process counts its own forwards: no bad step in it.
+    assert cli.main(["train", *BASE, *nan, *cut, "--model.nan_at_step=99", "--training.steps=3"]) == 0
+    want = {r["step"]: r["loss"] for r in metrics(plain) if "loss" in r}
+    assert {r["step"]: r["loss"] for r in metrics(tmp_path / "saved") if "loss" in r}[3] == want[3]
+    assert {r["step"]: r["loss"] for r in metrics(tmp_path / "cut") if "loss" in r}[3] == want[3]
+
+
 def test_the_run_of_bad_steps_is_counted_across_a_resume(tmp_path):
     """Steps 3 and 4 are bad and skipped (fault.max_bad_steps = 2), step 4 is saved; the resumed run's
     first step is bad too: three in a row, so it stops there, as the run would have without the resume."""
