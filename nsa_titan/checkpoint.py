@@ -10,12 +10,14 @@ A checkpoint is the folder {dump_folder}/{checkpoint.folder}/step-N holding
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import pickle
 import re
 import shutil
+import stat
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,7 +39,9 @@ from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mis
 from nsa_titan.run_folder import create_new
 
 COMPLETE = "COMPLETE"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(0|[1-9]\d*)$")  # as step_dir names them: step-08 is no step folder
+# What a save writes into a step folder: a leftover with anything else is not removed as a partial save.
+STEP_ENTRIES = {"ranks", "model", "train_state.json", COMPLETE}
 
 
 def _write_atomically(path: str, data: bytes) -> None:
@@ -90,9 +94,22 @@ def complete_steps(folder: str) -> list[int]:
     steps = []
     for name in os.listdir(folder):
         match = STEP_DIR.match(name)
-        if match and os.path.isfile(os.path.join(folder, name, COMPLETE)):
+        if match and _marker_exists(os.path.join(folder, name)):
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def _marker_exists(step_dir: str) -> bool:
+    """Whether the folder holds a COMPLETE marker. One that cannot be looked at (no permission) is an
+    error, not a missing marker: that would silently resume an older step, or start afresh."""
+    try:
+        return stat.S_ISREG(os.stat(os.path.join(step_dir, COMPLETE)).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        raise UserError(f"cannot look into the checkpoint folder {step_dir} ({exc.strerror}). Fix: give this user "
+                        f"read and search permission on it (chmod u+rx), or move it out of the checkpoint "
+                        f"folder.") from None
 
 
 def incomplete_steps(folder: str) -> list[int]:
@@ -130,14 +147,15 @@ class Checkpointer:
         """Save the run at state.step; with async_mode the model/optimizer write overlaps training."""
         self.finish_pending()  # one save in flight at a time; also completes the previous one
         path = self.step_dir(state.step)
-        if self.rank == 0 and os.path.isdir(path):
-            shutil.rmtree(path)  # a leftover incomplete folder from a crash at this very step
+        if self.rank == 0 and os.path.lexists(path):
+            self._clear_leftover(path)
         _barrier()
-        os.makedirs(os.path.join(path, "ranks"), exist_ok=True)
-        self._save_rank_state(state, path)
         stepped = _has_stepped(state.optimizer)
-        if self.rank == 0:
-            self._save_train_state(state, path, data_layout, stepped)
+        with self._writing(state.step):
+            os.makedirs(os.path.join(path, "ranks"), exist_ok=True)
+            self._save_rank_state(state, path)
+            if self.rank == 0:
+                self._save_train_state(state, path, data_layout, stepped)
         tensors = {"model": get_model_state_dict(state.model),
                    "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
         if not stepped:
@@ -146,16 +164,57 @@ class Checkpointer:
             state.optimizer.state.clear()
         checkpoint_id = os.path.join(path, "model")
         no_dist = not dist.is_initialized()
-        if self.async_mode == "async" and not wait:
-            future = dcp.async_save(tensors, checkpoint_id=checkpoint_id, process_group=self._async_group,
-                                    no_dist=no_dist)
-            future = getattr(future, "upload_completion", future)
-            # The checksums read the files back: in the background too, once DCP has written them.
-            self._pending = (state.step, self._checksummer.submit(self._checksums_when_written, future, state.step))
-        else:
-            dcp.save(tensors, checkpoint_id=checkpoint_id, no_dist=no_dist)
-            # Every rank's files are on disk before the checkpoint is declared complete.
-            self._mark_complete(state.step, _gather(self._own_checksums(state.step)))
+        with self._writing(state.step):
+            if self.async_mode == "async" and not wait:
+                future = dcp.async_save(tensors, checkpoint_id=checkpoint_id, process_group=self._async_group,
+                                        no_dist=no_dist)
+                future = getattr(future, "upload_completion", future)
+                # The checksums read the files back: in the background too, once DCP has written them.
+                self._pending = (state.step, self._checksummer.submit(self._checksums_when_written, future,
+                                                                      state.step))
+            else:
+                dcp.save(tensors, checkpoint_id=checkpoint_id, no_dist=no_dist)
+                # Every rank's files are on disk before the checkpoint is declared complete.
+                self._mark_complete(state.step, _gather(self._own_checksums(state.step)))
+
+    @contextlib.contextmanager
+    def _writing(self, step: int):
+        """A save that cannot be written (a full disk, a quota, an I/O error) ends the run with one message:
+        the partial folder is removed, the last complete checkpoint is kept and named."""
+        try:
+            yield
+        except (OSError, RuntimeError, CheckpointException) as exc:  # torch's zip writer raises RuntimeError
+            path = self.step_dir(step)
+            if self.rank == 0:
+                _remove_step(path)
+            cause = exc
+            if isinstance(exc, CheckpointException):
+                cause = next(iter(exc.failures.values()), (exc,))[0]
+            why = cause.strerror if isinstance(cause, OSError) and cause.strerror else \
+                " ".join(str(cause).split())[:200] or type(cause).__name__
+            try:
+                free = f"; {shutil.disk_usage(self.folder).free / 2**30:.1f} GiB free there"
+            except OSError:
+                free = ""
+            done = [s for s in complete_steps(self.folder) if s != step]
+            kept = (f"the last complete checkpoint (step {done[-1]}) is kept" if done else
+                    "no checkpoint is complete yet")
+            raise UserError(f"cannot save the checkpoint of step {step} in {path} ({why}{free}). The partial save "
+                            f"is removed and {kept}. Fix: free space on that file system (or point "
+                            f"checkpoint.folder or --job.dump_folder elsewhere), then run the same command again "
+                            f"to resume.") from None
+
+    def _clear_leftover(self, path: str) -> None:
+        """What is already at this step's path: a partial save (a crash at this very step) is removed;
+        anything else (a file, a folder with other contents) is not this package's to delete, and is
+        moved into abandoned-<time>/."""
+        if os.path.isdir(path) and not os.path.islink(path) and set(os.listdir(path)) <= STEP_ENTRIES:
+            _remove_step(path)
+            return
+        aside = create_new(os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"), os.makedirs)
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+        self.say(f"{path} is not a partial save of this run: moved it to {aside} to save step "
+                 f"{os.path.basename(path)[5:]} there")
 
     def save_in_flight(self) -> bool:
         """Whether this rank's background save is still writing (False when none is pending)."""
@@ -175,7 +234,8 @@ class Checkpointer:
             return
         step, future = self._pending
         self._pending = None
-        self._mark_complete(step, _gather(future.result(), self._async_group))
+        with self._writing(step):
+            self._mark_complete(step, _gather(future.result(), self._async_group))
 
     def _save_rank_state(self, state: RunState, path: str) -> None:
         payload = {"dataloader": state.dataloader.state_dict(), "rng": _rng_state(), "rank": self.rank,
@@ -221,11 +281,11 @@ class Checkpointer:
             return
         done = complete_steps(self.folder)
         for step in done[: -self.keep_latest_k]:
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+            _remove_step(self.step_dir(step))
         newest = done[-1] if done else None
         for step in incomplete_steps(self.folder):
             if newest is not None and step < newest:
-                shutil.rmtree(self.step_dir(step), ignore_errors=True)
+                _remove_step(self.step_dir(step))
 
     # -- loading ---------------------------------------------------------------------------------
     def agree_resume_step(self, load_step: int, branch: dict | None = None) -> int | None:
@@ -550,3 +610,13 @@ def _barrier(group=None) -> None:
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer holds state, i.e. has made an update (every step so far may have been skipped)."""
     return any(len(entry) for entry in optimizer.state.values())
+
+
+def _remove_step(step_dir: str) -> None:
+    """Delete a step folder, its COMPLETE marker first: one cut short half-way is an incomplete save,
+    never a complete-looking checkpoint with files missing."""
+    try:
+        os.remove(os.path.join(step_dir, COMPLETE))
+    except OSError:
+        pass
+    shutil.rmtree(step_dir, ignore_errors=True)

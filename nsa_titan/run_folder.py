@@ -3,13 +3,17 @@ of an earlier run, once this one is known to start)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
+import time
 import tomllib
 from typing import Any, Callable
 
 from components.errors import UserError
 
 RECIPE_FILE = "recipe.toml"
+LOCK_FILE = ".run.lock"
 
 
 def create_new(path: str, make: Callable[[str], None]) -> str:
@@ -83,9 +87,15 @@ def write_run_recipe(folder: str, resolved) -> str:
             old_hash = first.strip().rsplit(" ", 1)[-1]
             os.replace(path, os.path.join(folder, f"recipe.{old_hash}.toml"))
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(header + resolved.toml)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(header + resolved.toml)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise UserError(f"cannot write the run's recipe {path!r} ({exc.strerror}). Fix: free space on that file "
+                        f"system, or choose another --job.dump_folder.") from None
     return path
 
 
@@ -130,3 +140,34 @@ _UNSET = object()
 def _short(value: Any) -> str:
     text = "(not set)" if value is _UNSET else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+class RunFolderLock:
+    """Held by a run's main process from start-up until it ends (the system releases it when the process
+    dies, however it dies): a second run started in the same dump folder, say a requeued job while the
+    first still runs, is refused instead of moving aside and pruning the first run's checkpoints."""
+
+    def __init__(self, folder: str, warn: Callable[[str], None]):
+        path = os.path.join(folder, LOCK_FILE)
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
+            holder = os.pread(self._fd, 512, 0).decode("utf-8", "replace").strip() or "a process"
+            self.release()
+            raise UserError(f"job.dump_folder {folder!r} is in use by another run ({holder}): two runs in one "
+                            f"folder overwrite and prune each other's checkpoints. Fix: wait for that run to end "
+                            f"(or stop it), or choose another --job.dump_folder.") from None
+        except OSError as exc:  # a file system without locks: say so, and go on unguarded
+            self.release()
+            warn(f"cannot lock job.dump_folder {folder!r} ({exc.strerror}): a second run started in it would not "
+                 f"be refused")
+            return
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file releases the lock
+            self._fd = None

@@ -40,7 +40,7 @@ from nsa_titan.parallel.compile import compile_blocks, compile_counters
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
-from nsa_titan.run_folder import create_run_folder, recipe_change_note, write_run_recipe
+from nsa_titan.run_folder import RunFolderLock, create_run_folder, recipe_change_note, write_run_recipe
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 
@@ -91,6 +91,7 @@ class Trainer:
         self.recipe = recipe = resolved.recipe
         self.runtime = runtime
         self.gc: ScheduledGC | None = None  # from run() on
+        self.folder_lock: RunFolderLock | None = None  # the main process's, from start-up on
         t, dump = recipe.training, recipe.job.dump_folder
         if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":  # training.device = auto: known now
             raise UserError(f"profiling.memory_snapshot records the CUDA allocator, but this run trains on "
@@ -126,6 +127,7 @@ class Trainer:
                        else None,
                        "profiling.folder": recipe.profiling.folder if recipe.profiling.enable else None}
             create_run_folder(dump, {field: name for field, name in outputs.items() if name is not None})
+            self.folder_lock = RunFolderLock(dump, warn)
             records_pending = os.path.exists(os.path.join(dump, MANIFEST_FILE))
             if not records_pending:
                 self._write_records()
@@ -680,3 +682,5 @@ class Trainer:
         for sink in (self.metrics, self.tensorboard, self.wandb):
             if sink is not None:
                 sink.close()
+        if self.folder_lock is not None:
+            self.folder_lock.release()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nsa_titan import cli
+from nsa_titan.run_folder import LOCK_FILE
 from tests.launch import DEBUG, TINY
 from tests.launch import metrics as read_metrics
 from tests.test_checkpoint import _damage_metadata, _damage_shard, forget_checksums
@@ -202,6 +203,8 @@ def test_a_start_that_fails_in_its_first_step_leaves_the_folder_as_it_was(run, c
         files = {}
         for root, _, names in os.walk(run):
             for name in names:
+                if name == LOCK_FILE:  # names whichever run holds the folder now, not a record of the run
+                    continue
                 path = os.path.join(root, name)
                 with open(path, "rb") as fh:
                     files[os.path.relpath(path, run)] = fh.read()
@@ -297,3 +300,102 @@ def test_a_marker_only_another_rank_finds_wrong_stops_every_rank(run, monkeypatc
     found = checkpoint._step_folder_finding(step_dir(run, 4), 4)
     assert found == (marker, "cannot be read (OSError: stale file handle)")
     assert calls == [[]]  # it said it found nothing, and stopped before the checksums' gather
+
+
+@pytest.mark.parametrize("kind", ["file", "foreign folder"])
+def test_something_else_at_a_save_path_is_moved_aside_not_deleted(tmp_path, capsys, kind):
+    """A fresh run whose checkpoint folder already holds step-2 that is not a partial save (a file, a
+    folder with other contents): the save moves it into abandoned-*/ and goes on; nothing is deleted."""
+    folder = tmp_path / "run"
+    stray = folder / "checkpoint" / "step-2"
+    stray.parent.mkdir(parents=True)
+    if kind == "file":
+        stray.write_text("my notes")
+    else:
+        stray.mkdir()
+        (stray / "notes.txt").write_text("my notes")
+    assert cli.main(["train", *BASE, "--training.steps=2", f"--job.dump_folder={folder}"]) == 0
+    assert "is not a partial save of this run: moved it to" in capsys.readouterr().out
+    (aside,) = [p for p in (folder / "checkpoint").iterdir() if p.name.startswith("abandoned-")]
+    kept = aside / "step-2"
+    assert (kept.read_text() if kind == "file" else (kept / "notes.txt").read_text()) == "my notes"
+    assert (folder / "checkpoint" / "step-2" / "COMPLETE").is_file()
+
+
+def test_step_folders_are_named_as_the_save_names_them(tmp_path):
+    from nsa_titan.checkpoint import complete_steps, incomplete_steps
+
+    for name in ("step-8", "step-08", "step-0"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-8" / "COMPLETE").write_text("{}")
+    (tmp_path / "step-08" / "COMPLETE").write_text("{}")
+    assert complete_steps(str(tmp_path)) == [8] and incomplete_steps(str(tmp_path)) == [0]
+
+
+def test_a_marker_that_cannot_be_looked_at_is_an_error_not_a_missing_one(tmp_path, monkeypatch):
+    """Without permission to look into a step folder its marker is not 'missing': that would resume an
+    older step, or start afresh, in silence."""
+    from components.errors import UserError
+    from nsa_titan import checkpoint
+
+    (tmp_path / "step-4").mkdir()
+    real_stat = os.stat
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith(os.path.join("step-4", "COMPLETE")):
+            raise PermissionError(13, "Permission denied")
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.os, "stat", denied)
+    with pytest.raises(UserError, match=r"cannot look into the checkpoint folder .*step-4 \(Permission denied\)"):
+        checkpoint.complete_steps(str(tmp_path))
+
+
+def test_pruning_removes_the_marker_first(tmp_path, monkeypatch):
+    """A prune cut short leaves an incomplete folder, never a complete-looking one with files missing."""
+    from nsa_titan import checkpoint
+
+    step = tmp_path / "step-2"
+    (step / "model").mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    seen = []
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path, **kw: seen.append(os.path.exists(
+        os.path.join(path, "COMPLETE"))))
+    checkpoint._remove_step(str(step))
+    assert seen == [False]
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_save_that_cannot_be_written_is_one_message_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                                    async_mode):
+    """A full disk at step 4's save (in the background too): exit 2 naming the step, the reason and the
+    complete checkpoint kept; the partial folder is gone, not left to fill the disk further."""
+    from concurrent.futures import Future
+
+    from nsa_titan import checkpoint
+
+    real_save, real_async = checkpoint.dcp.save, checkpoint.dcp.async_save
+    full = OSError(28, "No space left on device")
+
+    def save(tensors, checkpoint_id, **kw):
+        if "step-4" in checkpoint_id:
+            raise full
+        return real_save(tensors, checkpoint_id=checkpoint_id, **kw)
+
+    def async_save(tensors, checkpoint_id, **kw):
+        if "step-4" not in checkpoint_id:
+            return real_async(tensors, checkpoint_id=checkpoint_id, **kw)
+        failed = Future()
+        failed.set_exception(full)
+        return failed
+
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    monkeypatch.setattr(checkpoint.dcp, "async_save", async_save)
+    folder = tmp_path / "run"
+    code = cli.main(["train", *BASE, "--training.steps=6", "--checkpoint.interval=2",
+                     f"--checkpoint.async_mode={async_mode}", f"--job.dump_folder={folder}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert "cannot save the checkpoint of step 4" in err and "No space left on device" in err and "GiB free" in err
+    assert "the last complete checkpoint (step 2) is kept" in err and "run the same command again" in err
+    assert sorted(os.listdir(folder / "checkpoint")) == ["step-2"]

@@ -233,6 +233,28 @@ def test_telemetry_follows_the_same_rows_across_a_resume(tmp_path):
     assert telemetry_at(resumed, 4) == telemetry_at(tmp_path / "straight", 4)
 
 
+def test_a_second_run_in_a_folder_in_use_is_refused(tmp_path, capsys):
+    """A requeued job started while the first still runs: refused at start-up with the holder named,
+    before it moves or prunes anything of the running one; once that run ends the folder is free."""
+    out = tmp_path / "run"
+    slow = ["--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]
+    argv = [*BASE, "--training.steps=400", *slow, "--checkpoint.enable=true", "--checkpoint.interval=2",
+            f"--job.dump_folder={out}"]
+    proc = start_training(argv, out)
+    try:
+        assert cli.main(["train", *argv]) == 2
+        err = capsys.readouterr().err
+        assert f"is in use by another run (pid {proc.pid} on " in err and "choose another --job.dump_folder" in err
+        assert proc.poll() is None  # the first run goes on
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        finish(proc, timeout=120)
+    assert proc.returncode == 0
+    from nsa_titan.run_folder import RunFolderLock
+
+    RunFolderLock(str(out), pytest.fail).release()  # free again: no error, no warning
+
+
 def test_sigusr1_writes_stacks_without_stopping(tmp_path):
     out = tmp_path / "run"
     slow = ["--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]  # still running when polled
