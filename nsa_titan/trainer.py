@@ -564,7 +564,11 @@ class Trainer:
         self.gc = ScheduledGC(t.gc_freq)
         run_start = time.perf_counter()
         first_step = state.step
-        window_start, window_tokens = run_start, 0
+        # Throughput counts training only: the seconds spent saving, validating, probing telemetry or
+        # writing a profiler trace in a window are set aside (`aside_s`). The ETA's pace starts after the
+        # first step, which holds compilation and warm-up (it counts those phases: they come again).
+        window_start, window_tokens, aside_s = run_start, 0, 0.0
+        first_step_end: float | None = None
         while state.step < t.steps:
             step_start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
@@ -574,7 +578,12 @@ class Trainer:
             if decision != STOP:  # agreed by every rank: all of them begin (a collective) or none
                 self._begin()
             state.step += 1
+            phase = time.perf_counter()
             self.profiler.after_step(state.step)
+            profiled_s = time.perf_counter() - phase
+            aside_s += profiled_s
+            if first_step_end is None:
+                first_step_end = time.perf_counter()
             state.tokens_seen += self.tokens_per_step
             window_tokens += self.tokens_per_step
             if decision == STOP:
@@ -591,7 +600,9 @@ class Trainer:
             log_now = state.step % recipe.metrics.log_freq == 0 or state.step in (first_step + 1, t.steps)
             if log_now:
                 now = time.perf_counter()
-                rate = window_tokens / (now - window_start)
+                rate = window_tokens / max(now - window_start - aside_s, 1e-9)
+                done = state.step - first_step
+                pace = (now - first_step_end) / (done - 1) if done > 1 else now - run_start
                 record = {
                     "step": state.step,
                     "loss": all_reduce_mean(loss).item(),
@@ -600,10 +611,10 @@ class Trainer:
                     "tokens_per_second": rate,
                     "tokens_per_second_per_device": rate / self.runtime.world_size,
                     "tokens_seen": state.tokens_seen,
-                    "step_time_s": now - step_start,
+                    "step_time_s": now - step_start - profiled_s,
                     "data_wait_s": data_wait,
                     "elapsed_s": now - run_start,
-                    "eta_s": (now - run_start) / (state.step - first_step) * (t.steps - state.step),
+                    "eta_s": pace * (t.steps - state.step),
                     "skipped_steps": self.nan_guard.total_bad,
                 }
                 if self.peak_flops and self.flops_per_token:
@@ -614,7 +625,8 @@ class Trainer:
                 if self.runtime.device.type == "cuda":
                     record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
                 self._log(record)
-                window_start, window_tokens = now, 0
+                window_start, window_tokens, aside_s = now, 0, 0.0
+            phase = time.perf_counter()
             if self._stop_agreed and self.runtime.is_main:
                 self.stop.consume_halt_file()
             stopping = self._stop_agreed and state.step < t.steps
@@ -635,6 +647,7 @@ class Trainer:
                 self._log({"step": state.step, **records}, console=False)
                 if self._draw_attention:
                     self.attention_figures(state.step)
+            aside_s += time.perf_counter() - phase
             if stopping:
                 self._say(f"stopping after step {state.step} ({self.stop.reason})"
                           + ("; the checkpoint above resumes it" if recipe.checkpoint.enable else

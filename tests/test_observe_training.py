@@ -67,6 +67,48 @@ def test_metrics_schema_mfu_tensorboard_telemetry_and_manifest(tmp_path):
     assert os.path.exists(out / "heartbeat" / "rank-0.json")
 
 
+def test_throughput_counts_training_only_and_the_eta_skips_the_first_step(tmp_path, monkeypatch):
+    """A clock that jumps 1000 s in the first step (compilation) and 100 s in each validation: tokens/s of
+    the window after a validation is not diluted by it, and the ETA's pace leaves the first step out."""
+    import time as real_time
+
+    from nsa_titan import trainer as trainer_module
+
+    class Clock:
+        offset = 0.0
+
+        def perf_counter(self):
+            return real_time.perf_counter() + self.offset
+
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+    clock = Clock()
+    monkeypatch.setattr(trainer_module, "time", clock)
+    step, validate = trainer_module.Trainer.train_step, trainer_module.Trainer.validate
+    calls = []
+
+    def first_step_compiles(self, iterator):
+        calls.append(1)
+        clock.offset += 1000.0 if len(calls) == 1 else 0.0
+        return step(self, iterator)
+
+    def slow_validation(self):
+        clock.offset += 100.0
+        return validate(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", first_step_compiles)
+    monkeypatch.setattr(trainer_module.Trainer, "validate", slow_validation)
+    out = tmp_path / "run"
+    assert cli.main(["train", *BASE, "--training.steps=6", "--metrics.log_freq=2", "--validation.enable=true",
+                     "--validation.freq=2", "--validation.steps=1", f"--job.dump_folder={out}"]) == 0
+    records = {r["step"]: r for r in metrics(out) if "loss" in r}
+    window_tokens = 2 * 2 * 64  # two steps of 2 rows of 64 tokens
+    assert records[4]["tokens_per_second"] > window_tokens / 10  # the 100 s validation after step 2 set aside
+    assert records[4]["eta_s"] < 200  # pace from steps 2-4 (with one validation), not the 1000 s first step
+    assert records[1]["eta_s"] > 1000  # one step done: its pace is all there is
+
+
 def test_telemetry_on_dense_model_is_a_recipe_error(tmp_path, capsys):
     dense = DEBUG.replace("debug.toml", "debug_dense.toml")
     code = cli.main(["train", dense, *TINY[:4], "--training.seq_len=64",
