@@ -157,13 +157,22 @@ def sample(argv: list[str]) -> int:
         return _fail("error: sample takes one exported model file. Fix: `nsa-titan sample outputs/debug/model.pt "
                      "--prompt 'def '`.")
     model, meta = load_exported(argv[0])
-    tokenizer = assemble.build_tokenizer(resolve_text(meta["recipe_toml"]).recipe)
-    ids = [tokenizer.bos_id] if not prompt else tokenizer.encode(prompt)
+    recipe = resolve_text(meta["recipe_toml"]).recipe
+    tokenizer = assemble.build_tokenizer(recipe)
+    # A document as training saw it: BOS first when data.add_bos is set, else it follows the previous
+    # document's end of text (so an empty prompt starts there, not at a BOS the model never saw).
+    text_ids = tokenizer.encode(prompt) if prompt else []
+    start = [tokenizer.bos_id] if recipe.data.add_bos else ([] if text_ids else [tokenizer.eos_id])
+    ids = start + text_ids
     generator = torch.Generator().manual_seed(numbers["--seed"])
     with torch.no_grad():
         out = generate(model, torch.tensor([ids], dtype=torch.long), numbers["--max-new-tokens"],
-                       temperature=numbers["--temperature"], top_k=numbers["--top-k"], generator=generator)
-    print(tokenizer.decode(out[0].tolist()))
+                       temperature=numbers["--temperature"], top_k=numbers["--top-k"], generator=generator,
+                       stop_id=tokenizer.eos_id)
+    new = out[0, len(ids):].tolist()
+    ended = tokenizer.eos_id in new  # the document ends there: what follows would be another one
+    print(tokenizer.decode(text_ids + (new[:new.index(tokenizer.eos_id)] if ended else new))
+          + ("\n[end of text]" if ended else ""))
     return 0
 
 

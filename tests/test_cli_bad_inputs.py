@@ -111,6 +111,28 @@ def test_an_export_with_another_recipe_than_the_runs_says_what_differs(run, tmp_
     assert "differs" not in capsys.readouterr().out
 
 
+def test_sample_starts_a_document_as_training_did_and_stops_at_its_end(run, capsys, monkeypatch):
+    """data.add_bos is off in this run: an empty prompt starts after an end of text (no BOS the model never
+    saw), a prompt is its text alone; generation stops at the end of text, which is not decoded."""
+    import torch
+
+    from components.data.tokenizers import ByteTokenizer
+
+    prompts = []
+
+    def fake_generate(model, prompt, new_tokens, **kw):
+        prompts.append(prompt[0].tolist())
+        assert kw["stop_id"] == ByteTokenizer.eos_id
+        return torch.cat([prompt, torch.tensor([[104, 105, ByteTokenizer.eos_id]])], dim=1)
+
+    monkeypatch.setattr("components.models.generate", fake_generate)
+    _, exported, _ = run
+    assert cli.main(["sample", exported, "--max-new-tokens", "3"]) == 0
+    assert cli.main(["sample", exported, "--prompt", "ab", "--max-new-tokens", "3"]) == 0
+    assert prompts == [[ByteTokenizer.eos_id], [97, 98]]
+    assert capsys.readouterr().out.split("\n") == ["hi", "[end of text]", "abhi", "[end of text]", ""]
+
+
 def test_an_export_of_a_plugin_model_loads_in_a_fresh_process(tmp_path):
     """The saved recipe's job.plugins are imported before its model is rebuilt (a plugin may register it);
     a .py plugin that one process resolves twice (train, then export) registers its parts once."""

@@ -113,3 +113,19 @@ def test_generate_rejects_bad_input():
             generate(model, prompt, 2, **kwargs)
     with pytest.raises(UserError, match="max_seq_len"):
         generate(model, prompt, model.args.max_seq_len)
+
+
+def test_generation_stops_once_every_row_has_produced_the_stop_token():
+    model = _model("nsa")
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    full = generate(model, prompt, 12, temperature=0)
+    first = int(full[0, 5])
+    stopped = generate(model, prompt[:1], 12, temperature=0, stop_id=first)
+    assert stopped.shape == (1, 6) and torch.equal(stopped, full[:1, :6])
+    # Two rows: the run goes on until the later one ends (or max_new_tokens); the earlier one carries on.
+    later = [int(t) for t in full[1, 5:]]
+    if first in later:
+        end = 5 + later.index(first) + 1
+        assert torch.equal(generate(model, prompt, 12, temperature=0, stop_id=first), full[:, :end])
+    else:
+        assert torch.equal(generate(model, prompt, 12, temperature=0, stop_id=first), full)

@@ -32,8 +32,11 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    stop_id: int | None = None,
 ) -> torch.Tensor:
-    """Continue prompt [B, T0] by max_new_tokens tokens; returns [B, T0 + max_new_tokens].
+    """Continue prompt [B, T0] by max_new_tokens tokens; returns [B, T0 + max_new_tokens], or fewer new
+    tokens when every row has produced `stop_id` (say the end-of-text token): rows that ended earlier
+    carry on past theirs, for the caller to cut.
 
     The prompt is prefilled in one `forward_step`, then one token per step. temperature == 0 is
     greedy decoding; otherwise softmax(logits / temperature), restricted to the top_k logits when
@@ -64,8 +67,13 @@ def generate(
         return out
     cache = model.new_kv_cache(B, capacity=total)
     logits = model.forward_step(prompt, cache)[:, -1]
+    ended = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(T0, total):
         out[:, t] = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
+        if stop_id is not None:
+            ended |= out[:, t] == stop_id
+            if bool(ended.all()):
+                return out[:, :t + 1]
         if t + 1 < total:
             logits = model.forward_step(out[:, t:t + 1], cache)[:, -1]
     return out
