@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sysconfig
 
 import pytest
@@ -176,6 +177,7 @@ def test_the_tokenizer_encodes_as_in_training(exported):
     theirs = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     text = "def f(x):\n\treturn x  # naïve 🙂"
     assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert theirs.encode(text) == ours.encode(text)  # called as usual: data.add_bos is off, no BOS added
     assert theirs.decode(ours.encode(text)) == text
     assert (theirs.eos_token_id, theirs.bos_token_id) == (ours.eos_id, ours.bos_id)
 
@@ -204,12 +206,38 @@ def test_a_hugging_face_tokenizer_is_shipped_as_it_is(trained, tmp_path):  # noq
     from components.data.hf_files import write_tokenizer_files
     from components.data.hf_tokenizer import HFTokenizer, HFTokenizerArgs
 
-    ours = HFTokenizer(HFTokenizerArgs(path=str(trained)))
-    write_tokenizer_files(ours, str(tmp_path), 256)
-    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    from tokenizers import Tokenizer, processors
+
+    # Its own template adds "<s>"; training encodes without special tokens, so the shipped one must not.
+    source_folder = tmp_path / "source"
+    shutil.copytree(trained, source_folder)
+    templated = Tokenizer.from_file(str(source_folder / "tokenizer.json"))
+    templated.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    templated.save(str(source_folder / "tokenizer.json"))
+    ours = HFTokenizer(HFTokenizerArgs(path=str(source_folder)))
+    out = tmp_path / "out"
+    out.mkdir()
+    write_tokenizer_files(ours, str(out), 256, add_bos=False)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(out))
     for source in _stdlib_texts(5):
         assert theirs.encode(source, add_special_tokens=False) == ours.encode(source)
+        assert theirs.encode(source) == ours.encode(source)  # its own template is not training's
     assert (theirs.bos_token, theirs.eos_token) == ("<s>", "<|endoftext|>")
+
+
+@pytest.mark.parametrize("kind", ["byte", "hf_tokenizer"])
+def test_the_shipped_tokenizer_adds_bos_as_training_did(trained, tmp_path, kind):  # noqa: F811
+    """With data.add_bos on, a document is BOS + its text: the folder's tokenizer, called as usual, agrees."""
+    from components.data.hf_files import write_tokenizer_files
+    from components.data.hf_tokenizer import HFTokenizer, HFTokenizerArgs
+    from components.data.tokenizers import ByteTokenizer
+
+    ours = ByteTokenizer() if kind == "byte" else HFTokenizer(HFTokenizerArgs(path=str(trained)))
+    write_tokenizer_files(ours, str(tmp_path), 256, add_bos=True)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "def f(x):\n\treturn x  # naïve"
+    assert theirs.encode(text) == [ours.bos_id, *ours.encode(text)]
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
 
 
 def test_a_run_starts_from_the_folder(exported, tmp_path):

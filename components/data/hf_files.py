@@ -3,7 +3,8 @@
 An exported model ships them so that `AutoTokenizer.from_pretrained(folder)` encodes text to the ids
 the model was trained on. Byte and tiktoken tokenizers become byte-level BPE tokenizers of the
 `tokenizers` library with every id kept (specials included); a Hugging Face tokenizer is copied.
-Plain text encodes the same; one difference is documented: the Hugging Face tokenizer reads
+The post-processor adds what training added to a document (BOS when data.add_bos, else nothing), so
+the tokenizer called as usual gives training's ids. Plain text encodes the same; one difference is documented: the Hugging Face tokenizer reads
 special-token text ("<|endoftext|>") as the special token, where training read it as plain text.
 """
 
@@ -93,8 +94,27 @@ def hf_tokenizer_json(tokenizer) -> tuple[str, str, str]:
                     f"form. Fix: train with data.tokenizer = 'byte', 'tiktoken' or 'hf_tokenizer' to export.")
 
 
-def write_tokenizer_files(tokenizer, folder: str, model_max_length: int) -> None:
+def with_bos_rule(text: str, bos: str, bos_id: int, add_bos: bool) -> str:
+    """tokenizer.json text whose post-processor adds what training added to a document: BOS before the
+    text when add_bos, else nothing (a copied Hugging Face tokenizer's own template, say '<s> $A', is
+    replaced: the loader encodes without it)."""
+    from tokenizers import Tokenizer, processors
+
+    if not add_bos:
+        data = json.loads(text)
+        data["post_processor"] = None
+        return json.dumps(data, ensure_ascii=False)
+    tok = Tokenizer.from_str(text)
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
+                                                       special_tokens=[(bos, bos_id)])
+    return tok.to_str()
+
+
+def write_tokenizer_files(tokenizer, folder: str, model_max_length: int, add_bos: bool) -> None:
+    """The tokenizer as Hugging Face files; `add_bos` as the run's data.add_bos, so that the folder's
+    tokenizer, called as usual (special tokens added), gives the ids training gave."""
     text, bos, eos = hf_tokenizer_json(tokenizer)
+    text = with_bos_rule(text, bos, tokenizer.bos_id, add_bos)
     with open(os.path.join(folder, TOKENIZER_FILE), "w", encoding="utf-8") as fh:
         fh.write(text)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
