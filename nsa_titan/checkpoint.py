@@ -42,6 +42,7 @@ COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(0|[1-9]\d*)$")  # as step_dir names them: step-08 is no step folder
 # What a save writes into a step folder: a leftover with anything else is not removed as a partial save.
 STEP_ENTRIES = {"ranks", "model", "train_state.json", COMPLETE}
+PARTIAL_WRITE = re.compile(rf"^(train_state\.json|{COMPLETE})\.tmp\d+$")  # _write_atomically's, cut short
 
 
 def _write_atomically(path: str, data: bytes) -> None:
@@ -183,8 +184,12 @@ class Checkpointer:
         the partial folder is removed, the last complete checkpoint is kept and named."""
         try:
             yield
+        except (torch.OutOfMemoryError, dist.DistError):
+            raise  # not a write that failed: their own handlers say what happened
         except (OSError, RuntimeError, CheckpointException) as exc:  # torch's zip writer raises RuntimeError
             path = self.step_dir(step)
+            if os.path.exists(os.path.join(path, COMPLETE)):
+                raise  # written and marked complete: a later error (pruning, say) must not cost the checkpoint
             if self.rank == 0:
                 _remove_step(path)
             cause = exc
@@ -208,7 +213,8 @@ class Checkpointer:
         """What is already at this step's path: a partial save (a crash at this very step) is removed;
         anything else (a file, a folder with other contents) is not this package's to delete, and is
         moved into abandoned-<time>/."""
-        if os.path.isdir(path) and not os.path.islink(path) and set(os.listdir(path)) <= STEP_ENTRIES:
+        if os.path.isdir(path) and not os.path.islink(path) and all(
+                name in STEP_ENTRIES or PARTIAL_WRITE.match(name) for name in os.listdir(path)):
             _remove_step(path)
             return
         aside = create_new(os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"), os.makedirs)

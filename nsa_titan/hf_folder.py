@@ -192,8 +192,8 @@ def read_hf_folder(path: str) -> HFFolder:
 
     recipe_file = os.path.join(path, RECIPE)
     recipe_toml = open(recipe_file, encoding="utf-8").read() if os.path.isfile(recipe_file) else None
-    if recipe_toml is not None:
-        import_plugins_of(recipe_toml)  # a plugin may register the model
+    if recipe_toml is not None and model_name not in registry.available("model"):
+        import_plugins_of(recipe_toml)  # a plugin registers the model
     part = registry.get("model", model_name)
     # The package's models hold float32 weights, whatever the folder stores.
     tensors = {name: x.float() if x.is_floating_point() else x for name, x in tensors.items()}

@@ -149,7 +149,13 @@ class RunFolderLock:
 
     def __init__(self, folder: str, warn: Callable[[str], None]):
         path = os.path.join(folder, LOCK_FILE)
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot open {path!r} ({exc.strerror}), which a run holds while it uses the folder. "
+                            f"Fix: make job.dump_folder writable for this user, or choose another "
+                            f"--job.dump_folder.") from None
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):

@@ -399,3 +399,31 @@ def test_a_save_that_cannot_be_written_is_one_message_and_keeps_the_last_checkpo
     assert "cannot save the checkpoint of step 4" in err and "No space left on device" in err and "GiB free" in err
     assert "the last complete checkpoint (step 2) is kept" in err and "run the same command again" in err
     assert sorted(os.listdir(folder / "checkpoint")) == ["step-2"]
+
+
+def test_a_partial_save_cut_short_in_an_atomic_write_is_removed(tmp_path, capsys):
+    """A crash while train_state.json was being written leaves its temporary: still this run's partial save,
+    removed at that step's save rather than kept aside as somebody else's."""
+    folder = tmp_path / "run"
+    partial = folder / "checkpoint" / "step-2"
+    (partial / "ranks").mkdir(parents=True)
+    (partial / "train_state.json.tmp4242").write_text("{")
+    assert cli.main(["train", *BASE, "--training.steps=2", f"--job.dump_folder={folder}"]) == 0
+    assert "not a partial save" not in capsys.readouterr().out
+    assert sorted(os.listdir(folder / "checkpoint")) == ["step-2"]
+
+
+def test_a_dump_folder_whose_lock_cannot_be_opened_is_one_message(tmp_path, capsys, monkeypatch):
+    from nsa_titan import run_folder
+
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(run_folder.LOCK_FILE):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_folder.os, "open", read_only)
+    assert cli.main(["train", *BASE, "--training.steps=1", f"--job.dump_folder={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Permission denied" in err and "make job.dump_folder writable" in err, err

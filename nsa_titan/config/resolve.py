@@ -111,7 +111,11 @@ def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]
                 spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[spec.name] = module
-                spec.loader.exec_module(module)
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[spec.name]  # a failed import is not taken for a done one next time
+                    raise
             else:
                 importlib.import_module(name)
         except Exception as exc:  # a plugin may fail in any way; report it as a recipe problem
