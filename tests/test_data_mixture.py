@@ -134,7 +134,7 @@ def test_new_weights_on_resume_finish_the_loaders_document_in_progress():
         return iter(built), built
 
     saved = 0
-    for cut in range(3, 12):
+    for cut in range(1, 12):  # from the first batch on: the first document is chosen by the rule too
         batches, whole = loader((0.5, 0.5))
         for _ in range(cut):
             next(batches)
@@ -147,6 +147,23 @@ def test_new_weights_on_resume_finish_the_loaders_document_in_progress():
         resumed = next(loader((0.9, 0.1), state)[0])["input"][0].tolist()
         assert resumed[:len(rest)] == rest, (cut, rest, resumed)
     assert saved >= 5
+    # A save in the middle of the shard's very first document (none finished yet): drawn by documents at
+    # weights 0.02 : 0.98, it is b's; resumed by tokens (a tie at zero goes to a), it must still be b's.
+    def built(weights, by):
+        return build_dataloader(MixtureSource(["a", "b"], list(weights), [Texts("a", 29), Texts("b", 23)], by),
+                                ByteTokenizer(), seq_len=16, batch_size=1, logical_shards=1, check_source=False)
+
+    whole = built((0.02, 0.98), "documents")
+    batches = iter(whole)
+    first = bytes(t for t in next(batches)["input"][0].tolist() if t < 256).decode()
+    assert first.startswith("b/train"), first
+    state = whole.state_dict()
+    going_on = next(batches)["input"][0].tolist()
+    resumed_loader = built((0.98, 0.02), "tokens")
+    resumed_loader.load_state_dict(state)
+    resumed = next(iter(resumed_loader))["input"][0].tolist()
+    rest = going_on[:going_on.index(257) + 1]
+    assert resumed[:len(rest)] == rest, (rest, resumed)
 
 
 def test_an_empty_shard_of_one_source_drops_it_there_and_all_empty_ends_the_stream():

@@ -52,12 +52,21 @@ class PackedShardsDataset(IterableDataset):
         self.min_document_tokens = min_document_tokens
         self.stream_id = stream_id
         self.dp_rank = dp_rank
-        self._states: dict[int, dict] = {s: fresh_shard_state() for s in self.rank_shards}
+        self._states: dict[int, dict] = {s: self._fresh_state(s) for s in self.rank_shards}
         if shard_states is not None:
             self._adopt(shard_states, require_all=True)
         self._packers: dict[int, ShardPacker] | None = None
 
     # ----- state ---------------------------------------------------------------------------------
+    def _fresh_state(self, shard: int) -> dict:
+        """A shard's state before its first window; a source that writes down how it chooses documents (a
+        mixture's rule) gives the cursor to start from, in place of None."""
+        state = fresh_shard_state()
+        start = getattr(self.source, "start_cursor", None)
+        if callable(start):
+            state["cursor"] = start(shard, self.split)
+        return state
+
     def _adopt(self, states: dict[int, dict], require_all: bool) -> None:
         # The stream first: a state of another stream (e.g. other logical_shards) also lacks shards, and
         # the mismatch is what the caller can act on (restart the data), not the missing shards.

@@ -103,6 +103,13 @@ class MixtureSource:
         parts = ",".join(f"{n}={s.fingerprint()}" for n, s in zip(self.names, self.sources))
         return f"mixture({digest(parts)}:{','.join(self.names)})"
 
+    def start_cursor(self, shard: int, split: str) -> list:
+        """The cursor before a shard's first document, which None stands for, with the rule written in: the
+        loader starts from it, so that a save in the middle of the first document keeps the rule that chose
+        it (as every later cursor does)."""
+        return [0, [[0, None, self._has(i, split), False, 0] for i in range(len(self.sources))], list(self.weights),
+                self.by]
+
     def documents(self, shard: int, num_shards: int, split: str, seed: int, epoch: int, cursor: Any,
                   prepare: Callable[[Any], Any] = lambda document: document) -> Iterator[tuple[Any, Any]]:
         """The shard's mixed stream: prepare(document) of each source document, skipping those it
@@ -110,8 +117,7 @@ class MixtureSource:
         documents kept and a source whose shard keeps none drops out of it."""
         # cursor: [k, per source [epoch, cursor, alive, kept a document this epoch, tokens kept], weights,
         # by] (cursors saved before `by` was kept have three parts: their rule is taken as unchanged)
-        k, states, weights, *saved_by = cursor if cursor is not None else (
-            0, [[0, None, self._has(i, split), False, 0] for i in range(len(self.sources))], self.weights)
+        k, states, weights, *saved_by = cursor if cursor is not None else self.start_cursor(shard, split)
         states = [list(s) for s in states]
         rule = (list(weights), saved_by[0] if saved_by else self.by)
         # A changed rule still chooses the document the loader was in the middle of, as it did before.
