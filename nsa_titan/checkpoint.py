@@ -217,10 +217,14 @@ class Checkpointer:
                 name in STEP_ENTRIES or PARTIAL_WRITE.match(name) for name in os.listdir(path)):
             _remove_step(path)
             return
-        aside = create_new(os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"), os.makedirs)
+        aside = self._new_aside_folder()
         os.replace(path, os.path.join(aside, os.path.basename(path)))
         self.say(f"{path} is not a partial save of this run: moved it to {aside} to save step "
                  f"{os.path.basename(path)[5:]} there")
+
+    def _new_aside_folder(self) -> str:
+        """A fresh abandoned-<time>/ folder for what is set aside, never deleted."""
+        return create_new(os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"), os.makedirs)
 
     def save_in_flight(self) -> bool:
         """Whether this rank's background save is still writing (False when none is pending)."""
@@ -314,7 +318,7 @@ class Checkpointer:
         abandoned-<time>/ (kept, never deleted), so no later resume returns to them."""
         newer = [s for s in complete_steps(self.folder) + incomplete_steps(self.folder) if s > step]
         if self.rank == 0 and newer:
-            aside = create_new(os.path.join(self.folder, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"), os.makedirs)
+            aside = self._new_aside_folder()
             for later in sorted(set(newer)):
                 os.replace(self.step_dir(later), os.path.join(aside, f"step-{later}"))
             self.say(f"resuming from step {step}: moved the newer checkpoints {sorted(set(newer))} to {aside}")

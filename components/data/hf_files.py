@@ -4,8 +4,9 @@ An exported model ships them so that `AutoTokenizer.from_pretrained(folder)` enc
 the model was trained on. Byte and tiktoken tokenizers become byte-level BPE tokenizers of the
 `tokenizers` library with every id kept (specials included); a Hugging Face tokenizer is copied.
 The post-processor adds what training added to a document (BOS when data.add_bos, else nothing), so
-the tokenizer called as usual gives training's ids. Plain text encodes the same; one difference is documented: the Hugging Face tokenizer reads
-special-token text ("<|endoftext|>") as the special token, where training read it as plain text.
+the tokenizer called as usual gives training's ids. Plain text encodes the same; one difference is
+documented: the Hugging Face tokenizer reads special-token text ("<|endoftext|>") as the special token,
+where training read it as plain text.
 """
 
 from __future__ import annotations

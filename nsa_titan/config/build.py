@@ -146,8 +146,7 @@ class RecipeBuilder:
         field_path = _join(path, fld.name)
         # Only values that differ from the default count as set in a file (a rendered recipe writes every
         # field); a flag is set whatever its value: it was asked for.
-        flagged = any(source.startswith("flag") and (key == field_path or key.startswith(field_path + "."))
-                      for key, source in self.origin.items())
+        flagged = self.source_of(field_path).startswith("flag")  # a flag first, when one set any of it
         if values[sibling] == wanted or (values[fld.name] == default and not flagged):
             return values[fld.name]
         self._set_but_unused(field_path, field_path, _join(path, sibling), values[sibling], wanted)

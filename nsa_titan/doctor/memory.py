@@ -58,10 +58,10 @@ class MemoryEstimate:
     def describe(self) -> str:
         masks = f" + masks {self.masks / GiB:.2f}" if self.masks else ""
         workspace = f" + workspace {self.workspace / GiB:.2f}" if self.workspace else ""
-        workspace += f" + buffers {self.buffers / GiB:.2f}" if self.buffers >= 0.005 * GiB else ""
+        buffers = f" + buffers {self.buffers / GiB:.2f}" if self.buffers >= 0.005 * GiB else ""
         return (f"~{self.total / GiB:.2f} GiB per device = states {self.states / GiB:.2f} (16 B x {self.params:,} "
                 f"params / shard {self.shard}) + gathered {self.gathered / GiB:.2f} + activations "
-                f"{self.activations / GiB:.2f}{masks}{workspace} + logits {self.logits / GiB:.2f}")
+                f"{self.activations / GiB:.2f}{masks}{workspace}{buffers} + logits {self.logits / GiB:.2f}")
 
 
 def checkpointed_blocks(blocks: int, mode: str, every: int) -> int:
