@@ -12,9 +12,14 @@ def _changed(section, name: str) -> bool:
     return getattr(section, name) != getattr(type(section)(), name)
 
 
+def _flagged(source_of, path: str) -> bool:
+    """Whether a flag on the command line set the field (source_of names a flag first)."""
+    return source_of(path).startswith("flag")
+
+
 def _set(section, path: str, name: str, source_of) -> bool:
     """Whether a field was asked for: a value other than the default, or any value given as a flag."""
-    return _changed(section, name) or source_of(f"{path}.{name}").startswith("flag")
+    return _changed(section, name) or _flagged(source_of, f"{path}.{name}")
 
 
 class LayoutError(ValueError):
@@ -130,7 +135,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         if getattr(table, switch):
             continue
         for name in names:  # a flag counts as set even at the default value: it was asked for
-            if source_of(f"{section}.{name}").startswith("flag"):
+            if _flagged(source_of, f"{section}.{name}"):
                 add(f"{section}.{name}", getattr(table, name), f"is set on the command line but {section}.{switch} "
                     "is false, so it would be ignored", f"add --{section}.{switch}=true")
     if recipe.lr_scheduler.warmup_steps > t.steps:
@@ -146,7 +151,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     _check_compile(recipe, world_size, add)
     par = recipe.parallelism
     if (world_size == 1 and not par.fsdp_single_process
-            and source_of("parallelism.fsdp_reshard_after_forward").startswith("flag")):
+            and _flagged(source_of, "parallelism.fsdp_reshard_after_forward")):
         add("parallelism.fsdp_reshard_after_forward", par.fsdp_reshard_after_forward, "is set on the command line, "
             "but one process without parallelism.fsdp_single_process shards nothing, so it would be ignored",
             "remove it, or add --parallelism.fsdp_single_process=true (or launch several processes)")
