@@ -22,7 +22,7 @@ COMMANDS = {
             "--text TEXT|--text-file FILE [--layer N] --out DIR",
     "eval": "loss by context position, a passkey probe and lm-eval tasks: nsa-titan eval RECIPE.toml|EXPORTED_FILE "
             "--out DIR [--batches N] [--lengths 64,128] [--depths 0,0.5,1] [--trials N] [--tasks a,b "
-            "[--task-dir DIR] [--limit N]]",
+            "[--task-dir DIR] [--limit N]] [--overwrite (replace an earlier eval's results in DIR)]",
     "inspect": "compile-graph inspection: nsa-titan inspect RECIPE.toml [overrides] [--seq-lens 64,96] "
                "[--fail-on-break]",
     "doctor": "preflight checks: nsa-titan doctor RECIPE.toml [overrides] [--world-size N]",

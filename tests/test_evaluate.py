@@ -86,6 +86,18 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     for name in ("position_loss.png", "passkey.png"):
         assert (out / name).stat().st_size > 1000
 
+    # A second eval into the folder is refused before any work and leaves the results alone ...
+    earlier = (out / "eval.json").read_text()
+    again = ["eval", *checkpointed_run, "--out", str(out), "--batches", "1", "--trials", "1", "--depths", "0"]
+    assert cli.main(again) == 2
+    assert "holds an earlier eval's results (eval.json, position_loss.png, passkey.png)" in capsys.readouterr().err
+    assert (out / "eval.json").read_text() == earlier
+    # ... unless --overwrite, which replaces every earlier result (an lm_eval.json of another model too).
+    (out / "lm_eval.json").write_text("{}")
+    assert cli.main([*again, "--overwrite"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "eval.json").read_text())["passkey"]["depths"] == [0.0]
+    assert not (out / "lm_eval.json").exists()
+
 
 def test_eval_says_where_its_recipe_differs_from_the_runs(checkpointed_run, tmp_path, capsys):
     code = cli.main(["eval", *checkpointed_run, "--training.steps=9", "--out", str(tmp_path / "eval"), "--batches",
