@@ -112,7 +112,8 @@ def _model(recipe: str) -> str:
 def train_tables(report: dict) -> list[str]:
     results = report["results"]
     lines = ["Training throughput (median tokens/s after warmup):", "",
-             "| recipe | tokens | batch | tokens/s | peak GiB | overrides |", "| --- | --- | --- | --- | --- | --- |"]
+             "| recipe | tokens | rows (micro-batch x accumulation) | tokens/s | peak GiB | overrides |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if "error" in r:
             lines.append(f"| {_model(r['recipe'])} | {r['seq_len']} | {r.get('local_batch_size')} | {r['error'][:60]} "
@@ -120,7 +121,11 @@ def train_tables(report: dict) -> list[str]:
             continue
         peak = "-" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.2f}"
         rate = "-" if r.get("tokens_per_second") is None else f"{r['tokens_per_second']:,.0f}"
-        lines.append(f"| {_model(r['recipe'])} | {r['seq_len']} | {r['local_batch_size']} | {rate} | {peak} | "
+        accumulation = r.get("gradient_accumulation", 1)
+        batch = f"{r['local_batch_size']} x {accumulation}" if accumulation > 1 else f"{r['local_batch_size']}"
+        if r.get("out_of_memory_micro_batches"):
+            batch += f" ({', '.join(map(str, r['out_of_memory_micro_batches']))}: out of memory)"
+        lines.append(f"| {_model(r['recipe'])} | {r['seq_len']} | {batch} | {rate} | {peak} | "
                      f"{' '.join(o for o in r.get('overrides', []) if 'activation_checkpoint' not in o) or '-'} |")
     plain = {(_model(r["recipe"]), r["seq_len"]): r.get("tokens_per_second") for r in results
              if "error" not in r and not [o for o in r.get("overrides", []) if "activation_checkpoint" not in o]}

@@ -11,7 +11,10 @@ source's 64-1024-token documents, packed and masked apart (attention then spans 
 is a stand-in BPE file of --vocab-size entries (default GPT-2's 50257, the 125M recipes' tokenizer),
 so the embedding and output layer cost what they cost in the real run, with no download. The result is
 the median tokens/s over the steps after warmup (compilation and autotuning excluded), written as
-JSON into bench/results/ with the GPU, library versions and the commit.
+JSON into bench/results/ with the GPU, library versions and the commit (rewritten after every case,
+so a run cut short keeps the cases that ran). A case that runs out of memory
+is run again with half the micro-batch and twice the gradient accumulation (the same tokens a step),
+down to one row, unless --no-fit; the micro-batches that did not fit are recorded with it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 
 import torch
 
+from bench import environment
 from bench.environment import describe_environment, write_report
 from nsa_titan.trainer import OUT_OF_MEMORY_EXIT, TrainingFault
 
@@ -45,9 +49,10 @@ def write_standin_bpe(path: str, vocab_size: int) -> None:
 
 
 def synthetic_run_argv(recipe_path: str, seq_len: int, steps: int, local_batch: int, vocab_size: int, dump: str,
-                       extra: list[str], one_document_per_row: bool = False) -> list[str]:
+                       extra: list[str], one_document_per_row: bool = False, global_batch: int = 0) -> list[str]:
     """The recipe as a benchmark runs it: synthetic data over a stand-in vocabulary (written into
-    dump), one data rank's batch of local_batch rows a step, nothing saved, every step logged.
+    dump), one data rank's micro-batches of local_batch rows, global_batch rows a step (default
+    local_batch: no accumulation), nothing saved, every step logged.
     one_document_per_row: documents of seq_len - 1 tokens, each with its EOS exactly one row."""
     bpe = os.path.join(dump, "standin.tiktoken")
     write_standin_bpe(bpe, vocab_size)
@@ -55,7 +60,7 @@ def synthetic_run_argv(recipe_path: str, seq_len: int, steps: int, local_batch: 
         if one_document_per_row else []
     return [recipe_path, f"--training.seq_len={seq_len}", f"--model.max_seq_len={max(seq_len, 2048)}",
             f"--training.steps={steps}", f"--training.local_batch_size={local_batch}",
-            f"--training.global_batch_size={local_batch}", "--data.source=synthetic",
+            f"--training.global_batch_size={global_batch or local_batch}", "--data.source=synthetic",
             "--data.tokenizer=tiktoken", f"--data.tiktoken.encoding={bpe}",
             f"--data.synthetic.vocab_size={vocab_size - 1}",
             "--data.num_workers=2", "--checkpoint.enable=false", "--validation.enable=false",
@@ -64,14 +69,14 @@ def synthetic_run_argv(recipe_path: str, seq_len: int, steps: int, local_batch: 
 
 
 def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batch: int, vocab_size: int,
-             extra: list[str], documents: str = "row") -> dict:
+             extra: list[str], documents: str = "row", global_batch: int = 0) -> dict:
     from nsa_titan.config import resolve
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as dump:
         resolved = resolve(synthetic_run_argv(recipe_path, seq_len, steps, local_batch, vocab_size, dump, extra,
-                                              one_document_per_row=documents == "row"))
+                                              one_document_per_row=documents == "row", global_batch=global_batch))
         runtime = make_runtime(resolved.recipe.training.device, resolved.recipe.training.dtype)
         if runtime.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -90,6 +95,7 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
         "seq_len": seq_len,
         "documents": "one per row" if documents == "row" else "packed (synthetic 64-1024 tokens)",
         "local_batch_size": local_batch,
+        "gradient_accumulation": trainer.grad_accum,
         "steps": steps,
         "warmup_steps_excluded": warmup,
         "tokens_per_second": statistics.median(steady) if steady else None,
@@ -110,6 +116,39 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def run_or_record_oom(recipe: str, seq_len: int, args, micro: int, batch: int, extra: list[str]) -> dict:
+    """One case, or its out-of-memory error as the case's record."""
+    try:
+        return run_case(recipe, seq_len, args.steps, args.warmup, micro, args.vocab_size, extra, args.documents,
+                        global_batch=batch)
+    except (torch.OutOfMemoryError, TrainingFault) as exc:
+        # The trainer ends a step, or a model build, that runs out of memory with a TrainingFault (the
+        # allocator's own error may still escape elsewhere). Either way the case is recorded and the next runs.
+        if isinstance(exc, TrainingFault) and exc.exit_code != OUT_OF_MEMORY_EXIT:
+            raise
+        return {"recipe": recipe, "seq_len": seq_len, "local_batch_size": micro, "error": f"OOM: {exc}"}
+
+
+def fit_case(recipe: str, seq_len: int, args, batch: int, extra: list[str]) -> dict:
+    """The case at `batch` rows a step, its micro-batch halved (to the largest divisor of batch at most
+    half of it) after each out-of-memory until it fits or one row does not (--no-fit: the first try only)."""
+    micro, did_not_fit = batch, []
+    while True:
+        result = run_or_record_oom(recipe, seq_len, args, micro, batch, extra)
+        if "error" not in result:
+            break
+        release_device_memory()  # outside the except block, whose exception holds the case's frames
+        if args.no_fit or micro == 1:
+            break
+        did_not_fit.append(micro)
+        smaller = max(d for d in range(1, micro // 2 + 1) if batch % d == 0)  # it must divide the step's rows
+        print(f"{recipe} at {seq_len} tokens: micro-batch {micro} ran out of memory; trying {smaller}", flush=True)
+        micro = smaller
+    if did_not_fit:
+        result["out_of_memory_micro_batches"] = did_not_fit
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
@@ -121,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--documents", choices=("row", "packed"), default="row",
                         help="row: every row one seq_len-token document; packed: short documents, masked apart")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
+    parser.add_argument("--no-fit", action="store_true",
+                        help="record an out-of-memory case as it is instead of halving its micro-batch")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test, not a benchmark)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -128,27 +169,18 @@ def main(argv: list[str] | None = None) -> int:
               "(or pass --allow-cpu for a smoke test).", file=sys.stderr)
         return 2
     results = []
+    payload = {"benchmark": "train_throughput", "environment": describe_environment(), "results": results}
+    path = environment.results_path("train_throughput")  # looked up on the module: tests point it elsewhere
     for recipe in args.recipes:
         for seq_len in args.seq_lens:
             batch = max(1, args.tokens_per_step // seq_len)
             extra = list(args.override)
             if seq_len > 8192:
                 extra.append("--activation_checkpoint.mode=full")
-            try:
-                result = run_case(recipe, seq_len, args.steps, args.warmup, batch, args.vocab_size, extra,
-                                  args.documents)
-            except (torch.OutOfMemoryError, TrainingFault) as exc:
-                # The trainer ends a step, or a model build, that runs out of memory with a TrainingFault (the
-                # allocator's own error may still escape elsewhere). Either way the case is recorded and the next runs.
-                if isinstance(exc, TrainingFault) and exc.exit_code != OUT_OF_MEMORY_EXIT:
-                    raise
-                result = {"recipe": recipe, "seq_len": seq_len, "local_batch_size": batch, "error": f"OOM: {exc}"}
-            if "error" in result:  # outside the except block, whose exception holds the case's frames
-                release_device_memory()
+            result = fit_case(recipe, seq_len, args, batch, extra)
             print(json.dumps(result), flush=True)
             results.append(result)
-    payload = {"benchmark": "train_throughput", "environment": describe_environment(), "results": results}
-    write_report(payload, "train_throughput")
+            write_report(payload, "train_throughput", path)  # after every case: a run cut short keeps what ran
     return 0
 
 

@@ -45,12 +45,28 @@ def test_train_throughput_records_an_out_of_memory_case_and_runs_the_next(tmp_pa
            "--override=--model.oom_at_step=2"]
     code = train_throughput.main(["--recipes", "recipes/debug.toml", "--seq-lens", "64", "32", "--steps", "3",
                                   "--warmup", "1", "--tokens-per-step", "128", "--allow-cpu", "--vocab-size", "1000",
-                                  "--override=--model.nsa.window_size=16", *oom])
+                                  "--override=--model.nsa.window_size=16", "--no-fit", *oom])
     assert code == 0
     cases = json.loads((tmp_path / "train_throughput.json").read_text())["results"]
     assert [(c["seq_len"], c["local_batch_size"]) for c in cases] == [(64, 2), (32, 4)]
     for case in cases:
         assert case["error"].startswith("OOM: rank 0: out of device memory in step 2 (CUDA out of memory."), case["error"]
+        assert "out_of_memory_micro_batches" not in case
+
+
+def test_train_throughput_halves_the_micro_batch_of_a_case_that_does_not_fit(tmp_path, monkeypatch):
+    """By default a case that runs out of memory runs again with smaller micro-batches and gradient
+    accumulation, the same rows a step: 6 rows do not fit, nor 3; 1 row, 6 micro-batches a step, does."""
+    monkeypatch.setattr("bench.environment.results_path", lambda name: os.path.join(tmp_path, f"{name}.json"))
+    oom = ["--override=--job.plugins=tests.plugins.oom_at_step", "--override=--model.name=oom_at_step",
+           "--override=--model.oom_above_rows=2"]
+    assert train_throughput.main(["--recipes", "recipes/debug.toml", "--seq-lens", "64", "--steps", "3",
+                                  "--warmup", "1", "--tokens-per-step", "384", "--allow-cpu", "--vocab-size", "1000",
+                                  "--override=--model.nsa.window_size=16", *oom]) == 0
+    (case,) = json.loads((tmp_path / "train_throughput.json").read_text())["results"]
+    assert "error" not in case and case["tokens_per_second"] > 0
+    assert (case["local_batch_size"], case["gradient_accumulation"]) == (1, 6)
+    assert case["out_of_memory_micro_batches"] == [6, 3]
 
 
 def test_train_throughput_records_a_model_too_large_to_build(tmp_path, monkeypatch):

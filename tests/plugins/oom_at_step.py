@@ -5,7 +5,8 @@ out-of-memory message.
 
 Training forwards are counted (one per step without gradient accumulation); the forward of step
 oom_at_step raises torch.OutOfMemoryError with the text CUDA's caching allocator gives. The count
-restarts with the process.
+restarts with the model. With --model.oom_above_rows=N (N > 0), every training forward of more than N
+rows runs out of memory instead, whatever the step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ ALLOCATOR_TEXT = ("CUDA out of memory. Tried to allocate 12.27 GiB. GPU 0 has a 
 class OomAtStepArgs(TransformerArgs):
     oom_at_step: int = field(default=3, metadata={"doc": "the step (1-based) whose forward runs out of memory",
                                                   "ge": 1})
+    oom_above_rows: int = field(default=0, metadata={"doc": "> 0: every training forward of more rows runs out "
+                                                            "of memory instead", "ge": 0})
 
 
 class OomAtStepTransformer(Transformer):
@@ -38,7 +41,8 @@ class OomAtStepTransformer(Transformer):
     def forward(self, tokens: torch.Tensor, documents=None) -> torch.Tensor:
         if self.training:
             self.training_forwards += 1
-            if self.training_forwards == self.args.oom_at_step:
+            too_many_rows = 0 < self.args.oom_above_rows < tokens.shape[0]
+            if too_many_rows or (not self.args.oom_above_rows and self.training_forwards == self.args.oom_at_step):
                 raise torch.OutOfMemoryError(ALLOCATOR_TEXT)
         return super().forward(tokens, documents)
 
