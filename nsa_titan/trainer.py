@@ -391,10 +391,11 @@ class Trainer:
             batch = self._next_batch(iterator)
             data_wait += time.perf_counter() - start
             set_gradient_sync(self.model, self.mesh, last_micro_batch=micro == self.grad_accum - 1)
-            logits, targets = self._forward(batch)
             # Every rank sees the same number of tokens, so dividing by the rank's token count and
             # averaging gradients over ranks (as data parallelism does) gives the global token mean.
-            loss = token_cross_entropy_sum(logits, targets) / self.local_tokens_per_step
+            # The logits are never bound to a name: they die with the backward, not during the next
+            # micro-batch's forward and the optimizer step (B x T x V each).
+            loss = token_cross_entropy_sum(*self._forward(batch)) / self.local_tokens_per_step
             loss.backward()
             loss_total += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.training.max_norm)
@@ -429,9 +430,8 @@ class Trainer:
         total = torch.zeros((), device=self.runtime.device, dtype=torch.float64)
         count = 0
         for batch in self._validation_batches():
-            logits, targets = self._forward(batch)
-            total += token_cross_entropy_sum(logits, targets).double()
-            count += targets.numel()  # the same on every rank, so the mean over ranks is the token mean
+            total += token_cross_entropy_sum(*self._forward(batch)).double()  # no logits held into the next
+            count += batch.targets.numel()  # the same on every rank, so the mean over ranks is the token mean
         loss = all_reduce_mean(total).item() / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 

@@ -53,6 +53,31 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tied):
     assert ("output.weight" in groups.get((False, 0.1), set())) != tied  # an untied head is decayed, by AdamW
 
 
+def test_a_hidden_layer_as_wide_as_the_vocabulary_is_still_muons():
+    """The head is the layer the model names, not any layer sharing a size with the vocabulary: an MLP of
+    256 hidden units over a 256-token vocabulary keeps Muon."""
+    from components.models.args import TransformerArgs
+    from components.models.transformer import Transformer
+
+    args = TransformerArgs(dim=96, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=128)
+    assert args.mlp_hidden_dim() == 256
+    model = Transformer(args, 256)
+    muon = _names(model, muon_params(model))
+    assert {"layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight"} <= muon
+    assert "output.weight" not in muon
+
+    class Plain(torch.nn.Module):  # no get_output_embeddings: the head is found by its exact shape
+        def __init__(self):
+            super().__init__()
+            self.embed, self.hidden = torch.nn.Embedding(256, 96), torch.nn.Linear(96, 256)
+            self.back, self.head = torch.nn.Linear(256, 96), torch.nn.Linear(96, 256)
+
+    plain = Plain()
+    assert _names(plain, muon_params(plain)) == set()  # (256, 96) and (96, 256) both look like the table
+    plain.hidden, plain.back = torch.nn.Linear(96, 200), torch.nn.Linear(200, 96)
+    assert _names(plain, muon_params(plain)) == {"hidden.weight", "back.weight"}
+
+
 def _random_grads(model, seed):
     gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():

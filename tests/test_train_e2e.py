@@ -287,3 +287,42 @@ def test_folders_that_cannot_be_written_stop_the_run_before_it_trains(tmp_path, 
         assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
         assert f"cannot create the folder {str(a_file / 'out')!r} ({field} = " in err and f"--{field}=NAME" in err
         assert not (run / "metrics.jsonl").exists()  # nothing trained: no step to lose
+
+
+def test_no_micro_batchs_logits_outlive_its_backward(tmp_path, monkeypatch):
+    """The logits (B x T x V, the largest activation) of one micro-batch are gone before the next
+    micro-batch's forward and before the optimizer step; validation holds one batch's at a time too."""
+    import weakref
+
+    from nsa_titan import trainer as trainer_module
+    from nsa_titan.runtime import make_runtime
+    from nsa_titan.trainer import Trainer
+
+    resolved = resolve([DEBUG, *TINY, "--training.global_batch_size=6", "--validation.steps=3",
+                        f"--job.dump_folder={tmp_path}"])
+    trainer = Trainer(resolved, make_runtime("cpu", "float32"))
+    made, alive_at = [], []
+    forward = trainer._forward
+
+    def watched_forward(batch):
+        alive_at.append(sum(ref() is not None for ref in made))
+        logits, targets = forward(batch)
+        made.append(weakref.ref(logits))
+        return logits, targets
+
+    clip = trainer_module.clip_grad_norm
+
+    def watched_clip(params, max_norm):
+        alive_at.append(sum(ref() is not None for ref in made))
+        return clip(params, max_norm)
+
+    monkeypatch.setattr(trainer, "_forward", watched_forward)
+    monkeypatch.setattr(trainer_module, "clip_grad_norm", watched_clip)
+    try:
+        trainer.train_step(iter(trainer.train_loader))
+        assert trainer.grad_accum == 3 and len(made) == 3
+        trainer.validate()
+        assert len(made) == 6
+    finally:
+        trainer.close()
+    assert alive_at == [0, 0, 0, 0, 0, 0, 0], alive_at  # 3 forwards, the step, 3 validation forwards

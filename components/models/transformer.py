@@ -84,6 +84,11 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
+    def get_output_embeddings(self) -> nn.Linear:
+        """The layer that maps to the vocabulary (the name transformers models use): optimizers treat it
+        as a table, not a hidden matrix."""
+        return self.output
+
     def to_empty(self, *, device, recurse: bool = True):
         # Materialising may give tied modules separate storage; share the weight again.
         super().to_empty(device=device, recurse=recurse)

@@ -1,9 +1,8 @@
 """Muon for the hidden weight matrices, AdamW for everything else, as one optimizer.
 
 Muon (momentum, then orthogonalized by a Newton-Schulz iteration) updates the weights of the linear
-layers inside the model. AdamW updates the rest: embedding tables, a linear layer that maps to or
-from a vocabulary (an output head: its in or out size is an embedding's number of rows), norms and
-biases. Muon's matrices and AdamW's matrices take weight decay; tables, norms and biases do not.
+layers inside the model. AdamW updates the rest: embedding tables, the output head (the layer the model's
+get_output_embeddings() names; see muon_params), norms and biases. Muon's matrices and AdamW's matrices take weight decay; tables, norms and biases do not.
 
 Parameters sharded by FSDP2 (DTensor): orthogonalizing needs the whole matrix. The matrices are dealt
 out over the ranks of the shard group: each is put together whole on one rank, orthogonalized there,
@@ -71,10 +70,20 @@ def _scale(adjust_lr: str, shape: torch.Size) -> float:
 
 
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
-    """The weights Muon updates: linear layers' matrices (AdamW's decayed ones), except those sized by an
-    embedding's vocabulary (an output head maps to it)."""
-    vocabularies = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    return [p for p in linear_matrices(model) if not vocabularies & set(p.shape)]
+    """The weights Muon updates: linear layers' matrices (AdamW's decayed ones), except the output head.
+
+    The head is the layer the model names with get_output_embeddings() (as transformers models do): a
+    size cannot tell it apart, since a hidden layer may be as wide as the vocabulary. A model without that
+    method has its head found by shape: a linear layer of exactly an embedding table's shape (V, dim)
+    or its transpose."""
+    named = getattr(model, "get_output_embeddings", None)
+    if callable(named):
+        head = named()
+        heads = set() if head is None else {id(p) for p in head.parameters()}
+        return [p for p in linear_matrices(model) if id(p) not in heads]
+    tables = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tables |= {shape[::-1] for shape in tables}
+    return [p for p in linear_matrices(model) if tuple(p.shape) not in tables]
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
