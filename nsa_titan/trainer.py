@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -403,9 +404,12 @@ class Trainer:
         decision = self.nan_guard.decide(bad, step=self.state.step + 1)
         if decision == OK:
             self.optimizer.step()
-        # A skipped step still uses its batch and its place in the LR schedule.
+        # A skipped step still uses its batch and its place in the LR schedule (the factor comes from the
+        # step count, so torch's warning about a schedule stepped before its optimizer does not apply).
         self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.lr_scheduler.step()
         return loss_total, grad_norm, data_wait, decision
 
     def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
