@@ -104,6 +104,14 @@ def test_bad_query_counts_are_refused():
         nsa_attention(**q, **HP, cu_seqlens=cu_seqlens, cu_seqlens_q=torch.tensor([0, 14]))
     with pytest.raises(ValueError, match="at most one per key"):
         nsa_attention(**q, **HP, cu_seqlens=cu_seqlens, cu_seqlens_q=torch.tensor([0, 6, 14]))
+    # 11 queries (the first document's last 5, the second's last 6): counts that do not add up to them
+    # would take the wrong rows (12) or leave one out (10), for every backend.
+    keep, _ = _keep_last((5, 9), (5, 6))
+    last = {k: v[:, keep] if k in QUERY_INPUTS else v for k, v in q.items()}
+    for backend in ("reference", "triton"):
+        for wrong in ([0, 5, 12], [0, 5, 10]):
+            with pytest.raises(ValueError, match=f"cu_seqlens_q must end at Tq = 11 .q's queries., got {wrong[-1]}"):
+                nsa_attention(**last, **HP, backend=backend, cu_seqlens=cu_seqlens, cu_seqlens_q=torch.tensor(wrong))
 
 
 def test_a_backend_without_query_offsets_gets_one_clear_error():

@@ -67,3 +67,26 @@ def test_documents_of_equal_length_run_together_yet_each_on_its_own():
     for i, name in enumerate(ORDER):
         torch.testing.assert_close(grads[i], torch.cat([g[i] for g in alone_grads], dim=1), rtol=1e-12, atol=1e-12,
                                    msg=name)
+
+
+def test_an_autocast_region_changes_nothing():
+    """The spec computes in the inputs' dtype with fp32 scores: bf16 autocast around the op (as the trainer
+    runs the forward; the backward runs outside it) gives the same bits, selections and gradients.
+    Autocast used to run the reference's matmuls in bf16 and pick other blocks than its backward did."""
+    from components.nsa import select_blocks
+
+    hp = dict(zip(HYPER_NAMES, (8, 4, 8, 5, 20), strict=True))
+    inputs = make_inputs(1, 400, 8, 1, 32, hp, dtype=torch.float32, seed=1, requires_grad=True)
+    grad_o = torch.randn(1, 400, 8, 32, generator=torch.Generator().manual_seed(2))
+    plain = nsa_attention(**inputs, **hp)
+    plain_grads = torch.autograd.grad(plain, [inputs[n] for n in ORDER], grad_o)
+    select_hp = {k: hp[k] for k in ("block_size", "block_stride", "sel_block_size", "num_selected")}
+    chosen = select_blocks(inputs["q"], inputs["k_cmp"], **select_hp)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = nsa_attention(**inputs, **hp)
+        assert torch.equal(select_blocks(inputs["q"], inputs["k_cmp"], **select_hp), chosen)
+        decode = nsa_attention_at_reference(**inputs, q_start=0, **hp)
+    under_grads = torch.autograd.grad(under, [inputs[n] for n in ORDER], grad_o)
+    assert under.dtype == torch.float32 and torch.equal(under, plain) and torch.equal(decode, plain)
+    for name, a, b in zip(ORDER, under_grads, plain_grads, strict=True):
+        assert torch.equal(a, b), name

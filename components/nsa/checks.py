@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from components.nsa.compression import num_compressed_blocks
-from components.nsa.documents import check_cu_seqlens_tensor, compressed_starts, document_starts
+from components.nsa.documents import check_cu_seqlens_tensor, compressed_starts, document_starts, query_counts
 from components.nsa.hyperparams import check_hyperparameters
 
 
@@ -83,6 +83,9 @@ def check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *
             raise ValueError(f"cu_seqlens_q must list the same documents as cu_seqlens: shape "
                              f"{tuple(cu_seqlens.shape)}, got {tuple(cu_seqlens_q.shape)}")
         Tk = k_sel.shape[1]
+        if not torch.compiler.is_compiling():  # values: read as cu_seqlens's are (a compiled graph has none)
+            starts = document_starts(cu_seqlens, Tk)
+            query_counts(cu_seqlens_q, [slice(a, b) for a, b in zip(starts, starts[1:])], Tq)
     Hkv = k_sel.shape[2]
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (k_sel {_shape(k_sel)})")

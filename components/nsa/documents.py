@@ -63,12 +63,15 @@ def document_slices(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int,
     return [(slice(a, b), slice(c, e)) for a, b, c, e in zip(starts, starts[1:], cmp, cmp[1:])]
 
 
-def query_counts(cu_seqlens_q: torch.Tensor, token_slices: list[slice]) -> list[int]:
-    """Each document's query count from cu_seqlens_q (checked against its key count)."""
+def query_counts(cu_seqlens_q: torch.Tensor, token_slices: list[slice], num_queries: int | None = None) -> list[int]:
+    """Each document's query count from cu_seqlens_q (checked against its key count, and their total
+    against num_queries, q's length, when given)."""
     starts = [int(x) for x in cu_seqlens_q.tolist()]
     if len(starts) != len(token_slices) + 1 or starts[0] != 0:
         raise ValueError(f"cu_seqlens_q must hold {len(token_slices) + 1} query starts from 0, one per document of "
                          f"cu_seqlens and the end, got {starts}")
+    if num_queries is not None and starts[-1] != num_queries:
+        raise ValueError(f"cu_seqlens_q must end at Tq = {num_queries} (q's queries), got {starts[-1]}")
     counts = [b - a for a, b in zip(starts, starts[1:])]
     for k, (count, tokens) in enumerate(zip(counts, token_slices)):
         if not 1 <= count <= tokens.stop - tokens.start:
@@ -94,7 +97,9 @@ def per_document(fn, tensors: tuple, kinds: tuple, cu_seqlens, block_size: int, 
             raise ValueError(f"k_cmp / v_cmp hold {x.shape[1]} compressed blocks, but the documents of cu_seqlens "
                              f"have {slices[-1][1].stop} with block_size {block_size} and block_stride {block_stride}")
     lengths = [tokens.stop - tokens.start for tokens, _ in slices]
-    counts = lengths if cu_seqlens_q is None else query_counts(cu_seqlens_q, [tokens for tokens, _ in slices])
+    num_queries = tensors[kinds.index(QUERY)].shape[1] if QUERY in kinds else None
+    counts = lengths if cu_seqlens_q is None else query_counts(cu_seqlens_q, [tokens for tokens, _ in slices],
+                                                                num_queries)
     query_ends = torch.tensor(counts).cumsum(0).tolist()
     queries = [slice(end - count, end) for end, count in zip(query_ends, counts)]
     by_shape: dict[tuple[int, int], list[int]] = {}

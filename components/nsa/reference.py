@@ -11,6 +11,7 @@ import torch
 
 from components.nsa.chunked_attention import chunked_attention, key_layout, query_chunk_size, query_layout
 from components.nsa.masks import CompressedRule, SelectedRule, WindowRule
+from components.nsa.precision import without_autocast
 from components.nsa.selection import score_dtype, select_blocks_at_reference
 
 
@@ -73,6 +74,7 @@ def window_attention(q, k_win, v_win, *, q_start: int, window_size: int) -> torc
     return _heads_out(_attend(qh, window_plan(qh, k_win, v_win, window_size=window_size), q_start))
 
 
+@without_autocast
 def nsa_attention_at_reference(
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
     block_size: int, block_stride: int, sel_block_size: int, num_selected: int, window_size: int,

@@ -18,6 +18,7 @@ from components.nsa.chunked_attention import chunked_attention_backward, chunked
 from components.nsa.chunked_attention import query_layout
 from components.nsa.reference import branch_chunk, branch_plans, nsa_attention_at_reference
 from components.nsa.documents import ATTENTION_INPUT_KINDS, QUERY, per_document
+from components.nsa.precision import without_autocast
 from components.nsa.selection import score_dtype, select_blocks_at_reference
 
 Tensor = torch.Tensor
@@ -61,6 +62,7 @@ def reference_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k_cmp: t
     return [g.contiguous() for g in grads]
 
 
+@without_autocast
 def _backward_one(grad_o, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int, block_size: int,
                   block_stride: int, sel_block_size: int, num_selected: int, window_size: int) -> list[Tensor]:
     """The backward of one sequence (one document; queries from position q_start on) by flash-style

@@ -12,6 +12,7 @@ import torch
 from components.nsa.chunked_attention import chunk_probabilities, key_layout, query_chunk_size, query_layout
 from components.nsa.hyperparams import num_selection_blocks
 from components.nsa.masks import CompressedRule
+from components.nsa.precision import without_autocast
 
 
 def _overlap_in_strides(
@@ -142,6 +143,7 @@ def top_blocks(scores: torch.Tensor, *, q_start: int, sel_block_size: int, num_s
     return torch.where(ascending == Ts, -1, ascending)
 
 
+@without_autocast
 @torch.no_grad()
 def select_blocks_at_reference(
     q: torch.Tensor, k_cmp: torch.Tensor, *, q_start: int, block_size: int, block_stride: int,
