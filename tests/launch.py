@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -94,6 +95,20 @@ def metrics(folder) -> list[dict]:
 
 def losses(folder) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(folder) if "loss" in r}
+
+
+def assert_resumed_at(output: str, folder, step: int) -> None:
+    """The run that printed `output` resumed from its checkpoint of `step` (a fresh start would repeat a
+    deterministic run's curve just as well, so equal losses alone prove no resume) and metrics.jsonl
+    holds each step once."""
+    assert re.search(rf"resumed from \S*step-{step} at step {step}\b", output), output[-3000:]
+    logged = [r["step"] for r in metrics(folder) if "loss" in r]
+    assert len(logged) == len(set(logged)), logged
+
+
+def losses_and_norms(folder) -> dict[int, tuple[float, float]]:
+    """step -> (loss, gradient norm): a gradient scaled wrongly barely moves AdamW's losses, but its norm."""
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics(folder) if "loss" in r}
 
 
 def assert_cuda_only_refused_at_start(tmp_path, capsys, flags: list[str], message: str) -> None:

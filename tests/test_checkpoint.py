@@ -16,7 +16,7 @@ import torch
 from nsa_titan import cli
 from nsa_titan.checkpoint import COMPLETE, complete_steps
 from nsa_titan.config import resolve
-from tests.launch import DEBUG, TINY, env, losses, train
+from tests.launch import DEBUG, TINY, assert_resumed_at, env, losses, train
 
 STEPS = 6
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2", "--training.global_batch_size=4", "--checkpoint.enable=true",
@@ -332,14 +332,17 @@ def test_export_round_trip_gives_the_same_logits(tmp_path, capsys):
     assert (plots / "selection_layer0.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_resume_takes_optimizer_settings_from_the_recipe(tmp_path):
+def test_resume_takes_optimizer_settings_from_the_recipe(tmp_path, capsys):
     from components.optim import SCHEDULES, lr_factor
 
     argv = [*BASE, "--training.steps=4", "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv]) == 0
     rewind_to(tmp_path, 2)
+    capsys.readouterr()
     assert cli.main(["train", *argv, "--optimizer.lr=1e-5", "--metrics.log_freq=1"]) == 0
+    assert_resumed_at(capsys.readouterr().out, tmp_path, 2)
     logged = {r["step"]: r["lr"] for r in json_records(tmp_path) if "lr" in r}
+    assert sorted(logged) == [3, 4]  # rewind_to emptied metrics.jsonl: only the resumed steps
     for step in (3, 4):
         expected = 1e-5 * lr_factor(step, warmup_steps=2, total_steps=4, shape=SCHEDULES["cosine"], min_lr_factor=0.1)
         assert logged[step] == pytest.approx(expected, rel=1e-12)
@@ -370,13 +373,16 @@ def test_resume_keeps_running_state_an_optimizer_holds_in_its_groups(tmp_path):
     assert losses(tmp_path) == {3: straight[3], 4: straight[4]}
 
 
-def test_a_warmup_stable_decay_run_extended_on_resume_decays_at_its_new_end(tmp_path):
+def test_a_warmup_stable_decay_run_extended_on_resume_decays_at_its_new_end(tmp_path, capsys):
     argv = [*BASE, "--checkpoint.interval=2", "--lr_scheduler.decay_steps=1", "--lr_scheduler.decay_type=linear",
             "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv, "--training.steps=4"]) == 0
     rewind_to(tmp_path, 2)  # back into the stable stretch, then train longer
+    capsys.readouterr()
     assert cli.main(["train", *argv, "--training.steps=6"]) == 0
+    assert_resumed_at(capsys.readouterr().out, tmp_path, 2)
     logged = {r["step"]: r["lr"] for r in json_records(tmp_path) if "lr" in r}
+    assert sorted(logged) == [3, 4, 5, 6]
     peak = resolve([*argv, "--training.steps=6"]).recipe.optimizer.lr
     assert [logged[s] for s in (3, 4, 5, 6)] == pytest.approx([peak, peak, peak, peak * 0.1], rel=1e-12)
 

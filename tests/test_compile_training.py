@@ -21,8 +21,9 @@ STEPS = 4
 # documents), so a guard on them would show as a recompile.
 COMMON = [DEBUG, *TINY, f"--training.steps={STEPS}", "--optimizer.eps=1e-4", "--data.source=synthetic",
           "--data.synthetic.min_length=5", "--data.synthetic.max_length=40"]
-# fp32 on the CPU: inductor fuses and reorders reductions, nothing else differs.
-RTOL = 2e-4
+# fp32 on the CPU: inductor fuses and reorders reductions, nothing else differs (measured: at most 2e-7
+# in loss and gradient norm, every backend, one process and FSDP2; a dropped document mask moves them 1e-4).
+RTOL = 1e-5
 BACKENDS = {
     "reference": ["--training.local_batch_size=2", "--training.global_batch_size=4"],
     # Triton's interpreter runs each kernel program in Python (about 4 s for the forward and backward of
@@ -49,9 +50,11 @@ def _run(folder, flags, nproc=1) -> dict[int, dict]:
 
 
 def _assert_same_losses(got: dict, expected: dict, what: str) -> None:
+    """Losses and gradient norms at every step (a dropped document mask moves the loss by about 1e-4)."""
     assert sorted(got) == list(range(1, STEPS + 1)), what
     for step in expected:
-        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=RTOL), (what, step)
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(expected[step][key], rel=RTOL), (what, step, key)
 
 
 def _assert_one_compile(records: dict, what: str) -> None:
@@ -71,7 +74,6 @@ def test_compiled_training_matches_eager_in_one_and_two_processes(tmp_path, back
     assert "compiled_graphs" not in eager[1]
 
     compiled = _run(tmp_path / "compiled", [*flags, *COMPILED])
-    assert compiled[1]["grad_norm"] == pytest.approx(eager[1]["grad_norm"], rel=1e-5)
     _assert_same_losses(compiled, eager, f"{backend}, one process")
     _assert_one_compile(compiled, f"{backend}, one process")
 

@@ -13,7 +13,7 @@ import torch
 
 from components.sequence_shard import SequenceShard
 from tests.test_nsa_packed import triton_only
-from tests.launch import DEBUG, REPO_ROOT, TINY, env, free_port, metrics, train
+from tests.launch import DEBUG, REPO_ROOT, TINY, assert_resumed_at, env, free_port, metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -160,8 +160,11 @@ def test_checkpoint_resumes_at_another_context_parallel_size(tmp_path, first, th
     save = [*NSA, "--training.steps=8", "--checkpoint.enable=true", "--checkpoint.interval=4",
             "--checkpoint.keep_latest_k=0"]
     straight = [r for r in _run([*save, *cp(first)], first, tmp_path) if r.get("step", 0) > 4]
-    records = _run([*save, *cp(then), "--checkpoint.load_step=4"], then, tmp_path)
-    resumed = [r for r in records if "loss" in r][-4:]
+    proc = train([*save, *cp(then), "--checkpoint.load_step=4", f"--job.dump_folder={tmp_path}"], nproc=then,
+                 timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_resumed_at(proc.stdout, tmp_path, 4)  # and metrics.jsonl holds steps 5-8 once: this run's
+    resumed = [r for r in metrics(tmp_path) if r.get("step", 0) > 4 and "loss" in r]
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     _assert_same_training(resumed, straight)
 

@@ -11,7 +11,7 @@ from components.errors import UserError
 from components.data.sources.mixture import MixtureArgs, MixtureEntry, MixtureSource, build_mixture_source
 from nsa_titan import cli
 from nsa_titan.config import resolve
-from tests.launch import DEBUG, TINY, losses, train
+from tests.launch import DEBUG, TINY, assert_resumed_at, losses, train
 
 
 class Counting:
@@ -292,6 +292,7 @@ def test_a_mixed_run_resumes_to_the_bit(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     second = train([*argv, f"--job.dump_folder={cut}"])
     assert second.returncode == 0, second.stderr[-3000:]
+    assert_resumed_at(second.stdout, cut, 2)
     assert losses(cut) == losses(whole)
 
 

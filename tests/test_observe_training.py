@@ -18,7 +18,7 @@ from nsa_titan.checkpoint import complete_steps
 from nsa_titan.config import resolve
 from nsa_titan.observe.watchdog import HANG_EXIT_CODE
 from nsa_titan.trainer import NUMERICAL_FAULT_EXIT, OUT_OF_MEMORY_EXIT
-from tests.launch import DEBUG, TINY, finish, metrics, start_training, train
+from tests.launch import DEBUG, TINY, assert_resumed_at, finish, metrics, start_training, train
 
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2"]
 
@@ -263,7 +263,7 @@ def test_a_resume_logs_each_step_once(tmp_path, capsys):
         [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
 
 
-def test_telemetry_follows_the_same_rows_across_a_resume(tmp_path):
+def test_telemetry_follows_the_same_rows_across_a_resume(tmp_path, capsys):
     """The telemetry probe is the stream's first rows in every run: 4 steps straight and 2 + 2 resumed
     report the same telemetry at step 4."""
     base = [*[f for f in BASE if f != "--checkpoint.enable=false"], "--checkpoint.enable=true",
@@ -276,7 +276,9 @@ def test_telemetry_follows_the_same_rows_across_a_resume(tmp_path):
     assert cli.main(["train", *base, "--training.steps=4", f"--job.dump_folder={tmp_path / 'straight'}"]) == 0
     resumed = tmp_path / "resumed"
     assert cli.main(["train", *base, "--training.steps=2", f"--job.dump_folder={resumed}"]) == 0
+    capsys.readouterr()
     assert cli.main(["train", *base, "--training.steps=4", f"--job.dump_folder={resumed}"]) == 0
+    assert_resumed_at(capsys.readouterr().out, resumed, 2)
     assert telemetry_at(resumed, 4) == telemetry_at(tmp_path / "straight", 4)
 
 
