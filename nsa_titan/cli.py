@@ -8,7 +8,8 @@ import sys
 import warnings
 
 from components.errors import UserError
-from nsa_titan.command_options import check_output, refuse_unknown_options, take_flag, take_option
+from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
+                                       take_option)
 from nsa_titan.config import RecipeError, resolve
 
 COMMANDS = {
@@ -19,7 +20,7 @@ COMMANDS = {
     "sample": "generate text: nsa-titan sample EXPORTED_FILE|HF_DIR [--prompt TEXT] [--max-new-tokens N] "
               "[--temperature T (0 = greedy)] [--top-k K (the K likeliest tokens; default all)] [--seed S]",
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE|RECIPE.toml [overrides] "
-            "--text TEXT|--text-file FILE [--layer N] --out DIR",
+            "--text TEXT|--text-file FILE [--layer N] --out DIR [--overwrite (replace an earlier plot's files in DIR)]",
     "eval": "loss by context position, a passkey probe and lm-eval tasks: nsa-titan eval RECIPE.toml|EXPORTED_FILE "
             "--out DIR [--batches N] [--lengths 64,128] [--depths 0,0.5,1] [--trials N] [--tasks a,b "
             "[--task-dir DIR] [--limit N]] [--overwrite (replace an earlier eval's results in DIR)]",
@@ -177,15 +178,19 @@ def sample(argv: list[str]) -> int:
 
 
 def plot(argv: list[str]) -> int:
-    from nsa_titan.observe.plots import plot_exported
+    from nsa_titan.observe.plots import PLOT_FILES, plot_exported
 
     text, text_file = take_option(argv, "--text"), take_option(argv, "--text-file")
     layer_text, out = take_option(argv, "--layer", "0"), take_option(argv, "--out")
+    overwrite = take_flag(argv, "--overwrite")
+    options = "--text, --text-file, --layer, --out, --overwrite"
     usage = ("`nsa-titan plot outputs/debug/model.pt --text 'def f(x):' --out plots/` or, from the run's newest "
              "checkpoint, `nsa-titan plot recipes/debug.toml [overrides] --text ... --out plots/`")
     from_recipe = bool(argv) and argv[0].endswith(".toml")
-    if not from_recipe:  # a recipe takes overrides, which resolve checks
-        refuse_unknown_options(argv, "plot", "--text, --text-file, --layer, --out")
+    # recipe overrides are --section.field words, which resolve checks
+    refuse_unknown_options(argv, "plot", options + (", or recipe overrides --section.field=VALUE" if from_recipe
+                                                    else " (recipe overrides go with a recipe)"),
+                           overrides=from_recipe)
     if not argv or (len(argv) != 1 and not from_recipe):
         return _fail(f"error: plot takes one exported model file or a recipe. Fix: {usage}.")
     if (text is None) == (text_file is None):
@@ -193,6 +198,7 @@ def plot(argv: list[str]) -> int:
     if not out:
         return _fail(f"error: plot needs --out DIR for the pictures. Fix: {usage}.")
     check_output("--out", out, folder=True)
+    refuse_earlier_results(out, "plot", PLOT_FILES, overwrite)
     try:
         layer = int(layer_text)
     except ValueError:
@@ -209,13 +215,18 @@ def plot(argv: list[str]) -> int:
     if from_recipe:
         from nsa_titan.export import load_checkpoint_model
         from nsa_titan.observe.plots import plot_model
+        from nsa_titan.run_folder import recipe_change_note
 
         resolved = resolve(argv, world_size=None)
         model, tokenizer, step = load_checkpoint_model(resolved)
-        paths, note = plot_model(model, resolved.recipe.model, tokenizer, text, layer, out)
+        change = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (plot reads the model "
+                                              "and tokenizer fields)")
+        if change:
+            print(change)
+        paths, note = plot_model(model, resolved.recipe.model, tokenizer, text, layer, out, overwrite)
         note += f", checkpoint step {step}"
     else:
-        paths, note = plot_exported(argv[0], text, layer, out)
+        paths, note = plot_exported(argv[0], text, layer, out, overwrite)
     print(f"plotted {note}: " + ", ".join(paths.values()))
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import uuid
@@ -97,3 +98,28 @@ def check_output(flag: str, path: str, *, folder: bool, fresh: bool = False,
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path!r} cannot be created: the folder {existing!r} is not writable. Fix: choose "
                         f"a folder you can write to.")
+
+
+def earlier_results(out: str, patterns: tuple[str, ...]) -> list[str]:
+    """The files in folder `out` whose names match `patterns` (a command's outputs), in the patterns' order."""
+    if not os.path.isdir(out):
+        return []
+    names = sorted(os.listdir(out))
+    return [n for pattern in patterns for n in names if fnmatch.fnmatchcase(n, pattern)]
+
+
+def refuse_earlier_results(out: str, command: str, patterns: tuple[str, ...], overwrite: bool) -> None:
+    """A command never silently replaces what an earlier run of it wrote into --out (eval results may be
+    all that is left of a pruned checkpoint; an earlier plot's legend would describe the new pictures)."""
+    earlier = earlier_results(out, patterns)
+    if earlier and not overwrite:
+        raise UserError(f"--out {out!r} holds an earlier {command}'s results ({', '.join(earlier)}); nothing was "
+                        f"written. Fix: choose a new folder, or add --overwrite to replace them.")
+
+
+def remove_earlier_results(out: str, command: str, patterns: tuple[str, ...], overwrite: bool) -> None:
+    """Just before writing: refuse again (another run may have written meanwhile), then, with --overwrite,
+    remove every earlier result so none stays beside the new ones (another layer's picture, a stale lm_eval.json)."""
+    refuse_earlier_results(out, command, patterns, overwrite)
+    for name in earlier_results(out, patterns):
+        os.remove(os.path.join(out, name))

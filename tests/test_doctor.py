@@ -98,6 +98,12 @@ def test_dump_folder_under_a_file_fails(tmp_path):
     assert check.status == "fail" and "not a folder" in check.detail
 
 
+def test_a_misspelled_option_is_named_as_one(tmp_path, capsys):
+    """Not an 'unknown recipe field': the option, with the closest one doctor has."""
+    assert cli.main(["doctor", DEBUG, f"--job.dump_folder={tmp_path}", "--world_size", "2"]) == 2
+    assert "doctor has no option '--world_size' (did you mean '--world-size'?)" in capsys.readouterr().err
+
+
 def test_world_size_shards_the_optimizer_states(tmp_path, capsys):
     def states(argv) -> float:
         _, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", *argv)

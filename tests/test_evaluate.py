@@ -113,6 +113,7 @@ def test_eval_says_where_its_recipe_differs_from_the_runs(checkpointed_run, tmp_
     (["--out", "X", "--lengths", "abc"], "is not a comma-separated list of ints"),
     (["--out", "X", "--depths", "0.5,,"], "--depths = '0.5,,' is not a comma-separated list of floats"),
     (["--out", "X", "--lengths", "500"], "--lengths must lie in"),
+    (["--out", "X", "--batchs", "2"], "eval has no option '--batchs' (did you mean '--batches'?)"),
 ])
 def test_eval_bad_options(checkpointed_run, tmp_path, capsys, extra, message):
     extra = [str(tmp_path) if x == "X" else x for x in extra]

@@ -186,6 +186,11 @@ def test_bad_seq_lens_are_input_errors(tmp_path, capsys, lengths, message):
     assert message in err and "Fix:" in err
 
 
+def test_a_misspelled_option_is_named_as_one(tmp_path, capsys):
+    code, _, err = _inspect(capsys, DEBUG, *TINY_NSA, f"--job.dump_folder={tmp_path}", "--seq-len", "64")
+    assert code == 2 and "inspect has no option '--seq-len' (did you mean '--seq-lens'?)" in err, err
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
                     reason="the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
 @pytest.mark.parametrize("masking", [True, False])

@@ -121,6 +121,16 @@ def test_plot_command(exported, tmp_path, capsys):
     assert set(gates["branch_colors"]) == {"cmp", "sel", "win"}
     assert matplotlib.image.imread(out / gates["file"]).shape[0] > 100
 
+    # A second plot into the folder is refused, the first's files untouched; --overwrite replaces them all,
+    # so no picture of another layer stays beside a legend that no longer describes it.
+    earlier = (out / "plots.json").read_text()
+    again = ["plot", str(exported), "--text", "def f(x):", "--layer", "0", "--out", str(out)]
+    assert main(again) == 2
+    assert "holds an earlier plot's results (selection_layer1.png, gates.png, plots.json)" in capsys.readouterr().err
+    assert (out / "plots.json").read_text() == earlier
+    assert main([*again, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["gates.png", "plots.json", "selection_layer0.png"]
+
 
 def test_plot_command_errors(exported, tmp_path, capsys):
     assert main(["plot", str(exported), "--text", "abc", "--layer", "7", "--out", str(tmp_path)]) == 2
@@ -135,3 +145,5 @@ def test_plot_command_errors(exported, tmp_path, capsys):
     assert "is not UTF-8 text (byte 3" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nothing.pt"), "--text", "a", "--out", str(tmp_path)]) == 2
     assert "cannot read exported model" in capsys.readouterr().err
+    assert main(["plot", str(exported), "--text", "a", "--layr", "1", "--out", str(tmp_path)]) == 2
+    assert "plot has no option '--layr' (did you mean '--layer'?)" in capsys.readouterr().err

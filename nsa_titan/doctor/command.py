@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from components.errors import UserError
-from nsa_titan.command_options import take_option
+from nsa_titan.command_options import refuse_unknown_options, take_option
 from nsa_titan.doctor.checks import FAIL, OK, WARN, Check
 
 NEEDS_RECIPE = ("data", "dump folder", "NSA backend", "memory estimate")
@@ -97,6 +97,7 @@ def run_command(argv: list[str]) -> int:
         print(USAGE + "\nRecipe fields and overrides: `nsa-titan train --help`.")
         return 0
     world_size = _pop_world_size(argv) or launch_world()[2]
+    refuse_unknown_options(argv, "doctor", "--world-size, or recipe overrides --section.field=VALUE", overrides=True)
     results = run_checks(argv, world_size)
     for check in results:
         print(check.line(), flush=True)

@@ -17,7 +17,8 @@ import os
 
 from components.errors import UserError
 from nsa_titan import assemble, registry
-from nsa_titan.command_options import check_output, refuse_unknown_options, take_flag, take_option
+from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options,
+                                       remove_earlier_results, take_flag, take_option)
 from nsa_titan.config import resolve
 from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length
 from nsa_titan.evaluate.position_loss import loss_by_position
@@ -26,15 +27,8 @@ from nsa_titan.observe.plots import pyplot
 from nsa_titan.observe.progress import progress
 
 USAGE = "`nsa-titan eval recipes/debug.toml --out outputs/debug/eval` (or an exported model file instead of the recipe)"
+OPTIONS = "--out, --batches, --lengths, --depths, --trials, --tasks, --task-dir, --limit, --overwrite"
 RESULT_FILES = ("eval.json", "position_loss.png", "passkey.png", "lm_eval.json")
-
-
-def _refuse_earlier_results(out: str, overwrite: bool) -> None:
-    """An eval never silently replaces another's results: they may be all that is left of a pruned checkpoint."""
-    earlier = [name for name in RESULT_FILES if os.path.lexists(os.path.join(out, name))]
-    if earlier and not overwrite:
-        raise UserError(f"--out {out!r} holds an earlier eval's results ({', '.join(earlier)}); nothing was "
-                        f"evaluated. Fix: choose a new folder, or add --overwrite to replace them.")
 
 
 def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = False):
@@ -61,6 +55,7 @@ def _load(argv: list[str]):
     from nsa_titan.run_folder import recipe_change_note
 
     if argv and argv[0].endswith(".toml"):
+        refuse_unknown_options(argv, "eval", OPTIONS + ", or recipe overrides --section.field=VALUE", overrides=True)
         resolved = resolve(argv, world_size=None)
         model, tokenizer, step = load_checkpoint_model(resolved)
         note = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (eval reads the model, "
@@ -68,8 +63,7 @@ def _load(argv: list[str]):
         if note:
             print(note)
         return model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}"
-    refuse_unknown_options(argv, "eval", "--out, --batches, --lengths, --depths, --trials, --tasks, --task-dir, "
-                                         "--limit, --overwrite (recipe overrides go with a recipe, not an exported file)")
+    refuse_unknown_options(argv, "eval", OPTIONS + " (recipe overrides go with a recipe, not an exported file)")
     if len(argv) != 1:
         raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
     model, meta = load_exported(argv[0])
@@ -84,7 +78,7 @@ def run_command(argv: list[str]) -> int:
         raise UserError(f"eval needs --out DIR for its results. Fix: {USAGE}.")
     check_output("--out", out, folder=True)
     overwrite = take_flag(argv, "--overwrite")
-    _refuse_earlier_results(out, overwrite)
+    refuse_earlier_results(out, "eval", RESULT_FILES, overwrite)
     batches = _numbers(argv, "--batches", int, None, one=True)
     lengths = _numbers(argv, "--lengths", int, None)
     depths = _numbers(argv, "--depths", float, "0,0.25,0.5,0.75,1")
@@ -162,10 +156,7 @@ def run_command(argv: list[str]) -> int:
                             recipe.job.seed)
 
     os.makedirs(out, exist_ok=True)
-    _refuse_earlier_results(out, overwrite)  # another eval may have written there meanwhile
-    for name in RESULT_FILES:  # --overwrite: no result of the earlier eval stays beside the new ones
-        if os.path.lexists(os.path.join(out, name)):
-            os.remove(os.path.join(out, name))
+    remove_earlier_results(out, "eval", RESULT_FILES, overwrite)
     results = {"model": loaded, "position_loss": positions, "passkey": passkey}
     paths = {"results": os.path.join(out, "eval.json"), "position_loss": os.path.join(out, "position_loss.png"),
              "passkey": os.path.join(out, "passkey.png")}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from components.errors import UserError
-from nsa_titan.command_options import take_option
+from nsa_titan.command_options import refuse_unknown_options, take_flag, take_option
 
 USAGE = ("nsa-titan inspect RECIPE.toml [--section.field=VALUE ...] [--seq-lens 64,96] [--fail-on-break]\n"
          "  --seq-lens L1,L2,...  run forward + backward at these sequence lengths (default: training.seq_len)\n"
@@ -15,12 +15,6 @@ USAGE = ("nsa-titan inspect RECIPE.toml [--section.field=VALUE ...] [--seq-lens 
          "Exit codes: 0 inspected, 1 compilation failed (or a problem with --fail-on-break), 2 bad input.")
 
 FAILED = 1
-
-
-def _pop_flag(argv: list[str], name: str) -> bool:
-    found = name in argv
-    argv[:] = [a for a in argv if a != name]
-    return found
 
 
 def parse_seq_lens(text: str) -> list[int]:
@@ -44,8 +38,10 @@ def run_command(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(USAGE + "\nRecipe fields and overrides: `nsa-titan train --help`.")
         return 0
-    fail_on_break = _pop_flag(argv, "--fail-on-break")
+    fail_on_break = take_flag(argv, "--fail-on-break")
     lengths_text = take_option(argv, "--seq-lens")
+    refuse_unknown_options(argv, "inspect", "--seq-lens, --fail-on-break, or recipe overrides --section.field=VALUE",
+                           overrides=True)
     seq_lens = parse_seq_lens(lengths_text) if lengths_text is not None else None
     resolved = resolve(argv, world_size=launch_world()[2])
     if resolved.path is None:

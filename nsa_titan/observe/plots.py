@@ -25,6 +25,7 @@ from torch import nn
 from components.errors import UserError
 from components.model_hooks import AttentionMap
 from nsa_titan import registry
+from nsa_titan.command_options import remove_earlier_results
 
 WHITE = (255, 255, 255)
 FUTURE = (224, 224, 224)
@@ -148,9 +149,13 @@ def attention_figures(maps: dict[int, AttentionMap], num_tokens: int) -> dict[st
     return figures
 
 
-def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out_dir: str) -> dict[str, str]:
+PLOT_FILES = ("selection_layer*.png", "gates.png", "plots.json")
+
+
+def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out_dir: str,
+                 overwrite: bool = False) -> dict[str, str]:
     """Write selection_layer{layer}.png, gates.png and plots.json from one text's attention maps (batch of
-    one); returns their paths."""
+    one); returns their paths. An earlier plot's files in out_dir are refused, or with overwrite removed."""
     if not maps:
         raise UserError("the model has no sparse attention layers (e.g. attention = 'dense'), so there is no "
                         "selection or gate to plot. Fix: plot a model trained with sparse attention (attention = "
@@ -164,6 +169,7 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
     gate_means = _gate_means(maps)
     branches = _branches(maps)
 
+    remove_earlier_results(out_dir, "plot", PLOT_FILES, overwrite)
     os.makedirs(out_dir, exist_ok=True)
     paths = {"selection": _save(selection_figure(colors, layer, chosen),
                                 os.path.join(out_dir, f"selection_layer{layer}.png")),
@@ -190,7 +196,7 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
 
 
 def plot_model(model: nn.Module, model_section, tokenizer, text: str, layer: int,
-               out_dir: str) -> tuple[dict[str, str], str]:
+               out_dir: str, overwrite: bool = False) -> tuple[dict[str, str], str]:
     """Tokenize text (cut to the model's max_seq_len) and render_plots on the CPU; returns (paths, note).
     model_section is the recipe's [model] (its name picks the part, whose attention_maps hook is used)."""
     hook = registry.get("model", model_section.name).attention_maps
@@ -206,10 +212,11 @@ def plot_model(model: nn.Module, model_section, tokenizer, text: str, layer: int
         note = f"the text's first {limit} of {len(ids)} tokens (the model's max_seq_len)"
         ids = ids[:limit]
     tokens = torch.tensor([ids], dtype=torch.long)
-    return render_plots(hook(model, tokens), tokens.shape[1], layer, out_dir), note
+    return render_plots(hook(model, tokens), tokens.shape[1], layer, out_dir, overwrite), note
 
 
-def plot_exported(path: str, text: str, layer: int, out_dir: str) -> tuple[dict[str, str], str]:
+def plot_exported(path: str, text: str, layer: int, out_dir: str,
+                  overwrite: bool = False) -> tuple[dict[str, str], str]:
     """plot_model on an exported model file."""
     from nsa_titan import assemble
     from nsa_titan.config.resolve import resolve_text
@@ -217,4 +224,4 @@ def plot_exported(path: str, text: str, layer: int, out_dir: str) -> tuple[dict[
 
     model, meta = load_exported(path)
     recipe = resolve_text(meta["recipe_toml"]).recipe
-    return plot_model(model, recipe.model, assemble.build_tokenizer(recipe), text, layer, out_dir)
+    return plot_model(model, recipe.model, assemble.build_tokenizer(recipe), text, layer, out_dir, overwrite)
