@@ -5,8 +5,9 @@
 #   NGPU           processes on this node (default: the GPU count, else 1 CPU process)
 #   NNODES         nodes in the job (default 1)
 #   NODE_RANK      this node's index (default 0)
-#   RDZV_ENDPOINT  host:port of the c10d rendezvous for multi-node runs (default: this node)
-# Other commands of the nsa-titan tool (inspect, doctor, ...) run as: ./run_train.sh COMMAND ARGS.
+#   RDZV_ENDPOINT  host:port of the c10d rendezvous, required when NNODES > 1
+# Other commands of the nsa-titan tool (inspect, doctor, ...) run as: ./run_train.sh COMMAND ARGS, exactly as
+# `nsa-titan COMMAND ARGS` (train alone defaults to recipes/debug.toml).
 set -euo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
 py=$("$root/scripts/ensure_env.sh")
@@ -19,15 +20,15 @@ case "${1:-}" in
   # Neither a command nor a recipe file: the CLI names the commands (e.g. for 'evaluate').
   *) [ -e "$1" ] || exec "$py" -m nsa_titan.cli "$@" ;;
 esac
+if [ "$command" != train ]; then
+  exec "$py" -m nsa_titan.cli "$command" "$@"
+fi
 if [ $# -eq 0 ] || [[ "${1:-}" == -* ]]; then
   set -- "$root/recipes/debug.toml" "$@"
 fi
 for arg in "$@"; do
-  case "$arg" in --help|-h|--print-config) exec "$py" -m nsa_titan.cli "$command" "$@" ;; esac
+  case "$arg" in --help|-h) exec "$py" -m nsa_titan.cli train "$@" ;; esac
 done
-if [ "$command" != train ]; then
-  exec "$py" -m nsa_titan.cli "$command" "$@"
-fi
 
 if [ -z "${NGPU:-}" ]; then
   # The GPUs this process may use (CUDA_VISIBLE_DEVICES respected), else one CPU process.
@@ -55,6 +56,9 @@ if [ "$NODE_RANK" -ge "$NNODES" ]; then
   echo "error: NODE_RANK=$NODE_RANK must be below NNODES=$NNODES (nodes count from 0). Fix: set NODE_RANK to 0 .. $((NNODES - 1))." >&2
   exit 2
 fi
+for arg in "$@"; do  # the recipe as this launch would run it: checked for its world size
+  case "$arg" in --print-config) WORLD_SIZE=$((NGPU * NNODES)) exec "$py" -m nsa_titan.cli train "$@" ;; esac
+done
 export PYTHONUNBUFFERED=1
 if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
   # One process needs no launcher; its own exit code (2 bad input, 3 NaN stop, 4 out of device memory,
@@ -66,7 +70,10 @@ config=$(WORLD_SIZE=$((NGPU * NNODES)) "$py" -m nsa_titan.cli train "$@" --print
 dump=$(printf '%s' "$config" | "$py" -c \
   'import sys; from nsa_titan.config.toml_io import tomllib; print(tomllib.loads(sys.stdin.read())["job"]["dump_folder"])')
 if [ "$NNODES" -gt 1 ]; then
-  : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port (the rendezvous node) for a multi-node run}"
+  if [ -z "${RDZV_ENDPOINT:-}" ]; then
+    echo "error: NNODES=$NNODES needs RDZV_ENDPOINT, the host:port every node meets at. Fix: set RDZV_ENDPOINT=host:port of node 0 (the same on every node)." >&2
+    exit 2
+  fi
   launcher=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"
             --rdzv_id="${RDZV_ID:-nsa_titan}")
 else

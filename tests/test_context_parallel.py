@@ -174,4 +174,6 @@ def test_layout_errors_name_the_fix(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "2 problems" in proc.stderr
     assert "world size 1 is not divisible by parallelism.context_parallel_degree 2" in proc.stderr
+    assert "flag '--parallelism.context_parallel_degree=2'" in proc.stderr  # the setting at fault, named
+    assert "launch a multiple of 2 processes (NGPU x NNODES)" in proc.stderr
     assert "--training.seq_len=62" in proc.stderr and "use a multiple of 4" in proc.stderr

@@ -41,6 +41,36 @@ def test_bad_launch_variables_are_named_before_anything_starts(variables, messag
     assert "Traceback" not in done.stderr and done.stdout == ""
 
 
+def test_a_multi_node_launch_without_a_rendezvous_is_named():
+    done = subprocess.run([SCRIPT, "recipes/debug.toml"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                          env={**os.environ, "NNODES": "2", "RDZV_ENDPOINT": ""})
+    assert done.returncode == 2 and done.stderr.startswith("error: NNODES=2 needs RDZV_ENDPOINT"), done.stderr
+    assert "Fix: set RDZV_ENDPOINT=host:port" in done.stderr
+
+
+def test_print_config_checks_the_recipe_for_the_launchs_world_size():
+    """NGPU x NNODES processes, as the launch would start: a context-parallel degree they cannot hold is
+    refused, naming that setting."""
+    argv = [SCRIPT, "recipes/debug.toml", "--parallelism.context_parallel_degree=2", "--print-config"]
+    one = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                         env={**os.environ, "NGPU": "1"})
+    assert one.returncode == 2 and "the world size 1 is not divisible" in one.stderr, one.stderr
+    two = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                         env={**os.environ, "NGPU": "2"})
+    assert two.returncode == 0, two.stderr
+    assert "context_parallel_degree = 2" in two.stdout
+
+
+def test_the_script_trains_one_process(tmp_path):
+    """What a user runs first: ./run_train.sh RECIPE [overrides], one process, to the end."""
+    from tests.launch import TINY, env, losses
+
+    done = subprocess.run([SCRIPT, "recipes/debug.toml", *TINY, "--training.steps=3", f"--job.dump_folder={tmp_path}"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(losses(tmp_path)) == [1, 2, 3] and "step 3/3" in done.stdout + done.stderr
+
+
 def test_a_word_that_is_neither_a_command_nor_a_recipe_lists_the_commands():
     done = subprocess.run([SCRIPT, "evaluate"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert done.returncode == 2 and "unknown command 'evaluate'" in done.stderr and "eval" in done.stderr

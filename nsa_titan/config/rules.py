@@ -23,7 +23,13 @@ def _set(section, path: str, name: str, source_of) -> bool:
 
 
 class LayoutError(ValueError):
-    """The data-parallel degrees cannot be resolved for this world size; the message says why."""
+    """The data-parallel degrees cannot be resolved for this world size; the message says why, `field`
+    names the setting at fault and `fix` how to mend it (None: the data-parallel degrees' own fix)."""
+
+    def __init__(self, message: str, field: str = "parallelism.data_parallel_shard_degree",
+                 fix: str | None = None):
+        super().__init__(message)
+        self.field, self.fix = field, fix
 
 
 def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
@@ -32,7 +38,10 @@ def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
     par = recipe.parallelism
     cp = par.context_parallel_degree
     if world_size % cp:
-        raise LayoutError(f"the world size {world_size} is not divisible by parallelism.context_parallel_degree {cp}")
+        raise LayoutError(f"the world size {world_size} is not divisible by parallelism.context_parallel_degree {cp}",
+                          "parallelism.context_parallel_degree",
+                          f"launch a multiple of {cp} processes (NGPU x NNODES), or choose a context_parallel_degree "
+                          f"that divides {world_size}")
     world_size //= cp
     size_name = "world size" if cp == 1 else f"data-parallel size (world size / context_parallel_degree {cp})"
     rep, shard = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
@@ -61,9 +70,9 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     try:
         degrees = (1, 1) if world_size is None else data_parallel_degrees(recipe, world_size)
     except LayoutError as exc:
-        add("parallelism.data_parallel_shard_degree", recipe.parallelism.data_parallel_shard_degree, str(exc),
-            "make replicate x shard x context_parallel_degree equal the number of processes (NGPU x NNODES), or set "
-            "one of replicate and shard to -1")
+        add(exc.field, getattr(recipe.parallelism, exc.field.split(".")[1]), str(exc),
+            exc.fix or "make replicate x shard x context_parallel_degree equal the number of processes (NGPU x "
+                       "NNODES), or set one of replicate and shard to -1")
         dp = world_size
     else:
         for name, value in zip(("data_parallel_replicate_degree", "data_parallel_shard_degree"), degrees):
