@@ -117,6 +117,10 @@ def export(argv: list[str]) -> int:
         example = "--format hf --output outputs/debug/hf" if form == "hf" else "--output outputs/debug/model.pt"
         return _fail(f"error: export needs --output. Fix: e.g. `nsa-titan export recipes/debug.toml {example}`.")
     resolved = resolve(argv, world_size=None)
+    if resolved.path is None:  # the bare defaults name no run: their checkpoint folder is a guess
+        return _fail(f"error: export needs the recipe of the run whose checkpoint it exports. Fix: e.g. "
+                     f"`nsa-titan export recipes/debug.toml {'--format hf ' if form == 'hf' else ''}--output "
+                     f"{output}`.")
     path, step = writers[form](resolved, output, *(() if dtype is None else (dtype,)), overwrite=overwrite)
     print(f"exported step {step} to {path}")
     from nsa_titan.run_folder import recipe_change_note

@@ -191,6 +191,15 @@ def test_an_unknown_export_option_is_named_before_a_missing_output(capsys):
     assert "has no option" not in err
 
 
+def test_an_export_without_a_recipe_names_one(tmp_path, capsys, monkeypatch):
+    """The bare defaults name no run: in a folder holding outputs/debug, they found its checkpoint and
+    complained that it did not fit their model."""
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, ["export", "--output", "x.pt"], "export needs the recipe of the run",
+            "`nsa-titan export recipes/debug.toml --output x.pt`")
+    assert not (tmp_path / "x.pt").exists()
+
+
 @pytest.mark.parametrize("extra, message", [(["--batches", "1,2"], "--batches = '1,2' gives 2 values; it takes one"),
                                             (["--limit", "0"], "--limit must be at least 1, got 0"),
                                             (["--batches", "0"], "--batches must be at least 1, got 0")])

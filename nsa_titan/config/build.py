@@ -132,11 +132,28 @@ class RecipeBuilder:
         built = {}
         for name, value in raw.items():
             if isinstance(value, dict):
+                before = len(self.problems)
                 built[name] = self.build(entry, value, _join(path, name))
+                if len(self.problems) > before:
+                    self._misspelled_table(path, name, raw, before)
             else:  # one problem, not one per required field of an empty table
                 self.problem(_join(path, name), value, "must be a table",
                              f"write it as [{_join(path, name)}] with its fields under it")
         return built
+
+    def _misspelled_table(self, path: str, name: str, raw: dict, before: int) -> None:
+        """[path.name] is incomplete and only flags wrote it, beside tables a recipe file wrote: most likely
+        a misspelled name (--data.mixture.sources.webb.weight=2 for web), so say that, not 'is required'."""
+        sources = [s for key, s in self.origin.items() if key.startswith(_join(path, name) + ".")]
+        filed = [other for other in raw if other != name and any(
+            not s.startswith("flag") for key, s in self.origin.items() if key.startswith(_join(path, other) + "."))]
+        only_missing = all(p.why == "is required" for p in self.problems[before:])  # else the flags' own faults
+        if not sources or not all(s.startswith("flag") for s in sources) or not filed or not only_missing:
+            return
+        del self.problems[before:]
+        self.problem(_join(path, name), None, f"is no table of the recipe{suggest(name, filed)}; it has "
+                     f"{', '.join(repr(n) for n in filed)}, and this flag alone does not make a complete new one",
+                     f"correct the name in the flag, or give every required field of a new [{_join(path, name)}]")
 
     def _unused_when_switched_off(self, fld: dataclasses.Field, values: dict, table: dict, path: str) -> Any:
         """A field used only while a sibling has a given value (metadata used_when = (sibling, value)),

@@ -185,7 +185,7 @@ def _check_lr_schedule(recipe: Recipe, add, notes: list[str], source_of) -> None
     sched, steps = recipe.lr_scheduler, recipe.training.steps
     if sched.decay_type == "constant":
         for name in ("min_lr_factor", "decay_steps"):
-            if _changed(sched, name):
+            if _set(sched, "lr_scheduler", name, source_of):  # a flag even at the default: it was asked for
                 add(f"lr_scheduler.{name}", getattr(sched, name), "has no effect with decay_type = 'constant'",
                     "remove it, or choose a decaying shape such as decay_type = 'cosine'")
     elif sched.decay_steps == 0:
