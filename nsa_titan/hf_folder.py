@@ -206,21 +206,35 @@ def read_hf_folder(path: str) -> HFFolder:
     return HFFolder(model_name, model_args, vocab_size, state, ours.get("step"), recipe_toml)
 
 
-def load_hf_weights(model: torch.nn.Module, path: str, model_name: str, model_args, vocab_size: int) -> None:
+def load_hf_weights(model: torch.nn.Module, path: str, model_name: str, model_args, vocab_size: int) -> list[str]:
     """checkpoint.initial_load_path = a Hugging Face folder: its weights into this run's model (sharded
-    or not), after checking that the folder holds this model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    or not), after checking that the folder holds this model (its part and every weight's shape). Fields
+    that leave the weights' shapes alone (max_seq_len to extend the context, the NSA backend, the
+    window) may differ: returns them as 'model.FIELD: theirs -> ours' for the run to say."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     folder = read_hf_folder(path)
-    ours = {"model": model_name, "vocab_size": vocab_size, **_flat(dataclasses.asdict(model_args), "model.args")}
-    theirs = {"model": folder.model_name, "vocab_size": folder.vocab_size, **_flat(folder.model_args, "model.args")}
-    differ = [f"{key} = {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in sorted(set(ours) | set(theirs))
-              if ours.get(key) != theirs.get(key)]
-    if differ:
-        raise UserError(f"checkpoint.initial_load_path = {path!r} holds another model: {'; '.join(differ[:4])}"
-                        f"{'; ...' if len(differ) > 4 else ''}. Fix: set the model fields to the folder's values (its "
-                        f"{RECIPE} has them) or start from a folder of this model.")
+    if (folder.model_name, folder.vocab_size) != (model_name, vocab_size):
+        raise UserError(f"checkpoint.initial_load_path = {path!r} holds another model: model {folder.model_name!r} "
+                        f"over {folder.vocab_size} tokens there, {model_name!r} over {vocab_size} here. Fix: set "
+                        f"model.name and the tokenizer to the folder's (its {RECIPE} has them), or start from a "
+                        f"folder of this model.")
+    ours, theirs = _flat(dataclasses.asdict(model_args), "model"), _flat(folder.model_args, "model")
+    expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}  # global shapes when sharded
+    found = {k: tuple(v.shape) for k, v in folder.state_dict.items()}
+    wrong = [f"{k}: {found[k]} there, {expected[k]} here" for k in sorted(expected.keys() & found.keys())
+             if found[k] != expected[k]]
+    if wrong or expected.keys() != found.keys():
+        differ = [f"{key} = {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in sorted(set(ours) | set(theirs))
+                  if ours.get(key) != theirs.get(key)]
+        raise UserError(f"checkpoint.initial_load_path = {path!r} holds weights of other shapes "
+                        f"({'; '.join(wrong[:2]) or 'other weight names'}): the model fields differ ("
+                        f"{'; '.join(differ[:4]) or 'none listed'}{'; ...' if len(differ) > 4 else ''}). Fix: set "
+                        f"the model fields to the folder's values (its {RECIPE} has them) or start from a folder "
+                        f"of this model.")
     set_model_state_dict(model, folder.state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+    return [f"{key}: {theirs.get(key)!r} -> {ours.get(key)!r}" for key in sorted(set(ours) | set(theirs))
+            if ours.get(key) != theirs.get(key)]
 
 
 def _flat(d: dict, prefix: str) -> dict:

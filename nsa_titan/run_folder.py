@@ -104,18 +104,39 @@ def recipe_changes(folder: str, resolved, limit: int = 12) -> list[str]:
     ('model.nsa.window_size: 64 -> 32'), at most `limit` of them and a count of the rest; [] when the same
     or when there is none to compare with. A resumed run says so: a changed field is applied, not ignored,
     and should not pass unseen."""
-    path = os.path.join(folder, RECIPE_FILE)
+    return recipe_differences(_read_run_recipe(folder), resolved, limit=limit)
+
+
+def _read_run_recipe(folder: str) -> str | None:
+    """The recipe.toml a run wrote into `folder`, or None (none there, unreadable, or not a run's)."""
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(os.path.join(folder, RECIPE_FILE), encoding="utf-8") as fh:
             text = fh.read()
-        if not text.startswith(RESOLVED_HEADER) or text.startswith(f"{RESOLVED_HEADER}{resolved.hash}\n"):
-            return []
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if text.startswith(RESOLVED_HEADER) else None
+
+
+def recipe_differences(text: str | None, resolved, within: str = "", limit: int = 12) -> list[str]:
+    """Fields (those under `within`, e.g. 'model.') whose values in the resolved recipe TOML `text` differ
+    from this run's, as 'field: old -> new'; [] when the same or text is None or unreadable."""
+    if text is None or text.startswith(f"{RESOLVED_HEADER}{resolved.hash}\n"):
+        return []
+    try:
         before, now = _flat(tomllib.loads(text)), _flat(tomllib.loads(resolved.toml))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+    except tomllib.TOMLDecodeError:
         return []  # nothing readable to compare with
     changes = [f"{key}: {_short(before.get(key, _UNSET))} -> {_short(now.get(key, _UNSET))}"
-               for key in sorted(before.keys() | now.keys()) if before.get(key, _UNSET) != now.get(key, _UNSET)]
+               for key in sorted(before.keys() | now.keys())
+               if key.startswith(within) and before.get(key, _UNSET) != now.get(key, _UNSET)]
     return changes[:limit] + ([f"and {len(changes) - limit} more"] if len(changes) > limit else [])
+
+
+def recipe_of_step_folder(step_dir: str) -> str | None:
+    """The recipe of the run that wrote a checkpoint step folder (its dump folder holds the checkpoint
+    folder), or None where it is not beside it (a moved folder, a checkpoint.folder elsewhere)."""
+    run = os.path.dirname(os.path.dirname(os.path.abspath(step_dir.rstrip(os.sep))))
+    return _read_run_recipe(run)
 
 
 def recipe_change_note(resolved, lead: str) -> str | None:

@@ -41,7 +41,8 @@ from nsa_titan.parallel.compile import compile_blocks, compile_counters
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
-from nsa_titan.run_folder import RunFolderLock, create_run_folder, recipe_change_note, write_run_recipe
+from nsa_titan.run_folder import (RunFolderLock, create_run_folder, recipe_change_note, recipe_differences,
+                                  recipe_of_step_folder, write_run_recipe)
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 
@@ -285,12 +286,21 @@ class Trainer:
                 self._say(f"checkpoint.initial_load_path = {ckpt.initial_load_path!r} is not used: this run resumes "
                           f"its own checkpoint (a new --job.dump_folder starts from those weights)")
         elif ckpt.initial_load_path and is_hf_folder(ckpt.initial_load_path):
-            load_hf_weights(self.model, ckpt.initial_load_path, self.recipe.model.name, self.recipe.model.args,
-                            self.tokenizer.vocab_size)
+            changes = load_hf_weights(self.model, ckpt.initial_load_path, self.recipe.model.name,
+                                      self.recipe.model.args, self.tokenizer.vocab_size)
             self._say(f"initial weights from the Hugging Face folder {ckpt.initial_load_path}")
+            self._say_weight_source_changes(changes)
         elif ckpt.initial_load_path:
             self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
             self._say(f"initial weights from {ckpt.initial_load_path}")
+            self._say_weight_source_changes(recipe_differences(recipe_of_step_folder(ckpt.initial_load_path),
+                                                               self.resolved, within="model."))
+
+    def _say_weight_source_changes(self, changes: list[str]) -> None:
+        """Model fields that leave the weights' shapes alone may differ from those they were trained with
+        (max_seq_len to extend the context, say): legal, and said so that no change passes unseen."""
+        if changes:
+            self._say(f"note: the model differs from the one that trained these weights: {'; '.join(changes)}")
 
     def _begin(self) -> None:
         """Once the first step has succeeded, on every rank: set aside what an older-step resume leaves

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import sysconfig
 
@@ -240,9 +241,11 @@ def test_the_shipped_tokenizer_adds_bos_as_training_did(trained, tmp_path, kind)
     assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
 
 
-def test_a_run_starts_from_the_folder(exported, tmp_path):
+def test_a_run_starts_from_the_folder(exported, tmp_path, capsys):
     """checkpoint.initial_load_path = the folder gives the first step the same loss as the checkpoint's own
-    weights do (loaded through DCP), and a model of another shape is refused with the differences named."""
+    weights do (loaded through DCP); a model field that keeps the weights' shapes (a longer max_seq_len, to
+    extend the context) may change, and is named, from either; a model of another shape is refused with the
+    differences named."""
     argv, folder = exported
     base = [a for a in argv if not a.startswith(("--job.dump_folder", "--checkpoint.enable"))]
     step_dir = os.path.join(os.path.dirname(folder), "run", "checkpoint", "step-2")
@@ -255,9 +258,19 @@ def test_a_run_starts_from_the_folder(exported, tmp_path):
     assert first["hf"] == first["dcp"]
     assert first["hf"] < losses(os.path.join(os.path.dirname(folder), "run"))[1]  # not a fresh model
 
+    capsys.readouterr()
+    for name, path in (("dcp", step_dir), ("hf", folder)):
+        assert cli.main(["train", *base, "--training.steps=1", "--model.max_seq_len=512",
+                         f"--checkpoint.initial_load_path={path}", f"--job.dump_folder={tmp_path / ('long' + name)}"]) == 0
+        said = capsys.readouterr().out
+        assert re.search(r"note: the model differs from the one that trained these weights: "
+                         r"model\.max_seq_len: 256 -> 512\n", said), said
+
     code = cli.main(["train", *base, "--model.dim=64", "--training.steps=1",
                      f"--checkpoint.initial_load_path={folder}", f"--job.dump_folder={tmp_path / 'other'}"])
     assert code == 2
+    err = capsys.readouterr().err
+    assert "holds weights of other shapes" in err and "model.dim = 32 there, 64 here" in err, err
 
 
 def test_a_sharded_run_starts_from_the_folder(tmp_path_factory):
