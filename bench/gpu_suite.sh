@@ -17,14 +17,14 @@
 #              (compile.mode = reduce-overhead)
 #
 # No phase named: all three. Timed steps run one after another. Every step has a time cap, cut to
-# what is left of --budget (default 540 s, counted from the start, set-up included), so a short
-# lease still brings back the steps that ran; a step with no time left is skipped and says so. The
-# caps add up to more than 540 s: on one 10-minute call run one or two phases, e.g. `check`, then
-# `attention train` in a second call. JSON results go to bench/results/, each step's log
+# what is left of --budget (default 540 s, counted from the start, set-up included), so a run cut
+# short still keeps the steps that ran; a step with no time left is skipped and says so. The caps
+# add up to more than 540 s: within a 10-minute limit run one or two phases, e.g. `check`, then
+# `attention train` in a second run. JSON results go to bench/results/, each step's log
 # to bench/results/logs/<step>.log, one line per step to bench/results/logs/summary.txt and the
 # tables of this run's results (bench.report) to bench/results/logs/report.md. --pack FILE writes
-# all of that (and this run's JSON) into one .tgz after every step, e.g. --pack "$OUT/gpu_suite.tgz"
-# on a device machine. Exit status: the number of steps that failed or were skipped.
+# all of that (and this run's JSON) into one .tgz after every step, so a run killed mid-step still
+# leaves an archive of the steps before. Exit status: the number of steps that failed or were skipped.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 budget=540 pack=""

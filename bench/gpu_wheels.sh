@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Fetch, here, the wheels the GPU machine lacks (its image has torch, triton, numpy, pyarrow, fsspec,
-# transformers, tensorboard, matplotlib, but not torchdata or datasets), into .whl/ for the device
-# tool's `carry`. Then, on the GPU machine:
+# Fetch the wheels a GPU machine without network access may lack (an image with torch, triton, numpy,
+# pyarrow, fsspec, transformers, tensorboard and matplotlib, but not torchdata or datasets) into .whl/,
+# to copy there with the checkout. Then, on the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
-#     export PYTHONPATH=/tmp/site:$PWD && ./bench/gpu_suite.sh --budget 540 --pack "$OUT/gpu_suite.tgz"
+#     export PYTHONPATH=/tmp/site:$PWD && ./bench/gpu_suite.sh --budget 540 --pack results.tgz
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$root/.whl"

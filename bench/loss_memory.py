@@ -1,5 +1,5 @@
 """Peak memory of the training loss's forward + backward: nsa_titan.loss against F.cross_entropy on an
-fp32 copy of the logits (what the trainer did before).
+fp32 copy of the logits (the plain way).
 
     python -m bench.loss_memory --tokens 16384 --vocab-size 50257       # CUDA if present, else CPU
 

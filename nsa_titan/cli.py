@@ -35,7 +35,7 @@ INPUT_ERROR = 2
 def _usage() -> str:
     lines = ["usage: nsa-titan COMMAND [RECIPE.toml] [overrides...]", "", "commands:"]
     lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
-    lines += ["", "`nsa-titan COMMAND --help` lists every recipe field."]
+    lines += ["", "`nsa-titan train --help` lists every recipe field; `nsa-titan COMMAND --help`, a command's usage."]
     return "\n".join(lines)
 
 

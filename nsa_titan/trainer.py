@@ -563,7 +563,8 @@ class Trainer:
         if self.mesh is not None:
             layout += ", FSDP2 over " + " x ".join(f"{name} {size}" for name, size in
                                                     zip(self.mesh.mesh_dim_names, self.mesh.shape))
-        self._say(f"model {recipe.model.name}: {self.num_params:,} parameters | recipe {self.resolved.hash} | "
+        self._say(f"run {recipe.job.name} | model {recipe.model.name}: {self.num_params:,} parameters | recipe "
+                  f"{self.resolved.hash} | "
                   f"{self.runtime.world_size} process(es) on {self.runtime.device.type}{layout} | "
                   f"global batch {self.global_batch} x {t.seq_len} tokens, {self.grad_accum} micro-batch(es)/step")
         rank = self.runtime.rank

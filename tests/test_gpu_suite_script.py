@@ -1,7 +1,7 @@
-"""bench/gpu_suite.sh, the one script a GPU session runs, checked here without a GPU: a copy of it in a
-scratch tree runs with a stand-in `python3` first on PATH, which records every command and answers
-at once (or fails where told). So its steps, time budget, logs, summary, archive and exit status are
-checked before a scarce GPU session depends on them.
+"""bench/gpu_suite.sh, the script that runs the GPU checks and benchmarks, checked without a GPU: a copy of
+it in a scratch tree runs with a stand-in `python3` first on PATH, which records every command and
+answers at once (or fails where told). So its steps, time budget, logs, summary, archive and exit
+status are known to work before any GPU time is spent on them.
 """
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a CPU run without the interpreter")
 def test_training_with_the_triton_backend_on_the_cpu_is_refused_at_start(tmp_path, monkeypatch, capsys):
-    """Before the model is built or data read (it used to fail in the first step's forward)."""
+    """Before the model is built or data read, not in the first step's forward."""
     from nsa_titan import cli
     from tests.launch import DEBUG, TINY
 

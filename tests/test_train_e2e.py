@@ -34,7 +34,7 @@ def test_debug_recipe_trains_and_logs(tmp_path, capsys):
 
     # The start line names the model, its parameter count and the recipe hash.
     resolved = resolve(argv)
-    match = re.search(r"model transformer: ([\d,]+) parameters \| recipe ([0-9a-f]{12})", stdout)
+    match = re.search(r"run debug \| model transformer: ([\d,]+) parameters \| recipe ([0-9a-f]{12})", stdout)
     assert match, stdout
     from components.models import build_transformer
     from components.data import TOKENIZERS
