@@ -13,15 +13,18 @@ from nsa_titan.config import resolve
 from nsa_titan.config.resolve import resolve_text
 from nsa_titan.config.errors import RecipeError
 from nsa_titan.config.help import help_text
-from nsa_titan.config.schema import Recipe
 from nsa_titan.config.toml_io import dumps, tomllib
 from tests.conftest import REPO_ROOT
 
 
 def test_defaults_without_a_recipe_file():
+    """The defaults `nsa-titan train --help` documents, not a second reading of the same dataclasses."""
     resolved = resolve([])
-    assert resolved.recipe == resolve([]).recipe
-    assert resolved.recipe.training.steps == Recipe().training.steps
+    assert resolved.path is None
+    r = resolved.recipe
+    assert (r.training.steps, r.training.seq_len, r.training.dtype, r.training.device) == (100, 256, "auto", "auto")
+    assert (r.model.name, r.model.args.attention, r.model.args.nsa.backend) == ("transformer", "nsa", "reference")
+    assert (r.optimizer.name, r.optimizer.lr, r.data.source) == ("adamw", 3e-4, "python_stdlib")
 
 
 def test_precedence_cli_over_recipe_over_extends_over_defaults(tmp_path):

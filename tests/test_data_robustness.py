@@ -60,7 +60,7 @@ def test_a_grown_file_is_a_different_corpus(tmp_path):
     write_jsonl(path, unique_texts(30))
     after = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0))
     assert after.fingerprint() != before.fingerprint()
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="written for another data stream"):
         _loader(after).load_state_dict(state)
 
 

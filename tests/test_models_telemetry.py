@@ -101,6 +101,7 @@ def test_telemetry_with_compiled_blocks_leaves_training_graph_alone(backend):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()  # reset() leaves them: earlier tests' graphs would count
     model = _model(gate="mlp")
     tokens = torch.randint(0, VOCAB, (2, 21))
     eager = collect_nsa_telemetry(model, tokens)
