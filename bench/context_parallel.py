@@ -13,7 +13,7 @@ shows in their step times.
 Balance (--balance-seq-len, one process): the NSA op's forward + backward timed on each rank's
 queries against every key they need, for the head-tail split the trainer uses (rank r holds chunks r
 and 2cp-1-r of 2cp) and for plain contiguous chunks. Imbalance = the slowest rank over the mean.
-Results go to bench/results/context_parallel.json with the machine, versions and commit.
+Results go to bench/results/context_parallel-<device>-<time>.json with the machine, versions and commit.
 """
 
 from __future__ import annotations

@@ -141,6 +141,7 @@ def sample(argv: list[str]) -> int:
     from nsa_titan.export import load_exported
 
     prompt = take_option(argv, "--prompt", "")
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
     numbers = {}
     # (option, type, default, lowest, highest, example): nan or inf would reach the sampler, --top-k 0 would
     # silently mean "no top-k" (leave it out for that), a seed past 64 bits overflows torch's generator.
@@ -156,8 +157,14 @@ def sample(argv: list[str]) -> int:
             return _fail(f"error: {name} = {text!r} is not a {kind.__name__}. Fix: e.g. {name}={example}.")
         if not ((kind is int or math.isfinite(value)) and low <= value and (high is None or value <= high)):
             bounds = f">= {low}" if high is None else f"in {low}..{high}"
-            return _fail(f"error: {name} = {text!r} must be a finite number {bounds}. Fix: e.g. {name}={example}.")
+            what = "a whole number" if kind is int else "a finite number"
+            return _fail(f"error: {name} = {text!r} must be {what} {bounds}. Fix: e.g. {name}={example}.")
     refuse_unknown_options(argv, "sample", "--prompt, --max-new-tokens, --temperature, --top-k, --seed")
+    unused = sorted(given & {"--top-k", "--seed"})
+    if numbers["--temperature"] == 0 and unused:  # greedy decoding draws nothing
+        return _fail(f"error: {' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with "
+                     f"--temperature 0 (greedy decoding picks the likeliest token). Fix: drop "
+                     f"{'it' if len(unused) == 1 else 'them'}, or sample with a temperature above 0.")
     if len(argv) != 1:
         return _fail("error: sample takes one exported model file. Fix: `nsa-titan sample outputs/debug/model.pt "
                      "--prompt 'def '`.")

@@ -159,8 +159,13 @@ def test_an_export_of_a_plugin_model_loads_in_a_fresh_process(tmp_path):
                                            ("--seed", str(2**70)), ("--max-new-tokens", "-1")])
 def test_sample_refuses_out_of_range_numbers(run, capsys, option, value):
     short = [] if option == "--max-new-tokens" else ["--max-new-tokens=4"]
-    refused(capsys, ["sample", run[1], option, value, *short], f"{option} = {value!r} must be a finite number",
-            "Fix: e.g.")
+    what = "a finite number" if option == "--temperature" else "a whole number"
+    refused(capsys, ["sample", run[1], option, value, *short], f"{option} = {value!r} must be {what}", "Fix: e.g.")
+
+
+def test_sample_refuses_draw_settings_greedy_decoding_ignores(run, capsys):
+    refused(capsys, ["sample", run[1], "--temperature", "0", "--top-k", "5", "--seed=3"],
+            "--seed and --top-k have no effect with --temperature 0", "Fix: drop them")
 
 
 def test_generate_refuses_a_nan_temperature(run):

@@ -3,7 +3,7 @@
     nsa-titan eval RECIPE.toml [overrides] --out DIR [options]   the run's newest checkpoint
     nsa-titan eval EXPORTED.pt --out DIR [options]               an exported model
 options: --batches N (held-out batches, default validation.steps), --lengths 64,128 (passkey prompt
-lengths, default four up to max_seq_len), --depths 0,0.5,1 (default 0 to 1 by 0.25), --trials N
+lengths, default up to four, the longest max_seq_len less the answer), --depths 0,0.5,1 (default 0 to 1 by 0.25), --trials N
 (keys per cell, default 5); --tasks a,b runs lm-evaluation-harness tasks too (--task-dir DIR for your
 own task YAML files, --limit N documents per task). Writes eval.json, position_loss.png and passkey.png
 (matplotlib), and lm_eval.json with --tasks.

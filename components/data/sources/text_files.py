@@ -25,7 +25,7 @@ class TextFilesArgs:
     )
     invalid_utf8: str = field(
         default="error",
-        metadata={"doc": "bytes that are not UTF-8 in .txt/.jsonl files: error (stop, naming the file) or replace "
+        metadata={"doc": "bytes that are not UTF-8 in text files (.txt/.md/.py, .jsonl): error (stop, naming the file) or replace "
                          "(read them as U+FFFD)", "choices": ("error", "replace")},
     )
 
