@@ -34,6 +34,7 @@ while [ $# -gt 0 ]; do
       if [ $# -lt 2 ]; then echo "error: $1 needs a value" >&2; exit 2; fi
       if [ "$1" = --budget ]; then budget=$2; else pack=$(realpath -m -- "$2"); fi
       shift 2 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) echo "error: unknown option '$1'; usage: $0 [--budget SECONDS] [--pack FILE] [check attention train]" >&2
         exit 2 ;;
     *) break ;;

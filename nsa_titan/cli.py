@@ -8,6 +8,7 @@ import sys
 import warnings
 
 from components.errors import UserError
+from components.problems import suggest
 from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
                                        take_option)
 from nsa_titan.config import RecipeError, resolve
@@ -276,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"train": train, "export": export, "sample": sample, "plot": plot, "eval": evaluate,
                 "inspect": inspect, "doctor": doctor}
     if command not in handlers:
-        return _fail(f"error: unknown command {command!r}. Fix: use one of {', '.join(handlers)} "
-                     f"(`nsa-titan --help` describes them).")
+        return _fail(f"error: unknown command {command!r}{suggest(command, list(handlers))}. Fix: use one of "
+                     f"{', '.join(handlers)} (`nsa-titan --help` describes them).")
     if command not in ("train", "inspect", "doctor") and ("--help" in rest or "-h" in rest):
         print(f"{COMMANDS[command]}\n(recipe fields and overrides: nsa-titan train --help)")
         return 0

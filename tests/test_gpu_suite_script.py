@@ -101,3 +101,10 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message)
     proc, root = _suite(tmp_path, *args)
     assert proc.returncode == 2 and message in proc.stderr
     assert not (tmp_path / "commands.log").exists()
+
+
+def test_help_prints_the_usage_and_runs_nothing(tmp_path):
+    proc, root = _suite(tmp_path, "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("The checks and benchmarks that need a CUDA GPU")
+    assert "./bench/gpu_suite.sh [--budget SECONDS] [--pack FILE] [PHASE ...]" in proc.stdout
+    assert "set -uo" not in proc.stdout and not (tmp_path / "commands.log").exists()

@@ -73,4 +73,4 @@ def test_the_script_trains_one_process(tmp_path):
 
 def test_a_word_that_is_neither_a_command_nor_a_recipe_lists_the_commands():
     done = subprocess.run([SCRIPT, "evaluate"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
-    assert done.returncode == 2 and "unknown command 'evaluate'" in done.stderr and "eval" in done.stderr
+    assert done.returncode == 2 and "unknown command 'evaluate' (did you mean 'eval'?)" in done.stderr, done.stderr
