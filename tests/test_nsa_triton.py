@@ -130,6 +130,21 @@ def test_selected_blocks_match_reference(T, H, Hkv, D, l, d, lp, n):
             assert spread <= 1e-5 * row.abs().max().item(), (b, t, g, gained, lost)
 
 
+def test_exact_ties_go_to_the_smaller_block():
+    """q = 0: every visible compressed block gets the same probability, so selection blocks covering the
+    same compressed blocks tie exactly; the spec picks the smaller j, as the reference does (a kernel that
+    broke ties another way would pass the random-input test above, whose scores never tie)."""
+    T, H, Hkv, D, l, d, lp, n = 120, 2, 1, 16, 8, 4, 8, 4
+    q = torch.zeros(1, T, H, D, device=DEVICE)
+    k_cmp = torch.randn(1, num_compressed_blocks(T, l, d), Hkv, D, device=DEVICE)
+    hyper = dict(block_size=l, block_stride=d, sel_block_size=lp, num_selected=n)
+    ref = select_blocks(q, k_cmp, **hyper)
+    assert torch.equal(select_blocks_triton(q, k_cmp, **hyper), ref)
+    # The ties are real: at the last query, the middle blocks' scores are all equal.
+    scores = selection_scores_at(q, k_cmp, q_start=0, block_size=l, block_stride=d, sel_block_size=lp)[0, -1, 0]
+    assert torch.equal(scores[2:8], scores[2:3].expand(6))
+
+
 def test_selection_layout():
     """Ascending block ids, -1 only after the used slots, forced blocks always present."""
     T, lp, n = 70, 8, 4
