@@ -50,7 +50,12 @@ def train(argv: list[str]) -> int:
     from nsa_titan.runtime import launch_world
 
     if "--help" in argv or "-h" in argv:
+        from nsa_titan.config.resolve import import_plugins_of_command_line
+
+        failed = import_plugins_of_command_line(argv)  # so that their parts' fields are listed too
         print(help_text(), end="")
+        for problem in failed:
+            print(f"note: {problem.render()} Its parts are not listed.", file=sys.stderr)
         return 0
     rank, _, world_size = launch_world()
     resolved = resolve(argv, world_size=world_size, actions=("print_config",))

@@ -128,6 +128,24 @@ def test_help_lists_every_field(capsys):
     assert "--training.global_batch_size" in capsys.readouterr().out
 
 
+def test_help_lists_the_fields_of_a_plugins_parts():
+    """A fresh process (this one may have imported the plugin already): --help imports the plugins the
+    recipe and flags name before it lists the fields, and names one it cannot import."""
+    import subprocess
+    import sys
+
+    from tests.launch import env
+
+    argv = [sys.executable, "-m", "nsa_titan.cli", "train", "recipes/debug.toml", "--help"]
+    done = subprocess.run([*argv, "--job.plugins=tests.plugins.oom_at_step"], capture_output=True, text=True,
+                          env=env(), cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 0 and "--model.oom_at_step: int = 3" in done.stdout, done.stderr[-2000:]
+    done = subprocess.run([*argv, "--job.plugins=no_such_plugin"], capture_output=True, text=True, env=env(),
+                          cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 0 and "--training.steps: int" in done.stdout
+    assert "'no_such_plugin': could not be imported" in done.stderr and "Its parts are not listed" in done.stderr
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "recipes", "*.toml"))))
 def test_shipped_recipes_validate(path):
     # Every layout rule too, at the smallest world the recipe's context parallelism needs.

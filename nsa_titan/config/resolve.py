@@ -63,6 +63,21 @@ def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
     return _finish(table, origin, problems, world_size, None, CommandLine(None, [], set()))
 
 
+def import_plugins_of_command_line(argv: list[str]) -> list[Problem]:
+    """Import the job.plugins a command line's recipe and flags name, nothing else checked (for --help,
+    which then lists the plugins' parts too); the plugins that could not be imported, as problems."""
+    ignored: list[Problem] = []  # the recipe's own problems are for a run to report
+    cmd = parse_args([a for a in argv if a not in ("--help", "-h")], ignored)
+    table: dict = {}
+    origin: dict[str, str] = {}
+    if cmd.recipe is not None:
+        table, origin = load_composed(cmd.recipe, ignored)
+    apply_overrides(table, origin, cmd.overrides, ignored)
+    problems: list[Problem] = []
+    _import_plugins(table, origin, problems)
+    return problems
+
+
 def import_plugins_of(text: str) -> None:
     """Import the job.plugins a saved recipe names (before its model is rebuilt: a plugin may register
     it). A recipe that is not valid TOML is left to resolve_text to report."""
