@@ -13,6 +13,7 @@ from nsa_titan import assemble, cli
 from nsa_titan.config import resolve
 from components.models.hooks import activation_memory
 from components.nsa import self_check as nsa_check
+from components.nsa.triton.launch import interpreting
 from nsa_titan.doctor import checks
 from components.model_hooks import ActivationMemory, MemoryLayout
 from nsa_titan.doctor.memory import estimate_memory
@@ -139,6 +140,41 @@ def test_nsa_check_catches_a_backend_that_sees_the_future(monkeypatch):
     failures = nsa_check.check_backend("reference", HYPER, 4, 2, 16, torch.device("cpu"))
     assert any(f.startswith("causality:") for f in failures), failures
     assert any("is not dense causal attention" in f for f in failures), failures
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
+                    reason="the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_nsa_check_passes_the_triton_backend_on_packed_documents_and_in_half_precision():
+    """What doctor runs for a GPU recipe: fp32 parity on one row and on packed documents, then the whole
+    head group in a half type (fp16 here: the interpreter's bf16 dot is wrong) against the fp32 reference."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    half = torch.bfloat16 if device.type == "cuda" else torch.float16
+    assert nsa_check.check_backend("triton", HYPER, 6, 2, 16, device, documents=True, low_precision=half) == []
+
+
+@pytest.mark.parametrize("flaw, expected", [
+    ("packed", "packed documents: o differs from the reference"),
+    ("half", "float16, 2 heads a group: o differs from the fp32 reference: relative RMS error"),
+])
+def test_nsa_check_catches_a_backend_wrong_only_on_packed_rows_or_in_half_precision(flaw, expected):
+    from components.nsa.backends import register_backend, unregister_backend
+
+    def flawed(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, cu_seqlens=None, **hyper):
+        out = nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, cu_seqlens=cu_seqlens, **hyper)
+        wrong = cu_seqlens is not None if flaw == "packed" else out.dtype == torch.float16
+        return out + 0.05 * out.abs().mean() if wrong else out
+
+    register_backend("flawed", flawed)
+    try:
+        failures = nsa_check.check_backend("flawed", HYPER, 4, 2, 16, torch.device("cpu"), documents=True,
+                                           low_precision=torch.float16)
+    finally:
+        unregister_backend("flawed")
+    assert any(expected in f for f in failures), failures
+    # the one-row fp32 checks pass: only the rows the flaw touches fail (packed ones: the half-precision
+    # check runs on packed documents too, the recipe masking them)
+    flagged = ("packed documents:", "float16") if flaw == "packed" else ("float16",)
+    assert all(f.startswith(flagged) for f in failures), failures
 
 
 def test_dense_attention_matches_softmax_attention_written_out():

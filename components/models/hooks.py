@@ -126,16 +126,25 @@ def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:
                  num_selected=nsa.num_selected, window_size=nsa.window_size)
     start = time.perf_counter()
     try:
-        failures = check_backend(nsa.backend, hyper, args.n_heads, args.n_kv_heads, args.head_dim, device)
+        failures = check_backend(nsa.backend, hyper, args.n_heads, args.n_kv_heads, args.head_dim, device,
+                                 documents=args.document_masking, low_precision=_training_dtype(device))
     except UserError as exc:
         return SelfCheck(name, FAIL, str(exc))
-    what = "causality, full coverage = dense attention" + ("" if nsa.backend == "reference" else ", parity with "
-                                                            "the reference (outputs and gradients)")
+    what = "causality, full coverage = dense attention"
+    if nsa.backend != "reference":
+        what += ", parity with the reference (outputs and gradients" + (", packed documents too" if
+                                                                        args.document_masking else "")
+        what += f"; in {_training_dtype(device)} too)".replace("torch.", "") if _training_dtype(device) else ")"
     if nsa.backend == "triton" and device.type != "cuda":
         what += " under Triton's interpreter"
     if failures:
         return SelfCheck(name, FAIL, "; ".join(failures))
     return SelfCheck(name, OK, f"{what}: passed in {time.perf_counter() - start:.1f} s")
+
+
+def _training_dtype(device: torch.device) -> torch.dtype | None:
+    """The half type a run computes in on this device by default (training.dtype = auto): bf16 on a GPU."""
+    return torch.bfloat16 if device.type == "cuda" else None
 
 
 def describe(args: TransformerArgs) -> str:

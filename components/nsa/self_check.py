@@ -6,8 +6,11 @@ On a small random problem with the recipe's hyperparameters (block sizes, n, w) 
 2. full coverage against plain attention written here: with n >= Ts and only the selected branch
    gated on, and with w >= T and only the window branch gated on, NSA is dense causal attention;
 3. parity with the reference backend, outputs and gradients (only when the backend is not the
-   reference itself).
-fp32 throughout, so the tolerances are those of fp32 arithmetic, not of a half type.
+   reference itself), in fp32 on one row and, with `documents`, on a row of packed documents.
+Those run in fp32, so their tolerances are those of fp32 arithmetic. With `low_precision` (the dtype
+training computes in, bf16 on a GPU) a last check runs the backend in that dtype with the model's
+whole head group (so the kernels' own tile shapes and layout for it run) against the fp32 reference
+on the same rounded inputs, to the relative RMS error the GPU tests allow.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from components.nsa.hyperparams import num_selection_blocks
 from components.nsa.op import nsa_attention
 
 ATOL = RTOL = 5e-5  # fp32 kernels against the fp32 reference, as the backend tests use
+LOW_PRECISION_RMS = 5e-3  # relative RMS error of a bf16 run against the fp32 reference, as the GPU tests allow
 
 
 def problem_size(sel_block_size: int, block_size: int, window_size: int) -> int:
@@ -28,8 +32,10 @@ def problem_size(sel_block_size: int, block_size: int, window_size: int) -> int:
     return max(2 * sel_block_size + sel_block_size // 2 + 3, block_size + 3, min(window_size + 5, 300))
 
 
-def _inputs(T: int, H: int, Hkv: int, D: int, block_size: int, block_stride: int, device, generator):
-    Tc = num_compressed_blocks(T, block_size, block_stride)
+def _inputs(T: int, H: int, Hkv: int, D: int, block_size: int, block_stride: int, device, generator,
+            lengths: list[int] | None = None):
+    """The op's eight inputs for one row of T tokens (lengths: packed documents of those lengths)."""
+    Tc = sum(num_compressed_blocks(n, block_size, block_stride) for n in (lengths or [T]))
     shapes = [(1, T, H, D), (1, Tc, Hkv, D), (1, Tc, Hkv, D)] + [(1, T, Hkv, D)] * 4
     xs = [torch.randn(s, generator=generator).to(device) for s in shapes]
     xs.append(torch.rand((1, T, H, 3), generator=generator).to(device))
@@ -65,8 +71,9 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
 
 
 def check_backend(backend: str, hyper: dict, n_heads: int, n_kv_heads: int, head_dim: int,
-                  device: torch.device, seed: int = 0) -> list[str]:
-    """The failed properties, each one line; an empty list means the backend passed all three checks."""
+                  device: torch.device, seed: int = 0, documents: bool = False,
+                  low_precision: torch.dtype | None = None) -> list[str]:
+    """The failed properties, each one line; an empty list means the backend passed every check."""
     generator = torch.Generator().manual_seed(seed)
     G = n_heads // n_kv_heads
     H, Hkv, D = min(G, 4), 1, head_dim  # one group keeps it small; G > 1 still shares a selection
@@ -103,23 +110,48 @@ def check_backend(backend: str, hyper: dict, n_heads: int, n_kv_heads: int, head
         if not same:
             failures.append(f"{what} is not dense causal attention (max error {err:.2e})")
 
-    if backend != "reference":
-        failures += _parity(xs, hyper, backend, generator)
+    if backend == "reference":
+        return failures
+    failures += _parity(xs, hyper, backend, generator)
+    lengths = [T // 3, T - T // 3 - T // 4, T // 4]  # documents ending mid-block, each past a selection block
+    if documents:
+        packed = _inputs(T, H, Hkv, D, l, d, device, generator, lengths)
+        failures += _parity(packed, hyper, backend, generator, lengths, "packed documents: ")
+    if low_precision is not None:
+        whole_group = _inputs(T, G, 1, D, l, d, device, generator, lengths if documents else None)
+        failures += _parity(whole_group, hyper, backend, generator, lengths if documents else None,
+                            f"{str(low_precision).removeprefix('torch.')}, {G} heads a group: ", low_precision)
     return failures
 
 
-def _parity(xs: list[torch.Tensor], hyper: dict, backend: str, generator) -> list[str]:
+def _relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def _parity(xs: list[torch.Tensor], hyper: dict, backend: str, generator, lengths: list[int] | None = None,
+            what: str = "", dtype: torch.dtype | None = None) -> list[str]:
+    """The backend against the fp32 reference on the same inputs (with dtype: rounded to it, the backend
+    computing in it), outputs and every gradient."""
+    packing = {}
+    if lengths is not None:
+        packing["cu_seqlens"] = torch.tensor([0, *lengths], device=xs[0].device).cumsum(0)
+    if dtype is not None:
+        xs = [x.to(dtype) for x in xs]
     mine_in = [x.clone().requires_grad_() for x in xs]
-    ref_in = [x.clone().requires_grad_() for x in xs]
-    mine = nsa_attention(*mine_in, **hyper, backend=backend)
-    ref = nsa_attention(*ref_in, **hyper, backend="reference")
+    ref_in = [x.detach().float().requires_grad_() for x in xs]
+    mine = nsa_attention(*mine_in, **hyper, backend=backend, **packing)
+    ref = nsa_attention(*ref_in, **hyper, backend="reference", **packing)
     grad_out = torch.randn(ref.shape, generator=generator).to(ref.device)
-    mine_grads = torch.autograd.grad(mine, mine_in, grad_out)
+    mine_grads = torch.autograd.grad(mine, mine_in, grad_out.to(mine.dtype))
     ref_grads = torch.autograd.grad(ref, ref_in, grad_out)
     failures = []
     names = ["o", "dq", "dk_cmp", "dv_cmp", "dk_sel", "dv_sel", "dk_win", "dv_win", "dgates"]
     for name, a, b in zip(names, (mine, *mine_grads), (ref, *ref_grads)):
-        same, err = _close(a, b)
-        if not same:
-            failures.append(f"{name} differs from the reference by up to {err:.2e} (tolerance {ATOL:g})")
+        if dtype is None:
+            same, err = _close(a, b)
+            if not same:
+                failures.append(f"{what}{name} differs from the reference by up to {err:.2e} (tolerance {ATOL:g})")
+        elif _relative_rms(a, b) > LOW_PRECISION_RMS:
+            failures.append(f"{what}{name} differs from the fp32 reference: relative RMS error "
+                            f"{_relative_rms(a, b):.1e} (tolerance {LOW_PRECISION_RMS:g})")
     return failures
