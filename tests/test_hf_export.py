@@ -13,6 +13,7 @@ import sysconfig
 import pytest
 import torch
 
+from components.errors import UserError
 from nsa_titan import cli
 from tests.launch import DEBUG, TINY, losses
 from tests.test_data_hf_tokenizer import trained  # noqa: F401 (a fixture)
@@ -74,6 +75,34 @@ def test_transformers_gives_the_trainers_logits(exported):
         expected = ours(tokens)
         got = theirs(tokens).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_tied_embeddings_stay_one_tensor_through_transformers(tmp_path_factory):
+    """A tied model is declared tied: from_pretrained keeps one tensor, save_pretrained writes it once,
+    and the folder comes back into nsa_titan with the head from the table; a folder whose two differ
+    (tied, then trained apart) is refused rather than one silently overwriting the other."""
+    from safetensors.torch import load_file, save_file
+
+    from nsa_titan.export import load_exported
+
+    root = tmp_path_factory.mktemp("tied")
+    _, folder = _train_and_export(root, "nsa_shared")
+    model = _auto_model(folder)
+    assert model.model.output.weight is model.model.tok_embeddings.weight
+    resaved = root / "resaved"
+    model.save_pretrained(resaved)
+    assert "model.output.weight" not in load_file(resaved / "model.safetensors")
+    for name in ("nsa_titan_recipe.toml", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(folder, name), resaved / name)
+    ours, _ = load_exported(str(resaved))
+    tokens = torch.randint(0, 258, (1, 50), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), model(tokens).logits, rtol=0, atol=1e-5)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    tensors["model.output.weight"] = tensors["model.output.weight"] + 1
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match="output layer's weights differ from the embedding table's"):
+        load_exported(folder)
 
 
 def _count_tokens_per_call(model) -> list[int]:
@@ -343,7 +372,6 @@ def test_bad_export_requests(tmp_path, capsys, setup, extra, message):
 def test_a_damaged_folder_is_one_clear_error(exported, tmp_path):
     import shutil
 
-    from components.errors import UserError
     from nsa_titan.export import load_exported
 
     _, folder = exported
@@ -387,7 +415,6 @@ def test_replacing_a_folder_never_loses_what_was_there(tmp_path, monkeypatch):
     """The last step of a folder export, against what may happen meanwhile: an empty output that filled up is
     left alone (without --overwrite), one that stopped being an export is left alone (with it), and a swap that
     fails midway puts the earlier export back."""
-    from components.errors import UserError
     from nsa_titan.hf_folder import CONFIG, FORMAT, _replace_folder
 
     def folder(name, files):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from components.model_hooks import HFFormat
 from components.models.args import TransformerArgs
 
@@ -30,8 +32,14 @@ def _to_hf(state_dict: dict) -> dict:
     return {PREFIX + name: tensor.detach().contiguous().clone() for name, tensor in state_dict.items()}
 
 
-def _from_hf(tensors: dict) -> dict:
-    return {name[len(PREFIX):]: tensor for name, tensor in tensors.items() if name.startswith(PREFIX)}
+def _from_hf(tensors: dict, tied: bool) -> dict:
+    state = {name[len(PREFIX):]: tensor for name, tensor in tensors.items() if name.startswith(PREFIX)}
+    if tied and "tok_embeddings.weight" in state:
+        head = state.setdefault("output.weight", state["tok_embeddings.weight"])  # transformers saves it once
+        if not torch.equal(head, state["tok_embeddings.weight"]):  # untied by something: which one counts?
+            raise ValueError("the output layer's weights differ from the embedding table's, but the model ties "
+                             "them (tie_embeddings = true)")
+    return state
 
 
 def hf_format(args: TransformerArgs, vocab_size: int) -> HFFormat:
@@ -39,4 +47,4 @@ def hf_format(args: TransformerArgs, vocab_size: int) -> HFFormat:
                     auto_map={"AutoConfig": "modeling_nsa_titan.NSATitanConfig",
                               "AutoModelForCausalLM": "modeling_nsa_titan.NSATitanForCausalLM"},
                     config=_config(args, vocab_size), max_length=args.max_seq_len, to_hf=_to_hf,
-                    from_hf=_from_hf)
+                    from_hf=lambda tensors: _from_hf(tensors, args.tie_embeddings))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+import transformers
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -344,6 +345,10 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = NSATitanConfig
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
+    # With tie_word_embeddings the output layer is the embedding table: said so, transformers keeps them one
+    # tensor through from_pretrained and save_pretrained (5 takes target -> source, 4 the tied names).
+    _tied_weights_keys = ({"model.output.weight": "model.tok_embeddings.weight"}
+                          if int(transformers.__version__.split(".")[0]) >= 5 else ["model.output.weight"])
 
     def __init__(self, config: NSATitanConfig):
         super().__init__(config)
