@@ -63,7 +63,7 @@ def choices_of(meta: Mapping[str, Any]) -> tuple | None:
 
 # What a field's metadata may say; anything else would be ignored, so tests refuse it.
 FIELD_METADATA = frozenset({"doc", "choices", "ge", "gt", "le", "lt", "component", "args_for", "placement", "exclude",
-                            "used_when"})
+                            "used_when", "keeps_weights"})
 
 
 def bound_problem(value: Any, meta: Mapping[str, Any]) -> tuple[str, str] | None:

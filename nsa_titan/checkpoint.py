@@ -120,6 +120,12 @@ def incomplete_steps(folder: str) -> list[int]:
     return sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(folder)) if m and int(m.group(1)) not in done)
 
 
+def weights_step_dir(path: str) -> str:
+    """The step folder of checkpoint.initial_load_path (given as step-N or step-N/model), links resolved."""
+    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
+    return os.path.dirname(os.path.realpath(model_dir))
+
+
 class Checkpointer:
     def __init__(self, folder: str, *, keep_latest_k: int, async_mode: str, rank: int, world_size: int,
                  say: Callable[[str], None], context_parallel: int = 1):
@@ -476,7 +482,7 @@ class Checkpointer:
         if not os.path.isfile(os.path.join(model_dir, ".metadata")):
             raise UserError(f"checkpoint.initial_load_path = {path!r} holds no checkpoint (no .metadata found). "
                             f"Fix: point it at a step-N folder of an earlier run.")
-        step_dir = os.path.dirname(os.path.abspath(model_dir))
+        step_dir = weights_step_dir(path)
         folder, name = os.path.split(step_dir)
 
         def unreadable(file: str, why: str) -> UserError:

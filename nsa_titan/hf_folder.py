@@ -25,6 +25,7 @@ from nsa_titan import registry
 from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.observe.progress import progress
+from nsa_titan.weight_source import model_field_changes
 
 FORMAT = "nsa_titan.hf.v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -208,10 +209,10 @@ def read_hf_folder(path: str) -> HFFolder:
 
 def load_hf_weights(model: torch.nn.Module, path: str, model_name: str, model_args, vocab_size: int) -> list[str]:
     """checkpoint.initial_load_path = a Hugging Face folder: its weights into this run's model (sharded
-    or not), after checking that the folder holds this model (its part and every weight's shape). Fields
-    that leave the weights' shapes alone (max_seq_len to extend the context, the NSA backend, the
-    window) may differ: returns them as 'model.FIELD: theirs -> ours' for the run to say."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    or not), after checking that the folder holds this model. Fields that keep the weights' meaning
+    (weight_source.py: max_seq_len to extend the context, the NSA backend, ...) may differ: returns them
+    as 'model.FIELD: theirs -> ours' for the run to say."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     folder = read_hf_folder(path)
     if (folder.model_name, folder.vocab_size) != (model_name, vocab_size):
@@ -220,21 +221,10 @@ def load_hf_weights(model: torch.nn.Module, path: str, model_name: str, model_ar
                         f"model.name and the tokenizer to the folder's (its {RECIPE} has them), or start from a "
                         f"folder of this model.")
     ours, theirs = _flat(dataclasses.asdict(model_args), "model"), _flat(folder.model_args, "model")
-    expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}  # global shapes when sharded
-    found = {k: tuple(v.shape) for k, v in folder.state_dict.items()}
-    wrong = [f"{k}: {found[k]} there, {expected[k]} here" for k in sorted(expected.keys() & found.keys())
-             if found[k] != expected[k]]
-    if wrong or expected.keys() != found.keys():
-        differ = [f"{key} = {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in sorted(set(ours) | set(theirs))
-                  if ours.get(key) != theirs.get(key)]
-        raise UserError(f"checkpoint.initial_load_path = {path!r} holds weights of other shapes "
-                        f"({'; '.join(wrong[:2]) or 'other weight names'}): the model fields differ ("
-                        f"{'; '.join(differ[:4]) or 'none listed'}{'; ...' if len(differ) > 4 else ''}). Fix: set "
-                        f"the model fields to the folder's values (its {RECIPE} has them) or start from a folder "
-                        f"of this model.")
+    changes = model_field_changes(theirs, ours, registry.get("model", model_name).args, path,
+                                  os.path.join(path, CONFIG))
     set_model_state_dict(model, folder.state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
-    return [f"{key}: {theirs.get(key)!r} -> {ours.get(key)!r}" for key in sorted(set(ours) | set(theirs))
-            if ours.get(key) != theirs.get(key)]
+    return changes
 
 
 def _flat(d: dict, prefix: str) -> dict:

@@ -117,9 +117,9 @@ def _read_run_recipe(folder: str) -> str | None:
     return text if text.startswith(RESOLVED_HEADER) else None
 
 
-def recipe_differences(text: str | None, resolved, within: str = "", limit: int = 12) -> list[str]:
-    """Fields (those under `within`, e.g. 'model.') whose values in the resolved recipe TOML `text` differ
-    from this run's, as 'field: old -> new'; [] when the same or text is None or unreadable."""
+def recipe_differences(text: str | None, resolved, limit: int = 12) -> list[str]:
+    """Fields whose values in the resolved recipe TOML `text` differ from this run's, as 'field: old -> new';
+    [] when the same or text is None or unreadable."""
     if text is None or text.startswith(f"{RESOLVED_HEADER}{resolved.hash}\n"):
         return []
     try:
@@ -127,16 +127,25 @@ def recipe_differences(text: str | None, resolved, within: str = "", limit: int 
     except tomllib.TOMLDecodeError:
         return []  # nothing readable to compare with
     changes = [f"{key}: {_short(before.get(key, _UNSET))} -> {_short(now.get(key, _UNSET))}"
-               for key in sorted(before.keys() | now.keys())
-               if key.startswith(within) and before.get(key, _UNSET) != now.get(key, _UNSET)]
+               for key in sorted(before.keys() | now.keys()) if before.get(key, _UNSET) != now.get(key, _UNSET)]
     return changes[:limit] + ([f"and {len(changes) - limit} more"] if len(changes) > limit else [])
 
 
-def recipe_of_step_folder(step_dir: str) -> str | None:
-    """The recipe of the run that wrote a checkpoint step folder (its dump folder holds the checkpoint
-    folder), or None where it is not beside it (a moved folder, a checkpoint.folder elsewhere)."""
-    run = os.path.dirname(os.path.dirname(os.path.abspath(step_dir.rstrip(os.sep))))
-    return _read_run_recipe(run)
+def model_fields_of_step_folder(step_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """(its path, its [model] fields) of the recipe of the run that wrote a checkpoint step folder (its dump
+    folder holds the checkpoint folder), or None where none is beside it (a moved folder, a checkpoint.folder
+    elsewhere) or it cannot be read."""
+    run = os.path.dirname(os.path.dirname(step_dir.rstrip(os.sep)))
+    text = _read_run_recipe(run)
+    try:
+        return None if text is None else (os.path.join(run, RECIPE_FILE), model_fields_of(text))
+    except tomllib.TOMLDecodeError:
+        return None
+
+
+def model_fields_of(recipe_text: str) -> dict[str, Any]:
+    """The [model] table of a resolved recipe, flat: model.name, model.dim, model.nsa.window_size, ..."""
+    return _flat({"model": tomllib.loads(recipe_text).get("model", {})})
 
 
 def recipe_change_note(resolved, lead: str) -> str | None:

@@ -18,7 +18,7 @@ from components.errors import UserError
 from components.sequence_shard import SequenceShard
 
 from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps
+from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.config.schema import CUDA_GRAPH_MODES
@@ -41,10 +41,11 @@ from nsa_titan.parallel.compile import compile_blocks, compile_counters
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
-from nsa_titan.run_folder import (RunFolderLock, create_run_folder, recipe_change_note, recipe_differences,
-                                  recipe_of_step_folder, write_run_recipe)
+from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, model_fields_of_step_folder,
+                                  recipe_change_note, write_run_recipe)
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
+from nsa_titan.weight_source import model_field_changes
 
 NUMERICAL_FAULT_EXIT = 3
 OUT_OF_MEMORY_EXIT = 4
@@ -291,10 +292,20 @@ class Trainer:
             self._say(f"initial weights from the Hugging Face folder {ckpt.initial_load_path}")
             self._say_weight_source_changes(changes)
         elif ckpt.initial_load_path:
+            changes = self._weight_source_changes(ckpt.initial_load_path)  # refused before anything loads
             self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
             self._say(f"initial weights from {ckpt.initial_load_path}")
-            self._say_weight_source_changes(recipe_differences(recipe_of_step_folder(ckpt.initial_load_path),
-                                                               self.resolved, within="model."))
+            self._say_weight_source_changes(changes)
+
+    def _weight_source_changes(self, path: str) -> list[str]:
+        """The model fields in which this run differs from the one that wrote the step folder at `path`
+        (its recipe.toml, when beside it); UserError for one that would change the weights' meaning."""
+        source = model_fields_of_step_folder(weights_step_dir(path))
+        if source is None:
+            return []
+        where, theirs = source
+        return model_field_changes(theirs, model_fields_of(self.resolved.toml),
+                                   registry.get("model", self.recipe.model.name).args, path, where)
 
     def _say_weight_source_changes(self, changes: list[str]) -> None:
         """Model fields that leave the weights' shapes alone may differ from those they were trained with
@@ -444,8 +455,10 @@ class Trainer:
         total = torch.zeros((), device=self.runtime.device, dtype=torch.float64)
         count = 0
         for batch in self._validation_batches():
-            total += token_cross_entropy_sum(*self._forward(batch)).double()  # no logits held into the next
-            count += batch.targets.numel()  # the same on every rank, so the mean over ranks is the token mean
+            logits, targets = self._forward(batch)  # this rank's share of the rows under context parallelism
+            total += token_cross_entropy_sum(logits, targets).double()
+            count += targets.numel()  # the same on every rank, so the mean over ranks is the token mean
+            del logits  # not held through the next batch's forward
         loss = all_reduce_mean(total).item() / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 

@@ -245,6 +245,19 @@ def test_initial_load_path_takes_weights_only(tmp_path, capsys):
     code = cli.main(["train", *BASE, "--training.steps=2", f"--job.dump_folder={tmp_path / 'other'}",
                      f"--checkpoint.initial_load_path={tmp_path / 'nowhere'}"])
     assert code == 2 and "holds no checkpoint" in capsys.readouterr().err
+    # A field that keeps the weights' meaning may differ, and is named (the path may name step-N/model too) ...
+    longer = [*BASE, "--training.steps=1", "--model.max_seq_len=128", f"--job.dump_folder={tmp_path / 'longer'}",
+              f"--checkpoint.initial_load_path={source}/checkpoint/step-2/model"]
+    assert cli.main(["train", *longer]) == 0
+    assert "note: the model differs from the one that trained these weights: model.max_seq_len: 64 -> 128" \
+        in capsys.readouterr().out
+    # ... but not one that would read the same tensors as another model (every shape fits a tied head).
+    tied = [*BASE, "--training.steps=1", "--model.tie_embeddings=true", f"--job.dump_folder={tmp_path / 'tied'}",
+            f"--checkpoint.initial_load_path={source}/checkpoint/step-2"]
+    assert cli.main(["train", *tied]) == 2
+    err = capsys.readouterr().err
+    assert "holds weights trained with other model fields: model.tie_embeddings = False there, True here" in err
+    assert f"Fix: set those fields to the values in {source / 'recipe.toml'}" in err, err
 
 
 @pytest.mark.slow

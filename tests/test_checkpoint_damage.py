@@ -79,7 +79,14 @@ def test_initial_load_path_of_a_damaged_step_names_the_file(run, tmp_path, capsy
 
 
 def test_initial_load_path_into_another_shape_names_the_tensors(run, tmp_path, capsys):
+    """The run's recipe.toml beside the step folder names the fields; a step folder moved away from it,
+    the tensors."""
     code = train(tmp_path / "new", "--model.dim=64", f"--checkpoint.initial_load_path={step_dir(run, 4)}")
+    refused(capsys, code, "holds weights trained with other model fields: model.dim = 32 there, 64 here",
+            os.path.join(run, "recipe.toml"), "Fix:")
+    moved = tmp_path / "moved" / "step-4"
+    shutil.copytree(step_dir(run, 4), moved)
+    code = train(tmp_path / "new", "--model.dim=64", f"--checkpoint.initial_load_path={moved}")
     refused(capsys, code, "does not fit this model", "model.tok_embeddings.weight is [258, 32] in the checkpoint but "
             "[258, 64] here", "recipe.toml", "Fix:")
 

@@ -31,10 +31,11 @@ class NSAArgs:
     )
     num_selected: int = field(
         default=16,
-        metadata={"doc": "selected blocks n per query group, counting block 0 and the local ones", "ge": 1},
+        metadata={"doc": "selected blocks n per query group, counting block 0 and the local ones", "ge": 1,
+                  "keeps_weights": True},
     )
     window_size: int = field(
-        default=512, metadata={"doc": "sliding-window length w (keys t-w+1 .. t)", "ge": 1}
+        default=512, metadata={"doc": "sliding-window length w (keys t-w+1 .. t)", "ge": 1, "keeps_weights": True}
     )
     compress: str = field(
         default="mlp",
@@ -58,7 +59,8 @@ class NSAArgs:
     )
     backend: str = field(
         default="reference",
-        metadata={"doc": "NSA kernel backend; all compute the same result", "choices": available_backends},
+        metadata={"doc": "NSA kernel backend; all compute the same result", "choices": available_backends,
+                  "keeps_weights": True},
     )
 
     def check(self) -> list[Problem]:
@@ -69,7 +71,10 @@ class NSAArgs:
 
 @dataclass
 class TransformerArgs:
-    """A pre-norm decoder-only transformer; `attention` is the only switch between NSA and dense."""
+    """A pre-norm decoder-only transformer; `attention` is the only switch between NSA and dense.
+
+    keeps_weights (metadata): a run may start from weights trained with another value of the field
+    (checkpoint.initial_load_path), which would still mean what they meant."""
 
     dim: int = field(default=256, metadata={"doc": "model width (residual stream size)", "ge": 2})
     n_layers: int = field(default=4, metadata={"doc": "number of transformer blocks", "ge": 1})
@@ -88,10 +93,10 @@ class TransformerArgs:
         default=64, metadata={"doc": "round the SwiGLU hidden size up to a multiple of this", "ge": 1}
     )
     norm_eps: float = field(default=1e-5, metadata={"doc": "RMSNorm epsilon", "gt": 0})
-    rope_theta: float = field(default=10000.0, metadata={"doc": "RoPE base frequency", "gt": 0})
+    rope_theta: float = field(default=10000.0, metadata={"doc": "RoPE base frequency", "gt": 0, "keeps_weights": True})
     max_seq_len: int = field(
         default=2048,
-        metadata={"doc": "longest sequence (RoPE table and KV-cache capacity)", "ge": 1},
+        metadata={"doc": "longest sequence (RoPE table and KV-cache capacity)", "ge": 1, "keeps_weights": True},
     )
     attention: str = field(
         default="nsa",
@@ -105,14 +110,15 @@ class TransformerArgs:
         default=False,
         metadata={"doc": "attend within documents only: each packed document is computed as if alone, its "
                          "positions from its start (NSA_SPEC.md section 4); false lets attention cross document "
-                         "boundaries inside a row"},
+                         "boundaries inside a row", "keeps_weights": True},
     )
     tie_embeddings: bool = field(
         default=False, metadata={"doc": "share the token embedding with the output projection"}
     )
     init_std: float = field(
         default=0.02,
-        metadata={"doc": "std of the normal init; output projections use init_std/sqrt(2*n_layers)", "gt": 0},
+        metadata={"doc": "std of the normal init; output projections use init_std/sqrt(2*n_layers)", "gt": 0,
+                  "keeps_weights": True},
     )
 
     @property

@@ -16,6 +16,9 @@ A field typed `dict[str, Entry]` (Entry a dataclass) holds tables the user names
 - "args_for": the field holds the arguments of the part named by the sibling field given here;
   "placement" says where they live in TOML: "inline" (the rest of the same table, as in [model])
   or "table" (a sub-table named after the chosen part, as in [data.text_files]).
+
+A model's argument field may say "keeps_weights": a run may start from weights trained with another
+value of it (nsa_titan/weight_source.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,45 @@
+"""checkpoint.initial_load_path: may a run start from weights trained with other model fields?
+
+Fields marked `keeps_weights` in the model part's argument dataclass (a longer max_seq_len to extend
+the context, another NSA backend, window or top-n) leave every weight's meaning as it was: they may
+differ, and the run names them. Any other difference (heads, tied embeddings, block sizes, ...) is
+refused even where every weight's shape fits, since the weights would be read as something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from components.errors import UserError
+from nsa_titan.config.fields import is_dataclass_type, resolved_types
+
+
+def free_fields(args_cls: type, prefix: str = "model") -> set[str]:
+    """Dotted paths (model.FIELD, model.nsa.FIELD) of the fields marked keeps_weights."""
+    free = set()
+    hints = resolved_types(args_cls)
+    for fld in dataclasses.fields(args_cls):
+        path = f"{prefix}.{fld.name}"
+        if is_dataclass_type(hints[fld.name]):
+            free |= free_fields(hints[fld.name], path)
+        elif fld.metadata.get("keeps_weights"):
+            free.add(path)
+    return free
+
+
+def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: type | None, path: str,
+                        where: str) -> list[str]:
+    """'model.FIELD: theirs -> ours' for every model field that differs (flat dotted dicts); UserError
+    when one not marked keeps_weights does. where: the file that holds the weights' own fields."""
+    differ = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
+    free = free_fields(args_cls) if args_cls is not None else set()
+    blocked = [key for key in differ if key not in free]
+    if blocked:
+        shown = "; ".join(f"{key} = {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in blocked[:4])
+        more = f"; and {len(blocked) - 4} more" if len(blocked) > 4 else ""
+        allowed = f" ({', '.join(sorted(free))} may differ)" if free else ""
+        raise UserError(f"checkpoint.initial_load_path = {path!r} holds weights trained with other model fields: "
+                        f"{shown}{more}. The weights would be read as another model. Fix: set those fields to the "
+                        f"values in {where}{allowed}, or start from weights of this model.")
+    return [f"{key}: {theirs.get(key)!r} -> {ours.get(key)!r}" for key in differ]
