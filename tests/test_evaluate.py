@@ -92,6 +92,8 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     assert cli.main(again) == 2
     assert "holds an earlier eval's results (eval.json, position_loss.png, passkey.png)" in capsys.readouterr().err
     assert (out / "eval.json").read_text() == earlier
+    assert cli.main([*again, "--overwrit"]) == 2  # a misspelled option is named before the folder is judged
+    assert "eval has no option '--overwrit' (did you mean '--overwrite'?)" in capsys.readouterr().err
     # ... unless --overwrite, which replaces every earlier result (an lm_eval.json of another model too).
     (out / "lm_eval.json").write_text("{}")
     assert cli.main([*again, "--overwrite"]) == 0, capsys.readouterr().err

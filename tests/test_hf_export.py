@@ -105,6 +105,30 @@ def test_tied_embeddings_stay_one_tensor_through_transformers(tmp_path_factory):
         load_exported(folder)
 
 
+def test_an_autocast_region_leaves_the_sparse_attention_in_fp32(tmp_path_factory):
+    """Under bf16 autocast (transformers' Trainer with bf16 = True) the scores and the selection still run in
+    fp32: the branches computed inside the region equal those computed outside it from the same inputs."""
+    _, folder = _train_and_export(tmp_path_factory.mktemp("autocast"), "nsa")
+    model = _auto_model(folder)
+    layer = model.model.layers[0].attention
+    seen = []
+    inner = layer._attend_chunks
+
+    def watched(*args):
+        seen.append((args, inner(*args)))
+        return seen[-1][1]
+
+    layer._attend_chunks = watched
+    tokens = torch.randint(0, 258, (1, 120), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens)
+    (args, inside), = seen
+    assert all(o.dtype == torch.float32 for o in inside)
+    with torch.no_grad():
+        outside = inner(*args)
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside, strict=True))
+
+
 def _count_tokens_per_call(model) -> list[int]:
     """The number of tokens each call of the model's decoder stack gets, appended as calls happen."""
     calls, inner = [], model.model.forward

@@ -15,6 +15,8 @@ def without_autocast(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         device = next(a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        if device == "meta":  # shapes only (no autocast for meta tensors)
+            return fn(*args, **kwargs)
         with torch.autocast(device_type=device, enabled=False):
             return fn(*args, **kwargs)
 

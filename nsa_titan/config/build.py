@@ -150,9 +150,11 @@ class RecipeBuilder:
         only_missing = all(p.why == "is required" for p in self.problems[before:])  # else the flags' own faults
         if not sources or not all(s.startswith("flag") for s in sources) or not filed or not only_missing:
             return
+        missing = ", ".join(p.field.rsplit(".", 1)[-1] for p in self.problems[before:])
         del self.problems[before:]
         self.problem(_join(path, name), None, f"is no table of the recipe{suggest(name, filed)}; it has "
-                     f"{', '.join(repr(n) for n in filed)}, and this flag alone does not make a complete new one",
+                     f"{', '.join(repr(n) for n in filed)}, and the flags alone make no complete new one "
+                     f"(missing: {missing})",
                      f"correct the name in the flag, or give every required field of a new [{_join(path, name)}]")
 
     def _unused_when_switched_off(self, fld: dataclasses.Field, values: dict, table: dict, path: str) -> Any:

@@ -14,7 +14,7 @@ from nsa_titan.config.fields import f
 
 @dataclass
 class JobConfig:
-    name: str = f("debug", "Run name: on the run's first log line, in its recipe.toml and manifest, and the W&B run's name.")
+    name: str = f("debug", "Run name: on the run's start line, in its recipe.toml and manifest, and the W&B run's name.")
     description: str = f("", "Free text describing the run.")
     dump_folder: str = f("./outputs/debug", "Folder for this run's recipe, metrics, checkpoints and logs.")
     seed: int = f(0, "Seed for model init, data order and dropout-free training randomness.", ge=0)

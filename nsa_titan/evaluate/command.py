@@ -55,7 +55,6 @@ def _load(argv: list[str]):
     from nsa_titan.run_folder import recipe_change_note
 
     if argv and argv[0].endswith(".toml"):
-        refuse_unknown_options(argv, "eval", OPTIONS + ", or recipe overrides --section.field=VALUE", overrides=True)
         resolved = resolve(argv, world_size=None)
         model, tokenizer, step = load_checkpoint_model(resolved)
         note = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (eval reads the model, "
@@ -63,7 +62,6 @@ def _load(argv: list[str]):
         if note:
             print(note)
         return model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}"
-    refuse_unknown_options(argv, "eval", OPTIONS + " (recipe overrides go with a recipe, not an exported file)")
     if len(argv) != 1:
         raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
     model, meta = load_exported(argv[0])
@@ -78,20 +76,25 @@ def run_command(argv: list[str]) -> int:
         raise UserError(f"eval needs --out DIR for its results. Fix: {USAGE}.")
     check_output("--out", out, folder=True)
     overwrite = take_flag(argv, "--overwrite")
-    refuse_earlier_results(out, "eval", RESULT_FILES, overwrite)
     batches = _numbers(argv, "--batches", int, None, one=True)
     lengths = _numbers(argv, "--lengths", int, None)
     depths = _numbers(argv, "--depths", float, "0,0.25,0.5,0.75,1")
     trials = _numbers(argv, "--trials", int, "5", one=True)[0]
     task_limit = _numbers(argv, "--limit", int, None, one=True)
+    tasks = take_option(argv, "--tasks")
+    task_dir = take_option(argv, "--task-dir")
+    # What is left is the model: a recipe with its overrides, or an exported file alone.
+    if argv and argv[0].endswith(".toml"):
+        refuse_unknown_options(argv, "eval", OPTIONS + ", or recipe overrides --section.field=VALUE", overrides=True)
+    else:
+        refuse_unknown_options(argv, "eval", OPTIONS + " (recipe overrides go with a recipe, not an exported file)")
+    refuse_earlier_results(out, "eval", RESULT_FILES, overwrite)
     # not 0 <= nan: a nan depth is refused too; --limit 0 would mean "no limit" to the harness
     if any(not 0 <= d <= 1 for d in depths):
         raise UserError(f"--depths must lie in [0, 1], got {','.join(map(str, depths))}. Fix: e.g. --depths 0,0.5,1.")
     for name, given in (("--trials", [trials]), ("--batches", batches), ("--limit", task_limit)):
         if given and given[0] < 1:
             raise UserError(f"{name} must be at least 1, got {given[0]}. Fix: e.g. {name} 1.")
-    tasks = take_option(argv, "--tasks")
-    task_dir = take_option(argv, "--task-dir")
     if task_dir and not os.path.isdir(task_dir):
         raise UserError(f"--task-dir {task_dir!r} is not a folder. Fix: give the folder holding your task YAML files.")
     if (task_dir or task_limit) and not tasks:

@@ -285,17 +285,26 @@ class NSAAttention(nn.Module):
             done = cache.tensors["k_cmp"].shape[1] if "k_cmp" in cache.tensors else 0
             k_cmp, v_cmp = cache.extend(**dict(zip(("k_cmp", "v_cmp"), self._compressed(k_raw, v_raw, done))))
 
-        end = start + T
-        keys, blocks = torch.arange(end, device=x.device), torch.arange(k_cmp.shape[1], device=x.device)
         gates = torch.sigmoid(self.gate(x)).view(B, T, c.n_heads, 3).float()
         g = grouped(gates, Hkv)  # [B, Hkv, T, G, 3]
-        qg, outs = grouped(q, Hkv), []
+        qg = grouped(q, Hkv)
+        # fp32 scores and selection whatever autocast region calls the model (transformers' Trainer with bf16,
+        # say): in bf16 they would pick other blocks than the trained model did.
+        with torch.autocast(x.device.type, enabled=False):
+            outs = self._attend_chunks(qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions, start + T)
+        return self.wo(ungrouped(torch.cat(outs, dim=2)).to(x.dtype).reshape(B, T, -1))
+
+    def _attend_chunks(self, qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions, end):
+        """The three branches, gated, for query chunks of QUERY_CHUNK: a list of [B, Hkv, C, G, D]."""
+        T, outs = qg.shape[2], []
+        keys = torch.arange(end, device=qg.device)
+        blocks = torch.arange(k_cmp.shape[1], device=qg.device)
         for c0 in range(0, T, QUERY_CHUNK):
             qc, t = qg[:, :, c0:c0 + QUERY_CHUNK], positions[c0:c0 + QUERY_CHUNK]
             o_cmp, probs = attend(qc, k_cmp, v_cmp, (blocks[None, :] * self.d + self.l - 1 <= t[:, None])[None, None])
             chosen = self._select(probs, t, -(-int(t[-1] + 1) // self.lp))  # [B, Hkv, C, n]
             spare = -(-end // self.lp)  # unused slots (-1) mark this extra column, never read
-            in_block = torch.zeros(*chosen.shape[:3], spare + 1, dtype=torch.bool, device=x.device)
+            in_block = torch.zeros(*chosen.shape[:3], spare + 1, dtype=torch.bool, device=qg.device)
             in_block.scatter_(-1, torch.where(chosen < 0, spare, chosen), True)
             sel_visible = in_block[..., keys // self.lp] & (keys[None, :] <= t[:, None])
             o_sel = attend(qc, k_sel, v_sel, sel_visible)[0]
@@ -303,7 +312,7 @@ class NSAAttention(nn.Module):
             o_win = attend(qc, k_win, v_win, win_visible[None, None])[0]
             gc = g[:, :, c0:c0 + QUERY_CHUNK, :, :, None]
             outs.append(gc[..., 0, :] * o_cmp + gc[..., 1, :] * o_sel + gc[..., 2, :] * o_win)
-        return self.wo(ungrouped(torch.cat(outs, dim=2)).to(x.dtype).reshape(B, T, -1))
+        return outs
 
 
 # ---- the model ----------------------------------------------------------------------------------
