@@ -84,7 +84,9 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
     target = os.path.abspath(output)
     tmp = new_name_beside(target)
     os.makedirs(tmp)
-    tokens = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    # A document follows its BOS with data.add_bos, else the previous one's end of text (as the tokenizer says).
+    tokens = {"bos_token_id": tokenizer.bos_id if recipe.data.add_bos else tokenizer.eos_id,
+              "eos_token_id": tokenizer.eos_id}
     config = {**fmt.config, **tokens, "model_type": fmt.model_type, "architectures": list(fmt.architectures),
               "auto_map": fmt.auto_map, "torch_dtype": dtype,
               "nsa_titan": {"format": FORMAT, "model": recipe.model.name,

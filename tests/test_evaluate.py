@@ -16,22 +16,30 @@ from tests.launch import DEBUG, TINY
 
 
 def test_context_positions_restart_at_documents_only_when_masked():
+    """The tokens of context each input position's prediction has: the input token and those before it in
+    its document (masked), or in the row."""
     starts = torch.tensor([[True, False, False, True, False], [False, False, True, False, False]])
-    assert context_positions(starts, (2, 5), masked=True).tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
-    assert context_positions(starts, (2, 5), masked=False).tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert context_positions(starts, (2, 5), masked=True).tolist() == [[1, 2, 3, 1, 2], [1, 2, 1, 2, 3]]
+    assert context_positions(starts, (2, 5), masked=False).tolist() == [[1, 2, 3, 4, 5]] * 2
 
 
 def test_loss_by_position_is_the_mean_of_each_positions_losses():
+    """Each prediction counts at its context length; one made at an end of text (its target is the next
+    document's first token) counts nowhere."""
     torch.manual_seed(0)
-    vocab, T = 11, 6
+    vocab, T, eos = 11, 6, 10
     model = torch.nn.Sequential(torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab))
-    batches = [{"input": torch.randint(0, vocab, (2, T)), "target": torch.randint(0, vocab, (2, T)),
+    batches = [{"input": torch.randint(0, eos, (2, T)), "target": torch.randint(0, vocab, (2, T)),
                 "document_starts": torch.zeros(2, T, dtype=torch.bool)} for _ in range(3)]
-    got = loss_by_position(model, lambda starts: None, batches, T, lambda items: items)
+    batches[0]["input"][1, 4] = eos  # that row's prediction at position 4 crosses into another document
+    got = loss_by_position(model, lambda starts: None, batches, T, lambda items: items, eos)
     losses = torch.stack([F.cross_entropy(model(b["input"]).flatten(0, 1), b["target"].flatten(), reduction="none")
                           .view(2, T) for b in batches])
-    assert got["positions"] == list(range(T)) and got["tokens"] == [6] * T
-    torch.testing.assert_close(torch.tensor(got["mean_loss"], dtype=torch.float32), losses.mean(dim=(0, 1)))
+    assert got["positions"] == list(range(1, T + 1)) and got["tokens"] == [6, 6, 6, 6, 5, 6]
+    kept = torch.ones(3, 2, T, dtype=torch.bool)
+    kept[0, 1, 4] = False
+    expected = (losses * kept).sum(dim=(0, 1)) / kept.sum(dim=(0, 1))
+    torch.testing.assert_close(torch.tensor(got["mean_loss"], dtype=torch.float32), expected)
 
 
 def test_passkey_prompts_hide_the_key_at_the_depth_and_score_the_answer():
@@ -45,6 +53,10 @@ def test_passkey_prompts_hide_the_key_at_the_depth_and_score_the_answer():
         assert where == pytest.approx(depth, abs=0.01)
     with pytest.raises(ValueError, match="too short"):
         prompt(tok, shortest - 1, 0.5, "12345")
+    # A run trained with data.add_bos gets the BOS its documents began with, within the length.
+    with_bos = prompt(tok, 300, 0.5, "12345", add_bos=True)
+    assert len(with_bos) == 300 and with_bos[0] == tok.bos_id and tok.bos_id not in with_bos[1:]
+    assert shortest_length(tok, add_bos=True) == shortest + 1
 
     def oracle(right: bool):
         """A 'model' that answers with the key read from the prompt (or a wrong one)."""
@@ -69,6 +81,20 @@ def checkpointed_run(tmp_path_factory):
     return argv
 
 
+def held_out_batches(argv, count=2):
+    """The first held-out batches of the run, as eval reads them."""
+    from nsa_titan import assemble
+    from nsa_titan.config import resolve
+    from nsa_titan.runtime import make_runtime
+
+    recipe = resolve(argv, world_size=None).recipe
+    loader = assemble.build_loader(recipe, make_runtime("cpu", "float32"), assemble.build_source(recipe),
+                                   assemble.build_tokenizer(recipe), dp_rank=0, dp_size=1, split="validation",
+                                   batch_size=recipe.training.local_batch_size)
+    iterator = iter(loader)
+    return [next(iterator) for _ in range(count)]
+
+
 def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     out = tmp_path / "eval"
     code = cli.main(["eval", *checkpointed_run, "--out", str(out), "--batches", "2", "--trials", "1",
@@ -78,7 +104,9 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     assert "evaluated checkpoint step 2" in said and "differs" not in said
     results = json.loads((out / "eval.json").read_text())
     positions = results["position_loss"]
-    assert positions["positions"] == list(range(64)) and sum(positions["tokens"]) == 2 * 8 * 64  # 2 batches of 8 rows
+    # 2 batches of 8 rows of 64 tokens, less the predictions made at an end of text
+    ends = sum(int((batch["input"] == 257).sum()) for batch in held_out_batches(checkpointed_run))
+    assert positions["positions"][0] == 1 and sum(positions["tokens"]) == 2 * 8 * 64 - ends
     assert all(0 < loss < 20 for loss in positions["mean_loss"])
     passkey = results["passkey"]
     assert passkey["depths"] == [0.0, 1.0] and max(passkey["lengths"]) <= 128

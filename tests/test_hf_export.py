@@ -233,7 +233,11 @@ def test_the_tokenizer_encodes_as_in_training(exported):
     assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
     assert theirs.encode(text) == ours.encode(text)  # called as usual: data.add_bos is off, no BOS added
     assert theirs.decode(ours.encode(text)) == text
-    assert (theirs.eos_token_id, theirs.bos_token_id) == (ours.eos_id, ours.bos_id)
+    # data.add_bos is off: a document follows the previous one's end of text, which is what lm-eval and
+    # generation put before an empty context (the tokenizer's bos_token)
+    assert (theirs.eos_token_id, theirs.bos_token_id) == (ours.eos_id, ours.eos_id)
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (ours.eos_id, ours.eos_id)
 
 
 def _stdlib_texts(count: int) -> list[str]:
@@ -276,7 +280,7 @@ def test_a_hugging_face_tokenizer_is_shipped_as_it_is(trained, tmp_path):  # noq
     for source in _stdlib_texts(5):
         assert theirs.encode(source, add_special_tokens=False) == ours.encode(source)
         assert theirs.encode(source) == ours.encode(source)  # its own template is not training's
-    assert (theirs.bos_token, theirs.eos_token) == ("<s>", "<|endoftext|>")
+    assert (theirs.bos_token, theirs.eos_token) == ("<|endoftext|>", "<|endoftext|>")  # add_bos off: see above
 
 
 @pytest.mark.parametrize("kind", ["byte", "hf_tokenizer"])
@@ -292,6 +296,7 @@ def test_the_shipped_tokenizer_adds_bos_as_training_did(trained, tmp_path, kind)
     text = "def f(x):\n\treturn x  # naïve"
     assert theirs.encode(text) == [ours.bos_id, *ours.encode(text)]
     assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert theirs.bos_token_id == ours.bos_id
 
 
 def test_a_run_starts_from_the_folder(exported, tmp_path, capsys):

@@ -54,8 +54,11 @@ def _task_files(folder) -> None:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lm_eval")
-    argv = [*RUN, f"--job.dump_folder={root}/run"]
+    return _setup(tmp_path_factory.mktemp("lm_eval"), RUN)
+
+
+def _setup(root, run):
+    argv = [*run, f"--job.dump_folder={root}/run"]
     assert cli.main(["train", *argv]) == 0
     assert cli.main(["export", *argv, "--output", str(root / "model.pt")]) == 0
     assert cli.main(["export", *argv, "--format", "hf", "--output", str(root / "hf")]) == 0
@@ -74,9 +77,9 @@ def _evaluate(model, model_args, root) -> dict:
     return out["results"]
 
 
-def _assert_same(a: dict, b: dict) -> None:
+def _assert_same(a: dict, b: dict, tasks=TASKS) -> None:
     assert sorted(a) == sorted(TASKS) and sorted(b) == sorted(TASKS)
-    for task in TASKS:
+    for task in tasks:
         metrics = {k: v for k, v in a[task].items() if "," in k and "stderr" not in k}
         assert metrics, a[task]
         for key, value in metrics.items():
@@ -95,6 +98,42 @@ def test_the_registered_model_and_the_hf_folder_agree(setup):
     assert 1 < ours["toy_rolling"]["byte_perplexity,none"] < 258  # a byte model, better than uniform
     # The registered model reads the folder too.
     _assert_same(ours, _evaluate("nsa_titan", f"pretrained={root / 'hf'}", root))
+
+
+def test_a_model_trained_with_bos_is_evaluated_with_it_both_ways(tmp_path_factory):
+    """data.add_bos: every document began with BOS in training, and the folder's tokenizer adds it; the
+    registered model puts it first too (and before an empty context), so both ways agree on choices and
+    generation. Rolling windows differ: the hf model puts its prefix BOS before the tokenizer's own."""
+    from nsa_titan.evaluate.harness import lm_class
+
+    _, root = _setup(tmp_path_factory.mktemp("lm_eval_bos"), [*RUN, "--data.add_bos=true"])
+    lm = lm_class()(pretrained=str(root / "model.pt"))
+    assert lm.tok_encode("import os")[0] == 256 and lm.prefix_token_id == 256  # the byte tokenizer's BOS
+    ours = _evaluate("nsa_titan", f"pretrained={root / 'model.pt'}", root)
+    hf = _evaluate("hf", {"pretrained": str(root / "hf"), "trust_remote_code": True, "device": "cpu",
+                          "dtype": "float32"}, root)
+    _assert_same(ours, hf, ["toy_choice", "toy_generate"])
+    assert ours["toy_rolling"]["byte_perplexity,none"] != pytest.approx(hf["toy_rolling"]["byte_perplexity,none"])
+
+
+def test_a_generation_longer_than_the_context_is_cut_to_fit(setup, monkeypatch):
+    """max_gen_toks at or past max_seq_len (the harness's default 256 on a 256-token model): the new tokens
+    leave one prompt token, the prompt's last, instead of failing the request."""
+    from types import SimpleNamespace
+
+    import components.models
+    from nsa_titan.evaluate.harness import lm_class
+
+    _, root = setup
+    lm = lm_class()(pretrained=str(root / "model.pt"))
+    calls = []
+    real = components.models.generate
+    monkeypatch.setattr(components.models, "generate", lambda model, prompt, new, **kw: calls.append(
+        (prompt[0].tolist(), new)) or real(model, prompt, new, **kw))
+    context = "def f(x):\n    return x\n" * 4
+    (text,) = lm.generate_until([SimpleNamespace(args=(context, {"until": [], "max_gen_toks": 300}))])
+    ((prompt, new),) = calls
+    assert (len(prompt), new) == (1, 255) and prompt == lm.tok_encode(context)[-1:] and isinstance(text, str)
 
 
 def test_eval_runs_tasks_beside_its_own_probes(setup, tmp_path):

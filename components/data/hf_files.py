@@ -118,7 +118,9 @@ def write_tokenizer_files(tokenizer, folder: str, model_max_length: int, add_bos
     text = with_bos_rule(text, bos, tokenizer.bos_id, add_bos)
     with open(os.path.join(folder, TOKENIZER_FILE), "w", encoding="utf-8") as fh:
         fh.write(text)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+    # The token a document starts after: its BOS with add_bos, else the previous document's end of text
+    # (what lm-eval and generation put before an empty context).
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos if add_bos else eos, "eos_token": eos,
               "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
     with open(os.path.join(folder, CONFIG_FILE), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)

@@ -109,7 +109,7 @@ def run_command(argv: list[str]) -> int:
     pyplot()  # fail before the work when matplotlib is missing
     model, tokenizer, recipe, loaded = _load(argv)
     limit = recipe.model.args.max_seq_len - answer_tokens(tokenizer)
-    shortest = shortest_length(tokenizer)
+    shortest = shortest_length(tokenizer, recipe.data.add_bos)
     if shortest > limit:
         raise UserError(f"the passkey prompt needs {shortest} tokens, more than max_seq_len "
                         f"{recipe.model.args.max_seq_len} leaves. Fix: evaluate a model with a longer max_seq_len.")
@@ -144,19 +144,20 @@ def run_command(argv: list[str]) -> int:
                         f"that recipe names it, or evaluate the run's checkpoint from its recipe with the data "
                         f"settings changed, e.g. `nsa-titan eval RECIPE.toml --data.{recipe.data.source}.FIELD=... "
                         f"--out {out}`.") from None
-    positions = loss_by_position(model, documents_of, held_out, recipe.training.seq_len, progress("held-out loss"))
+    positions = loss_by_position(model, documents_of, held_out, recipe.training.seq_len, progress("held-out loss"),
+                                 tokenizer.eos_id)
 
     from components.models import generate
 
     passkey = passkey_accuracy(model, tokenizer, generate, lengths, depths, trials, recipe.job.seed,
-                               progress("passkey"))
+                               progress("passkey"), recipe.data.add_bos)
 
     harness = None
     if tasks:
         from nsa_titan.evaluate.harness import run_tasks
 
         harness = run_tasks(model, tokenizer, task_names, manager, task_limit[0] if task_limit else None,
-                            recipe.job.seed)
+                            recipe.job.seed, recipe.data.add_bos)
 
     os.makedirs(out, exist_ok=True)
     remove_earlier_results(out, "eval", RESULT_FILES, overwrite)
@@ -178,7 +179,7 @@ def run_command(argv: list[str]) -> int:
         plt.close(figure)
     far = positions["mean_loss"][-1] if positions["mean_loss"] else float("nan")
     mean_accuracy = sum(map(sum, passkey["accuracy"])) / (len(lengths) * len(depths))
-    print(f"evaluated {loaded}: loss {positions['mean_loss'][0]:.3f} at position 0, {far:.3f} at position "
-          f"{positions['positions'][-1]}; passkey accuracy {mean_accuracy:.0%} over {len(lengths)} lengths x "
+    print(f"evaluated {loaded}: loss {positions['mean_loss'][0]:.3f} with {positions['positions'][0]} token(s) of "
+          f"context, {far:.3f} with {positions['positions'][-1]}; passkey accuracy {mean_accuracy:.0%} over {len(lengths)} lengths x "
           f"{len(depths)} depths x {trials} keys: " + ", ".join(paths.values()))
     return 0

@@ -1,6 +1,8 @@
 """lm-evaluation-harness on nsa_titan models.
 
-Two ways, which give the same numbers (tests/test_lm_eval.py checks that):
+Two ways, which give the same numbers (tests/test_lm_eval.py checks that; with data.add_bos, the harness's
+`hf` model puts its prefix BOS before the BOS the tokenizer adds in loglikelihood_rolling, so rolling
+tasks differ there, the nsa_titan model starting each window as training started a document):
 - `nsa-titan eval ... --tasks NAMES [--task-dir DIR] [--limit N]` runs the harness on the loaded model
   through the LM class below (registered with the harness as "nsa_titan"; from Python,
   `lm_eval.simple_evaluate(model="nsa_titan", model_args="pretrained=PATH")` once this module is
@@ -43,11 +45,13 @@ def lm_class():
 
     class NSATitanLM(TemplateLM):
         def __init__(self, pretrained: str | None = None, model=None, tokenizer=None, batch_size: int | str = 8,
-                     max_length: int | None = None, **unused):
+                     max_length: int | None = None, add_bos: bool = False, **unused):
             super().__init__()
             if model is None:
-                model, tokenizer = _load(pretrained)
+                model, tokenizer, add_bos = _load(pretrained)
             self.model, self.tokenizer_ = model.eval(), tokenizer
+            # Documents as training saw them: BOS first with data.add_bos, else after an end of text.
+            self.add_bos = add_bos
             self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
             self.max_length = int(max_length or model.args.max_seq_len)
             self._device = next(model.parameters()).device
@@ -58,10 +62,13 @@ def lm_class():
 
         @property
         def prefix_token_id(self) -> int:
-            return self.tokenizer_.bos_id
+            """What a document follows: its BOS with data.add_bos, else the previous document's end of text."""
+            return self.tokenizer_.bos_id if self.add_bos else self.tokenizer_.eos_id
 
         def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-            return self.tokenizer_.encode(string)
+            """As the exported Hugging Face tokenizer encodes: the BOS training put first, unless told not to."""
+            bos = [self.tokenizer_.bos_id] if self.add_bos and add_special_tokens is not False else []
+            return bos + self.tokenizer_.encode(string)
 
         def tok_decode(self, tokens) -> str:
             return self.tokenizer_.decode(tokens)
@@ -93,7 +100,7 @@ def lm_class():
             totals = []
             for (text,) in (request.args for request in requests):
                 windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                    self.tok_encode(text), self.prefix_token_id, self.max_length, 1)]
+                    self.tok_encode(text, add_special_tokens=False), self.prefix_token_id, self.max_length, 1)]
                 scored = self._loglikelihood_tokens([(None, context, target) for context, target in windows])
                 totals.append(sum(logprob for logprob, _ in scored))
             return totals
@@ -107,7 +114,8 @@ def lm_class():
                 kwargs = dict(kwargs or {})
                 until = kwargs.get("until") or []
                 until = ([until] if isinstance(until, str) else list(until)) + [self.tok_decode([self.eot_token_id])]
-                new_tokens = int(kwargs.get("max_gen_toks", 256))
+                # at least one prompt token: the context is cut from the left to what the new tokens leave
+                new_tokens = min(int(kwargs.get("max_gen_toks", 256)), self.max_length - 1)
                 if kwargs.get("do_sample") or kwargs.get("temperature", 0) not in (0, 0.0):
                     raise UserError("the nsa_titan harness model decodes greedily; the task asks for sampling. Fix: "
                                     "run the task with do_sample false and temperature 0.")
@@ -133,7 +141,8 @@ def _load(path: str | None):
         raise UserError("the nsa_titan harness model needs pretrained=PATH (an exported .pt file or a --format hf "
                         "folder). Fix: model_args='pretrained=outputs/debug/model.pt'.")
     model, meta = load_exported(path)
-    return model, assemble.build_tokenizer(resolve_text(meta["recipe_toml"]).recipe)
+    recipe = resolve_text(meta["recipe_toml"]).recipe
+    return model, assemble.build_tokenizer(recipe), recipe.data.add_bos
 
 
 def task_manager(tasks: list[str], task_dir: str | None):
@@ -150,10 +159,10 @@ def task_manager(tasks: list[str], task_dir: str | None):
     return manager
 
 
-def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None, seed: int) -> dict:
+def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None, seed: int, add_bos: bool) -> dict:
     """simple_evaluate on the model over `tasks` of `manager` (task_manager's); returns the harness's
-    results (per task, its metrics)."""
-    lm = lm_class()(model=model, tokenizer=tokenizer)
+    results (per task, its metrics). add_bos: the run's data.add_bos."""
+    lm = lm_class()(model=model, tokenizer=tokenizer, add_bos=add_bos)
     from lm_eval import simple_evaluate
 
     seed %= 2**32  # NumPy's seeds stop below 2**32; the recipe's seed may be any 64-bit number

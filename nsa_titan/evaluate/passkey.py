@@ -2,7 +2,7 @@
 
 Each prompt is filler text of about `length` tokens with one sentence hiding a random 5-digit key at
 a relative depth (0 = the start, 1 = just before the question), and ends with a question whose
-answer is the key. A trial passes when the greedy continuation's text starts with the key (text, not
+answer is the key; it starts with BOS where training started documents with one (data.add_bos). A trial passes when the greedy continuation's text starts with the key (text, not
 token ids: a tokenizer may split the digits differently after the prompt).
 """
 
@@ -17,23 +17,25 @@ NEEDLE = " The pass key is {key}. Remember it."
 QUESTION = " What is the pass key? The pass key is"
 
 
-def shortest_length(tokenizer) -> int:
-    """The fewest prompt tokens that hold the needle and the question."""
-    return len(tokenizer.encode(NEEDLE.format(key="99999"))) + len(tokenizer.encode(QUESTION))
+def shortest_length(tokenizer, add_bos: bool = False) -> int:
+    """The fewest prompt tokens that hold the needle and the question (and BOS, with add_bos)."""
+    return len(tokenizer.encode(NEEDLE.format(key="99999"))) + len(tokenizer.encode(QUESTION)) + int(add_bos)
 
 
-def prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
-    """Token ids of about `length` tokens (never more) with the key's sentence at `depth`."""
+def prompt(tokenizer, length: int, depth: float, key: str, add_bos: bool = False) -> list[int]:
+    """Token ids of about `length` tokens (never more, BOS first with add_bos) with the key's sentence at
+    `depth`."""
     needle = tokenizer.encode(NEEDLE.format(key=key))
     question = tokenizer.encode(QUESTION)
     filler_unit = tokenizer.encode(FILLER)
-    room = length - len(needle) - len(question)
+    start = [tokenizer.bos_id] if add_bos else []
+    room = length - len(start) - len(needle) - len(question)
     if room < 0:
         raise ValueError(f"length {length} is too short for the needle and the question "
                          f"({len(needle) + len(question)} tokens)")
     filler = (filler_unit * (room // max(len(filler_unit), 1) + 1))[:room]
     cut = round(depth * room)
-    return filler[:cut] + needle + filler[cut:] + question
+    return start + filler[:cut] + needle + filler[cut:] + question
 
 
 def answer_tokens(tokenizer) -> int:
@@ -43,8 +45,9 @@ def answer_tokens(tokenizer) -> int:
 
 @torch.no_grad()
 def passkey_accuracy(model, tokenizer, generate, lengths: list[int], depths: list[float], trials: int, seed: int,
-                     progress) -> dict:
-    """accuracy[i][j] at lengths[i] and depths[j], over `trials` random keys each."""
+                     progress, add_bos: bool = False) -> dict:
+    """accuracy[i][j] at lengths[i] and depths[j], over `trials` random keys each (add_bos: the run's
+    data.add_bos)."""
     rng = random.Random(seed)
     device = next(model.parameters()).device
     grid = [(length, depth) for length in lengths for depth in depths]
@@ -52,7 +55,7 @@ def passkey_accuracy(model, tokenizer, generate, lengths: list[int], depths: lis
     for length, depth in progress(grid):
         for _ in range(trials):
             key = str(rng.randint(10000, 99999))
-            ids = prompt(tokenizer, length, depth, key)
+            ids = prompt(tokenizer, length, depth, key, add_bos)
             out = generate(model, torch.tensor([ids], device=device), answer_tokens(tokenizer), temperature=0.0)
             correct[(length, depth)] += int(tokenizer.decode(out[0, len(ids):].tolist()).strip().startswith(key))
     return {"lengths": lengths, "depths": depths, "trials": trials,

@@ -17,7 +17,7 @@ def position_loss_figure(positions: dict, title: str):
     if len(y) >= window > 1:
         smooth = np.convolve(y, np.ones(window) / window, mode="valid")
         ax.plot(x[window - 1:], smooth, lw=1.6, label=f"running mean of {window}")
-    ax.set_xlabel("context position (tokens of its own document before the token)")
+    ax.set_xlabel("context (tokens of its own document the prediction sees)")
     ax.set_ylabel("held-out loss (nats)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

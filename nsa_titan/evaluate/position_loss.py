@@ -1,7 +1,9 @@
 """Loss by context position on held-out data: does the model use far context?
 
-A token's context position is how many tokens of its own document precede it when the model masks
-documents (the document is all it sees), else its position in the row.
+A prediction's context position is how many tokens of context it had: those of its own document up
+to the input token when the model masks documents (the document is all it sees), else those of the
+row. The prediction made at a document's last token (its end of text) is of the next document's
+first token, which no context in the finished document can tell: it is left out.
 """
 
 from __future__ import annotations
@@ -12,33 +14,36 @@ from nsa_titan.loss import token_cross_entropy
 
 
 def context_positions(document_starts: torch.Tensor | None, shape: tuple[int, int], masked: bool) -> torch.Tensor:
-    """[B, T] long: each token's context position (see the module docstring)."""
+    """[B, T] long: the tokens of context each input position's prediction has (1 at a document's first
+    token under masking, t + 1 at row position t otherwise)."""
     B, T = shape
     positions = torch.arange(T).expand(B, T)
     if not masked or document_starts is None:
-        return positions
+        return positions + 1
     starts = document_starts.clone()
     starts[:, 0] = True
     last_start = torch.where(starts, positions, torch.zeros_like(positions)).cummax(dim=1).values
-    return positions - last_start
+    return positions - last_start + 1
 
 
 @torch.no_grad()
-def loss_by_position(model, documents_of, batches, seq_len: int, progress) -> dict:
-    """Mean loss per context position 0 .. seq_len-1 over `batches` (loader batches on the host).
-    documents_of(document_starts) gives the forward's documents argument, or None."""
-    total = torch.zeros(seq_len, dtype=torch.float64)
-    count = torch.zeros(seq_len, dtype=torch.int64)
+def loss_by_position(model, documents_of, batches, seq_len: int, progress, eos_id: int) -> dict:
+    """Mean loss per context position 1 .. seq_len over `batches` (loader batches on the host), the
+    predictions made at an end of text (eos_id) left out. documents_of(document_starts) gives the forward's
+    documents argument, or None."""
+    total = torch.zeros(seq_len + 1, dtype=torch.float64)
+    count = torch.zeros(seq_len + 1, dtype=torch.int64)
     device = next(model.parameters()).device
     for batch in progress(batches):
         inputs = batch["input"].to(device)
         documents = documents_of(batch["document_starts"])
         logits = model(inputs) if documents is None else model(inputs, documents=documents)
-        loss = token_cross_entropy(logits, batch["target"].to(device)).flatten()
+        loss = token_cross_entropy(logits, batch["target"].to(device)).flatten().double().cpu()
         positions = context_positions(batch["document_starts"], tuple(inputs.shape), documents is not None).flatten()
-        total.index_add_(0, positions, loss.double().cpu())
-        count.index_add_(0, positions, torch.ones_like(positions))
+        within = batch["input"].flatten() != eos_id  # the next token is another document's first
+        total.index_add_(0, positions[within], loss[within])
+        count.index_add_(0, positions[within], torch.ones_like(positions[within]))
     seen = count > 0
     mean = torch.where(seen, total / count.clamp(min=1), torch.full_like(total, float("nan")))
-    return {"positions": torch.arange(seq_len)[seen].tolist(), "mean_loss": mean[seen].tolist(),
+    return {"positions": torch.arange(seq_len + 1)[seen].tolist(), "mean_loss": mean[seen].tolist(),
             "tokens": count[seen].tolist()}
