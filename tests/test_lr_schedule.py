@@ -19,9 +19,9 @@ def lrs_seen(steps: int, warmup: int, decay: str, min_factor: float, decay_steps
              plugins: str = "") -> list[float]:
     """The learning rate used by each of the run's optimizer steps, 1..steps."""
     argv = [f"--training.steps={steps}", f"--lr_scheduler.warmup_steps={warmup}",
-            f"--lr_scheduler.decay_type={decay}", f"--optimizer.lr={PEAK}", f"--lr_scheduler.decay_steps={decay_steps}"]
-    if decay != "constant":
-        argv.append(f"--lr_scheduler.min_lr_factor={min_factor}")
+            f"--lr_scheduler.decay_type={decay}", f"--optimizer.lr={PEAK}"]
+    if decay != "constant":  # flags for a decay, which a constant schedule refuses at any value
+        argv += [f"--lr_scheduler.min_lr_factor={min_factor}", f"--lr_scheduler.decay_steps={decay_steps}"]
     if plugins:
         argv.append(f"--job.plugins={plugins}")
     recipe = resolve(argv).recipe
