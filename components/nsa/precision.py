@@ -8,9 +8,10 @@ import torch
 
 
 def without_autocast(fn):
-    """Run fn with autocast off on its first tensor argument's device (positional or keyword). A matmul inside an autocast region
-    runs in bf16 even on fp32 operands: the group scores (fp32 by the spec) would change which blocks
-    are selected, and the backward, run outside autocast, would select others than the forward did."""
+    """Run fn with autocast off on its first tensor argument's device (positional or keyword). A matmul
+    inside an autocast region runs in bf16 even on fp32 operands: the group scores (fp32 by the spec)
+    would change which blocks are selected, and the backward, run outside autocast, would select others
+    than the forward did."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

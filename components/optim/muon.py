@@ -2,7 +2,8 @@
 
 Muon (momentum, then orthogonalized by a Newton-Schulz iteration) updates the weights of the linear
 layers inside the model. AdamW updates the rest: embedding tables, the output head (the layer the model's
-get_output_embeddings() names; see muon_params), norms and biases. Muon's matrices and AdamW's matrices take weight decay; tables, norms and biases do not.
+get_output_embeddings() names; see muon_params), norms and biases. Muon's matrices and AdamW's
+matrices take weight decay; tables, norms and biases do not.
 
 Parameters sharded by FSDP2 (DTensor): orthogonalizing needs the whole matrix. The matrices are dealt
 out over the ranks of the shard group: each is put together whole on one rank, orthogonalized there,

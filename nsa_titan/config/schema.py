@@ -14,7 +14,8 @@ from nsa_titan.config.fields import f
 
 @dataclass
 class JobConfig:
-    name: str = f("debug", "Run name: on the run's start line, in its recipe.toml and manifest, and the W&B run's name.")
+    name: str = f("debug", "Run name: on the run's start line, in its recipe.toml and manifest, and the W&B "
+                           "run's name.")
     description: str = f("", "Free text describing the run.")
     dump_folder: str = f("./outputs/debug", "Folder for this run's recipe, metrics, checkpoints and logs.")
     seed: int = f(0, "Seed for model init, data order and dropout-free training randomness.", ge=0)
@@ -47,7 +48,8 @@ class ParallelismConfig:
 class DataConfig:
     source: str = f("python_stdlib", "Registered document source.", component="data_source")
     tokenizer: str = f("byte", "Registered tokenizer; its vocabulary size sets the model's.", component="tokenizer")
-    logical_shards: int = f(64, "Fixed shards of the corpus; data-parallel ranks own disjoint ones; the data-parallel size must divide it.", ge=1,
+    logical_shards: int = f(64, "Fixed shards of the corpus; data-parallel ranks own disjoint ones; the "
+                               "data-parallel size must divide it.", ge=1,
                             le=65536)
     num_workers: int = f(0, "Data loader worker processes per rank (0 reads in the training process).", ge=0)
     prefetch_factor: int = f(2, "Batches each worker prepares ahead (needs num_workers > 0).", ge=1)

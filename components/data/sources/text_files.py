@@ -25,8 +25,8 @@ class TextFilesArgs:
     )
     invalid_utf8: str = field(
         default="error",
-        metadata={"doc": "bytes that are not UTF-8 in text files (.txt/.md/.py, .jsonl): error (stop, naming the file) or replace "
-                         "(read them as U+FFFD)", "choices": ("error", "replace")},
+        metadata={"doc": "bytes that are not UTF-8 in text files (.txt/.md/.py, .jsonl): error (stop, naming the "
+                         "file) or replace (read them as U+FFFD)", "choices": ("error", "replace")},
     )
 
     def check(self) -> list[Problem]:
