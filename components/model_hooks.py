@@ -9,7 +9,8 @@ engine calls them and knows nothing else about the model's insides. All are opti
     activation_memory(args, layout) -> ActivationMemory   what one block keeps for backward, and what
                                               a forward holds once, when run as layout (a MemoryLayout)
                                               says
-    self_check(args, device) -> SelfCheck     a short numerical check of the model's op on this device
+    self_check(args, device[, compute_dtype]) -> SelfCheck   a short numerical check of the model's op on this
+                                              device (compute_dtype: the run's autocast type, or None)
     attention_maps(model, tokens, context=None) -> {layer: AttentionMap}   what each sparse attention
                                               layer chose (with context: the whole rows', gathered)
     telemetry(model, tokens, documents=None, context=None) -> {name: 0-d tensor}   documents and context

@@ -4,6 +4,7 @@ of an earlier run, once this one is known to start)."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import socket
 import time
@@ -107,10 +108,10 @@ def recipe_changes(folder: str, resolved, limit: int = 12) -> list[str]:
     return recipe_differences(_read_run_recipe(folder), resolved, limit=limit)
 
 
-def _read_run_recipe(folder: str) -> str | None:
-    """The recipe.toml a run wrote into `folder`, or None (none there, unreadable, or not a run's)."""
+def _read_run_recipe(folder: str, name: str = RECIPE_FILE) -> str | None:
+    """The recipe a run wrote into `folder` as `name`, or None (none there, unreadable, or not a run's)."""
     try:
-        with open(os.path.join(folder, RECIPE_FILE), encoding="utf-8") as fh:
+        with open(os.path.join(folder, name), encoding="utf-8") as fh:
             text = fh.read()
     except (OSError, UnicodeDecodeError):
         return None
@@ -132,15 +133,27 @@ def recipe_differences(text: str | None, resolved, limit: int = 12) -> list[str]
 
 
 def model_fields_of_step_folder(step_dir: str) -> tuple[str, dict[str, Any]] | None:
-    """(its path, its [model] fields) of the recipe of the run that wrote a checkpoint step folder (its dump
-    folder holds the checkpoint folder), or None where none is beside it (a moved folder, a checkpoint.folder
-    elsewhere) or it cannot be read."""
+    """(where it was found, its [model] fields) of the recipe that wrote a checkpoint step folder, or None
+    where it cannot be found (a moved folder, a checkpoint.folder elsewhere) or read. The run folder (which
+    holds the checkpoint folder) keeps its latest recipe in recipe.toml and earlier ones as
+    recipe.<hash>.toml; the step's train_state.json names the one that wrote it (a step saved before it
+    did: recipe.toml)."""
     run = os.path.dirname(os.path.dirname(step_dir.rstrip(os.sep)))
-    text = _read_run_recipe(run)
     try:
-        return None if text is None else (os.path.join(run, RECIPE_FILE), model_fields_of(text))
-    except tomllib.TOMLDecodeError:
-        return None
+        with open(os.path.join(step_dir, "train_state.json"), encoding="utf-8") as fh:
+            wanted = json.load(fh).get("recipe_hash")
+    except (OSError, ValueError, AttributeError):
+        wanted = None
+    names = [RECIPE_FILE] + ([f"recipe.{wanted}.toml"] if isinstance(wanted, str) and wanted.isalnum() else [])
+    for name in names:
+        text = _read_run_recipe(run, name)
+        if text is None or (wanted is not None and not text.startswith(f"{RESOLVED_HEADER}{wanted}\n")):
+            continue
+        try:
+            return os.path.join(run, name), model_fields_of(text)
+        except tomllib.TOMLDecodeError:
+            return None
+    return None
 
 
 def model_fields_of(recipe_text: str) -> dict[str, Any]:

@@ -661,6 +661,7 @@ class Trainer:
             if self.checkpointer is not None and recipe.checkpoint.enable:
                 if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
                     state.extra["nan_guard"] = self.nan_guard.state_dict()
+                    state.extra["recipe_hash"] = self.resolved.hash  # the recipe that wrote it, for initial_load_path
                     self.checkpointer.save(state, data_layout=self._data_layout(),
                                            wait=stopping or state.step == t.steps)
                     self.watchdog.beat(state.step)

@@ -258,6 +258,16 @@ def test_initial_load_path_takes_weights_only(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "holds weights trained with other model fields: model.tie_embeddings = False there, True here" in err
     assert f"Fix: set those fields to the values in {source / 'recipe.toml'}" in err, err
+    # The source run went on with another window: step 2 is still judged by the recipe that wrote it
+    # (kept as recipe.<hash>.toml), step 3 by the new one.
+    assert cli.main(["train", *BASE, "--training.steps=3", "--model.nsa.window_size=8",
+                     f"--job.dump_folder={source}"]) == 0
+    capsys.readouterr()
+    for step, note in ((2, None), (3, "model.nsa.window_size: 8 -> 16")):
+        assert cli.main(["train", *BASE, "--training.steps=1", f"--job.dump_folder={tmp_path / f'from{step}'}",
+                         f"--checkpoint.initial_load_path={source}/checkpoint/step-{step}"]) == 0
+        said = capsys.readouterr().out
+        assert ("the model differs" in said) == (note is not None) and (note is None or note in said), said
 
 
 @pytest.mark.slow

@@ -177,6 +177,24 @@ def test_nsa_check_catches_a_backend_wrong_only_on_packed_rows_or_in_half_precis
     assert all(f.startswith(flagged) for f in failures), failures
 
 
+@pytest.mark.parametrize("hyper", [dict(block_size=32, block_stride=16, sel_block_size=32, num_selected=4,
+                                          window_size=32),
+                                     dict(block_size=8, block_stride=4, sel_block_size=16, num_selected=2,
+                                          window_size=1)], ids=["blocks-as-large-as-selection", "window-of-one"])
+def test_nsa_check_passes_a_correct_backend_in_half_precision_whatever_the_recipe(hyper):
+    """A correct backend passes however the recipe's blocks fall: documents long enough for two compressed
+    blocks each, and a gradient that is exactly zero (dK of a window of one key) held to the upstream
+    gradient's scale, not to its own rounding noise."""
+    from components.nsa.backends import register_backend, unregister_backend
+
+    register_backend("same_as_reference", nsa_attention)
+    try:
+        assert nsa_check.check_backend("same_as_reference", hyper, 4, 2, 16, torch.device("cpu"), documents=True,
+                                       low_precision=torch.float16) == []
+    finally:
+        unregister_backend("same_as_reference")
+
+
 def test_dense_attention_matches_softmax_attention_written_out():
     q, k, v = torch.randn(1, 7, 4, 8), torch.randn(1, 7, 2, 8), torch.randn(1, 7, 2, 8)
     out = nsa_check.dense_causal_attention(q, k, v)

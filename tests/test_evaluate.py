@@ -75,7 +75,9 @@ def test_passkey_prompts_hide_the_key_at_the_depth_and_score_the_answer():
 @pytest.fixture(scope="module")
 def checkpointed_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "run"
+    # short documents: the held-out rows hold ends of text and document starts
     argv = [DEBUG, *TINY, "--training.steps=2", "--checkpoint.enable=true", "--model.max_seq_len=128",
+            "--data.source=synthetic", "--data.synthetic.min_length=5", "--data.synthetic.max_length=40",
             f"--job.dump_folder={out}"]
     assert cli.main(["train", *argv]) == 0
     return argv
@@ -106,7 +108,8 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     positions = results["position_loss"]
     # 2 batches of 8 rows of 64 tokens, less the predictions made at an end of text
     ends = sum(int((batch["input"] == 257).sum()) for batch in held_out_batches(checkpointed_run))
-    assert positions["positions"][0] == 1 and sum(positions["tokens"]) == 2 * 8 * 64 - ends
+    assert ends > 20 and positions["positions"][0] == 1 and sum(positions["tokens"]) == 2 * 8 * 64 - ends
+    assert max(positions["positions"]) <= 41  # a document's context: at most its 40 tokens and its end
     assert all(0 < loss < 20 for loss in positions["mean_loss"])
     passkey = results["passkey"]
     assert passkey["depths"] == [0.0, 1.0] and max(passkey["lengths"]) <= 128

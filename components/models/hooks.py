@@ -110,8 +110,9 @@ def device_problem(args: TransformerArgs, device: torch.device) -> str | None:
     return None
 
 
-def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:
-    """With NSA attention: does the chosen backend compute NSA on this device (fp32, a small problem)?"""
+def self_check(args: TransformerArgs, device: torch.device, compute_dtype: torch.dtype | None = None) -> SelfCheck:
+    """With NSA attention: does the chosen backend compute NSA on this device (a small problem, in fp32, and in
+    compute_dtype, the half type the run computes in, when it has one)?"""
     from components.nsa.self_check import check_backend
 
     nsa = args.nsa
@@ -127,24 +128,19 @@ def self_check(args: TransformerArgs, device: torch.device) -> SelfCheck:
     start = time.perf_counter()
     try:
         failures = check_backend(nsa.backend, hyper, args.n_heads, args.n_kv_heads, args.head_dim, device,
-                                 documents=args.document_masking, low_precision=_training_dtype(device))
+                                 documents=args.document_masking, low_precision=compute_dtype)
     except UserError as exc:
         return SelfCheck(name, FAIL, str(exc))
     what = "causality, full coverage = dense attention"
     if nsa.backend != "reference":
         what += ", parity with the reference (outputs and gradients" + (", packed documents too" if
                                                                         args.document_masking else "")
-        what += f"; in {_training_dtype(device)} too)".replace("torch.", "") if _training_dtype(device) else ")"
+        what += f"; in {compute_dtype} too)".replace("torch.", "") if compute_dtype else ")"
     if nsa.backend == "triton" and device.type != "cuda":
         what += " under Triton's interpreter"
     if failures:
         return SelfCheck(name, FAIL, "; ".join(failures))
     return SelfCheck(name, OK, f"{what}: passed in {time.perf_counter() - start:.1f} s")
-
-
-def _training_dtype(device: torch.device) -> torch.dtype | None:
-    """The half type a run computes in on this device by default (training.dtype = auto): bf16 on a GPU."""
-    return torch.bfloat16 if device.type == "cuda" else None
 
 
 def describe(args: TransformerArgs) -> str:

@@ -158,14 +158,18 @@ def check_dump_folder(folder: str, needed: int) -> Check:
     return Check("dump folder", OK, detail)
 
 
-def check_model(recipe, device: torch.device) -> Check:
-    """The model part's own self-check on this device (for NSA: the backend computes NSA)."""
+def check_model(recipe, device: torch.device, compute_dtype: torch.dtype | None = None) -> Check:
+    """The model part's own self-check on this device (for NSA: the backend computes NSA); compute_dtype:
+    the half type the run computes in (autocast), for a hook that takes it."""
+    import inspect
+
     from nsa_titan import registry
 
     hook = registry.get("model", recipe.model.name).self_check
     if hook is None:
         return Check("model self-check", OK, f"model {recipe.model.name!r} has none")
-    result = hook(recipe.model.args, device)
+    takes_dtype = "compute_dtype" in inspect.signature(hook).parameters  # (args, device) hooks keep working
+    result = hook(recipe.model.args, device, **({"compute_dtype": compute_dtype} if takes_dtype else {}))
     return Check(result.name, result.status, result.detail)
 
 

@@ -61,7 +61,8 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     data_check, tokenizer = _data(recipe, runtime)
     results.append(data_check)
     results.append(_guarded("dump folder", lambda: _dump_folder(recipe, tokenizer)))
-    results.append(_guarded("NSA backend", lambda: checks.check_model(recipe, runtime.device)))
+    results.append(_guarded("NSA backend", lambda: checks.check_model(recipe, runtime.device,
+                                                                       runtime.autocast_dtype)))
     if tokenizer is None:
         results.append(Check("memory estimate", WARN, "skipped: the tokenizer (vocabulary size) could not be built"))
     else:
