@@ -40,6 +40,11 @@ def test_loss_by_position_is_the_mean_of_each_positions_losses():
     kept[0, 1, 4] = False
     expected = (losses * kept).sum(dim=(0, 1)) / kept.sum(dim=(0, 1))
     torch.testing.assert_close(torch.tensor(got["mean_loss"], dtype=torch.float32), expected)
+    # A BOS that is the end-of-text token (tiktoken with data.add_bos) opens a document: its prediction stays.
+    batches[0]["document_starts"][1, 4] = True
+    assert loss_by_position(model, lambda starts: None, batches, T, lambda items: items, eos)["tokens"][4] == 5
+    assert loss_by_position(model, lambda starts: None, batches, T, lambda items: items, eos,
+                            bos_id=eos)["tokens"] == [6] * T
 
 
 def test_passkey_prompts_hide_the_key_at_the_depth_and_score_the_answer():

@@ -145,7 +145,7 @@ def run_command(argv: list[str]) -> int:
                         f"settings changed, e.g. `nsa-titan eval RECIPE.toml --data.{recipe.data.source}.FIELD=... "
                         f"--out {out}`.") from None
     positions = loss_by_position(model, documents_of, held_out, recipe.training.seq_len, progress("held-out loss"),
-                                 tokenizer.eos_id)
+                                 tokenizer.eos_id, tokenizer.bos_id if recipe.data.add_bos else None)
 
     from components.models import generate
 

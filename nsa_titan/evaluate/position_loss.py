@@ -27,10 +27,12 @@ def context_positions(document_starts: torch.Tensor | None, shape: tuple[int, in
 
 
 @torch.no_grad()
-def loss_by_position(model, documents_of, batches, seq_len: int, progress, eos_id: int) -> dict:
+def loss_by_position(model, documents_of, batches, seq_len: int, progress, eos_id: int,
+                     bos_id: int | None = None) -> dict:
     """Mean loss per context position 1 .. seq_len over `batches` (loader batches on the host), the
-    predictions made at an end of text (eos_id) left out. documents_of(document_starts) gives the forward's
-    documents argument, or None."""
+    predictions made at an end of text (eos_id) left out. bos_id: the BOS documents start with (the run's
+    data.add_bos), None without. documents_of(document_starts) gives the forward's documents argument, or
+    None."""
     total = torch.zeros(seq_len + 1, dtype=torch.float64)
     count = torch.zeros(seq_len + 1, dtype=torch.int64)
     device = next(model.parameters()).device
@@ -40,7 +42,12 @@ def loss_by_position(model, documents_of, batches, seq_len: int, progress, eos_i
         logits = model(inputs) if documents is None else model(inputs, documents=documents)
         loss = token_cross_entropy(logits, batch["target"].to(device)).flatten().double().cpu()
         positions = context_positions(batch["document_starts"], tuple(inputs.shape), documents is not None).flatten()
-        within = batch["input"].flatten() != eos_id  # the next token is another document's first
+        # At a document's end of text the next token is another document's first (or its BOS). A tokenizer
+        # whose BOS is its end of text (tiktoken) puts one at a document's start too: that one stays.
+        at_end = batch["input"] == eos_id
+        if bos_id == eos_id and batch["document_starts"] is not None:
+            at_end &= ~batch["document_starts"]
+        within = ~at_end.flatten()
         total.index_add_(0, positions[within], loss[within])
         count.index_add_(0, positions[within], torch.ones_like(positions[within]))
     seen = count > 0
