@@ -23,6 +23,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from bench import environment
 from bench.environment import describe_environment, write_report
 
 PRESETS = {"125m": (12, 4, 64), "paper": (64, 4, 128)}
@@ -213,6 +214,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     dtype = DTYPES[args.dtype]
     report = {"benchmark": "attention", "environment": describe_environment(), "config": vars(args), "results": []}
+    path = args.out or environment.results_path("attention")
     for T in args.seq_lens:
         cases = [(f"nsa-{b}", lambda b=b: time_modes(lambda: nsa_case(args, T, b, dtype), args.modes, args.rep_ms),
                   nsa_flops(args, T), {}) for b in args.backends]
@@ -240,12 +242,12 @@ def main(argv=None) -> int:
                 print(f"T={T:6d} {name:14s} {mode:8s} {rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s "
                       f"peak {rec['peak_gib']:6.2f} GiB")
             torch.cuda.empty_cache()
+        report["speedups"] = speedups(report["results"])
+        write_report(report, "attention", path)  # after every length: a run cut short keeps the lengths it timed
 
-    report["speedups"] = speedups(report["results"])
     for row in report["speedups"]:
         print(f"T={row['seq_len']:6d} {row['backend']:14s} {row['mode']:8s} {row['speedup_vs_sdpa']:6.2f}x SDPA's "
               f"speed ({row['sdpa_kernel']})")
-    write_report(report, "attention", args.out)
     return 0
 
 

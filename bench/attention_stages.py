@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from bench import environment
 from bench.attention import DTYPES, add_shape_args, finish_shape_args, nsa_inputs
 from bench.environment import describe_environment, write_report
 
@@ -147,6 +148,7 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype]
     report = {"benchmark": "attention_stages", "environment": describe_environment(), "config": vars(args),
               "results": [], "selected_layouts": []}
+    path = args.out or environment.results_path("attention_stages")
     for T in args.seq_lens:
         for row in stage_times(args, T, dtype, device):
             report["results"].append(row)
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
                   f"{row['bwd_ms']:9.3f} ms bwd{memory}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-    write_report(report, "attention_stages", args.out)
+        write_report(report, "attention_stages", path)  # after every length: a run cut short keeps what ran
     return 0
 
 

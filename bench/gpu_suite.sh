@@ -54,6 +54,12 @@ cd "$root"
 # as it is; elsewhere the project's environment is set up.
 if python3 -c "import torch, torchdata, datasets, tiktoken, pytest" >/dev/null 2>&1; then
   py=python3
+elif command -v nvidia-smi >/dev/null 2>&1; then
+  # A GPU machine short of a package: say which (setting up an environment needs a network it may lack).
+  python3 -c "import torch, torchdata, datasets, tiktoken, pytest" 2>&1 | tail -1 >&2
+  echo "error: this GPU machine's python3 lacks a package the suite needs. Fix: install the wheels" \
+       "./bench/gpu_wheels.sh fetches (see its header), or run ./scripts/ensure_env.sh where a network is." >&2
+  exit 2
 else
   py=$("$root/scripts/ensure_env.sh") || exit 1
 fi
@@ -81,7 +87,8 @@ pack_results() {
 }
 
 # step NAME CAP COMMAND...: run COMMAND for at most CAP seconds, less if the budget (counted from this
-# script's start: SECONDS) has less left, keeping back KILL_GRACE for a command that ignores SIGTERM.
+# script's start: SECONDS) has less left, keeping back KILL_GRACE for a command that ignores the stop
+# signal (STEP_SIGNAL, default TERM; INT lets pytest print its summary of what failed so far).
 KILL_GRACE=5
 step() {
   local name=$1 cap=$2 left rc start verdict="ok"
@@ -93,7 +100,7 @@ step() {
     return 1
   fi
   start=$SECONDS
-  timeout -k "$KILL_GRACE" "$cap" "$@" > "$logs/$name.log" 2>&1
+  timeout -s "${STEP_SIGNAL:-TERM}" -k "$KILL_GRACE" "$cap" "$@" > "$logs/$name.log" 2>&1
   rc=$?
   case $rc in
     0) ;;
@@ -108,7 +115,8 @@ step() {
 debug_run=("$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton)
 
 check_group_tests() {
-  step gpu_tests 300 "$py" -m pytest -q -rfE -p no:cacheprovider tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py \
+  STEP_SIGNAL=INT step gpu_tests 300 "$py" -m pytest -v -rfE --durations=15 -p no:cacheprovider \
+    tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py \
     tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py \
     tests/test_dense_documents_gpu.py
 }
@@ -125,7 +133,7 @@ check_group_fsdp() {
     --optimizer.name=muon --job.dump_folder="$dump/muon"
 }
 check_group_tools() {
-  step doctor 120 "$py" -m nsa_titan.cli doctor recipes/nsa_125m.toml --data.source=synthetic --data.tokenizer=byte
+  step doctor 200 "$py" -m nsa_titan.cli doctor recipes/nsa_125m.toml --data.source=synthetic --data.tokenizer=byte
   step inspect 150 "$py" -m nsa_titan.cli inspect recipes/debug.toml --training.device=cuda \
     --model.nsa.backend=triton --compile.enable=true --job.dump_folder="$dump/inspect" --fail-on-break
 }

@@ -111,6 +111,7 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
 def release_device_memory() -> None:
     """What a case that ran out of memory left behind (its model, optimizer and activations, held by
     the exception's frames until collected), given back before the next case."""
+    torch._dynamo.reset()  # compiled graphs, and with CUDA graphs (reduce-overhead) their memory pool
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

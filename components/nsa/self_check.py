@@ -10,7 +10,7 @@ On a small random problem with the recipe's hyperparameters (block sizes, n, w) 
 Those run in fp32, so their tolerances are those of fp32 arithmetic. With `low_precision` (the dtype
 training computes in, bf16 on a GPU) a last check runs the backend in that dtype with the model's
 whole head group (so the kernels' own tile shapes and layout for it run) against the fp32 reference
-on the same rounded inputs, to the relative RMS error the GPU tests allow.
+on the same rounded inputs, to a relative RMS error of LOW_PRECISION_RMS.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from components.nsa.hyperparams import num_selection_blocks
 from components.nsa.op import nsa_attention
 
 ATOL = RTOL = 5e-5  # fp32 kernels against the fp32 reference, as the backend tests use
-LOW_PRECISION_RMS = 5e-3  # relative RMS error of a bf16 run against the fp32 reference, as the GPU tests allow
+# Relative RMS error of a bf16 run against the fp32 reference. The GPU tests hold 2k-32k tokens to 5e-3; this
+# small problem's rounding alone comes near that (about 4.3e-3 for dq), and a real fault is far larger.
+LOW_PRECISION_RMS = 1e-2
 
 
 def problem_size(sel_block_size: int, block_size: int, window_size: int) -> int:

@@ -32,12 +32,27 @@ def _guarded(name: str, fn) -> Check:
         return Check(name, FAIL, f"{type(exc).__name__}: {exc}")
 
 
+class _Reported(list):
+    """The checks so far; each is printed as it is added, so a doctor stopped midway has said what it found."""
+
+    def append(self, check: Check) -> None:
+        super().append(check)
+        print(check.line(), flush=True)
+
+    def __iadd__(self, checks):
+        for check in checks:
+            self.append(check)
+        return self
+
+
 def run_checks(argv: list[str], world_size: int) -> list[Check]:
+    """Every check, each printed as it completes."""
     from nsa_titan.config import RecipeError, resolve
     from nsa_titan.doctor import checks
     from nsa_titan.runtime import make_runtime
 
-    results = [_guarded("versions", checks.check_versions)]
+    results = _Reported()
+    results.append(_guarded("versions", checks.check_versions))
     try:
         resolved = resolve(argv, world_size=world_size)
     except RecipeError as exc:
@@ -100,8 +115,6 @@ def run_command(argv: list[str]) -> int:
     world_size = _pop_world_size(argv) or launch_world()[2]
     refuse_unknown_options(argv, "doctor", "--world-size, or recipe overrides --section.field=VALUE", overrides=True)
     results = run_checks(argv, world_size)
-    for check in results:
-        print(check.line(), flush=True)
     counts = {status: sum(c.status == status for c in results) for status in (OK, WARN, FAIL)}
     print(f"doctor: {counts[OK]} ok, {counts[WARN]} warn, {counts[FAIL]} fail")
     return 1 if counts[FAIL] else 0
