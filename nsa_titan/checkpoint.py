@@ -120,10 +120,14 @@ def incomplete_steps(folder: str) -> list[int]:
     return sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(folder)) if m and int(m.group(1)) not in done)
 
 
+def _weights_model_dir(path: str) -> str:
+    """The model folder of checkpoint.initial_load_path, given as step-N or as step-N/model."""
+    return os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
+
+
 def weights_step_dir(path: str) -> str:
     """The step folder of checkpoint.initial_load_path (given as step-N or step-N/model), links resolved."""
-    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
-    return os.path.dirname(os.path.realpath(model_dir))
+    return os.path.dirname(os.path.realpath(_weights_model_dir(path)))
 
 
 class Checkpointer:
@@ -478,7 +482,7 @@ class Checkpointer:
         if not os.path.exists(path):
             raise UserError(f"checkpoint.initial_load_path = {path!r} does not exist, so it holds no checkpoint. "
                             f"Fix: point it at a step-N folder of an earlier run.")
-        model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
+        model_dir = _weights_model_dir(path)
         if not os.path.isfile(os.path.join(model_dir, ".metadata")):
             raise UserError(f"checkpoint.initial_load_path = {path!r} holds no checkpoint (no .metadata found). "
                             f"Fix: point it at a step-N folder of an earlier run.")

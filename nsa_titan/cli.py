@@ -141,6 +141,7 @@ def export(argv: list[str]) -> int:
 def sample(argv: list[str]) -> int:
     import torch
 
+    from components.data import document_prefix_id
     from components.models import generate
     from nsa_titan import assemble
     from nsa_titan.config.resolve import resolve_text
@@ -180,7 +181,7 @@ def sample(argv: list[str]) -> int:
     # A document as training saw it: BOS first when data.add_bos is set, else it follows the previous
     # document's end of text (so an empty prompt starts there, not at a BOS the model never saw).
     text_ids = tokenizer.encode(prompt) if prompt else []
-    start = [tokenizer.bos_id] if recipe.data.add_bos else ([] if text_ids else [tokenizer.eos_id])
+    start = [document_prefix_id(tokenizer, recipe.data.add_bos)] if recipe.data.add_bos or not text_ids else []
     ids = start + text_ids
     generator = torch.Generator().manual_seed(numbers["--seed"])
     with torch.no_grad():

@@ -20,11 +20,13 @@ import tempfile
 
 import torch
 
+from components.data import document_prefix_id
 from components.errors import UserError
 from nsa_titan import registry
 from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.observe.progress import progress
+from nsa_titan.run_folder import flat_fields
 from nsa_titan.weight_source import model_field_changes
 
 FORMAT = "nsa_titan.hf.v1"
@@ -84,9 +86,8 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
     target = os.path.abspath(output)
     tmp = new_name_beside(target)
     os.makedirs(tmp)
-    # A document follows its BOS with data.add_bos, else the previous one's end of text (as the tokenizer says).
-    tokens = {"bos_token_id": tokenizer.bos_id if recipe.data.add_bos else tokenizer.eos_id,
-              "eos_token_id": tokenizer.eos_id}
+    # bos_token_id: what a document follows (as the tokenizer's bos_token says)
+    tokens = {"bos_token_id": document_prefix_id(tokenizer, recipe.data.add_bos), "eos_token_id": tokenizer.eos_id}
     config = {**fmt.config, **tokens, "model_type": fmt.model_type, "architectures": list(fmt.architectures),
               "auto_map": fmt.auto_map, "torch_dtype": dtype,
               "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
@@ -222,16 +223,9 @@ def load_hf_weights(model: torch.nn.Module, path: str, model_name: str, model_ar
                         f"over {folder.vocab_size} tokens there, {model_name!r} over {vocab_size} here. Fix: set "
                         f"model.name and the tokenizer to the folder's (its {RECIPE} has them), or start from a "
                         f"folder of this model.")
-    ours, theirs = _flat(dataclasses.asdict(model_args), "model"), _flat(folder.model_args, "model")
+    ours = flat_fields({"model": dataclasses.asdict(model_args)})
+    theirs = flat_fields({"model": folder.model_args})
     changes = model_field_changes(theirs, ours, registry.get("model", model_name).args, path,
                                   os.path.join(path, CONFIG))
     set_model_state_dict(model, folder.state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
     return changes
-
-
-def _flat(d: dict, prefix: str) -> dict:
-    out = {}
-    for key, value in d.items():
-        name = f"{prefix}.{key}"
-        out.update(_flat(value, name) if isinstance(value, dict) else {name: value})
-    return out

@@ -124,7 +124,7 @@ def recipe_differences(text: str | None, resolved, limit: int = 12) -> list[str]
     if text is None or text.startswith(f"{RESOLVED_HEADER}{resolved.hash}\n"):
         return []
     try:
-        before, now = _flat(tomllib.loads(text)), _flat(tomllib.loads(resolved.toml))
+        before, now = flat_fields(tomllib.loads(text)), flat_fields(tomllib.loads(resolved.toml))
     except tomllib.TOMLDecodeError:
         return []  # nothing readable to compare with
     changes = [f"{key}: {_short(before.get(key, _UNSET))} -> {_short(now.get(key, _UNSET))}"
@@ -158,7 +158,7 @@ def model_fields_of_step_folder(step_dir: str) -> tuple[str, dict[str, Any]] | N
 
 def model_fields_of(recipe_text: str) -> dict[str, Any]:
     """The [model] table of a resolved recipe, flat: model.name, model.dim, model.nsa.window_size, ..."""
-    return _flat({"model": tomllib.loads(recipe_text).get("model", {})})
+    return flat_fields({"model": tomllib.loads(recipe_text).get("model", {})})
 
 
 def recipe_change_note(resolved, lead: str) -> str | None:
@@ -167,11 +167,12 @@ def recipe_change_note(resolved, lead: str) -> str | None:
     return f"note: {lead}: {'; '.join(changes)}" if changes else None
 
 
-def _flat(table: dict, prefix: str = "") -> dict[str, Any]:
+def flat_fields(table: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested tables as one level of dotted keys: {"model": {"nsa": {"w": 1}}} -> {"model.nsa.w": 1}."""
     flat: dict[str, Any] = {}
     for key, value in table.items():
         if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
+            flat.update(flat_fields(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

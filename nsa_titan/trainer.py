@@ -171,6 +171,7 @@ class Trainer:
         self.lr_scheduler = assemble.build_lr_scheduler(recipe, self.optimizer)
         self.train_loader = self._loader("train")
         self.state = RunState(self.model, self.optimizer, self.lr_scheduler, self.train_loader)
+        self.state.extra["recipe_hash"] = resolved.hash  # in every checkpoint: the recipe that wrote it
         self.checkpointer = None
         ckpt = recipe.checkpoint
         if ckpt.enable or ckpt.initial_load_path:
@@ -661,7 +662,6 @@ class Trainer:
             if self.checkpointer is not None and recipe.checkpoint.enable:
                 if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
                     state.extra["nan_guard"] = self.nan_guard.state_dict()
-                    state.extra["recipe_hash"] = self.resolved.hash  # the recipe that wrote it, for initial_load_path
                     self.checkpointer.save(state, data_layout=self._data_layout(),
                                            wait=stopping or state.step == t.steps)
                     self.watchdog.beat(state.step)

@@ -9,7 +9,8 @@ from components.data.sharding import (
 )
 from components.data.sources import SOURCES
 from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_source
-from components.data.tokenizers import TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer
+from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
+                                        document_prefix_id)
 
 __all__ = [
     "DataStreamMismatch",
@@ -22,6 +23,7 @@ __all__ = [
     "TiktokenArgs",
     "TiktokenTokenizer",
     "build_dataloader",
+    "document_prefix_id",
     "loader_state_by_logical_shard",
     "merge_shard_states",
     "shards_of_rank",

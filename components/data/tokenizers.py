@@ -32,6 +32,12 @@ CL100K_SPLIT_PATTERN = (
 )
 
 
+def document_prefix_id(tokenizer, add_bos: bool) -> int:
+    """The token a document comes after in the stream the packer makes: its BOS with add_bos, else the
+    previous document's end of text (what an empty context or prompt starts from)."""
+    return tokenizer.bos_id if add_bos else tokenizer.eos_id
+
+
 def _utf8(text: str) -> bytes:
     # JSON may hold lone surrogates ("\\ud83d"), which UTF-8 cannot encode; they become "?" rather
     # than stopping the run at that document on every resume.

@@ -3,9 +3,9 @@
     nsa-titan eval RECIPE.toml [overrides] --out DIR [options]   the run's newest checkpoint
     nsa-titan eval EXPORTED.pt --out DIR [options]               an exported model
 options: --batches N (held-out batches, default validation.steps), --lengths 64,128 (passkey prompt
-lengths, default up to four, the longest max_seq_len less the answer), --depths 0,0.5,1 (default 0 to 1 by 0.25), --trials N
-(keys per cell, default 5); --tasks a,b runs lm-evaluation-harness tasks too (--task-dir DIR for your
-own task YAML files, --limit N documents per task). Writes eval.json, position_loss.png and passkey.png
+lengths, default up to four, the longest max_seq_len less the answer), --depths 0,0.5,1 (default 0 to 1
+by 0.25), --trials N (keys per cell, default 5); --tasks a,b runs lm-evaluation-harness tasks too
+(--task-dir DIR for your own task YAML files, --limit N documents per task). Writes eval.json, position_loss.png and passkey.png
 (matplotlib), and lm_eval.json with --tasks.
 """
 
@@ -180,6 +180,6 @@ def run_command(argv: list[str]) -> int:
     far = positions["mean_loss"][-1] if positions["mean_loss"] else float("nan")
     mean_accuracy = sum(map(sum, passkey["accuracy"])) / (len(lengths) * len(depths))
     print(f"evaluated {loaded}: loss {positions['mean_loss'][0]:.3f} with {positions['positions'][0]} token(s) of "
-          f"context, {far:.3f} with {positions['positions'][-1]}; passkey accuracy {mean_accuracy:.0%} over {len(lengths)} lengths x "
-          f"{len(depths)} depths x {trials} keys: " + ", ".join(paths.values()))
+          f"context, {far:.3f} with {positions['positions'][-1]}; passkey accuracy {mean_accuracy:.0%} over "
+          f"{len(lengths)} lengths x {len(depths)} depths x {trials} keys: " + ", ".join(paths.values()))
     return 0

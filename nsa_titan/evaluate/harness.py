@@ -63,7 +63,9 @@ def lm_class():
         @property
         def prefix_token_id(self) -> int:
             """What a document follows: its BOS with data.add_bos, else the previous document's end of text."""
-            return self.tokenizer_.bos_id if self.add_bos else self.tokenizer_.eos_id
+            from components.data import document_prefix_id
+
+            return document_prefix_id(self.tokenizer_, self.add_bos)
 
         def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
             """As the exported Hugging Face tokenizer encodes: the BOS training put first, unless told not to."""

@@ -2,8 +2,9 @@
 
 Each prompt is filler text of about `length` tokens with one sentence hiding a random 5-digit key at
 a relative depth (0 = the start, 1 = just before the question), and ends with a question whose
-answer is the key; it starts with BOS where training started documents with one (data.add_bos). A trial passes when the greedy continuation's text starts with the key (text, not
-token ids: a tokenizer may split the digits differently after the prompt).
+answer is the key; it starts with BOS where training started documents with one (data.add_bos). A
+trial passes when the greedy continuation's text starts with the key (text, not token ids: a
+tokenizer may split the digits differently after the prompt).
 """
 
 from __future__ import annotations
