@@ -257,7 +257,7 @@ class Trainer:
 
     def _check_validation_data(self) -> None:
         """Fail at start-up, not after validation.freq steps, when the held-out stream is empty."""
-        self._next_batch(iter(self._loader("validation")), "validation")
+        self._next_batch(iter(self._loader("validation")))
 
     # -- resume ----------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -375,13 +375,8 @@ class Trainer:
         return self._loader("train", shard_states=merged)
 
     # -- one optimizer step ----------------------------------------------------------------------
-    def _next_batch(self, iterator, split: str = "train") -> Batch:
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            raise UserError(f"the {split} data of rank {self.dp_rank} holds no documents (every logical shard "
-                            f"it owns is empty). Fix: add data, lower data.logical_shards or data.num_workers, or "
-                            f"for validation raise the source's validation fraction.") from None
+    def _next_batch(self, iterator) -> Batch:
+        batch = next(iterator)  # the loader names a rank whose shards hold no documents
         device = self.runtime.device
         return Batch(batch["input"].to(device, non_blocking=True), batch["target"].to(device, non_blocking=True),
                      batch.get("document_starts"))
@@ -480,7 +475,7 @@ class Trainer:
         kept = []
         iterator = iter(loader)
         for _ in range(recipe.validation.steps):
-            batch = self._next_batch(iterator, "validation")
+            batch = self._next_batch(iterator)
             if keep:
                 kept.append((batch.inputs.to("cpu", torch.int32), batch.targets.to("cpu", torch.int32),
                              batch.document_starts))

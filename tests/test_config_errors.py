@@ -73,6 +73,8 @@ CASES = [
     ("kv heads do not divide heads", "", ["--model.n_kv_heads=3"], ["model.n_kv_heads", "must divide n_heads"]),
     ("global batch not divisible", "", ["--training.global_batch_size=5"],
      ["training.global_batch_size", "not a multiple of", "local_batch_size"]),
+    ("global batch of no samples", "", ["--training.global_batch_size=0"],
+     ["training.global_batch_size", "would train on no samples", "use -1 or a multiple of"]),
     ("seq_len beyond model", "", ["--training.seq_len=256"], ["training.seq_len", "max_seq_len = 128"]),
     ("dense with nsa settings", "", ["--model.attention=dense", "--model.nsa.num_selected=3"],
      ["flag '--model.nsa.num_selected=3'", "model.nsa", "would be ignored", "remove that flag", "attention = 'nsa'"]),

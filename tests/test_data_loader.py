@@ -36,6 +36,7 @@ from tests.test_data_helpers import (
     shard_documents,
     take,
     unique_texts,
+    write_jsonl,
     write_parquet,
 )
 
@@ -309,12 +310,32 @@ def test_layout_errors(tmp_path):
         byte_loader(source, seq_len=0)
 
 
-def test_rank_without_documents_is_a_user_error(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_rank_without_documents_is_a_user_error(tmp_path, workers):
+    """Every worker of a rank ending empty ends the loader's iterator: that is the same plain UserError."""
     (tmp_path / "one.txt").write_text("a single document")
     source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "one.txt")], validation_fraction=0.0))
-    take(byte_loader(source, logical_shards=4, dp_world_size=4, dp_rank=0), 2)  # rank 0 owns it
-    with pytest.raises(UserError, match="hold no documents"):
-        take(byte_loader(source, logical_shards=4, dp_world_size=4, dp_rank=1), 1)
+    layout = dict(logical_shards=8, dp_world_size=4, num_workers=workers)
+    take(byte_loader(source, dp_rank=0, **layout), 2)  # rank 0 owns it
+    with pytest.raises(UserError, match=r"logical shards \[\d, \d\] of .*rank 1 hold no documents"):
+        take(byte_loader(source, dp_rank=1, **layout), 1)
+
+
+def test_a_worker_process_error_reads_as_the_plain_message(tmp_path):
+    """torch re-raises a worker's exception wrapped in its traceback; the user sees the message alone."""
+    path = write_jsonl(str(tmp_path / "cut.jsonl"), unique_texts(30))
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write('{"text": "cut off')
+    source = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0))
+    plain = None
+    for workers in (0, 1):
+        with pytest.raises(UserError) as raised:
+            take(byte_loader(source, logical_shards=1, num_workers=workers), 100)
+        message = str(raised.value)
+        assert message.startswith("data source text_files: ") and "is not valid JSON" in message
+        assert "Traceback" not in message and "DataLoader" not in message
+        assert plain is None or message == plain
+        plain = message
 
 
 def test_check_runs_before_the_loader_is_built(tmp_path):

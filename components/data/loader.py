@@ -56,6 +56,46 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
                 dataset.check_stream(state["stream"])
         super().load_state_dict(state_dict)
 
+    def __iter__(self):
+        return _PlainErrors(super().__iter__(), self.dataset)
+
+
+# torch re-raises an exception from a worker process as the same type built from this header and the
+# worker's whole traceback; the message a UserError carries is the traceback's last entry.
+_WORKER_HEADER = "Caught UserError in DataLoader worker process"
+_WORKER_ERROR_LINE = "UserError: "
+
+
+class _PlainErrors:
+    """The loader's iterator, whose errors read as the user's problem wherever the data was read: a worker
+    process's UserError loses torch's traceback wrapper, and an ended stream (the stream is endless, so
+    it ends only when none of the rank's shards holds a document) is a UserError, not a StopIteration."""
+
+    def __init__(self, batches, dataset: PackedShardsDataset):
+        self._batches, self._dataset = batches, dataset
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._batches)
+        except StopIteration:
+            data = self._dataset
+            at_least = f" of at least data.min_document_tokens = {data.min_document_tokens} tokens" \
+                if data.min_document_tokens else ""
+            raise UserError(
+                f"data split {data.split!r}: logical shards {sorted(data.rank_shards)} of data-parallel rank "
+                f"{data.dp_rank} hold no documents{at_least}. Fix: add data, lower data.logical_shards or "
+                "data.num_workers, or for validation raise the source's validation fraction"
+                + (", or lower data.min_document_tokens" if data.min_document_tokens else "") + "."
+            ) from None
+        except UserError as exc:
+            text = str(exc)
+            if not text.startswith(_WORKER_HEADER) or _WORKER_ERROR_LINE not in text:
+                raise
+            raise UserError(text.rsplit(_WORKER_ERROR_LINE, 1)[1].strip()) from None
+
 
 def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, add_bos: bool,
               min_document_tokens: int = 0) -> str:

@@ -91,7 +91,11 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
             add("parallelism.context_parallel_degree", cp, f"model {recipe.model.name!r} cannot split its sequences "
                 f"(its part registers no context_shard hook)", "set parallelism.context_parallel_degree = 1")
     per_step = t.local_batch_size * dp
-    if t.global_batch_size != -1 and t.global_batch_size % per_step:
+    if t.global_batch_size == 0:
+        add("training.global_batch_size", 0, "would train on no samples: it is -1 (local_batch_size x "
+            f"data-parallel size) or a positive multiple of local_batch_size x data-parallel size = {per_step}",
+            f"use -1 or a multiple of {per_step}")
+    elif t.global_batch_size != -1 and t.global_batch_size % per_step:
         add("training.global_batch_size", t.global_batch_size,
             f"is not a multiple of local_batch_size x data-parallel size = {t.local_batch_size} x {dp} = {per_step}",
             f"use a multiple of {per_step} (e.g. {per_step * max(1, round(t.global_batch_size / per_step))}) or -1")
