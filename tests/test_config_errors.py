@@ -75,6 +75,8 @@ CASES = [
      ["training.global_batch_size", "not a multiple of", "local_batch_size"]),
     ("global batch of no samples", "", ["--training.global_batch_size=0"],
      ["training.global_batch_size", "would train on no samples", "use -1 or a multiple of"]),
+    ("bos token without add_bos", "[data]\ntokenizer = \"hf_tokenizer\"\n[data.hf_tokenizer]\npath = \"t.json\"\n"
+     "bos_token = \"<s>\"\n", [], ["data.hf_tokenizer.bos_token", "data.add_bos is false", "set data.add_bos = true"]),
     ("seq_len beyond model", "", ["--training.seq_len=256"], ["training.seq_len", "max_seq_len = 128"]),
     ("dense with nsa settings", "", ["--model.attention=dense", "--model.nsa.num_selected=3"],
      ["flag '--model.nsa.num_selected=3'", "model.nsa", "would be ignored", "remove that flag", "attention = 'nsa'"]),

@@ -78,6 +78,9 @@ def test_text_files_globs_and_folders(tmp_path):
     assert sorted(member_documents(by_glob.corpus(), "train")) == sorted(corpus)
     by_folder = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
     assert sorted(member_documents(by_folder.corpus(), "train")) == sorted(corpus)
+    # A pattern that matches a folder (txt/) takes the folder's files, as a folder entry does.
+    by_star = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "*")], validation_fraction=0.0))
+    assert sorted(member_documents(by_star.corpus(), "train")) == sorted(corpus)
 
 
 def test_jsonl_lines_cut_across_pieces_are_read_once(tmp_path):
@@ -342,6 +345,7 @@ def test_huggingface_read_failures_are_retried_from_the_same_document(hf_parquet
         return streams[key]
 
     monkeypatch.setattr(flaky, "_shard_dataset", flaky_shard)
+    monkeypatch.setattr(HuggingFaceSource, "_reads_local_files", lambda self: False)  # as a stream from the Hub
     pauses = []
     monkeypatch.setattr("components.data.sources.huggingface.time.sleep", pauses.append)
     monkeypatch.setattr("components.data.sources.huggingface._READ_BATCH", 4)
@@ -366,6 +370,23 @@ def test_huggingface_read_failures_are_retried_from_the_same_document(hf_parquet
     assert pauses == [2, 4]  # failures in a row pause longer each time
 
 
+def test_a_damaged_local_file_fails_at_once(tmp_path, monkeypatch):
+    """Reading local files again reads the same bytes: no retries (minutes of pauses), no network blamed."""
+    write_parquet(str(tmp_path / "a.parquet"), unique_texts(100, seed=1), row_group_size=100)
+    write_parquet(str(tmp_path / "b.parquet"), unique_texts(40, seed=2), row_group_size=40)
+    data = (tmp_path / "b.parquet").read_bytes()
+    (tmp_path / "b.parquet").write_bytes(data[:100] + bytes(200) + data[300:])  # a page's bytes zeroed
+    source = HuggingFaceSource(HuggingFaceArgs(path="parquet", name="", data_files=[str(tmp_path / "*.parquet")],
+                                               validation_fraction=0.0, shuffle_buffer=0))
+    source.check()  # reads the first file's first batch of records
+    pauses = []
+    monkeypatch.setattr("components.data.sources.huggingface.time.sleep", pauses.append)
+    with pytest.raises(UserError, match=r"reading the data files failed \(.*\), so one of them .*\*\.parquet.* is "
+                                        r"damaged or unreadable. Fix: replace or remove that file") as raised:
+        list(source.documents(0, 1, "train", 0, 0, None))
+    assert pauses == [] and "network" not in str(raised.value)
+
+
 def test_huggingface_errors(hf_parquet, monkeypatch):
     source, _ = hf_parquet
     wrong = HuggingFaceSource(HuggingFaceArgs(**{**source.args.__dict__, "text_field": "body"}))
@@ -385,6 +406,10 @@ def test_huggingface_args_check():
     assert HuggingFaceArgs().check() == []
     assert [p.field for p in HuggingFaceArgs(validation_split="train").check()] == ["validation_split"]
     assert [p.field for p in HuggingFaceArgs(path="parquet").check()] == ["data_files"]
+    unused = HuggingFaceArgs(validation_split="test", validation_fraction=0.01).check()
+    assert [(p.field, p.value) for p in unused] == [("validation_fraction", 0.01)]
+    assert "is not used: validation_split = 'test'" in unused[0].why
+    assert HuggingFaceArgs(validation_split="test").check() == []
     with pytest.raises(UserError, match="repeat training data"):
         HuggingFaceSource(HuggingFaceArgs(validation_split="train")).check()
 
@@ -424,6 +449,7 @@ def test_huggingface_a_retry_that_fails_at_its_first_read_is_retried(hf_row_grou
     args, _ = hf_row_groups
     monkeypatch.setattr("components.data.sources.huggingface._READ_BATCH", 3)
     monkeypatch.setattr("components.data.sources.huggingface.time.sleep", lambda s: None)
+    monkeypatch.setattr(HuggingFaceSource, "_reads_local_files", lambda self: False)  # as a stream from the Hub
     expected = [d for d, _ in HuggingFaceSource(args).documents(0, 1, "train", 4, 0, None)]
     flaky = HuggingFaceSource(args)
     original = flaky._shard_dataset

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from nsa_titan import registry
 from nsa_titan.config.errors import Problem
 from nsa_titan.config.schema import CUDA_GRAPH_MODES, Recipe
@@ -161,6 +163,12 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if recipe.data.num_workers == 0 and _set(recipe.data, "data", "prefetch_factor", source_of):
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
             "remove it, or set data.num_workers > 0")
+    tokenizer = recipe.data.tokenizer_args
+    if (not recipe.data.add_bos and dataclasses.is_dataclass(tokenizer) and hasattr(tokenizer, "bos_token")
+            and _set(tokenizer, f"data.{recipe.data.tokenizer}", "bos_token", source_of)):
+        add(f"data.{recipe.data.tokenizer}.bos_token", tokenizer.bos_token,
+            "only names the token data.add_bos puts before each document, and data.add_bos is false",
+            "remove it, or set data.add_bos = true")
     _check_compile(recipe, world_size, add)
     par = recipe.parallelism
     if (world_size == 1 and not par.fsdp_single_process

@@ -76,13 +76,15 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
     for entry in entries:
         path = os.path.expanduser(entry)
         if glob.has_magic(path):
-            matches = [m for m in glob.glob(path, recursive=True) if os.path.isfile(m)]
+            # A folder the pattern matches is searched like a folder entry: 'corpus/*' is all of corpus.
+            matches = [f for m in glob.glob(path, recursive=True)
+                       for f in (_files_in(m) if os.path.isdir(m) else [m] if os.path.isfile(m) else [])]
             if not matches:
                 raise UserError(f"{what}: the pattern {entry!r} matches no file; fix the pattern or the folder")
             _refuse_unsupported(matches, entry, what)
             found.update(os.path.abspath(m) for m in matches)
         elif os.path.isdir(path):
-            inside = [os.path.join(d, f) for d, _, files in os.walk(path) for f in files if not f.startswith(".")]
+            inside = _files_in(path)
             if not inside:
                 raise UserError(f"{what}: the folder {entry!r} holds no .txt, .md, .py, .jsonl or .parquet file")
             _refuse_unsupported(inside, entry, what)
@@ -96,6 +98,11 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
         else:
             raise UserError(f"{what}: the path {entry!r} does not exist; fix the path or remove it")
     return sorted(found)
+
+
+def _files_in(folder: str) -> list[str]:
+    """The files under `folder`, at any depth, hidden ones left out."""
+    return [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if not f.startswith(".")]
 
 
 def corpus_files(paths: list[str]) -> list[CorpusFile]:

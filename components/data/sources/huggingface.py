@@ -20,7 +20,7 @@ Validation: `validation_split` names a split of the dataset; when empty, a docum
 iff unit_hash(its text) < validation_fraction.
 Streaming over a network fails now and then; a read that fails is retried (read_retries times, with
 growing pauses) by reopening the shard's stream at the last cursor, so the documents are the same as
-without the failure.
+without the failure. A builder over local files is not retried: its failure is a damaged file.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class HuggingFaceArgs:
     )
     read_retries: int = field(
         default=6,
-        metadata={"doc": "times a failed read is retried (pauses 2, 4, ... 60 s) before the run stops", "ge": 0},
+        metadata={"doc": "times a failed read of a remote stream is retried (pauses 2, 4, ... 60 s) before the run "
+                         "stops", "ge": 0},
     )
 
     def check(self) -> list[Problem]:
@@ -79,6 +80,12 @@ class HuggingFaceArgs:
                 "validation_split", self.validation_split,
                 f"equals split {self.split!r}, so validation would repeat training data",
                 "name another split or leave it '' to hold out validation_fraction by hash"))
+        default_fraction = HuggingFaceArgs.__dataclass_fields__["validation_fraction"].default
+        if self.validation_split and self.validation_fraction != default_fraction:
+            problems.append(problem(
+                "validation_fraction", self.validation_fraction,
+                f"is not used: validation_split = {self.validation_split!r} names the documents to validate on",
+                "remove validation_fraction, or set validation_split = '' to hold out that fraction of `split`"))
         if self.path in _LOCAL_BUILDERS and not self.data_files:
             problems.append(problem("data_files", None, f"builder {self.path!r} needs data_files",
                                     "list the local files as paths or globs"))
@@ -190,7 +197,18 @@ class HuggingFaceSource:
                 raise UserError(f"{self._what()}: the saved position in the stream does not fit this dataset "
                                 f"({type(e).__name__}: {e}); was the checkpoint written for other data files? Fix: "
                                 "resume with the files that wrote it") from e
+            if self._reads_local_files():  # no network to wait for: another attempt reads the same bytes
+                raise UserError(
+                    f"{self._what()}: reading the data files failed ({type(e).__name__}: {e}), so one of them "
+                    f"(data_files = {list(self.args.data_files)}) is damaged or unreadable. Fix: replace or remove "
+                    "that file (pyarrow.parquet.read_table(path) names a damaged parquet file), then run again: "
+                    "training resumes from the last checkpoint"
+                ) from e
             raise _ReadFailed(f"{type(e).__name__}: {e}") from e
+
+    def _reads_local_files(self) -> bool:
+        """A builder over files on this machine (path 'parquet' and local data_files), not a remote stream."""
+        return self.args.path in _LOCAL_BUILDERS and not any("://" in f for f in self.args.data_files)
 
     def check(self) -> None:
         raise_problems(self._what(), self.args.check())
