@@ -82,11 +82,12 @@ fi
 
 # A stop request (SIGTERM from a scheduler, Ctrl-C, hang-up) becomes the halt file: every rank
 # finishes its step, saves and exits 0, however long the save takes, and torchrun exits 0 with
-# them. torchrun runs in its own session so that the request reaches this script alone (torchrun
+# them (nsa_titan.launch is torchrun ending a failure with one line and the failed rank's exit code).
+# torchrun runs in its own session so that the request reaches this script alone (torchrun
 # itself would kill its workers 30 s after a signal). A second request stops torchrun at once.
 own_session=()
 command -v setsid >/dev/null 2>&1 && own_session=(setsid)  # without it, a group signal reaches torchrun too
-${own_session[@]+"${own_session[@]}"} "$py" -m torch.distributed.run "${launcher[@]}" --nproc_per_node="$NGPU" \
+${own_session[@]+"${own_session[@]}"} "$py" -m nsa_titan.launch "${launcher[@]}" --nproc_per_node="$NGPU" \
   -m nsa_titan.cli train "$@" &
 child=$!
 stopping=0

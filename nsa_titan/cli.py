@@ -72,7 +72,7 @@ def train(argv: list[str]) -> int:
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer
 
-    from nsa_titan.parallel.distributed import barrier, destroy_process_group
+    from nsa_titan.parallel.distributed import PEER_LOST_EXIT_CODE, barrier, destroy_process_group, lost_a_peer
     from nsa_titan.trainer import TrainingFault
 
     recipe = resolved.recipe
@@ -96,6 +96,24 @@ def train(argv: list[str]) -> int:
             os._exit(fault.exit_code)
         barrier()  # every rank stopped here together
         return fault.exit_code
+    except UserError as exc:
+        if runtime.world_size > 1:
+            # Bad input met by this rank (say, its shards hold no documents): the other ranks may wait in a
+            # collective, and tearing the process group down (NCCL) would wait with them. End here, as
+            # above; the launcher stops the rest.
+            print(f"error: rank {runtime.rank}: {exc}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(INPUT_ERROR)
+        raise
+    except Exception as exc:
+        symptom = lost_a_peer(exc) if runtime.world_size > 1 else None
+        if symptom:
+            # Another rank ended (its own message says why); the traceback of this one's wait says nothing more.
+            print(f"error: rank {runtime.rank}: lost contact with another rank ({symptom}); the rank that failed "
+                  "first says why.", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(PEER_LOST_EXIT_CODE)
+        raise
     finally:
         destroy_process_group()
     return 0

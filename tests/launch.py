@@ -33,10 +33,11 @@ def env() -> dict:
 
 
 def train_command(args: list[str], nproc: int = 1) -> list[str]:
-    """`nsa-titan train ARGS` in one process, or through torchrun on loopback with nproc ranks."""
+    """`nsa-titan train ARGS` in one process, or through torchrun (as run_train.sh launches it, by
+    nsa_titan.launch) on loopback with nproc ranks."""
     if nproc == 1:
         return [sys.executable, "-m", "nsa_titan.cli", "train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+    return [sys.executable, "-m", "nsa_titan.launch", f"--nproc_per_node={nproc}", "--nnodes=1",
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *args]
 
 

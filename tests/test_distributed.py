@@ -106,11 +106,35 @@ def test_killed_rank_makes_the_other_exit(tmp_path):
     assert len(pids) == 2, children.stdout
     os.kill(pids[1], signal.SIGKILL)
     try:
-        proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("the surviving rank hung after its peer was killed")
-    assert proc.returncode != 0
+    assert proc.returncode == 1
+    said = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert said[-1].startswith("error: the run stopped: rank 1 failed first (signal SIGKILL); a signal leaves no "
+                               "message"), err[-3000:]
+
+
+def test_a_rank_without_data_ends_the_run_with_one_message(tmp_path):
+    """One text file is one document, which one logical shard holds: rank 1's shards are empty. It must say
+    so and end (the other rank waits in a collective), without a traceback, and the launcher stops the rest."""
+    corpus = tmp_path / "only.txt"
+    corpus.write_text("a single document, too small to share between ranks " * 20)
+    proc = train([DEBUG, *TINY, "--training.steps=3", "--data.source=text_files", f"--data.text_files.paths={corpus}",
+                  "--data.text_files.validation_fraction=0", "--data.logical_shards=2",
+                  "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path / 'run'}"],
+                 nproc=2, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # bad input, as one process would exit
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert said[-1] == "error: the run stopped: rank 1 failed first (exit code 2); its own message is above."
+    assert "error: rank 1: data split 'train': logical shards [1] of rank 1 hold no documents, so this rank has " \
+           "nothing to train on; add data, lower logical_shards (2) or num_workers, or raise the validation " \
+           "fraction for validation" in said
+    # Rank 0 waited in a collective: it may say it lost its peer (or be ended by the launcher first).
+    assert all(line.startswith("error: rank 0: lost contact with another rank (") for line in said[:-1]
+               if line.startswith("error: rank 0"))
+    assert len(said) <= 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_halt_file_stops_every_rank_at_the_same_step(tmp_path):

@@ -63,3 +63,17 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+# What a collective raises on a rank whose peer has exited (gloo's sockets close; an NCCL communicator is
+# aborted): the symptom of another rank's failure, which that rank reports itself.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted")
+# The exit code of a rank that stopped only because it lost a peer: the launcher looks past it for the cause.
+PEER_LOST_EXIT_CODE = 3
+
+
+def lost_a_peer(exc: BaseException) -> str | None:
+    """What in `exc` says a peer rank is gone ('Connection reset by peer', ...), or None."""
+    if isinstance(exc, dist.DistNetworkError):
+        return type(exc).__name__
+    return next((text for text in _PEER_GONE if text in str(exc)), None)
