@@ -26,7 +26,8 @@ from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block
 from components.nsa.triton.packing import DocumentTables
 from components.nsa.triton.softmax_delta import softmax_delta
-from components.nsa.triton.tiles import document_tile, load_rows, online_softmax_step, softmax_grads, softmax_result
+from components.nsa.triton.tiles import (document_tile, load_rows, online_softmax_step, softmax_grads,
+                                        softmax_grads_by_key, softmax_result)
 
 
 @triton.jit
@@ -35,6 +36,13 @@ def _visible(offs_m, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW):
     at or after it, up to WINDOW - 1 positions later."""
     kpos = offs_n * KEY_STRIDE + KEY_OFFSET
     return (kpos[None, :] <= offs_m[:, None]) & (kpos[None, :] > offs_m[:, None] - WINDOW)
+
+
+@triton.jit
+def _seen_by_keys(offs_n, offs_m, KEY_STRIDE, KEY_OFFSET, WINDOW):
+    """_visible laid out [keys, queries]."""
+    kpos = offs_n * KEY_STRIDE + KEY_OFFSET
+    return (kpos[:, None] <= offs_m[None, :]) & (kpos[:, None] > offs_m[None, :] - WINDOW)
 
 
 @triton.jit
@@ -199,10 +207,11 @@ def _interval_attn_bwd_dkdv_kernel(
             do = load_rows(DO + b * sdob + h64 * sdoh + q0 * sdot, rows, sdot, offs_d, row_mask)
             lse2 = tl.load(LSE2 + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=float("inf"))
             delta = tl.load(DELTA + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=0.0)
-            seen = _visible(offs_m + pos0, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :] & m_ok[:, None]
-            p, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+            seen_t = (_seen_by_keys(offs_n, offs_m + pos0, KEY_STRIDE, KEY_OFFSET, WINDOW)
+                      & n_ok[:, None] & m_ok[None, :])
+            p_t, ds_t = softmax_grads_by_key(q, k, v, do, lse2, delta, seen_t, qk_scale, PRECISION)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
 
     ho64 = ho.to(tl.int64)
     tl.store(DK + split.to(tl.int64) * sdks + b * sdkb + ho64 * sdkh + (k0 + keys)[:, None] * sdkt + offs_d[None, :],

@@ -30,7 +30,8 @@ from components.nsa.triton.selected_attention_fwd import key_tile, query_documen
 from components.nsa.triton.selection_lists import (bin_position, key_block_span, query_entries, selection_lists,
                                                    work_item, work_item_segment)
 from components.nsa.triton.softmax_delta import softmax_delta
-from components.nsa.triton.tiles import grid_position, load_rows, softmax_grads, token_in_document
+from components.nsa.triton.tiles import (grid_position, load_rows, softmax_grads, softmax_grads_by_key,
+                                        token_in_document)
 
 
 @triton.jit
@@ -123,14 +124,15 @@ def _selected_attn_bwd_dkdv_kernel(
             delta = tl.load(DELTA + (b * H + heads) * T + t, mask=r_ok, other=0.0)
             # Query t stands at key row t_key of its document (t itself without query offsets).
             key_start, t_pos = token_in_document(TOKEN_TABLE, t, T, PACKED)
-            seen = r_ok[:, None] & k_ok[None, :] & (pos.to(tl.int64)[None, :] <= (key_start + t_pos)[:, None])
-            p, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-            if WRITE_DQ:  # this key sub-tile's share of each (query, head)'s dQ, at its entry
-                dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+            seen_t = r_ok[None, :] & k_ok[:, None] & (pos.to(tl.int64)[:, None] <= (key_start + t_pos)[None, :])
+            p_t, ds_t = softmax_grads_by_key(q, k, v, do, lse2, delta, seen_t, qk_scale, PRECISION)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+            if WRITE_DQ:  # this key sub-tile's share of each (query, head)'s dQ, at its entry, as dQ^T = k^T.dS^T
+                dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype), input_precision=PRECISION)
                 part = (entry.to(tl.int64) * SUB_BLOCKS + sub) * G + g
-                tl.store(PART_DQ + part[:, None] * D + offs_d[None, :], dq * sm_scale, mask=row_mask)
+                tl.store(PART_DQ + part[None, :] * D + offs_d[:, None], dq_t * sm_scale,
+                         mask=r_ok[None, :] & d_ok[:, None])
 
         offs_r = sub * BLOCK_K + tl.arange(0, BLOCK_K)
         part = item.to(tl.int64) * (SUB_BLOCKS * BLOCK_K * BLOCK_D) + offs_r[:, None] * BLOCK_D + offs_d[None, :]

@@ -2,8 +2,8 @@
 
 Half types (bf16, fp16): the largest tiles whose sm_90 (H100/H200) build keeps all of its state
 in registers (ptxas stack frame 0: no spills to local memory) and whose shared memory fits sm_90
-and sm_80 (A100); on sm_80 a few spill a little (interval dK/dV at head dims up to 64: 32 B;
-selection at 256: up to 88 B). fp32 inputs use true fp32 products, which Triton builds from FMAs
+and sm_80 (A100); on sm_80 a few spill (the block layout's selected dK/dV, which writes dQ too: 56 B
+at head dim 128, 432 B at 256; summing dQ partials at 256: 16 B). fp32 inputs use true fp32 products, which Triton builds from FMAs
 rather than tensor-core MMAs; such a dot holds far more per thread, so fp32 has its own, smaller
 shapes: the first of a list of candidates without spills on sm_90, or the one that spills least
 where none is clean (interval forward at head dim 128: 56 B; selected forward and dK/dV at 256:
@@ -33,9 +33,11 @@ _HALF = {
     "interval_dq": {32: Tiles(128, 32, 8, 2), 64: Tiles(128, 32, 8, 2), 128: Tiles(64, 32, 8, 2),
                     256: Tiles(32, 64, 8, 2)},
     # The key tile holds two fp32 accumulators [keys, D]: fewer keys for wider heads. One stage at 128:
-    # Triton 3.6's two-stage pipeline of this loop raced on an H100 in bf16 (dK differed run to run,
-    # 6e-3 to 7e-2 relative RMS off the reference; dV stayed right), as did 128 keys; one stage is
-    # exact and deterministic (tests/test_nsa_triton_gpu.py's backward checks).
+    # Triton 3.6's two-stage build of this loop went wrong on an H100 in bf16 (dK differed run to run,
+    # 6e-3 to 7e-2 relative RMS off the reference; dV stayed right), as did 128 keys; one stage was
+    # exact and deterministic (tests/test_nsa_triton_gpu.py's backward checks). That build fed dK's dot
+    # the transpose of dS, a shape Hopper builds miscompile (tiles.softmax_grads_by_key, which the
+    # kernel now uses, avoids it); one stage stays until a GPU run shows two right.
     "interval_dkdv": {32: Tiles(32, 128, 8, 2), 64: Tiles(32, 128, 8, 2), 128: Tiles(32, 64, 8, 1),
                       256: Tiles(32, 32, 8, 2)},
     # One pipeline stage: prefetching the next head's q costs ~140 registers and spills at every head dim.

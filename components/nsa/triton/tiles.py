@@ -58,6 +58,18 @@ def softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION: tl.conste
 
 
 @triton.jit
+def softmax_grads_by_key(q, k, v, do, lse2, delta, seen_t, qk_scale, PRECISION: tl.constexpr):
+    """softmax_grads of one tile laid out (keys x rows), its transpose: (P^T, dS^T) from k.q^T and v.dO^T,
+    seen_t [keys, rows]. dK += dS^T.q and dV += P^T.dO then take them as a dot's first operand as they
+    are: no dot's result is transposed to feed another dot, a shape Hopper builds of Triton have
+    miscompiled (tl.dot(tl.trans(ds), q) gave a wrong dK, dV right: triton-lang/triton#6124)."""
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+    p_t = tl.where(seen_t, tl.exp2(s_t - lse2[None, :]), 0.0)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    return p_t, p_t * (dp_t - delta[None, :])
+
+
+@triton.jit
 def document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES, row_tiles, T, NK, PACKED: tl.constexpr):
     """(tile, row, q0, num_q, k0, num_k, pos0) of this program: its tile within its document and its
     row (batch x heads) as grid_position gives them, where the document's queries start (int64) and
