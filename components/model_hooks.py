@@ -84,6 +84,7 @@ class MemoryLayout:
     compile_backend: str | None = None  # torch.compile backend of the blocks; None: eager
     device_type: str = "cuda"
     tokens: int = 0  # tokens the rank holds per micro-batch (0: not known)
+    compute_bytes: int = 2  # bytes per element the blocks compute in: 2 under bf16 autocast, 4 in fp32
 
 
 @dataclass(frozen=True)

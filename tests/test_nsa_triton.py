@@ -297,6 +297,35 @@ def test_every_launch_fits_cuda_grid_limits(monkeypatch):
         assert grid[0] <= 2**31 - 1 and grid[1] <= 65535 and grid[2] <= 65535, (name, grid)
 
 
+@pytest.mark.parametrize("dtype, D, lp", [(torch.float32, 64, 64), (torch.float16, 64, 128), (torch.float16, 32, 32)],
+                         ids=["fp32-4-key-subtiles", "half-2-key-subtiles", "forward-partials-larger"])
+def test_the_block_layouts_partials_are_what_its_budget_counts(monkeypatch, dtype, D, lp):
+    """block_layout_partial_bytes (which picks the layout and sizes doctor's estimate) is the larger of the
+    forward's partials and the backward's dQ partials, one per key sub-tile of a selection block."""
+    from components.nsa.triton import selected_attention_bwd as bwd_module, selected_attention_fwd_blocks as fwd_module
+    from components.nsa.triton.tile_configs import block_layout_partial_bytes
+
+    B, T, H, Hkv, n = 1, 256, 4, 2, 2
+    q, do = (torch.randn(B, T, H, D, dtype=dtype, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, T, Hkv, D, dtype=dtype, device=DEVICE) for _ in range(2))
+    latest = (torch.arange(T, device=DEVICE) // lp).view(1, T, 1, 1).expand(B, T, Hkv, 1)
+    sel = torch.cat([torch.zeros_like(latest), latest], dim=-1)
+    allocated = []
+    empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        made = empty(*args, **kwargs)
+        if made.dtype == torch.float32 and tuple(made.shape) != (B, H, T):  # not lse2 or delta
+            allocated.append(made.nbytes)
+        return made
+
+    monkeypatch.setattr(fwd_module.torch, "empty", recording_empty)
+    o, lse2 = selected_attention_fwd_blocks(q, k, v, sel, lp, D**-0.5)
+    forward, allocated[:] = sum(allocated), []
+    bwd_module.selected_attention_bwd(do, q, k, v, o, lse2, sel, lp, D**-0.5, dq_layout="block")
+    assert block_layout_partial_bytes(B * T, H, n, D, lp, q.element_size()) == max(forward, max(allocated))
+
+
 def test_rejects_float64():
     xs = _make_inputs(1, 16, 2, 1, 16, 8, 4, torch.float64)
     with pytest.raises(UserError, match="float64"):

@@ -196,8 +196,10 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     t = recipe.training
     compiled = recipe.compile.backend if recipe.compile.enable else None
     try:
+        compute_bytes = (runtime.autocast_dtype or torch.float32).itemsize
         activation = part.activation_memory(recipe.model.args, MemoryLayout(cp, compiled, runtime.device.type,
-                                                                            t.local_batch_size * t.seq_len // cp))
+                                                                            t.local_batch_size * t.seq_len // cp,
+                                                                            compute_bytes))
     except Exception as e:  # a plugin's hook
         return Check("memory estimate", FAIL, f"model {recipe.model.name!r}'s activation_memory hook failed "
                                               f"({type(e).__name__}: {e}). It is called as (args, layout), layout a "

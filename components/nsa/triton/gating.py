@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from components.nsa.triton.launch import cdiv, head_block
+from components.nsa.triton.tile_configs import cdiv, head_block
 
 
 @triton.jit

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from components.nsa.triton import tile_configs
-from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block
+from components.nsa.triton.launch import LOG2E, dot_precision, flat_grid
+from components.nsa.triton.tile_configs import cdiv, head_block
 from components.nsa.triton.packing import DocumentTables
 from components.nsa.triton.softmax_delta import softmax_delta
 from components.nsa.triton.tiles import (document_tile, load_rows, online_softmax_step, softmax_grads,

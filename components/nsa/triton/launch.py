@@ -16,19 +16,6 @@ from components.errors import UserError
 LOG2E = 1.4426950408889634
 
 
-def next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def head_block(head_dim: int) -> int:
-    """Padded head dim: a power of two and at least 16 (tl.dot's minimum inner size)."""
-    return max(16, next_pow2(head_dim))
-
-
 # CUDA caps grid axis 0 at 2^31 - 1 programs and axes 1 and 2 at 65535: batch x heads alone can pass
 # 65535 (a large batch of short rows), so launches use axis 0 only.
 MAX_GRID_PROGRAMS = 2**31 - 1

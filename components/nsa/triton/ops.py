@@ -118,7 +118,8 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel_idx: Tensor, sel_blo
                        cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     q, k, v = _dense(q, k, v)
     B, T, H, D = q.shape
-    by_blocks = tile_configs.selected_layout_for(B * T, H, k.shape[2], sel_idx.shape[-1], D) == "block"
+    by_blocks = tile_configs.selected_layout_for(B * T, H, k.shape[2], sel_idx.shape[-1], D, sel_block_size,
+                                                 q.element_size()) == "block"
     forward = selected_attention_fwd_blocks if by_blocks else selected_attention_fwd
     return forward(q, k, v, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q)
 

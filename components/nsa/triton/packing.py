@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from components.nsa.triton.launch import cdiv
+from components.nsa.triton.tile_configs import cdiv
 
 Tensor = torch.Tensor
 

@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from components.nsa.triton import tile_configs
-from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
-from components.nsa.triton.selected_attention_fwd import key_tile, query_documents
+from components.nsa.triton.launch import LOG2E, dot_precision, flat_grid
+from components.nsa.triton.tile_configs import cdiv, head_block, key_tile, next_pow2
+from components.nsa.triton.selected_attention_fwd import query_documents
 from components.nsa.triton.selection_lists import (bin_position, key_block_span, query_entries, selection_lists,
                                                    work_item, work_item_segment)
 from components.nsa.triton.softmax_delta import softmax_delta
@@ -214,7 +215,8 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     precision = dot_precision(q.dtype)
     packed = cu_seqlens is not None
     token_table = query_documents(cu_seqlens, cu_seqlens_q, T)
-    dq_by_blocks = (dq_layout or tile_configs.selected_layout_for(B * T, H, HKV, num_sel, D)) == "block"
+    dq_by_blocks = (dq_layout or tile_configs.selected_layout_for(B * T, H, HKV, num_sel, D, sel_block_size,
+                                                                  q.element_size())) == "block"
     if not dq_by_blocks:
         _selected_dq(q, k, v, do, lse2, delta, sel_idx, dq, token_table, sel_block_size, sm_scale)
 

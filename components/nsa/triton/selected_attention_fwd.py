@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from components.nsa.triton import tile_configs
-from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
+from components.nsa.triton.launch import LOG2E, dot_precision, flat_grid
+from components.nsa.triton.tile_configs import cdiv, head_block, next_pow2
 from components.nsa.triton.packing import query_token_table
 from components.nsa.triton.tiles import (grid_position, load_rows, online_softmax_step, softmax_result,
                                          token_in_document)
@@ -68,11 +69,6 @@ def _selected_attn_fwd_kernel(
     tl.store(LSE2 + (b * H + heads) * T + t64, lse2, mask=g_ok)
 
 
-def key_tile(sel_block_size: int, cap: int) -> int:
-    """Keys per sub-tile of a selection block: the whole block, up to `cap`."""
-    return max(16, min(cap, next_pow2(sel_block_size)))
-
-
 def query_documents(cu_seqlens: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                     num_queries: int) -> torch.Tensor | None:
     """The kernels' TOKEN_TABLE (packing.query_token_table), or None for one unpacked row."""
@@ -100,7 +96,7 @@ def selected_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     if B * T * H == 0:
         return o, lse2
     tiles = tile_configs.tiles("selected_fwd", head_block(D), q.element_size())
-    block_k = key_tile(sel_block_size, tiles.keys)
+    block_k = tile_configs.key_tile(sel_block_size, tiles.keys)
     _selected_attn_fwd_kernel[flat_grid(T, B * HKV)](
         q, k, v, sel_idx, o, lse2, query_documents(cu_seqlens, cu_seqlens_q, T),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from components.nsa.triton import tile_configs
-from components.nsa.triton.launch import LOG2E, cdiv, dot_precision, flat_grid, head_block, next_pow2
-from components.nsa.triton.selected_attention_fwd import forward_outputs, key_tile, query_documents
+from components.nsa.triton.launch import LOG2E, dot_precision, flat_grid
+from components.nsa.triton.tile_configs import cdiv, head_block, key_tile, next_pow2
+from components.nsa.triton.selected_attention_fwd import forward_outputs, query_documents
 from components.nsa.triton.selection_lists import (key_block_span, query_entries, selection_lists, work_item,
                                                    work_item_segment)
 from components.nsa.triton.tiles import load_rows, online_softmax_step, token_in_document

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from components.errors import UserError
-from components.nsa.triton.launch import cdiv
+from components.nsa.triton.tile_configs import cdiv
 from components.nsa.triton.packing import document_starts, selection_blocks
 from components.nsa.triton.tiles import grid_position
 

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from components.nsa.triton.launch import cdiv, flat_grid, head_block
+from components.nsa.triton.launch import flat_grid
+from components.nsa.triton.tile_configs import cdiv, head_block
 from components.nsa.triton.tiles import grid_position
 
 

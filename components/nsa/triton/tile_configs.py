@@ -67,6 +67,24 @@ _FP32 = {
 }
 
 
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def head_block(head_dim: int) -> int:
+    """Padded head dim: a power of two and at least 16 (tl.dot's minimum inner size)."""
+    return max(16, next_pow2(head_dim))
+
+
+def key_tile(sel_block_size: int, cap: int) -> int:
+    """Keys per sub-tile of a selection block: the whole block, up to `cap`."""
+    return max(16, min(cap, next_pow2(sel_block_size)))
+
+
 def tiles(kernel: str, block_d: int, element_bytes: int) -> Tiles:
     """The launch shape of `kernel` for padded head dim block_d (16 to 256) and input element size."""
     table = _HALF if element_bytes <= 2 else _FP32
@@ -77,11 +95,15 @@ BLOCK_LAYOUT_MAX_GROUP = 4
 BLOCK_LAYOUT_MAX_PARTIAL_BYTES = 4 * 2**30
 
 
-def block_layout_partial_bytes(tokens: int, heads: int, num_selected: int, head_dim: int) -> int:
-    """The block layout's fp32 partials for one call of B x T = tokens queries: an output row and a
-    log-sum-exp per (query, head, selected block) in the forward, a dQ row per the same in the
-    backward (per key sub-tile: more than one only for fp32 inputs)."""
-    return tokens * heads * num_selected * (head_dim + 1) * 4
+def block_layout_partial_bytes(tokens: int, heads: int, num_selected: int, head_dim: int, sel_block_size: int,
+                               element_bytes: int) -> int:
+    """The block layout's fp32 partials for one call of B x T = tokens queries, the larger of its two
+    passes': the forward's output row and log-sum-exp per (query, head, selected block), and the
+    backward's dQ row per the same and per key sub-tile of a selection block (selected dK/dV's key
+    tile: two sub-tiles for blocks of 128 keys, or at head dim 256)."""
+    keys = key_tile(sel_block_size, tiles("selected_dkdv", head_block(head_dim), element_bytes).keys)
+    per_entry = max(head_dim + 1, cdiv(sel_block_size, keys) * head_dim)
+    return tokens * heads * num_selected * per_entry * 4
 
 
 def selected_layout(group_size: int, partial_bytes: int) -> str:
@@ -100,7 +122,8 @@ def selected_layout(group_size: int, partial_bytes: int) -> str:
     return "block" if small else "query"
 
 
-def selected_layout_for(tokens: int, heads: int, kv_heads: int, num_selected: int, head_dim: int) -> str:
+def selected_layout_for(tokens: int, heads: int, kv_heads: int, num_selected: int, head_dim: int,
+                        sel_block_size: int, element_bytes: int) -> str:
     """selected_layout for one call of B x T = tokens queries: its group size and its partials."""
-    partials = block_layout_partial_bytes(tokens, heads, num_selected, head_dim)
+    partials = block_layout_partial_bytes(tokens, heads, num_selected, head_dim, sel_block_size, element_bytes)
     return selected_layout(heads // kv_heads, partials)
