@@ -197,6 +197,31 @@ def test_bad_cu_seqlens_are_refused(cu, message):
         nsa_attention(**doc, **HP, cu_seqlens=torch.tensor(cu))
 
 
+@triton_only
+def test_eager_calls_read_the_offsets_from_the_device_once(monkeypatch):
+    """A model passes one cu_seqlens to every layer: an eager call reads its values (a wait for a GPU) once
+    per tensor, not once per layer and check; the Triton path itself reads none. An in-place change of
+    the tensor is read again, and still checked."""
+    docs = _documents(LENGTHS, dtype=torch.float32)
+    packed, cu_seqlens = _packed(docs)
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        reads.append(self is cu_seqlens)
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    for _ in range(3):  # as three layers of one forward
+        out = nsa_attention(**packed, **HP, backend="triton", cu_seqlens=cu_seqlens)
+        out.sum().backward()
+    assert reads.count(True) == 1
+    cu_seqlens[1] = cu_seqlens[2]  # an empty document now
+    with pytest.raises(ValueError, match="strictly increasing"):
+        nsa_attention(**packed, **HP, backend="triton", cu_seqlens=cu_seqlens)
+    assert reads.count(True) == 2
+
+
 def test_packed_rows_must_be_one_batch_row_and_float_boundaries_are_refused():
     docs = _documents([64, 64])
     two_rows = {k: torch.cat([docs[0][k].detach(), docs[1][k].detach()], dim=0) for k in ORDER}

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from components.nsa.compression import num_compressed_blocks
 
@@ -37,9 +38,26 @@ def check_cu_seqlens_tensor(cu_seqlens, batch: int, device: torch.device) -> Non
                          f"rows into one, each row end a document end")
 
 
+# Host copies of offsets tensors, by tensor: a model passes one cu_seqlens to every layer, and reading a
+# GPU tensor's values waits for the GPU, so an eager forward reads it once, not once per layer and check.
+# An in-place change of the tensor (its version counter) reads it again.
+_HOST_VALUES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def host_values(offsets: torch.Tensor) -> tuple[int, ...]:
+    """offsets.tolist() as Python ints, read from the device once per tensor and version."""
+    if offsets.is_inference():  # no version counter to tell an in-place change by
+        return tuple(int(x) for x in offsets.tolist())
+    cached = _HOST_VALUES.get(offsets)
+    if cached is None or cached[0] != offsets._version:
+        cached = (offsets._version, tuple(int(x) for x in offsets.tolist()))
+        _HOST_VALUES[offsets] = cached
+    return cached[1]
+
+
 def document_starts(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
     """The document starts as a Python list ending with T, checked (one host read of the tensor)."""
-    starts = [int(x) for x in cu_seqlens.tolist()]
+    starts = list(host_values(cu_seqlens))
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {num_tokens}, got {starts[0]} .. {starts[-1]}")
     if any(b <= a for a, b in zip(starts, starts[1:])):
@@ -66,7 +84,7 @@ def document_slices(cu_seqlens: torch.Tensor, num_tokens: int, block_size: int,
 def query_counts(cu_seqlens_q: torch.Tensor, token_slices: list[slice], num_queries: int | None = None) -> list[int]:
     """Each document's query count from cu_seqlens_q (checked against its key count, and their total
     against num_queries, q's length, when given)."""
-    starts = [int(x) for x in cu_seqlens_q.tolist()]
+    starts = list(host_values(cu_seqlens_q))
     if len(starts) != len(token_slices) + 1 or starts[0] != 0:
         raise ValueError(f"cu_seqlens_q must hold {len(token_slices) + 1} query starts from 0, one per document of "
                          f"cu_seqlens and the end, got {starts}")
