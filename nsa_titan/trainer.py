@@ -270,6 +270,8 @@ class Trainer:
         branch = {"from_step": ckpt.load_step, "recipe": self.resolved.hash} if ckpt.load_step >= 0 else None
         step = self.checkpointer.agree_resume_step(ckpt.load_step, branch) if ckpt.enable else None
         if step is not None:
+            # Refused before anything loads; the changes allowed are named by the recipe-change note below.
+            self._weight_source_changes(self.checkpointer.step_dir(step), resumed=True)
             restart = self._restart_data if ckpt.data_mismatch == "restart" else None
             record = self.checkpointer.load(self.state, step, data_layout=self._data_layout(),
                                             reshard_data=self._reshard_data, restart_data=restart)
@@ -298,7 +300,7 @@ class Trainer:
             self._say(f"initial weights from {ckpt.initial_load_path}")
             self._say_weight_source_changes(changes)
 
-    def _weight_source_changes(self, path: str) -> list[str]:
+    def _weight_source_changes(self, path: str, resumed: bool = False) -> list[str]:
         """The model fields in which this run differs from the one that wrote the step folder at `path`
         (its recipe.toml, when beside it); UserError for one that would change the weights' meaning."""
         source = model_fields_of_step_folder(weights_step_dir(path))
@@ -306,7 +308,7 @@ class Trainer:
             return []
         where, theirs = source
         return model_field_changes(theirs, model_fields_of(self.resolved.toml),
-                                   registry.get("model", self.recipe.model.name).args, path, where)
+                                   registry.get("model", self.recipe.model.name).args, path, where, resumed)
 
     def _say_weight_source_changes(self, changes: list[str]) -> None:
         """Model fields that leave the weights' shapes alone may differ from those they were trained with

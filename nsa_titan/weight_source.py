@@ -1,4 +1,5 @@
-"""checkpoint.initial_load_path: may a run start from weights trained with other model fields?
+"""checkpoint.initial_load_path, and a resumed checkpoint: may a run go on from weights trained with other
+model fields?
 
 Fields marked `keeps_weights` in the model part's argument dataclass (a longer max_seq_len to extend
 the context, another NSA backend, window or top-n) leave every weight's meaning as it was: they may
@@ -29,9 +30,10 @@ def free_fields(args_cls: type, prefix: str = "model") -> set[str]:
 
 
 def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: type | None, path: str,
-                        where: str) -> list[str]:
+                        where: str, resumed: bool = False) -> list[str]:
     """'model.FIELD: theirs -> ours' for every model field that differs (flat dotted dicts); UserError
-    when one not marked keeps_weights does. where: the file that holds the weights' own fields."""
+    when one not marked keeps_weights does. where: the file that holds the weights' own fields;
+    resumed: the weights are the checkpoint this run resumes (else checkpoint.initial_load_path's)."""
     differ = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
     free = free_fields(args_cls) if args_cls is not None else set()
     blocked = [key for key in differ if key not in free]
@@ -39,7 +41,13 @@ def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: 
         shown = "; ".join(f"{key} = {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in blocked[:4])
         more = f"; and {len(blocked) - 4} more" if len(blocked) > 4 else ""
         allowed = f" ({', '.join(sorted(free))} may differ)" if free else ""
-        raise UserError(f"checkpoint.initial_load_path = {path!r} holds weights trained with other model fields: "
-                        f"{shown}{more}. The weights would be read as another model. Fix: set those fields to the "
-                        f"values in {where}{allowed}, or start from weights of this model.")
+        if resumed:
+            lead = f"the checkpoint this run resumes, {path!r}, was trained with other model fields"
+            other = ("or train the changed model in another job.dump_folder (with checkpoint.initial_load_path = "
+                     "that step folder where only those fields change)")
+        else:
+            lead = f"checkpoint.initial_load_path = {path!r} holds weights trained with other model fields"
+            other = "or start from weights of this model"
+        raise UserError(f"{lead}: {shown}{more}. The weights would be read as another model. Fix: set those fields "
+                        f"to the values in {where}{allowed}, {other}.")
     return [f"{key}: {theirs.get(key)!r} -> {ours.get(key)!r}" for key in differ]

@@ -172,9 +172,32 @@ def test_a_damaged_checkpoint_names_its_file_and_the_older_steps(tmp_path, capsy
     assert "resumed from" in capsys.readouterr().out
 
 
-def test_resume_into_another_model_names_the_first_mismatches(tmp_path, capsys, three_checkpoints):
+def test_resume_into_another_model_is_refused_by_field(tmp_path, capsys, three_checkpoints):
+    """Same shapes, another meaning: a resume may change only the model fields marked keeps_weights, like
+    checkpoint.initial_load_path (a changed norm_eps trained on with a note, and its loss jumped)."""
     folder = tmp_path / "run"
     shutil.copytree(three_checkpoints, folder)
+    capsys.readouterr()
+    code = cli.main(["train", *BASE, "--training.steps=4", "--model.norm_eps=0.001", "--model.nsa.window_size=8",
+                     f"--job.dump_folder={folder}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1
+    assert f"the checkpoint this run resumes, '{folder / 'checkpoint' / 'step-3'}', was trained with other model " \
+           "fields: model.norm_eps = 1e-05 there, 0.001 here. The weights would be read as another model. Fix: set " \
+           f"those fields to the values in {folder / 'recipe.toml'}" in err, err
+    assert complete_steps(ckpt_dir(folder)) == [1, 2, 3]
+    # A field that keeps the weights' meaning (the window) may change: the run goes on and says so.
+    code = cli.main(["train", *BASE, "--training.steps=4", "--model.nsa.window_size=8", f"--job.dump_folder={folder}"])
+    out = capsys.readouterr().out
+    assert code == 0 and "resumed from" in out and "model.nsa.window_size: 16 -> 8" in out, out
+
+
+def test_resume_into_another_model_names_the_first_mismatches(tmp_path, capsys, three_checkpoints):
+    """Where no recipe tells the fields the step was trained with, the tensors' shapes still judge it."""
+    folder = tmp_path / "run"
+    shutil.copytree(three_checkpoints, folder)
+    os.remove(folder / "recipe.toml")
     capsys.readouterr()
     code = cli.main(["train", *BASE, "--training.steps=4", "--model.dim=64", f"--job.dump_folder={folder}"])
     err = capsys.readouterr().err

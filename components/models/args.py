@@ -74,7 +74,8 @@ class TransformerArgs:
     """A pre-norm decoder-only transformer; `attention` is the only switch between NSA and dense.
 
     keeps_weights (metadata): a run may start from weights trained with another value of the field
-    (checkpoint.initial_load_path), which would still mean what they meant."""
+    (checkpoint.initial_load_path) or resume a checkpoint trained with one, whose weights would still
+    mean what they meant; any other model field must equal the weights' own."""
 
     dim: int = field(default=256, metadata={"doc": "model width (residual stream size)", "ge": 2})
     n_layers: int = field(default=4, metadata={"doc": "number of transformer blocks", "ge": 1})

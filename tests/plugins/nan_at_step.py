@@ -23,9 +23,13 @@ from nsa_titan.registry import register
 
 @dataclass
 class NanAtStepArgs(TransformerArgs):
-    nan_at_step: int = field(default=3, metadata={"doc": "first step (1-based) whose loss is NaN", "ge": 1})
-    nan_steps: int = field(default=1, metadata={"doc": "steps in a row with a NaN loss; 0 = all from then on", "ge": 0})
-    micro_batches: int = field(default=1, metadata={"doc": "training forwards per optimizer step", "ge": 1})
+    # keeps_weights: switches of the test, not of what the weights mean (a resume may change them)
+    nan_at_step: int = field(default=3, metadata={"doc": "first step (1-based) whose loss is NaN", "ge": 1,
+                                                  "keeps_weights": True})
+    nan_steps: int = field(default=1, metadata={"doc": "steps in a row with a NaN loss; 0 = all from then on",
+                                                "ge": 0, "keeps_weights": True})
+    micro_batches: int = field(default=1, metadata={"doc": "training forwards per optimizer step", "ge": 1,
+                                                    "keeps_weights": True})
 
 
 class NanAtStepTransformer(Transformer):

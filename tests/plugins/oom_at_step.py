@@ -28,9 +28,9 @@ ALLOCATOR_TEXT = ("CUDA out of memory. Tried to allocate 12.27 GiB. GPU 0 has a 
 @dataclass
 class OomAtStepArgs(TransformerArgs):
     oom_at_step: int = field(default=3, metadata={"doc": "the step (1-based) whose forward runs out of memory",
-                                                  "ge": 1})
+                                                  "ge": 1, "keeps_weights": True})
     oom_above_rows: int = field(default=0, metadata={"doc": "> 0: every training forward of more rows runs out "
-                                                            "of memory instead", "ge": 0})
+                                                            "of memory instead", "ge": 0, "keeps_weights": True})
 
 
 class OomAtStepTransformer(Transformer):
