@@ -31,6 +31,7 @@ COMMANDS = {
 }
 
 INPUT_ERROR = 2
+INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 
 
 def _usage() -> str:
@@ -312,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc.render())
     except UserError as exc:
         return _fail(f"error: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C before training set its own handler, or a second one during it
+        _fail(f"error: {command} interrupted; a training run resumes from its last complete checkpoint.")
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ HALT_FILE = "HALT"
 
 
 class GracefulStop:
-    def __init__(self, dump_folder: str):
+    def __init__(self, dump_folder: str, saves: bool = True):
         self.halt_path = os.path.join(dump_folder, HALT_FILE)
+        self.saves = saves  # whether the run saves a checkpoint when it stops (checkpoint.enable)
         self.reason: str | None = None
         self._previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -26,7 +27,14 @@ class GracefulStop:
     def _on_signal(self, signum, frame) -> None:
         if self.reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        first = self.reason is None
         self.reason = signal.Signals(signum).name
+        if first:  # said at once: a step can be long, and a user who hears nothing presses again
+            # os.write, not print: the handler may run while the main code is inside a print to stderr.
+            saving = ", with a checkpoint" if self.saves else " (checkpoint.enable is false: nothing is saved)"
+            again = "; Ctrl-C again stops at once" + (" without saving" if self.saves else "") \
+                if signum == signal.SIGINT else ""
+            os.write(2, f"{self.reason}: stopping after the current step{saving}{again}.\n".encode())
 
     def local_request(self) -> bool:
         """Whether this process was asked to stop (a signal, or the halt file appearing)."""

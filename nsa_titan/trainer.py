@@ -189,7 +189,7 @@ class Trainer:
         self._begun = False
         self.metrics: MetricsLog | None = None
         self.tensorboard: TensorBoardLog | None = None
-        self.stop = GracefulStop(dump)
+        self.stop = GracefulStop(dump, saves=recipe.checkpoint.enable)
         self._stop_agreed = False
         if self._draw_attention:
             _require_matplotlib()

@@ -308,6 +308,7 @@ def test_sigterm_and_kill_lose_nothing_beyond_the_last_checkpoint(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "stopping after step" in out and "SIGTERM" in out
+    assert "SIGTERM: stopping after the current step, with a checkpoint.\n" in err  # said at once
     stopped_at = max(complete_steps(ckpt_dir(folder)))
     # kill -9: whatever was running is lost, the last complete checkpoint is not.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
@@ -331,6 +332,25 @@ def test_sigterm_and_kill_lose_nothing_beyond_the_last_checkpoint(tmp_path):
             if "loss" in record:
                 assert record["loss"] == expected[record["step"]], record
     assert max(losses(folder)) == 30
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+    """The first Ctrl-C is answered at once (a long step would leave the user guessing); a second one ends
+    the run without saving, in one line and exit 130, not a KeyboardInterrupt traceback."""
+    folder = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nsa_titan.cli", "train", *BASE, "--training.steps=100", "--checkpoint.interval=2",
+           f"--job.dump_folder={folder}", "--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    _wait_for(lambda: complete_steps(ckpt_dir(folder)), proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.count("SIGINT: stopping after the current step, with a checkpoint; Ctrl-C again stops at once "
+                     "without saving.\n") == 1, err
+    assert "error: train interrupted; a training run resumes from its last complete checkpoint." in err
+    assert "Traceback" not in err and err.count("error:") == 1, err
 
 
 def _wait_for(condition, proc, timeout=240):
