@@ -23,7 +23,11 @@ esac
 if [ "$command" != train ]; then
   exec "$py" -m nsa_titan.cli "$command" "$@"
 fi
-if [ $# -eq 0 ] || [[ "${1:-}" == -* ]]; then
+has_recipe=0  # a recipe file anywhere among the arguments (flags may come first)
+for arg in "$@"; do
+  case "$arg" in -*) ;; *.toml) has_recipe=1 ;; esac
+done
+if [ "$has_recipe" -eq 0 ]; then
   set -- "$root/recipes/debug.toml" "$@"
 fi
 for arg in "$@"; do

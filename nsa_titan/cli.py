@@ -48,7 +48,7 @@ def _fail(message: str) -> int:
 
 def train(argv: list[str]) -> int:
     from nsa_titan.config.help import help_text
-    from nsa_titan.runtime import launch_world
+    from nsa_titan.runtime import check_launched, launch_world
 
     if "--help" in argv or "-h" in argv:
         from nsa_titan.config.resolve import import_plugins_of_command_line
@@ -59,6 +59,8 @@ def train(argv: list[str]) -> int:
             print(f"note: {problem.render()} Its parts are not listed.", file=sys.stderr)
         return 0
     rank, _, world_size = launch_world()
+    if "--print-config" not in argv:  # which reads WORLD_SIZE alone, as the size of a launch to check for
+        check_launched(world_size)
     resolved = resolve(argv, world_size=world_size, actions=("print_config",))
     if "print_config" in resolved.command_line.actions:
         notes = "".join(f"# note: {note}\n" for note in resolved.notes)

@@ -96,6 +96,17 @@ def test_a_garbled_launch_environment_is_named(capsys, monkeypatch, variables, f
     refused(capsys, ["train", DEBUG, "--print-config"], fragment, "Fix: unset")
 
 
+def test_a_world_size_left_in_the_shell_is_named(capsys, monkeypatch, tmp_path):
+    """WORLD_SIZE without what a launcher sets beside it: not a launch (--print-config reads it alone)."""
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    refused(capsys, ["train", DEBUG, "--training.steps=1", f"--job.dump_folder={tmp_path}"],
+            "WORLD_SIZE = 2 is set in the environment but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not",
+            "Fix: unset WORLD_SIZE")
+    assert cli.main(["train", DEBUG, "--print-config"]) == 0
+
+
 def test_inspect_into_a_folder_that_cannot_be_made_is_refused(tmp_path, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")

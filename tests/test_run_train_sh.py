@@ -74,3 +74,15 @@ def test_the_script_trains_one_process(tmp_path):
 def test_a_word_that_is_neither_a_command_nor_a_recipe_lists_the_commands():
     done = subprocess.run([SCRIPT, "evaluate"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert done.returncode == 2 and "unknown command 'evaluate' (did you mean 'eval'?)" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--training.steps=5", "recipes/debug_dense.toml"], "debug_dense"),  # flags before the recipe
+    (["recipes/debug_dense.toml", "--training.steps=5"], "debug_dense"),
+    (["--training.steps=5"], "debug"),  # no recipe: the debug one
+], ids=["flag first", "recipe first", "no recipe"])
+def test_the_debug_recipe_is_the_default_only_without_a_recipe(argv, name):
+    done = subprocess.run([SCRIPT, *argv, "--print-config"], capture_output=True, text=True, timeout=600,
+                          cwd=REPO_ROOT, env={**os.environ, "NGPU": "1"})
+    assert done.returncode == 0, done.stderr
+    assert f'\nname = "{name}"\n' in done.stdout and "\nsteps = 5\n" in done.stdout
