@@ -27,6 +27,21 @@ def test_defaults_without_a_recipe_file():
     assert (r.optimizer.name, r.optimizer.lr, r.data.source) == ("adamw", 3e-4, "python_stdlib")
 
 
+def test_a_recipe_that_names_no_run_is_named_after_its_file(tmp_path):
+    """Not the defaults' debug run, whose folder (and checkpoints) it would take over."""
+    (tmp_path / "base.toml").write_text('[job]\nname = "base"\n')
+    (tmp_path / "my_run.toml").write_text("[optimizer]\nlr = 0.001\n")
+    (tmp_path / "named.toml").write_text('extends = "base.toml"\n')
+    (tmp_path / "placed.toml").write_text('[job]\ndump_folder = "runs/here"\n')
+    jobs = {name: resolve([str(tmp_path / f"{name}.toml")]).recipe.job for name in ("my_run", "named", "placed")}
+    assert (jobs["my_run"].name, jobs["my_run"].dump_folder) == ("my_run", "./outputs/my_run")
+    assert (jobs["named"].name, jobs["named"].dump_folder) == ("base", "./outputs/base")  # a name it extends
+    assert (jobs["placed"].name, jobs["placed"].dump_folder) == ("placed", "runs/here")
+    flagged = resolve([str(tmp_path / "my_run.toml"), "--job.name=trial"]).recipe.job
+    assert (flagged.name, flagged.dump_folder) == ("trial", "./outputs/trial")
+    assert resolve([]).recipe.job.dump_folder == "./outputs/debug"  # no recipe: the defaults
+
+
 def test_precedence_cli_over_recipe_over_extends_over_defaults(tmp_path):
     (tmp_path / "base.toml").write_text("[training]\nsteps = 7\nseq_len = 32\nlocal_batch_size = 3\n")
     (tmp_path / "top.toml").write_text('extends = "base.toml"\n[training]\nseq_len = 48\n')

@@ -48,7 +48,25 @@ def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str 
     if path is not None:
         table, origin = load_composed(path, problems)
     apply_overrides(table, origin, cmd.overrides, problems)
+    if path is not None:
+        _name_the_run_after(path, table, origin)
     return _finish(table, origin, problems, world_size, path, cmd)
+
+
+def _name_the_run_after(path: str, table: dict, origin: dict[str, str]) -> None:
+    """A recipe that names no run (no job.name, no job.dump_folder in it or the files it extends) is
+    named after its file: my_run.toml runs as my_run in ./outputs/my_run, not in the defaults' debug
+    folder, whose run it would resume."""
+    job = table.setdefault("job", {})
+    if not isinstance(job, dict):
+        return  # the schema check reports it
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if "job.name" not in origin:
+        job["name"] = stem
+        origin["job.name"] = f"the recipe's file name ({os.path.basename(path)})"
+    if "job.dump_folder" not in origin and isinstance(job["name"], str):
+        job["dump_folder"] = f"./outputs/{job['name']}"
+        origin["job.dump_folder"] = "job.name"
 
 
 def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:

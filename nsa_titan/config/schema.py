@@ -15,9 +15,10 @@ from nsa_titan.config.fields import f
 @dataclass
 class JobConfig:
     name: str = f("debug", "Run name: on the run's start line, in its recipe.toml and manifest, and the W&B "
-                           "run's name.")
+                           "run's name. Unset, the recipe file's name (my_run.toml: my_run).")
     description: str = f("", "Free text describing the run.")
-    dump_folder: str = f("./outputs/debug", "Folder for this run's recipe, metrics, checkpoints and logs.")
+    dump_folder: str = f("./outputs/debug", "Folder for this run's recipe, metrics, checkpoints and logs. Unset, "
+                                            "./outputs/<job.name>.")
     seed: int = f(0, "Seed for model init, data order and dropout-free training randomness.", ge=0)
     plugins: list[str] = f([], "Python modules imported before the recipe is checked; they may register parts.")
 
