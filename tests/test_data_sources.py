@@ -73,14 +73,30 @@ def test_text_files_cursor_continues_after_the_document(tmp_path):
 
 
 def test_text_files_globs_and_folders(tmp_path):
-    paths, corpus = mixed_corpus(tmp_path)
-    by_glob = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "**" / "*.*")], validation_fraction=0.0))
+    paths, corpus = mixed_corpus(tmp_path)  # a.jsonl, b.parquet and txt/ holding .txt files
+    by_glob = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "*.[jp]*"), str(tmp_path / "**" / "*.txt")],
+                                            validation_fraction=0.0))
     assert sorted(member_documents(by_glob.corpus(), "train")) == sorted(corpus)
-    by_folder = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
+    by_folder = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "txt"), *paths[:2]], validation_fraction=0.0))
     assert sorted(member_documents(by_folder.corpus(), "train")) == sorted(corpus)
     # A pattern that matches a folder (txt/) takes the folder's files, as a folder entry does.
-    by_star = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "*")], validation_fraction=0.0))
+    by_star = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "t*"), *paths[:2]], validation_fraction=0.0))
     assert sorted(member_documents(by_star.corpus(), "train")) == sorted(corpus)
+
+
+@pytest.mark.parametrize("entry", ["", "*"], ids=["folder", "glob"])
+def test_a_folder_of_records_with_a_card_beside_them_is_refused(tmp_path, entry):
+    """A downloaded dataset folder: parquet files and its README.md, which would be trained on as a
+    document without a word."""
+    write_parquet(str(tmp_path / "train-0.parquet"), unique_texts(10))
+    write_parquet(str(tmp_path / "train-1.parquet"), unique_texts(10, seed=1))
+    (tmp_path / "README.md").write_text("# A dataset card\nlicense: ...\n")
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / entry) if entry else str(tmp_path)],
+                                           validation_fraction=0.0))
+    with pytest.raises(UserError, match=r"matches record files \(.jsonl, .parquet\) and also 1 file\(s\) that would "
+                                        r"each be trained on as one document \(README.md\).*e.g. '" +
+                                        re.escape(f"{tmp_path}/**/*.parquet") + "'"):
+        source.check()
 
 
 def test_jsonl_lines_cut_across_pieces_are_read_once(tmp_path):

@@ -57,21 +57,46 @@ def kind_of(path: str) -> str | None:
     return None
 
 
+READABLE = ".txt, .text, .md, .py (a document per file), .jsonl or .parquet (a document per record)"
+
+
+def _narrowed(entry: str, paths: list[str]) -> str:
+    """A pattern for the entry's files of its most common readable kind: 'corpus/**/*.parquet'."""
+    kinds = [os.path.splitext(p)[1].lower() for p in paths if kind_of(p) is not None]
+    ext = max(sorted(set(kinds)), key=kinds.count) if kinds else ".jsonl"
+    root = entry.rstrip("/")
+    if glob.has_magic(root):  # the folder above the first part with a wildcard
+        parts = root.split("/")
+        root = "/".join(parts[:next(i for i, part in enumerate(parts) if glob.has_magic(part))]) or "."
+    return f"{root}/**/*{ext}"
+
+
 def _refuse_unsupported(paths: list[str], entry: str, what: str) -> None:
-    """A folder or glob that also matches files this source cannot read is a mistake, not a filter."""
+    """A folder or glob that also matches files this source cannot read is a mistake, not a filter; so is
+    one that mixes record files (.jsonl, .parquet) with whole-file documents (a dataset folder's
+    README.md would be trained on as a document)."""
     unsupported = sorted(p for p in paths if kind_of(p) is None)
     if unsupported:
         shown = ", ".join(os.path.basename(p) for p in unsupported[:5]) + (" ..." if len(unsupported) > 5 else "")
         raise UserError(
-            f"{what}: {entry!r} also matches {len(unsupported)} file(s) that are not .txt, .md, .py, .jsonl or "
-            f".parquet ({shown}); narrow it to the files to train on, e.g. '{entry.rstrip('/')}/**/*.jsonl'"
+            f"{what}: {entry!r} also matches {len(unsupported)} file(s) that are not {READABLE} ({shown}); "
+            f"narrow it to the files to train on, e.g. '{_narrowed(entry, paths)}'"
+        )
+    whole = sorted(p for p in paths if kind_of(p) == "whole")
+    if whole and len(whole) < len(paths):
+        shown = ", ".join(os.path.basename(p) for p in whole[:5]) + (" ..." if len(whole) > 5 else "")
+        records = [p for p in paths if kind_of(p) != "whole"]
+        raise UserError(
+            f"{what}: {entry!r} matches record files (.jsonl, .parquet) and also {len(whole)} file(s) that would "
+            f"each be trained on as one document ({shown}), such as a dataset's card. Fix: narrow it to the files "
+            f"to train on, e.g. '{_narrowed(entry, records)}', or list both kinds as entries of their own"
         )
 
 
 def expand_paths(entries: list[str], what: str) -> list[str]:
     """Files named by `entries` (files, folders searched recursively, or glob patterns), sorted."""
     if not entries:
-        raise UserError(f"{what}: paths is empty; list .txt, .jsonl or .parquet files, folders or globs")
+        raise UserError(f"{what}: paths is empty; list files ({READABLE}), folders or globs")
     found: set[str] = set()
     for entry in entries:
         path = os.path.expanduser(entry)
@@ -86,13 +111,13 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
         elif os.path.isdir(path):
             inside = _files_in(path)
             if not inside:
-                raise UserError(f"{what}: the folder {entry!r} holds no .txt, .md, .py, .jsonl or .parquet file")
+                raise UserError(f"{what}: the folder {entry!r} holds no file; it should hold {READABLE} files")
             _refuse_unsupported(inside, entry, what)
             found.update(os.path.abspath(p) for p in inside)
         elif os.path.isfile(path):
             if kind_of(path) is None:
                 raise UserError(
-                    f"{what}: {entry!r} is not a .txt, .md, .py, .jsonl or .parquet file; convert it or remove it"
+                    f"{what}: {entry!r} is not a file this source reads ({READABLE}); convert it or remove it"
                 )
             found.add(os.path.abspath(path))
         else:
