@@ -73,6 +73,13 @@ CASES = [
     ("kv heads do not divide heads", "", ["--model.n_kv_heads=3"], ["model.n_kv_heads", "must divide n_heads"]),
     ("global batch not divisible", "", ["--training.global_batch_size=5"],
      ["training.global_batch_size", "not a multiple of", "local_batch_size"]),
+    ("override without dashes", "", ["training.steps=5"],
+     ["argument 'training.steps=5'", "without its leading --", "--training.steps=5"]),
+    ("empty dump folder", "", ["--job.dump_folder="], ["job.dump_folder", "is empty", "./outputs/<job.name>"]),
+    ("checkpoints outside the run", "", ["--checkpoint.folder=/elsewhere/ckpt"],
+     ["checkpoint.folder", "must be a folder inside job.dump_folder", "such as 'checkpoint'"]),
+    ("profile above the run", "", ["--profiling.enable=true", "--profiling.folder=../profile"],
+     ["profiling.folder", "must be a folder inside job.dump_folder", "such as 'profile'"]),
     ("global batch of no samples", "", ["--training.global_batch_size=0"],
      ["training.global_batch_size", "would train on no samples", "use -1 or a multiple of"]),
     ("bos token without add_bos", "[data]\ntokenizer = \"hf_tokenizer\"\n[data.hf_tokenizer]\npath = \"t.json\"\n"

@@ -44,7 +44,11 @@ def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
                                     "name the recipe file, e.g. recipes/debug.toml"))
             continue
         if not arg.startswith("-"):
-            if recipe is None:
+            key = arg.split("=", 1)[0]
+            if "=" in arg and "." in key and "/" not in key and not key.endswith(".toml"):  # training.steps=5
+                problems.append(Problem(f"argument {arg!r}", "override", None, "looks like an override without its "
+                                        "leading --", f"write it as --{arg}"))
+            elif recipe is None:
                 recipe = arg
             else:
                 problems.append(Problem(f"argument {arg!r}", "recipe", None,

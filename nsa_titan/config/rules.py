@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from nsa_titan import registry
 from nsa_titan.config.errors import Problem
@@ -163,6 +164,16 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if recipe.data.num_workers == 0 and _set(recipe.data, "data", "prefetch_factor", source_of):
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
             "remove it, or set data.num_workers > 0")
+    if not recipe.job.dump_folder.strip():
+        add("job.dump_folder", recipe.job.dump_folder, "is empty: a run needs a folder of its own",
+            "name one, e.g. ./outputs/<run name> (or leave it unset: ./outputs/<job.name>)")
+    for section, name in (("checkpoint", "folder"), ("metrics", "save_tb_folder"), ("profiling", "folder")):
+        table = getattr(recipe, section)
+        value = getattr(table, name)
+        if not value.strip() or os.path.isabs(value) or ".." in value.replace("\\", "/").split("/"):
+            add(f"{section}.{name}", value, "must be a folder inside job.dump_folder (a relative path that stays in "
+                "it), so that the run's folder and its lock hold everything the run writes",
+                f"use a relative name such as {getattr(type(table)(), name)!r}, or move job.dump_folder instead")
     tokenizer = recipe.data.tokenizer_args
     if (not recipe.data.add_bos and dataclasses.is_dataclass(tokenizer) and hasattr(tokenizer, "bos_token")
             and _set(tokenizer, f"data.{recipe.data.tokenizer}", "bos_token", source_of)):
