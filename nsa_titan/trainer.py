@@ -300,6 +300,14 @@ class Trainer:
             self._say(f"initial weights from {ckpt.initial_load_path}")
             self._say_weight_source_changes(changes)
 
+    def _way_on(self) -> str:
+        """What a rerun of the same command starts from, for a run that stops on a fault."""
+        saved = complete_steps(self.checkpointer.folder) if self.checkpointer is not None else []
+        if saved:
+            return f"the same command then resumes from {self.checkpointer.step_dir(saved[-1])}"
+        why = "checkpoint.enable is false" if self.checkpointer is None else "no checkpoint was saved yet"
+        return f"{why}, so the same command starts the run over"
+
     def _weight_source_changes(self, path: str, resumed: bool = False) -> list[str]:
         """The model fields in which this run differs from the one that wrote the step folder at `path`
         (its recipe.toml, when beside it); UserError for one that would change the weights' meaning."""
@@ -615,7 +623,7 @@ class Trainer:
             if decision == STOP:
                 if self.checkpointer is not None:  # a background save of a good step completes first; every
                     self.checkpointer.finish_pending()  # rank stops here (the guard's answer is agreed)
-                raise TrainingFault(self.nan_guard.stop_message(state.step), NUMERICAL_FAULT_EXIT,
+                raise TrainingFault(self.nan_guard.stop_message(state.step, self._way_on()), NUMERICAL_FAULT_EXIT,
                                     every_rank=True)
             if decision == SKIP and self.runtime.is_main:
                 warn(self.nan_guard.skip_message(state.step))

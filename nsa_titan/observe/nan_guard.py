@@ -70,11 +70,12 @@ class NanGuard:
                 f"({self.consecutive_bad} bad step(s) in a row, {self.total_bad} in total; "
                 f"fault.max_bad_steps = {self.max_bad_steps})")
 
-    def stop_message(self, step: int) -> str:
-        """The message for a run stopped by the guard: what happened and what to change."""
+    def stop_message(self, step: int, way_on: str = "resume from the last checkpoint") -> str:
+        """The message for a run stopped by the guard: what happened, what to change and `way_on` (which
+        checkpoint a rerun resumes, or that none was saved)."""
         return (f"stopping at step {step}: the loss or gradient norm was NaN/Inf for "
                 f"{self.consecutive_bad} step(s) in a row ({self.total_bad} in total), more than "
                 f"fault.max_bad_steps = {self.max_bad_steps}; no update of a bad step was applied. "
                 f"Fix: lower optimizer.lr or raise lr_scheduler.warmup_steps, set training.max_norm > 0 to clip "
                 f"gradients, train in float32 to rule out bf16 overflow, or raise fault.max_bad_steps to ride out "
-                f"isolated spikes; resume from the last checkpoint.")
+                f"isolated spikes; {way_on}.")
