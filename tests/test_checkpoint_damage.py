@@ -91,6 +91,19 @@ def test_initial_load_path_into_another_shape_names_the_tensors(run, tmp_path, c
             "[258, 64] here", "recipe.toml", "Fix:")
 
 
+def test_initial_load_path_that_is_not_a_step_folder_names_what_it_takes(run, tmp_path, capsys):
+    exported = tmp_path / "model.pt"
+    exported.write_bytes(b"an export")
+    code = train(tmp_path / "new", f"--checkpoint.initial_load_path={exported}")
+    refused(capsys, code, "is a file; it takes a folder (an exported .pt file is for sample, eval and plot)",
+            "`nsa-titan export --format hf`")
+    for folder in (run, run / "checkpoint"):  # a run, or its checkpoints: which step?
+        code = train(tmp_path / "new", f"--checkpoint.initial_load_path={folder}")
+        refused(capsys, code, "holds the checkpoints of a run, not one of them",
+                f"Fix: name the step to start from, e.g. '{step_dir(run, 4)}'")
+    assert not any(name.startswith("step-") for name in os.listdir(tmp_path / "new" / "checkpoint"))
+
+
 def test_initial_load_path_missing_or_interrupted(run, tmp_path, capsys):
     code = train(tmp_path / "new", f"--checkpoint.initial_load_path={tmp_path / 'nowhere'}")
     refused(capsys, code, "does not exist", "Fix:")
