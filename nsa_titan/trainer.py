@@ -136,7 +136,8 @@ class Trainer:
                 self._write_records()
         self.stacks_path = os.path.join(dump, "stacks", f"rank-{runtime.rank}.txt")
         install_sigusr1(self.stacks_path)
-        self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0)
+        self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0,
+                                   world_size=runtime.world_size)
         self.nan_guard = NanGuard(recipe.fault.max_bad_steps)
         self.profiler = StepProfiler(recipe.profiling, dump, runtime.rank, runtime.device, self._say)
 

@@ -52,6 +52,17 @@ def test_rate_limit_and_force(tmp_path):
     assert _read(hb.path)["step"] == 3
 
 
+def test_rank_files_of_an_earlier_larger_launch_are_removed(tmp_path):
+    """A run resumed on fewer processes: rank 3's file from the earlier launch would read as a stuck rank."""
+    for rank in range(4):
+        Heartbeat(str(tmp_path), rank=rank, world_size=4).beat(5)
+    (tmp_path / "heartbeat" / "notes.txt").write_text("kept")
+    Heartbeat(str(tmp_path), rank=1, world_size=2)  # only rank 0 tidies
+    assert len(os.listdir(tmp_path / "heartbeat")) == 5
+    Heartbeat(str(tmp_path), rank=0, world_size=2)
+    assert sorted(os.listdir(tmp_path / "heartbeat")) == ["notes.txt", "rank-0.json", "rank-1.json"]
+
+
 def test_rss_is_plausible():
     rss = process_rss_bytes()
     assert 10 * 2**20 < rss < 64 * 2**30  # a Python process with torch loaded

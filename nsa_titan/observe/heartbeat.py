@@ -38,9 +38,15 @@ def memory_record(device: torch.device | None) -> dict[str, int | str]:
 class Heartbeat:
     """`beat(step)` rewrites this rank's heartbeat file; at most once per `min_interval_s` seconds."""
 
-    def __init__(self, folder: str, rank: int, device: torch.device | None = None, min_interval_s: float = 0.0):
+    def __init__(self, folder: str, rank: int, device: torch.device | None = None, min_interval_s: float = 0.0,
+                 world_size: int = 1):
         self.folder = os.path.join(folder, "heartbeat")
         os.makedirs(self.folder, exist_ok=True)
+        if rank == 0:  # files of ranks this launch has not (an earlier, larger one) would read as stuck ranks
+            for name in os.listdir(self.folder):
+                number = name[len("rank-"):-len(".json")] if name.startswith("rank-") and name.endswith(".json") else ""
+                if number.isdigit() and int(number) >= world_size:
+                    os.remove(os.path.join(self.folder, name))
         self.path = os.path.join(self.folder, f"rank-{rank}.json")
         self.rank = rank
         self.device = device
