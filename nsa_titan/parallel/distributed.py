@@ -69,7 +69,7 @@ def barrier() -> None:
 # aborted): the symptom of another rank's failure, which that rank reports itself.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted")
 # The exit code of a rank that stopped only because it lost a peer: the launcher looks past it for the cause.
-PEER_LOST_EXIT_CODE = 3
+PEER_LOST_EXIT_CODE = 5  # beside 2 (bad input), 3 (NaN stop), 4 (out of memory), 124 (hang)
 
 
 def lost_a_peer(exc: BaseException) -> str | None:
