@@ -91,9 +91,12 @@ def test_each_branch_matches_reference(T, H, Hkv, D):
 
 
 @pytest.mark.parametrize("T,H,Hkv,D", [pytest.param(8192, 12, 4, 64, id="T8k-G3-D64"),
-                                        pytest.param(32768, 12, 4, 64, id="T32k-G3-D64")])
+                                        pytest.param(32768, 12, 4, 64, id="T32k-G3-D64"),
+                                        pytest.param(8192, 8, 2, 128, id="T8k-G4-D128"),
+                                        pytest.param(4096, 8, 2, 256, id="T4k-G4-D256")])
 def test_branches_match_reference_in_the_selected_block_layout(T, H, Hkv, D, monkeypatch):
-    """The 125M head layout (G = 3) with the selected branch's block-major forward and dQ."""
+    """The 125M head layout (G = 3) with the selected branch's block-major forward and dQ, and the
+    wider heads whose dK/dV tiles (and its dQ share, k^T.dS^T) build differently."""
     from components.nsa.triton import tile_configs
 
     monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size, partial_bytes: "block")
