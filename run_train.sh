@@ -23,9 +23,18 @@ esac
 if [ "$command" != train ]; then
   exec "$py" -m nsa_titan.cli "$command" "$@"
 fi
-has_recipe=0  # a recipe file anywhere among the arguments (flags may come first)
+has_recipe=0  # a recipe anywhere among the arguments (flags may come first), not an override's value
+previous=""
 for arg in "$@"; do
-  case "$arg" in -*) ;; *.toml) has_recipe=1 ;; esac
+  case "$arg" in
+    -*) ;;
+    *) case "$previous" in
+         --*=*) ;;  # an override with its value: this argument stands alone
+         --*.*) previous=""; continue ;;  # '--section.field VALUE': this is the value
+       esac
+       if [[ "$arg" == *.toml || "$arg" == *.TOML ]] || [ -e "$arg" ]; then has_recipe=1; fi ;;
+  esac
+  previous=$arg
 done
 if [ "$has_recipe" -eq 0 ]; then
   set -- "$root/recipes/debug.toml" "$@"

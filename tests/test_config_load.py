@@ -17,6 +17,11 @@ from nsa_titan.config.toml_io import dumps, tomllib
 from tests.conftest import REPO_ROOT
 
 
+def _write(path, text: str):
+    path.write_text(text)
+    return path
+
+
 def test_defaults_without_a_recipe_file():
     """The defaults `nsa-titan train --help` documents, not a second reading of the same dataclasses."""
     resolved = resolve([])
@@ -83,6 +88,21 @@ def test_dense_attention_from_the_command_line_overrides_the_recipes_nsa_setting
     assert note.startswith("model.nsa from ") and "nsa_debug.toml is not used" in note
     # The saved recipe (every field written out, model.nsa at its defaults) resolves again, silently.
     assert resolve_text(resolved.toml).recipe == resolved.recipe and resolve_text(resolved.toml).notes == ()
+
+
+def test_a_saved_recipe_that_a_newer_rule_refuses_still_reads(tmp_path):
+    """An export's or a run's recipe was valid when written: sample, eval and plot must still read it when a
+    later version refuses one of its settings (a TensorBoard folder outside the run, say); its fields and
+    types must still read."""
+    text = resolve([os.path.join(REPO_ROOT, "recipes", "debug.toml")]).toml.replace(
+        'save_tb_folder = "tb"', 'save_tb_folder = "/shared/tb"')
+    with pytest.raises(RecipeError, match="must be a folder inside job.dump_folder"):
+        resolve([str(_write(tmp_path / "r.toml", text))])
+    saved = resolve_text(text)
+    assert saved.recipe.metrics.save_tb_folder == "/shared/tb"
+    assert [n for n in saved.notes if "no longer passes a check" in n and "metrics.save_tb_folder" in n]
+    with pytest.raises(RecipeError, match="training.steps"):
+        resolve_text(text.replace("steps = 500", 'steps = "many"'))
 
 
 def test_a_parts_table_in_the_same_layer_as_another_choice_is_an_error(tmp_path):

@@ -78,10 +78,15 @@ def test_a_word_that_is_neither_a_command_nor_a_recipe_lists_the_commands():
 
 @pytest.mark.parametrize("argv, name", [
     (["--training.steps=5", "recipes/debug_dense.toml"], "debug_dense"),  # flags before the recipe
+    (["--training.steps", "5", "recipes/debug_dense.toml"], "debug_dense"),  # a flag's value is not a recipe
     (["recipes/debug_dense.toml", "--training.steps=5"], "debug_dense"),
-    (["--training.steps=5"], "debug"),  # no recipe: the debug one
-], ids=["flag first", "recipe first", "no recipe"])
-def test_the_debug_recipe_is_the_default_only_without_a_recipe(argv, name):
+    (["{tmp}/my_recipe", "--training.steps=5"], "my_recipe"),  # a recipe file named otherwise
+    (["--training.steps", "5"], "debug"),  # no recipe: the debug one
+], ids=["flag first", "flag and value first", "recipe first", "no .toml suffix", "no recipe"])
+def test_the_debug_recipe_is_the_default_only_without_a_recipe(argv, name, tmp_path):
+    (tmp_path / "my_recipe").write_text(f'extends = ["{REPO_ROOT}/recipes/debug_dense.toml"]\n[job]\n'
+                                        f'name = "my_recipe"\n')
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
     done = subprocess.run([SCRIPT, *argv, "--print-config"], capture_output=True, text=True, timeout=600,
                           cwd=REPO_ROOT, env={**os.environ, "NGPU": "1"})
     assert done.returncode == 0, done.stderr

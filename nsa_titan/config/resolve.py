@@ -78,7 +78,7 @@ def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
         raise RecipeError([Problem("saved recipe", "recipe", None, f"is not valid TOML: {exc}",
                                    "export or train again to write a fresh one")]) from None
     origin = {key: "saved recipe" for key in table}
-    return _finish(table, origin, problems, world_size, None, CommandLine(None, [], set()))
+    return _finish(table, origin, problems, world_size, None, CommandLine(None, [], set()), saved=True)
 
 
 def import_plugins_of_command_line(argv: list[str]) -> list[Problem]:
@@ -110,12 +110,17 @@ def import_plugins_of(text: str) -> None:
 
 
 def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_size: int | None, path: str | None,
-            cmd: CommandLine) -> ResolvedRecipe:
+            cmd: CommandLine, saved: bool = False) -> ResolvedRecipe:
+    """saved: a recipe a run or an export wrote, read back to rebuild its model and data. It was valid when
+    written: rules added since (cross-field checks, recipe rules) become notes; its fields and types
+    must still read."""
     _import_plugins(table, origin, problems)
-    builder = RecipeBuilder(origin, problems)
+    builder = RecipeBuilder(origin, problems, saved=saved)
     recipe = builder.build(Recipe, table)
     if not problems:
-        check_rules(recipe, world_size, builder.source_of, problems, builder.notes)
+        broken: list[Problem] = []
+        check_rules(recipe, world_size, builder.source_of, broken if saved else problems, builder.notes)
+        builder.notes.extend(f"the saved recipe no longer passes a check: {found.render()}" for found in broken)
     if problems:
         raise RecipeError(problems)
     text = dumps(recipe_to_table(recipe))

@@ -174,12 +174,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
             add(f"{section}.{name}", value, "must be a folder inside job.dump_folder (a relative path that stays in "
                 "it), so that the run's folder and its lock hold everything the run writes",
                 f"use a relative name such as {getattr(type(table)(), name)!r}, or move job.dump_folder instead")
-    tokenizer = recipe.data.tokenizer_args
-    if (not recipe.data.add_bos and dataclasses.is_dataclass(tokenizer) and hasattr(tokenizer, "bos_token")
-            and _set(tokenizer, f"data.{recipe.data.tokenizer}", "bos_token", source_of)):
-        add(f"data.{recipe.data.tokenizer}.bos_token", tokenizer.bos_token,
-            "only names the token data.add_bos puts before each document, and data.add_bos is false",
-            "remove it, or set data.add_bos = true")
+    _check_unused_data_fields(recipe, add, source_of)
     _check_compile(recipe, world_size, add)
     par = recipe.parallelism
     if (world_size == 1 and not par.fsdp_single_process
@@ -192,6 +187,39 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
             f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
             "remove it, or set activation_checkpoint.mode = 'selective'")
+
+
+def _check_unused_data_fields(recipe: Recipe, add, source_of) -> None:
+    """Source and tokenizer arguments that the rest of the recipe leaves unused."""
+    data = recipe.data
+    source, tokenizer = data.source_args, data.tokenizer_args
+    if (not data.add_bos and _has_field(tokenizer, "bos_token")
+            and _part_arg_set(tokenizer, f"data.{data.tokenizer}", "bos_token", source_of)):
+        add(f"data.{data.tokenizer}.bos_token", tokenizer.bos_token,
+            "only names the token data.add_bos puts before each document, and data.add_bos is false",
+            "remove it, or set data.add_bos = true")
+    if (_has_field(source, "validation_split") and _has_field(source, "validation_fraction")
+            and source.validation_split
+            and _part_arg_set(source, f"data.{data.source}", "validation_fraction", source_of)):
+        add(f"data.{data.source}.validation_fraction", source.validation_fraction,
+            f"is not used: validation_split = {source.validation_split!r} names the documents to validate on",
+            "remove validation_fraction, or set validation_split = '' to hold out that fraction of `split`")
+
+
+def _has_field(args, name: str) -> bool:
+    return dataclasses.is_dataclass(args) and any(fld.name == name for fld in dataclasses.fields(args))
+
+
+def _part_arg_set(args, path: str, name: str, source_of) -> bool:
+    """_set for a part's arguments, whose dataclass (a plugin's) may have fields without defaults."""
+    fld = next(fld for fld in dataclasses.fields(args) if fld.name == name)
+    if fld.default is not dataclasses.MISSING:
+        default = fld.default
+    elif fld.default_factory is not dataclasses.MISSING:
+        default = fld.default_factory()
+    else:
+        return True  # a required field: the recipe had to set it
+    return getattr(args, name) != default or _flagged(source_of, f"{path}.{name}")
 
 
 # (section, its switch, the fields only that switch uses)

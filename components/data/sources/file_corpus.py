@@ -102,8 +102,8 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
         path = os.path.expanduser(entry)
         if glob.has_magic(path):
             # A folder the pattern matches is searched like a folder entry: 'corpus/*' is all of corpus.
-            matches = [f for m in glob.glob(path, recursive=True)
-                       for f in (_files_in(m) if os.path.isdir(m) else [m] if os.path.isfile(m) else [])]
+            matches = sorted({os.path.abspath(f) for m in glob.glob(path, recursive=True)  # '**' repeats folders
+                              for f in (_files_in(m) if os.path.isdir(m) else [m] if os.path.isfile(m) else [])})
             if not matches:
                 raise UserError(f"{what}: the pattern {entry!r} matches no file; fix the pattern or the folder")
             _refuse_unsupported(matches, entry, what)
@@ -126,8 +126,12 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
 
 
 def _files_in(folder: str) -> list[str]:
-    """The files under `folder`, at any depth, hidden ones left out."""
-    return [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if not f.startswith(".")]
+    """The files under `folder`, at any depth, hidden files and folders (.cache, .git) left out, as glob does."""
+    found = []
+    for root, folders, files in os.walk(folder):
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        found += [os.path.join(root, name) for name in files if not name.startswith(".")]
+    return found
 
 
 def corpus_files(paths: list[str]) -> list[CorpusFile]:

@@ -80,12 +80,6 @@ class HuggingFaceArgs:
                 "validation_split", self.validation_split,
                 f"equals split {self.split!r}, so validation would repeat training data",
                 "name another split or leave it '' to hold out validation_fraction by hash"))
-        default_fraction = HuggingFaceArgs.__dataclass_fields__["validation_fraction"].default
-        if self.validation_split and self.validation_fraction != default_fraction:
-            problems.append(problem(
-                "validation_fraction", self.validation_fraction,
-                f"is not used: validation_split = {self.validation_split!r} names the documents to validate on",
-                "remove validation_fraction, or set validation_split = '' to hold out that fraction of `split`"))
         if self.path in _LOCAL_BUILDERS and not self.data_files:
             problems.append(problem("data_files", None, f"builder {self.path!r} needs data_files",
                                     "list the local files as paths or globs"))
