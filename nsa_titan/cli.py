@@ -316,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         return _fail(f"error: {exc}")
     except KeyboardInterrupt:  # Ctrl-C before training set its own handler, or a second one during it
-        _fail(f"error: {command} interrupted; a training run resumes from its last complete checkpoint.")
+        after = (" at once: nothing was saved since the last complete checkpoint, which a rerun resumes (if "
+                 "checkpoints are on)") if command == "train" else ""
+        _fail(f"error: {command} interrupted{after}.")
         return INTERRUPTED
 
 

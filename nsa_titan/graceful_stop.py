@@ -13,9 +13,12 @@ HALT_FILE = "HALT"
 
 
 class GracefulStop:
-    def __init__(self, dump_folder: str, saves: bool = True):
+    def __init__(self, dump_folder: str, saves: bool = True, world_size: int = 1):
         self.halt_path = os.path.join(dump_folder, HALT_FILE)
         self.saves = saves  # whether the run saves a checkpoint when it stops (checkpoint.enable)
+        # Under a launcher, a SIGTERM is as likely torchrun ending the ranks after one failed (no step
+        # completes then): only a stop the agreement carries through is said, by the trainer.
+        self.say_sigterm = world_size == 1
         self.reason: str | None = None
         self._previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -29,12 +32,16 @@ class GracefulStop:
             raise KeyboardInterrupt
         first = self.reason is None
         self.reason = signal.Signals(signum).name
-        if first:  # said at once: a step can be long, and a user who hears nothing presses again
-            # os.write, not print: the handler may run while the main code is inside a print to stderr.
+        if first and (signum == signal.SIGINT or self.say_sigterm):
+            # Said at once: a step can be long, and a user who hears nothing presses again. os.write, not
+            # print: the handler may run while the main code is inside a print to stderr.
             saving = ", with a checkpoint" if self.saves else " (checkpoint.enable is false: nothing is saved)"
             again = "; Ctrl-C again stops at once" + (" without saving" if self.saves else "") \
                 if signum == signal.SIGINT else ""
-            os.write(2, f"{self.reason}: stopping after the current step{saving}{again}.\n".encode())
+            try:
+                os.write(2, f"{self.reason}: stopping after the current step{saving}{again}.\n".encode())
+            except OSError:  # stderr closed: the stop goes on unsaid
+                pass
 
     def local_request(self) -> bool:
         """Whether this process was asked to stop (a signal, or the halt file appearing)."""

@@ -26,10 +26,15 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except ChildFailedError as failed:
         rank, code = _cause(failed.failures, PEER_LOST_EXIT_CODE)
-        how = (f"exit code {code}); its own message is above" if code >= 0 else
-               f"signal {_signal_name(-code)}); a signal leaves no message: look for the system's out-of-memory "
-               "killer or a scheduler that ended it")
-        print(f"error: the run stopped: rank {rank} failed first ({how}.", file=sys.stderr, flush=True)
+        if code == PEER_LOST_EXIT_CODE:  # none of this launcher's ranks failed of its own
+            how = (f"rank {rank} lost contact with a rank that failed on another node; that node's output says "
+                   "why")
+        elif code >= 0:
+            how = f"rank {rank} failed first (exit code {code}); its own message is above"
+        else:
+            how = (f"rank {rank} failed first (signal {_signal_name(-code)}); a signal leaves no message: look for "
+                   "the system's out-of-memory killer or a scheduler that ended it")
+        print(f"error: the run stopped: {how}.", file=sys.stderr, flush=True)
         return code if code > 0 else 1
     except SignalException as stopped:  # the launcher itself was told to stop (a second Ctrl-C, a scheduler)
         print(f"error: the launcher was stopped by signal {_signal_name(stopped.sigval)}; the ranks were ended.",
@@ -39,16 +44,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cause(failures: dict, peer_lost: int) -> tuple[int, int]:
-    """(rank, exit code) of the failure to blame: the first rank that failed of its own (an exit code), else
-    one that a signal ended (killed from outside, or by the launcher), a rank that only lost contact with a
-    failed peer last of all."""
-    def first(which):
-        chosen = {rank: f for rank, f in failures.items() if which(f.exitcode)}
-        return min(chosen, key=lambda r: chosen[r].timestamp) if chosen else None
+    """(rank, exit code) of the failure to blame: among the failures of the first second (torchrun stamps
+    them in whole seconds, and also lists the ranks it stopped itself, later), one that failed of its own
+    (an exit code), else one a signal ended, a rank that only lost contact with a failed peer last."""
+    first = min(failure.timestamp for failure in failures.values())
 
-    rank = first(lambda code: code > 0 and code != peer_lost)
-    rank = first(lambda code: code != peer_lost) if rank is None else rank
-    rank = first(lambda code: True) if rank is None else rank
+    def rank_of(failure) -> tuple[int, int]:
+        code = failure.exitcode
+        return (0 if code > 0 and code != peer_lost else 1 if code < 0 else 2), failure.timestamp
+
+    early = {rank: failure for rank, failure in failures.items() if failure.timestamp <= first + 1}
+    rank = min(early, key=lambda r: (*rank_of(early[r]), r))
     return rank, failures[rank].exitcode
 
 

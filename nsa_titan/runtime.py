@@ -49,7 +49,7 @@ def launch_world() -> tuple[int, int, int]:
 def check_launched(world_size: int) -> None:
     """A training process of several was started by a launcher, which sets more than WORLD_SIZE (which
     --print-config and doctor read alone, as the size of a launch to check a recipe for)."""
-    missing = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if world_size > 1 and missing:  # a WORLD_SIZE left in the shell
         raise UserError(f"WORLD_SIZE = {world_size} is set in the environment but {', '.join(missing)} "
                         f"{'is' if len(missing) == 1 else 'are'} not, so no launcher started this process. Fix: "

@@ -190,7 +190,7 @@ class Trainer:
         self._begun = False
         self.metrics: MetricsLog | None = None
         self.tensorboard: TensorBoardLog | None = None
-        self.stop = GracefulStop(dump, saves=recipe.checkpoint.enable)
+        self.stop = GracefulStop(dump, saves=recipe.checkpoint.enable, world_size=runtime.world_size)
         self._stop_agreed = False
         if self._draw_attention:
             _require_matplotlib()
@@ -266,9 +266,7 @@ class Trainer:
         ckpt = self.recipe.checkpoint
         if self.checkpointer is None:
             return
-        # A run from an older step is a branch: its checkpoints name the step and the recipe, so the same
-        # command run again (a requeued job) resumes the branch instead of starting it over.
-        branch = {"from_step": ckpt.load_step, "recipe": self.resolved.hash} if ckpt.load_step >= 0 else None
+        branch = self._branch()
         step = self.checkpointer.agree_resume_step(ckpt.load_step, branch) if ckpt.enable else None
         if step is not None:
             # Refused before anything loads; the changes allowed are named by the recipe-change note below.
@@ -301,13 +299,27 @@ class Trainer:
             self._say(f"initial weights from {ckpt.initial_load_path}")
             self._say_weight_source_changes(changes)
 
+    def _branch(self) -> dict | None:
+        """A run from an older step is a branch: its checkpoints name the step and the recipe, so the same
+        command run again (a requeued job) resumes the branch instead of starting it over."""
+        load_step = self.recipe.checkpoint.load_step
+        return {"from_step": load_step, "recipe": self.resolved.hash} if load_step >= 0 else None
+
     def _way_on(self) -> str:
-        """What a rerun of the same command starts from, for a run that stops on a fault."""
-        saved = complete_steps(self.checkpointer.folder) if self.checkpointer is not None else []
-        if saved:
-            return f"the same command then resumes from {self.checkpointer.step_dir(saved[-1])}"
-        why = "checkpoint.enable is false" if self.checkpointer is None else "no checkpoint was saved yet"
-        return f"{why}, so the same command starts the run over"
+        """What a rerun of the same command starts from, for a run that stops on a fault: the step its
+        resume would pick (checkpoint.load_step and branches included), found without a word said."""
+        if not self.recipe.checkpoint.enable:
+            return "checkpoint.enable is false, so the same command starts the run over"
+        say, self.checkpointer.say = self.checkpointer.say, lambda _: None
+        try:
+            step = self.checkpointer.find_resume_step(self.recipe.checkpoint.load_step, self._branch())
+        except UserError:
+            step = None
+        finally:
+            self.checkpointer.say = say
+        if step is None:
+            return "no checkpoint was saved yet, so the same command starts the run over"
+        return f"the same command then resumes from {self.checkpointer.step_dir(step)}"
 
     def _weight_source_changes(self, path: str, resumed: bool = False) -> list[str]:
         """The model fields in which this run differs from the one that wrote the step folder at `path`

@@ -29,11 +29,28 @@ def free_fields(args_cls: type, prefix: str = "model") -> set[str]:
     return free
 
 
+def field_defaults(args_cls: type, prefix: str = "model") -> dict[str, Any]:
+    """Dotted paths of the fields with a default, and the default (a nested table's fields under it)."""
+    defaults: dict[str, Any] = {}
+    hints = resolved_types(args_cls)
+    for fld in dataclasses.fields(args_cls):
+        path = f"{prefix}.{fld.name}"
+        if is_dataclass_type(hints[fld.name]):
+            defaults.update(field_defaults(hints[fld.name], path))
+        elif fld.default is not dataclasses.MISSING:
+            defaults[path] = fld.default
+        elif fld.default_factory is not dataclasses.MISSING:
+            defaults[path] = fld.default_factory()
+    return defaults
+
+
 def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: type | None, path: str,
                         where: str, resumed: bool = False) -> list[str]:
     """'model.FIELD: theirs -> ours' for every model field that differs (flat dotted dicts); UserError
     when one not marked keeps_weights does. where: the file that holds the weights' own fields;
     resumed: the weights are the checkpoint this run resumes (else checkpoint.initial_load_path's)."""
+    if args_cls is not None:  # a field the weights' recipe predates had its default there
+        theirs = {**field_defaults(args_cls), **theirs}
     differ = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
     free = free_fields(args_cls) if args_cls is not None else set()
     blocked = [key for key in differ if key not in free]
@@ -43,8 +60,7 @@ def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: 
         allowed = f" ({', '.join(sorted(free))} may differ)" if free else ""
         if resumed:
             lead = f"the checkpoint this run resumes, {path!r}, was trained with other model fields"
-            other = ("or train the changed model in another job.dump_folder (with checkpoint.initial_load_path = "
-                     "that step folder where only those fields change)")
+            other = "or train the changed model from its start in another job.dump_folder"
         else:
             lead = f"checkpoint.initial_load_path = {path!r} holds weights trained with other model fields"
             other = "or start from weights of this model"

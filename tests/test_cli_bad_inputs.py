@@ -102,7 +102,7 @@ def test_a_world_size_left_in_the_shell_is_named(capsys, monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     refused(capsys, ["train", DEBUG, "--training.steps=1", f"--job.dump_folder={tmp_path}"],
-            "WORLD_SIZE = 2 is set in the environment but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not",
+            "WORLD_SIZE = 2 is set in the environment but RANK, MASTER_ADDR, MASTER_PORT are not",
             "Fix: unset WORLD_SIZE")
     assert cli.main(["train", DEBUG, "--print-config"]) == 0
 

@@ -400,7 +400,8 @@ def test_a_damaged_local_file_fails_at_once(tmp_path, monkeypatch):
     pauses = []
     monkeypatch.setattr("components.data.sources.huggingface.time.sleep", pauses.append)
     with pytest.raises(UserError, match=r"reading the data files failed \(.*\), so one of them .*\*\.parquet.* is "
-                                        r"damaged or unreadable. Fix: replace or remove that file") as raised:
+                                        r"damaged, unreadable, or not of builder 'parquet'.s format.*Fix: replace or "
+                                        r"remove that file") as raised:
         list(source.documents(0, 1, "train", 0, 0, None))
     assert pauses == [] and "network" not in str(raised.value)
 

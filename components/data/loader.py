@@ -22,6 +22,7 @@ state_dict() and load it) and take a fixed number of batches.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import torch
@@ -60,10 +61,10 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
         return _PlainErrors(super().__iter__(), self.dataset)
 
 
-# torch re-raises an exception from a worker process as the same type built from this header and the
-# worker's whole traceback; the message a UserError carries is the traceback's last entry.
-_WORKER_HEADER = "Caught UserError in DataLoader worker process"
-_WORKER_ERROR_LINE = "UserError: "
+# torch re-raises an exception from a worker process as the same type, built from "Caught TYPE in
+# DataLoader worker process N" and the worker's whole traceback, whose last entry starts with the
+# type's qualified name and holds the message the user should see.
+_WORKER_HEADER = "Caught {} in DataLoader worker process"
 
 
 class _PlainErrors:
@@ -91,10 +92,17 @@ class _PlainErrors:
                 + (", or lower data.min_document_tokens" if data.min_document_tokens else "") + "."
             ) from None
         except UserError as exc:
+            kind = type(exc)
             text = str(exc)
-            if not text.startswith(_WORKER_HEADER) or _WORKER_ERROR_LINE not in text:
+            last = [m for m in re.finditer(rf"^{re.escape(f'{kind.__module__}.{kind.__qualname__}')}: ", text, re.M)]
+            if not text.startswith(_WORKER_HEADER.format(kind.__name__)) or not last:
                 raise
-            raise UserError(text.rsplit(_WORKER_ERROR_LINE, 1)[1].strip()) from None
+            message = text[last[-1].end():].strip()
+            try:
+                plain = kind(message)  # the same kind of error (a subclass the caller may catch), if it builds so
+            except Exception:
+                plain = UserError(message)
+            raise plain from None
 
 
 def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, add_bos: bool,

@@ -65,15 +65,19 @@ def barrier() -> None:
         dist.barrier()
 
 
-# What a collective raises on a rank whose peer has exited (gloo's sockets close; an NCCL communicator is
-# aborted): the symptom of another rank's failure, which that rank reports itself.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted")
+# What a collective raises on a rank whose peer has exited (gloo's sockets close; NCCL reports the remote
+# process gone or its communicator aborted): the symptom of another rank's failure, which that rank
+# reports itself. A backend's name must come with it: a download's "Connection reset by peer" is not this.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
+              "remote process exiting", "ncclRemoteError")
+_BACKENDS = ("gloo", "NCCL", "nccl", "ProcessGroup")
 # The exit code of a rank that stopped only because it lost a peer: the launcher looks past it for the cause.
 PEER_LOST_EXIT_CODE = 5  # beside 2 (bad input), 3 (NaN stop), 4 (out of memory), 124 (hang)
 
 
 def lost_a_peer(exc: BaseException) -> str | None:
-    """What in `exc` says a peer rank is gone ('Connection reset by peer', ...), or None."""
-    if isinstance(exc, dist.DistNetworkError):
-        return type(exc).__name__
-    return next((text for text in _PEER_GONE if text in str(exc)), None)
+    """What in `exc` (a collective's error) says a peer rank is gone ('Connection reset by peer', ...), or None."""
+    text = str(exc)
+    if not (isinstance(exc, dist.DistError) or any(name in text for name in _BACKENDS)):
+        return None
+    return next((marker for marker in _PEER_GONE if marker in text), None)

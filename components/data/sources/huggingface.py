@@ -194,9 +194,10 @@ class HuggingFaceSource:
             if self._reads_local_files():  # no network to wait for: another attempt reads the same bytes
                 raise UserError(
                     f"{self._what()}: reading the data files failed ({type(e).__name__}: {e}), so one of them "
-                    f"(data_files = {list(self.args.data_files)}) is damaged or unreadable. Fix: replace or remove "
-                    "that file (pyarrow.parquet.read_table(path) names a damaged parquet file), then run again: "
-                    "training resumes from the last checkpoint"
+                    f"(data_files = {list(self.args.data_files)}) is damaged, unreadable, or not of builder "
+                    f"{self.args.path!r}'s format (or not the others' columns). Fix: replace or remove that file "
+                    "(pyarrow.parquet.read_table(path) names a damaged parquet file), then run again: training "
+                    "resumes from the last checkpoint"
                 ) from e
             raise _ReadFailed(f"{type(e).__name__}: {e}") from e
 
