@@ -132,13 +132,13 @@ def recipe_differences(text: str | None, resolved, limit: int = 12) -> list[str]
     return changes[:limit] + ([f"and {len(changes) - limit} more"] if len(changes) > limit else [])
 
 
-def model_fields_of_step_folder(step_dir: str) -> tuple[str, dict[str, Any]] | None:
+def model_fields_of_step_folder(step_dir: str, run: str | None = None) -> tuple[str, dict[str, Any]] | None:
     """(where it was found, its [model] fields) of the recipe that wrote a checkpoint step folder, or None
     where it cannot be found (a moved folder, a checkpoint.folder elsewhere) or read. The run folder (which
     holds the checkpoint folder) keeps its latest recipe in recipe.toml and earlier ones as
     recipe.<hash>.toml; the step's train_state.json names the one that wrote it (a step saved before it
-    did: recipe.toml)."""
-    run = os.path.dirname(os.path.dirname(step_dir.rstrip(os.sep)))
+    did: recipe.toml). run: the run folder, when known (else the folder above the step's checkpoint folder)."""
+    run = run or os.path.dirname(os.path.dirname(step_dir.rstrip(os.sep)))
     try:
         with open(os.path.join(step_dir, "train_state.json"), encoding="utf-8") as fh:
             wanted = json.load(fh).get("recipe_hash")

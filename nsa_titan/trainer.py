@@ -323,8 +323,10 @@ class Trainer:
 
     def _weight_source_changes(self, path: str, resumed: bool = False) -> list[str]:
         """The model fields in which this run differs from the one that wrote the step folder at `path`
-        (its recipe.toml, when beside it); UserError for one that would change the weights' meaning."""
-        source = model_fields_of_step_folder(weights_step_dir(path))
+        (its recipe.toml, when beside it; a resumed step's, in this run's folder); UserError for one that
+        would change the weights' meaning."""
+        run = self.recipe.job.dump_folder if resumed else None
+        source = model_fields_of_step_folder(weights_step_dir(path), run)
         if source is None:
             return []
         where, theirs = source

@@ -197,6 +197,17 @@ def test_resume_into_another_model_is_refused_by_field(tmp_path, capsys, three_c
     assert code == 0 and "resumed from" in out and "model.nsa.window_size: 16 -> 8" in out, out
 
 
+def test_a_nested_checkpoint_folder_is_judged_by_its_runs_recipe_too(tmp_path, capsys):
+    folder = tmp_path / "run"
+    nested = ["--checkpoint.folder=ckpt/nested", "--checkpoint.interval=1"]
+    assert cli.main(["train", *BASE, *nested, "--training.steps=1", f"--job.dump_folder={folder}"]) == 0
+    capsys.readouterr()
+    code = cli.main(["train", *BASE, *nested, "--training.steps=2", "--model.norm_eps=0.001",
+                     f"--job.dump_folder={folder}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.norm_eps = 1e-05 there, 0.001 here" in err, err
+
+
 def test_resume_into_another_model_names_the_first_mismatches(tmp_path, capsys, three_checkpoints):
     """Where no recipe tells the fields the step was trained with, the tensors' shapes still judge it."""
     folder = tmp_path / "run"
