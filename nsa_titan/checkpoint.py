@@ -399,10 +399,9 @@ class Checkpointer:
                 state.dataloader = reshard_data(saved)
         except DataStreamMismatch as exc:  # the loader says what differs; the engine knows the ways on
             if restart_data is None:
-                raise UserError(f"{exc}\nTo train on the new data from its beginning, resuming the model, optimizer "
-                                f"and step: --checkpoint.data_mismatch=restart. With this checkpoint's weights "
-                                f"only: train in a new --job.dump_folder with --checkpoint.initial_load_path={path}"
-                                ) from None
+                raise UserError(f"{exc} (--checkpoint.data_mismatch=restart, resuming the model, optimizer and "
+                                f"step), or take this checkpoint's weights only into a new --job.dump_folder with "
+                                f"--checkpoint.initial_load_path={path}") from None
             state.dataloader = restart_data()
         if self.rank < old_world:
             _set_rng_state(self._read_rank_file(step, self.rank)["rng"])

@@ -255,7 +255,8 @@ def test_other_logical_shards_are_another_data_stream(run, capsys):
     def train_with(*extra):
         return cli.main(["train", *shards, "--training.steps=6", f"--job.dump_folder={run}", *extra])
 
-    err = refused(capsys, train_with(), "another data stream", "--checkpoint.data_mismatch=restart")
+    err = refused(capsys, train_with(), "another data stream", "data.logical_shards 4 there, 8 here",
+                  "--checkpoint.data_mismatch=restart")
     assert "lacks logical shards" not in err
     assert train_with("--checkpoint.data_mismatch=restart") == 0
     assert "the new data starts from its beginning" in capsys.readouterr().out

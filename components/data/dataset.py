@@ -85,10 +85,9 @@ class PackedShardsDataset(IterableDataset):
     def check_stream(self, saved: str) -> None:
         if saved != self.stream_id:
             raise DataStreamMismatch(
-                "the data state was written for another data stream and cannot continue this one:\n"
-                f"  saved:   {saved}\n  current: {self.stream_id}\n"
-                "restore the data settings of that run (source, tokenizer, add_bos, seed, logical_shards, "
-                "split) or start the data from the beginning"
+                f"the data state was written for another data stream and cannot continue this one: "
+                f"{'; '.join(stream_differences(saved, self.stream_id))}. Fix: restore those settings of the run "
+                f"that wrote it, or start the data from its beginning"
             )
 
     def _my_shards(self) -> list[int]:
@@ -171,3 +170,28 @@ def row_document_starts(starts, seq_len: int) -> torch.Tensor:
     mask[0] = True
     mask[torch.from_numpy(starts[starts < seq_len])] = True
     return mask
+
+
+# The recipe fields behind the parts of a stream id (loader.stream_id) after the source's fingerprint.
+_STREAM_FIELDS = {"tokenizer": "data.tokenizer (name:vocabulary size)", "add_bos": "data.add_bos", "seed": "job.seed",
+                  "logical_shards": "data.logical_shards", "split": "the split",
+                  "min_document_tokens": "data.min_document_tokens"}
+
+
+def stream_differences(saved: str, current: str) -> list[str]:
+    """What differs between two stream ids, by recipe field: 'job.seed 0 there, 7 here'."""
+    def parts(stream: str) -> dict[str, str]:
+        source, *rest = stream.split("|")
+        named = dict(part.split("=", 1) for part in rest if "=" in part)
+        return {"source": source, "min_document_tokens": "0", **named}
+
+    theirs, ours = parts(saved), parts(current)
+    found = []
+    for key in ["source", *_STREAM_FIELDS]:
+        if theirs.get(key) != ours.get(key):
+            if key == "source":
+                found.append(f"the data source (data.source, its [data.<source>] settings or its files' contents): "
+                             f"{theirs.get(key)} there, {ours.get(key)} here")
+            else:
+                found.append(f"{_STREAM_FIELDS[key]} {theirs.get(key)} there, {ours.get(key)} here")
+    return found or [f"{saved} there, {current} here"]
