@@ -51,8 +51,6 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     from nsa_titan.doctor import checks
     from nsa_titan.runtime import make_runtime
 
-    results = _Reported()
-    results.append(_guarded("versions", checks.check_versions))
     try:
         resolved = resolve(argv, world_size=world_size)
     except RecipeError as exc:
@@ -62,6 +60,8 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
             raise UserError("no recipe given. Fix: name one, e.g. `nsa-titan doctor recipes/debug.toml`.")
         recipe_check = Check("recipe", OK, f"{resolved.path} validates for {world_size} process(es) "
                                            f"(hash {resolved.hash})")
+    results = _Reported()
+    results.append(_guarded("versions", checks.check_versions))
     recipe = resolved.recipe if resolved else None
     devices = _guarded("devices", lambda: checks.check_devices(recipe.training.device if recipe else None, world_size))
     results += [devices, recipe_check]
