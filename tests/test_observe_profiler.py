@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +81,21 @@ def test_the_window_is_recorded_whole(tmp_path, start, steps, run, recorded):
     if start > run[0]:
         assert actions[start - 1] == ProfilerAction.WARMUP
     assert all(actions[s] in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE) for s in range(start, last + 1))
+
+
+def test_a_second_profile_of_the_same_steps_keeps_the_first(tmp_path):
+    """A resumed run profiles the same global steps again: the earlier files are kept, renamed with their time."""
+    for _ in range(2):
+        profiler = StepProfiler(_config(start_step=1, steps=1), str(tmp_path), 0, torch.device("cpu"), print)
+        profiler.before_step(1)
+        _work()
+        profiler.after_step(1)
+        profiler.close()
+    names = sorted(os.listdir(tmp_path / "profile"))
+    assert len(names) == 4 and {"trace_rank0.json.gz", "ops_rank0.txt"} <= set(names), names
+    earlier = [n for n in names if n not in ("trace_rank0.json.gz", "ops_rank0.txt")]
+    assert all(re.fullmatch(r"(trace_rank0\.\d{8}-\d{6}\.json\.gz|ops_rank0\.\d{8}-\d{6}\.txt)", n) for n in earlier)
+    assert _profiled_steps(tmp_path / "profile" / next(n for n in earlier if n.startswith("trace"))) == [1]
 
 
 def test_disabled_profiling_records_nothing(tmp_path):

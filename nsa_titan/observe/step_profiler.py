@@ -6,11 +6,14 @@ steps) are recorded after one warmup step, and every rank writes into job.dump_f
     ops_rank{r}.txt            the ops' summed times, most expensive first
     memory_rank{r}.pickle      with memory_snapshot (CUDA): the allocator's history over the window,
                                for pytorch.org/memory_viz
+A file an earlier run wrote there (a resumed run profiling the same steps) is kept, renamed with its
+time: trace_rank0.20261126-091500.json.gz.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Callable
 
@@ -76,14 +79,26 @@ class StepProfiler:
         profiler.__exit__(None, None, None)
         self._done = True
         if self.config.memory_snapshot:
-            torch.cuda.memory._dump_snapshot(os.path.join(self.folder, f"memory_rank{self.rank}.pickle"))
+            torch.cuda.memory._dump_snapshot(_keep_earlier(os.path.join(self.folder, f"memory_rank{self.rank}.pickle")))
             torch.cuda.memory._record_memory_history(enabled=None)
         steps = f"steps {self._recorded[0]}..{self._recorded[-1]}" if self._recorded else "no step (only warmup)"
         self.say(f"profiling: {steps} written to {self.folder}")
 
     def _write(self, profiler: profile) -> None:
-        profiler.export_chrome_trace(os.path.join(self.folder, f"trace_rank{self.rank}.json.gz"))
+        trace = _keep_earlier(os.path.join(self.folder, f"trace_rank{self.rank}.json.gz"))
+        profiler.export_chrome_trace(trace)
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=sort, row_limit=60)
-        with open(os.path.join(self.folder, f"ops_rank{self.rank}.txt"), "w", encoding="utf-8") as fh:
+        with open(_keep_earlier(os.path.join(self.folder, f"ops_rank{self.rank}.txt")), "w", encoding="utf-8") as fh:
             fh.write(table + "\n")
+
+
+def _keep_earlier(path: str) -> str:
+    """`path`, after moving aside what an earlier run wrote there (a resumed run profiling the same steps
+    again): trace_rank0.json.gz becomes trace_rank0.<its time>.json.gz."""
+    if os.path.exists(path):
+        folder, name = os.path.split(path)
+        stem, rest = name.split(".", 1)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
+        os.replace(path, os.path.join(folder, f"{stem}.{stamp}.{rest}"))
+    return path
