@@ -165,7 +165,7 @@ def sample(argv: list[str]) -> int:
     from components.data import document_prefix_id
     from components.models import generate
     from nsa_titan import assemble
-    from nsa_titan.config.resolve import resolve_text
+    from nsa_titan.config.resolve import read_saved_recipe
     from nsa_titan.export import load_exported
 
     prompt = take_option(argv, "--prompt", "")
@@ -197,7 +197,7 @@ def sample(argv: list[str]) -> int:
         return _fail("error: sample takes one exported model file. Fix: `nsa-titan sample outputs/debug/model.pt "
                      "--prompt 'def '`.")
     model, meta = load_exported(argv[0])
-    recipe = resolve_text(meta["recipe_toml"]).recipe
+    recipe = read_saved_recipe(meta["recipe_toml"], argv[0])
     tokenizer = assemble.build_tokenizer(recipe)
     # A document as training saw it: BOS first when data.add_bos is set, else it follows the previous
     # document's end of text (so an empty prompt starts there, not at a BOS the model never saw).

@@ -44,18 +44,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cause(failures: dict, peer_lost: int) -> tuple[int, int]:
-    """(rank, exit code) of the failure to blame: among the failures of the first second (torchrun stamps
-    them in whole seconds, and also lists the ranks it stopped itself, later), one that failed of its own
-    (an exit code), else one a signal ended, a rank that only lost contact with a failed peer last."""
+    """(rank, exit code) of the failure to blame, among those of the first second (torchrun stamps them in
+    whole seconds, and also lists the ranks it stopped itself): one that failed of its own (an exit code),
+    else one a signal ended (the out-of-memory killer's SIGKILL, an abort), else a rank that lost contact with
+    a failed peer, and last a SIGTERM, which torchrun sends the ranks it ends after a failure. Ties go to
+    the failure torchrun saw first."""
     first = min(failure.timestamp for failure in failures.values())
 
-    def rank_of(failure) -> tuple[int, int]:
+    def blame(item) -> tuple[int, int, int]:
+        order, (rank, failure) = item
         code = failure.exitcode
-        return (0 if code > 0 and code != peer_lost else 1 if code < 0 else 2), failure.timestamp
+        kind = (0 if code > 0 and code != peer_lost else 1 if code < 0 and -code != signal.SIGTERM
+                else 2 if code == peer_lost else 3)
+        return kind, failure.timestamp, order
 
-    early = {rank: failure for rank, failure in failures.items() if failure.timestamp <= first + 1}
-    rank = min(early, key=lambda r: (*rank_of(early[r]), r))
-    return rank, failures[rank].exitcode
+    early = [(order, (rank, failure)) for order, (rank, failure) in enumerate(failures.items())
+             if failure.timestamp <= first + 1]
+    _, (rank, failure) = min(early, key=blame)
+    return rank, failure.exitcode
 
 
 def _signal_name(number: int) -> str:

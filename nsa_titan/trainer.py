@@ -313,8 +313,8 @@ class Trainer:
         say, self.checkpointer.say = self.checkpointer.say, lambda _: None
         try:
             step = self.checkpointer.find_resume_step(self.recipe.checkpoint.load_step, self._branch())
-        except UserError:
-            step = None
+        except UserError as exc:
+            return f"the same command would not resume: {exc}"
         finally:
             self.checkpointer.say = say
         if step is None:

@@ -41,7 +41,8 @@ def field_defaults(args_cls: type, prefix: str = "model") -> dict[str, Any]:
             defaults[path] = fld.default
         elif fld.default_factory is not dataclasses.MISSING:
             defaults[path] = fld.default_factory()
-    return defaults
+    # As a rendered recipe holds them (render.recipe_to_table writes sequences as lists).
+    return {path: list(value) if isinstance(value, (list, tuple)) else value for path, value in defaults.items()}
 
 
 def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: type | None, path: str,

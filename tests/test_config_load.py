@@ -10,7 +10,7 @@ import pytest
 
 from nsa_titan import cli, registry
 from nsa_titan.config import resolve
-from nsa_titan.config.resolve import resolve_text
+from nsa_titan.config.resolve import read_saved_recipe, resolve_text
 from nsa_titan.config.errors import RecipeError
 from nsa_titan.config.help import help_text
 from nsa_titan.config.toml_io import dumps, tomllib
@@ -90,7 +90,7 @@ def test_dense_attention_from_the_command_line_overrides_the_recipes_nsa_setting
     assert resolve_text(resolved.toml).recipe == resolved.recipe and resolve_text(resolved.toml).notes == ()
 
 
-def test_a_saved_recipe_that_a_newer_rule_refuses_still_reads(tmp_path):
+def test_a_saved_recipe_that_a_newer_rule_refuses_still_reads(tmp_path, capsys):
     """An export's or a run's recipe was valid when written: sample, eval and plot must still read it when a
     later version refuses one of its settings (a TensorBoard folder outside the run, say); its fields and
     types must still read."""
@@ -103,6 +103,10 @@ def test_a_saved_recipe_that_a_newer_rule_refuses_still_reads(tmp_path):
     assert [n for n in saved.notes if "no longer passes a check" in n and "metrics.save_tb_folder" in n]
     with pytest.raises(RecipeError, match="training.steps"):
         resolve_text(text.replace("steps = 500", 'steps = "many"'))
+    # Sample, eval and plot read it through read_saved_recipe, which says so.
+    capsys.readouterr()
+    assert read_saved_recipe(text, "model.pt").metrics.save_tb_folder == "/shared/tb"
+    assert "note: model.pt: the saved recipe no longer passes a check: " in capsys.readouterr().err
 
 
 def test_a_parts_table_in_the_same_layer_as_another_choice_is_an_error(tmp_path):

@@ -274,6 +274,9 @@ def test_the_recipe_takes_named_source_tables_and_prints_them_back(tmp_path):
     (MIXED, ["--data.source=synthetic", "--data.mixture.sources.noise.weight=2"],
      ["flag '--data.mixture.sources.noise.weight=2'", "remove that flag", "data.source = 'synthetic'"]),
     (MIXED + "[data.mixture.sources]\nweb = 3\n", [], ["data.mixture.sources.web = 3", "must be a table"]),
+    (MIXED, ["--data.mixture.sources.web.weight=1", "--data.mixture.sources.web.source=huggingface",
+             "--data.mixture.sources.web.validation_split=test", "--data.mixture.sources.web.validation_fraction=0.01"],
+     ["data.mixture.sources.web.validation_fraction = 0.01", "is not used: validation_split = 'test'"]),
 ])
 def test_a_wrong_mixture_is_a_recipe_error(tmp_path, capsys, text, flags, expected):
     code = cli.main(["train", write_recipe(tmp_path, text), *flags])

@@ -82,7 +82,8 @@ def test_a_word_that_is_neither_a_command_nor_a_recipe_lists_the_commands():
     (["recipes/debug_dense.toml", "--training.steps=5"], "debug_dense"),
     (["{tmp}/my_recipe", "--training.steps=5"], "my_recipe"),  # a recipe file named otherwise
     (["--training.steps", "5"], "debug"),  # no recipe: the debug one
-], ids=["flag first", "flag and value first", "recipe first", "no .toml suffix", "no recipe"])
+    (["--job.description", "{tmp}/my_recipe", "--training.steps=5"], "debug"),  # a flag's value that is a file
+], ids=["flag first", "flag and value first", "recipe first", "no .toml suffix", "no recipe", "a file as a value"])
 def test_the_debug_recipe_is_the_default_only_without_a_recipe(argv, name, tmp_path):
     (tmp_path / "my_recipe").write_text(f'extends = ["{REPO_ROOT}/recipes/debug_dense.toml"]\n[job]\n'
                                         f'name = "my_recipe"\n')

@@ -181,8 +181,8 @@ _STREAM_FIELDS = {"tokenizer": "data.tokenizer (name:vocabulary size)", "add_bos
 def stream_differences(saved: str, current: str) -> list[str]:
     """What differs between two stream ids, by recipe field: 'job.seed 0 there, 7 here'."""
     def parts(stream: str) -> dict[str, str]:
-        source, *rest = stream.split("|")
-        named = dict(part.split("=", 1) for part in rest if "=" in part)
+        source, _, rest = stream.rpartition("|tokenizer=")  # the source's fingerprint may hold '|' itself
+        named = dict(part.split("=", 1) for part in f"tokenizer={rest}".split("|") if "=" in part)
         return {"source": source, "min_document_tokens": "0", **named}
 
     theirs, ours = parts(saved), parts(current)

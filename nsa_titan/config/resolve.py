@@ -81,6 +81,15 @@ def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
     return _finish(table, origin, problems, world_size, None, CommandLine(None, [], set()), saved=True)
 
 
+def read_saved_recipe(text: str, where: str):
+    """The Recipe of a recipe saved in `where` (an export), its notes (a rule added since it was written
+    that it no longer passes) said on stderr."""
+    resolved = resolve_text(text)
+    for note in resolved.notes:
+        print(f"note: {where}: {note}", file=sys.stderr)
+    return resolved.recipe
+
+
 def import_plugins_of_command_line(argv: list[str]) -> list[Problem]:
     """Import the job.plugins a command line's recipe and flags name, nothing else checked (for --help,
     which then lists the plugins' parts too); the plugins that could not be imported, as problems."""

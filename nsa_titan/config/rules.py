@@ -198,12 +198,23 @@ def _check_unused_data_fields(recipe: Recipe, add, source_of) -> None:
         add(f"data.{data.tokenizer}.bos_token", tokenizer.bos_token,
             "only names the token data.add_bos puts before each document, and data.add_bos is false",
             "remove it, or set data.add_bos = true")
-    if (_has_field(source, "validation_split") and _has_field(source, "validation_fraction")
-            and source.validation_split
-            and _part_arg_set(source, f"data.{data.source}", "validation_fraction", source_of)):
-        add(f"data.{data.source}.validation_fraction", source.validation_fraction,
-            f"is not used: validation_split = {source.validation_split!r} names the documents to validate on",
-            "remove validation_fraction, or set validation_split = '' to hold out that fraction of `split`")
+    for path, args in _source_args(f"data.{data.source}", source):
+        if (_has_field(args, "validation_split") and _has_field(args, "validation_fraction")
+                and args.validation_split and _part_arg_set(args, path, "validation_fraction", source_of)):
+            add(f"{path}.validation_fraction", args.validation_fraction,
+                f"is not used: validation_split = {args.validation_split!r} names the documents to validate on",
+                "remove validation_fraction, or set validation_split = '' to hold out that fraction of `split`")
+
+
+def _source_args(path: str, args):
+    """(recipe path, arguments) of a data source and, in a mixture, of every source it mixes (inline in
+    [data.mixture.sources.NAME]), at any depth."""
+    yield path, args
+    entries = getattr(args, "sources", None)
+    if isinstance(entries, dict):
+        for name, entry in entries.items():
+            if hasattr(entry, "args"):
+                yield from _source_args(f"{path}.sources.{name}", entry.args)
 
 
 def _has_field(args, name: str) -> bool:

@@ -50,7 +50,7 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
 
 def _load(argv: list[str]):
     """(model, tokenizer, recipe, what was loaded) from a recipe's checkpoint or an exported file."""
-    from nsa_titan.config.resolve import resolve_text
+    from nsa_titan.config.resolve import read_saved_recipe
     from nsa_titan.export import load_checkpoint_model, load_exported
     from nsa_titan.run_folder import recipe_change_note
 
@@ -65,7 +65,7 @@ def _load(argv: list[str]):
     if len(argv) != 1:
         raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
     model, meta = load_exported(argv[0])
-    recipe = resolve_text(meta["recipe_toml"]).recipe
+    recipe = read_saved_recipe(meta["recipe_toml"], argv[0])
     return model, assemble.build_tokenizer(recipe), recipe, f"{argv[0]} (step {meta['step']})"
 
 

@@ -136,14 +136,14 @@ def lm_class():
 
 def _load(path: str | None):
     from nsa_titan import assemble
-    from nsa_titan.config.resolve import resolve_text
+    from nsa_titan.config.resolve import read_saved_recipe
     from nsa_titan.export import load_exported
 
     if not path:
         raise UserError("the nsa_titan harness model needs pretrained=PATH (an exported .pt file or a --format hf "
                         "folder). Fix: model_args='pretrained=outputs/debug/model.pt'.")
     model, meta = load_exported(path)
-    recipe = resolve_text(meta["recipe_toml"]).recipe
+    recipe = read_saved_recipe(meta["recipe_toml"], path)
     return model, assemble.build_tokenizer(recipe), recipe.data.add_bos
 
 

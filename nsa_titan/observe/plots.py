@@ -219,9 +219,9 @@ def plot_exported(path: str, text: str, layer: int, out_dir: str,
                   overwrite: bool = False) -> tuple[dict[str, str], str]:
     """plot_model on an exported model file."""
     from nsa_titan import assemble
-    from nsa_titan.config.resolve import resolve_text
+    from nsa_titan.config.resolve import read_saved_recipe
     from nsa_titan.export import load_exported
 
     model, meta = load_exported(path)
-    recipe = resolve_text(meta["recipe_toml"]).recipe
+    recipe = read_saved_recipe(meta["recipe_toml"], path)
     return plot_model(model, recipe.model, assemble.build_tokenizer(recipe), text, layer, out_dir, overwrite)

@@ -100,5 +100,9 @@ def _keep_earlier(path: str) -> str:
         folder, name = os.path.split(path)
         stem, rest = name.split(".", 1)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
-        os.replace(path, os.path.join(folder, f"{stem}.{stamp}.{rest}"))
+        kept, count = os.path.join(folder, f"{stem}.{stamp}.{rest}"), 1
+        while os.path.exists(kept):  # profiles within one second
+            count += 1
+            kept = os.path.join(folder, f"{stem}.{stamp}-{count}.{rest}")
+        os.replace(path, kept)
     return path
