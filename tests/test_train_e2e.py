@@ -278,14 +278,17 @@ def test_folders_that_cannot_be_written_stop_the_run_before_it_trains(tmp_path, 
     assert cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={a_file / 'run'}"]) == 2
     assert "cannot create job.dump_folder" in capsys.readouterr().err
     run = tmp_path / "run"
+    run.mkdir()
+    (run / "a_file").write_text("not a folder")  # the run's own folders go inside job.dump_folder
     for field, switch in (("checkpoint.folder", "checkpoint.enable"), ("metrics.save_tb_folder",
                                                                        "metrics.enable_tensorboard"),
                           ("profiling.folder", "profiling.enable")):
         code = cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={run}", f"--{switch}=true",
-                         f"--{field}={a_file / 'out'}"])
+                         f"--{field}=a_file/out"])
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
-        assert f"cannot create the folder {str(a_file / 'out')!r} ({field} = " in err and f"--{field}=NAME" in err
+        assert f"cannot create the folder {str(run / 'a_file' / 'out')!r} ({field} = " in err, err
+        assert f"--{field}=NAME" in err
         assert not (run / "metrics.jsonl").exists()  # nothing trained: no step to lose
 
 
