@@ -29,6 +29,9 @@ engine calls them and knows nothing else about the model's insides. All are opti
                                               then gets only this rank's tokens of every row
     device_problem(args, device) -> str | None   why the model cannot run on this device, with the fix
                                               (asked at start-up, before anything is built); None if it can
+    args_for_device(args, device) -> (args, note or None)   arguments of the same model (its weights mean
+                                              the same) that run on this device, e.g. another attention
+                                              backend, for commands that read a trained model on the CPU
     compiled(model, backend) -> None          the engine compiled the plan's blocks with this torch.compile
                                               backend: the model may pick kernels that pay off only when
                                               fused (the transformer's dense attention: FlexAttention under

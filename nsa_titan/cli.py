@@ -167,6 +167,7 @@ def sample(argv: list[str]) -> int:
     from nsa_titan import assemble
     from nsa_titan.config.resolve import read_saved_recipe
     from nsa_titan.export import load_exported
+    from nsa_titan.rebuild import say_on_stderr
 
     prompt = take_option(argv, "--prompt", "")
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
@@ -196,7 +197,7 @@ def sample(argv: list[str]) -> int:
     if len(argv) != 1:
         return _fail("error: sample takes one exported model file. Fix: `nsa-titan sample outputs/debug/model.pt "
                      "--prompt 'def '`.")
-    model, meta = load_exported(argv[0])
+    model, meta = load_exported(argv[0], say=say_on_stderr)
     recipe = read_saved_recipe(meta["recipe_toml"], argv[0])
     tokenizer = assemble.build_tokenizer(recipe)
     # A document as training saw it: BOS first when data.add_bos is set, else it follows the previous
@@ -253,16 +254,18 @@ def plot(argv: list[str]) -> int:
                          f"convert it to UTF-8, e.g. iconv -t UTF-8.")
     if from_recipe:
         from nsa_titan.export import load_checkpoint_model
+        from nsa_titan.rebuild import say_on_stderr
         from nsa_titan.observe.plots import plot_model
         from nsa_titan.run_folder import recipe_change_note
 
         resolved = resolve(argv, world_size=None)
-        model, tokenizer, step = load_checkpoint_model(resolved)
+        model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr)
         change = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (plot reads the model "
                                               "and tokenizer fields)")
         if change:
             print(change)
-        paths, note = plot_model(model, resolved.recipe.model, tokenizer, text, layer, out, overwrite)
+        paths, note = plot_model(model, resolved.recipe.model, tokenizer, text, layer, out, overwrite,
+                                 resolved.recipe.data.add_bos)
         note += f", checkpoint step {step}"
     else:
         paths, note = plot_exported(argv[0], text, layer, out, overwrite)

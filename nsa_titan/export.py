@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import zipfile
+from typing import Callable
 
 import torch
 from torch import nn
@@ -69,11 +70,13 @@ def export_checkpoint(resolved: ResolvedRecipe, output: str, overwrite: bool = F
     return output, step
 
 
-def load_exported(path: str, device: str | torch.device = "cpu") -> tuple[nn.Module, dict]:
-    """Rebuild an exported model (a .pt file, or a folder of --format hf) on one device; returns (model in
-    eval mode, its metadata: model_name, model_args, vocab_size, step, recipe_toml)."""
+def load_exported(path: str, device: str | torch.device = "cpu",
+                  say: Callable[[str], None] | None = None) -> tuple[nn.Module, dict]:
+    """Rebuild an exported model (a .pt file, or a folder of --format hf) on one device, computing as it can
+    there (`say` gets the note when that differs from training); returns (model in eval mode, its
+    metadata: model_name, model_args, vocab_size, step, recipe_toml)."""
     if os.path.isdir(path):
-        return _load_hf_folder(path, device)
+        return _load_hf_folder(path, device, say)
     if path.endswith(".toml"):
         raise UserError(f"{path!r} is a recipe, not an exported model. Fix: run `nsa-titan export {path} --output "
                         f"FILE` first and give FILE here.")
@@ -91,7 +94,7 @@ def load_exported(path: str, device: str | torch.device = "cpu") -> tuple[nn.Mod
                         f"type). Fix: export the run again with `nsa-titan export RECIPE --output FILE`.")
     import_plugins_of(payload["recipe_toml"])  # a plugin may register the model
     model = rebuild_model(payload["model_name"], payload["model_args"], payload["vocab_size"], payload["state_dict"],
-                          device, path)
+                          device, path, say)
     return model, {k: v for k, v in payload.items() if k != "state_dict"}
 
 
@@ -99,7 +102,7 @@ def load_exported(path: str, device: str | torch.device = "cpu") -> tuple[nn.Mod
 _PAYLOAD = {"model_name": str, "model_args": dict, "vocab_size": int, "state_dict": dict, "recipe_toml": str}
 
 
-def _load_hf_folder(path: str, device) -> tuple[nn.Module, dict]:
+def _load_hf_folder(path: str, device, say=None) -> tuple[nn.Module, dict]:
     from nsa_titan.hf_folder import RECIPE, read_hf_folder
 
     folder = read_hf_folder(path)
@@ -107,6 +110,7 @@ def _load_hf_folder(path: str, device) -> tuple[nn.Module, dict]:
         raise UserError(f"{path!r} has no {RECIPE}, which names the tokenizer and data. Fix: export the run again "
                         f"with `nsa-titan export RECIPE --format hf --output DIR`, or copy the run's recipe there "
                         f"as {RECIPE}.")
-    model = rebuild_model(folder.model_name, folder.model_args, folder.vocab_size, folder.state_dict, device, path)
+    model = rebuild_model(folder.model_name, folder.model_args, folder.vocab_size, folder.state_dict, device, path,
+                          say)
     return model, {"format": "hf", "model_name": folder.model_name, "model_args": folder.model_args,
                    "vocab_size": folder.vocab_size, "step": folder.step, "recipe_toml": folder.recipe_toml}

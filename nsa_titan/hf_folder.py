@@ -107,7 +107,12 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
     }
     try:
         for stage in progress("export")(stages):
-            stages[stage]()
+            try:
+                stages[stage]()
+            except (OSError, RuntimeError) as exc:  # a full disk, a quota (safetensors' writer raises either)
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+                raise UserError(f"cannot write the {stage} of --output {output!r} ({why}); nothing was written. "
+                                f"Fix: free some space, or choose another folder.") from None
         _replace_folder(tmp, target, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
+from typing import Callable
 
 import torch
 from torch import nn
@@ -15,13 +18,32 @@ from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import RecipeError
 
 
-def load_checkpoint_model(resolved: ResolvedRecipe):
-    """The run's newest complete checkpoint (or checkpoint.load_step) as a full model on the CPU.
+def say_on_stderr(text: str) -> None:
+    """Where the commands that read a trained model say their notes (stdout holds their results)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def runnable_args(part, args, device, say: Callable[[str], None] | None = None):
+    """The model's arguments as `device` can run them (the part's args_for_device hook: the same weights
+    computed another way, e.g. another attention backend on the CPU); `say` gets the note."""
+    if part.args_for_device is None:
+        return args
+    runnable, note = part.args_for_device(args, torch.device(device))
+    if note and say is not None:
+        say(f"note: {note}")
+    return runnable
+
+
+def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] | None = None):
+    """The run's newest complete checkpoint (or checkpoint.load_step) as a full model on the CPU, computing as
+    the CPU can (runnable_args; `say` gets the note).
 
     Returns (model in eval mode, tokenizer, step). Needs no process group: DCP reads the shards of
     any layout into the unsharded model.
     """
     recipe = resolved.recipe
+    args = runnable_args(registry.get("model", recipe.model.name), recipe.model.args, "cpu", say)
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, args=args))
     folder = os.path.join(recipe.job.dump_folder, recipe.checkpoint.folder)
     steps = complete_steps(folder)
     step = recipe.checkpoint.load_step if recipe.checkpoint.load_step >= 0 else (steps[-1] if steps else None)
@@ -42,11 +64,12 @@ def load_checkpoint_model(resolved: ResolvedRecipe):
 
 
 def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict: dict, device,
-                  source: str = "the saved weights") -> nn.Module:
+                  source: str = "the saved weights", say: Callable[[str], None] | None = None) -> nn.Module:
     """The model `model_name` with arguments `model_args` (a recipe's [model.args] as a dict) and these
-    weights, in eval mode on `device`. `source` names where they came from in a mismatch's message."""
+    weights, in eval mode on `device`, computing as it can there (runnable_args; `say` gets the note).
+    `source` names where they came from in a mismatch's message."""
     part = registry.get("model", model_name)
-    args = model_arguments(part, model_args)
+    args = runnable_args(part, model_arguments(part, model_args), device, say)
     with torch.device("meta"):
         model = part.build(args, vocab_size)
     model.to_empty(device=device)

@@ -41,6 +41,8 @@ class Part:
     context_shard: Callable[..., Any] | None = None
     compiled: Callable[..., None] | None = None  # (model, backend): the plan's blocks were compiled so
     device_problem: Callable[..., str | None] | None = None  # (args, device) -> why it cannot run there, or None
+    # (args, device) -> (args of the same model that run there, a note when they differ), for readers on the CPU
+    args_for_device: Callable[..., Any] | None = None
 
 
 _PARTS: dict[str, dict[str, Part]] = {kind: {} for kind in KINDS if kind != "attention_backend"}
@@ -63,7 +65,7 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
     it must compute the reference's function (see tests/test_nsa_reference.py for the properties).
     Models may pass the hooks of Part (flops_per_token=, telemetry=, telemetry_applies=, parallel_plan=,
     activation_memory=, self_check=, attention_maps=, describe=, documents=, hf_format=, context_shard=,
-    compiled=, device_problem=); a
+    compiled=, device_problem=, args_for_device=); a
     transformer-shaped model passes **components.models.transformer_hooks().
     """
     if kind not in KINDS:

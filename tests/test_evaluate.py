@@ -157,3 +157,29 @@ def test_eval_bad_options(checkpointed_run, tmp_path, capsys, extra, message):
     extra = [str(tmp_path) if x == "X" else x for x in extra]
     assert cli.main(["eval", *checkpointed_run, *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_triton_trained_model_is_read_on_the_cpu_with_the_reference_backend(monkeypatch):
+    """eval, plot and the harness read a model on the CPU: one trained with the Triton backend (the 125M
+    recipes') computes there with the reference backend, the same function of the same weights, and says
+    so (its forward stopped at 'needs CUDA tensors')."""
+    import dataclasses
+
+    from components.models.args import NSAArgs, TransformerArgs
+    from nsa_titan import registry
+    from nsa_titan.rebuild import rebuild_model
+
+    monkeypatch.setattr("components.nsa.triton.launch.interpreting", lambda: False)  # as on a machine without CUDA
+    args = TransformerArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64,
+                           nsa=NSAArgs(block_size=8, block_stride=4, sel_block_size=8, num_selected=2, window_size=16,
+                                       backend="triton"))
+    trained = registry.get("model", "transformer").build(args, 61)
+    said = []
+    model = rebuild_model("transformer", dataclasses.asdict(args), 61, trained.state_dict(), "cpu", say=said.append)
+    assert said == ["note: model.nsa.backend = 'triton' runs CUDA kernels; on cpu the model computes with the "
+                    "'reference' backend (the same function of the same weights)"]
+    tokens = torch.randint(0, 61, (1, 40))
+    reference = dataclasses.replace(args, nsa=dataclasses.replace(args.nsa, backend="reference"))
+    same = registry.get("model", "transformer").build(reference, 61)
+    same.load_state_dict(trained.state_dict())
+    torch.testing.assert_close(model(tokens), same.eval()(tokens), rtol=0, atol=0)

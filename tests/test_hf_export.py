@@ -481,6 +481,20 @@ def test_replacing_a_folder_never_loses_what_was_there(tmp_path, monkeypatch):
     assert not [n for n in os.listdir(tmp_path) if ".old-" in n]  # the earlier export is back where it was
 
 
+def test_a_full_disk_while_exporting_is_one_message(exported, tmp_path, capsys, monkeypatch):
+    argv, _ = exported
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("components.data.hf_files.write_tokenizer_files", full)
+    assert cli.main(["export", *argv, "--format", "hf", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the tokenizer of --output" in err and "No space left on device" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    assert not [name for name in os.listdir(tmp_path) if name != "out"]  # no half-written folder beside it
+
+
 def test_overwrite_refuses_a_symbolic_link(exported, tmp_path, capsys):
     import shutil
 

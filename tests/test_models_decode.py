@@ -105,6 +105,16 @@ def test_top_k_limits_the_choices():
     assert firsts <= set(allowed.tolist()) and len(firsts) > 1
 
 
+def test_a_tiny_temperature_samples_the_likeliest_token():
+    """A temperature near 0 is nearly greedy: it overflowed the scaled logits to inf (NaN probabilities)."""
+    from components.models.generate import sample_next
+
+    logits = torch.tensor([[1.0, 3.0, -2.0, 3.0 - 1e-3], [0.5, -1.0, 0.2, 0.1]])
+    for temperature in (1e-40, 1e-300, 1e-6):
+        picked = sample_next(logits, temperature=temperature, top_k=None, generator=torch.Generator().manual_seed(0))
+        assert picked.tolist() == [1, 0], temperature
+
+
 def test_generate_rejects_bad_input():
     model = _model("dense", n_layers=1)
     prompt = torch.zeros(1, 3, dtype=torch.long)

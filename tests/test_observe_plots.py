@@ -66,6 +66,23 @@ def test_the_pictures_draw_those_numbers(tmp_path):
     assert matplotlib.image.imread(path).shape[2] in (3, 4)
 
 
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_the_plotted_text_is_a_document_as_the_run_trained_on(monkeypatch, add_bos):
+    """With data.add_bos, training put BOS before each document: the plotted positions and block 0 hold it."""
+    from types import SimpleNamespace
+
+    from components.data import ByteTokenizer
+
+    walked = []
+    monkeypatch.setattr(plots.registry, "get", lambda kind, name: SimpleNamespace(
+        attention_maps=lambda model, tokens: walked.append(tokens[0].tolist()) or {}))
+    monkeypatch.setattr(plots, "render_plots", lambda maps, length, layer, out, overwrite: {})
+    tokenizer = ByteTokenizer()
+    section = SimpleNamespace(name="transformer", args=SimpleNamespace(max_seq_len=64))
+    plots.plot_model(None, section, tokenizer, "hi", 0, "unused", add_bos=add_bos)
+    assert walked == [([tokenizer.bos_id] if add_bos else []) + tokenizer.encode("hi")]
+
+
 def test_without_matplotlib_the_plot_command_says_how_to_install_it(hide_package):
     hide_package("matplotlib")
     with pytest.raises(UserError, match=r"pip install -e '\.\[plots\]' in the nsa_titan checkout"):

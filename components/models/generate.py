@@ -15,7 +15,11 @@ def sample_next(
     """logits [B, V] -> next tokens [B]; argmax when temperature == 0."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # In fp64 (a temperature as small as 1e-300 is 0 in fp32), shifted so the largest is 0 before dividing:
+    # a tiny temperature sends the others to -inf (nearly greedy), where dividing first overflowed to inf
+    # and the softmax gave NaN.
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

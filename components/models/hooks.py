@@ -38,6 +38,7 @@ pair (per_row_pair), counted for rows of several documents.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -110,6 +111,16 @@ def device_problem(args: TransformerArgs, device: torch.device) -> str | None:
     return None
 
 
+def args_for_device(args: TransformerArgs, device: torch.device) -> tuple[TransformerArgs, str | None]:
+    """Arguments of the same model that run on `device` (the weights mean the same), and a note when they
+    differ: a model trained with the Triton backend is read on the CPU with the reference one."""
+    if not _triton_without_cuda(args, device):
+        return args, None
+    return (dataclasses.replace(args, nsa=dataclasses.replace(args.nsa, backend="reference")),
+            f"model.nsa.backend = 'triton' runs CUDA kernels; on {device.type} the model computes with the "
+            f"'reference' backend (the same function of the same weights)")
+
+
 def self_check(args: TransformerArgs, device: torch.device, compute_dtype: torch.dtype | None = None) -> SelfCheck:
     """With NSA attention: does the chosen backend compute NSA on this device (a small problem, in fp32, and in
     compute_dtype, the half type the run computes in, when it has one)?"""
@@ -170,4 +181,5 @@ def transformer_hooks() -> dict:
     return dict(flops_per_token=flops_per_token, telemetry=collect_nsa_telemetry, telemetry_applies=telemetry_applies,
                 parallel_plan=parallel_plan, activation_memory=activation_memory, self_check=self_check,
                 attention_maps=attention_maps, describe=describe, documents=documents, hf_format=hf_format,
-                context_shard=context_shard, compiled=compiled, device_problem=device_problem)
+                context_shard=context_shard, compiled=compiled, device_problem=device_problem,
+                args_for_device=args_for_device)

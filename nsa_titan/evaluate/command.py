@@ -52,11 +52,12 @@ def _load(argv: list[str]):
     """(model, tokenizer, recipe, what was loaded) from a recipe's checkpoint or an exported file."""
     from nsa_titan.config.resolve import read_saved_recipe
     from nsa_titan.export import load_checkpoint_model, load_exported
+    from nsa_titan.rebuild import say_on_stderr
     from nsa_titan.run_folder import recipe_change_note
 
     if argv and argv[0].endswith(".toml"):
         resolved = resolve(argv, world_size=None)
-        model, tokenizer, step = load_checkpoint_model(resolved)
+        model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr)
         note = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (eval reads the model, "
                                             "tokenizer and data fields)")
         if note:
@@ -64,7 +65,7 @@ def _load(argv: list[str]):
         return model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}"
     if len(argv) != 1:
         raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
-    model, meta = load_exported(argv[0])
+    model, meta = load_exported(argv[0], say=say_on_stderr)
     recipe = read_saved_recipe(meta["recipe_toml"], argv[0])
     return model, assemble.build_tokenizer(recipe), recipe, f"{argv[0]} (step {meta['step']})"
 

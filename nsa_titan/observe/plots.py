@@ -196,9 +196,10 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
 
 
 def plot_model(model: nn.Module, model_section, tokenizer, text: str, layer: int,
-               out_dir: str, overwrite: bool = False) -> tuple[dict[str, str], str]:
-    """Tokenize text (cut to the model's max_seq_len) and render_plots on the CPU; returns (paths, note).
-    model_section is the recipe's [model] (its name picks the part, whose attention_maps hook is used)."""
+               out_dir: str, overwrite: bool = False, add_bos: bool = False) -> tuple[dict[str, str], str]:
+    """Tokenize text as a document of the run (BOS first with its data.add_bos; cut to the model's
+    max_seq_len) and render_plots on the CPU; returns (paths, note). model_section is the recipe's [model]
+    (its name picks the part, whose attention_maps hook is used)."""
     hook = registry.get("model", model_section.name).attention_maps
     if hook is None:
         raise UserError(f"model {model_section.name!r} registers no attention_maps hook, so there is nothing to "
@@ -206,6 +207,7 @@ def plot_model(model: nn.Module, model_section, tokenizer, text: str, layer: int
     ids = tokenizer.encode(text)
     if not ids:
         raise UserError("the text to plot is empty. Fix: pass some text with --text or --text-file.")
+    ids = [tokenizer.bos_id] + ids if add_bos else ids
     limit = getattr(model_section.args, "max_seq_len", None) or len(ids)
     note = f"{len(ids)} tokens"
     if len(ids) > limit:
@@ -221,7 +223,9 @@ def plot_exported(path: str, text: str, layer: int, out_dir: str,
     from nsa_titan import assemble
     from nsa_titan.config.resolve import read_saved_recipe
     from nsa_titan.export import load_exported
+    from nsa_titan.rebuild import say_on_stderr
 
-    model, meta = load_exported(path)
+    model, meta = load_exported(path, say=say_on_stderr)
     recipe = read_saved_recipe(meta["recipe_toml"], path)
-    return plot_model(model, recipe.model, assemble.build_tokenizer(recipe), text, layer, out_dir, overwrite)
+    return plot_model(model, recipe.model, assemble.build_tokenizer(recipe), text, layer, out_dir, overwrite,
+                      recipe.data.add_bos)
