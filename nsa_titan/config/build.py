@@ -13,7 +13,7 @@ from typing import Any
 
 from components.problems import bound_problem, suggest
 from nsa_titan import registry
-from nsa_titan.config.errors import Problem
+from nsa_titan.config.errors import NO_LONGER_PASSES, Problem
 from nsa_titan.config.fields import default_of, is_dataclass_type, named_tables_of, resolved_types, type_name
 from nsa_titan.config.overrides import CliText
 
@@ -230,7 +230,7 @@ class RecipeBuilder:
         for found in check() or []:
             found = found.under(prefix, where=self.source_of(prefix + found.field))
             if self.saved:
-                self.notes.append(f"the saved recipe no longer passes a check: {found.render()}")
+                self.notes.append(f"{NO_LONGER_PASSES}{found.render()}")
             else:
                 self.problems.append(found)
 

@@ -24,3 +24,7 @@ class RecipeError(Exception):
         count = len(self.problems)
         head = f"error: the recipe has {count} problem{'s' if count != 1 else ''}:"
         return "\n".join([head] + [f"  - {p.render()}" for p in self.problems])
+
+
+# How a note on a saved recipe (resolve_text) begins when a check added since it was written refuses it.
+NO_LONGER_PASSES = "the saved recipe no longer passes a check: "

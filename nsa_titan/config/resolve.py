@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from nsa_titan.config.build import RecipeBuilder
-from nsa_titan.config.errors import Problem, RecipeError
+from nsa_titan.config.errors import NO_LONGER_PASSES, Problem, RecipeError
 from nsa_titan.config.overrides import ACTIONS, CommandLine, apply_overrides, parse_args
 from nsa_titan.config.render import recipe_to_table
 from nsa_titan.config.rules import check_rules
@@ -82,11 +82,12 @@ def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
 
 
 def read_saved_recipe(text: str, where: str):
-    """The Recipe of a recipe saved in `where` (an export), its notes (a rule added since it was written
-    that it no longer passes) said on stderr."""
+    """The Recipe of a recipe saved in `where` (an export), the checks added since it was written that it no
+    longer passes said on stderr (its other notes were said when it ran)."""
     resolved = resolve_text(text)
     for note in resolved.notes:
-        print(f"note: {where}: {note}", file=sys.stderr)
+        if note.startswith(NO_LONGER_PASSES):
+            print(f"note: {where}: {note}", file=sys.stderr)
     return resolved.recipe
 
 
@@ -129,7 +130,7 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
     if not problems:
         broken: list[Problem] = []
         check_rules(recipe, world_size, builder.source_of, broken if saved else problems, builder.notes)
-        builder.notes.extend(f"the saved recipe no longer passes a check: {found.render()}" for found in broken)
+        builder.notes.extend(f"{NO_LONGER_PASSES}{found.render()}" for found in broken)
     if problems:
         raise RecipeError(problems)
     text = dumps(recipe_to_table(recipe))
