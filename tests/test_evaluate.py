@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -135,6 +136,28 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     assert cli.main([*again, "--overwrite"]) == 0, capsys.readouterr().err
     assert json.loads((out / "eval.json").read_text())["passkey"]["depths"] == [0.0]
     assert not (out / "lm_eval.json").exists()
+
+
+def test_a_failed_write_leaves_the_earlier_results(checkpointed_run, tmp_path, capsys, monkeypatch):
+    """--overwrite removes the earlier results only once the new ones are written: a full disk midway
+    leaves them as they were, in one message."""
+    out = tmp_path / "eval"
+    out.mkdir()
+    for name in ("eval.json", "position_loss.png", "passkey.png"):
+        (out / name).write_text(f"earlier {name}")
+    from matplotlib.figure import Figure
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    code = cli.main(["eval", *checkpointed_run, "--out", str(out), "--batches", "1", "--trials", "1", "--depths", "0",
+                     "--overwrite"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot write the results into --out" in err and "No space left on device" in err, err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(out)) == ["eval.json", "passkey.png", "position_loss.png"]  # no temporary file left
+    assert all((out / name).read_text() == f"earlier {name}" for name in os.listdir(out))
 
 
 def test_eval_says_where_its_recipe_differs_from_the_runs(checkpointed_run, tmp_path, capsys):

@@ -160,27 +160,50 @@ def run_command(argv: list[str]) -> int:
         harness = run_tasks(model, tokenizer, task_names, manager, task_limit[0] if task_limit else None,
                             recipe.job.seed, recipe.data.add_bos)
 
-    os.makedirs(out, exist_ok=True)
-    remove_earlier_results(out, "eval", RESULT_FILES, overwrite)
     results = {"model": loaded, "position_loss": positions, "passkey": passkey}
     paths = {"results": os.path.join(out, "eval.json"), "position_loss": os.path.join(out, "position_loss.png"),
              "passkey": os.path.join(out, "passkey.png")}
     if harness is not None:
         paths["lm_eval"] = os.path.join(out, "lm_eval.json")
-        with open(paths["lm_eval"], "w", encoding="utf-8") as fh:
-            json.dump({"model": loaded, **harness}, fh, indent=1, default=str)
-            fh.write("\n")
-    with open(paths["results"], "w", encoding="utf-8") as fh:
-        json.dump(results, fh, indent=1)
-        fh.write("\n")
-    plt = pyplot()
-    for name, figure in (("position_loss", position_loss_figure(positions, loaded)),
-                         ("passkey", passkey_figure(passkey, loaded))):
-        figure.savefig(paths[name], dpi=100)
-        plt.close(figure)
+    _write_results(out, paths, results, harness, loaded, overwrite)
     far = positions["mean_loss"][-1] if positions["mean_loss"] else float("nan")
     mean_accuracy = sum(map(sum, passkey["accuracy"])) / (len(lengths) * len(depths))
     print(f"evaluated {loaded}: loss {positions['mean_loss'][0]:.3f} with {positions['positions'][0]} token(s) of "
           f"context, {far:.3f} with {positions['positions'][-1]}; passkey accuracy {mean_accuracy:.0%} over "
           f"{len(lengths)} lengths x {len(depths)} depths x {trials} keys: " + ", ".join(paths.values()))
     return 0
+
+
+def _write_results(out: str, paths: dict[str, str], results: dict, harness: dict | None, loaded: str,
+                   overwrite: bool) -> None:
+    """Every file under a temporary name first, then the earlier results out (with --overwrite) and the new
+    ones in: a write that fails (a full disk) leaves the earlier results as they were."""
+    os.makedirs(out, exist_ok=True)
+    staged = {name: os.path.join(out, f".{os.path.basename(path)}.{os.getpid()}.tmp") for name, path in paths.items()}
+    try:
+        def write_json(path: str, value: dict) -> None:
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(value, fh, indent=1, default=str)
+                fh.write("\n")
+
+        if harness is not None:
+            write_json(staged["lm_eval"], {"model": loaded, **harness})
+        write_json(staged["results"], results)
+        plt = pyplot()
+        for name, figure in (("position_loss", position_loss_figure(results["position_loss"], loaded)),
+                             ("passkey", passkey_figure(results["passkey"], loaded))):
+            try:
+                figure.savefig(staged[name], dpi=100, format="png")
+            finally:
+                plt.close(figure)
+    except OSError as exc:
+        raise UserError(f"cannot write the results into --out {out!r} ({exc.strerror or exc}); the earlier results "
+                        f"there are as they were. Fix: free some space, or choose another folder.") from None
+    else:
+        remove_earlier_results(out, "eval", RESULT_FILES, overwrite)
+        for name, path in paths.items():
+            os.replace(staged[name], path)
+    finally:
+        for path in staged.values():
+            if os.path.exists(path):
+                os.remove(path)
