@@ -334,19 +334,21 @@ class Checkpointer:
             self.say(f"resuming from step {step}: moved the newer checkpoints {sorted(set(newer))} to {aside}")
         _barrier()
 
-    def find_resume_step(self, load_step: int, branch: dict | None = None) -> int | None:
+    def find_resume_step(self, load_step: int, branch: dict | None = None, quiet: bool = False) -> int | None:
         """The step to resume from: load_step when given (it must exist), else the newest complete one.
 
         A run started from load_step records `branch` in its checkpoints. When the newest complete
         checkpoint carries the same branch (the same command run again: a requeued job), the branch's
-        own progress is resumed rather than set aside for load_step once more."""
+        own progress is resumed rather than set aside for load_step once more. quiet: say nothing (a
+        question about what a resume would pick, not a resume)."""
+        say = (lambda _: None) if quiet else self.say
         done = complete_steps(self.folder)
         partial = incomplete_steps(self.folder)
         if load_step >= 0:
             # Before load_step's own existence: retention (keep_latest_k) may have pruned it since.
             if branch is not None and done and done[-1] > load_step and self._branch_of(done[-1]) == branch:
-                self.say(f"checkpoint.load_step = {load_step}: this command's run from step {load_step} already "
-                         f"reached step {done[-1]}; resuming there")
+                say(f"checkpoint.load_step = {load_step}: this command's run from step {load_step} already "
+                    f"reached step {done[-1]}; resuming there")
                 return done[-1]
             if load_step not in done:
                 why = ("is incomplete (no COMPLETE marker: the save was interrupted)" if load_step in partial
@@ -357,7 +359,7 @@ class Checkpointer:
             return load_step
         newer_partial = [s for s in partial if not done or s > done[-1]]
         for step in newer_partial:
-            self.say(f"skipping incomplete checkpoint {self.step_dir(step)} (interrupted save)")
+            say(f"skipping incomplete checkpoint {self.step_dir(step)} (interrupted save)")
         return done[-1] if done else None
 
     def load(self, state: RunState, step: int, *, data_layout: dict,

@@ -91,35 +91,33 @@ def train(argv: list[str]) -> int:
         # interpreter shuts down aborts the process).
         barrier()
     except TrainingFault as fault:
+        if not fault.every_rank and runtime.world_size > 1:  # only this rank failed
+            _end_this_rank(str(fault), fault.exit_code)
         print(f"error: {fault}", file=sys.stderr, flush=True)
-        if not fault.every_rank and runtime.world_size > 1:
-            # Only this rank failed: the others wait in a collective that will never complete, and tearing
-            # the process group down would wait for them. End here; the launcher stops the rest.
-            sys.stdout.flush()
-            os._exit(fault.exit_code)
         barrier()  # every rank stopped here together
         return fault.exit_code
     except UserError as exc:
-        if runtime.world_size > 1:
-            # Bad input met by this rank (say, its shards hold no documents): the other ranks may wait in a
-            # collective, and tearing the process group down (NCCL) would wait with them. End here, as
-            # above; the launcher stops the rest.
-            print(f"error: rank {runtime.rank}: {exc}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(INPUT_ERROR)
+        if runtime.world_size > 1:  # bad input met by this rank (say, its shards hold no documents)
+            _end_this_rank(f"rank {runtime.rank}: {exc}", INPUT_ERROR)
         raise
     except Exception as exc:
         symptom = lost_a_peer(exc) if runtime.world_size > 1 else None
-        if symptom:
-            # Another rank ended (its own message says why); the traceback of this one's wait says nothing more.
-            print(f"error: rank {runtime.rank}: lost contact with another rank ({symptom}); the rank that failed "
-                  "first says why.", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(PEER_LOST_EXIT_CODE)
+        if symptom:  # another rank ended (its own message says why); this one's wait says nothing more
+            _end_this_rank(f"rank {runtime.rank}: lost contact with another rank ({symptom}); the rank that failed "
+                           "first says why.", PEER_LOST_EXIT_CODE)
         raise
     finally:
         destroy_process_group()
     return 0
+
+
+def _end_this_rank(message: str, code: int) -> None:
+    """One rank of several stops alone: the others may wait in a collective that will never complete, and
+    tearing the process group down (NCCL) would wait with them. Say why and end here; the launcher stops
+    the rest."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def export(argv: list[str]) -> int:

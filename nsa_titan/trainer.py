@@ -310,13 +310,10 @@ class Trainer:
         resume would pick (checkpoint.load_step and branches included), found without a word said."""
         if not self.recipe.checkpoint.enable:
             return "checkpoint.enable is false, so the same command starts the run over"
-        say, self.checkpointer.say = self.checkpointer.say, lambda _: None
         try:
-            step = self.checkpointer.find_resume_step(self.recipe.checkpoint.load_step, self._branch())
+            step = self.checkpointer.find_resume_step(self.recipe.checkpoint.load_step, self._branch(), quiet=True)
         except UserError as exc:
             return f"the same command would not resume: {exc}"
-        finally:
-            self.checkpointer.say = say
         if step is None:
             return "no checkpoint was saved yet, so the same command starts the run over"
         return f"the same command then resumes from {self.checkpointer.step_dir(step)}"

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from components.errors import UserError
-from nsa_titan.config.fields import is_dataclass_type, resolved_types
+from nsa_titan.config.fields import default_of, is_dataclass_type, resolved_types
 
 
 def free_fields(args_cls: type, prefix: str = "model") -> set[str]:
@@ -37,10 +37,8 @@ def field_defaults(args_cls: type, prefix: str = "model") -> dict[str, Any]:
         path = f"{prefix}.{fld.name}"
         if is_dataclass_type(hints[fld.name]):
             defaults.update(field_defaults(hints[fld.name], path))
-        elif fld.default is not dataclasses.MISSING:
-            defaults[path] = fld.default
-        elif fld.default_factory is not dataclasses.MISSING:
-            defaults[path] = fld.default_factory()
+        elif default_of(fld) is not dataclasses.MISSING:
+            defaults[path] = default_of(fld)
     # As a rendered recipe holds them (render.recipe_to_table writes sequences as lists).
     return {path: list(value) if isinstance(value, (list, tuple)) else value for path, value in defaults.items()}
 

@@ -94,13 +94,13 @@ class _PlainErrors:
         except UserError as exc:
             kind = type(exc)
             text = str(exc)
-            last = [m for m in re.finditer(rf"^{re.escape(f'{kind.__module__}.{kind.__qualname__}')}: ", text, re.M)]
+            last = list(re.finditer(rf"^{re.escape(f'{kind.__module__}.{kind.__qualname__}')}: ", text, re.M))
             if not text.startswith(_WORKER_HEADER.format(kind.__name__)) or not last:
                 raise
             message = text[last[-1].end():].strip()
             try:
                 plain = kind(message)  # the same kind of error (a subclass the caller may catch), if it builds so
-            except Exception:
+            except TypeError:  # a subclass whose constructor takes other arguments
                 plain = UserError(message)
             raise plain from None
 

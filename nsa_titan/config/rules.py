@@ -7,6 +7,7 @@ import os
 
 from nsa_titan import registry
 from nsa_titan.config.errors import Problem
+from nsa_titan.config.fields import default_of
 from nsa_titan.config.schema import CUDA_GRAPH_MODES, Recipe
 
 
@@ -223,12 +224,8 @@ def _has_field(args, name: str) -> bool:
 
 def _part_arg_set(args, path: str, name: str, source_of) -> bool:
     """_set for a part's arguments, whose dataclass (a plugin's) may have fields without defaults."""
-    fld = next(fld for fld in dataclasses.fields(args) if fld.name == name)
-    if fld.default is not dataclasses.MISSING:
-        default = fld.default
-    elif fld.default_factory is not dataclasses.MISSING:
-        default = fld.default_factory()
-    else:
+    default = default_of(next(fld for fld in dataclasses.fields(args) if fld.name == name))
+    if default is dataclasses.MISSING:
         return True  # a required field: the recipe had to set it
     return getattr(args, name) != default or _flagged(source_of, f"{path}.{name}")
 

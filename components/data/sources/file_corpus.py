@@ -107,7 +107,7 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
             if not matches:
                 raise UserError(f"{what}: the pattern {entry!r} matches no file; fix the pattern or the folder")
             _refuse_unsupported(matches, entry, what)
-            found.update(os.path.abspath(m) for m in matches)
+            found.update(matches)
         elif os.path.isdir(path):
             inside = _files_in(path)
             if not inside:
