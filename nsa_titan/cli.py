@@ -162,9 +162,7 @@ def sample(argv: list[str]) -> int:
 
     from components.data import document_prefix_id
     from components.models import generate
-    from nsa_titan import assemble
-    from nsa_titan.config.resolve import read_saved_recipe
-    from nsa_titan.export import load_exported
+    from nsa_titan.export import load_exported_run
     from nsa_titan.rebuild import say_on_stderr
 
     prompt = take_option(argv, "--prompt", "")
@@ -195,9 +193,8 @@ def sample(argv: list[str]) -> int:
     if len(argv) != 1:
         return _fail("error: sample takes one exported model file. Fix: `nsa-titan sample outputs/debug/model.pt "
                      "--prompt 'def '`.")
-    model, meta = load_exported(argv[0], say=say_on_stderr)
-    recipe = read_saved_recipe(meta["recipe_toml"], argv[0])
-    tokenizer = assemble.build_tokenizer(recipe)
+    run = load_exported_run(argv[0], say=say_on_stderr)
+    model, recipe, tokenizer = run.model, run.recipe, run.tokenizer
     # A document as training saw it: BOS first when data.add_bos is set, else it follows the previous
     # document's end of text (so an empty prompt starts there, not at a BOS the model never saw).
     text_ids = tokenizer.encode(prompt) if prompt else []

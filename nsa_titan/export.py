@@ -18,11 +18,12 @@ from torch import nn
 
 from components.errors import UserError
 from nsa_titan.command_options import check_output, new_name_beside
-from nsa_titan.config import ResolvedRecipe
-from nsa_titan.config.resolve import import_plugins_of
+from nsa_titan import registry
+from nsa_titan.config import Recipe, ResolvedRecipe
+from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
 
-__all__ = ["FORMAT", "export_checkpoint", "load_checkpoint_model", "load_exported"]
+__all__ = ["FORMAT", "ExportedRun", "export_checkpoint", "load_checkpoint_model", "load_exported", "load_exported_run"]
 
 FORMAT = "nsa_titan.export.v1"
 
@@ -96,6 +97,29 @@ def load_exported(path: str, device: str | torch.device = "cpu",
     model = rebuild_model(payload["model_name"], payload["model_args"], payload["vocab_size"], payload["state_dict"],
                           device, path, say)
     return model, {k: v for k, v in payload.items() if k != "state_dict"}
+
+
+@dataclasses.dataclass
+class ExportedRun:
+    model: nn.Module  # in eval mode
+    meta: dict  # as load_exported returns it
+    recipe: Recipe  # the recipe saved with it
+    tokenizer: object
+
+
+def load_exported_run(path: str, device: str | torch.device = "cpu",
+                      say: Callable[[str], None] | None = None) -> ExportedRun:
+    """load_exported, with the recipe saved beside the weights and the tokenizer the model was trained with.
+    A Hugging Face folder's tokenizer is read from the folder's own files, so a folder copied to another
+    machine needs nothing else (hf_files.tokenizer_args_in_folder)."""
+    from components.data.hf_files import tokenizer_args_in_folder
+
+    model, meta = load_exported(path, device, say)
+    recipe = read_saved_recipe(meta["recipe_toml"], path)
+    args = recipe.data.tokenizer_args
+    if meta.get("format") == "hf":
+        args = tokenizer_args_in_folder(args, path)
+    return ExportedRun(model, meta, recipe, registry.build("tokenizer", recipe.data.tokenizer, args))
 
 
 # What an export file must hold, by type (step is an int, or None for weights of no checkpoint step).

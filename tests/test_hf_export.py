@@ -13,6 +13,7 @@ import sysconfig
 import pytest
 import torch
 
+from components.data.hf_tokenizer import HFTokenizer, HFTokenizerArgs
 from components.errors import UserError
 from nsa_titan import cli
 from tests.launch import DEBUG, TINY, losses
@@ -262,7 +263,6 @@ def test_a_tiktoken_tokenizer_becomes_the_same_bpe():
 
 def test_a_hugging_face_tokenizer_is_shipped_as_it_is(trained, tmp_path):  # noqa: F811
     from components.data.hf_files import write_tokenizer_files
-    from components.data.hf_tokenizer import HFTokenizer, HFTokenizerArgs
 
     from tokenizers import Tokenizer, processors
 
@@ -287,7 +287,6 @@ def test_a_hugging_face_tokenizer_is_shipped_as_it_is(trained, tmp_path):  # noq
 def test_the_shipped_tokenizer_adds_bos_as_training_did(trained, tmp_path, kind):  # noqa: F811
     """With data.add_bos on, a document is BOS + its text: the folder's tokenizer, called as usual, agrees."""
     from components.data.hf_files import write_tokenizer_files
-    from components.data.hf_tokenizer import HFTokenizer, HFTokenizerArgs
     from components.data.tokenizers import ByteTokenizer
 
     ours = ByteTokenizer() if kind == "byte" else HFTokenizer(HFTokenizerArgs(path=str(trained)))
@@ -379,6 +378,30 @@ def test_sample_reads_the_folder(exported, tmp_path, capsys):
     _, folder = exported
     assert cli.main(["sample", folder, "--prompt", "def ", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+
+
+def test_a_folder_copied_elsewhere_reads_its_own_tokenizer(trained, tmp_path, capsys):  # noqa: F811
+    """A run with a Hugging Face tokenizer: its folder, once the tokenizer file the recipe names is gone (the
+    folder copied to another machine), samples and loads as before, with the folder's tokenizer."""
+    source = tmp_path / "tokenizer"
+    shutil.copytree(trained, source)
+    argv = [DEBUG, *TINY, "--training.steps=2", "--data.tokenizer=hf_tokenizer", f"--data.hf_tokenizer.path={source}",
+            "--data.add_bos=true", "--checkpoint.enable=true", f"--job.dump_folder={tmp_path}/run"]
+    assert cli.main(["train", *argv]) == 0
+    folder = str(tmp_path / "hf")
+    assert cli.main(["export", *argv, "--format", "hf", "--output", folder]) == 0
+    sample = ["sample", folder, "--prompt", "def ", "--max-new-tokens", "8"]
+    capsys.readouterr()
+    assert cli.main(sample) == 0
+    before = capsys.readouterr().out
+    shutil.rmtree(source)
+    assert cli.main(sample) == 0
+    assert capsys.readouterr().out == before
+    from nsa_titan.export import load_exported_run
+
+    tokenizer = load_exported_run(folder).tokenizer
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 0)  # the trained tokenizer's <s> and <|endoftext|>
+    assert tokenizer.encode("def f(x):") == HFTokenizer(HFTokenizerArgs(path=str(trained))).encode("def f(x):")
 
 
 @pytest.mark.parametrize("setup, extra, message", [

@@ -11,6 +11,7 @@ where training read it as plain text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -125,3 +126,13 @@ def write_tokenizer_files(tokenizer, folder: str, model_max_length: int, add_bos
     with open(os.path.join(folder, CONFIG_FILE), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
 
+
+
+def tokenizer_args_in_folder(args, folder: str):
+    """A tokenizer's arguments for reading a folder these files were written into: a Hugging Face tokenizer
+    reads the folder's own tokenizer.json and tokenizer_config.json (the file its recipe names may not exist
+    where the folder was copied to; the shipped one encodes alike, as it is called without special tokens).
+    The other tokenizers are built in and need nothing from the folder."""
+    from components.data.hf_tokenizer import HFTokenizerArgs
+
+    return dataclasses.replace(args, path=folder) if isinstance(args, HFTokenizerArgs) else args

@@ -50,8 +50,7 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
 
 def _load(argv: list[str]):
     """(model, tokenizer, recipe, what was loaded) from a recipe's checkpoint or an exported file."""
-    from nsa_titan.config.resolve import read_saved_recipe
-    from nsa_titan.export import load_checkpoint_model, load_exported
+    from nsa_titan.export import load_checkpoint_model, load_exported_run
     from nsa_titan.rebuild import say_on_stderr
     from nsa_titan.run_folder import recipe_change_note
 
@@ -65,9 +64,8 @@ def _load(argv: list[str]):
         return model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}"
     if len(argv) != 1:
         raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
-    model, meta = load_exported(argv[0], say=say_on_stderr)
-    recipe = read_saved_recipe(meta["recipe_toml"], argv[0])
-    return model, assemble.build_tokenizer(recipe), recipe, f"{argv[0]} (step {meta['step']})"
+    run = load_exported_run(argv[0], say=say_on_stderr)
+    return run.model, run.tokenizer, run.recipe, f"{argv[0]} (step {run.meta['step']})"
 
 
 def run_command(argv: list[str]) -> int:

@@ -135,17 +135,14 @@ def lm_class():
 
 
 def _load(path: str | None):
-    from nsa_titan import assemble
-    from nsa_titan.config.resolve import read_saved_recipe
-    from nsa_titan.export import load_exported
+    from nsa_titan.export import load_exported_run
     from nsa_titan.rebuild import say_on_stderr
 
     if not path:
         raise UserError("the nsa_titan harness model needs pretrained=PATH (an exported .pt file or a --format hf "
                         "folder). Fix: model_args='pretrained=outputs/debug/model.pt'.")
-    model, meta = load_exported(path, say=say_on_stderr)
-    recipe = read_saved_recipe(meta["recipe_toml"], path)
-    return model, assemble.build_tokenizer(recipe), recipe.data.add_bos
+    run = load_exported_run(path, say=say_on_stderr)
+    return run.model, run.tokenizer, run.recipe.data.add_bos
 
 
 def task_manager(tasks: list[str], task_dir: str | None):

@@ -220,12 +220,9 @@ def plot_model(model: nn.Module, model_section, tokenizer, text: str, layer: int
 def plot_exported(path: str, text: str, layer: int, out_dir: str,
                   overwrite: bool = False) -> tuple[dict[str, str], str]:
     """plot_model on an exported model file."""
-    from nsa_titan import assemble
-    from nsa_titan.config.resolve import read_saved_recipe
-    from nsa_titan.export import load_exported
+    from nsa_titan.export import load_exported_run
     from nsa_titan.rebuild import say_on_stderr
 
-    model, meta = load_exported(path, say=say_on_stderr)
-    recipe = read_saved_recipe(meta["recipe_toml"], path)
-    return plot_model(model, recipe.model, assemble.build_tokenizer(recipe), text, layer, out_dir, overwrite,
-                      recipe.data.add_bos)
+    run = load_exported_run(path, say=say_on_stderr)
+    return plot_model(run.model, run.recipe.model, run.tokenizer, text, layer, out_dir, overwrite,
+                      run.recipe.data.add_bos)
