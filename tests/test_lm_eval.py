@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sysconfig
 
 import pytest
@@ -151,6 +152,7 @@ def test_eval_runs_tasks_beside_its_own_probes(setup, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--tasks", "no_such_task"], "lm-eval knows no task 'no_such_task'"),
+    (["--tasks", "toy_choice,toy_lost"], "lm-eval cannot load the task(s) toy_choice, toy_lost"),
     (["--task-dir", "/nonexistent"], "--task-dir '/nonexistent' is not a folder"),
     (["--limit", "3"], "--task-dir and --limit apply to lm-eval tasks"),
 ])
@@ -162,7 +164,15 @@ def test_bad_task_options(setup, tmp_path, capsys, monkeypatch, extra, message):
         raise AssertionError("the model was loaded before the task options were checked")
 
     monkeypatch.setattr(command, "_load", too_late)
-    argv, _ = setup
-    assert cli.main(["eval", *argv, "--out", str(tmp_path), "--batches", "1", "--trials", "1", "--depths", "0",
-                     *extra]) == 2
-    assert message in capsys.readouterr().err
+    argv, root = setup
+    if "toy_choice,toy_lost" in extra:  # a task whose data file is gone
+        task_dir = tmp_path / "tasks"
+        shutil.copytree(root / "tasks", task_dir)
+        spec = json.load(open(task_dir / "toy_choice.yaml"))
+        spec["task"], spec["dataset_kwargs"]["data_files"]["test"] = "toy_lost", str(tmp_path / "gone.jsonl")
+        json.dump(spec, open(task_dir / "toy_lost.yaml", "w"))
+        extra = [*extra, "--task-dir", str(task_dir)]
+    assert cli.main(["eval", *argv, "--out", str(tmp_path / "out"), "--batches", "1", "--trials", "1",
+                     "--depths", "0", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

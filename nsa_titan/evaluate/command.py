@@ -101,10 +101,11 @@ def run_command(argv: list[str]) -> int:
     task_names = [t for t in (tasks or "").split(",") if t]
     manager = None
     if tasks:
-        from nsa_titan.evaluate.harness import require_lm_eval, task_manager
+        from nsa_titan.evaluate.harness import check_tasks_load, require_lm_eval, task_manager
 
-        require_lm_eval()  # before the work, as are the task names
+        require_lm_eval()  # before the work, as are the task names and their data
         manager = task_manager(task_names, task_dir)
+        check_tasks_load(task_names, manager)
     pyplot()  # fail before the work when matplotlib is missing
     model, tokenizer, recipe, loaded = _load(argv)
     limit = recipe.model.args.max_seq_len - answer_tokens(tokenizer)

@@ -159,6 +159,27 @@ def task_manager(tasks: list[str], task_dir: str | None):
     return manager
 
 
+def check_tasks_load(tasks: list[str], manager) -> None:
+    """Load every task of `tasks` (its documents too) once before the model runs: a dataset that cannot be
+    read (offline, a wrong path in a task file) is one message now, not a traceback after the held-out loss
+    and passkey ran. The harness loads them again when it runs them, from the datasets cache."""
+    def load(names):  # newer releases have TaskManager.load and deprecate get_task_dict; older ones lack it
+        if hasattr(manager, "load"):
+            return manager.load(names)
+        from lm_eval.tasks import get_task_dict
+
+        return get_task_dict(names, manager)
+
+    try:
+        load(tasks)
+    except Exception as exc:  # the harness and datasets raise many kinds (ConnectionError, FileNotFoundError, ...)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UserError(f"lm-eval cannot load the task(s) {', '.join(tasks)} ({type(exc).__name__}: {reason}); "
+                        f"nothing was evaluated. Fix: make each task's dataset readable here (on a machine without "
+                        f"network, from the datasets cache with HF_DATASETS_OFFLINE=1), or the dataset paths of "
+                        f"its task file in --task-dir.") from None
+
+
 def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None, seed: int, add_bos: bool) -> dict:
     """simple_evaluate on the model over `tasks` of `manager` (task_manager's); returns the harness's
     results (per task, its metrics). add_bos: the run's data.add_bos."""
