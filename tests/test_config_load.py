@@ -38,10 +38,23 @@ def test_a_recipe_that_names_no_run_is_named_after_its_file(tmp_path):
     (tmp_path / "my_run.toml").write_text("[optimizer]\nlr = 0.001\n")
     (tmp_path / "named.toml").write_text('extends = "base.toml"\n')
     (tmp_path / "placed.toml").write_text('[job]\ndump_folder = "runs/here"\n')
-    jobs = {name: resolve([str(tmp_path / f"{name}.toml")]).recipe.job for name in ("my_run", "named", "placed")}
+    (tmp_path / "renamed.toml").write_text('extends = "base.toml"\n[job]\nname = "mine"\n')
+    (tmp_path / "moved.toml").write_text('extends = "placed.toml"\n[job]\nname = "mine"\n')
+    runs = {name: resolve([str(tmp_path / f"{name}.toml")])
+            for name in ("my_run", "named", "placed", "renamed", "moved")}
+    jobs = {name: run.recipe.job for name, run in runs.items()}
     assert (jobs["my_run"].name, jobs["my_run"].dump_folder) == ("my_run", "./outputs/my_run")
-    assert (jobs["named"].name, jobs["named"].dump_folder) == ("base", "./outputs/base")  # a name it extends
     assert (jobs["placed"].name, jobs["placed"].dump_folder) == ("placed", "runs/here")
+    assert (jobs["renamed"].name, jobs["renamed"].dump_folder) == ("mine", "./outputs/mine")
+    # A run's name and folder are the recipe's own: extending a recipe does not train in (and resume) its run.
+    assert (jobs["named"].name, jobs["named"].dump_folder) == ("named", "./outputs/named")
+    assert (jobs["moved"].name, jobs["moved"].dump_folder) == ("mine", "./outputs/mine")
+    assert any("job.name = 'base' in" in note and "not inherited" in note for note in runs["named"].notes)
+    assert any("job.dump_folder = 'runs/here' in" in note for note in runs["moved"].notes)
+    assert not any("inherited" in note for note in runs["renamed"].notes + runs["my_run"].notes)
+    kept = resolve([str(tmp_path / "named.toml"), "--job.dump_folder=./outputs/base", "--job.name=base"])
+    assert (kept.recipe.job.name, kept.recipe.job.dump_folder) == ("base", "./outputs/base")
+    assert not any("inherited" in note for note in kept.notes)
     flagged = resolve([str(tmp_path / "my_run.toml"), "--job.name=trial"]).recipe.job
     assert (flagged.name, flagged.dump_folder) == ("trial", "./outputs/trial")
     assert resolve([]).recipe.job.dump_folder == "./outputs/debug"  # no recipe: the defaults

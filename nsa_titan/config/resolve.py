@@ -15,7 +15,7 @@ from nsa_titan.config.overrides import ACTIONS, CommandLine, apply_overrides, pa
 from nsa_titan.config.render import recipe_to_table
 from nsa_titan.config.rules import check_rules
 from nsa_titan.config.schema import Recipe
-from nsa_titan.config.toml_io import dumps, load_composed, tomllib
+from nsa_titan.config.toml_io import dumps, load_composed, shown_path, tomllib
 
 
 @dataclass
@@ -49,17 +49,24 @@ def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str 
         table, origin = load_composed(path, problems)
     apply_overrides(table, origin, cmd.overrides, problems)
     if path is not None:
-        _name_the_run_after(path, table, origin)
+        _name_the_run_after(path, table, origin, cmd.notes)
     return _finish(table, origin, problems, world_size, path, cmd)
 
 
-def _name_the_run_after(path: str, table: dict, origin: dict[str, str]) -> None:
-    """A recipe that names no run (no job.name, no job.dump_folder in it or the files it extends) is
-    named after its file: my_run.toml runs as my_run in ./outputs/my_run, not in the defaults' debug
-    folder, whose run it would resume."""
+def _name_the_run_after(path: str, table: dict, origin: dict[str, str], notes: list[str]) -> None:
+    """The run a recipe names is its own: job.name and job.dump_folder come from the file itself or the
+    command line, never from a file it extends (a copy of nsa_125m.toml's settings would otherwise train in,
+    and resume, nsa_125m's folder). A recipe that names no run is named after its file: my_run.toml runs as
+    my_run in ./outputs/my_run, not in the defaults' debug folder."""
     job = table.setdefault("job", {})
     if not isinstance(job, dict):
         return  # the schema check reports it
+    own = shown_path(os.path.abspath(path))
+    inherited = {key: origin[key] for key in ("job.name", "job.dump_folder")
+                 if key in origin and origin[key] != own and not origin[key].startswith("flag ")}
+    given = {key: job.pop(key.split(".")[1]) for key in inherited}
+    for key in inherited:
+        del origin[key]
     stem = os.path.splitext(os.path.basename(path))[0]
     if "job.name" not in origin:
         job["name"] = stem
@@ -67,6 +74,11 @@ def _name_the_run_after(path: str, table: dict, origin: dict[str, str]) -> None:
     if "job.dump_folder" not in origin and isinstance(job["name"], str):
         job["dump_folder"] = f"./outputs/{job['name']}"
         origin["job.dump_folder"] = "job.name"
+    if inherited:
+        theirs = ", ".join(f"{key} = {given[key]!r} in {inherited[key]}" for key in inherited)
+        notes.append(f"this run is {job['name']!r} in {job['dump_folder']!r}, not the run of the recipe it extends "
+                     f"({theirs}): a run's name and folder are not inherited. To continue that run, set them in "
+                     f"[job] of {os.path.basename(path)} or on the command line.")
 
 
 def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
