@@ -12,6 +12,7 @@ from components.problems import suggest
 from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
                                        take_option)
 from nsa_titan.config import RecipeError, resolve
+from nsa_titan.full_disk import full_disk_message, space_error
 
 COMMANDS = {
     "train": "train from a recipe: nsa-titan train RECIPE.toml [--section.field=VALUE ...]",
@@ -101,6 +102,9 @@ def train(argv: list[str]) -> int:
             _end_this_rank(f"rank {runtime.rank}: {exc}", INPUT_ERROR)
         raise
     except Exception as exc:
+        full = space_error(exc)
+        if full is not None and runtime.world_size > 1:
+            _end_this_rank(f"rank {runtime.rank}: {full_disk_message('train', full)}", INPUT_ERROR)
         symptom = lost_a_peer(exc) if runtime.world_size > 1 else None
         if symptom:  # another rank ended (its own message says why); this one's wait says nothing more
             _end_this_rank(f"rank {runtime.rank}: lost contact with another rank ({symptom}); the rank that failed "
@@ -313,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc.render())
     except UserError as exc:
         return _fail(f"error: {exc}")
+    except Exception as exc:
+        full = space_error(exc)
+        if full is None:
+            raise
+        return _fail(f"error: {full_disk_message(command, full)}")
     except KeyboardInterrupt:  # Ctrl-C before training set its own handler, or a second one during it
         after = (" at once: nothing was saved since the last complete checkpoint, which a rerun resumes (if "
                  "checkpoints are on)") if command == "train" else ""

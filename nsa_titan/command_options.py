@@ -59,6 +59,14 @@ def new_name_beside(target: str) -> str:
     return f"{target}.tmp-{uuid.uuid4().hex[:12]}"
 
 
+def with_umask_permissions(path: str) -> None:
+    """Give a written file the permissions open() would have (0666 less the umask): safetensors writes through
+    an owner-only temporary file, which would leave an export's weights unreadable to anyone else."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def take_flag(argv: list[str], name: str) -> bool:
     """Remove every bare `NAME` from argv; whether there was one."""
     found = name in argv
@@ -115,6 +123,31 @@ def refuse_earlier_results(out: str, command: str, patterns: tuple[str, ...], ov
     if earlier and not overwrite:
         raise UserError(f"--out {out!r} holds an earlier {command}'s results ({', '.join(earlier)}); nothing was "
                         f"written. Fix: choose a new folder, or add --overwrite to replace them.")
+
+
+def write_results(out: str, command: str, patterns: tuple[str, ...], overwrite: bool,
+                  writers: dict[str, Callable[[str], None]]) -> None:
+    """A command's result files into --out: writers maps each final path to a function that writes the file
+    at the (temporary) path it is given. Every file is written under a temporary name first, then the
+    earlier results go (with --overwrite) and the new ones move in: a write that fails (a full disk) leaves
+    no partial file and the earlier results as they were."""
+    staged = {path: os.path.join(out, f".{os.path.basename(path)}.{os.getpid()}.tmp") for path in writers}
+    try:
+        os.makedirs(out, exist_ok=True)
+        for path, write in writers.items():
+            write(staged[path])
+    except OSError as exc:
+        raise UserError(f"cannot write the {command} results into --out {out!r} ({exc.strerror or exc}); nothing "
+                        f"was written and any earlier results there are as they were. Fix: free some space, or "
+                        f"choose another folder.") from None
+    else:
+        remove_earlier_results(out, command, patterns, overwrite)
+        for path in writers:
+            os.replace(staged[path], path)
+    finally:
+        for path in staged.values():
+            if os.path.exists(path):
+                os.remove(path)
 
 
 def remove_earlier_results(out: str, command: str, patterns: tuple[str, ...], overwrite: bool) -> None:

@@ -23,7 +23,7 @@ import torch
 from components.data import document_prefix_id
 from components.errors import UserError
 from nsa_titan import registry
-from nsa_titan.command_options import check_output, new_name_beside
+from nsa_titan.command_options import check_output, new_name_beside, with_umask_permissions
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.observe.progress import progress
 from nsa_titan.run_folder import flat_fields
@@ -73,6 +73,7 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
     from nsa_titan.rebuild import load_checkpoint_model
 
     _require("safetensors")
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
@@ -93,10 +94,14 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
               "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
                             "model_args": dataclasses.asdict(recipe.model.args), "step": step,
                             "recipe_hash": resolved.hash}}
+    def write_weights() -> None:
+        path = os.path.join(tmp, WEIGHTS)
+        save_file({name: x.to(DTYPES[dtype]) if x.is_floating_point() else x
+                   for name, x in fmt.to_hf(model.state_dict()).items()}, path, metadata={"format": "pt"})
+        with_umask_permissions(path)
+
     stages = {
-        "weights": lambda: save_file({name: x.to(DTYPES[dtype]) if x.is_floating_point() else x
-                                      for name, x in fmt.to_hf(model.state_dict()).items()},
-                                     os.path.join(tmp, WEIGHTS), metadata={"format": "pt"}),
+        "weights": write_weights,
         "modeling file": lambda: shutil.copyfile(fmt.modeling_file,
                                                  os.path.join(tmp, os.path.basename(fmt.modeling_file))),
         "tokenizer": lambda: write_tokenizer_files(tokenizer, tmp, fmt.max_length, recipe.data.add_bos),
@@ -109,7 +114,7 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
         for stage in progress("export")(stages):
             try:
                 stages[stage]()
-            except (OSError, RuntimeError) as exc:  # a full disk, a quota (safetensors' writer raises either)
+            except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk, a quota
                 why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
                 raise UserError(f"cannot write the {stage} of --output {output!r} ({why}); nothing was written. "
                                 f"Fix: free some space, or choose another folder.") from None

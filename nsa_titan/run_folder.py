@@ -213,9 +213,13 @@ class RunFolderLock:
             warn(f"cannot lock job.dump_folder {folder!r} ({exc.strerror}): a second run started in it would not "
                  f"be refused")
             return
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
-                            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                                f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        except OSError as exc:  # a full disk: name the file (cli's full-disk message says the rest)
+            self.release()
+            raise OSError(exc.errno, exc.strerror, path) from None
 
     def release(self) -> None:
         if self._fd is not None:

@@ -154,7 +154,7 @@ def test_a_failed_write_leaves_the_earlier_results(checkpointed_run, tmp_path, c
     code = cli.main(["eval", *checkpointed_run, "--out", str(out), "--batches", "1", "--trials", "1", "--depths", "0",
                      "--overwrite"])
     err = capsys.readouterr().err
-    assert code == 2 and "cannot write the results into --out" in err and "No space left on device" in err, err
+    assert code == 2 and "cannot write the eval results into --out" in err and "No space left on device" in err, err
     assert "Traceback" not in err
     assert sorted(os.listdir(out)) == ["eval.json", "passkey.png", "position_loss.png"]  # no temporary file left
     assert all((out / name).read_text() == f"earlier {name}" for name in os.listdir(out))

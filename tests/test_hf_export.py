@@ -504,16 +504,23 @@ def test_replacing_a_folder_never_loses_what_was_there(tmp_path, monkeypatch):
     assert not [n for n in os.listdir(tmp_path) if ".old-" in n]  # the earlier export is back where it was
 
 
-def test_a_full_disk_while_exporting_is_one_message(exported, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("stage", ["tokenizer", "weights"])
+def test_a_full_disk_while_exporting_is_one_message(exported, tmp_path, capsys, monkeypatch, stage):
+    from safetensors import SafetensorError
+
     argv, _ = exported
 
-    def full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+    def full(*args, **kwargs):  # as each writer reports it: an OSError, or safetensors' own error
+        if stage == "tokenizer":
+            raise OSError(28, "No space left on device")
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                              'space left on device" })')
 
-    monkeypatch.setattr("components.data.hf_files.write_tokenizer_files", full)
+    monkeypatch.setattr("components.data.hf_files.write_tokenizer_files" if stage == "tokenizer" else
+                        "safetensors.torch.save_file", full)
     assert cli.main(["export", *argv, "--format", "hf", "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "cannot write the tokenizer of --output" in err and "No space left on device" in err, err
+    assert f"cannot write the {stage} of --output" in err and "No space left on device" in err, err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
     assert not [name for name in os.listdir(tmp_path) if name != "out"]  # no half-written folder beside it
 
@@ -537,4 +544,5 @@ def test_an_export_is_readable_as_the_umask_says(exported):
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(folder).st_mode & 0o777 == 0o777 & ~umask
-    assert os.stat(os.path.join(folder, "config.json")).st_mode & 0o777 == 0o666 & ~umask
+    for name in ("config.json", "model.safetensors"):  # safetensors writes owner-only files of its own accord
+        assert os.stat(os.path.join(folder, name)).st_mode & 0o777 == 0o666 & ~umask, name

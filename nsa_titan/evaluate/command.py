@@ -17,13 +17,13 @@ import os
 
 from components.errors import UserError
 from nsa_titan import assemble, registry
-from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options,
-                                       remove_earlier_results, take_flag, take_option)
+from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
+                                       take_option, write_results)
 from nsa_titan.config import resolve
 from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length
 from nsa_titan.evaluate.position_loss import loss_by_position
 from nsa_titan.evaluate.plots import passkey_figure, position_loss_figure
-from nsa_titan.observe.plots import pyplot
+from nsa_titan.observe.plots import figure_writer, pyplot
 from nsa_titan.observe.progress import progress
 
 USAGE = "`nsa-titan eval recipes/debug.toml --out outputs/debug/eval` (or an exported model file instead of the recipe)"
@@ -175,34 +175,16 @@ def run_command(argv: list[str]) -> int:
 
 def _write_results(out: str, paths: dict[str, str], results: dict, harness: dict | None, loaded: str,
                    overwrite: bool) -> None:
-    """Every file under a temporary name first, then the earlier results out (with --overwrite) and the new
-    ones in: a write that fails (a full disk) leaves the earlier results as they were."""
-    os.makedirs(out, exist_ok=True)
-    staged = {name: os.path.join(out, f".{os.path.basename(path)}.{os.getpid()}.tmp") for name, path in paths.items()}
-    try:
-        def write_json(path: str, value: dict) -> None:
+    def write_json(value: dict):
+        def write(path: str) -> None:
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(value, fh, indent=1, default=str)
                 fh.write("\n")
+        return write
 
-        if harness is not None:
-            write_json(staged["lm_eval"], {"model": loaded, **harness})
-        write_json(staged["results"], results)
-        plt = pyplot()
-        for name, figure in (("position_loss", position_loss_figure(results["position_loss"], loaded)),
-                             ("passkey", passkey_figure(results["passkey"], loaded))):
-            try:
-                figure.savefig(staged[name], dpi=100, format="png")
-            finally:
-                plt.close(figure)
-    except OSError as exc:
-        raise UserError(f"cannot write the results into --out {out!r} ({exc.strerror or exc}); the earlier results "
-                        f"there are as they were. Fix: free some space, or choose another folder.") from None
-    else:
-        remove_earlier_results(out, "eval", RESULT_FILES, overwrite)
-        for name, path in paths.items():
-            os.replace(staged[name], path)
-    finally:
-        for path in staged.values():
-            if os.path.exists(path):
-                os.remove(path)
+    writers = {paths["results"]: write_json(results),
+               paths["position_loss"]: figure_writer(lambda: position_loss_figure(results["position_loss"], loaded)),
+               paths["passkey"]: figure_writer(lambda: passkey_figure(results["passkey"], loaded))}
+    if harness is not None:
+        writers[paths["lm_eval"]] = write_json({"model": loaded, **harness})
+    write_results(out, "eval", RESULT_FILES, overwrite, writers)

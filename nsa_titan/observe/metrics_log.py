@@ -29,15 +29,22 @@ class MetricsLog:
 
     def __init__(self, path: str, start_step: int = 0):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
         self.set_aside = set_aside_records_after(path, start_step)  # where they went, or None
         self._fh = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+            self._fh.flush()
+        except OSError as exc:  # a full disk: name the file (the flush's error names none)
+            raise OSError(exc.errno, exc.strerror, self.path) from None
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError:  # a record whose write already failed (and was reported) cannot be flushed either
+            pass
 
 
 def _step_of(line: str) -> int | None:

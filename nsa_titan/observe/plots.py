@@ -25,7 +25,7 @@ from torch import nn
 from components.errors import UserError
 from components.model_hooks import AttentionMap
 from nsa_titan import registry
-from nsa_titan.command_options import remove_earlier_results
+from nsa_titan.command_options import write_results
 
 WHITE = (255, 255, 255)
 FUTURE = (224, 224, 224)
@@ -116,10 +116,15 @@ def gate_figure(gate_means: torch.Tensor, layer_ids: list[int], branches: tuple[
     return fig
 
 
-def _save(fig, path: str) -> str:
-    fig.savefig(path, dpi=100)
-    pyplot().close(fig)
-    return path
+def figure_writer(make_figure):
+    """A write_results writer of the figure make_figure() draws, as PNG (the path it gets is a temporary name)."""
+    def save(path: str) -> None:
+        fig = make_figure()
+        try:
+            fig.savefig(path, dpi=100, format="png")
+        finally:
+            pyplot().close(fig)
+    return save
 
 
 def _selection_colors_of(chosen: AttentionMap, num_tokens: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -169,11 +174,8 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
     gate_means = _gate_means(maps)
     branches = _branches(maps)
 
-    remove_earlier_results(out_dir, "plot", PLOT_FILES, overwrite)
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"selection": _save(selection_figure(colors, layer, chosen),
-                                os.path.join(out_dir, f"selection_layer{layer}.png")),
-             "gates": _save(gate_figure(gate_means, layer_ids, branches), os.path.join(out_dir, "gates.png"))}
+    paths = {"selection": os.path.join(out_dir, f"selection_layer{layer}.png"),
+             "gates": os.path.join(out_dir, "gates.png"), "legend": os.path.join(out_dir, "plots.json")}
     legend = {
         "tokens": num_tokens,
         "selection": {"file": os.path.basename(paths["selection"]), "layer": layer, **chosen.legend,
@@ -187,11 +189,16 @@ def render_plots(maps: dict[int, AttentionMap], num_tokens: int, layer: int, out
                   "layers": layer_ids,
                   "mean_gate": {b: [round(v, 6) for v in gate_means[:, i].tolist()] for i, b in enumerate(branches)}},
     }
-    legend_path = os.path.join(out_dir, "plots.json")
-    with open(legend_path, "w", encoding="utf-8") as fh:
-        json.dump(legend, fh, indent=2)
-        fh.write("\n")
-    paths["legend"] = legend_path
+
+    def write_legend(path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(legend, fh, indent=2)
+            fh.write("\n")
+
+    write_results(out_dir, "plot", PLOT_FILES, overwrite, {
+        paths["selection"]: figure_writer(lambda: selection_figure(colors, layer, chosen)),
+        paths["gates"]: figure_writer(lambda: gate_figure(gate_means, layer_ids, branches)),
+        paths["legend"]: write_legend})
     return paths
 
 

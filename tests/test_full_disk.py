@@ -1,0 +1,85 @@
+"""A file system that fills up while a command writes: one message naming the file, exit 2, no traceback, no
+partial output left behind, and what was saved before still there (a rerun resumes, a retry writes)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from nsa_titan import cli
+from tests.launch import DEBUG, TINY, metrics
+from tests.test_cli_bad_inputs import run  # noqa: F401 (a fixture: a one-step run and its export)
+
+FULL = "/dev/full"  # every write to it fails with ENOSPC, as on a full file system
+
+pytestmark = pytest.mark.skipif(not os.path.exists(FULL), reason="needs /dev/full (Linux)")
+
+
+def _refused(capsys, args, *fragments) -> str:
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+def test_a_disk_that_fills_during_training(tmp_path, capsys, monkeypatch):
+    from nsa_titan.observe.metrics_log import MetricsLog
+
+    argv = [DEBUG, *TINY, "--training.steps=4", "--checkpoint.enable=true", "--checkpoint.interval=2",
+            "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}/run"]
+    write = MetricsLog.write
+    written = []
+
+    def write_until_full(self, record):
+        if "loss" in record and len(written) == 3:  # the disk fills after step 3's record
+            self._fh = open(FULL, "w", encoding="utf-8")
+        written.append(record)
+        write(self, record)
+
+    monkeypatch.setattr(MetricsLog, "write", write_until_full)
+    _refused(capsys, ["train", *argv], "train stopped: the file system is full while writing",
+             "metrics.jsonl", "No space left on device", "resumes from it")
+    monkeypatch.setattr(MetricsLog, "write", write)
+    assert cli.main(["train", *argv]) == 0  # the checkpoint of step 2 was kept: the rerun resumes there
+    assert "resum" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(f"{tmp_path}/run") if "loss" in r][-2:] == [3, 4]
+
+
+def test_a_full_disk_at_start_up(tmp_path, capsys, monkeypatch):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    _refused(capsys, ["train", DEBUG, *TINY, f"--job.dump_folder={tmp_path}/run"],
+             "the file system is full while writing", ".run.lock")
+
+
+def test_a_plot_that_fills_the_disk_leaves_nothing_and_can_be_retried(run, tmp_path, capsys,  # noqa: F811
+                                                                      monkeypatch):
+    from nsa_titan.observe import plots
+
+    figure = plots.gate_figure
+
+    def full_on_save(*args, **kwargs):
+        class Full:
+            def savefig(self, path, **_):
+                with open(path, "wb") as fh:
+                    fh.write(b"\x89PNG partial")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        return Full()
+
+    out = tmp_path / "plots"
+    command = ["plot", run[1], "--text", "def f(x):", "--out", str(out)]
+    monkeypatch.setattr(plots, "gate_figure", full_on_save)
+    monkeypatch.setattr(plots.pyplot(), "close", lambda fig: None)
+    _refused(capsys, command, "cannot write the plot results into --out", "No space left on device")
+    assert not out.exists() or os.listdir(out) == []  # no partial picture, nothing that blocks a retry
+    monkeypatch.setattr(plots, "gate_figure", figure)
+    assert cli.main(command) == 0
+    assert sorted(os.listdir(out)) == ["gates.png", "plots.json", "selection_layer0.png"]
