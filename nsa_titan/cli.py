@@ -306,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"train": train, "export": export, "sample": sample, "plot": plot, "eval": evaluate,
                 "inspect": inspect, "doctor": doctor}
     if command not in handlers:
+        if os.path.isfile(command):
+            return _fail(f"error: {command!r} is a file, not a command. Fix: `nsa-titan train {command}` trains "
+                         f"from a recipe; the commands are {', '.join(handlers)}.")
+        if any(ch in command for ch in "./" + os.sep):  # no command has these: a recipe path that is not there
+            return _fail(f"error: recipe file {command!r} not found. Fix: check the path (the shipped recipes "
+                         f"are in recipes/, e.g. recipes/debug.toml).")
         return _fail(f"error: unknown command {command!r}{suggest(command, list(handlers))}. Fix: use one of "
                      f"{', '.join(handlers)} (`nsa-titan --help` describes them).")
     if command not in ("train", "inspect", "doctor") and ("--help" in rest or "-h" in rest):

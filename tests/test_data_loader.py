@@ -321,6 +321,20 @@ def test_rank_without_documents_is_a_user_error(tmp_path, workers):
         take(byte_loader(source, dp_rank=1, **layout), 1)
 
 
+def test_a_validation_split_too_small_for_the_shards_says_how_to_go_on(tmp_path):
+    """Few documents held out: the message is about validation (not training), short, and names the ways on."""
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(f"document {i}")
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "*.txt")], validation_fraction=0.01))
+    with pytest.raises(UserError) as caught:
+        take(byte_loader(source, split="validation", logical_shards=64), 1)
+    message = str(caught.value)
+    assert message.startswith("data split 'validation': all 64 logical shards of data-parallel rank 0 hold no "
+                              "documents, so there is no held-out data to validate on. Fix: raise the data source's "
+                              "validation_fraction"), message
+    assert "validation.enable = false" in message and "train on" not in message
+
+
 def test_a_worker_process_error_reads_as_the_plain_message(tmp_path):
     """torch re-raises a worker's exception wrapped in its traceback; the user sees the message alone."""
     path = write_jsonl(str(tmp_path / "cut.jsonl"), unique_texts(30))

@@ -128,9 +128,8 @@ def test_a_rank_without_data_ends_the_run_with_one_message(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]  # bad input, as one process would exit
     said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert said[-1] == "error: the run stopped: rank 1 failed first (exit code 2); its own message is above."
-    assert "error: rank 1: data split 'train': logical shards [1] of rank 1 hold no documents, so this rank has " \
-           "nothing to train on; add data, lower logical_shards (2) or num_workers, or raise the validation " \
-           "fraction for validation" in said
+    assert "error: rank 1: data split 'train': logical shards [1] of data-parallel rank 1 hold no documents, so " \
+           "this rank has nothing to train on. Fix: add data, or lower data.logical_shards or data.num_workers." in said
     # Rank 0 waited in a collective: it may say it lost its peer (or be ended by the launcher first).
     assert all(line.startswith("error: rank 0: lost contact with another rank (") for line in said[:-1]
                if line.startswith("error: rank 0"))

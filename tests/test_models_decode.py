@@ -121,8 +121,11 @@ def test_generate_rejects_bad_input():
     for kwargs in (dict(temperature=-1.0), dict(top_k=0)):
         with pytest.raises(UserError):
             generate(model, prompt, 2, **kwargs)
-    with pytest.raises(UserError, match="max_seq_len"):
+    with pytest.raises(UserError, match=f"Fix: ask for at most {model.args.max_seq_len - 3} new tokens"):
         generate(model, prompt, model.args.max_seq_len)
+    too_long = torch.zeros(1, model.args.max_seq_len + 5, dtype=torch.long)  # no room left: the prompt must shrink
+    with pytest.raises(UserError, match=f"Fix: shorten the prompt to fewer than {model.args.max_seq_len} tokens"):
+        generate(model, too_long, 1)
 
 
 def test_generation_stops_once_every_row_has_produced_the_stop_token():

@@ -71,9 +71,14 @@ def test_the_script_trains_one_process(tmp_path):
     assert sorted(losses(tmp_path)) == [1, 2, 3] and "step 3/3" in done.stdout + done.stderr
 
 
-def test_a_word_that_is_neither_a_command_nor_a_recipe_lists_the_commands():
-    done = subprocess.run([SCRIPT, "evaluate"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
-    assert done.returncode == 2 and "unknown command 'evaluate' (did you mean 'eval'?)" in done.stderr, done.stderr
+@pytest.mark.parametrize("word, message", [
+    ("evaluate", "unknown command 'evaluate' (did you mean 'eval'?)"),
+    ("./my.tom", "recipe file './my.tom' not found"),  # a mistyped recipe path is not called a command
+    ("recipes/debug", "recipe file 'recipes/debug' not found"),
+])
+def test_a_word_that_is_neither_a_command_nor_a_recipe_is_named(word, message):
+    done = subprocess.run([SCRIPT, word], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("argv, name", [

@@ -147,20 +147,35 @@ class PackedShardsDataset(IterableDataset):
                 worker = torch.utils.data.get_worker_info()
                 if worker is not None and worker.num_workers > 1:
                     return  # this worker's shards are empty; the rank's other workers go on (the loader checks the rank)
-                at_least = f" of at least data.min_document_tokens = {self.min_document_tokens} tokens" \
-                    if self.min_document_tokens else ""
-                raise UserError(
-                    f"data split {self.split!r}: logical shards {sorted(packers)} of rank {self.dp_rank} hold no "
-                    f"documents{at_least}, so this rank has nothing to train on; add data, lower logical_shards "
-                    f"({self.logical_shards}) or num_workers, or raise the validation fraction for validation"
-                    + (", or lower min_document_tokens" if self.min_document_tokens else "")
-                )
+                raise no_documents_error(self.split, list(packers), self.dp_rank, self.logical_shards,
+                                         self.min_document_tokens)
             window = packers[next_shard(live)].next_window_with_starts()
             if window is None:
                 continue
             tokens = torch.from_numpy(window[0])
             yield {"input": tokens[:-1], "target": tokens[1:],
                    "document_starts": row_document_starts(window[1], self.seq_len)}
+
+
+def no_documents_error(split: str, shards: list[int], dp_rank: int, logical_shards: int,
+                       min_document_tokens: int) -> UserError:
+    """The stream of a rank whose logical shards hold no document (it would wait forever for one)."""
+    shards = sorted(shards)
+    which = (f"all {logical_shards} logical shards" if len(shards) == logical_shards else
+             f"logical shards {shards}" if len(shards) <= 8 else
+             f"logical shards {', '.join(map(str, shards[:8]))}, ... ({len(shards)} of {logical_shards})")
+    at_least = f" of at least data.min_document_tokens = {min_document_tokens} tokens" if min_document_tokens else ""
+    if split == "validation":
+        what = "there is no held-out data to validate on"
+        fix = ("raise the data source's validation_fraction (or its validation_split), add data, lower "
+               "data.logical_shards, or train without validation (validation.enable = false)")
+    else:
+        what = "this rank has nothing to train on"
+        fix = "add data, or lower data.logical_shards or data.num_workers"
+    if min_document_tokens:
+        fix += ", or lower data.min_document_tokens"
+    return UserError(f"data split {split!r}: {which} of data-parallel rank {dp_rank} hold no documents{at_least}, "
+                     f"so {what}. Fix: {fix}.")
 
 
 def row_document_starts(starts, seq_len: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from components.errors import UserError
-from components.data.dataset import PackedShardsDataset
+from components.data.dataset import PackedShardsDataset, no_documents_error
 from components.data.sharding import loader_state_by_logical_shard, shards_of_rank, validate_layout
 from components.data.sources.base import SPLITS
 
@@ -83,14 +83,8 @@ class _PlainErrors:
             return next(self._batches)
         except StopIteration:
             data = self._dataset
-            at_least = f" of at least data.min_document_tokens = {data.min_document_tokens} tokens" \
-                if data.min_document_tokens else ""
-            raise UserError(
-                f"data split {data.split!r}: logical shards {sorted(data.rank_shards)} of data-parallel rank "
-                f"{data.dp_rank} hold no documents{at_least}. Fix: add data, lower data.logical_shards or "
-                "data.num_workers, or for validation raise the source's validation fraction"
-                + (", or lower data.min_document_tokens" if data.min_document_tokens else "") + "."
-            ) from None
+            raise no_documents_error(data.split, data.rank_shards, data.dp_rank, data.logical_shards,
+                                     data.min_document_tokens) from None
         except UserError as exc:
             kind = type(exc)
             text = str(exc)

@@ -62,9 +62,11 @@ def generate(
     B, T0 = prompt.shape
     total = T0 + max_new_tokens
     if total > model.args.max_seq_len:
+        room = model.args.max_seq_len - T0
+        fix = (f"ask for at most {room} new tokens (sample's --max-new-tokens), or shorten the prompt" if room > 0 else
+               f"shorten the prompt to fewer than {model.args.max_seq_len} tokens, leaving room for the new ones")
         raise UserError(f"prompt + new tokens = {T0} + {max_new_tokens} = {total} exceeds the model's max_seq_len "
-                        f"{model.args.max_seq_len}. Fix: ask for at most {max(model.args.max_seq_len - T0, 0)} new "
-                        f"tokens (sample's --max-new-tokens), or shorten the prompt")
+                        f"{model.args.max_seq_len}. Fix: {fix}")
     out = prompt.new_empty(B, total)
     out[:, :T0] = prompt
     if max_new_tokens == 0:
