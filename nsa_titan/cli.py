@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"error: unknown command {command!r}{suggest(command, list(handlers))}. Fix: use one of "
                      f"{', '.join(handlers)} (`nsa-titan --help` describes them).")
     if command not in ("train", "inspect", "doctor") and ("--help" in rest or "-h" in rest):
-        print(f"{COMMANDS[command]}\n(recipe fields and overrides: nsa-titan train --help)")
+        # sample reads an exported model alone; the others also take a recipe with its overrides
+        print(COMMANDS[command] + ("" if command == "sample" else
+                                   "\n(with a recipe, its fields and overrides: nsa-titan train --help)"))
         return 0
     try:
         return handlers[command](rest)

@@ -315,3 +315,12 @@ def test_export_overwrite_refuses_a_symbolic_link(run, tmp_path, capsys):
     refused(capsys, ["export", *run[0], "--output", str(link), "--overwrite"], "is a symbolic link",
             f"give the path it points to, '{real}'")
     assert link.is_symlink()
+
+
+def test_the_help_of_a_command_says_whether_it_takes_overrides(capsys):
+    """sample reads an exported model alone (it refuses overrides); the others take a recipe and its overrides."""
+    assert cli.main(["sample", "--help"]) == 0
+    assert "nsa-titan sample" in (said := capsys.readouterr().out) and "overrides" not in said, said
+    for command in ("export", "eval", "plot"):
+        assert cli.main([command, "--help"]) == 0
+        assert "with a recipe, its fields and overrides" in capsys.readouterr().out, command

@@ -15,10 +15,11 @@ from nsa_titan.config.fields import f
 @dataclass
 class JobConfig:
     name: str = f("debug", "Run name: on the run's start line, in its recipe.toml and manifest, and the W&B "
-                           "run's name. Unset, the recipe file's name (my_run.toml: my_run).")
+                           "run's name. Unset in the recipe itself (a file it extends does not name it): the "
+                           "recipe file's name (my_run.toml: my_run); debug without a recipe.")
     description: str = f("", "Free text describing the run.")
-    dump_folder: str = f("./outputs/debug", "Folder for this run's recipe, metrics, checkpoints and logs. Unset, "
-                                            "./outputs/<job.name>.")
+    dump_folder: str = f("./outputs/debug", "Folder for this run's recipe, metrics, checkpoints and logs. Unset in "
+                                            "the recipe itself: ./outputs/<job.name>.")
     seed: int = f(0, "Seed for model init, data order and dropout-free training randomness.", ge=0)
     plugins: list[str] = f([], "Python modules imported before the recipe is checked; they may register parts.")
 
