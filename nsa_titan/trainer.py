@@ -173,6 +173,7 @@ class Trainer:
         self.train_loader = self._loader("train")
         self.state = RunState(self.model, self.optimizer, self.lr_scheduler, self.train_loader)
         self.state.extra["recipe_hash"] = resolved.hash  # in every checkpoint: the recipe that wrote it
+        self.state.extra["global_batch_size"] = self.global_batch  # what -1 meant at the world size that saved
         self.checkpointer = None
         ckpt = recipe.checkpoint
         if ckpt.enable or ckpt.initial_load_path:
@@ -285,6 +286,7 @@ class Trainer:
                                                      "kept (recipe.toml); the new values apply from here")
             if note:
                 self._say(note)
+            self._say_derived_batch_change(record, step)
             if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only
                 self._say(f"checkpoint.initial_load_path = {ckpt.initial_load_path!r} is not used: this run resumes "
                           f"its own checkpoint (a new --job.dump_folder starts from those weights)")
@@ -564,6 +566,17 @@ class Trainer:
         except torch.OutOfMemoryError as exc:
             raise TrainingFault(self._out_of_memory_message(what, step, exc), OUT_OF_MEMORY_EXIT,
                                 every_rank=False) from None
+
+    def _say_derived_batch_change(self, record: dict, step: int) -> None:
+        """training.global_batch_size = -1 follows the world size: a resume on another number of processes
+        changes the batch the optimizer steps on, which no recipe field shows (an explicit size is kept, and
+        a changed one is in the recipe-change note)."""
+        saved = record.get("global_batch_size")  # absent from checkpoints written before it was kept
+        if self.recipe.training.global_batch_size != -1 or saved is None or saved == self.global_batch:
+            return
+        self._say(f"the global batch is {self.global_batch} sequences a step here and was {saved} in the run that "
+                  f"saved step {step} ({record['world_size']} process(es)): training.global_batch_size = -1 follows "
+                  f"the world size. To keep {saved}, resume with --training.global_batch_size={saved}.")
 
     def _out_of_memory_message(self, what: str, step: int, exc: BaseException) -> str:
         allocator = " ".join(str(exc).split()).split(" If reserved but unallocated")[0].split(" See documentation")[0]

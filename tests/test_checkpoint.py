@@ -84,6 +84,23 @@ def test_resume_at_another_world_size(tmp_path, before, after):
         assert resumed[step] == pytest.approx(expected[step], rel=2e-4)
 
 
+@pytest.mark.slow
+def test_a_resume_on_fewer_processes_names_the_smaller_derived_batch(tmp_path, capsys):
+    """global_batch_size = -1 means local x data-parallel size: two processes saved batches of 4, one resumes
+    with 2, which no recipe field shows, so the run says it (and how to keep 4)."""
+    derived = [a for a in BASE if not a.startswith("--training.global_batch_size")]
+    folder = tmp_path / "run"
+    argv = [*derived, f"--job.dump_folder={folder}", "--parallelism.data_parallel_shard_degree=2"]
+    proc = train([*argv, "--training.steps=2"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert cli.main(["train", *derived, f"--job.dump_folder={folder}", "--training.steps=3"]) == 0
+    said = capsys.readouterr().out
+    assert "the global batch is 2 sequences a step here and was 4 in the run that saved step 2 (2 process(es))" in said
+    assert "resume with --training.global_batch_size=4" in said
+    assert cli.main(["train", *derived, f"--job.dump_folder={folder}", "--training.steps=4"]) == 0
+    assert "the global batch is" not in capsys.readouterr().out  # saved at the same size: nothing to say
+
+
 def test_partial_checkpoint_is_skipped_and_corrupt_one_refused(tmp_path, capsys):
     folder = tmp_path / "run"
     argv = [*BASE, "--training.steps=2", "--checkpoint.interval=1", f"--job.dump_folder={folder}"]
