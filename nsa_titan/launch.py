@@ -10,6 +10,7 @@ schedulers can tell a bad recipe from a crash. Ranks that stopped only because a
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
@@ -21,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from nsa_titan.parallel.distributed import PEER_LOST_EXIT_CODE
 
+    # Its log line for a failed rank ("failed (exitcode: 2) local_rank: 1 ...") says what the line below says.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)
