@@ -103,6 +103,12 @@ class Trainer:
             raise UserError(f"compile.mode = {recipe.compile.mode!r} replays CUDA graphs, but this run trains on "
                             f"{runtime.device.type}. Fix: set --compile.mode=default, or train on CUDA.")
 
+        self.model_part = registry.get("model", recipe.model.name)
+        if self.model_part.device_problem is not None:  # before anything is built, read or written
+            problem = self.model_part.device_problem(recipe.model.args, runtime.device)
+            if problem:
+                raise UserError(problem)
+
         fault = recipe.fault
         single = recipe.parallelism.fsdp_single_process
         init_process_group(runtime, max(recipe.parallelism.init_timeout_seconds, fault.step_timeout_seconds + 60,
@@ -143,11 +149,6 @@ class Trainer:
 
         self.tokenizer = assemble.build_tokenizer(recipe)
         self.source = assemble.build_source(recipe)
-        self.model_part = registry.get("model", recipe.model.name)
-        if self.model_part.device_problem is not None:  # before anything is built or read
-            problem = self.model_part.device_problem(recipe.model.args, runtime.device)
-            if problem:
-                raise UserError(problem)
         self._build_model()
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)

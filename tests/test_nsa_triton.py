@@ -342,12 +342,13 @@ def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a CPU run without the interpreter")
 def test_training_with_the_triton_backend_on_the_cpu_is_refused_at_start(tmp_path, monkeypatch, capsys):
-    """Before the model is built or data read, not in the first step's forward."""
+    """Before the model is built, data read or the run folder written, not in the first step's forward."""
     from nsa_titan import cli
     from tests.launch import DEBUG, TINY
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    code = cli.main(["train", DEBUG, *TINY, "--model.nsa.backend=triton", f"--job.dump_folder={tmp_path}"])
+    code = cli.main(["train", DEBUG, *TINY, "--model.nsa.backend=triton", f"--job.dump_folder={tmp_path}/run"])
+    assert not (tmp_path / "run").exists()
     err = capsys.readouterr().err
     assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
     assert "model.nsa.backend = 'triton' runs CUDA kernels, but this run is on cpu" in err
