@@ -128,9 +128,10 @@ def refuse_earlier_results(out: str, command: str, patterns: tuple[str, ...], ov
 def write_results(out: str, command: str, patterns: tuple[str, ...], overwrite: bool,
                   writers: dict[str, Callable[[str], None]]) -> None:
     """A command's result files into --out: writers maps each final path to a function that writes the file
-    at the (temporary) path it is given. Every file is written under a temporary name first, then the
-    earlier results go (with --overwrite) and the new ones move in: a write that fails (a full disk) leaves
-    no partial file and the earlier results as they were."""
+    at the (temporary) path it is given. Every file is written under a temporary name first; only then do
+    the new files move in, each replacing its earlier namesake at once, and (with --overwrite) the earlier
+    results they did not replace go. A write that fails (a full disk) leaves no partial file and the
+    earlier results as they were."""
     staged = {path: os.path.join(out, f".{os.path.basename(path)}.{os.getpid()}.tmp") for path in writers}
     try:
         os.makedirs(out, exist_ok=True)
@@ -141,18 +142,19 @@ def write_results(out: str, command: str, patterns: tuple[str, ...], overwrite: 
                         f"was written and any earlier results there are as they were. Fix: free some space, or "
                         f"choose another folder.") from None
     else:
-        remove_earlier_results(out, command, patterns, overwrite)
-        for path in writers:
-            os.replace(staged[path], path)
+        refuse_earlier_results(out, command, patterns, overwrite)  # again: another run may have written meanwhile
+        earlier = earlier_results(out, patterns)
+        try:
+            for path in writers:
+                os.replace(staged[path], path)
+            for name in earlier:
+                if os.path.join(out, name) not in writers:  # another layer's picture, a stale lm_eval.json
+                    os.remove(os.path.join(out, name))
+        except OSError as exc:
+            raise UserError(f"cannot move the {command} results into --out {out!r} ({exc.strerror or exc}); the "
+                            f"folder may hold some new and some earlier results. Fix: run the command again with "
+                            f"--overwrite.") from None
     finally:
         for path in staged.values():
             if os.path.exists(path):
                 os.remove(path)
-
-
-def remove_earlier_results(out: str, command: str, patterns: tuple[str, ...], overwrite: bool) -> None:
-    """Just before writing: refuse again (another run may have written meanwhile), then, with --overwrite,
-    remove every earlier result so none stays beside the new ones (another layer's picture, a stale lm_eval.json)."""
-    refuse_earlier_results(out, command, patterns, overwrite)
-    for name in earlier_results(out, patterns):
-        os.remove(os.path.join(out, name))

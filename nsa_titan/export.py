@@ -111,15 +111,15 @@ def load_exported_run(path: str, device: str | torch.device = "cpu",
                       say: Callable[[str], None] | None = None) -> ExportedRun:
     """load_exported, with the recipe saved beside the weights and the tokenizer the model was trained with.
     A Hugging Face folder's tokenizer is read from the folder's own files, so a folder copied to another
-    machine needs nothing else (hf_files.tokenizer_args_in_folder)."""
-    from components.data.hf_files import tokenizer_args_in_folder
+    machine needs nothing else (hf_files.tokenizer_in_folder)."""
+    from components.data.hf_files import tokenizer_in_folder
 
     model, meta = load_exported(path, device, say)
     recipe = read_saved_recipe(meta["recipe_toml"], path)
-    args = recipe.data.tokenizer_args
+    name, args = recipe.data.tokenizer, recipe.data.tokenizer_args
     if meta.get("format") == "hf":
-        args = tokenizer_args_in_folder(args, path)
-    return ExportedRun(model, meta, recipe, registry.build("tokenizer", recipe.data.tokenizer, args))
+        name, args = tokenizer_in_folder(name, args, path)
+    return ExportedRun(model, meta, recipe, registry.build("tokenizer", name, args))
 
 
 # What an export file must hold, by type (step is an int, or None for weights of no checkpoint step).

@@ -17,7 +17,7 @@ def space_error(exc: BaseException | None) -> OSError | None:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS:
             return exc
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
 
 

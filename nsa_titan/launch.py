@@ -22,8 +22,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from nsa_titan.parallel.distributed import PEER_LOST_EXIT_CODE
 
-    # Its log line for a failed rank ("failed (exitcode: 2) local_rank: 1 ...") says what the line below says.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Its log line for a failed rank ("failed (exitcode: 2) local_rank: 1 ...") says what the line below says;
+    # its other lines (a worker that would not stop, and was killed) stay.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: not str(record.msg).startswith("failed (exitcode"))
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)

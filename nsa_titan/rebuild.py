@@ -16,6 +16,7 @@ from nsa_titan.checkpoint import complete_steps, read_model_weights
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import RecipeError
+from nsa_titan.config.resolve import run_identity_notes
 
 
 def say_on_stderr(text: str) -> None:
@@ -42,6 +43,8 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
     any layout into the unsharded model.
     """
     recipe = resolved.recipe
+    for note in run_identity_notes(resolved):  # which run folder is read, when the recipe's [job] was not its own
+        say_on_stderr(f"note: {note}")
     args = runnable_args(registry.get("model", recipe.model.name), recipe.model.args, "cpu", say)
     recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, args=args))
     folder = os.path.join(recipe.job.dump_folder, recipe.checkpoint.folder)

@@ -575,9 +575,17 @@ class Trainer:
         saved = record.get("global_batch_size")  # absent from checkpoints written before it was kept
         if self.recipe.training.global_batch_size != -1 or saved is None or saved == self.global_batch:
             return
+        local = self.recipe.training.local_batch_size
+        if saved % (local * self.dp_size) == 0:
+            keep = f"To keep {saved}, resume with --training.global_batch_size={saved}."
+        elif saved % self.dp_size == 0:
+            keep = (f"To keep {saved}, resume with --training.global_batch_size={saved} "
+                    f"--training.local_batch_size={saved // self.dp_size}.")
+        else:
+            keep = f"{saved} sequences do not divide among {self.dp_size} data-parallel ranks, so it cannot be kept here."
         self._say(f"the global batch is {self.global_batch} sequences a step here and was {saved} in the run that "
                   f"saved step {step} ({record['world_size']} process(es)): training.global_batch_size = -1 follows "
-                  f"the world size. To keep {saved}, resume with --training.global_batch_size={saved}.")
+                  f"the world size. {keep}")
 
     def _out_of_memory_message(self, what: str, step: int, exc: BaseException) -> str:
         allocator = " ".join(str(exc).split()).split(" If reserved but unallocated")[0].split(" See documentation")[0]

@@ -87,7 +87,8 @@ def test_resume_at_another_world_size(tmp_path, before, after):
 @pytest.mark.slow
 def test_a_resume_on_fewer_processes_names_the_smaller_derived_batch(tmp_path, capsys):
     """global_batch_size = -1 means local x data-parallel size: two processes saved batches of 4, one resumes
-    with 2, which no recipe field shows, so the run says it (and how to keep 4)."""
+    with 2, which no recipe field shows, so the run says it and how to keep the saved size (which takes
+    smaller local batches when the world grows)."""
     derived = [a for a in BASE if not a.startswith("--training.global_batch_size")]
     folder = tmp_path / "run"
     argv = [*derived, f"--job.dump_folder={folder}", "--parallelism.data_parallel_shard_degree=2"]
@@ -99,6 +100,10 @@ def test_a_resume_on_fewer_processes_names_the_smaller_derived_batch(tmp_path, c
     assert "resume with --training.global_batch_size=4" in said
     assert cli.main(["train", *derived, f"--job.dump_folder={folder}", "--training.steps=4"]) == 0
     assert "the global batch is" not in capsys.readouterr().out  # saved at the same size: nothing to say
+    proc = train([*argv, "--training.steps=5"], nproc=2)  # back on two: 2 does not split into local batches of 2
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "was 2 in the run that saved step 4 (1 process(es))" in proc.stdout, proc.stdout
+    assert "resume with --training.global_batch_size=2 --training.local_batch_size=1" in proc.stdout
 
 
 def test_partial_checkpoint_is_skipped_and_corrupt_one_refused(tmp_path, capsys):

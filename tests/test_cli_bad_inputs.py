@@ -324,3 +324,19 @@ def test_the_help_of_a_command_says_whether_it_takes_overrides(capsys):
     for command in ("export", "eval", "plot"):
         assert cli.main([command, "--help"]) == 0
         assert "with a recipe, its fields and overrides" in capsys.readouterr().out, command
+
+
+def test_commands_reading_a_run_say_when_its_folder_is_not_the_extended_recipes(tmp_path, capsys, monkeypatch):
+    """my_exp.toml extends a recipe naming its own run: export reads ./outputs/my_exp and says why it is not
+    the extended recipe's folder (where checkpoints an earlier rule put may lie)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base.toml").write_text(f'extends = "{DEBUG}"\n[job]\nname = "base"\ndump_folder = "runs/base"\n')
+    (tmp_path / "my_exp.toml").write_text('extends = "base.toml"\n')
+    shape = [*TINY, "--training.steps=1", "--checkpoint.enable=true"]
+    assert cli.main(["train", "base.toml", *shape]) == 0
+    capsys.readouterr()
+    assert cli.main(["export", "my_exp.toml", *shape, "--output", "model.pt"]) == 2
+    err = capsys.readouterr().err
+    assert "error: no complete checkpoint in ./outputs/my_exp/checkpoint" in err and "Traceback" not in err, err
+    assert "note: this run is 'my_exp' in './outputs/my_exp', not the run of the recipe it extends (job.name = " \
+           "'base' in base.toml, job.dump_folder = 'runs/base' in base.toml)" in err

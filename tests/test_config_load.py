@@ -52,6 +52,9 @@ def test_a_recipe_that_names_no_run_is_named_after_its_file(tmp_path):
     assert any("job.name = 'base' in" in note and "not inherited" in note for note in runs["named"].notes)
     assert any("job.dump_folder = 'runs/here' in" in note for note in runs["moved"].notes)
     assert not any("inherited" in note for note in runs["renamed"].notes + runs["my_run"].notes)
+    (tmp_path / "misnamed.toml").write_text('extends = "placed.toml"\n[job]\nname = 5\n')
+    with pytest.raises(RecipeError, match="job.name"):  # the schema's message, not a crash in the note
+        resolve([str(tmp_path / "misnamed.toml")])
     kept = resolve([str(tmp_path / "named.toml"), "--job.dump_folder=./outputs/base", "--job.name=base"])
     assert (kept.recipe.job.name, kept.recipe.job.dump_folder) == ("base", "./outputs/base")
     assert not any("inherited" in note for note in kept.notes)

@@ -404,6 +404,32 @@ def test_a_folder_copied_elsewhere_reads_its_own_tokenizer(trained, tmp_path, ca
     assert tokenizer.encode("def f(x):") == HFTokenizer(HFTokenizerArgs(path=str(trained))).encode("def f(x):")
 
 
+def test_a_folder_of_a_tiktoken_file_run_reads_without_the_file(tmp_path, capsys):
+    """A tiktoken encoding read from a .tiktoken file: once the file is gone (the folder copied elsewhere), the
+    folder's own byte-level BPE encodes as training did."""
+    import base64
+
+    from components.data.tokenizers import TiktokenArgs, TiktokenTokenizer
+    from nsa_titan.export import load_exported_run
+
+    ranks = [bytes([b]) for b in range(256)] + [b"  ", b"    ", b"de", b"def", b"re", b"ret", b"return", b"in"]
+    encoding = tmp_path / "small.tiktoken"
+    encoding.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(ranks)))
+    ours = TiktokenTokenizer(TiktokenArgs(encoding=str(encoding)))
+    argv = [DEBUG, *TINY, "--training.steps=1", "--data.tokenizer=tiktoken", f"--data.tiktoken.encoding={encoding}",
+            "--checkpoint.enable=true", f"--job.dump_folder={tmp_path}/run"]
+    assert cli.main(["train", *argv]) == 0
+    folder = str(tmp_path / "hf")
+    assert cli.main(["export", *argv, "--format", "hf", "--output", folder]) == 0
+    encoding.unlink()
+    capsys.readouterr()
+    assert cli.main(["sample", folder, "--prompt", "def ", "--max-new-tokens", "4"]) == 0, capsys.readouterr().err
+    theirs = load_exported_run(folder).tokenizer
+    assert (theirs.eos_id, theirs.bos_id, theirs.vocab_size) == (ours.eos_id, ours.bos_id, ours.vocab_size)
+    for text in _stdlib_texts(5) + ["def f(x):\n    return x  # naïve 🙂"]:
+        assert theirs.encode(text) == ours.encode(text)
+
+
 @pytest.mark.parametrize("setup, extra, message", [
     ("full", ["--format", "hf"], "already exists and is not an empty folder"),
     (None, ["--format", "onnx"], "--format 'onnx' is not one of pt"),

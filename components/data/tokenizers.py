@@ -89,6 +89,11 @@ def _looks_like_path(encoding: str) -> bool:
     return encoding.endswith(".tiktoken") or os.sep in encoding or os.path.exists(encoding)
 
 
+def encoding_file(encoding: str) -> str | None:
+    """The .tiktoken file an encoding setting names, or None for a registered encoding name."""
+    return encoding if _looks_like_path(encoding) else None
+
+
 def _bpe_ranks(path: str, content: bytes) -> dict[bytes, int]:
     """A .tiktoken file's merge ranks: lines of '<base64 token> <rank>'. Parsed here because tiktoken's
     loader caches every path it reads, so an edited file at the same path would read as the old one."""

@@ -53,6 +53,15 @@ def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str 
     return _finish(table, origin, problems, world_size, path, cmd)
 
 
+# In the note of a recipe whose [job] an extended file set: the commands that read a run's folder say it too.
+NOT_INHERITED = "a run's name and folder are not inherited"
+
+
+def run_identity_notes(resolved: ResolvedRecipe) -> list[str]:
+    """The notes on which run (folder) the recipe names, for commands that read a run's outputs."""
+    return [note for note in resolved.notes if NOT_INHERITED in note]
+
+
 def _name_the_run_after(path: str, table: dict, origin: dict[str, str], notes: list[str]) -> None:
     """The run a recipe names is its own: job.name and job.dump_folder come from the file itself or the
     command line, never from a file it extends (a copy of nsa_125m.toml's settings would otherwise train in,
@@ -74,11 +83,11 @@ def _name_the_run_after(path: str, table: dict, origin: dict[str, str], notes: l
     if "job.dump_folder" not in origin and isinstance(job["name"], str):
         job["dump_folder"] = f"./outputs/{job['name']}"
         origin["job.dump_folder"] = "job.name"
-    if inherited:
+    if inherited and isinstance(job.get("name"), str) and isinstance(job.get("dump_folder"), str):
         theirs = ", ".join(f"{key} = {given[key]!r} in {inherited[key]}" for key in inherited)
         notes.append(f"this run is {job['name']!r} in {job['dump_folder']!r}, not the run of the recipe it extends "
-                     f"({theirs}): a run's name and folder are not inherited. To continue that run, set them in "
-                     f"[job] of {os.path.basename(path)} or on the command line.")
+                     f"({theirs}): {NOT_INHERITED}. To continue that run, set them in [job] of "
+                     f"{os.path.basename(path)} or on the command line.")
 
 
 def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
