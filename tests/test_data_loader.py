@@ -206,7 +206,7 @@ def test_short_documents_are_skipped_and_resume_exactly(workers):
 
 def test_a_filter_that_leaves_no_document_says_so():
     source = SyntheticSource(SyntheticArgs(num_documents=8, min_length=2, max_length=30, vocab_size=200))
-    with pytest.raises(UserError, match="at least data.min_document_tokens = 100 tokens.*lower min_document_tokens"):
+    with pytest.raises(UserError, match="at least data.min_document_tokens = 100 tokens.*lower data.min_document_tokens"):
         take(byte_loader(source, min_document_tokens=100, logical_shards=1), 1)
 
 
