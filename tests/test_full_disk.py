@@ -10,21 +10,11 @@ import pytest
 
 from nsa_titan import cli
 from tests.launch import DEBUG, TINY, metrics
-from tests.test_cli_bad_inputs import run  # noqa: F401 (a fixture: a one-step run and its export)
+from tests.test_cli_bad_inputs import refused, run  # noqa: F401 (run: a fixture, a one-step run and its export)
 
 FULL = "/dev/full"  # every write to it fails with ENOSPC, as on a full file system
 
 pytestmark = pytest.mark.skipif(not os.path.exists(FULL), reason="needs /dev/full (Linux)")
-
-
-def _refused(capsys, args, *fragments) -> str:
-    code = cli.main(args)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err and err.startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in err, err
-    return err
 
 
 def test_a_disk_that_fills_during_training(tmp_path, capsys, monkeypatch):
@@ -42,7 +32,7 @@ def test_a_disk_that_fills_during_training(tmp_path, capsys, monkeypatch):
         write(self, record)
 
     monkeypatch.setattr(MetricsLog, "write", write_until_full)
-    _refused(capsys, ["train", *argv], "train stopped: the file system is full while writing",
+    refused(capsys, ["train", *argv], "train stopped: the file system is full while writing",
              "metrics.jsonl", "No space left on device", "resumes from it")
     monkeypatch.setattr(MetricsLog, "write", write)
     assert cli.main(["train", *argv]) == 0  # the checkpoint of step 2 was kept: the rerun resumes there
@@ -55,7 +45,7 @@ def test_a_full_disk_at_start_up(tmp_path, capsys, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "pwrite", full)
-    _refused(capsys, ["train", DEBUG, *TINY, f"--job.dump_folder={tmp_path}/run"],
+    refused(capsys, ["train", DEBUG, *TINY, f"--job.dump_folder={tmp_path}/run"],
              "the file system is full while writing", ".run.lock")
 
 
@@ -78,7 +68,7 @@ def test_a_plot_that_fills_the_disk_leaves_nothing_and_can_be_retried(run, tmp_p
     command = ["plot", run[1], "--text", "def f(x):", "--out", str(out)]
     monkeypatch.setattr(plots, "gate_figure", full_on_save)
     monkeypatch.setattr(plots.pyplot(), "close", lambda fig: None)
-    _refused(capsys, command, "cannot write the plot results into --out", "No space left on device")
+    refused(capsys, command, "cannot write the plot results into --out", "No space left on device")
     assert not out.exists() or os.listdir(out) == []  # no partial picture, nothing that blocks a retry
     monkeypatch.setattr(plots, "gate_figure", figure)
     assert cli.main(command) == 0
