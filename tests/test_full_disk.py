@@ -73,3 +73,20 @@ def test_a_plot_that_fills_the_disk_leaves_nothing_and_can_be_retried(run, tmp_p
     monkeypatch.setattr(plots, "gate_figure", figure)
     assert cli.main(command) == 0
     assert sorted(os.listdir(out)) == ["gates.png", "plots.json", "selection_layer0.png"]
+
+
+@pytest.mark.slow
+def test_one_rank_of_two_meeting_a_full_disk_ends_the_run_in_one_message(tmp_path):
+    """Rank 1 alone meets it (rank 0 waits in a collective): rank 1 says so and ends, the launcher names it."""
+    from tests.launch import train
+
+    proc = train([DEBUG, *TINY, "--training.steps=3", "--job.plugins=tests.plugins.full_disk_at_step",
+                  "--model.name=full_disk_at_step", "--model.full_disk_step=2", "--model.full_disk_rank=1",
+                  "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path / 'run'}"],
+                 nproc=2, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert "error: rank 1: train stopped: the file system is full while writing '/scratch/spill.bin' (No space " \
+           "left on device)." in " ".join(said), proc.stderr[-3000:]
+    assert said[-1] == "error: the run stopped: rank 1 failed first (exit code 2); its own message is above."
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
