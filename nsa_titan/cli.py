@@ -62,7 +62,7 @@ def train(argv: list[str]) -> int:
     rank, _, world_size = launch_world()
     if "--print-config" not in argv:  # which reads WORLD_SIZE alone, as the size of a launch to check for
         check_launched(world_size)
-    resolved = resolve(argv, world_size=world_size, actions=("print_config",))
+    resolved = resolve(argv, world_size=world_size, actions=("print_config",), training=True)
     if "print_config" in resolved.command_line.actions:
         notes = "".join(f"# note: {note}\n" for note in resolved.notes)
         print(f"# resolved recipe, hash {resolved.hash}\n{notes}{resolved.toml}", end="")

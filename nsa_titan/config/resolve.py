@@ -29,12 +29,14 @@ class ResolvedRecipe:
 
 
 def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str | None = None,
-            actions: tuple[str, ...] = ()) -> ResolvedRecipe:
+            actions: tuple[str, ...] = (), training: bool = False) -> ResolvedRecipe:
     """Parse, compose and check a recipe; raise RecipeError listing every problem at once.
 
     world_size=None checks everything but the layout rules (for commands that read a run's files
     in one process, such as export, whatever layout trained it). `actions`: the command-line actions
     the command acts on (say print_config for train); another one given is a problem, not ignored.
+    training: the recipe is resolved to train (train, doctor), so a flag for a feature it switched off is
+    refused even where another command reads it regardless (compile.* for inspect, validation.steps for eval).
     """
     problems: list[Problem] = []
     cmd = parse_args(argv, problems)
@@ -50,7 +52,7 @@ def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str 
     apply_overrides(table, origin, cmd.overrides, problems)
     if path is not None:
         _name_the_run_after(path, table, origin, cmd.notes)
-    return _finish(table, origin, problems, world_size, path, cmd)
+    return _finish(table, origin, problems, world_size, path, cmd, training=training)
 
 
 # In the note of a recipe whose [job] an extended file set: the commands that read a run's folder say it too.
@@ -141,7 +143,7 @@ def import_plugins_of(text: str) -> None:
 
 
 def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_size: int | None, path: str | None,
-            cmd: CommandLine, saved: bool = False) -> ResolvedRecipe:
+            cmd: CommandLine, saved: bool = False, training: bool = False) -> ResolvedRecipe:
     """saved: a recipe a run or an export wrote, read back to rebuild its model and data. It was valid when
     written: rules added since (cross-field checks, recipe rules) become notes; its fields and types
     must still read."""
@@ -150,7 +152,8 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
     recipe = builder.build(Recipe, table)
     if not problems:
         broken: list[Problem] = []
-        check_rules(recipe, world_size, builder.source_of, broken if saved else problems, builder.notes)
+        check_rules(recipe, world_size, builder.source_of, broken if saved else problems, builder.notes,
+                    training=training)
         builder.notes.extend(f"{NO_LONGER_PASSES}{found.render()}" for found in broken)
     if problems:
         raise RecipeError(problems)

@@ -63,9 +63,10 @@ def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
 
 
 def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: list[Problem],
-                notes: list[str] | None = None) -> None:
+                notes: list[str] | None = None, training: bool = False) -> None:
     """world_size None: a one-process reader of a run (export, plot); the layout rules do not apply.
-    Settings that are legal but worth saying out loud are appended to `notes`."""
+    Settings that are legal but worth saying out loud are appended to `notes`. training: flags of switched-off
+    features that other commands read either way are refused too (resolve's training)."""
     notes = [] if notes is None else notes
 
     def add(field: str, value, why: str, fix: str) -> None:
@@ -146,8 +147,8 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
             "use 2 or more, or 0 to keep all")
     # A flag for a feature the recipe switched off does nothing: say so (a recipe file may keep such
     # settings for when the feature is on). Fields another command reads either way (checkpoint.folder
-    # for export and eval, validation.steps for eval, compile.* for inspect) are not listed.
-    for section, switch, names in _SWITCHED_FIELDS:
+    # for export and eval, validation.steps for eval, compile.* for inspect) are listed only for training.
+    for section, switch, names in _SWITCHED_FIELDS + (_SWITCHED_FIELDS_READ_ELSEWHERE if training else ()):
         table = getattr(recipe, section)
         if getattr(table, switch):
             continue
@@ -237,6 +238,11 @@ _SWITCHED_FIELDS = (
     ("profiling", "enable", ("start_step", "steps", "folder")),
     ("metrics", "enable_tensorboard", ("save_tb_folder",)),
     ("metrics", "enable_wandb", ("wandb_project", "wandb_mode")),
+)
+# Read by another command whatever the switch says: inspect compiles, eval validates.
+_SWITCHED_FIELDS_READ_ELSEWHERE = (
+    ("compile", "enable", ("backend", "fullgraph", "mode")),
+    ("validation", "enable", ("steps",)),
 )
 
 

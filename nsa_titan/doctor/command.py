@@ -52,7 +52,7 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     from nsa_titan.runtime import make_runtime
 
     try:
-        resolved = resolve(argv, world_size=world_size)
+        resolved = resolve(argv, world_size=world_size, training=True)
     except RecipeError as exc:
         recipe_check, resolved = Check("recipe", FAIL, exc.render()), None
     else:
