@@ -165,6 +165,8 @@ CASES = [
      ["parallelism.fsdp_reshard_after_forward", "shards nothing"]),
     ("reshard choice without sharding", "", ["--parallelism.fsdp_reshard_after_forward=never"],
      ["parallelism.fsdp_reshard_after_forward", "shards nothing", "--parallelism.fsdp_single_process=true"]),
+    ("zero replicate degree", "", ["--parallelism.data_parallel_replicate_degree=0"],
+     ["parallelism.data_parallel_replicate_degree = 0: a degree", "-1 (to fill what the others leave) or at least 1"]),
     ("impossible degrees", "[parallelism]\ndata_parallel_shard_degree = 2\ndata_parallel_replicate_degree = 2\n", [],
      ["parallelism.data_parallel_shard_degree", "world size is 1"]),
 ]

@@ -49,11 +49,15 @@ def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
     world_size //= cp
     size_name = "world size" if cp == 1 else f"data-parallel size (world size / context_parallel_degree {cp})"
     rep, shard = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
+    for name, value in (("data_parallel_replicate_degree", rep), ("data_parallel_shard_degree", shard)):
+        if value == 0:  # named as itself, not as a world size that the other degree cannot divide
+            raise LayoutError("a degree is -1 (to fill what the others leave) or at least 1, not 0",
+                              f"parallelism.{name}", "use -1 or a positive degree")
     if rep == -1 and shard == -1:
         raise LayoutError("only one of the two degrees may be -1")
     if rep == -1 or shard == -1:
         known = shard if rep == -1 else rep
-        if known == 0 or world_size % known:
+        if world_size % known:
             raise LayoutError(f"the {size_name} {world_size} is not divisible by the fixed degree {known}")
         fill = world_size // known
         return (fill, shard) if rep == -1 else (rep, fill)
