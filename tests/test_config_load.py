@@ -276,3 +276,21 @@ def test_a_built_in_backend_cannot_be_replaced():
     with pytest.raises(ValueError, match="built in"):
         registry.register("attention_backend", "reference", lambda *a, **k: None, replace=True)
     assert registry.get("attention_backend", "reference").doc.startswith("built-in")
+
+
+def test_a_list_flag_takes_commas_or_a_toml_list(tmp_path):
+    """--data.text_files.paths=["a", "b"], as a recipe writes it, is the list [a, b], not the patterns '["a"' and
+    '"b"]'; [] is the empty list."""
+    def paths(value: str) -> list[str]:
+        argv = [str(tmp_path / "r.toml"), "--data.source=text_files", f"--data.text_files.paths={value}"]
+        (tmp_path / "r.toml").write_text("")
+        return resolve(argv).recipe.data.source_args.paths
+
+    assert paths("a.txt,b.txt") == paths('["a.txt", "b.txt"]') == paths("[ 'a.txt' , 'b.txt' ]") == ["a.txt", "b.txt"]
+    with pytest.raises(RecipeError, match="no files given"):  # [] is read as the empty list, which the source refuses
+        paths("[]")
+    assert resolve([str(tmp_path / "r.toml"), "--optimizer.betas=[0.8, 0.9]"]).recipe.optimizer.betas == [0.8, 0.9]
+    with pytest.raises(RecipeError, match="is not a TOML list"):
+        paths('["a.txt", "b.txt"')
+    with pytest.raises(RecipeError, match="optimizer.betas"):  # a list of the wrong item type is the field's problem
+        resolve([str(tmp_path / "r.toml"), '--optimizer.betas=["x", "y"]'])

@@ -16,6 +16,7 @@ from nsa_titan import registry
 from nsa_titan.config.errors import NO_LONGER_PASSES, Problem
 from nsa_titan.config.fields import default_of, is_dataclass_type, named_tables_of, resolved_types, type_name
 from nsa_titan.config.overrides import CliText
+from nsa_titan.config.toml_io import tomllib
 
 _BOOL_TEXT = {"true": True, "false": False}
 
@@ -240,7 +241,13 @@ def coerce(raw: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (list, typing.List):
         (inner,) = typing.get_args(tp) or (Any,)
-        if isinstance(raw, CliText):
+        if isinstance(raw, CliText) and raw.strip().startswith("["):  # a TOML list, as a recipe writes it
+            try:
+                items = tomllib.loads(f"value = {raw.strip()}")["value"]
+            except tomllib.TOMLDecodeError as exc:
+                raise _Invalid(f"{raw!r} is not a TOML list ({exc})",
+                               'write it as in a recipe, ["a", "b"] (quoted strings), or comma-separated: a,b') from None
+        elif isinstance(raw, CliText):
             items = [CliText(p.strip()) for p in raw.split(",")] if raw.strip() else []
         elif isinstance(raw, list):
             items = raw

@@ -15,7 +15,8 @@ USAGE = """usage: nsa-titan train [RECIPE.toml] [--section.field=VALUE | --secti
 
 Overrides take precedence over the recipe, which takes precedence over the files it extends,
 which take precedence over the defaults below. Booleans take =true / =false; lists are
-comma-separated (--optimizer.betas=0.9,0.95). --print-config prints the resolved recipe and exits.
+comma-separated (--optimizer.betas=0.9,0.95) or TOML lists (--optimizer.betas='[0.9, 0.95]').
+--print-config prints the resolved recipe and exits.
 """
 
 
