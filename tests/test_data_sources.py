@@ -419,6 +419,11 @@ def test_huggingface_errors(hf_parquet, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UserError, match="text_files"):
         HuggingFaceSource(HuggingFaceArgs(path="HuggingFaceFW/fineweb-edu", name="sample-10BT")).check()
+    # Local files: no network in the fix, but the one split a list of data_files makes.
+    local = HuggingFaceSource(HuggingFaceArgs(**{**source.args.__dict__, "validation_split": "test"}))
+    with pytest.raises(UserError, match="cannot open split 'test'") as raised:
+        list(local.documents(0, 1, "validation", 0, 0, None))
+    assert "network" not in str(raised.value) and "is the one split 'train'" in str(raised.value)
 
 
 def test_huggingface_args_check():

