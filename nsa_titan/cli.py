@@ -276,6 +276,8 @@ def _quiet_known_warnings() -> None:
     """Warnings about the libraries' own internals that a user can do nothing about."""
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    # Said by every rank of a CPU (gloo) run when weights are initialised sharded; the run seeds its own RNG.
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
 
 
 def inspect(argv: list[str]) -> int:

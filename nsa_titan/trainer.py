@@ -39,7 +39,7 @@ from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
 from nsa_titan.parallel.compile import compile_blocks, compile_counters
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
-from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, init_process_group
+from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, describe_data_parallel, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
 from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, model_fields_of_step_folder,
                                   recipe_change_note, write_run_recipe)
@@ -614,8 +614,7 @@ class Trainer:
         recipe, t, state, fault = self.recipe, self.recipe.training, self.state, self.recipe.fault
         layout = f" ({self.shard.size}-way context parallel)" if self.shard is not None else ""
         if self.mesh is not None:
-            layout += ", FSDP2 over " + " x ".join(f"{name} {size}" for name, size in
-                                                    zip(self.mesh.mesh_dim_names, self.mesh.shape))
+            layout += ", " + describe_data_parallel(self.mesh, self.recipe.parallelism.context_parallel_degree)
         self._say(f"run {recipe.job.name} | model {recipe.model.name}: {self.num_params:,} parameters | recipe "
                   f"{self.resolved.hash} | "
                   f"{self.runtime.world_size} process(es) on {self.runtime.device.type}{layout} | "

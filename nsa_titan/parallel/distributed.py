@@ -51,6 +51,18 @@ def build_mesh(runtime: Runtime, replicate: int, shard: int, context: int = 1,
     return fsdp, groups[CONTEXT]
 
 
+def describe_data_parallel(mesh: DeviceMesh, context: int = 1) -> str:
+    """The data-parallel layout in words, for the run's start line: DDP, FSDP or HSDP (all FSDP2 on the
+    (replicate, shard) mesh; with context parallelism the shard dimension holds shard x cp ranks)."""
+    replicate, shard = mesh.shape
+    over = f"{shard} ranks" if context == 1 else f"{shard} ranks = {shard // context} x {context} context-parallel"
+    if shard == 1:
+        return f"DDP over {replicate} replicas" if replicate > 1 else "FSDP2 on a mesh of one rank"
+    if replicate == 1:
+        return f"FSDP sharded over {over}"
+    return f"HSDP: {replicate} replicas, each sharded over {over}"
+
+
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     """Mean over all ranks (a no-op in a single process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
