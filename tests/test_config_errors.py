@@ -167,6 +167,8 @@ CASES = [
      ["parallelism.fsdp_reshard_after_forward", "shards nothing", "--parallelism.fsdp_single_process=true"]),
     ("zero replicate degree", "", ["--parallelism.data_parallel_replicate_degree=0"],
      ["parallelism.data_parallel_replicate_degree = 0: a degree", "-1 (to fill what the others leave) or at least 1"]),
+    ("start-up timeout in one process", "", ["--parallelism.init_timeout_seconds=10"],
+     ["parallelism.init_timeout_seconds", "starts no process group"]),
     ("impossible degrees", "[parallelism]\ndata_parallel_shard_degree = 2\ndata_parallel_replicate_degree = 2\n", [],
      ["parallelism.data_parallel_shard_degree", "world size is 1"]),
 ]

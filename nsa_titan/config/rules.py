@@ -183,11 +183,13 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     _check_unused_data_fields(recipe, add, source_of)
     _check_compile(recipe, world_size, add)
     par = recipe.parallelism
-    if (world_size == 1 and not par.fsdp_single_process
-            and _flagged(source_of, "parallelism.fsdp_reshard_after_forward")):
-        add("parallelism.fsdp_reshard_after_forward", par.fsdp_reshard_after_forward, "is set on the command line, "
-            "but one process without parallelism.fsdp_single_process shards nothing, so it would be ignored",
-            "remove it, or add --parallelism.fsdp_single_process=true (or launch several processes)")
+    if world_size == 1 and not par.fsdp_single_process:
+        for name, why in (("fsdp_reshard_after_forward", "shards nothing"),
+                          ("init_timeout_seconds", "starts no process group")):
+            if _flagged(source_of, f"parallelism.{name}"):
+                add(f"parallelism.{name}", getattr(par, name), f"is set on the command line, but one process "
+                    f"without parallelism.fsdp_single_process {why}, so it would be ignored",
+                    "remove it, or add --parallelism.fsdp_single_process=true (or launch several processes)")
     if recipe.activation_checkpoint.mode != "selective" and _set(recipe.activation_checkpoint, "activation_checkpoint",
                                                                  "selective_every", source_of):
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
