@@ -52,7 +52,7 @@ def _worker(args) -> int:
     dump = os.path.join(args.worker, "run")
     os.makedirs(dump, exist_ok=True)
     resolved = resolve(synthetic_run_argv(args.recipe, args.seq_len, args.steps, 1, args.vocab_size, dump, extra,
-                                          one_document_per_row=True), world_size=cp)
+                                          one_document_per_row=True), world_size=cp, training=True)
     runtime = make_runtime(resolved.recipe.training.device, resolved.recipe.training.dtype)
     trainer = Trainer(resolved, runtime)
     times = []

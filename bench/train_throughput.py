@@ -76,7 +76,8 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
 
     with tempfile.TemporaryDirectory() as dump:
         resolved = resolve(synthetic_run_argv(recipe_path, seq_len, steps, local_batch, vocab_size, dump, extra,
-                                              one_document_per_row=documents == "row", global_batch=global_batch))
+                                              one_document_per_row=documents == "row", global_batch=global_batch),
+                           training=True)
         runtime = make_runtime(resolved.recipe.training.device, resolved.recipe.training.dtype)
         if runtime.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -147,6 +147,11 @@ CASES = [
     # Training ignores them with the switch off, though inspect compiles and eval validates whatever it says.
     ("compile flags with compile off", "", ["--compile.backend=aot_eager", "--compile.fullgraph=false"],
      ["compile.backend", "compile.fullgraph", "compile.enable is false", "--compile.enable=true"]),
+    ("a CUDA-graph mode with compile off", "", ["--compile.mode=max-autotune", "--compile.backend=aot_eager"],
+     ["the recipe has 2 problems", "compile.mode = 'max-autotune': is set on the command line but compile.enable is "
+      "false"]),  # one problem per flag: not also the mode's checks against a backend that never compiles
+    ("a glob starting with [", "", ["--data.source=text_files", "--data.text_files.paths=[ab]*.txt"],
+     ["the recipe has 1 problem", "starts with '[', so it is read as a TOML list", '\'["[ab]*.txt", "c.txt"]\'']),
     ("validation steps with validation off", "[validation]\nenable = false\n", ["--validation.steps=3"],
      ["validation.steps", "validation.enable is false", "--validation.enable=true"]),
     ("profiling flag with profiling off", "", ["--profiling.steps=2"],

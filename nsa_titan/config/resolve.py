@@ -9,9 +9,9 @@ import os
 import sys
 from dataclasses import dataclass
 
-from nsa_titan.config.build import RecipeBuilder
+from nsa_titan.config.build import RecipeBuilder, coerce
 from nsa_titan.config.errors import NO_LONGER_PASSES, Problem, RecipeError
-from nsa_titan.config.overrides import ACTIONS, CommandLine, apply_overrides, parse_args
+from nsa_titan.config.overrides import ACTIONS, CliText, CommandLine, apply_overrides, parse_args
 from nsa_titan.config.render import recipe_to_table
 from nsa_titan.config.rules import check_rules
 from nsa_titan.config.schema import Recipe
@@ -164,8 +164,11 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
 
 def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]) -> None:
     plugins = table.get("job", {}).get("plugins", []) if isinstance(table.get("job"), dict) else []
-    if isinstance(plugins, str):
-        plugins = [p.strip() for p in plugins.split(",") if p.strip()]
+    if isinstance(plugins, str):  # a flag's text: read as any list flag is (comma-separated, or a TOML list)
+        try:
+            plugins = coerce(CliText(plugins), list[str])
+        except Exception:  # not a list of names: the schema check reports it
+            return
     if not isinstance(plugins, list):
         return  # the schema check reports the wrong type
     source = origin.get("job.plugins", "defaults")

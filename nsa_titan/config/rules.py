@@ -152,12 +152,14 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     # A flag for a feature the recipe switched off does nothing: say so (a recipe file may keep such
     # settings for when the feature is on). Fields another command reads either way (checkpoint.folder
     # for export and eval, validation.steps for eval, compile.* for inspect) are listed only for training.
+    refused_sections = set()
     for section, switch, names in _SWITCHED_FIELDS + (_SWITCHED_FIELDS_READ_ELSEWHERE if training else ()):
         table = getattr(recipe, section)
         if getattr(table, switch):
             continue
         for name in names:  # a flag counts as set even at the default value: it was asked for
             if _flagged(source_of, f"{section}.{name}"):
+                refused_sections.add(section)
                 add(f"{section}.{name}", getattr(table, name), f"is set on the command line but {section}.{switch} "
                     "is false, so it would be ignored", f"add --{section}.{switch}=true")
     if recipe.lr_scheduler.warmup_steps > t.steps:
@@ -181,7 +183,8 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                 "it), so that the run's folder and its lock hold everything the run writes",
                 f"use a relative name such as {getattr(type(table)(), name)!r}, or move job.dump_folder instead")
     _check_unused_data_fields(recipe, add, source_of)
-    _check_compile(recipe, world_size, add)
+    if "compile" not in refused_sections:  # its flags refused as switched off: the mode checks would say more of it
+        _check_compile(recipe, world_size, add)
     par = recipe.parallelism
     if world_size == 1 and not par.fsdp_single_process:
         for name, why in (("fsdp_reshard_after_forward", "shards nothing"),
