@@ -116,13 +116,15 @@ def earlier_results(out: str, patterns: tuple[str, ...]) -> list[str]:
     return [n for pattern in patterns for n in names if fnmatch.fnmatchcase(n, pattern)]
 
 
-def refuse_earlier_results(out: str, command: str, patterns: tuple[str, ...], overwrite: bool) -> None:
+def refuse_earlier_results(out: str, command: str, patterns: tuple[str, ...], overwrite: bool) -> list[str]:
     """A command never silently replaces what an earlier run of it wrote into --out (eval results may be
-    all that is left of a pruned checkpoint; an earlier plot's legend would describe the new pictures)."""
+    all that is left of a pruned checkpoint; an earlier plot's legend would describe the new pictures).
+    Returns the earlier results (there to replace, with overwrite)."""
     earlier = earlier_results(out, patterns)
     if earlier and not overwrite:
         raise UserError(f"--out {out!r} holds an earlier {command}'s results ({', '.join(earlier)}); nothing was "
                         f"written. Fix: choose a new folder, or add --overwrite to replace them.")
+    return earlier
 
 
 def write_results(out: str, command: str, patterns: tuple[str, ...], overwrite: bool,
@@ -142,8 +144,7 @@ def write_results(out: str, command: str, patterns: tuple[str, ...], overwrite: 
                         f"was written and any earlier results there are as they were. Fix: free some space, or "
                         f"choose another folder.") from None
     else:
-        refuse_earlier_results(out, command, patterns, overwrite)  # again: another run may have written meanwhile
-        earlier = earlier_results(out, patterns)
+        earlier = refuse_earlier_results(out, command, patterns, overwrite)  # again: another run may have written
         try:
             for path in writers:
                 os.replace(staged[path], path)

@@ -127,7 +127,6 @@ def write_tokenizer_files(tokenizer, folder: str, model_max_length: int, add_bos
         json.dump(config, fh, indent=2)
 
 
-
 def tokenizer_in_folder(name: str, args, folder: str) -> tuple[str, object]:
     """(tokenizer name, its arguments) for reading a folder these files were written into. A Hugging Face
     tokenizer reads the folder's own tokenizer.json and tokenizer_config.json (the file its recipe names
