@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from components.models import Transformer, TransformerArgs, transformer_hooks
-from nsa_titan.registry import register
+from components.models import TransformerArgs
+from tests.plugins.faulty_model import FaultyTransformer, register_faulty_model
 
 SPILL_FILE = "/scratch/spill.bin"
 
@@ -31,24 +31,12 @@ class FullDiskAtStepArgs(TransformerArgs):
                                                      "keeps_weights": True})
 
 
-class FullDiskAtStepTransformer(Transformer):
-    def __init__(self, args: FullDiskAtStepArgs, vocab_size: int):
-        super().__init__(args, vocab_size)
-        self.training_forwards = 0
-
-    def forward(self, tokens: torch.Tensor, documents=None) -> torch.Tensor:
-        if self.training:
-            self.training_forwards += 1
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            if rank == self.args.full_disk_rank and self.training_forwards == self.args.full_disk_step:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), SPILL_FILE)
-        return super().forward(tokens, documents)
+class FullDiskAtStepTransformer(FaultyTransformer):
+    def before_forward(self, number: int, tokens: torch.Tensor) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == self.args.full_disk_rank and number == self.args.full_disk_step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), SPILL_FILE)
 
 
-def build_full_disk_at_step(args: FullDiskAtStepArgs, vocab_size: int) -> FullDiskAtStepTransformer:
-    return FullDiskAtStepTransformer(args, vocab_size)
-
-
-register("model", "full_disk_at_step", build_full_disk_at_step, args=FullDiskAtStepArgs, replace=True,
-         doc="test only: the transformer whose forward meets a full disk at a chosen step on a chosen rank",
-         **transformer_hooks())
+register_faulty_model("full_disk_at_step", FullDiskAtStepTransformer, FullDiskAtStepArgs,
+                      "the transformer whose forward meets a full disk at a chosen step on a chosen rank")

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from components.models import Transformer, TransformerArgs, transformer_hooks
-from nsa_titan.registry import register
+from components.models import TransformerArgs
+from tests.plugins.faulty_model import FaultyTransformer, register_faulty_model
 
 
 @dataclass
@@ -32,26 +32,14 @@ class NanAtStepArgs(TransformerArgs):
                                                     "keeps_weights": True})
 
 
-class NanAtStepTransformer(Transformer):
-    def __init__(self, args: NanAtStepArgs, vocab_size: int):
-        super().__init__(args, vocab_size)
-        self.training_forwards = 0
-
-    def forward(self, tokens: torch.Tensor, documents=None) -> torch.Tensor:
-        logits = super().forward(tokens, documents)
-        if not self.training:
-            return logits
-        step = self.training_forwards // self.args.micro_batches + 1
-        self.training_forwards += 1
+class NanAtStepTransformer(FaultyTransformer):
+    def after_forward(self, number: int, logits: torch.Tensor) -> torch.Tensor:
+        step = (number - 1) // self.args.micro_batches + 1
         first, count = self.args.nan_at_step, self.args.nan_steps
         if step >= first and (count == 0 or step < first + count):
-            logits = logits + float("nan")
+            return logits + float("nan")
         return logits
 
 
-def build_nan_at_step(args: NanAtStepArgs, vocab_size: int) -> NanAtStepTransformer:
-    return NanAtStepTransformer(args, vocab_size)
-
-
-register("model", "nan_at_step", build_nan_at_step, args=NanAtStepArgs, replace=True,
-         doc="test only: the transformer with NaN logits at chosen training steps", **transformer_hooks())
+register_faulty_model("nan_at_step", NanAtStepTransformer, NanAtStepArgs,
+                      "the transformer with NaN logits at chosen training steps")

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from components.models import Transformer, TransformerArgs, transformer_hooks
-from nsa_titan.registry import register
+from components.models import TransformerArgs
+from tests.plugins.faulty_model import FaultyTransformer, register_faulty_model
 
 ALLOCATOR_TEXT = ("CUDA out of memory. Tried to allocate 12.27 GiB. GPU 0 has a total capacity of 79.18 GiB of which "
                   "6.40 GiB is free. Including non-PyTorch memory, this process has 72.77 GiB memory in use. Of the "
@@ -33,24 +33,12 @@ class OomAtStepArgs(TransformerArgs):
                                                             "of memory instead", "ge": 0, "keeps_weights": True})
 
 
-class OomAtStepTransformer(Transformer):
-    def __init__(self, args: OomAtStepArgs, vocab_size: int):
-        super().__init__(args, vocab_size)
-        self.training_forwards = 0
-
-    def forward(self, tokens: torch.Tensor, documents=None) -> torch.Tensor:
-        if self.training:
-            self.training_forwards += 1
-            too_many_rows = 0 < self.args.oom_above_rows < tokens.shape[0]
-            if too_many_rows or (not self.args.oom_above_rows and self.training_forwards == self.args.oom_at_step):
-                raise torch.OutOfMemoryError(ALLOCATOR_TEXT)
-        return super().forward(tokens, documents)
+class OomAtStepTransformer(FaultyTransformer):
+    def before_forward(self, number: int, tokens: torch.Tensor) -> None:
+        too_many_rows = 0 < self.args.oom_above_rows < tokens.shape[0]
+        if too_many_rows or (not self.args.oom_above_rows and number == self.args.oom_at_step):
+            raise torch.OutOfMemoryError(ALLOCATOR_TEXT)
 
 
-def build_oom_at_step(args: OomAtStepArgs, vocab_size: int) -> OomAtStepTransformer:
-    return OomAtStepTransformer(args, vocab_size)
-
-
-register("model", "oom_at_step", build_oom_at_step, args=OomAtStepArgs, replace=True,
-         doc="test only: the transformer that runs out of device memory at a chosen training step",
-         **transformer_hooks())
+register_faulty_model("oom_at_step", OomAtStepTransformer, OomAtStepArgs,
+                      "the transformer that runs out of device memory at a chosen training step")
