@@ -83,9 +83,11 @@ def test_memory_estimate_is_near_what_a_block_saves(nproc):
     assert abs(estimated - measured) / measured < 0.1, (estimated, measured)
 
 
-def _run(args, nproc, folder):
+def _run(args, nproc, folder, start_line_says=None):
     proc = train([*args, f"--job.dump_folder={folder}"], nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if start_line_says is not None:
+        assert f" | {nproc} process(es) on cpu {start_line_says} |" in proc.stdout + proc.stderr
     return metrics(folder)
 
 
@@ -129,6 +131,11 @@ def one_process(tmp_path_factory):
     return {name: _run(args, 1, tmp_path_factory.mktemp(name)) for name, args in runs}
 
 
+# The start line's layout: FSDP shards the parameters over every rank of a sequence's context-parallel group too.
+START_LINE_LAYOUTS = {"cp2": "(2-way context parallel), FSDP sharded over 2 ranks = 1 x 2 context-parallel",
+                      "dp2_cp2": "(2-way context parallel), FSDP sharded over 4 ranks = 2 x 2 context-parallel"}
+
+
 @pytest.mark.parametrize("name,nproc,args,baseline", [
     ("cp2", 2, [*NSA, *VALIDATE, *CP2, "--metrics.enable_tensorboard=true"], "nsa"),
     ("cp2_unmasked", 2, [*NSA, *CP2, "--model.document_masking=false"], "nsa_unmasked"),
@@ -138,7 +145,7 @@ def one_process(tmp_path_factory):
     pytest.param("triton_cp2_compiled", 2, [*TRITON, *CP2, "--compile.enable=true"], "triton", marks=cpu_triton),
 ])
 def test_training_equals_one_process(tmp_path, one_process, name, nproc, args, baseline):
-    got = _run(args, nproc, tmp_path)
+    got = _run(args, nproc, tmp_path, START_LINE_LAYOUTS.get(name))
     if name == "cp2":
         assert [r["step"] for r in got if "val_loss" in r] == [2, 4, 5]  # every 2 steps and the last: split rows
     _assert_same_training(got, one_process[baseline])
