@@ -150,6 +150,9 @@ def export(argv: list[str]) -> int:
         return _fail(f"error: export needs the recipe of the run whose checkpoint it exports. Fix: e.g. "
                      f"`nsa-titan export recipes/debug.toml {'--format hf ' if form == 'hf' else ''}--output "
                      f"{output}`.")
+    from nsa_titan.rebuild import say_unread_flags
+
+    say_unread_flags(resolved, "export")
     path, step = writers[form](resolved, output, *(() if dtype is None else (dtype,)), overwrite=overwrite)
     print(f"exported step {step} to {path}")
     from nsa_titan.run_folder import recipe_change_note
@@ -253,11 +256,12 @@ def plot(argv: list[str]) -> int:
                          f"convert it to UTF-8, e.g. iconv -t UTF-8.")
     if from_recipe:
         from nsa_titan.export import load_checkpoint_model
-        from nsa_titan.rebuild import say_on_stderr
+        from nsa_titan.rebuild import say_on_stderr, say_unread_flags
         from nsa_titan.observe.plots import plot_model
         from nsa_titan.run_folder import recipe_change_note
 
         resolved = resolve(argv, world_size=None)
+        say_unread_flags(resolved, "plot")
         model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr)
         change = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (plot reads the model "
                                               "and tokenizer fields)")

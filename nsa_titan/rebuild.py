@@ -16,7 +16,7 @@ from nsa_titan.checkpoint import complete_steps, read_model_weights
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import RecipeError
-from nsa_titan.config.resolve import run_identity_notes
+from nsa_titan.config.resolve import TOKENIZER_ARGS, run_identity_notes, unread_flags_note
 
 
 def say_on_stderr(text: str) -> None:
@@ -33,6 +33,18 @@ def runnable_args(part, args, device, say: Callable[[str], None] | None = None):
     if note and say is not None:
         say(f"note: {note}")
     return runnable
+
+
+# What load_checkpoint_model reads of a recipe (unread_flags_note's `reads`): the run, its model and tokenizer.
+CHECKPOINT_MODEL_READS = ("job", "model", "data.tokenizer", "data.add_bos", TOKENIZER_ARGS, "checkpoint.folder",
+                          "checkpoint.load_step")
+
+
+def say_unread_flags(resolved: ResolvedRecipe, command: str, also_reads: tuple[str, ...] = ()) -> None:
+    """The note naming the flags a command reading a run's checkpoint does not read (on stderr)."""
+    note = unread_flags_note(resolved, command, CHECKPOINT_MODEL_READS + also_reads)
+    if note:
+        say_on_stderr(f"note: {note}")
 
 
 def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] | None = None):

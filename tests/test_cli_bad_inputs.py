@@ -126,6 +126,25 @@ def test_an_export_with_another_recipe_than_the_runs_says_what_differs(run, tmp_
     assert "differs" not in capsys.readouterr().out
 
 
+def test_export_and_plot_name_the_flags_they_do_not_read(run, tmp_path, capsys):
+    """The training command line given to export (the same flags serve every command of a run) works; the
+    flags that change nothing in an export are named. Flags of the model and tokenizer only: no note."""
+    argv, _, _ = run
+    unread = ("--training.device, --training.seq_len, --lr_scheduler.warmup_steps, --data.logical_shards, "
+              "--metrics.log_freq, --checkpoint.enable, --validation.enable, --training.steps, --data.source, "
+              "--data.text_files.paths: they change nothing here\n")
+    assert cli.main(["export", *argv, "--output", str(tmp_path / "a.pt")]) == 0
+    assert f"note: export does not read {unread}" in capsys.readouterr().err
+    plot = ["--text", "def f(x):\n    return x", "--out", str(tmp_path / "plots")]
+    assert cli.main(["plot", *argv, *plot]) == 0
+    assert f"note: plot does not read {unread}" in capsys.readouterr().err
+    folder = argv[-3]
+    assert folder.startswith("--job.dump_folder=")
+    saved = os.path.join(folder.split("=", 1)[1], "recipe.toml")  # the run's resolved recipe: every field in it
+    assert cli.main(["export", saved, "--checkpoint.load_step=1", "--output", str(tmp_path / "b.pt")]) == 0
+    assert "does not read" not in capsys.readouterr().err
+
+
 def test_sample_starts_a_document_as_training_did_and_stops_at_its_end(run, capsys, monkeypatch):
     """data.add_bos is off in this run: an empty prompt starts after an end of text (no BOS the model never
     saw), a prompt is its text alone; generation stops at the end of text, which is not decoded."""

@@ -107,9 +107,12 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     out = tmp_path / "eval"
     code = cli.main(["eval", *checkpointed_run, "--out", str(out), "--batches", "2", "--trials", "1",
                      "--depths", "0,1"])
-    assert code == 0, capsys.readouterr().err
-    said = capsys.readouterr().out
-    assert "evaluated checkpoint step 2" in said and "differs" not in said
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    assert "evaluated checkpoint step 2" in said.out and "differs" not in said.out
+    # The training command line given again: the flags eval does not read are named, not refused.
+    assert ("note: eval does not read --training.device, --lr_scheduler.warmup_steps, --metrics.log_freq, "
+            "--checkpoint.enable, --validation.enable, --training.steps: they change nothing here\n") in said.err
     results = json.loads((out / "eval.json").read_text())
     positions = results["position_loss"]
     # 2 batches of 8 rows of 64 tokens, less the predictions made at an end of text

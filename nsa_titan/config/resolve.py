@@ -64,6 +64,23 @@ def run_identity_notes(resolved: ResolvedRecipe) -> list[str]:
     return [note for note in resolved.notes if NOT_INHERITED in note]
 
 
+# In a command's `reads`: the table of arguments of the recipe's tokenizer ([data.<tokenizer>]).
+TOKENIZER_ARGS = "data.<tokenizer>"
+
+
+def unread_flags_note(resolved: ResolvedRecipe, command: str, reads: tuple[str, ...]) -> str | None:
+    """A note naming the command-line overrides that `command` does not read (the training command line
+    given again, say), or None. `reads`: the fields and sections it reads, dotted ("model", "checkpoint.folder",
+    TOKENIZER_ARGS). They are not refused: the same flags serve every command of a run."""
+    prefixes = [f"data.{resolved.recipe.data.tokenizer}" if read == TOKENIZER_ARGS else read for read in reads]
+    unread = [key for _, key, _ in resolved.command_line.overrides
+              if not any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)]
+    if not unread:
+        return None
+    flags = ", ".join(f"--{key}" for key in dict.fromkeys(unread))
+    return f"{command} does not read {flags}: {'it changes' if len(unread) == 1 else 'they change'} nothing here"
+
+
 def _name_the_run_after(path: str, table: dict, origin: dict[str, str], notes: list[str]) -> None:
     """The run a recipe names is its own: job.name and job.dump_folder come from the file itself or the
     command line, never from a file it extends (a copy of nsa_125m.toml's settings would otherwise train in,

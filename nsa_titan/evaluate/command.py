@@ -28,6 +28,8 @@ from nsa_titan.observe.progress import progress
 
 USAGE = "`nsa-titan eval recipes/debug.toml --out outputs/debug/eval` (or an exported model file instead of the recipe)"
 OPTIONS = "--out, --batches, --lengths, --depths, --trials, --tasks, --task-dir, --limit, --overwrite"
+# Beside the run's model and tokenizer: the held-out data and how it is cut (say_unread_flags).
+EVAL_ALSO_READS = ("data", "training.seq_len", "training.local_batch_size", "validation.steps")
 RESULT_FILES = ("eval.json", "position_loss.png", "passkey.png", "lm_eval.json")
 
 
@@ -51,11 +53,12 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
 def _load(argv: list[str]):
     """(model, tokenizer, recipe, what was loaded) from a recipe's checkpoint or an exported file."""
     from nsa_titan.export import load_checkpoint_model, load_exported_run
-    from nsa_titan.rebuild import say_on_stderr
+    from nsa_titan.rebuild import say_on_stderr, say_unread_flags
     from nsa_titan.run_folder import recipe_change_note
 
     if argv and argv[0].endswith(".toml"):
         resolved = resolve(argv, world_size=None)
+        say_unread_flags(resolved, "eval", EVAL_ALSO_READS)
         model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr)
         note = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (eval reads the model, "
                                             "tokenizer and data fields)")
