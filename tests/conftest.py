@@ -1,17 +1,17 @@
 """Shared test set-up.
 
-Triton kernels run under the interpreter on machines without a GPU; the variable must be set
-before anything imports triton, so it is set here, first.
+Triton kernels run under the interpreter where torch sees no GPU; the variable must be set before
+anything imports triton, so it is set here, first.
 """
 
 import os
-import shutil
 
-if shutil.which("nvidia-smi") is None:
+import torch  # importing torch imports no triton
+
+if not torch.cuda.is_available():  # CPU-only torch, or a machine whose GPU this process cannot use
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
