@@ -36,8 +36,9 @@ CP2 = ["--parallelism.context_parallel_degree=2"]
 # TINY pins the CPU: the Triton case runs where the interpreter does (tests/conftest.py sets it without a GPU).
 cpu_triton = pytest.mark.skipif(not interpreting(), reason="the CPU form of the Triton case runs under the "
                                                            "Triton interpreter, which this machine does not use")
-# fp32; only the order of floating-point reductions differs between layouts (observed: ~1e-7).
-RTOL = 2e-4
+# fp32; only the order of floating-point reductions differs between layouts (observed: ~1e-7). A document
+# mask lost on a rank's chunk moves the losses and gradient norms by ~1e-4 (test_compile_training.py), far above.
+RTOL = 1e-5
 
 
 def test_head_tail_split_round_trips():
@@ -128,7 +129,13 @@ def one_process(tmp_path_factory):
     refused at start)."""
     runs = [("nsa", [*NSA, *VALIDATE]), ("nsa_unmasked", [*NSA, "--model.document_masking=false"]), ("dense", DENSE)]
     runs += [("triton", TRITON)] if interpreting() else []
-    return {name: _run(args, 1, tmp_path_factory.mktemp(name)) for name, args in runs}
+    found = {name: _run(args, 1, tmp_path_factory.mktemp(name)) for name, args in runs}
+    # The comparisons below can see a lost document mask: with and without it the runs differ beyond RTOL
+    # (the source files are long, so only the rows holding a document boundary differ: steps 4 and 5 here).
+    masked, unmasked = _steps(found["nsa"]), _steps(found["nsa_unmasked"])
+    assert any(masked[step]["grad_norm"] != pytest.approx(unmasked[step]["grad_norm"], rel=10 * RTOL)
+               for step in masked)
+    return found
 
 
 # The start line's layout: FSDP shards the parameters over every rank of a sequence's context-parallel group too.
