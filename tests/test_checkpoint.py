@@ -16,7 +16,7 @@ import torch
 from nsa_titan import cli
 from nsa_titan.checkpoint import COMPLETE, complete_steps
 from nsa_titan.config import resolve
-from tests.launch import DEBUG, TINY, assert_resumed_at, env, losses, train
+from tests.launch import DEBUG, TINY, assert_resumed_at, env, losses, losses_and_norms, train
 
 STEPS = 6
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2", "--training.global_batch_size=4", "--checkpoint.enable=true",
@@ -77,11 +77,12 @@ def test_resume_at_another_world_size(tmp_path, before, after):
     rewind_to(folder, 3)
     proc = run(folder, "--checkpoint.interval=3", nproc=after)
     assert "resumed from" in proc.stdout
-    resumed, expected = losses(folder), losses(straight)
+    resumed, expected = losses_and_norms(folder), losses_and_norms(straight)
     assert sorted(resumed) == [4, 5, 6]
-    # The global batch holds the same samples in every layout, so only float reduction order differs.
+    # The global batch holds the same samples in every layout, so only float reduction order differs (~1e-7);
+    # the gradient norms show optimizer state resharded wrongly, which AdamW's losses hardly show.
     for step in (4, 5, 6):
-        assert resumed[step] == pytest.approx(expected[step], rel=2e-4)
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-5), (step, resumed, expected)
 
 
 @pytest.mark.slow
