@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses, losses_and_norms, start_training,
+from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses_and_norms, start_training,
                           train)
 
 pytestmark = pytest.mark.slow
@@ -41,14 +41,33 @@ LAYOUTS = {
                  "--training.local_batch_size=1"]),
     # FSDP2 on a mesh of one rank (what a one-GPU machine can run of the sharded path)
     "fsdp_one_process": (1, ["--parallelism.fsdp_single_process=true"]),
+    # Gradient accumulation on a replicated mesh: DDP's all-reduce (HSDP's across replicas) waits for the last
+    # micro-batch of a step (set_gradient_sync).
+    "ddp_accum": (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2",
+                      "--training.local_batch_size=1"]),
+    "hsdp_accum": (4, ["--parallelism.data_parallel_shard_degree=2", "--parallelism.data_parallel_replicate_degree=2",
+                       "--training.local_batch_size=1", "--training.global_batch_size=8"]),
 }
 MESHES = {"fsdp": "FSDP sharded over 2 ranks", "ddp": "DDP over 2 replicas",
-          "hsdp": "HSDP: 2 replicas, each sharded over 2 ranks", "fsdp_one_process": "FSDP2 on a mesh of one rank"}
+          "hsdp": "HSDP: 2 replicas, each sharded over 2 ranks", "fsdp_one_process": "FSDP2 on a mesh of one rank",
+          "ddp_accum": "DDP over 2 replicas", "hsdp_accum": "HSDP: 2 replicas, each sharded over 2 ranks"}
+MICRO_BATCHES = {"ddp_accum": 2, "hsdp_accum": 2, "fsdp_one_process": 2}
+
+
+@pytest.fixture(scope="module")
+def single_process_losses_of_8(tmp_path_factory):
+    """One process's run with a global batch of 8 (4 micro-batches of 2)."""
+    out = tmp_path_factory.mktemp("single_8")
+    proc = train([*COMMON, "--training.global_batch_size=8", f"--job.dump_folder={out}"])
+    assert proc.returncode == 0, proc.stderr
+    return losses_and_norms(out)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_single_process(tmp_path, single_process_losses, layout):
-    assert_trains_like(single_process_losses, layout, tmp_path)
+def test_layout_matches_single_process(tmp_path, request, layout):
+    batch_of_8 = "--training.global_batch_size=8" in LAYOUTS[layout][1]
+    expected = request.getfixturevalue("single_process_losses_of_8" if batch_of_8 else "single_process_losses")
+    assert_trains_like(expected, layout, tmp_path)
 
 
 def assert_trains_like(expected: dict, layout: str, folder, *extra: str, rtol: float = RTOL) -> None:
@@ -59,6 +78,7 @@ def assert_trains_like(expected: dict, layout: str, folder, *extra: str, rtol: f
     proc = train([*COMMON, *extra, *flags, f"--job.dump_folder={folder}"], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f", {MESHES[layout]} |" in proc.stdout + proc.stderr
+    assert f", {MICRO_BATCHES.get(layout, 1)} micro-batch(es)/step" in proc.stdout + proc.stderr
     assert "DTensor random operators" not in proc.stderr  # torch's warning of every CPU rank, kept out
     got = losses_and_norms(folder)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -84,7 +104,7 @@ def test_muon_when_sharded_matches_single_process(tmp_path, single_process_muon_
     assert_trains_like(single_process_muon_losses, layout, tmp_path, "--optimizer.name=muon", rtol=MUON_RTOL)
 
 
-def test_two_node_launch_on_loopback(tmp_path):
+def test_two_node_launch_on_loopback(tmp_path, single_process_losses):
     port = free_port()
     procs = []
     for node in range(2):
@@ -95,7 +115,11 @@ def test_two_node_launch_on_loopback(tmp_path):
     outputs = [p.communicate(timeout=300) for p in procs]
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-4000:]
-    assert sorted(losses(tmp_path)) == list(range(1, STEPS + 1))
+    assert ", FSDP sharded over 2 ranks |" in outputs[0][0] + outputs[0][1]  # one rank per node, one mesh
+    got = losses_and_norms(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, expected in single_process_losses.items():
+        assert got[step] == pytest.approx(expected, rel=RTOL), (step, got, single_process_losses)
 
 
 def test_killed_rank_makes_the_other_exit(tmp_path):
