@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -216,8 +217,15 @@ def test_data_resume_bench_times_both_cursors(tmp_path):
     assert data_resume.main(["--documents", "600", "--row-group", "50", "--at", "0.8", "--shards", "2",
                              "--shuffle-buffer", "16", "--folder", str(tmp_path), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["resumed_after_documents"] == 240
-    assert set(result["seconds_to_first_document"]) == {"stream_state_cursor", "count_cursor_replay"}
+    assert (result["documents"], result["row_group"], result["shards"], result["shuffle_buffer"]) == (600, 50, 2, 16)
+    assert result["resumed_after_documents"] == 240  # 0.8 of the first shard's 300 documents
+    seconds = result["seconds_to_first_document"]
+    assert set(seconds) == {"stream_state_cursor", "count_cursor_replay"}
+    # Each is a real measurement (opening the parquet stream takes well over the millisecond they are rounded
+    # to), not a placeholder; reaching the cursor from the start read 240 documents through the same stream.
+    times = [*seconds.values(), result["seconds_to_reach_cursor_from_start"]]
+    assert all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in times), result
+    assert result["environment"]["torch"]
 
 
 def test_loss_memory_bench_measures_both_ways_on_the_same_logits(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import sys
@@ -161,9 +162,195 @@ def test_print_config_round_trips(tmp_path, capsys):
     assert again.recipe == first.recipe and again.hash == first.hash
 
 
+# A valid non-default value for every scalar field of the fixed sections: field -> (value, the flags it needs
+# to be valid, the world size to resolve for). The hash is compared with that of the same context without the
+# field's flag, so a needed companion flag cannot be what changed it.
+_CHANGED_FIELDS = {
+    "job.name": ("other", (), 1),
+    "job.description": ("a run", (), 1),
+    "job.dump_folder": ("./outputs/elsewhere", (), 1),
+    "job.seed": ("7", (), 1),
+    "job.plugins": ("json", (), 1),  # any importable module
+    # The only model registered by default is the transformer: a test plugin registers another.
+    "model.name": ("eager_transformer", ("--job.plugins=tests.plugins.breaking_model",), 1),
+    "parallelism.data_parallel_shard_degree": ("1", (), 1),
+    # With shard -1 and one process, replicate can only be 1 or -1, and -1 needs a fixed shard degree.
+    "parallelism.data_parallel_replicate_degree": ("-1", ("--parallelism.data_parallel_shard_degree=1",), 1),
+    # Needs a world size it divides (with one process it is refused).
+    "parallelism.context_parallel_degree": ("2", (), 2),
+    "parallelism.fsdp_single_process": ("true", (), 1),
+    # A flag for these in one process without fsdp_single_process is refused as ignored.
+    "parallelism.fsdp_reshard_after_forward": ("always", ("--parallelism.fsdp_single_process=true",), 1),
+    "parallelism.init_timeout_seconds": ("60", ("--parallelism.fsdp_single_process=true",), 1),
+    "data.source": ("synthetic", (), 1),
+    "data.tokenizer": ("tiktoken", (), 1),
+    "data.logical_shards": ("32", (), 1),
+    "data.num_workers": ("2", (), 1),
+    "data.prefetch_factor": ("4", ("--data.num_workers=1",), 1),  # no effect (refused) without workers
+    "data.pin_memory": ("false", (), 1),
+    "data.add_bos": ("true", (), 1),
+    "data.min_document_tokens": ("5", (), 1),
+    "training.steps": ("99", (), 1),
+    "training.seq_len": ("128", (), 1),
+    "training.local_batch_size": ("4", (), 1),
+    "training.global_batch_size": ("16", (), 1),  # a multiple of local_batch_size x 1
+    "training.max_norm": ("0.5", (), 1),
+    "training.device": ("cpu", (), 1),
+    "training.dtype": ("float32", (), 1),
+    "training.gc_freq": ("0", (), 1),
+    "optimizer.name": ("muon", (), 1),
+    "optimizer.lr": ("0.001", (), 1),
+    "optimizer.betas": ("0.8,0.99", (), 1),
+    "optimizer.eps": ("1e-6", (), 1),
+    "optimizer.weight_decay": ("0.0", (), 1),
+    "lr_scheduler.warmup_steps": ("10", (), 1),
+    "lr_scheduler.decay_type": ("linear", (), 1),
+    "lr_scheduler.decay_steps": ("50", (), 1),
+    "lr_scheduler.min_lr_factor": ("0.2", (), 1),
+    "checkpoint.enable": ("true", (), 1),
+    "checkpoint.folder": ("ckpt", (), 1),
+    # Flags for these are refused while checkpoint.enable is false.
+    "checkpoint.interval": ("50", ("--checkpoint.enable=true",), 1),
+    "checkpoint.keep_latest_k": ("5", ("--checkpoint.enable=true",), 1),
+    "checkpoint.load_step": ("20", ("--checkpoint.enable=true",), 1),
+    "checkpoint.async_mode": ("async", ("--checkpoint.enable=true",), 1),
+    "checkpoint.data_mismatch": ("restart", ("--checkpoint.enable=true",), 1),
+    "checkpoint.initial_load_path": ("weights/step-10", (), 1),
+    "metrics.log_freq": ("5", (), 1),
+    "metrics.enable_tensorboard": ("true", (), 1),
+    "metrics.save_tb_folder": ("board", ("--metrics.enable_tensorboard=true",), 1),
+    "metrics.enable_wandb": ("true", (), 1),
+    "metrics.wandb_project": ("other", ("--metrics.enable_wandb=true",), 1),
+    "metrics.wandb_mode": ("offline", ("--metrics.enable_wandb=true",), 1),
+    "metrics.telemetry_freq": ("5", (), 1),  # the default model (nsa) has telemetry
+    "metrics.peak_tflops": ("100.0", (), 1),
+    "validation.enable": ("true", (), 1),
+    "validation.freq": ("20", ("--validation.enable=true",), 1),
+    "validation.steps": ("3", ("--validation.enable=true",), 1),
+    "compile.enable": ("true", (), 1),
+    "compile.fullgraph": ("false", ("--compile.enable=true",), 1),
+    "compile.backend": ("eager", ("--compile.enable=true",), 1),
+    "compile.mode": ("max-autotune-no-cudagraphs", ("--compile.enable=true",), 1),
+    "activation_checkpoint.mode": ("full", (), 1),
+    "activation_checkpoint.selective_every": ("3", ("--activation_checkpoint.mode=selective",), 1),
+    "fault.step_timeout_seconds": ("60.0", (), 1),
+    "fault.first_step_timeout_seconds": ("600.0", (), 1),
+    "fault.max_bad_steps": ("2", (), 1),
+    "profiling.enable": ("true", (), 1),
+    "profiling.start_step": ("5", ("--profiling.enable=true",), 1),
+    "profiling.steps": ("2", ("--profiling.enable=true",), 1),
+    "profiling.folder": ("traces", ("--profiling.enable=true",), 1),
+    # Records the CUDA allocator over the profiled steps: needs profiling on and a device other than cpu.
+    "profiling.memory_snapshot": ("true", ("--profiling.enable=true",), 1),
+}
+# The arguments of the parts the defaults choose (the transformer, python_stdlib; the byte tokenizer and adamw
+# take none), in the tables the recipe writes them in.
+_CHANGED_PART_ARGS = {
+    "model.dim": ("512", (), 1),
+    "model.n_layers": ("2", (), 1),
+    "model.n_heads": ("8", (), 1),  # still divides dim 256 into an even head dim
+    "model.n_kv_heads": ("1", (), 1),
+    "model.mlp_ratio": ("3.0", (), 1),
+    "model.multiple_of": ("32", (), 1),
+    "model.norm_eps": ("1e-6", (), 1),
+    "model.rope_theta": ("500000.0", (), 1),
+    "model.max_seq_len": ("1024", (), 1),  # still >= training.seq_len
+    "model.attention": ("dense", (), 1),
+    "model.document_masking": ("true", (), 1),
+    "model.tie_embeddings": ("true", (), 1),
+    "model.init_std": ("0.01", (), 1),
+    "model.nsa.block_size": ("64", (), 1),  # still <= sel_block_size, a multiple of block_stride
+    "model.nsa.block_stride": ("32", (), 1),  # still divides block_size and sel_block_size
+    "model.nsa.sel_block_size": ("128", (), 1),
+    "model.nsa.num_selected": ("8", (), 1),
+    "model.nsa.window_size": ("256", (), 1),
+    "model.nsa.compress": ("mean", (), 1),
+    "model.nsa.kv_per_branch": ("false", (), 1),
+    "model.nsa.gate": ("linear", (), 1),
+    "model.nsa.backend": ("triton", (), 1),
+    "data.python_stdlib.validation_fraction": ("0.1", (), 1),
+}
+# Fields left out, and why (none at present).
+_UNCHANGED_FIELDS: dict[str, str] = {}
+
+
+def _scalar_fields_of_fixed_sections():
+    from nsa_titan.config.schema import Recipe
+
+    found = []
+    for section in dataclasses.fields(Recipe):
+        for fld in dataclasses.fields(section.default_factory):
+            if "args_for" not in fld.metadata:  # a part's arguments, not a scalar of the section
+                found.append(f"{section.name}.{fld.name}")
+    return found
+
+
+def _fields_of_default_parts(recipe):
+    """Dotted keys of every leaf argument of the parts `recipe` chose, as the recipe and its flags spell them."""
+    found = []
+
+    def walk(prefix, args):
+        for fld in dataclasses.fields(args):
+            value = getattr(args, fld.name)
+            if dataclasses.is_dataclass(value):
+                walk(f"{prefix}.{fld.name}", value)
+            else:
+                found.append(f"{prefix}.{fld.name}")
+
+    for section in dataclasses.fields(recipe):
+        table = getattr(recipe, section.name)
+        for fld in dataclasses.fields(table):
+            args = getattr(table, fld.name)
+            if "args_for" in fld.metadata and args is not None:
+                inline = fld.metadata["placement"] == "inline"
+                walk(section.name if inline else f"{section.name}.{getattr(table, fld.metadata['args_for'])}", args)
+    return found
+
+
+def _value_at(recipe, key):
+    """The value of a dotted recipe key, reading a part's arguments where the key names them."""
+    obj = recipe
+    for name in key.split("."):
+        if any(fld.name == name and "args_for" not in fld.metadata for fld in dataclasses.fields(obj)):
+            obj = getattr(obj, name)
+            continue
+        for fld in dataclasses.fields(obj):  # a part's arguments: inline here, or the table named after the part
+            args = getattr(obj, fld.name)
+            if "args_for" not in fld.metadata or args is None:
+                continue
+            if fld.metadata["placement"] == "inline" and hasattr(args, name):
+                obj = getattr(args, name)
+                break
+            if fld.metadata["placement"] == "table" and getattr(obj, fld.metadata["args_for"]) == name:
+                obj = args
+                break
+        else:
+            raise KeyError(key)
+    return obj
+
+
 def test_hash_changes_with_any_field():
-    assert resolve([]).hash == resolve([]).hash
-    assert resolve([]).hash != resolve(["--training.steps=99"]).hash
+    changes = {**_CHANGED_FIELDS, **_CHANGED_PART_ARGS}
+    assert len(changes) == len(_CHANGED_FIELDS) + len(_CHANGED_PART_ARGS)
+    default = resolve([])
+    fields = _scalar_fields_of_fixed_sections() + _fields_of_default_parts(default.recipe)
+    assert len(fields) > 90 and len(set(fields)) == len(fields)
+    assert set(changes).isdisjoint(_UNCHANGED_FIELDS)
+    assert set(changes) | set(_UNCHANGED_FIELDS) == set(fields)  # a new field is given a value or a reason
+    assert default.hash == resolve([]).hash
+    assert len(default.hash) == 12
+    hashes = {}
+    for key, (value, context, world_size) in changes.items():
+        base = resolve(list(context), world_size=world_size)
+        changed = resolve([*context, f"--{key}={value}"], world_size=world_size)
+        before, after = _value_at(base.recipe, key), _value_at(changed.recipe, key)
+        assert after != before, (key, before)  # the value given is not the one already there
+        assert changed.hash != base.hash, key
+        assert changed.hash != default.hash, key
+        if not context:
+            assert base.hash == default.hash, key  # the world size is not part of the hash
+        hashes[key] = changed.hash
+    assert len(set(hashes.values())) == len(hashes)  # and no two changes collide
 
 
 def test_dumps_parses_back():

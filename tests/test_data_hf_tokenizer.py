@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import pickle
 import sysconfig
@@ -92,10 +93,43 @@ def test_a_tokenizer_config_that_cannot_be_read_is_an_error_not_a_guess(trained,
     assert HFTokenizer(HFTokenizerArgs(path=str(folder))).eos_id == 0
 
 
-def test_the_debug_recipe_trains_with_it(trained, tmp_path):
+def test_the_debug_recipe_trains_with_it(trained, tmp_path, monkeypatch):
+    import torch
+
+    from nsa_titan.trainer import Trainer
+
     assert TOKENIZERS["hf_tokenizer"][0] is HFTokenizerArgs
+    tok = HFTokenizer(HFTokenizerArgs(path=str(trained)))
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (600, 1, 0)  # unlike the byte tokenizer's 258, 256, 257
+    seen = []  # what each training forward saw: the run's tokenizer, the model's tables, the batch, the logits
+    forward = Trainer._forward
+
+    def recording_forward(self, batch):
+        logits, targets = forward(self, batch)
+        seen.append((self.tokenizer, self.model.tok_embeddings.weight.shape, self.model.output.weight.shape,
+                     batch.inputs.clone(), batch.document_starts.clone(), logits.shape))
+        return logits, targets
+
+    monkeypatch.setattr(Trainer, "_forward", recording_forward)
     out = tmp_path / "run"
     argv = [DEBUG, *TINY, "--training.steps=2", "--data.tokenizer=hf_tokenizer",
             f"--data.hf_tokenizer.path={trained}", "--data.add_bos=true", f"--job.dump_folder={out}"]
     assert cli.main(["train", *argv]) == 0
     assert [r["step"] for r in metrics(out) if "loss" in r] == [1, 2]
+    assert len(seen) == 2  # one micro-batch per step
+    for used, embedding, output, inputs, starts, logits in seen:
+        assert isinstance(used, HFTokenizer) and used.name == tok.name and used.vocab_size == 600
+        assert tuple(embedding) == (600, 32) and tuple(output) == (600, 32)  # the model's vocabulary is its
+        assert tuple(logits) == (8, 64, 600)
+        assert inputs.min() >= 0 and inputs.max() < 600
+        # Every document opens with the BOS id after the previous one's EOS; the id appears nowhere else (a
+        # row's first token opens a document too, though a document cut by the row end goes on there).
+        inner = starts[:, 1:]
+        assert torch.equal(inputs[:, 1:] == tok.bos_id, inner)
+        assert (inputs[:, :-1][inner] == tok.eos_id).all()
+    rows = torch.cat([inputs for *_, inputs, _, _ in seen])
+    assert (rows >= 258).any()  # ids a byte tokenizer never gives
+    # The first row of each of the 4 logical shards starts at its first document, so with its BOS.
+    assert int((rows[:, 0] == tok.bos_id).sum()) >= 4
+    # Its loss starts near ln(600), that of uniform guesses over 600 tokens (ln 258 = 5.55 for bytes).
+    assert abs(metrics(out)[0]["loss"] - math.log(600)) < 0.1

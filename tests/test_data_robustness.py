@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from components.data import ByteTokenizer, TiktokenArgs, TiktokenTokenizer, build_dataloader
 from components.data.sources import TextFilesArgs, TextFilesSource
@@ -71,10 +72,22 @@ def test_tiktoken_decodes_ids_that_name_no_token():
 
 def test_a_worker_with_empty_shards_leaves_the_rest_of_the_rank_running(tmp_path):
     path = str(tmp_path / "one.jsonl")
-    write_jsonl(path, ["a single document long enough to fill several windows " * 4])
+    document = "a single document long enough to fill several windows " * 4
+    write_jsonl(path, [document])
     source = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0))
     batches = iter(_loader(source, num_workers=2))
-    assert next(batches)["input"].shape == (2, 16)
+    first = next(batches)
+    assert first["input"].shape == (2, 16)
+    # The rows are the one shard's stream, the document's bytes and its EOS epoch after epoch: the first batch
+    # its first 32 bytes, the next ones on past its end into its next epoch (no batch lost or repeated).
+    later = [next(batches) for _ in range(7)]
+    stream = [t for batch in (first, *later) for row in batch["input"] for t in row.tolist()]
+    assert len(stream) == 8 * 2 * 16
+    assert ByteTokenizer().decode(stream[:32]) == document[:32]
+    one_epoch = list(document.encode()) + [ByteTokenizer.eos_id]
+    assert stream == (one_epoch * 2)[: len(stream)]
+    for batch in (first, *later):
+        assert torch.equal(batch["target"][:, :-1], batch["input"][:, 1:])
 
 
 def test_whole_files_read_with_newlines_as_text_mode_gives_them(tmp_path):

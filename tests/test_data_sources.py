@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -435,10 +436,38 @@ def test_huggingface_args_check():
 
 
 def test_registry_names_every_source(tmp_path):
-    assert set(SOURCES) == {"synthetic", "text_files", "huggingface", "python_stdlib"}
+    expected = {
+        "synthetic": (SyntheticArgs, SyntheticSource),
+        "text_files": (TextFilesArgs, TextFilesSource),
+        "huggingface": (HuggingFaceArgs, HuggingFaceSource),
+        "python_stdlib": (PythonStdlibArgs, PythonStdlibSource),
+    }
+    assert set(SOURCES) == set(expected)
     for name, (args_cls, factory) in SOURCES.items():
+        assert args_cls is expected[name][0], name
         args = args_cls(paths=[str(tmp_path)]) if name == "text_files" else args_cls()
-        factory(args)  # each builds from its own default arguments
+        source = factory(args)  # each builds from its own default arguments
+        assert type(source) is expected[name][1], name
+        assert source.args is args, name
+
+    # The factories use the arguments they are given, not their own defaults.
+    (tmp_path / "a.txt").write_text("one document")
+    defaults = {"text_files": TextFilesArgs(paths=[str(tmp_path)]), "huggingface": HuggingFaceArgs(),
+                "python_stdlib": PythonStdlibArgs()}
+    for name, args in defaults.items():
+        assert args.validation_fraction > 0, name  # so validation_fraction=0 below is a change
+        assert SOURCES[name][1](args).has_split("validation"), name
+        source = SOURCES[name][1](dataclasses.replace(args, validation_fraction=0.0))
+        assert source.has_split("train") and not source.has_split("validation"), name
+    text = SOURCES["text_files"][1](TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
+    assert [d for d, _ in text.documents(0, 1, "train", 0, 0, None)] == ["one document"]
+    hf = SOURCES["huggingface"][1](HuggingFaceArgs(path="someone/corpus", name="", shuffle_buffer=7))
+    assert hf.fingerprint() == "huggingface(someone/corpus,,train,,0.001,text,[],buffer=7)"
+    synthetic = SOURCES["synthetic"][1](SyntheticArgs(num_documents=5, min_length=3, max_length=4, vocab_size=2, seed=9))
+    docs = [d for d, _ in synthetic.documents(0, 1, "train", 0, 0, None)]
+    assert len(docs) == 5
+    assert all(3 <= len(d) <= 4 and d.min() >= 0 and d.max() < 2 for d in docs)
+    assert synthetic.fingerprint() == "synthetic(n=5,val=256,len=3-4,vocab=2,seed=9)"
 
 
 def test_huggingface_position_from_another_datasets_version_or_layout_is_refused(hf_row_groups, monkeypatch):

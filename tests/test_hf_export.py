@@ -374,10 +374,54 @@ def test_a_bfloat16_folder_holds_the_rounded_weights(exported, tmp_path):
     assert error < 2e-2, error
 
 
+def _continuation(model, ids: list[int], new_tokens: int, eos_id: int, temperature: float = 0.0,
+                  seed: int = 0) -> list[int]:
+    """What sampling draws after `ids`, from full forwards over the whole sequence (no KV cache): the likeliest
+    token each step, or with a temperature one drawn by sample's sampler with its generator, seeded alike."""
+    from components.models.generate import sample_next
+
+    generator = torch.Generator().manual_seed(seed)
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(torch.tensor([ids + new]))[:, -1]
+            if temperature == 0:
+                top2 = torch.topk(logits[0].double(), 2)
+                # A clear winner, so the KV-cached decoding sample uses cannot pick another token by rounding.
+                assert (top2.values[0] - top2.values[1]).item() > 1e-4, (new, top2)
+                new.append(int(top2.indices[0]))
+            else:
+                new.append(int(sample_next(logits, temperature=temperature, top_k=None, generator=generator)[0]))
+            if new[-1] == eos_id:
+                break
+    return new
+
+
 def test_sample_reads_the_folder(exported, tmp_path, capsys):
+    """sample prints the prompt and the continuation of the model load_exported rebuilds from the folder:
+    greedy, its likeliest tokens; with a temperature, the tokens drawn with its seed."""
+    from components.data import ByteTokenizer
+    from nsa_titan.config.toml_io import tomllib
+    from nsa_titan.export import load_exported
+
     _, folder = exported
-    assert cli.main(["sample", folder, "--prompt", "def ", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out.startswith("def ")
+    model, meta = load_exported(folder)
+    tok = ByteTokenizer()
+    assert meta["vocab_size"] == tok.vocab_size
+    assert not tomllib.loads(meta["recipe_toml"])["data"]["add_bos"]  # so the prompt's bytes come first
+    prompt = tok.encode("def ")
+    for flags, temperature, seed in ((["--temperature", "0"], 0.0, 0),
+                                     (["--temperature", "1.0", "--seed", "3"], 1.0, 3)):
+        capsys.readouterr()
+        assert cli.main(["sample", folder, "--prompt", "def ", "--max-new-tokens", "24", *flags]) == 0
+        printed = capsys.readouterr().out
+        new = _continuation(model, prompt, 24, tok.eos_id, temperature, seed)
+        ended = tok.eos_id in new
+        expected = tok.decode(prompt + (new[:-1] if ended else new)) + ("\n[end of text]" if ended else "")
+        assert printed == expected + "\n", (flags, new)
+        assert len(new) > 0 and printed.startswith("def ")
+        if temperature:
+            assert len(set(new)) > 5  # a draw, not the greedy run of spaces of a model trained 2 steps
 
 
 def test_a_folder_copied_elsewhere_reads_its_own_tokenizer(trained, tmp_path, capsys):  # noqa: F811

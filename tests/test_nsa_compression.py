@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -102,11 +104,31 @@ def test_mlp_init_keeps_unit_scale_and_reset_is_reproducible():
 
 
 def test_reset_parameters_works_after_meta_init():
+    # Sizes big enough that the sample std of each weight is close to the intended std.
     with torch.device("meta"):
-        comp = KVCompressor("mlp", 8, 4, 5)
+        comp = KVCompressor("mlp", 8, 4, 16, hidden_dim=64)
     comp = comp.to_empty(device="cpu")
+    with torch.no_grad():  # whatever to_empty left behind, reset must overwrite all of it
+        for p in comp.parameters():
+            p.fill_(float("nan"))
+    reference = KVCompressor("mlp", 8, 4, 16, hidden_dim=64)  # built normally on CPU
+    torch.manual_seed(3)
     comp.reset_parameters()
-    assert all(torch.isfinite(p).all() for p in comp.parameters())
+    torch.manual_seed(3)
+    reference.reset_parameters()
+    named = dict(comp.named_parameters())
+    ref_named = dict(reference.named_parameters())
+    assert sorted(named) == sorted(ref_named) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "pos_embed"]
+    for name, p in named.items():
+        assert p.device.type == "cpu", name
+        assert torch.equal(p, ref_named[name]), name
+    for name in ("pos_embed", "fc1.bias", "fc2.bias"):
+        assert torch.equal(named[name], torch.zeros_like(named[name])), name
+    # fc1: N(0, 1/fan_in) with fan_in = l*D = 128; fc2: N(0, 1/(0.425*hidden)) with hidden = 64.
+    for name, std in (("fc1.weight", 1.0 / math.sqrt(8 * 16)), ("fc2.weight", 1.0 / math.sqrt(0.425 * 64))):
+        w = named[name]
+        assert abs(w.mean().item()) < 0.1 * std, name
+        assert abs(w.std().item() / std - 1.0) < 0.1, (name, w.std().item(), std)
 
 
 def test_invalid_arguments_raise_user_error():

@@ -175,15 +175,23 @@ def test_a_copy_steps_like_the_original():
     twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # a live state dict shares its tensors
     copied = copy.deepcopy(twin)  # a copy of the optimizer alone (its params are copies too)
     assert not hasattr(copied, "_adamw") or copied._adamw is None
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    copied_params = [p for g in copied.param_groups for p in g["params"]]
+    assert len(copied_params) == len(twin_params) == len(list(twin_model.parameters()))
+    assert [g["muon"] for g in copied.param_groups] == [g["muon"] for g in twin.param_groups]
+    assert {g["muon"] for g in copied.param_groups} == {True, False}  # both parts step below
+    for p, q in zip(twin_params, copied_params, strict=True):
+        assert p is not q and torch.equal(p, q)
     for opt, m in ((optimizer, model), (twin, twin_model)):
         _random_grads(m, 1)
         opt.step()
     for p, q in zip(model.parameters(), twin_model.parameters()):
         assert torch.equal(p, q)
-    params = [p for g in copied.param_groups for p in g["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    copied.step()  # runs: the AdamW part is built again
+    for p, q in zip(twin_params, copied_params, strict=True):
+        q.grad = p.grad.clone()  # the gradients the twin's second step took
+    copied.step()  # the AdamW part is built again, from the copied state (step counts and moments)
+    for p, q in zip(twin_params, copied_params, strict=True):
+        assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("layout,nproc", [("1d", 3), ("2d", 4)])
