@@ -223,8 +223,9 @@ class Trainer:
                             f"{' and '.join(wanted)} would be ignored. Fix: register the model with parallel_plan= "
                             f"(components.models.transformer_hooks() gives the transformer's), or turn "
                             f"{' and '.join(wanted)} off.")
-        apply_activation_checkpointing(plan.blocks, recipe.activation_checkpoint.mode,
-                                       recipe.activation_checkpoint.selective_every)
+        self.checkpointed_blocks = apply_activation_checkpointing(plan.blocks, recipe.activation_checkpoint.mode,
+                                                                  recipe.activation_checkpoint.selective_every)
+        self.num_blocks = len(plan.blocks)
         if recipe.compile.enable:
             compile_blocks(plan.blocks, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend,
                            mode=recipe.compile.mode)
@@ -618,7 +619,9 @@ class Trainer:
         self._say(f"run {recipe.job.name} | model {recipe.model.name}: {self.num_params:,} parameters | recipe "
                   f"{self.resolved.hash} | "
                   f"{self.runtime.world_size} process(es) on {self.runtime.device.type}{layout} | "
-                  f"global batch {self.global_batch} x {t.seq_len} tokens, {self.grad_accum} micro-batch(es)/step")
+                  f"global batch {self.global_batch} x {t.seq_len} tokens, {self.grad_accum} micro-batch(es)/step"
+                  + (f" | activations recomputed in {self.checkpointed_blocks} of {self.num_blocks} blocks"
+                     if self.checkpointed_blocks else ""))
         rank = self.runtime.rank
         self.watchdog = Watchdog(fault.step_timeout_seconds, fault.first_step_timeout_seconds, self.stacks_path,
                                  on_timeout_message=lambda stall: f"rank {rank}: {describe_stall(stall)}",

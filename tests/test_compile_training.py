@@ -65,13 +65,26 @@ def _assert_one_compile(records: dict, what: str) -> None:
     assert all(c == first for c in counts.values()), (what, counts)
 
 
+@pytest.fixture(scope="module")
+def eager_runs(tmp_path_factory):
+    """backend -> its eager run (made once, on first use)."""
+    runs = {}
+
+    def run(backend: str) -> dict[int, dict]:
+        if backend not in runs:
+            runs[backend] = _run(tmp_path_factory.mktemp(f"eager_{backend}"), BACKENDS[backend])
+            assert "compiled_graphs" not in runs[backend][1]
+        return runs[backend]
+
+    return run
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_compiled_training_matches_eager_in_one_and_two_processes(tmp_path, backend):
+def test_compiled_training_matches_eager_in_one_and_two_processes(tmp_path, eager_runs, backend):
     if backend == "triton" and not interpreting():
         pytest.skip("the CPU form of this test runs the Triton kernels under the interpreter")
     flags = BACKENDS[backend]
-    eager = _run(tmp_path / "eager", flags)
-    assert "compiled_graphs" not in eager[1]
+    eager = eager_runs(backend)
 
     compiled = _run(tmp_path / "compiled", [*flags, *COMPILED])
     _assert_same_losses(compiled, eager, f"{backend}, one process")
@@ -81,3 +94,18 @@ def test_compiled_training_matches_eager_in_one_and_two_processes(tmp_path, back
     _assert_same_losses(sharded, eager, f"{backend}, FSDP2 x 2")
     _assert_one_compile(sharded, f"{backend}, FSDP2 x 2")
     assert losses(tmp_path / "fsdp")[STEPS] < losses(tmp_path / "fsdp")[1]
+
+
+@pytest.mark.parametrize("mode, blocks", [("full", 2), ("selective", 1)])
+def test_activation_checkpointing_compiles_whole_and_trains_like_none(tmp_path, eager_runs, mode, blocks):
+    """The shipped long-context recipes' combination (NSA, document masking, compile's default backend,
+    activation checkpointing): one graph per block, no break or recompile, and the eager run's numbers
+    without checkpointing. selective_every = 2 recomputes block 0 of the 2."""
+    flags = [*BACKENDS["reference"], *COMPILED, f"--activation_checkpoint.mode={mode}"]
+    flags += ["--activation_checkpoint.selective_every=2"] if mode == "selective" else []
+    proc = train([*COMMON, *flags, f"--job.dump_folder={tmp_path}"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f" | activations recomputed in {blocks} of 2 blocks\n" in proc.stdout
+    got = {r["step"]: r for r in metrics(tmp_path) if "loss" in r}
+    _assert_same_losses(got, eager_runs("reference"), f"activation checkpointing {mode}")
+    _assert_one_compile(got, f"activation checkpointing {mode}")
