@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import time
 import warnings
 
 import pytest
+import torch
 
 from components.data import TOKENIZERS
 from components.models import flops_per_token
@@ -185,14 +187,27 @@ def test_out_of_memory_is_one_message_naming_the_fix_and_keeps_the_checkpoint(tm
 
 
 def test_bad_steps_can_be_skipped(tmp_path):
-    out = tmp_path / "run"
-    proc = train([*BASE, "--training.steps=6", "--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step",
-                  "--model.nan_at_step=3", "--model.nan_steps=1", "--fault.max_bad_steps=1",
-                  f"--job.dump_folder={out}"])
+    """Step 3's loss is NaN: its update is skipped (the weights saved after step 3 are those after step 2) and
+    the run trains on with finite losses."""
+    from nsa_titan.rebuild import load_checkpoint_model
+
+    argv = [*BASE, "--training.steps=6", "--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step",
+            "--model.nan_at_step=3", "--model.nan_steps=1", "--fault.max_bad_steps=1", "--checkpoint.enable=true",
+            "--checkpoint.interval=1", "--checkpoint.keep_latest_k=0", f"--job.dump_folder={tmp_path / 'run'}"]
+    proc = train(argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "update was skipped" in proc.stderr
-    records = {r["step"]: r for r in metrics(out) if "loss" in r}
-    assert records[6]["skipped_steps"] == 1 and records[6]["loss"] == records[6]["loss"]  # finite again
+    assert proc.stderr.count("update was skipped") == 1, proc.stderr[-3000:]
+    records = {r["step"]: r for r in metrics(tmp_path / "run") if "loss" in r}
+    assert [records[step]["skipped_steps"] for step in range(1, 7)] == [0, 0, 1, 1, 1, 1]
+    assert all(math.isfinite(records[step]["loss"]) for step in (1, 2, 4, 5, 6))
+
+    def weights_after(step: int) -> dict:
+        model, _, _ = load_checkpoint_model(resolve([*argv, f"--checkpoint.load_step={step}"], world_size=None))
+        return model.state_dict()
+
+    after = {step: weights_after(step) for step in (2, 3, 4)}
+    assert all(torch.equal(after[3][name], value) for name, value in after[2].items())
+    assert not all(torch.equal(after[4][name], value) for name, value in after[3].items())
 
 
 def test_a_checkpoint_before_any_update_leaves_the_first_update_whole(tmp_path):
