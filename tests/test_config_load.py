@@ -397,6 +397,24 @@ def test_shipped_recipes_validate(path):
     assert resolved.recipe.model.args.document_masking  # every shipped recipe attends within documents
 
 
+@pytest.mark.parametrize("name, row, millions", [("dense_125m", "dense_125m", 153), ("nsa_125m", "nsa_125m", 177),
+                                                ("nsa_125m_32k", "nsa_125m", 177), ("nsa_125m_128k", "nsa_125m", 177)])
+def test_shipped_125m_models_build_with_the_parameters_the_readme_states(name, row, millions):
+    """Built on the meta device with the GPT-2 vocabulary their tokenizer has (50257): the counts README.md and
+    presets/model_125m.toml give, 77M of them in the untied embedding and output tables."""
+    from nsa_titan import assemble
+
+    recipe = resolve([os.path.join(REPO_ROOT, "recipes", f"{name}.toml")], world_size=None).recipe
+    assert (recipe.data.tokenizer, recipe.data.tokenizer_args.encoding) == ("tiktoken", "gpt2")
+    model = assemble.build_model_on_meta(recipe, 50257)
+    assert round(assemble.count_parameters(model) / 1e6) == millions
+    tables = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[0] in ("tok_embeddings", "output"))
+    assert round(tables / 1e6) == 77
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as fh:
+        said = next(line for line in fh if line.startswith(f"| `recipes/{row}.toml`"))
+    assert f"{millions}M parameters" in said
+
+
 def test_document_masking_is_off_unless_a_recipe_says_so():
     from components.models import TransformerArgs
 
