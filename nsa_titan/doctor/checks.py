@@ -107,7 +107,8 @@ def check_data(recipe, runtime) -> tuple[Check, object | None]:
     try:
         tokenizer = assemble.build_tokenizer(recipe)
     except UserError as exc:
-        return Check(name, FAIL, f"tokenizer: {exc}"), None
+        said = str(exc)  # the tokenizers' messages begin "tokenizer NAME: ..."; a plugin's may not
+        return Check(name, FAIL, said if said.startswith("tokenizer") else f"tokenizer: {said}"), None
     try:
         source = assemble.build_source(recipe)
         loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0, dp_size=1, split="train",
