@@ -126,6 +126,17 @@ def test_debug_recipe_compiles_whole_under_inductor(tmp_path, capsys):
     assert "nsa_reference::attention" in ops and "nsa_reference::attention_backward" in ops, ops
 
 
+def test_shipped_dense_recipe_compiles_whole_under_inductor(tmp_path, capsys):
+    """recipes/debug_dense.toml as it is: document masking on, compile's default backend (FlexAttention's
+    kernels under inductor)."""
+    code, out, _ = _inspect(capsys, os.path.join(REPO_ROOT, "recipes", "debug_dense.toml"),
+                            f"--job.dump_folder={tmp_path}", "--fail-on-break")
+    assert code == 0, out
+    assert _verdict(out) == "verdict: 0 graph breaks, 1 graph, 0 recompiles"
+    assert "compile: backend inductor per block" in out and "attention dense" in out
+    assert "ran eagerly" not in out
+
+
 def test_dense_blocks_compile_whole(dense_recipe, tmp_path, capsys):
     code, out, _ = _inspect(capsys, dense_recipe, f"--job.dump_folder={tmp_path}", "--fail-on-break")
     assert code == 0, out
