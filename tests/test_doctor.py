@@ -205,12 +205,25 @@ def test_dense_attention_matches_softmax_attention_written_out():
             torch.testing.assert_close(out[0, t, h], w @ v[0, : t + 1, g])
 
 
-def _saved_bytes_per_token(recipe) -> float:
-    """Bytes one block saves for backward per token, measured with saved-tensor hooks."""
+def _cpu_model(recipe):
+    """(the recipe's model with its initial weights on the CPU, in fp32; the vocabulary size)."""
     tokenizer = assemble.build_tokenizer(recipe)
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
     assemble.materialize(model, torch.device("cpu"), 0, distributed=False,
                          build_reference=lambda: assemble.build_model_on_meta(recipe, tokenizer.vocab_size))
+    return model, tokenizer.vocab_size
+
+
+def _run_blocks(model, x):
+    """The model's blocks one after the other, as its forward calls them on rows of one document each."""
+    for layer in model.layers:
+        x = layer(x, model.rope.cos, model.rope.sin)
+    return x
+
+
+def _saved_bytes_per_token(recipe) -> float:
+    """Bytes one block saves for backward per token, measured with saved-tensor hooks."""
+    model, _ = _cpu_model(recipe)
     B, T = 2, recipe.training.seq_len
     x = torch.randn(B, T, recipe.model.args.dim, requires_grad=True)
     return saved_bytes(model, lambda: model.layers[0](x, model.rope.cos, model.rope.sin)) / (B * T)
@@ -228,23 +241,80 @@ def test_activation_estimate_is_near_what_a_block_saves(attention, tmp_path):
     assert abs(estimated - measured) / measured < 0.2, (estimated, measured)
 
 
-def test_memory_estimate_follows_its_formula():
+def test_memory_estimate_matches_what_a_training_step_holds():
+    """Each term of the estimate against what one fp32 training step of the debug model on the CPU holds:
+    AdamW's states after a real step, what the blocks save for backward with and without full activation
+    checkpointing, and what the loss keeps of the logits and the gradient it returns."""
+    from nsa_titan.loss import CHUNK_ELEMENTS, token_cross_entropy_sum
+    from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
+
     recipe = resolve([DEBUG]).recipe
     args = recipe.model.args
-    activation = activation_memory(args)
-    common = dict(activation=activation, num_params=1000, block_params=100, vocab_size=256, tokens=512, bf16=False,
-                  ac_every=2)
+    model, vocab = _cpu_model(recipe)
+    B, T = 2, recipe.training.seq_len
+    tokens = B * T
+    activation = activation_memory(args, MemoryLayout(device_type="cpu", tokens=tokens, compute_bytes=4))
+    # The inputs as `nsa-titan doctor` takes them from the model (nsa_titan/doctor/checks.py check_memory).
+    common = dict(activation=activation, num_params=assemble.count_parameters(model),
+                  block_params=max(sum(p.numel() for p in b.parameters()) for b in model.layers), vocab_size=vocab,
+                  tokens=tokens, bf16=False, ac_every=2)
     plain = estimate_memory(shard=1, ac_mode="none", **common)
-    assert plain.states == 16 * 1000 and plain.gathered == 0
-    assert plain.activations == 512 * args.n_layers * activation.per_block * 4
-    assert plain.logits == 512 * 256 * 2 * 4 + 12 * 512 * 256  # one chunk holds all 512 x 256 values
+
+    # States: the weights, their gradients and AdamW's two moments after one real step of the recipe's optimizer.
+    optimizer = assemble.build_optimizer(recipe, model)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    inputs, targets = torch.randint(0, vocab, (2, B, T), generator=torch.Generator().manual_seed(0))
+    token_cross_entropy_sum(model(inputs), targets).backward()
+    optimizer.step()
+    held = {}
+    for param in model.parameters():
+        state = optimizer.state[param]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].dim() == 0  # a 4-byte count
+        for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"]):
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert len(held) == 4 * len(list(model.parameters()))
+    assert plain.states == sum(held.values()), (plain.states, sum(held.values()))
+    # FSDP (not run here) splits those four evenly and gathers a whole block's weights, the running block
+    # and the next one prefetched.
     sharded = estimate_memory(shard=4, ac_mode="none", **common)
-    assert sharded.states == plain.states / 4 and sharded.gathered == 2 * 100 * 4
+    assert sharded.states == plain.states / 4
+    assert sharded.gathered == 2 * max(sum(p.nbytes for p in b.parameters()) for b in model.layers)
+    assert plain.gathered == 0
+
+    # Activations: what the blocks save for backward (within 20%, as the per-block test above) ...
+    x = torch.randn(B, T, args.dim, requires_grad=True)
+    every_block = saved_bytes(model, lambda: _run_blocks(model, x))
+    assert abs(plain.activations - every_block) / every_block < 0.2, (plain.activations, every_block)
+    # ... and with every block checkpointed, exactly each block's input; the block recomputed in backward
+    # holds one block's activations again.
+    assert apply_activation_checkpointing(list(model.layers), "full", 1) == args.n_layers
+    inputs_only = saved_bytes(model, lambda: _run_blocks(model, x))
+    assert inputs_only == args.n_layers * tokens * activation.block_input * 4, (inputs_only, activation.block_input)
     full = estimate_memory(shard=1, ac_mode="full", **common)
-    assert full.activations == 512 * args.n_layers * args.dim * 4 + plain.activations / args.n_layers
+    assert full.activations == inputs_only + plain.activations / args.n_layers
+
+    # Logits: what the loss keeps for backward (the logits, a target and a log-sum-exp per token) and the
+    # gradient it returns, both in the logits' dtype (fp32, or bf16 under autocast); beside them the loss
+    # works on one fp32 chunk of the logits at a time (here all of them: one chunk), under three copies.
+    assert tokens * vocab <= CHUNK_ELEMENTS
+    kept = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(B, T, vocab, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+        loss = []
+        kept[dtype] = saved_bytes(model, lambda: loss.append(token_cross_entropy_sum(logits, targets)))
+        loss[0].backward()
+        assert logits.grad.dtype == dtype
+        kept[dtype] += logits.grad.nbytes
+        estimated = estimate_memory(shard=1, ac_mode="none", **{**common, "bf16": dtype == torch.bfloat16}).logits
+        assert 0 < estimated - kept[dtype] <= 3 * tokens * vocab * 4, (dtype, estimated, kept[dtype])
+    # The part in the logits' dtype is exactly the logits the loss keeps and their gradient.
+    assert plain.logits - estimate_memory(shard=1, ac_mode="none", **{**common, "bf16": True}).logits == \
+        kept[torch.float32] - kept[torch.bfloat16]
+
     # Context parallelism: 512 local tokens of rows of 512 x 4 tokens; per_row_token counts per row token.
+    synthetic = dict(num_params=1000, block_params=100, vocab_size=256, tokens=512, bf16=False, ac_every=2)
     split = ActivationMemory(blocks=2, per_block=10, block_input=4, per_row_token=3)
-    cp = estimate_memory(**{**common, "activation": split}, shard=1, ac_mode="none", context_parallel=4)
+    cp = estimate_memory(activation=split, **synthetic, shard=1, ac_mode="none", context_parallel=4)
     assert cp.activations == 2 * (512 * 10 + 512 * 4 * 3) * 4
     assert activation_memory(args, MemoryLayout(1)).per_row_token == 0
     assert activation_memory(args, MemoryLayout(2)).per_block < activation.per_block  # the key terms count per row token instead

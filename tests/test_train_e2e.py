@@ -66,13 +66,39 @@ def test_loss_falls_on_real_text(tmp_path):
 
 
 def test_validation_is_logged(tmp_path):
+    import torch.nn.functional as F
+
+    from nsa_titan.rebuild import load_checkpoint_model
+    from tests.test_evaluate import held_out_batches
+
     out = tmp_path / "run"
     argv = [DEBUG, *TINY, "--training.steps=2", "--validation.enable=true", "--validation.freq=2",
-            "--validation.steps=2", f"--job.dump_folder={out}"]
+            "--validation.steps=2", "--checkpoint.enable=true", f"--job.dump_folder={out}"]
     assert cli.main(["train", *argv]) == 0
     val = [r for r in read_metrics(out) if "val_loss" in r]
     assert len(val) == 1 and val[0]["step"] == 2
     assert val[0]["val_perplexity"] == pytest.approx(2.718281828 ** val[0]["val_loss"], rel=1e-6)
+
+    # The logged loss, computed again apart from the trainer: the weights of the validated step read back
+    # from its checkpoint, the first validation.steps held-out batches, each row's documents masked as the
+    # recipe says, and the mean over every target token of F.cross_entropy.
+    recipe = resolve(argv).recipe
+    assert recipe.model.args.document_masking and recipe.validation.steps == 2
+    model, _, step = load_checkpoint_model(resolve(argv))
+    assert step == 2
+    logits, targets = [], []
+    with torch.no_grad():
+        for batch in held_out_batches(argv, count=recipe.validation.steps):
+            assert batch["input"].shape == (recipe.training.local_batch_size, recipe.training.seq_len)
+            logits.append(model(batch["input"], documents=batch["document_starts"]))
+            targets.append(batch["target"])
+    logits, targets = torch.cat(logits), torch.cat(targets)
+    assert logits.dtype == torch.float32 and (targets >= 0).all()  # every target counts, as in the trainer
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="mean").item()
+    # fp32 logits of the same weights and tokens; only the order of the sums differs (chunked rows, fp64
+    # accumulation in the trainer): measured 1.8e-7 apart, two fp32 ulps of a loss near 5.4. One batch
+    # fewer, the training split, or one token fewer a row in the count each move it by more than 0.03.
+    assert val[0]["val_loss"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_validation_reads_its_batches_once_and_evaluates_the_same_ones(tmp_path, monkeypatch):
