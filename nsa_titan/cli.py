@@ -150,12 +150,14 @@ def export(argv: list[str]) -> int:
         return _fail(f"error: export needs the recipe of the run whose checkpoint it exports. Fix: e.g. "
                      f"`nsa-titan export recipes/debug.toml {'--format hf ' if form == 'hf' else ''}--output "
                      f"{output}`.")
-    from nsa_titan.rebuild import say_unread_flags
-
-    say_unread_flags(resolved, "export")
     path, step = writers[form](resolved, output, *(() if dtype is None else (dtype,)), overwrite=overwrite)
     print(f"exported step {step} to {path}")
+    from nsa_titan.rebuild import HELD_OUT_READS, say_unread_flags
     from nsa_titan.run_folder import recipe_change_note
+
+    # The export records the recipe whole: eval of the file reads its held-out data settings.
+    say_unread_flags(resolved, "export", HELD_OUT_READS, effect="nothing that reads the export (its recipe records "
+                                                                "them)")
 
     # e.g. a model field given here that the run did not train with: the export records it
     note = recipe_change_note(resolved, "the export's recipe differs from the run's recipe.toml")
@@ -261,7 +263,6 @@ def plot(argv: list[str]) -> int:
         from nsa_titan.run_folder import recipe_change_note
 
         resolved = resolve(argv, world_size=None)
-        say_unread_flags(resolved, "plot")
         model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr)
         change = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (plot reads the model "
                                               "and tokenizer fields)")
@@ -270,6 +271,7 @@ def plot(argv: list[str]) -> int:
         paths, note = plot_model(model, resolved.recipe.model, tokenizer, text, layer, out, overwrite,
                                  resolved.recipe.data.add_bos)
         note += f", checkpoint step {step}"
+        say_unread_flags(resolved, "plot")
     else:
         paths, note = plot_exported(argv[0], text, layer, out, overwrite)
     print(f"plotted {note}: " + ", ".join(paths.values()))

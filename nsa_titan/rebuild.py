@@ -36,13 +36,17 @@ def runnable_args(part, args, device, say: Callable[[str], None] | None = None):
 
 
 # What load_checkpoint_model reads of a recipe (unread_flags_note's `reads`): the run, its model and tokenizer.
-CHECKPOINT_MODEL_READS = ("job", "model", "data.tokenizer", "data.add_bos", TOKENIZER_ARGS, "checkpoint.folder",
-                          "checkpoint.load_step")
+CHECKPOINT_MODEL_READS = ("job.name", "job.dump_folder", "job.plugins", "model", "data.tokenizer", "data.add_bos",
+                          TOKENIZER_ARGS, "checkpoint.folder", "checkpoint.load_step")
+# What eval reads beside (of a run's recipe, or of the one an export records): the held-out data and its cut.
+HELD_OUT_READS = ("job.seed", "data", "training.seq_len", "training.local_batch_size", "validation.steps")
 
 
-def say_unread_flags(resolved: ResolvedRecipe, command: str, also_reads: tuple[str, ...] = ()) -> None:
-    """The note naming the flags a command reading a run's checkpoint does not read (on stderr)."""
-    note = unread_flags_note(resolved, command, CHECKPOINT_MODEL_READS + also_reads)
+def say_unread_flags(resolved: ResolvedRecipe, command: str, also_reads: tuple[str, ...] = (),
+                     effect: str = "nothing here") -> None:
+    """The note naming the flags a command reading a run's checkpoint does not read (on stderr; the commands
+    say it after their work, beside their other notes)."""
+    note = unread_flags_note(resolved, command, CHECKPOINT_MODEL_READS + also_reads, effect)
     if note:
         say_on_stderr(f"note: {note}")
 
@@ -68,6 +72,7 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
     if step not in steps:
         raise UserError(f"no complete checkpoint at step {step} in {folder}. Fix: choose one of the complete steps "
                         f"({', '.join(map(str, steps))}) with --checkpoint.load_step, or -1 for the newest.")
+    _check_model_fields(resolved, os.path.join(folder, f"step-{step}"))
     tokenizer = assemble.build_tokenizer(recipe)
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
     model.to_empty(device="cpu")
@@ -76,6 +81,22 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
     read_model_weights(folder, step, state)  # a damaged or mismatched checkpoint gets resume's message
     model.load_state_dict(state["model"], strict=True)
     return model.eval(), tokenizer, step
+
+
+def _check_model_fields(resolved: ResolvedRecipe, step_dir: str) -> None:
+    """The recipe's model fields against those that trained the step's weights, as a resume checks them: a
+    field that changes what a weight means is refused (the export or evaluation would describe another
+    model); those marked keeps_weights may differ (recipe_change_note names them)."""
+    from nsa_titan.run_folder import model_fields_of, model_fields_of_step_folder, unchecked_weights_note
+    from nsa_titan.weight_source import model_field_changes
+
+    source = model_fields_of_step_folder(step_dir, resolved.recipe.job.dump_folder)
+    if source is None:
+        say_on_stderr(f"note: {unchecked_weights_note(step_dir)}")
+        return
+    where, theirs = source
+    model_field_changes(theirs, model_fields_of(resolved.toml), registry.get("model", resolved.recipe.model.name).args,
+                        step_dir, where, read_only=True)
 
 
 def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict: dict, device,

@@ -133,17 +133,22 @@ def recipe_differences(text: str | None, resolved, limit: int = 12) -> list[str]
 
 
 def model_fields_of_step_folder(step_dir: str, run: str | None = None) -> tuple[str, dict[str, Any]] | None:
-    """(where it was found, its [model] fields) of the recipe that wrote a checkpoint step folder, or None
-    where it cannot be found (a moved folder, a checkpoint.folder elsewhere) or read. The run folder (which
-    holds the checkpoint folder) keeps its latest recipe in recipe.toml and earlier ones as
-    recipe.<hash>.toml; the step's train_state.json names the one that wrote it (a step saved before it
-    did: recipe.toml). run: the run folder, when known (else the folder above the step's checkpoint folder)."""
+    """(where they were found, the [model] fields) of the recipe that wrote a checkpoint step folder, or None
+    where they cannot be found or read. A step's train_state.json holds them (steps saved before it did: the
+    run folder's recipe, which a moved step folder lacks). The run folder (which holds the checkpoint folder)
+    keeps its latest recipe in recipe.toml and earlier ones as recipe.<hash>.toml; the step's
+    train_state.json names the one that wrote it (a step saved before it did: recipe.toml). run: the run
+    folder, when known (else the folder above the step's checkpoint folder)."""
     run = run or os.path.dirname(os.path.dirname(step_dir.rstrip(os.sep)))
+    state_file = os.path.join(step_dir, "train_state.json")
     try:
-        with open(os.path.join(step_dir, "train_state.json"), encoding="utf-8") as fh:
-            wanted = json.load(fh).get("recipe_hash")
+        with open(state_file, encoding="utf-8") as fh:
+            record = json.load(fh)
+        wanted = record.get("recipe_hash")
     except (OSError, ValueError, AttributeError):
-        wanted = None
+        record, wanted = {}, None
+    if isinstance(record.get("model"), dict):  # steps saved since checkpoints keep their model fields
+        return state_file, record["model"]
     names = [RECIPE_FILE] + ([f"recipe.{wanted}.toml"] if isinstance(wanted, str) and wanted.isalnum() else [])
     for name in names:
         text = _read_run_recipe(run, name)
@@ -154,6 +159,13 @@ def model_fields_of_step_folder(step_dir: str, run: str | None = None) -> tuple[
         except tomllib.TOMLDecodeError:
             return None
     return None
+
+
+def unchecked_weights_note(path: str) -> str:
+    """What a reader of weights whose model fields are nowhere recorded says: nothing could be compared."""
+    return (f"the model fields that trained the weights in {path} are not recorded (a step saved by an older "
+            f"release, its run folder's recipe.toml gone), so they could not be compared with this recipe's: "
+            f"make sure its [model] is the one that trained them")
 
 
 def model_fields_of(recipe_text: str) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_s
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, describe_data_parallel, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
 from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, model_fields_of_step_folder,
-                                  recipe_change_note, write_run_recipe)
+                                  recipe_change_note, unchecked_weights_note, write_run_recipe)
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 from nsa_titan.weight_source import model_field_changes
@@ -174,6 +174,8 @@ class Trainer:
         self.train_loader = self._loader("train")
         self.state = RunState(self.model, self.optimizer, self.lr_scheduler, self.train_loader)
         self.state.extra["recipe_hash"] = resolved.hash  # in every checkpoint: the recipe that wrote it
+        # and the model fields its weights mean, which a moved step folder (without the run's recipe.toml) keeps
+        self.state.extra["model"] = model_fields_of(resolved.toml)
         self.state.extra["global_batch_size"] = self.global_batch  # what -1 meant at the world size that saved
         self.checkpointer = None
         ckpt = recipe.checkpoint
@@ -329,6 +331,7 @@ class Trainer:
         run = self.recipe.job.dump_folder if resumed else None
         source = model_fields_of_step_folder(weights_step_dir(path), run)
         if source is None:
+            self._say(f"note: {unchecked_weights_note(path)}")
             return []
         where, theirs = source
         return model_field_changes(theirs, model_fields_of(self.resolved.toml),

@@ -44,10 +44,11 @@ def field_defaults(args_cls: type, prefix: str = "model") -> dict[str, Any]:
 
 
 def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: type | None, path: str,
-                        where: str, resumed: bool = False) -> list[str]:
+                        where: str, resumed: bool = False, read_only: bool = False) -> list[str]:
     """'model.FIELD: theirs -> ours' for every model field that differs (flat dotted dicts); UserError
     when one not marked keeps_weights does. where: the file that holds the weights' own fields;
-    resumed: the weights are the checkpoint this run resumes (else checkpoint.initial_load_path's)."""
+    resumed: the weights are the checkpoint this run resumes (else checkpoint.initial_load_path's);
+    read_only: a command reads the checkpoint (export, eval, plot) instead of training on from it."""
     if args_cls is not None:  # a field the weights' recipe predates had its default there
         theirs = {**field_defaults(args_cls), **theirs}
     differ = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
@@ -57,7 +58,10 @@ def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: 
         shown = "; ".join(f"{key} = {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in blocked[:4])
         more = f"; and {len(blocked) - 4} more" if len(blocked) > 4 else ""
         allowed = f" ({', '.join(sorted(free))} may differ)" if free else ""
-        if resumed:
+        if read_only:
+            lead = f"the checkpoint {path!r} was trained with other model fields"
+            other = "or train the changed model first"
+        elif resumed:
             lead = f"the checkpoint this run resumes, {path!r}, was trained with other model fields"
             other = "or train the changed model from its start in another job.dump_folder"
         else:

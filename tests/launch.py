@@ -121,3 +121,24 @@ def assert_cuda_only_refused_at_start(tmp_path, capsys, flags: list[str], messag
     assert cli.main(["train", *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def forget_model_fields(step_dir) -> None:
+    """A checkpoint step as an older release saved it: its train_state.json without the model fields, which
+    are then judged by the run folder's recipe (or, that gone, by the tensors' shapes)."""
+    import json
+
+    from nsa_titan.checkpoint_checks import file_checksum
+
+    file = os.path.join(step_dir, "train_state.json")
+    with open(file) as fh:
+        record = json.load(fh)
+    del record["model"]
+    with open(file, "w") as fh:
+        json.dump(record, fh)
+    marker = os.path.join(step_dir, "COMPLETE")  # whose checksums that release wrote for the file as it is
+    with open(marker) as fh:
+        complete = json.load(fh)
+    complete["files"]["train_state.json"] = file_checksum(file)
+    with open(marker, "w") as fh:
+        json.dump(complete, fh)

@@ -16,7 +16,7 @@ import torch
 from nsa_titan import cli
 from nsa_titan.checkpoint import COMPLETE, complete_steps
 from nsa_titan.config import resolve
-from tests.launch import DEBUG, TINY, assert_resumed_at, env, losses, losses_and_norms, train
+from tests.launch import DEBUG, TINY, assert_resumed_at, env, forget_model_fields, losses, losses_and_norms, train
 
 STEPS = 6
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2", "--training.global_batch_size=4", "--checkpoint.enable=true",
@@ -208,9 +208,14 @@ def test_resume_into_another_model_is_refused_by_field(tmp_path, capsys, three_c
     assert "Traceback" not in err and err.count("error:") == 1
     assert f"the checkpoint this run resumes, '{folder / 'checkpoint' / 'step-3'}', was trained with other model " \
            "fields: model.norm_eps = 1e-05 there, 0.001 here. The weights would be read as another model. Fix: set " \
-           f"those fields to the values in {folder / 'recipe.toml'}" in err, err
+           f"those fields to the values in {folder / 'checkpoint' / 'step-3' / 'train_state.json'}" in err, err
     assert complete_steps(ckpt_dir(folder)) == [1, 2, 3]
-    # A field the step's recipe predates (written by an older version) had its default there.
+    # A step of an older release, without its model fields, is judged by the run's recipe.toml; a field that
+    # recipe predates had its default there.
+    forget_model_fields(folder / "checkpoint" / "step-3")
+    code = cli.main(["train", *BASE, "--training.steps=4", "--model.norm_eps=0.001", f"--job.dump_folder={folder}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"Fix: set those fields to the values in {folder / 'recipe.toml'}" in err, err
     recipe = (folder / "recipe.toml").read_text()
     (folder / "recipe.toml").write_text(recipe.replace("norm_eps = 1e-05\n", "", 1))
     assert "norm_eps" not in (folder / "recipe.toml").read_text()
@@ -232,10 +237,12 @@ def test_a_nested_checkpoint_folder_is_judged_by_its_runs_recipe_too(tmp_path, c
 
 
 def test_resume_into_another_model_names_the_first_mismatches(tmp_path, capsys, three_checkpoints):
-    """Where no recipe tells the fields the step was trained with, the tensors' shapes still judge it."""
+    """Where neither the step (an older release's) nor a recipe tells the fields the step was trained with, the
+    tensors' shapes still judge it."""
     folder = tmp_path / "run"
     shutil.copytree(three_checkpoints, folder)
     os.remove(folder / "recipe.toml")
+    forget_model_fields(folder / "checkpoint" / "step-3")
     capsys.readouterr()
     code = cli.main(["train", *BASE, "--training.steps=4", "--model.dim=64", f"--job.dump_folder={folder}"])
     err = capsys.readouterr().err

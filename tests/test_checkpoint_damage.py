@@ -12,7 +12,7 @@ import torch
 
 from nsa_titan import cli
 from nsa_titan.run_folder import LOCK_FILE
-from tests.launch import DEBUG, TINY
+from tests.launch import DEBUG, TINY, forget_model_fields
 from tests.launch import metrics as read_metrics
 from tests.test_checkpoint import _damage_metadata, _damage_shard, forget_checksums
 
@@ -79,16 +79,23 @@ def test_initial_load_path_of_a_damaged_step_names_the_file(run, tmp_path, capsy
 
 
 def test_initial_load_path_into_another_shape_names_the_tensors(run, tmp_path, capsys):
-    """The run's recipe.toml beside the step folder names the fields; a step folder moved away from it,
-    the tensors."""
+    """The step's train_state.json names the fields that trained it, wherever the folder is; a step of an
+    older release without them, moved away from its run's recipe.toml, gets the tensors named."""
     code = train(tmp_path / "new", "--model.dim=64", f"--checkpoint.initial_load_path={step_dir(run, 4)}")
     refused(capsys, code, "holds weights trained with other model fields: model.dim = 32 there, 64 here",
-            os.path.join(run, "recipe.toml"), "Fix:")
+            os.path.join(step_dir(run, 4), "train_state.json"), "Fix:")
     moved = tmp_path / "moved" / "step-4"
     shutil.copytree(step_dir(run, 4), moved)
     code = train(tmp_path / "new", "--model.dim=64", f"--checkpoint.initial_load_path={moved}")
-    refused(capsys, code, "does not fit this model", "model.tok_embeddings.weight is [258, 32] in the checkpoint but "
-            "[258, 64] here", "recipe.toml", "Fix:")
+    refused(capsys, code, "holds weights trained with other model fields: model.dim = 32 there, 64 here",
+            os.path.join(moved, "train_state.json"))
+    forget_model_fields(moved)
+    code = train(tmp_path / "new", "--model.dim=64", f"--checkpoint.initial_load_path={moved}")
+    said = capsys.readouterr()
+    assert code == 2 and said.err.count("error:") == 1 and "Traceback" not in said.err, said.err
+    assert ("does not fit this model" in said.err and "model.tok_embeddings.weight is [258, 32] in the checkpoint but "
+            "[258, 64] here" in said.err), said.err
+    assert f"note: the model fields that trained the weights in {moved} are not recorded" in said.out, said.out
 
 
 def test_initial_load_path_that_is_not_a_step_folder_names_what_it_takes(run, tmp_path, capsys):
@@ -127,9 +134,27 @@ def test_export_and_eval_of_a_damaged_newest_step_name_the_older_one(run, tmp_pa
     assert listing(run) == before and not os.path.exists(tmp_path / "x.pt")
 
 
+@pytest.mark.parametrize("command", ["export", "eval", "plot"])
+def test_reading_a_checkpoint_as_another_model_is_refused(run, tmp_path, capsys, command):
+    """A model field that changes what the weights mean (block_stride keeps every shape) is refused as a
+    resume refuses it: the export, evaluation or plot would describe a model these weights are not."""
+    out = {"export": ["--output", str(tmp_path / "x.pt")], "eval": ["--out", str(tmp_path / "eval")],
+           "plot": ["--text", "def f(x): return x", "--out", str(tmp_path / "plots")]}[command]
+    code = cli.main([command, *BASE, "--model.nsa.block_stride=4", f"--job.dump_folder={run}", *out])
+    refused(capsys, code, f"the checkpoint '{step_dir(run, 4)}' was trained with other model fields: "
+            "model.nsa.block_stride = 8 there, 4 here. The weights would be read as another model",
+            os.path.join(step_dir(run, 4), "train_state.json"), "model.max_seq_len")
+    assert not os.path.exists(tmp_path / "x.pt") and not os.path.exists(tmp_path / "eval")
+
+
 def test_export_into_another_shape_names_the_tensors(run, tmp_path, capsys):
+    """Of a step whose model fields are recorded nowhere (an older release's, its run's recipe.toml gone), the
+    tensors that do not fit are named, after a note that the fields could not be compared."""
+    forget_model_fields(step_dir(run, 4))
+    os.remove(run / "recipe.toml")
     code = cli.main(["export", *BASE, "--model.dim=64", f"--job.dump_folder={run}", "--output", str(tmp_path / "x.pt")])
-    refused(capsys, code, "does not fit this run's model", "model.tok_embeddings.weight is [258, 32]", "recipe.toml")
+    err = refused(capsys, code, "does not fit this run's model", "model.tok_embeddings.weight is [258, 32]")
+    assert err.startswith(f"note: the model fields that trained the weights in {step_dir(run, 4)} are not recorded"), err
 
 
 def garble_marker(path):

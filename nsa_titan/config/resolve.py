@@ -68,17 +68,19 @@ def run_identity_notes(resolved: ResolvedRecipe) -> list[str]:
 TOKENIZER_ARGS = "data.<tokenizer>"
 
 
-def unread_flags_note(resolved: ResolvedRecipe, command: str, reads: tuple[str, ...]) -> str | None:
+def unread_flags_note(resolved: ResolvedRecipe, command: str, reads: tuple[str, ...],
+                      effect: str = "nothing here") -> str | None:
     """A note naming the command-line overrides that `command` does not read (the training command line
     given again, say), or None. `reads`: the fields and sections it reads, dotted ("model", "checkpoint.folder",
-    TOKENIZER_ARGS). They are not refused: the same flags serve every command of a run."""
+    TOKENIZER_ARGS); `effect`: what they change. They are not refused: the same flags serve every command of
+    a run."""
     prefixes = [f"data.{resolved.recipe.data.tokenizer}" if read == TOKENIZER_ARGS else read for read in reads]
-    unread = [key for _, key, _ in resolved.command_line.overrides
-              if not any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)]
+    unread = list(dict.fromkeys(key for _, key, _ in resolved.command_line.overrides
+                                if not any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)))
     if not unread:
         return None
-    flags = ", ".join(f"--{key}" for key in dict.fromkeys(unread))
-    return f"{command} does not read {flags}: {'it changes' if len(unread) == 1 else 'they change'} nothing here"
+    flags = ", ".join(f"--{key}" for key in unread)
+    return f"{command} does not read {flags}: {'it changes' if len(unread) == 1 else 'they change'} {effect}"
 
 
 def _name_the_run_after(path: str, table: dict, origin: dict[str, str], notes: list[str]) -> None:

@@ -28,8 +28,6 @@ from nsa_titan.observe.progress import progress
 
 USAGE = "`nsa-titan eval recipes/debug.toml --out outputs/debug/eval` (or an exported model file instead of the recipe)"
 OPTIONS = "--out, --batches, --lengths, --depths, --trials, --tasks, --task-dir, --limit, --overwrite"
-# Beside the run's model and tokenizer: the held-out data and how it is cut (say_unread_flags).
-EVAL_ALSO_READS = ("data", "training.seq_len", "training.local_batch_size", "validation.steps")
 RESULT_FILES = ("eval.json", "position_loss.png", "passkey.png", "lm_eval.json")
 
 
@@ -51,24 +49,25 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
 
 
 def _load(argv: list[str]):
-    """(model, tokenizer, recipe, what was loaded) from a recipe's checkpoint or an exported file."""
+    """(model, tokenizer, recipe, what was loaded, the resolved recipe or None) from a recipe's checkpoint or
+    an exported file."""
     from nsa_titan.export import load_checkpoint_model, load_exported_run
-    from nsa_titan.rebuild import say_on_stderr, say_unread_flags
+    from nsa_titan.rebuild import say_on_stderr
     from nsa_titan.run_folder import recipe_change_note
 
     if argv and argv[0].endswith(".toml"):
         resolved = resolve(argv, world_size=None)
-        say_unread_flags(resolved, "eval", EVAL_ALSO_READS)
         model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr)
         note = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (eval reads the model, "
                                             "tokenizer and data fields)")
         if note:
             print(note)
-        return model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}"
+        return (model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}",
+                resolved)
     if len(argv) != 1:
         raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
     run = load_exported_run(argv[0], say=say_on_stderr)
-    return run.model, run.tokenizer, run.recipe, f"{argv[0]} (step {run.meta['step']})"
+    return run.model, run.tokenizer, run.recipe, f"{argv[0]} (step {run.meta['step']})", None
 
 
 def run_command(argv: list[str]) -> int:
@@ -110,7 +109,7 @@ def run_command(argv: list[str]) -> int:
         manager = task_manager(task_names, task_dir)
         check_tasks_load(task_names, manager)
     pyplot()  # fail before the work when matplotlib is missing
-    model, tokenizer, recipe, loaded = _load(argv)
+    model, tokenizer, recipe, loaded, resolved = _load(argv)
     limit = recipe.model.args.max_seq_len - answer_tokens(tokenizer)
     shortest = shortest_length(tokenizer, recipe.data.add_bos)
     if shortest > limit:
@@ -173,6 +172,11 @@ def run_command(argv: list[str]) -> int:
     print(f"evaluated {loaded}: loss {positions['mean_loss'][0]:.3f} with {positions['positions'][0]} token(s) of "
           f"context, {far:.3f} with {positions['positions'][-1]}; passkey accuracy {mean_accuracy:.0%} over "
           f"{len(lengths)} lengths x {len(depths)} depths x {trials} keys: " + ", ".join(paths.values()))
+    if resolved is not None:
+        from nsa_titan.rebuild import HELD_OUT_READS, say_unread_flags
+
+        # --batches says how many held-out batches instead of validation.steps
+        say_unread_flags(resolved, "eval", tuple(r for r in HELD_OUT_READS if not (batches and r == "validation.steps")))
     return 0
 
 
