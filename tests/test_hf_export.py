@@ -90,7 +90,7 @@ def test_transformers_gives_the_trainers_logits(exported):
         expected = ours(tokens)
         got = theirs(tokens).logits
     # The same fp32 function written twice (the modeling file is self-contained): only rounding differs.
-    # Measured: logits below 1 differing by at most 2.4e-7 (two fp32 ulps); one matrix of the last block a
+    # Measured: logits below 1 differing by at most 2.4e-7 (a few fp32 ulps); one matrix of the last block a
     # single Adam step (3e-3) away from the checkpoint's moves them by ~7e-3.
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 

@@ -50,7 +50,8 @@ def test_bf16_trains_like_fp32_and_keeps_fp32_state(tmp_path, fp32, name):
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = losses_and_norms(tmp_path)
     assert sorted(got) == sorted(fp32) == list(range(1, STEPS + 1))
-    assert got != fp32  # computed in bf16, not fp32
+    # Computed in bf16: some gradient norm moves far beyond the ~2e-7 that compiling or sharding alone moves it.
+    assert max(abs(got[step][1] / norm - 1) for step, (_, norm) in fp32.items()) > 1e-4, (name, got, fp32)
     for step, (loss, norm) in fp32.items():
         assert got[step][0] == pytest.approx(loss, rel=LOSS_RTOL), (name, step, got, fp32)
         assert got[step][1] == pytest.approx(norm, rel=NORM_RTOL), (name, step, got, fp32)

