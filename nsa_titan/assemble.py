@@ -29,7 +29,7 @@ def build_model_on_meta(recipe: Recipe, vocab_size: int) -> nn.Module:
     """The model's structure without memory; parallelism is applied before weights exist."""
     part = registry.get("model", recipe.model.name)
     with torch.device("meta"):
-        return part.build(recipe.model.args, vocab_size)
+        return registry.call(part, recipe.model.args, vocab_size)
 
 
 def parallel_plan(part: registry.Part, model: nn.Module) -> ParallelPlan:
@@ -75,7 +75,8 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
     opt = recipe.optimizer
     part = registry.get("optimizer", opt.name)
     own = {} if part.args is None else {"args": opt.args}  # an optimizer registered with arguments gets them
-    return part.build(model, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay, **own)
+    return registry.call(part, model, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+                         **own)
 
 
 def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer,

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from components.errors import UserError
+
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 2**26  # fp32 values per chunk: 256 MiB, a few times over while a chunk is worked on
 
@@ -65,6 +67,10 @@ class _TokenCrossEntropySum(torch.autograd.Function):
 def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """sum over tokens of -log softmax(logits)[target], in fp32: logits [..., V] in any float dtype,
     targets [...] int64 (IGNORE_INDEX counts nothing); a 0-d fp32 tensor."""
+    if logits.shape[:-1] != targets.shape:  # flattened, they would pair with the wrong targets and train on
+        raise UserError(f"the model returned logits of shape {list(logits.shape)} for targets of shape "
+                        f"{list(targets.shape)}. Fix: a model's forward returns logits [batch, tokens, vocab], one "
+                        f"row per input token")
     return _TokenCrossEntropySum.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

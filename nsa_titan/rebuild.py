@@ -107,7 +107,7 @@ def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict
     part = registry.get("model", model_name)
     args = runnable_args(part, model_arguments(part, model_args), device, say)
     with torch.device("meta"):
-        model = part.build(args, vocab_size)
+        model = registry.call(part, args, vocab_size)
     model.to_empty(device=device)
     model.init_weights()
     try:

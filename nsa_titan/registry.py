@@ -10,10 +10,13 @@ rather than keeping a copy here.
 
 from __future__ import annotations
 
+import dataclasses
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from components import nsa
+from components.errors import UserError
 
 KINDS = ("model", "attention_backend", "data_source", "tokenizer", "optimizer", "lr_schedule")
 
@@ -43,6 +46,7 @@ class Part:
     device_problem: Callable[..., str | None] | None = None  # (args, device) -> why it cannot run there, or None
     # (args, device) -> (args of the same model that run there, a note when they differ), for readers on the CPU
     args_for_device: Callable[..., Any] | None = None
+    plugin: bool = False  # registered by a module of job.plugins (its failures are named as a plugin's)
 
 
 _PARTS: dict[str, dict[str, Part]] = {kind: {} for kind in KINDS if kind != "attention_backend"}
@@ -70,12 +74,19 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
     """
     if kind not in KINDS:
         raise ValueError(f"unknown part kind {kind!r}; kinds are {', '.join(KINDS)}")
+    # The built-in parts first: a plugin's name clashes with them now (or replaces them), not later.
+    ensure_builtins()
+    if args is not None and not dataclasses.is_dataclass(args):
+        raise ValueError(f"{kind} {name!r}: args must be a dataclass type (its fields become recipe fields), "
+                         f"got {args!r}")
+    if args is not None and kind in ("lr_schedule", "attention_backend"):
+        raise ValueError(f"{kind} {name!r}: a {kind} takes no args (nothing would read them)")
     if kind == "attention_backend":
         nsa.register_backend(name, build, doc=doc, replace=replace)
         return _backend_part(name)
     if name in _PARTS[kind] and not replace:
         raise ValueError(f"{kind} {name!r} is already registered; pass replace=True to override it")
-    part = Part(kind, name, build, args, doc, **model_hooks)
+    part = Part(kind, name, build, args, doc, **model_hooks, plugin=not _registering_builtins)
     _PARTS[kind][name] = part
     return part
 
@@ -83,7 +94,44 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
 def build(kind: str, name: str, args: Any) -> Any:
     """The part `name` built from its recipe arguments (a part without arguments takes none)."""
     part = get(kind, name)
-    return part.build(args) if part.args is not None else part.build()
+    return call(part, args) if part.args is not None else call(part)
+
+
+# What each kind's builder is called with and returns: what a plugin's message says it should be.
+CONTRACTS = {
+    "model": "build(args, vocab_size) -> a torch.nn.Module with init_weights() and forward(tokens, documents=None) "
+             "-> logits [batch, tokens, vocab]",
+    "data_source": "build(args) -> a source with check(), fingerprint() and documents(shard, num_shards, split, seed, "
+                   "epoch, cursor) (components/data/sources/base.py)",
+    "tokenizer": "build(args) -> a tokenizer with name, vocab_size, bos_id, eos_id, encode(text) and decode(ids) "
+                 "(components/data/tokenizers.py)",
+    "optimizer": "build(model, lr=, betas=, eps=, weight_decay=[, args=]) -> a torch.optim.Optimizer",
+    "lr_schedule": "shape(progress) -> factor: progress through the decay in [0, 1] to 1 at its start and 0 at its end",
+}
+# What a built part must have, checked once where a plugin builds it.
+_MEMBERS = {"model": ("init_weights", "forward"), "data_source": ("check", "fingerprint", "documents"),
+            "tokenizer": ("vocab_size", "bos_id", "eos_id", "encode", "decode")}
+
+
+def call(part: Part, *args: Any, **kwargs: Any) -> Any:
+    """part.build(*args, **kwargs); a plugin's part that fails, or builds something without what its kind
+    needs, is one UserError naming the part, where it failed and the contract of its kind."""
+    if not part.plugin:
+        return part.build(*args, **kwargs)
+    try:
+        built = part.build(*args, **kwargs)
+    except UserError:
+        raise
+    except Exception as exc:
+        inside = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+        where = f"{inside[-1].filename}, line {inside[-1].lineno}" if inside else "in the call: its parameters"
+        raise UserError(f"{part.kind} {part.name!r} (a plugin's) failed to build: {type(exc).__name__}: {exc} "
+                        f"({where}). Fix: {part.kind} builders are called as {CONTRACTS[part.kind]}") from None
+    missing = [member for member in _MEMBERS.get(part.kind, ()) if not hasattr(built, member)]
+    if missing:
+        raise UserError(f"{part.kind} {part.name!r} (a plugin's) built a {type(built).__name__} without "
+                        f"{', '.join(missing)}. Fix: {part.kind} builders are called as {CONTRACTS[part.kind]}")
+    return built
 
 
 def get(kind: str, name: str) -> Part:
@@ -113,13 +161,18 @@ def _backend_part(name: str) -> Part:
 
 
 _builtins_loaded = False
+_registering_builtins = False
 
 
 def ensure_builtins() -> None:
     """Register the built-in parts once, on first use (keeps `import nsa_titan` light)."""
-    global _builtins_loaded
+    global _builtins_loaded, _registering_builtins
     if not _builtins_loaded:
         _builtins_loaded = True
         from nsa_titan import parts
 
-        parts.register_builtins(register, build)
+        _registering_builtins = True
+        try:
+            parts.register_builtins(register, build)
+        finally:
+            _registering_builtins = False

@@ -28,6 +28,18 @@ def sample_next(
 
 
 @torch.no_grad()
+def check_decodes(model) -> None:
+    """UserError unless `model` decodes as generate() needs: new_kv_cache(), forward_step() and a max_seq_len
+    in its args (the transformer's; a plugin's model may have none of them)."""
+    missing = [name for name in ("new_kv_cache", "forward_step") if not callable(getattr(model, name, None))]
+    if not isinstance(getattr(getattr(model, "args", None), "max_seq_len", None), int):
+        missing.append("args.max_seq_len")
+    if missing:
+        raise UserError(f"{type(model).__name__} cannot generate text: decoding needs the model's {', '.join(missing)} "
+                        f"(components/models/transformer.py's Transformer has them). Fix: give the model a KV-cache "
+                        f"decoding path like the transformer's; sample and eval's passkey probe decode")
+
+
 def generate(
     model,
     prompt: torch.Tensor,
@@ -54,7 +66,8 @@ def generate(
         raise UserError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"top_k must be >= 1 or None, got {top_k}")
-    device = model.tok_embeddings.weight.device
+    check_decodes(model)
+    device = next(model.parameters()).device
     if generator is not None and generator.device != device:
         raise UserError(f"the generator is on {generator.device} but the model is on {device}; "
                         f"create it with torch.Generator(device={str(device)!r})")

@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 
 from nsa_titan.config.build import RecipeBuilder, coerce
@@ -181,6 +182,25 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
     return ResolvedRecipe(recipe, text, digest, path, cmd, tuple(cmd.notes + builder.notes))
 
 
+def _plugin_import_problem(source: str, name: str, exc: Exception) -> Problem:
+    """A plugin that is not there, or one that is but raised while it was imported (then: where, in it)."""
+    missing = isinstance(exc, ModuleNotFoundError) and (
+        str(exc).startswith("no file ") or (exc.name is not None and (name + ".").startswith(exc.name + ".")))
+    if missing:
+        return Problem(source, "job.plugins", name, f"could not be imported ({type(exc).__name__}: {exc})",
+                       "give an importable module name (on PYTHONPATH) or a path to a .py file")
+    if isinstance(exc, SyntaxError):
+        where = f"{exc.filename}, line {exc.lineno}"
+    else:
+        # The plugin's own line: past importlib's frames and the engine's (register raising for it, say).
+        engine = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if "importlib" not in f.filename and not os.path.abspath(f.filename).startswith(engine + os.sep)]
+        where = f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else name
+    return Problem(source, "job.plugins", name, f"raised {type(exc).__name__} while it was imported ({where}): {exc}",
+                   "mend the plugin there (parts it registers are missing until it imports)")
+
+
 def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]) -> None:
     plugins = table.get("job", {}).get("plugins", []) if isinstance(table.get("job"), dict) else []
     if isinstance(plugins, str):  # a flag's text: read as any list flag is (comma-separated, or a TOML list)
@@ -213,5 +233,4 @@ def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]
             else:
                 importlib.import_module(name)
         except Exception as exc:  # a plugin may fail in any way; report it as a recipe problem
-            problems.append(Problem(source, "job.plugins", name, f"could not be imported ({type(exc).__name__}: {exc})",
-                                    "give an importable module name (on PYTHONPATH) or a path to a .py file"))
+            problems.append(_plugin_import_problem(source, name, exc))

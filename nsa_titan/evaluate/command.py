@@ -110,6 +110,9 @@ def run_command(argv: list[str]) -> int:
         check_tasks_load(task_names, manager)
     pyplot()  # fail before the work when matplotlib is missing
     model, tokenizer, recipe, loaded, resolved = _load(argv)
+    from components.models.generate import check_decodes
+
+    check_decodes(model)  # the passkey probe decodes; before any work
     limit = recipe.model.args.max_seq_len - answer_tokens(tokenizer)
     shortest = shortest_length(tokenizer, recipe.data.add_bos)
     if shortest > limit:

@@ -1,0 +1,170 @@
+"""Plugins that get a part's contract wrong: each mistake is one message naming the part, where it failed
+and what its kind's builder is called with, with exit 2 and no traceback; a plugin may replace a built-in."""
+
+from __future__ import annotations
+
+import pytest
+
+from nsa_titan import cli, registry
+from tests.launch import TINY
+
+PLUGIN = '''
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from nsa_titan.registry import register
+
+
+@dataclass
+class Args:
+    hidden: int = field(default=8, metadata={"doc": "width"})
+
+
+class Bigram(nn.Module):
+    def __init__(self, args, vocab_size):
+        super().__init__()
+        self.embed, self.out = nn.Embedding(vocab_size, args.hidden), nn.Linear(args.hidden, vocab_size)
+
+    def forward(self, tokens, **kwargs):
+        return self.out(self.embed(tokens))
+
+
+class NoInit(Bigram):
+    pass
+
+
+class Plain(Bigram):
+    """Trains and exports; has no decoding path."""
+
+    def init_weights(self):
+        self.embed.reset_parameters()
+        self.out.reset_parameters()
+
+
+class Short(Plain):
+    def forward(self, tokens, **kwargs):
+        return super().forward(tokens)[:, :-1]
+
+
+def broken(args, vocab_size):
+    return {}["no such key"]
+
+
+register("model", "no_init", NoInit, args=Args)
+register("model", "one_argument", lambda args: Bigram(args, 258), args=Args)
+register("model", "broken", broken, args=Args)
+register("model", "short", Short, args=Args)
+register("model", "plain", Plain, args=Args)
+register("optimizer", "no_betas", lambda model, lr: torch.optim.SGD(model.parameters(), lr=lr))
+register("data_source", "a_list", lambda args: ["hello"] * 50, args=Args)
+register("optimizer", "adamw", lambda model, **kw: torch.optim.SGD(model.parameters(), lr=kw["lr"]), replace=True)
+'''
+BROKEN_LINE = PLUGIN.splitlines().index('    return {}["no such key"]') + 1
+RECIPE = """
+[model]
+name = "no_init"
+[training]
+steps = 1
+seq_len = 64
+local_batch_size = 2
+"""
+
+
+@pytest.fixture
+def plugin(tmp_path):
+    """(recipe, plugin file) written for this test; the registry as it was afterwards."""
+    registry.ensure_builtins()
+    saved = {kind: dict(parts) for kind, parts in registry._PARTS.items()}
+    path = tmp_path / "contract_plugin.py"
+    path.write_text(PLUGIN)
+    recipe = tmp_path / "bigram.toml"
+    recipe.write_text(RECIPE)
+    yield str(recipe), str(path)
+    registry._PARTS.clear()
+    registry._PARTS.update(saved)
+
+
+def _refused(capsys, argv: list[str], *fragments: str) -> str:
+    code = cli.main(["train", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--model.name=no_init"], ["model 'no_init' (a plugin's) built a NoInit without init_weights. Fix: model "
+                                "builders are called as build(args, vocab_size) -> a torch.nn.Module with "
+                                "init_weights()"]),
+    (["--model.name=one_argument"], ["model 'one_argument' (a plugin's) failed to build: TypeError:",
+                                     "(in the call: its parameters)"]),
+    (["--model.name=broken"], ["model 'broken' (a plugin's) failed to build: KeyError: 'no such key' (",
+                               f"contract_plugin.py, line {BROKEN_LINE})"]),
+    (["--model.name=short"], ["the model returned logits of shape [2, 63, 258] for targets of shape [2, 64]"]),
+    (["--model.name=short", "--optimizer.name=no_betas"],
+     ["optimizer 'no_betas' (a plugin's) failed to build: TypeError:", "build(model, lr=, betas=, eps=, "
+                                                                       "weight_decay=[, args=])"]),
+    (["--model.name=short", "--data.source=a_list"],
+     ["data_source 'a_list' (a plugin's) built a list without check, fingerprint, documents"]),
+])
+def test_a_part_that_breaks_its_contract_is_one_message(plugin, tmp_path, capsys, flags, fragments):
+    recipe, path = plugin
+    _refused(capsys, [recipe, f"--job.plugins={path}", "--training.device=cpu", "--data.logical_shards=4", *flags,
+                      f"--job.dump_folder={tmp_path / 'run'}"], *fragments)
+
+
+def test_a_plugin_replaces_a_built_in_part(plugin, tmp_path, capsys):
+    """Built-in parts are registered before the plugin's, so replace=True replaces AdamW (SGD has no state)."""
+    import torch
+
+    from nsa_titan import assemble
+
+    recipe, path = plugin
+    from nsa_titan.config import resolve
+
+    resolved = resolve([recipe, f"--job.plugins={path}", "--model.name=short"])
+    model = assemble.build_model_on_meta(resolved.recipe, 258)
+    assert type(assemble.build_optimizer(resolved.recipe, model.to_empty(device="cpu"))) is torch.optim.SGD
+
+
+def test_a_plugin_that_fails_while_imported_is_named_at_its_line(tmp_path, capsys):
+    """Not 'give an importable module name': the module was found, and its own line raised."""
+    path = tmp_path / "clashing.py"
+    path.write_text("from nsa_titan.registry import register\n\nregister('optimizer', 'adamw', print)\n")
+    err = _refused(capsys, ["--job.plugins=" + str(path), *TINY, f"--job.dump_folder={tmp_path / 'run'}"],
+                   f"raised ValueError while it was imported ({path}, line 3): optimizer 'adamw' is already "
+                   "registered; pass replace=True to override it. Fix: mend the plugin there")
+    assert "importable module name" not in err
+
+
+@pytest.mark.parametrize("kind, args, message", [
+    ("model", type("NotADataclass", (), {}), "model 'x': args must be a dataclass type"),
+    ("lr_schedule", None, "lr_schedule 'x': a lr_schedule takes no args"),
+])
+def test_register_refuses_arguments_nothing_would_read(kind, args, message):
+    import dataclasses
+
+    args = args or dataclasses.make_dataclass("Some", [("a", int, dataclasses.field(default=1))])
+    with pytest.raises(ValueError, match=message):
+        registry.register(kind, "x", lambda *a: None, args=args)
+    assert "x" not in registry.available(kind)
+
+
+def test_sample_and_eval_of_a_model_that_cannot_decode_say_so(plugin, tmp_path, capsys):
+    """Training and export of a model without the transformer's decoding path work; sample and eval (its
+    passkey probe) decode, so they refuse it in one message instead of failing inside generation."""
+    recipe, path = plugin
+    run = [recipe, f"--job.plugins={path}", "--model.name=plain", "--training.device=cpu", "--data.logical_shards=4",
+           "--checkpoint.enable=true", f"--job.dump_folder={tmp_path / 'run'}"]
+    assert cli.main(["train", *run]) == 0
+    exported = str(tmp_path / "plain.pt")
+    assert cli.main(["export", *run, "--output", exported]) == 0
+    capsys.readouterr()
+    for argv in (["sample", exported, "--max-new-tokens", "4"], ["eval", *run, "--out", str(tmp_path / "eval")]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "Plain cannot generate text: decoding needs the model's new_kv_cache, " \
+               "forward_step, args.max_seq_len" in err, err
