@@ -11,6 +11,7 @@ A checkpoint is the folder {dump_folder}/{checkpoint.folder}/step-N holding
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -214,10 +215,15 @@ class Checkpointer:
             done = [s for s in complete_steps(self.folder) if s != step]
             kept = (f"the last complete checkpoint (step {done[-1]}) is kept" if done else
                     "no checkpoint is complete yet")
+            errno_of = getattr(cause, "errno", None)
+            if errno_of in (errno.EACCES, errno.EPERM, errno.EROFS):
+                remedy = "make that folder writable by this user (or point checkpoint.folder or --job.dump_folder " \
+                         "elsewhere)"
+            else:
+                remedy = "free space on that file system (or point checkpoint.folder or --job.dump_folder elsewhere)"
             raise UserError(f"cannot save the checkpoint of step {step} in {path} ({why}{free}). The partial save "
-                            f"is removed and {kept}. Fix: free space on that file system (or point "
-                            f"checkpoint.folder or --job.dump_folder elsewhere), then run the same command again "
-                            f"to resume.") from None
+                            f"is removed and {kept}. Fix: {remedy}, then run the same command again to resume."
+                            ) from None
 
     def _clear_leftover(self, path: str) -> None:
         """What is already at this step's path: a partial save (a crash at this very step) is removed;

@@ -420,17 +420,23 @@ def test_pruning_removes_the_marker_first(tmp_path, monkeypatch):
     assert seen == [False]
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+@pytest.mark.parametrize("async_mode, errno_of, reason, remedy", [
+    ("disabled", 28, "No space left on device", "Fix: free space on that file system"),
+    ("async", 28, "No space left on device", "Fix: free space on that file system"),
+    ("disabled", 13, "Permission denied", "Fix: make that folder writable by this user"),
+])
 def test_a_save_that_cannot_be_written_is_one_message_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch,
-                                                                                    async_mode):
-    """A full disk at step 4's save (in the background too): exit 2 naming the step, the reason and the
-    complete checkpoint kept; the partial folder is gone, not left to fill the disk further."""
+                                                                                    async_mode, errno_of, reason,
+                                                                                    remedy):
+    """A full disk (or a folder this user may not write) at step 4's save, in the background too: exit 2
+    naming the step, the reason, the remedy that fits it and the complete checkpoint kept; the partial folder
+    is gone, not left to fill the disk further."""
     from concurrent.futures import Future
 
     from nsa_titan import checkpoint
 
     real_save, real_async = checkpoint.dcp.save, checkpoint.dcp.async_save
-    full = OSError(28, "No space left on device")
+    full = OSError(errno_of, reason)
 
     def save(tensors, checkpoint_id, **kw):
         if "step-4" in checkpoint_id:
@@ -451,7 +457,7 @@ def test_a_save_that_cannot_be_written_is_one_message_and_keeps_the_last_checkpo
                      f"--checkpoint.async_mode={async_mode}", f"--job.dump_folder={folder}"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
-    assert "cannot save the checkpoint of step 4" in err and "No space left on device" in err and "GiB free" in err
+    assert "cannot save the checkpoint of step 4" in err and reason in err and "GiB free" in err and remedy in err
     assert "the last complete checkpoint (step 2) is kept" in err and "run the same command again" in err
     assert sorted(os.listdir(folder / "checkpoint")) == ["step-2"]
 
