@@ -19,8 +19,9 @@ COMMANDS = {
     "export": "consolidate a run's checkpoint: nsa-titan export RECIPE.toml [overrides] --output FILE, or "
               "--format hf --output DIR [--dtype bfloat16] for a Hugging Face transformers folder; "
               "--overwrite replaces an earlier export there",
-    "sample": "generate text: nsa-titan sample EXPORTED_FILE|HF_DIR [--prompt TEXT] [--max-new-tokens N] "
-              "[--temperature T (0 = greedy)] [--top-k K (the K likeliest tokens; default all)] [--seed S]",
+    "sample": "generate text: nsa-titan sample EXPORTED_FILE|HF_DIR [--prompt TEXT] "
+              "[--max-new-tokens N (default 200, or what max_seq_len leaves)] [--temperature T (0 = greedy; default "
+              "0.8)] [--top-k K (the K likeliest tokens; default all)] [--seed S (default 0)]",
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE|RECIPE.toml [overrides] "
             "--text TEXT|--text-file FILE [--layer N] --out DIR [--overwrite (replace an earlier plot's files in DIR)]",
     "eval": "loss by context position, a passkey probe and lm-eval tasks: nsa-titan eval RECIPE.toml|EXPORTED_FILE "
@@ -166,6 +167,9 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+DEFAULT_NEW_TOKENS = 200
+
+
 def sample(argv: list[str]) -> int:
     import torch
 
@@ -180,7 +184,8 @@ def sample(argv: list[str]) -> int:
     # (option, type, default, lowest, highest, example): nan or inf would reach the sampler, --top-k 0 would
     # silently mean "no top-k" (leave it out for that), a seed past 64 bits overflows torch's generator.
     for name, kind, default, low, high, example in (
-            ("--max-new-tokens", int, "200", 0, None, "200"), ("--temperature", float, "0.8", 0, None, "0.8"),
+            ("--max-new-tokens", int, str(DEFAULT_NEW_TOKENS), 0, None, "200"),
+            ("--temperature", float, "0.8", 0, None, "0.8"),
             ("--top-k", int, None, 1, None, "40"), ("--seed", int, "0", 0, 2**64 - 1, "0")):
         text = numbers[name] = take_option(argv, name, default)
         if text is None:
@@ -209,9 +214,16 @@ def sample(argv: list[str]) -> int:
     text_ids = tokenizer.encode(prompt) if prompt else []
     start = [document_prefix_id(tokenizer, recipe.data.add_bos)] if recipe.data.add_bos or not text_ids else []
     ids = start + text_ids
+    new_tokens = numbers["--max-new-tokens"]
+    limit = getattr(getattr(model, "args", None), "max_seq_len", None)
+    if "--max-new-tokens" not in given and isinstance(limit, int) and 0 < limit - len(ids) < new_tokens:
+        # The default asks for more than a short-context model holds: as many as it does (asked for, refused).
+        new_tokens = limit - len(ids)
+        say_on_stderr(f"note: {new_tokens} new tokens, as many as max_seq_len {limit} leaves after the prompt "
+                      f"(--max-new-tokens defaults to {DEFAULT_NEW_TOKENS})")
     generator = torch.Generator().manual_seed(numbers["--seed"])
     with torch.no_grad():
-        out = generate(model, torch.tensor([ids], dtype=torch.long), numbers["--max-new-tokens"],
+        out = generate(model, torch.tensor([ids], dtype=torch.long), new_tokens,
                        temperature=numbers["--temperature"], top_k=numbers["--top-k"], generator=generator,
                        stop_id=tokenizer.eos_id)
     new = out[0, len(ids):].tolist()

@@ -13,18 +13,24 @@ from components.problems import suggest
 
 
 def take_option(argv: list[str], name: str, default: str | None = None) -> str | None:
-    """Remove `NAME VALUE` or `NAME=VALUE` from argv and return VALUE (default when absent)."""
+    """Remove `NAME VALUE` or `NAME=VALUE` from argv and return VALUE (default when absent); given twice is an
+    error (which one was meant?)."""
     for i, arg in enumerate(argv):
         if arg == name:
             if i + 1 >= len(argv):
                 raise UserError(f"{name} needs a value. Fix: write {name}=VALUE.")
             value = argv[i + 1]
             del argv[i:i + 2]
-            return value
+            break
         if arg.startswith(name + "="):
             del argv[i]
-            return arg.split("=", 1)[1]
-    return default
+            value = arg.split("=", 1)[1]
+            break
+    else:
+        return default
+    if any(arg == name or arg.startswith(name + "=") for arg in argv):
+        raise UserError(f"{name} is given twice. Fix: give it once.")
+    return value
 
 
 def existing_ancestor(path: str) -> str:
@@ -68,7 +74,11 @@ def with_umask_permissions(path: str) -> None:
 
 
 def take_flag(argv: list[str], name: str) -> bool:
-    """Remove every bare `NAME` from argv; whether there was one."""
+    """Remove every bare `NAME` from argv; whether there was one. `NAME=VALUE` is an error: a flag takes none."""
+    given = next((arg for arg in argv if arg.startswith(name + "=")), None)
+    if given is not None:
+        raise UserError(f"{name} takes no value (got {given!r}). Fix: write {name} alone to turn it on, or leave it "
+                        f"out.")
     found = name in argv
     argv[:] = [arg for arg in argv if arg != name]
     return found

@@ -170,6 +170,35 @@ def test_sample_starts_a_document_as_training_did_and_stops_at_its_end(run, caps
     assert capsys.readouterr().out.split("\n") == ["hi", "[end of text]", "abhi", "[end of text]", ""]
 
 
+def test_sample_asks_by_default_for_what_max_seq_len_leaves(run, capsys, monkeypatch):
+    """This model holds 128 tokens: the default 200 new tokens becomes 127 after a one-token prompt, said in a
+    note; asked for explicitly, 200 is still refused."""
+    asked = []
+
+    def fake_generate(model, prompt, new_tokens, **kw):
+        asked.append(new_tokens)
+        return prompt
+
+    monkeypatch.setattr("components.models.generate", fake_generate)
+    _, exported, _ = run
+    assert cli.main(["sample", exported]) == 0
+    assert asked == [127]
+    assert "note: 127 new tokens, as many as max_seq_len 128 leaves after the prompt (--max-new-tokens defaults " \
+           "to 200)" in capsys.readouterr().err
+    monkeypatch.undo()
+    refused(capsys, ["sample", exported, "--max-new-tokens", "200"], "exceeds the model's max_seq_len 128")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sample", "m.pt", "--prompt", "a", "--prompt", "b"], "--prompt is given twice. Fix: give it once."),
+    (["sample", "m.pt", "--seed=1", "--seed", "2"], "--seed is given twice"),
+    (["inspect", DEBUG, "--fail-on-break=true"], "--fail-on-break takes no value (got '--fail-on-break=true')"),
+    (["eval", DEBUG, "--out", "o", "--overwrite=yes"], "--overwrite takes no value"),
+])
+def test_an_option_given_twice_or_a_flag_with_a_value_is_named_so(capsys, args, message):
+    assert "did you mean" not in refused(capsys, args, message)
+
+
 def test_an_export_of_a_plugin_model_loads_in_a_fresh_process(tmp_path):
     """The saved recipe's job.plugins are imported before its model is rebuilt (a plugin may register it);
     a .py plugin that one process resolves twice (train, then export) registers its parts once."""
