@@ -105,6 +105,17 @@ def test_a_misspelled_option_is_named_as_one(tmp_path, capsys):
     assert "doctor has no option '--world_size' (did you mean '--world-size'?)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["no_such_recipe.toml"], "recipe file not found: 'no_such_recipe.toml'"),
+    ([DEBUG, DEBUG], "a second recipe path after"),
+])
+def test_a_wrong_recipe_path_is_a_command_line_error(capsys, args, message):
+    """Exit 2 as train gives, not a failing 'recipe' check (exit 1), which is for a recipe that was read."""
+    assert cli.main(["doctor", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+
+
 def test_world_size_shards_the_optimizer_states(tmp_path, capsys):
     def states(argv) -> float:
         _, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", *argv)

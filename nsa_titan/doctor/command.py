@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from components.errors import UserError
 from nsa_titan.command_options import refuse_unknown_options, take_option
 from nsa_titan.doctor.checks import FAIL, OK, WARN, Check
@@ -10,7 +12,7 @@ NEEDS_RECIPE = ("data", "dump folder", "NSA backend", "memory estimate")
 USAGE = ("nsa-titan doctor RECIPE.toml [--section.field=VALUE ...] [--world-size N]\n"
          "  --world-size N   check the recipe for N processes (default: this launch's WORLD_SIZE, else 1)\n"
          "Prints one line per check (ok / warn / fail); exit 1 when a check fails (the recipe's own included),\n"
-         "2 when the command line is wrong (no recipe named, a bad --world-size).")
+         "2 when the command line is wrong (no recipe named or found, two recipes, a bad --world-size).")
 
 
 def _pop_world_size(argv: list[str]) -> int | None:
@@ -105,6 +107,21 @@ def _dump_folder(recipe, tokenizer) -> Check:
     return check_dump_folder(recipe.job.dump_folder, needed)
 
 
+def _refuse_a_wrong_recipe_path(argv: list[str]) -> None:
+    """A recipe path that names no file, or two recipes, is the command line's mistake (exit 2, as train says
+    it), not a failing check of a recipe that was read."""
+    from nsa_titan.config.overrides import parse_args
+
+    problems: list = []
+    cmd = parse_args(argv, problems)
+    wrong = [p for p in problems if p.field == "recipe"]
+    if wrong:
+        raise UserError(f"{wrong[0].where}: {wrong[0].why}. Fix: {wrong[0].fix}.")
+    if cmd.recipe is not None and not os.path.isfile(cmd.recipe):
+        raise UserError(f"recipe file not found: {cmd.recipe!r}. Fix: name an existing recipe, e.g. "
+                        f"`nsa-titan doctor recipes/debug.toml`.")
+
+
 def run_command(argv: list[str]) -> int:
     from nsa_titan.runtime import launch_world
 
@@ -114,6 +131,7 @@ def run_command(argv: list[str]) -> int:
         return 0
     world_size = _pop_world_size(argv) or launch_world()[2]
     refuse_unknown_options(argv, "doctor", "--world-size, or recipe overrides --section.field=VALUE", overrides=True)
+    _refuse_a_wrong_recipe_path(argv)
     results = run_checks(argv, world_size)
     counts = {status: sum(c.status == status for c in results) for status in (OK, WARN, FAIL)}
     print(f"doctor: {counts[OK]} ok, {counts[WARN]} warn, {counts[FAIL]} fail")
