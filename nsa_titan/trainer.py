@@ -269,6 +269,8 @@ class Trainer:
     def _restore(self) -> None:
         """Resume from the newest complete checkpoint (or checkpoint.load_step), else initial weights."""
         ckpt = self.recipe.checkpoint
+        if not ckpt.enable:
+            self._say_checkpoints_left_alone()
         if self.checkpointer is None:
             return
         branch = self._branch()
@@ -304,6 +306,16 @@ class Trainer:
             self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
             self._say(f"initial weights from {ckpt.initial_load_path}")
             self._say_weight_source_changes(changes)
+
+    def _say_checkpoints_left_alone(self) -> None:
+        """checkpoint.enable = false in a folder holding a run's checkpoints: this run starts at step 0 and does
+        not resume them, which a rerun of a run with its checkpointing switched off might not expect."""
+        folder = os.path.join(self.recipe.job.dump_folder, self.recipe.checkpoint.folder)
+        steps = complete_steps(folder) if os.path.isdir(folder) else []
+        if steps:
+            self._say(f"note: checkpoint.enable is false, so this run starts at step 0: it neither resumes nor "
+                      f"replaces the checkpoints in {folder} (the newest: step {steps[-1]}). To go on from them, "
+                      f"add --checkpoint.enable=true")
 
     def _branch(self) -> dict | None:
         """A run from an older step is a branch: its checkpoints name the step and the recipe, so the same

@@ -555,3 +555,17 @@ def test_branches_set_aside_within_one_second_get_folders_of_their_own(tmp_path,
     ckpt.abandon_after(2)
     assert sorted(os.listdir(folder)) == ["abandoned-20260101-000000", "abandoned-20260101-000000-2", "step-2"]
     assert all(os.listdir(folder / name) == ["step-4"] for name in sorted(os.listdir(folder))[:2])
+
+
+def test_a_run_with_checkpointing_off_says_it_leaves_the_folders_checkpoints_alone(tmp_path, capsys):
+    folder = tmp_path / "run"
+    assert cli.main(["train", *BASE, "--training.steps=2", "--checkpoint.interval=1",
+                     f"--job.dump_folder={folder}"]) == 0
+    capsys.readouterr()
+    off = [a for a in BASE if not a.startswith("--checkpoint.")] + ["--checkpoint.enable=false"]
+    assert cli.main(["train", *off, "--training.steps=1", f"--job.dump_folder={folder}"]) == 0
+    out = capsys.readouterr().out
+    assert f"note: checkpoint.enable is false, so this run starts at step 0: it neither resumes nor replaces the " \
+           f"checkpoints in {ckpt_dir(folder)} (the newest: step 2). To go on from them, add " \
+           f"--checkpoint.enable=true" in out, out
+    assert "resumed from" not in out and complete_steps(ckpt_dir(folder)) == [1, 2]
