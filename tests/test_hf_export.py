@@ -256,6 +256,11 @@ def test_the_tokenizer_encodes_as_in_training(exported):
     assert (theirs.eos_token_id, theirs.bos_token_id) == (ours.eos_id, ours.eos_id)
     config = json.load(open(os.path.join(folder, "config.json")))
     assert (config["bos_token_id"], config["eos_token_id"]) == (ours.eos_id, ours.eos_id)
+    # Batches pad as usual: with the end of text, left out by the attention mask.
+    theirs.padding_side = "left"
+    batch = theirs(["ab", "abcd"], padding=True)
+    assert batch["input_ids"] == [[ours.eos_id] * 2 + ours.encode("ab"), ours.encode("abcd")]
+    assert batch["attention_mask"] == [[0, 0, 1, 1], [1, 1, 1, 1]]
 
 
 def _stdlib_texts(count: int) -> list[str]:

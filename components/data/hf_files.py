@@ -121,8 +121,9 @@ def write_tokenizer_files(tokenizer, folder: str, model_max_length: int, add_bos
         fh.write(text)
     # The token a document starts after: its BOS with add_bos, else the previous document's end of text
     # (what lm-eval and generation put before an empty context).
+    # Padding takes the end of text too (attention_mask keeps it out), so tokenizer(..., padding=True) works.
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos if add_bos else eos, "eos_token": eos,
-              "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+              "pad_token": eos, "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
     with open(os.path.join(folder, CONFIG_FILE), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
 
