@@ -70,6 +70,9 @@ CASES = [
      ["model.nsa.block_stride", "must divide block_size"]),
     ("sel block smaller than block", "", ["--model.nsa.sel_block_size=8"], ["model.nsa.sel_block_size", "block_size"]),
     ("heads do not divide dim", "", ["--model.n_heads=5"], ["model.n_heads", "must divide dim"]),
+    ("a prime dim no heads divide", "", ["--model.dim=65"], ["model.n_heads", "must divide dim (65)",
+                                                             "a multiple of 2 x n_heads (an even head dim), e.g. 64 "
+                                                             "or 72"]),
     ("kv heads do not divide heads", "", ["--model.n_kv_heads=3"], ["model.n_kv_heads", "must divide n_heads"]),
     ("global batch not divisible", "", ["--training.global_batch_size=5"],
      ["training.global_batch_size", "not a multiple of", "local_batch_size"]),

@@ -134,8 +134,11 @@ class TransformerArgs:
         problems = []
         if self.n_heads >= 1 and self.dim % self.n_heads:
             ok = [h for h in divisors(self.dim) if h <= 64 and (self.dim // h) % 2 == 0]
-            problems.append(problem("n_heads", self.n_heads, f"must divide dim ({self.dim})",
-                                    f"use one of {ok} or change dim"))
+            step = 2 * self.n_heads  # an even head dim: RoPE rotates pairs
+            near = sorted({max(step, self.dim // step * step), -(-self.dim // step) * step})
+            fix = f"use one of {ok} or change dim" if ok else \
+                f"change dim to a multiple of 2 x n_heads (an even head dim), e.g. {' or '.join(map(str, near))}"
+            problems.append(problem("n_heads", self.n_heads, f"must divide dim ({self.dim})", fix))
         elif self.n_heads >= 1 and self.head_dim % 2:
             problems.append(problem("n_heads", self.n_heads, f"gives head dim dim/n_heads = {self.head_dim}, "
                                     "which must be even for RoPE", "pick n_heads so that dim/n_heads is even"))
