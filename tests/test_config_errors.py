@@ -270,6 +270,9 @@ def test_extends_missing_file(tmp_path, capsys):
     path = write(tmp_path, 'extends = ["presets/absent.toml"]\n', base=False)
     code, err = run_cli(capsys, [path])
     assert code == 2 and "absent.toml" in err and "file not found" in err
+    # named as the extends entry of that file, read relative to its folder (not 'recipes live in recipes/')
+    assert f"extends = '{tmp_path / 'presets' / 'absent.toml'}': file not found. Fix: an extends entry is a path " \
+           f"relative to " in err and "recipes/" not in err, err
 
 
 def test_extends_cycle(tmp_path, capsys):

@@ -37,7 +37,8 @@ def _load_into(path: str, merged: dict, origin: dict[str, str], problems: list[P
         problems.append(Problem(shown, EXTENDS_KEY, None, f"extends itself in a cycle ({cycle})",
                                 "remove one of the extends entries"))
         return
-    table = read_toml(path, problems, where=(shown_path(chain[-1]) if chain else "command line"))
+    table = read_toml(path, problems, where=(shown_path(chain[-1]) if chain else "command line"),
+                      extended_by=chain[-1] if chain else None)
     if table is None:
         return
     bases = table.pop(EXTENDS_KEY, [])
@@ -59,7 +60,8 @@ def shown_path(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def read_toml(path: str, problems: list[Problem], where: str) -> dict | None:
+def read_toml(path: str, problems: list[Problem], where: str, extended_by: str | None = None) -> dict | None:
+    """extended_by: the recipe whose extends names `path` (None: the command line named it)."""
     if not os.path.isfile(path):
         if os.path.isdir(path):
             why = "is a folder, not a recipe file"
@@ -67,8 +69,13 @@ def read_toml(path: str, problems: list[Problem], where: str) -> dict | None:
             why = "is a symbolic link that leads to no file (a broken link, or a loop)"
         else:
             why = "file not found"
-        problems.append(Problem(where, "recipe", path, why,
-                                "check the path; recipes live in recipes/ (e.g. recipes/debug.toml)"))
+        if extended_by is None:
+            problems.append(Problem(where, "recipe", path, why,
+                                    "check the path; the shipped recipes are in recipes/ (e.g. recipes/debug.toml)"))
+        else:  # an extends entry is read relative to the file that names it
+            problems.append(Problem(where, EXTENDS_KEY, path, why,
+                                    f"an extends entry is a path relative to {shown_path(extended_by)}'s folder "
+                                    f"({shown_path(os.path.dirname(extended_by)) or '.'}); correct it there"))
         return None
     try:
         with open(path, "rb") as fh:
