@@ -85,6 +85,8 @@ CASES = [
     ("empty dump folder", "", ["--job.dump_folder="], ["job.dump_folder", "is empty", "./outputs/<job.name>"]),
     ("checkpoints outside the run", "", ["--checkpoint.folder=/elsewhere/ckpt"],
      ["checkpoint.folder", "must be a folder inside job.dump_folder", "such as 'checkpoint'"]),
+    ("checkpoints in the run folder itself", "", ["--checkpoint.folder=./"],
+     ["checkpoint.folder = './'", "not '.'", "such as 'checkpoint'"]),
     ("profile above the run", "", ["--profiling.enable=true", "--profiling.folder=../profile"],
      ["profiling.folder", "must be a folder inside job.dump_folder", "such as 'profile'"]),
     ("global batch of no samples", "", ["--training.global_batch_size=0"],

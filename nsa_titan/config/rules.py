@@ -184,9 +184,11 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     for section, name in (("checkpoint", "folder"), ("metrics", "save_tb_folder"), ("profiling", "folder")):
         table = getattr(recipe, section)
         value = getattr(table, name)
-        if not value.strip() or os.path.isabs(value) or ".." in value.replace("\\", "/").split("/"):
+        # "." is the run folder itself: its step-N folders, event files or traces would mix with the run's files.
+        if not value.strip() or os.path.isabs(value) or ".." in value.replace("\\", "/").split("/") or \
+                os.path.normpath(value) == ".":
             add(f"{section}.{name}", value, "must be a folder inside job.dump_folder (a relative path that stays in "
-                "it), so that the run's folder and its lock hold everything the run writes",
+                "it, not '.'), so that the run's folder and its lock hold everything the run writes",
                 f"use a relative name such as {getattr(type(table)(), name)!r}, or move job.dump_folder instead")
     _check_unused_data_fields(recipe, add, source_of)
     if "compile" not in refused_sections:  # its flags refused as switched off: the mode checks would say more of it

@@ -19,7 +19,7 @@ FAILED = 1
 
 def parse_seq_lens(text: str) -> list[int]:
     try:
-        lengths = [int(part) for part in text.split(",") if part.strip()]
+        lengths = [int(part) for part in text.split(",")]  # an empty entry ('64,,96') is a mistake, not skipped
     except ValueError:
         lengths = []
     if not lengths or any(n < 1 for n in lengths):
