@@ -194,7 +194,8 @@ _UNSET = object()
 
 
 def _short(value: Any) -> str:
-    text = "(not set)" if value is _UNSET else repr(value)
+    """A recipe value as the recipe writes it (true, not True), cut at 60 characters."""
+    text = "(not set)" if value is _UNSET else str(value).lower() if isinstance(value, bool) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -124,6 +124,9 @@ def test_an_export_with_another_recipe_than_the_runs_says_what_differs(run, tmp_
     assert out.rstrip().endswith("-> 20000.0"), out
     assert cli.main(["export", *argv, "--output", str(tmp_path / "same.pt")]) == 0
     assert "differs" not in capsys.readouterr().out
+    # values as a recipe writes them
+    assert cli.main(["export", *argv, "--model.document_masking=false", "--output", str(tmp_path / "flat.pt")]) == 0
+    assert "model.document_masking: true -> false" in capsys.readouterr().out
 
 
 def test_export_and_plot_name_the_flags_they_do_not_read(run, tmp_path, capsys):
