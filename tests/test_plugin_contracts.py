@@ -168,3 +168,15 @@ def test_sample_and_eval_of_a_model_that_cannot_decode_say_so(plugin, tmp_path, 
         err = capsys.readouterr().err
         assert "Traceback" not in err and "Plain cannot generate text: decoding needs the model's new_kv_cache, " \
                "forward_step, args.max_seq_len" in err, err
+
+
+def test_switching_the_model_leaves_the_other_models_arguments_named_as_its(plugin, tmp_path, capsys):
+    """debug.toml's [model] holds the transformer's arguments; --model.name=plain (a plugin's) makes them
+    another model's arguments, said so, not 'is not a recipe field'."""
+    _, path = plugin
+    from tests.launch import DEBUG
+
+    err = _refused(capsys, [DEBUG, f"--job.plugins={path}", "--model.name=plain", "--print-config"],
+                   "model.dim: is an argument of 'transformer', but model.name = 'plain' (from flag "
+                   "'--model.name=plain'). Fix: remove it from", "or choose 'transformer' again")
+    assert "is not a recipe field" not in err
