@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import environment
+from bench.arguments import positive_int
 from bench.environment import describe_environment, write_report
 
 PRESETS = {"125m": (12, 4, 64), "paper": (64, 4, 128)}
@@ -35,21 +36,21 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def add_shape_args(p: argparse.ArgumentParser) -> None:
     """Head layout (a preset, each part overridable), batch and NSA hyperparameters (the paper's)."""
     p.add_argument("--preset", choices=sorted(PRESETS), default="125m", help="head layout (default 125m)")
-    p.add_argument("--heads", type=int, help="query heads (overrides the preset)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (overrides the preset)")
-    p.add_argument("--head-dim", type=int, help="head dim (overrides the preset)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=positive_int, help="query heads (overrides the preset)")
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (overrides the preset)")
+    p.add_argument("--head-dim", type=positive_int, help="head dim (overrides the preset)")
+    p.add_argument("--batch", type=positive_int, default=1)
     add_nsa_args(p)
-    p.add_argument("--rep-ms", type=int, default=200, help="time budget per measurement (triton.testing.do_bench)")
+    p.add_argument("--rep-ms", type=positive_int, default=200, help="time budget per measurement (triton.testing.do_bench)")
 
 
 def add_nsa_args(p: argparse.ArgumentParser) -> None:
     """The NSA block sizes, the paper's by default; nsa_hyper() reads them back."""
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--block-stride", type=int, default=16)
-    p.add_argument("--sel-block-size", type=int, default=64)
-    p.add_argument("--num-selected", type=int, default=16)
-    p.add_argument("--window-size", type=int, default=512)
+    p.add_argument("--block-size", type=positive_int, default=32)
+    p.add_argument("--block-stride", type=positive_int, default=16)
+    p.add_argument("--sel-block-size", type=positive_int, default=64)
+    p.add_argument("--num-selected", type=positive_int, default=16)
+    p.add_argument("--window-size", type=positive_int, default=512)
 
 
 def finish_shape_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -100,7 +101,7 @@ def nsa_inputs(args, T: int, dtype: torch.dtype, device: str = "cuda",
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_shape_args(p)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
+    p.add_argument("--seq-lens", type=positive_int, nargs="+", default=list(SEQ_LENS))
     p.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "reference"],
                    help="NSA backends to time (the reference is slow at long lengths)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)

@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.arguments import fraction, positive_int  # noqa: E402
 from bench.environment import describe_environment, write_report  # noqa: E402
 from components.data.sources import HuggingFaceArgs, HuggingFaceSource  # noqa: E402
 
@@ -46,11 +47,11 @@ def first_after(source: HuggingFaceSource, shards: int, cursor) -> tuple[float, 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=200_000)
-    parser.add_argument("--row-group", type=int, default=2000)
-    parser.add_argument("--at", type=float, default=0.9, help="where in the shard's epoch to resume (0..1)")
-    parser.add_argument("--shards", type=int, default=1, help="logical shards (the first one is read)")
-    parser.add_argument("--shuffle-buffer", type=int, default=512)
+    parser.add_argument("--documents", type=positive_int, default=200_000)
+    parser.add_argument("--row-group", type=positive_int, default=2000)
+    parser.add_argument("--at", type=fraction, default=0.9, help="where in the shard's epoch to resume, in [0, 1)")
+    parser.add_argument("--shards", type=positive_int, default=1, help="logical shards (the first one is read)")
+    parser.add_argument("--shuffle-buffer", type=positive_int, default=512)
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "nsa_titan_bench_data_resume"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.arguments import positive_int
 from bench.environment import describe_environment, write_report
 
 WAYS = ("fp32_copy", "chunked")
@@ -60,8 +61,8 @@ def measure(way: str, tokens: int, vocab: int, device: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--tokens", type=positive_int, default=16384)
+    p.add_argument("--vocab-size", type=positive_int, default=50257)
     p.add_argument("--out", help="output JSON path (default bench/results/loss_memory-<device>-<time>.json)")
     p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # the child process: measure one way
     args = p.parse_args(argv)

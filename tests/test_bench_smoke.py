@@ -237,3 +237,20 @@ def test_loss_memory_bench_measures_both_ways_on_the_same_logits(tmp_path):
     assert (old["way"], new["way"]) == ("fp32_copy", "chunked")
     assert new["loss"] == pytest.approx(old["loss"], rel=1e-5)
     assert new["peak_above_logits_gib"] >= 0 and new["seconds"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench.loss_memory", "--tokens", "-5"], "argument --tokens: -5 is not at least 1"),
+    (["bench.data_resume", "--at", "2"], "argument --at: 2.0 is not in [0, 1)"),
+    (["bench.attention", "--seq-lens", "0"], "argument --seq-lens: 0 is not at least 1"),
+])
+def test_a_benchmark_refuses_a_number_out_of_range_in_one_line(argv, message):
+    """argparse's usage error (exit 2) before any work, not a traceback from inside the measurement."""
+    import subprocess
+    import sys
+
+    from tests.launch import REPO_ROOT, env
+
+    done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=env(), cwd=REPO_ROOT,
+                          timeout=120)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
