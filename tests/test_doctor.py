@@ -393,3 +393,27 @@ def test_a_failing_activation_memory_hook_is_named_with_its_signature(tmp_path, 
     assert code == 1 and lines["memory estimate"][0] == "fail"
     assert "activation_memory hook failed (TypeError" in lines["memory estimate"][1]
     assert "reads layout.context_parallel" in lines["memory estimate"][1]
+
+
+def test_a_dump_folder_a_run_holds_is_a_warning_naming_the_run(tmp_path):
+    """Another process holds the run-folder lock (a lock is per process: this one's own would not show)."""
+    import subprocess
+    import sys
+
+    from tests.launch import REPO_ROOT, env
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nsa_titan.run_folder import "
+                               "RunFolderLock\nlock = RunFolderLock(sys.argv[1], print)\nprint('held', flush=True)\n"
+                               "time.sleep(120)\n", str(folder)], stdout=subprocess.PIPE, text=True, env=env(),
+                              cwd=REPO_ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        check = checks.check_dump_folder(str(folder), needed=0)
+        assert check.status == "warn", check
+        assert f"in use by a run now (pid {holder.pid} on " in check.detail and "would be refused" in check.detail
+    finally:
+        holder.kill()
+        holder.wait()
+    assert checks.check_dump_folder(str(folder), needed=0).status == "ok"  # released when that process ended

@@ -135,6 +135,27 @@ def checkpoint_bytes(num_params: int, keep: int) -> int:
     return 12 * num_params * max(keep if keep > 0 else 2, 1)
 
 
+def folder_held_by(folder: str) -> str | None:
+    """Who holds the run-folder lock of `folder` (what its lock file says), or None when no run does."""
+    import fcntl
+
+    from nsa_titan.run_folder import LOCK_FILE
+
+    try:
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR)
+    except OSError:  # no lock file (no run was here), or none we may open: nothing to say
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: taken and, at close below, given back
+        return None
+    except (BlockingIOError, PermissionError):
+        return os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "a process"
+    except OSError:  # a file system without locks
+        return None
+    finally:
+        os.close(fd)
+
+
 def check_dump_folder(folder: str, needed: int) -> Check:
     """Writable (tried with a real file) and with room: at least MIN_FREE_DISK and what checkpoints need."""
     target = existing_ancestor(folder)
@@ -152,6 +173,11 @@ def check_dump_folder(folder: str, needed: int) -> Check:
     free = shutil.disk_usage(target).free
     floor = max(MIN_FREE_DISK, needed)
     detail = f"{shown} is writable, {free / GiB:.1f} GiB free"
+    holder = folder_held_by(folder)
+    if holder is not None:
+        return Check("dump folder", WARN, detail + f"; in use by a run now ({holder}): training started there "
+                                                   "would be refused. Fix: wait for it to end, or choose another "
+                                                   "--job.dump_folder")
     if free < floor:
         return Check("dump folder", WARN, detail + f"; under {floor / GiB:.1f} GiB (2 GiB or the checkpoints this "
                                                    f"recipe keeps, ~{needed / GiB:.1f} GiB). Fix: free space or "
