@@ -137,6 +137,7 @@ CASES = [
     ("too many logical shards", "", ["--data.logical_shards=1000000"], ["data.logical_shards", "at most 65536"]),
     ("plugin missing", "", ["--job.plugins=no_such_module_xyz"], ["job.plugins", "could not be imported"]),
     ("empty run name", "", ["--job.name="], ["job.name = ''", "must be a plain name"]),
+    ("full-width digits", "", ["--training.steps=１２"], ["training.steps", "expected a whole number, got '１２'"]),
     ("run name leaving outputs", "", ["--job.name=../elsewhere"], ["job.name = '../elsewhere'", "without / or"]),
     ("unknown optimizer", "", ["--optimizer.name=lion"], ["optimizer.name", "adamw"]),
     ("byte tokenizer takes no arguments", "[data.byte]\nx = 1\n", [], ["data.byte", "takes no arguments"]),

@@ -286,6 +286,8 @@ def coerce(raw: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(raw, CliText):
             try:
+                if not raw.isascii():  # int() reads other scripts' digits ('１２'); a recipe file would not
+                    raise ValueError(raw)
                 return int(raw)
             except ValueError:
                 raise _Invalid(f"expected a whole number, got {raw!r}", "write an integer such as 20") from None
@@ -295,6 +297,8 @@ def coerce(raw: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(raw, CliText):
             try:
+                if not raw.isascii():
+                    raise ValueError(raw)
                 return _finite(float(raw))
             except ValueError:
                 raise _Invalid(f"expected a number, got {raw!r}", "write a number such as 3e-4") from None
