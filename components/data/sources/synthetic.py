@@ -50,7 +50,8 @@ class SyntheticSource:
         if self.args.vocab_size > limit:
             raise UserError(
                 f"data source synthetic: vocab_size {self.args.vocab_size} reaches the special ids of "
-                f"tokenizer {tokenizer.name} (ordinary ids are below {limit}); set vocab_size <= {limit}"
+                f"tokenizer {tokenizer.name} (ordinary ids are below {limit}). Fix: set data.synthetic.vocab_size "
+                f"<= {limit}, or use a tokenizer with a larger vocabulary"
             )
 
     def fingerprint(self) -> str:
