@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     state_seconds, _ = first_after(HuggingFaceSource(hf_args), args.shards, cursor)
     replay_seconds, _ = first_after(HuggingFaceSource(hf_args), args.shards, in_shard)
     report = {
-        "environment": describe_environment(),
+        "benchmark": "data_resume", "environment": describe_environment(),
         "documents": args.documents, "row_group": args.row_group, "shards": args.shards,
         "shuffle_buffer": args.shuffle_buffer, "resumed_after_documents": in_shard,
         "seconds_to_reach_cursor_from_start": round(walk_seconds, 3),

@@ -154,7 +154,9 @@ TABLES = {"attention": attention_tables, "attention_stages": stage_tables, "trai
 def render(report: dict) -> str:
     kind = report.get("benchmark")
     if kind not in TABLES:
-        raise ValueError(f"a {kind!r} report; this tool reads {', '.join(TABLES)}")
+        what = "no benchmark report (it names no 'benchmark')" if kind is None else f"a {kind!r} report"
+        raise ValueError(f"{what}; this tool makes tables of {', '.join(TABLES)} reports (read the others' JSON "
+                         f"as it is)")
     return "\n".join([environment_line(report.get("environment", {})), "", *TABLES[kind](report)])
 
 

@@ -67,8 +67,12 @@ def test_the_command_reads_files_and_names_what_it_cannot_read(tmp_path, capsys)
     good.write_text(json.dumps(_attention_report({65536: 8.0})))
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"benchmark": "context_parallel"}))
-    assert report.main([str(good), str(other), str(tmp_path / "missing.json")]) == 1
+    unnamed = tmp_path / "unnamed.json"
+    unnamed.write_text(json.dumps({"documents": 10}))
+    assert report.main([str(good), str(other), str(unnamed), str(tmp_path / "missing.json")]) == 1
     captured = capsys.readouterr()
     assert "## attention.json" in captured.out and "8.00x, met" in captured.out
-    assert "other.json: ValueError: a 'context_parallel' report" in captured.err
+    assert "other.json: ValueError: a 'context_parallel' report; this tool makes tables of attention, " \
+           "attention_stages, train_throughput, loss_memory reports (read the others' JSON as it is)" in captured.err
+    assert "unnamed.json: ValueError: no benchmark report (it names no 'benchmark')" in captured.err
     assert "missing.json: FileNotFoundError" in captured.err
