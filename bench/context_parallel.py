@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=50257, help="stand-in vocabulary size (GPT-2: 50257)")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU: gloo, one process per rank")
+    parser.add_argument("--out", default=None, help="output JSON path (default bench/results/context_parallel-<device>-"
+                                                    "<time>.json)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     balance = measure_balance(args.recipe, balance_len, args.cp, overrides, args.repeats) if balance_len else []
     payload = {"benchmark": "context_parallel", "environment": describe_environment(), "recipe": args.recipe,
                "overrides": overrides, "memory_and_time": runs, "balance": balance}
-    write_report(payload, "context_parallel")
+    write_report(payload, "context_parallel", args.out)
     return 0
 
 

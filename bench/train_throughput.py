@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fit", action="store_true",
                         help="record an out-of-memory case as it is instead of halving its micro-batch")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test, not a benchmark)")
+    parser.add_argument("--out", default=None, help="output JSON path (default bench/results/train_throughput-<device>-"
+                                                    "<time>.json)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("error: no CUDA device: this benchmark measures GPU throughput. Fix: run it on a GPU machine "
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = []
     payload = {"benchmark": "train_throughput", "environment": describe_environment(), "results": results}
-    path = environment.results_path("train_throughput")  # looked up on the module: tests point it elsewhere
+    path = args.out or environment.results_path("train_throughput")  # on the module: tests point it elsewhere
     for recipe in args.recipes:
         for seq_len in args.seq_lens:
             batch = max(1, args.tokens_per_step // seq_len)

@@ -20,12 +20,11 @@ def _debug_model_parameters(vocab_size: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def test_train_throughput_writes_a_result(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("bench.environment.results_path",
-                        lambda name: os.path.join(tmp_path, f"{name}.json"))
+def test_train_throughput_writes_a_result(tmp_path, capsys):
     code = train_throughput.main(["--recipes", "recipes/debug.toml", "--seq-lens", "64", "--steps", "3",
                                   "--warmup", "1", "--tokens-per-step", "128", "--allow-cpu", "--vocab-size", "1000",
-                                  "--override=--model.nsa.window_size=16"])
+                                  "--override=--model.nsa.window_size=16",
+                                  "--out", str(tmp_path / "train_throughput.json")])
     assert code == 0
     result = json.loads((tmp_path / "train_throughput.json").read_text())
     (case,) = result["results"]
