@@ -6,14 +6,22 @@ from __future__ import annotations
 import argparse
 
 
-def positive_int(text: str) -> int:
+def _whole_number_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is not at least {low}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _whole_number_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _whole_number_at_least(text, 0)
 
 
 def fraction(text: str) -> float:

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from bench.arguments import non_negative_int, positive_int
 from bench.environment import describe_environment, write_report
 
 DEFAULT_RECIPE = "recipes/nsa_125m.toml"
@@ -178,12 +179,12 @@ def measure_balance(recipe: str, seq_len: int, cps: list[int], overrides: list[s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
-    parser.add_argument("--cp", nargs="+", type=int, default=[1, 2, 4])
-    parser.add_argument("--seq-len", type=int, default=32768)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--balance-seq-len", type=int, default=None, help="default: --seq-len; 0 skips the balance")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per rank in the balance part")
-    parser.add_argument("--vocab-size", type=int, default=50257, help="stand-in vocabulary size (GPT-2: 50257)")
+    parser.add_argument("--cp", nargs="+", type=positive_int, default=[1, 2, 4])
+    parser.add_argument("--seq-len", type=positive_int, default=32768)
+    parser.add_argument("--steps", type=positive_int, default=3)
+    parser.add_argument("--balance-seq-len", type=non_negative_int, default=None, help="default: --seq-len; 0 skips the balance")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per rank in the balance part")
+    parser.add_argument("--vocab-size", type=positive_int, default=50257, help="stand-in vocabulary size (GPT-2: 50257)")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU: gloo, one process per rank")
     parser.add_argument("--out", default=None, help="output JSON path (default bench/results/context_parallel-<device>-"

@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.arguments import fraction, positive_int  # noqa: E402
+from bench.arguments import fraction, non_negative_int, positive_int  # noqa: E402
 from bench.environment import describe_environment, write_report  # noqa: E402
 from components.data.sources import HuggingFaceArgs, HuggingFaceSource  # noqa: E402
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--row-group", type=positive_int, default=2000)
     parser.add_argument("--at", type=fraction, default=0.9, help="where in the shard's epoch to resume, in [0, 1)")
     parser.add_argument("--shards", type=positive_int, default=1, help="logical shards (the first one is read)")
-    parser.add_argument("--shuffle-buffer", type=positive_int, default=512)
+    parser.add_argument("--shuffle-buffer", type=non_negative_int, default=512)
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "nsa_titan_bench_data_resume"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

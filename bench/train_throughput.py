@@ -32,6 +32,7 @@ import time
 import torch
 
 from bench import environment
+from bench.arguments import non_negative_int, positive_int
 from bench.environment import describe_environment, write_report
 from nsa_titan.trainer import OUT_OF_MEMORY_EXIT, TrainingFault
 
@@ -154,11 +155,11 @@ def fit_case(recipe: str, seq_len: int, args, batch: int, extra: list[str]) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 32768])
-    parser.add_argument("--tokens-per-step", type=int, default=65536, help="local batch = this / seq_len (>= 1)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--vocab-size", type=int, default=50257, help="stand-in vocabulary size (GPT-2: 50257)")
+    parser.add_argument("--seq-lens", nargs="+", type=positive_int, default=[2048, 32768])
+    parser.add_argument("--tokens-per-step", type=positive_int, default=65536, help="local batch = this / seq_len (>= 1)")
+    parser.add_argument("--steps", type=positive_int, default=20)
+    parser.add_argument("--warmup", type=non_negative_int, default=5)
+    parser.add_argument("--vocab-size", type=positive_int, default=50257, help="stand-in vocabulary size (GPT-2: 50257)")
     parser.add_argument("--documents", choices=("row", "packed"), default="row",
                         help="row: every row one seq_len-token document; packed: short documents, masked apart")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 import warnings
 
@@ -83,13 +82,8 @@ def train(argv: list[str]) -> int:
 
     recipe = resolved.recipe
     runtime = make_runtime(recipe.training.device, recipe.training.dtype)
-    new_folder = not os.path.exists(recipe.job.dump_folder)
     try:
-        try:
-            trainer = Trainer(resolved, runtime)
-        except UserError:
-            _remove_refused_run_folder(recipe.job.dump_folder, new_folder, runtime.world_size)
-            raise
+        trainer = Trainer(resolved, runtime)
         try:
             trainer.run()
         finally:
@@ -120,14 +114,6 @@ def train(argv: list[str]) -> int:
     finally:
         destroy_process_group()
     return 0
-
-
-def _remove_refused_run_folder(folder: str, new: bool, world_size: int) -> None:
-    """A start refused for bad input (say, weights of another model) leaves no run folder behind when it made
-    it: else the corrected run would find the refused one's records there and keep them as an earlier
-    session's. One process only: with several, a peer may still be writing its own files into it."""
-    if new and world_size == 1 and os.path.isdir(folder):
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _end_this_rank(message: str, code: int) -> None:

@@ -86,17 +86,14 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
 def _check_model_fields(resolved: ResolvedRecipe, step_dir: str) -> None:
     """The recipe's model fields against those that trained the step's weights, as a resume checks them: a
     field that changes what a weight means is refused (the export or evaluation would describe another
-    model); those marked keeps_weights may differ (recipe_change_note names them)."""
-    from nsa_titan.run_folder import model_fields_of, model_fields_of_step_folder, unchecked_weights_note
-    from nsa_titan.weight_source import model_field_changes
+    model); those marked keeps_weights may differ, and are named."""
+    from nsa_titan.weight_source import step_field_changes
 
-    source = model_fields_of_step_folder(step_dir, resolved.recipe.job.dump_folder)
-    if source is None:
-        say_on_stderr(f"note: {unchecked_weights_note(step_dir)}")
-        return
-    where, theirs = source
-    model_field_changes(theirs, model_fields_of(resolved.toml), registry.get("model", resolved.recipe.model.name).args,
-                        step_dir, where, read_only=True)
+    changes = step_field_changes(step_dir, resolved.recipe.job.dump_folder, resolved.toml,
+                                 registry.get("model", resolved.recipe.model.name).args, step_dir, say_on_stderr,
+                                 read_only=True)
+    if changes:
+        say_on_stderr(f"note: the model differs from the one that trained these weights: {'; '.join(changes)}")
 
 
 def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict: dict, device,

@@ -11,6 +11,8 @@ rather than keeping a copy here.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import inspect
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -122,16 +124,31 @@ def call(part: Part, *args: Any, **kwargs: Any) -> Any:
         built = part.build(*args, **kwargs)
     except UserError:
         raise
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:  # a full disk is the disk's, said as such by the command
+            raise
+        raise _failed_to_build(part, exc) from None
     except Exception as exc:
-        inside = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
-        where = f"{inside[-1].filename}, line {inside[-1].lineno}" if inside else "in the call: its parameters"
-        raise UserError(f"{part.kind} {part.name!r} (a plugin's) failed to build: {type(exc).__name__}: {exc} "
-                        f"({where}). Fix: {part.kind} builders are called as {CONTRACTS[part.kind]}") from None
+        raise _failed_to_build(part, exc) from None
     missing = [member for member in _MEMBERS.get(part.kind, ()) if not hasattr(built, member)]
     if missing:
         raise UserError(f"{part.kind} {part.name!r} (a plugin's) built a {type(built).__name__} without "
                         f"{', '.join(missing)}. Fix: {part.kind} builders are called as {CONTRACTS[part.kind]}")
     return built
+
+
+def _failed_to_build(part: Part, exc: Exception) -> UserError:
+    """The plugin's line where its builder failed (the deepest in the builder's own file; else the deepest
+    outside this module; else the call itself, whose arguments the builder does not take)."""
+    try:
+        own_file = inspect.getsourcefile(part.build)
+    except TypeError:  # a builtin or a C function
+        own_file = None
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    inside = [f for f in frames if own_file and f.filename == own_file] or frames
+    where = f"{inside[-1].filename}, line {inside[-1].lineno}" if inside else "in the call: its parameters"
+    return UserError(f"{part.kind} {part.name!r} (a plugin's) failed to build: {type(exc).__name__}: {exc} "
+                     f"({where}). Fix: {part.kind} builders are called as {CONTRACTS[part.kind]}")
 
 
 def get(kind: str, name: str) -> Part:

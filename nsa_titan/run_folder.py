@@ -31,10 +31,11 @@ def create_new(path: str, make: Callable[[str], None]) -> str:
             candidate = f"{stem}-{n}{ext}"
 
 
-def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> None:
+def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> bool:
     """The dump folder, and the output folders the run will write inside it ({recipe field: its value},
     e.g. checkpoint.folder when checkpoints are on): found unwritable now, not at the first save after
-    hours of training."""
+    hours of training. Whether the dump folder is new (nothing was at its path, '..' and links resolved)."""
+    made = not os.path.lexists(os.path.realpath(folder))
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
@@ -49,6 +50,7 @@ def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> Non
             raise UserError(f"cannot create the folder {path!r} ({field} = {name!r}): {exc.strerror}. Fix: choose a "
                             f"writable folder with --{field}=NAME (inside job.dump_folder, or an absolute "
                             f"path).") from None
+    return made
 
 
 RESOLVED_HEADER = "# resolved recipe, hash "

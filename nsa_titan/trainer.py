@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import math
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -41,11 +42,11 @@ from nsa_titan.parallel.compile import compile_blocks, compile_counters
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, describe_data_parallel, init_process_group
 from nsa_titan.parallel.grad_clip import clip_grad_norm
-from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, model_fields_of_step_folder,
-                                  recipe_change_note, unchecked_weights_note, write_run_recipe)
+from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, recipe_change_note,
+                                  write_run_recipe)
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
-from nsa_titan.weight_source import model_field_changes
+from nsa_titan.weight_source import step_field_changes
 
 NUMERICAL_FAULT_EXIT = 3
 OUT_OF_MEMORY_EXIT = 4
@@ -95,6 +96,7 @@ class Trainer:
         self.runtime = runtime
         self.gc: ScheduledGC | None = None  # from run() on
         self.folder_lock: RunFolderLock | None = None  # the main process's, from start-up on
+        self._made_folder = False  # the main process made the run folder (a refused start removes it)
         t, dump = recipe.training, recipe.job.dump_folder
         if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":  # training.device = auto: known now
             raise UserError(f"profiling.memory_snapshot records the CUDA allocator, but this run trains on "
@@ -135,11 +137,23 @@ class Trainer:
                        "metrics.save_tb_folder": recipe.metrics.save_tb_folder if recipe.metrics.enable_tensorboard
                        else None,
                        "profiling.folder": recipe.profiling.folder if recipe.profiling.enable else None}
-            create_run_folder(dump, {field: name for field, name in outputs.items() if name is not None})
-            self.folder_lock = RunFolderLock(dump, warn)
+            made = create_run_folder(dump, {field: name for field, name in outputs.items() if name is not None})
+            self.folder_lock = RunFolderLock(dump, warn)  # refused: another run's folder, left alone
+            self._made_folder = made
             records_pending = os.path.exists(os.path.join(dump, MANIFEST_FILE))
             if not records_pending:
                 self._write_records()
+        try:
+            self._set_up(records_pending)
+        except UserError:
+            self._remove_made_folder()
+            raise
+
+    def _set_up(self, records_pending: bool) -> None:
+        """Everything after the run folder and its lock: parts, model, data, optimizer, the resume."""
+        resolved, recipe, runtime = self.resolved, self.recipe, self.runtime
+        t, dump = recipe.training, recipe.job.dump_folder
+        cp = recipe.parallelism.context_parallel_degree
         self.stacks_path = os.path.join(dump, "stacks", f"rank-{runtime.rank}.txt")
         install_sigusr1(self.stacks_path)
         self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0,
@@ -206,6 +220,15 @@ class Trainer:
         self.watchdog: Watchdog | None = None
         self._probe: Batch | None = None  # two fixed rows for attention telemetry
         self._validation_cache: list | None = None  # the validation batches once read (see validate)
+
+    def _remove_made_folder(self) -> None:
+        """A start refused for bad input (weights of another model, say) leaves no run folder behind where this
+        process made it and holds its lock: else the corrected run would keep the refused one's records as an
+        earlier session's. One process only: with several, a peer may still be writing its files into it."""
+        if self._made_folder and self.runtime.world_size == 1 and self.folder_lock is not None:
+            self.folder_lock.release()
+            self.folder_lock = None
+            shutil.rmtree(self.recipe.job.dump_folder, ignore_errors=True)
 
     def _build_model(self) -> None:
         """torchtitan's order: activation checkpointing, then per-block compile, then data parallelism."""
@@ -337,17 +360,11 @@ class Trainer:
         return f"the same command then resumes from {self.checkpointer.step_dir(step)}"
 
     def _weight_source_changes(self, path: str, resumed: bool = False) -> list[str]:
-        """The model fields in which this run differs from the one that wrote the step folder at `path`
-        (its recipe.toml, when beside it; a resumed step's, in this run's folder); UserError for one that
-        would change the weights' meaning."""
+        """The model fields in which this run differs from the one that trained the step folder at `path` (a
+        resumed step's run folder is this run's); UserError for one that would change the weights' meaning."""
         run = self.recipe.job.dump_folder if resumed else None
-        source = model_fields_of_step_folder(weights_step_dir(path), run)
-        if source is None:
-            self._say(f"note: {unchecked_weights_note(path)}")
-            return []
-        where, theirs = source
-        return model_field_changes(theirs, model_fields_of(self.resolved.toml),
-                                   registry.get("model", self.recipe.model.name).args, path, where, resumed)
+        return step_field_changes(weights_step_dir(path), run, self.resolved.toml,
+                                  registry.get("model", self.recipe.model.name).args, path, self._say, resumed)
 
     def _say_weight_source_changes(self, changes: list[str]) -> None:
         """Model fields that leave the weights' shapes alone may differ from those they were trained with

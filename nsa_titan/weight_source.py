@@ -10,10 +10,11 @@ refused even where every weight's shape fits, since the weights would be read as
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from components.errors import UserError
 from nsa_titan.config.fields import default_of, is_dataclass_type, resolved_types
+from nsa_titan.run_folder import model_fields_of, model_fields_of_step_folder, unchecked_weights_note
 
 
 def free_fields(args_cls: type, prefix: str = "model") -> set[str]:
@@ -70,3 +71,16 @@ def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: 
         raise UserError(f"{lead}: {shown}{more}. The weights would be read as another model. Fix: set those fields "
                         f"to the values in {where}{allowed}, {other}.")
     return [f"{key}: {theirs.get(key)!r} -> {ours.get(key)!r}" for key in differ]
+
+
+def step_field_changes(step_dir: str, run: str | None, recipe_toml: str, args_cls: type | None, path: str,
+                       say: Callable[[str], None], resumed: bool = False, read_only: bool = False) -> list[str]:
+    """model_field_changes between the fields that trained the step folder's weights (recorded in it, or in its
+    run's recipe; run: the run folder when known) and those of `recipe_toml`; where neither records them, a
+    note through `say` that nothing could be compared, and no changes."""
+    source = model_fields_of_step_folder(step_dir, run)
+    if source is None:
+        say(f"note: {unchecked_weights_note(path)}")
+        return []
+    where, theirs = source
+    return model_field_changes(theirs, model_fields_of(recipe_toml), args_cls, path, where, resumed, read_only)

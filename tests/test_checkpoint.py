@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -229,11 +230,12 @@ def test_a_nested_checkpoint_folder_is_judged_by_its_runs_recipe_too(tmp_path, c
     folder = tmp_path / "run"
     nested = ["--checkpoint.folder=ckpt/nested", "--checkpoint.interval=1"]
     assert cli.main(["train", *BASE, *nested, "--training.steps=1", f"--job.dump_folder={folder}"]) == 0
+    forget_model_fields(folder / "ckpt" / "nested" / "step-1")  # an older release's step: the run's recipe judges
     capsys.readouterr()
     code = cli.main(["train", *BASE, *nested, "--training.steps=2", "--model.norm_eps=0.001",
                      f"--job.dump_folder={folder}"])
     err = capsys.readouterr().err
-    assert code == 2 and "model.norm_eps = 1e-05 there, 0.001 here" in err, err
+    assert code == 2 and "model.norm_eps = 1e-05 there, 0.001 here" in err and str(folder / "recipe.toml") in err, err
 
 
 def test_resume_into_another_model_names_the_first_mismatches(tmp_path, capsys, three_checkpoints):
@@ -325,15 +327,20 @@ def test_initial_load_path_takes_weights_only(tmp_path, capsys):
     assert cli.main(["train", *tied]) == 2
     err = capsys.readouterr().err
     assert "holds weights trained with other model fields: model.tie_embeddings = False there, True here" in err
-    assert f"Fix: set those fields to the values in {source / 'recipe.toml'}" in err, err
-    # The source run went on with another window: step 2 is still judged by the recipe that wrote it
-    # (kept as recipe.<hash>.toml), step 3 by the new one.
+    assert f"Fix: set those fields to the values in {source / 'checkpoint' / 'step-2' / 'train_state.json'}" in err
+    # The source run went on with another window: step 2 is still judged by the fields that trained it, step 3
+    # by the new ones; by the fields the step records, and for steps of an older release that records none, by
+    # the recipe that wrote it (kept as recipe.<hash>.toml when a later run replaced recipe.toml).
     assert cli.main(["train", *BASE, "--training.steps=3", "--model.nsa.window_size=8",
                      f"--job.dump_folder={source}"]) == 0
     capsys.readouterr()
-    for step, note in ((2, None), (3, "model.nsa.window_size: 8 -> 16")):
-        assert cli.main(["train", *BASE, "--training.steps=1", f"--job.dump_folder={tmp_path / f'from{step}'}",
-                         f"--checkpoint.initial_load_path={source}/checkpoint/step-{step}"]) == 0
+    older = tmp_path / "older"
+    shutil.copytree(source, older)
+    for step in (2, 3):
+        forget_model_fields(older / "checkpoint" / f"step-{step}")
+    for (step, note), root in itertools.product(((2, None), (3, "model.nsa.window_size: 8 -> 16")), (source, older)):
+        assert cli.main(["train", *BASE, "--training.steps=1", f"--job.dump_folder={tmp_path / f'{root.name}{step}'}",
+                         f"--checkpoint.initial_load_path={root}/checkpoint/step-{step}"]) == 0
         said = capsys.readouterr().out
         assert ("the model differs" in said) == (note is not None) and (note is None or note in said), said
 

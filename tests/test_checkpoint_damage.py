@@ -86,6 +86,10 @@ def test_initial_load_path_into_another_shape_names_the_tensors(run, tmp_path, c
     refused(capsys, code, "holds weights trained with other model fields: model.dim = 32 there, 64 here",
             os.path.join(step_dir(run, 4), "train_state.json"), "Fix:")
     assert (tmp_path / "kept").is_dir()
+    (tmp_path / "kept" / "mine.txt").write_text("a file of the user's")  # nor one reached through a new '..'
+    code = train(f"{tmp_path}/missing/../kept", "--model.dim=64", f"--checkpoint.initial_load_path={step_dir(run, 4)}")
+    refused(capsys, code, "holds weights trained with other model fields")
+    assert (tmp_path / "kept" / "mine.txt").read_text() == "a file of the user's"
     moved = tmp_path / "moved" / "step-4"
     shutil.copytree(step_dir(run, 4), moved)
     code = train(tmp_path / "new", "--model.dim=64", f"--checkpoint.initial_load_path={moved}")

@@ -119,8 +119,11 @@ def test_an_export_with_another_recipe_than_the_runs_says_what_differs(run, tmp_
     silent. The run's own recipe exports without the note."""
     argv, _, _ = run
     assert cli.main(["export", *argv, "--model.rope_theta=20000.0", "--output", str(tmp_path / "other.pt")]) == 0
-    out = capsys.readouterr().out
+    said = capsys.readouterr()
+    out = said.out
     assert "note: the export's recipe differs from the run's recipe.toml: model.rope_theta: " in out
+    # and from the fields that trained the step's weights (an allowed change, named)
+    assert "note: the model differs from the one that trained these weights: model.rope_theta: " in said.err
     assert out.rstrip().endswith("-> 20000.0"), out
     assert cli.main(["export", *argv, "--output", str(tmp_path / "same.pt")]) == 0
     assert "differs" not in capsys.readouterr().out

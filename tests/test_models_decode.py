@@ -142,3 +142,25 @@ def test_generation_stops_once_every_row_has_produced_the_stop_token():
         assert torch.equal(generate(model, prompt, 12, temperature=0, stop_id=first), full[:, :end])
     else:
         assert torch.equal(generate(model, prompt, 12, temperature=0, stop_id=first), full)
+
+
+def test_generation_builds_no_autograd_graph():
+    """generate() decodes under no_grad: a caller need not wrap it (a graph through the KV cache would hold every
+    step's activations)."""
+    import torch
+
+    from components.models import Transformer, generate
+    from tests.test_models_helpers import VOCAB, tiny_args
+
+    model = Transformer(tiny_args(), VOCAB)
+    model.init_weights()
+    grad_modes = []
+    step = model.forward_step
+
+    def watched(*args, **kwargs):
+        grad_modes.append(torch.is_grad_enabled())
+        return step(*args, **kwargs)
+
+    model.forward_step = watched
+    out = generate(model, torch.tensor([[1, 2, 3]]), 4, temperature=0)
+    assert out.shape == (1, 7) and grad_modes == [False] * 4 and torch.is_grad_enabled()

@@ -161,11 +161,13 @@ def _load_failure(error: Exception) -> str:
     text = str(error).strip()
     host = re.search(r"host='([^']+)'", text)
     try:
-        from requests import ConnectionError as NoConnection  # tiktoken downloads with requests
+        from requests import ConnectionError as NoConnection, Timeout  # tiktoken downloads with requests
     except ImportError:
-        NoConnection = ()
-    if isinstance(error, NoConnection) and host:
+        NoConnection = Timeout = ()
+    if isinstance(error, NoConnection) and host:  # ConnectTimeout too
         return f"it downloads the encoding from {host.group(1)}, which cannot be reached from here"
+    if isinstance(error, Timeout) and host:
+        return f"it downloads the encoding from {host.group(1)}, which did not answer in time"
     first = text.splitlines()[0] if text else ""
     return f"{type(error).__name__}: {first[:300]}"
 

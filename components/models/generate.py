@@ -27,7 +27,6 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
 def check_decodes(model) -> None:
     """UserError unless `model` decodes as generate() needs: new_kv_cache(), forward_step() and a max_seq_len
     in its args (the transformer's; a plugin's model may have none of them)."""
@@ -40,6 +39,7 @@ def check_decodes(model) -> None:
                         f"decoding path like the transformer's; sample and eval's passkey probe decode")
 
 
+@torch.no_grad()
 def generate(
     model,
     prompt: torch.Tensor,

@@ -173,11 +173,15 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
             "remove it, or set data.num_workers > 0")
     name = recipe.job.name
-    if not name.strip() or name.strip() in (".", "..") or any(sep in name for sep in ("/", "\\")):
-        # It names the run's folder (./outputs/<job.name>) when the recipe names none: "" or "../x" would
-        # make ./outputs itself, or a folder outside it, the run's folder.
-        add("job.name", name, "must be a plain name: not empty, not . or .., without / or \\",
-            "name the run, e.g. my_run (its folder is job.dump_folder)")
+    parts = name.replace("\\", "/").split("/")
+    if not name.strip():
+        add("job.name", name, "is empty: a run needs a name", "name the run, e.g. my_run")
+    elif source_of("job.dump_folder") == "job.name" and (os.path.isabs(name) or ".." in parts or
+                                                          os.path.normpath(name) == "."):
+        # It names the run's folder, ./outputs/<job.name>: '.' or '../x' would make ./outputs itself, or a
+        # folder outside it, the run's folder (a name like ablations/w64 stays inside).
+        add("job.name", name, f"names the run's folder ./outputs/{name}, which is not a folder inside ./outputs",
+            "name the run without '..', '.' or a leading '/', e.g. my_run, or set job.dump_folder")
     if not recipe.job.dump_folder.strip():
         add("job.dump_folder", recipe.job.dump_folder, "is empty: a run needs a folder of its own",
             "name one, e.g. ./outputs/<run name> (or leave it unset: ./outputs/<job.name>)")

@@ -118,7 +118,8 @@ def _refuse_a_wrong_recipe_path(argv: list[str]) -> None:
     if wrong:
         raise UserError(f"{wrong[0].where}: {wrong[0].why}. Fix: {wrong[0].fix}.")
     if cmd.recipe is not None and not os.path.isfile(cmd.recipe):
-        raise UserError(f"recipe file not found: {cmd.recipe!r}. Fix: name an existing recipe, e.g. "
+        what = "is a folder, not a recipe file" if os.path.isdir(cmd.recipe) else "names no file"
+        raise UserError(f"the recipe path {cmd.recipe!r} {what}. Fix: name an existing recipe, e.g. "
                         f"`nsa-titan doctor recipes/debug.toml`.")
 
 
