@@ -8,6 +8,7 @@ import platform
 import shutil
 import subprocess
 
+import pytest
 import torch
 
 from nsa_titan.observe.manifest import git_state, write_manifest
@@ -85,12 +86,17 @@ def test_a_refused_resume_leaves_the_runs_records_and_a_resume_keeps_the_old_man
     assert started[1] > started[0]
 
 
-def test_a_new_run_that_fails_at_start_up_still_says_what_it_was(tmp_path, capsys):
-    from nsa_titan import cli
+def test_a_new_run_that_crashes_at_start_up_still_says_what_it_was(tmp_path, capsys, monkeypatch):
+    """A crash (not a refusal of bad input, which removes the folder it made: test_checkpoint_damage.py) leaves the
+    new run folder's records of what crashed."""
+    from nsa_titan import assemble, cli
     from tests.launch import DEBUG, TINY
 
-    missing = tmp_path / "no_such_checkpoint"
-    assert cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'run'}",
-                     f"--checkpoint.initial_load_path={missing}"]) == 2
+    def crash(recipe):
+        raise RuntimeError("the data source crashed")
+
+    monkeypatch.setattr(assemble, "build_source", crash)
+    with pytest.raises(RuntimeError, match="the data source crashed"):
+        cli.main(["train", DEBUG, *TINY, "--job.seed=7", f"--job.dump_folder={tmp_path / 'run'}"])
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert str(missing) in manifest["recipe_toml"] and (tmp_path / "run" / "recipe.toml").exists()
+    assert "seed = 7" in manifest["recipe_toml"] and (tmp_path / "run" / "recipe.toml").exists()
