@@ -154,6 +154,21 @@ def _count_tokens_per_call(model) -> list[int]:
     return calls
 
 
+def test_a_forward_gives_its_cache_without_transformers_deprecation_warning(exported, monkeypatch):
+    """The output's cache goes in the field this transformers names it (`cache` from 5 on): building the output
+    under the old name logs transformers' 'past_key_values ... deprecated' warning."""
+    from transformers.utils import generic
+
+    _, folder = exported
+    model = _auto_model(folder)
+    warned = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda message, *a, **k: warned.append(message))
+    with torch.no_grad():
+        out = model(torch.tensor([[1, 2, 3]]), use_cache=True)
+    field = "cache" if "cache" in type(out).__dataclass_fields__ else "past_key_values"
+    assert getattr(out, field) is not None and warned == []
+
+
 def test_greedy_generation_with_the_cache_matches(exported):
     """transformers' generate through the model's own cache: the same tokens as nsa_titan's generate, and
     every step's logits equal to the full forward's at that position (blocks complete during decoding).

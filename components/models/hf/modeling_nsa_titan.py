@@ -39,6 +39,10 @@ import transformers
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+# transformers 5 names the output's cache field `cache` (the old name still works, with a warning); 4 has
+# past_key_values.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 QUERY_CHUNK = 256  # queries per attention chunk
 
 
@@ -417,7 +421,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
                 real = attention_mask[:, -input_ids.shape[1]:].bool()
                 targets = targets.masked_fill(~(real[:, :-1] & real[:, 1:]), -100)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
 
     def _check_length(self, tokens: int):
         if tokens > self.config.max_seq_len:
