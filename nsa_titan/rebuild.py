@@ -87,13 +87,14 @@ def _check_model_fields(resolved: ResolvedRecipe, step_dir: str) -> None:
     """The recipe's model fields against those that trained the step's weights, as a resume checks them: a
     field that changes what a weight means is refused (the export or evaluation would describe another
     model); those marked keeps_weights may differ, and are named."""
-    from nsa_titan.weight_source import step_field_changes
+    from nsa_titan.weight_source import changes_note, step_field_changes
 
     changes = step_field_changes(step_dir, resolved.recipe.job.dump_folder, resolved.toml,
                                  registry.get("model", resolved.recipe.model.name).args, step_dir, say_on_stderr,
-                                 read_only=True)
-    if changes:
-        say_on_stderr(f"note: the model differs from the one that trained these weights: {'; '.join(changes)}")
+                                 "read")
+    note = changes_note(changes)
+    if note:
+        say_on_stderr(note)
 
 
 def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict: dict, device,

@@ -135,12 +135,11 @@ def recipe_differences(text: str | None, resolved, limit: int = 12) -> list[str]
 
 
 def model_fields_of_step_folder(step_dir: str, run: str | None = None) -> tuple[str, dict[str, Any]] | None:
-    """(where they were found, the [model] fields) of the recipe that wrote a checkpoint step folder, or None
-    where they cannot be found or read. A step's train_state.json holds them (steps saved before it did: the
-    run folder's recipe, which a moved step folder lacks). The run folder (which holds the checkpoint folder)
-    keeps its latest recipe in recipe.toml and earlier ones as recipe.<hash>.toml; the step's
-    train_state.json names the one that wrote it (a step saved before it did: recipe.toml). run: the run
-    folder, when known (else the folder above the step's checkpoint folder)."""
+    """(where they were found, the [model] fields) that trained a checkpoint step folder's weights, or None
+    where they cannot be found or read. The step's train_state.json holds them; a step saved before it did is
+    judged by the recipe that wrote it, in the run folder (which holds the checkpoint folder): recipe.toml, or
+    recipe.<hash>.toml for the hash train_state.json names. run: the run folder, when known (else the folder
+    above the step's checkpoint folder)."""
     run = run or os.path.dirname(os.path.dirname(step_dir.rstrip(os.sep)))
     state_file = os.path.join(step_dir, "train_state.json")
     try:
@@ -161,13 +160,6 @@ def model_fields_of_step_folder(step_dir: str, run: str | None = None) -> tuple[
         except tomllib.TOMLDecodeError:
             return None
     return None
-
-
-def unchecked_weights_note(path: str) -> str:
-    """What a reader of weights whose model fields are nowhere recorded says: nothing could be compared."""
-    return (f"the model fields that trained the weights in {path} are not recorded (a step saved by an older "
-            f"release, its run folder's recipe.toml gone), so they could not be compared with this recipe's: "
-            f"make sure its [model] is the one that trained them")
 
 
 def model_fields_of(recipe_text: str) -> dict[str, Any]:

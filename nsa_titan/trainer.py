@@ -46,7 +46,7 @@ from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields
                                   write_run_recipe)
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
-from nsa_titan.weight_source import step_field_changes
+from nsa_titan.weight_source import changes_note, step_field_changes
 
 NUMERICAL_FAULT_EXIT = 3
 OUT_OF_MEMORY_EXIT = 4
@@ -334,7 +334,7 @@ class Trainer:
         """checkpoint.enable = false in a folder holding a run's checkpoints: this run starts at step 0 and does
         not resume them, which a rerun of a run with its checkpointing switched off might not expect."""
         folder = os.path.join(self.recipe.job.dump_folder, self.recipe.checkpoint.folder)
-        steps = complete_steps(folder) if os.path.isdir(folder) else []
+        steps = complete_steps(folder)
         if steps:
             self._say(f"note: checkpoint.enable is false, so this run starts at step 0: it neither resumes nor "
                       f"replaces the checkpoints in {folder} (the newest: step {steps[-1]}). To go on from them, "
@@ -364,13 +364,13 @@ class Trainer:
         resumed step's run folder is this run's); UserError for one that would change the weights' meaning."""
         run = self.recipe.job.dump_folder if resumed else None
         return step_field_changes(weights_step_dir(path), run, self.resolved.toml,
-                                  registry.get("model", self.recipe.model.name).args, path, self._say, resumed)
+                                  registry.get("model", self.recipe.model.name).args, path, self._say,
+                                  "resume" if resumed else "initial")
 
     def _say_weight_source_changes(self, changes: list[str]) -> None:
-        """Model fields that leave the weights' shapes alone may differ from those they were trained with
-        (max_seq_len to extend the context, say): legal, and said so that no change passes unseen."""
-        if changes:
-            self._say(f"note: the model differs from the one that trained these weights: {'; '.join(changes)}")
+        note = changes_note(changes)
+        if note:
+            self._say(note)
 
     def _begin(self) -> None:
         """Once the first step has succeeded, on every rank: set aside what an older-step resume leaves

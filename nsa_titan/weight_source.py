@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from components.errors import UserError
 from nsa_titan.config.fields import default_of, is_dataclass_type, resolved_types
-from nsa_titan.run_folder import model_fields_of, model_fields_of_step_folder, unchecked_weights_note
+from nsa_titan.run_folder import model_fields_of, model_fields_of_step_folder
 
 
 def free_fields(args_cls: type, prefix: str = "model") -> set[str]:
@@ -44,12 +44,22 @@ def field_defaults(args_cls: type, prefix: str = "model") -> dict[str, Any]:
     return {path: list(value) if isinstance(value, (list, tuple)) else value for path, value in defaults.items()}
 
 
+# Who reads the weights -> (the message's lead, given the path; the way out besides matching the fields).
+_READERS = {
+    "initial": ("checkpoint.initial_load_path = {path!r} holds weights trained with other model fields",
+                "or start from weights of this model"),
+    "resume": ("the checkpoint this run resumes, {path!r}, was trained with other model fields",
+               "or train the changed model from its start in another job.dump_folder"),
+    "read": ("the checkpoint {path!r} was trained with other model fields", "or train the changed model first"),
+}
+
+
 def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: type | None, path: str,
-                        where: str, resumed: bool = False, read_only: bool = False) -> list[str]:
+                        where: str, reader: str = "initial") -> list[str]:
     """'model.FIELD: theirs -> ours' for every model field that differs (flat dotted dicts); UserError
-    when one not marked keeps_weights does. where: the file that holds the weights' own fields;
-    resumed: the weights are the checkpoint this run resumes (else checkpoint.initial_load_path's);
-    read_only: a command reads the checkpoint (export, eval, plot) instead of training on from it."""
+    when one not marked keeps_weights does. where: the file that holds the weights' own fields; reader:
+    checkpoint.initial_load_path's weights ("initial"), the checkpoint this run resumes ("resume"), or a
+    command reading a checkpoint (export, eval, plot: "read")."""
     if args_cls is not None:  # a field the weights' recipe predates had its default there
         theirs = {**field_defaults(args_cls), **theirs}
     differ = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
@@ -59,28 +69,29 @@ def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: 
         shown = "; ".join(f"{key} = {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in blocked[:4])
         more = f"; and {len(blocked) - 4} more" if len(blocked) > 4 else ""
         allowed = f" ({', '.join(sorted(free))} may differ)" if free else ""
-        if read_only:
-            lead = f"the checkpoint {path!r} was trained with other model fields"
-            other = "or train the changed model first"
-        elif resumed:
-            lead = f"the checkpoint this run resumes, {path!r}, was trained with other model fields"
-            other = "or train the changed model from its start in another job.dump_folder"
-        else:
-            lead = f"checkpoint.initial_load_path = {path!r} holds weights trained with other model fields"
-            other = "or start from weights of this model"
+        lead, other = _READERS[reader]
+        lead = lead.format(path=path)
         raise UserError(f"{lead}: {shown}{more}. The weights would be read as another model. Fix: set those fields "
                         f"to the values in {where}{allowed}, {other}.")
     return [f"{key}: {theirs.get(key)!r} -> {ours.get(key)!r}" for key in differ]
 
 
 def step_field_changes(step_dir: str, run: str | None, recipe_toml: str, args_cls: type | None, path: str,
-                       say: Callable[[str], None], resumed: bool = False, read_only: bool = False) -> list[str]:
+                       say: Callable[[str], None], reader: str = "initial") -> list[str]:
     """model_field_changes between the fields that trained the step folder's weights (recorded in it, or in its
     run's recipe; run: the run folder when known) and those of `recipe_toml`; where neither records them, a
     note through `say` that nothing could be compared, and no changes."""
     source = model_fields_of_step_folder(step_dir, run)
     if source is None:
-        say(f"note: {unchecked_weights_note(path)}")
+        say(f"note: the model fields that trained the weights in {path} are not recorded (a step saved by an older "
+            f"release, its run folder's recipe.toml gone), so they could not be compared with this recipe's: make "
+            f"sure its [model] is the one that trained them")
         return []
     where, theirs = source
-    return model_field_changes(theirs, model_fields_of(recipe_toml), args_cls, path, where, resumed, read_only)
+    return model_field_changes(theirs, model_fields_of(recipe_toml), args_cls, path, where, reader)
+
+
+def changes_note(changes: list[str]) -> str | None:
+    """The note naming the allowed model-field changes (max_seq_len to extend the context, say): legal, and said
+    so that no change passes unseen; None when there are none."""
+    return f"note: the model differs from the one that trained these weights: {'; '.join(changes)}" if changes else None
