@@ -210,7 +210,7 @@ class RunFolderLock:
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):
-            holder = os.pread(self._fd, 512, 0).decode("utf-8", "replace").strip() or "a process"
+            holder = _holder(self._fd)
             self.release()
             raise UserError(f"job.dump_folder {folder!r} is in use by another run ({holder}): two runs in one "
                             f"folder overwrite and prune each other's checkpoints. Fix: wait for that run to end "
@@ -232,3 +232,26 @@ class RunFolderLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the file releases the lock
             self._fd = None
+
+
+def _holder(fd: int) -> str:
+    """Who holds a run folder's lock, as its holder wrote into the lock file."""
+    return os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "a process"
+
+
+def folder_held_by(folder: str) -> str | None:
+    """Who holds the run-folder lock of `folder` now, or None when no run does (another process: a lock is per
+    process)."""
+    try:
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR)
+    except OSError:  # no lock file (no run was here), or none we may open: nothing to say
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: taken and, at close below, given back
+        return None
+    except (BlockingIOError, PermissionError):
+        return _holder(fd)
+    except OSError:  # a file system without locks
+        return None
+    finally:
+        os.close(fd)

@@ -106,8 +106,8 @@ def test_a_misspelled_option_is_named_as_one(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["no_such_recipe.toml"], "the recipe path 'no_such_recipe.toml' names no file"),
-    (["recipes"], "the recipe path 'recipes' is a folder, not a recipe file"),
+    (["no_such_recipe.toml"], "recipe = 'no_such_recipe.toml': file not found. Fix: check the path"),
+    (["recipes"], "recipe = 'recipes': is a folder, not a recipe file"),
     ([DEBUG, DEBUG], "a second recipe path after"),
 ])
 def test_a_wrong_recipe_path_is_a_command_line_error(capsys, args, message):

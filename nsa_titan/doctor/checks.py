@@ -18,6 +18,7 @@ import torch
 
 from components.errors import UserError
 from nsa_titan.command_options import existing_ancestor
+from nsa_titan.run_folder import folder_held_by
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 SUPPORTED_TORCH = ((2, 11), (2, 13))
@@ -133,27 +134,6 @@ def check_data(recipe, runtime) -> tuple[Check, object | None]:
 def checkpoint_bytes(num_params: int, keep: int) -> int:
     """fp32 weights and two AdamW moments per checkpoint, times the checkpoints kept (0 keeps all: count 2)."""
     return 12 * num_params * max(keep if keep > 0 else 2, 1)
-
-
-def folder_held_by(folder: str) -> str | None:
-    """Who holds the run-folder lock of `folder` (what its lock file says), or None when no run does."""
-    import fcntl
-
-    from nsa_titan.run_folder import LOCK_FILE
-
-    try:
-        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR)
-    except OSError:  # no lock file (no run was here), or none we may open: nothing to say
-        return None
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: taken and, at close below, given back
-        return None
-    except (BlockingIOError, PermissionError):
-        return os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "a process"
-    except OSError:  # a file system without locks
-        return None
-    finally:
-        os.close(fd)
 
 
 def check_dump_folder(folder: str, needed: int) -> Check:

@@ -108,19 +108,18 @@ def _dump_folder(recipe, tokenizer) -> Check:
 
 
 def _refuse_a_wrong_recipe_path(argv: list[str]) -> None:
-    """A recipe path that names no file, or two recipes, is the command line's mistake (exit 2, as train says
-    it), not a failing check of a recipe that was read."""
+    """A recipe path that names no file, or two recipes, is the command line's mistake (exit 2, said as train
+    says it), not a failing check of a recipe that was read."""
     from nsa_titan.config.overrides import parse_args
+    from nsa_titan.config.toml_io import read_toml
 
     problems: list = []
     cmd = parse_args(argv, problems)
     wrong = [p for p in problems if p.field == "recipe"]
+    if not wrong and cmd.recipe is not None and not os.path.isfile(cmd.recipe):
+        read_toml(cmd.recipe, wrong, where="command line")  # says why it is no recipe file
     if wrong:
-        raise UserError(f"{wrong[0].where}: {wrong[0].why}. Fix: {wrong[0].fix}.")
-    if cmd.recipe is not None and not os.path.isfile(cmd.recipe):
-        what = "is a folder, not a recipe file" if os.path.isdir(cmd.recipe) else "names no file"
-        raise UserError(f"the recipe path {cmd.recipe!r} {what}. Fix: name an existing recipe, e.g. "
-                        f"`nsa-titan doctor recipes/debug.toml`.")
+        raise UserError(wrong[0].render())
 
 
 def run_command(argv: list[str]) -> int:
