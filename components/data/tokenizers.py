@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from components.data.hf_tokenizer import HFTokenizerArgs, build_hf_tokenizer
-from components.errors import UserError
+from components.errors import UserError, first_line
 
 ENDOFTEXT = "<|endoftext|>"
 
@@ -158,8 +158,7 @@ def _load_encoding(encoding: str):
 def _load_failure(error: Exception) -> str:
     """Why tiktoken could not load an encoding, in a line: a download without network names the host, not
     the HTTP library's retry report."""
-    text = str(error).strip()
-    host = re.search(r"host='([^']+)'", text)
+    host = re.search(r"host='([^']+)'", str(error))
     try:
         from requests import ConnectionError as NoConnection, Timeout  # tiktoken downloads with requests
     except ImportError:
@@ -168,8 +167,7 @@ def _load_failure(error: Exception) -> str:
         return f"it downloads the encoding from {host.group(1)}, which cannot be reached from here"
     if isinstance(error, Timeout) and host:
         return f"it downloads the encoding from {host.group(1)}, which did not answer in time"
-    first = text.splitlines()[0] if text else ""
-    return f"{type(error).__name__}: {first[:300]}"
+    return f"{type(error).__name__}: {first_line(error)[:300]}"
 
 
 class TiktokenTokenizer:

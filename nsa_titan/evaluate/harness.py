@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from components.errors import UserError
+from components.errors import UserError, first_line
 
 MODEL_NAME = "nsa_titan"
 _REGISTERED: dict = {}
@@ -173,7 +173,7 @@ def check_tasks_load(tasks: list[str], manager) -> None:
     try:
         load(tasks)
     except Exception as exc:  # the harness and datasets raise many kinds (ConnectionError, FileNotFoundError, ...)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = first_line(exc)
         raise UserError(f"lm-eval cannot load the task(s) {', '.join(tasks)} ({type(exc).__name__}: {reason}); "
                         f"nothing was evaluated. Fix: make each task's dataset readable here (on a machine without "
                         f"network, from the datasets cache with HF_DATASETS_OFFLINE=1), or the dataset paths of "

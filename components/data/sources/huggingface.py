@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from components.errors import UserError
+from components.errors import UserError, first_line
 from components.data.sources.base import order_rng, split_of
 from components.problems import Problem, problem, raise_problems
 
@@ -136,10 +136,10 @@ class HuggingFaceSource:
                     a.path, a.name or None, split=hf_split, streaming=True, data_files=list(a.data_files) or None
                 )
             except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
-                why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                why = first_line(e)
                 if a.path in _LOCAL_BUILDERS:  # local files: no network involved; a list of data_files is one split
-                    fix = (f"check data_files; a list of files is the one split 'train' (set split = 'train', and "
-                           f"hold validation documents out with validation_fraction and validation_split = '')")
+                    fix = ("check data_files; a list of files is the one split 'train' (set split = 'train', and "
+                           "hold validation documents out with validation_fraction and validation_split = '')")
                 else:
                     fix = ("without network, download the parquet files once and use data source text_files with "
                            "paths = ['<folder>/*.parquet'] (or huggingface with path = 'parquet' and data_files)")
