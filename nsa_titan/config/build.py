@@ -35,8 +35,8 @@ class RecipeBuilder:
         # A recipe saved with a run or an export, read back: it was valid when written, so a part's own
         # cross-field rule added since is a note, not a reason to refuse reading it.
         self.saved = saved
-        # [section] path -> (what chose its inline arguments, {key: another part whose argument it is})
-        self._other_parts_args: dict[str, tuple[str, dict[str, str]]] = {}
+        # [section] path -> (kind, chosen part, its name field) of the part whose arguments sit inline there
+        self._inline_choice: dict[str, tuple[str, str, str]] = {}
 
     # -- reporting ---------------------------------------------------------------------------
     def source_of(self, path: str) -> str:
@@ -198,14 +198,7 @@ class RecipeBuilder:
                              f"[{path}] beside it, so the two cannot be told apart",
                              f"rename that argument of {kind} {chosen!r}")
             known.update(arg_names)
-            others: dict[str, str] = {}
-            # built-in parts first: a key several parts take is named as the built-in's
-            for other in sorted(registry.available(kind), key=lambda name: (registry.get(kind, name).plugin, name)):
-                other_args = registry.get(kind, other).args if other != chosen else None
-                for key in (f.name for f in dataclasses.fields(other_args)) if other_args else ():
-                    others.setdefault(key, other)
-            self._other_parts_args[path] = (f"{_join(path, name_field)} = {chosen!r} (from "
-                                            f"{self.source_of(_join(path, name_field))})", others)
+            self._inline_choice[path] = (kind, chosen, name_field)
             if part is None:
                 known.update(k for k in table if k not in known)  # nothing more to say about them
                 return None
@@ -233,13 +226,27 @@ class RecipeBuilder:
             if key in known:
                 continue
             full = _join(path, key)
-            chose, others = self._other_parts_args.get(path, ("", {}))
-            if key in others:  # the part was switched (model.name) in a later layer or on the command line
-                self.problem(full, None, f"is an argument of {others[key]!r}, but {chose}",
-                             f"remove it from {self.source_of(full)}, or choose {others[key]!r} again")
+            owner = self._other_part_taking(path, key)
+            if owner is not None:  # the part was switched (model.name) in a later layer or on the command line
+                kind, chosen, name_field = self._inline_choice[path]
+                chose = _join(path, name_field)
+                self.problem(full, None, f"is an argument of {owner!r}, but {chose} = {chosen!r} (from "
+                             f"{self.source_of(chose)})", f"remove it from {self.source_of(full)}, or choose "
+                             f"{owner!r} again")
                 continue
             self.problem(full, None, "is not a recipe field" + suggest(key, sorted(known)),
                          f"remove it, or see `nsa-titan train --help` for the fields of [{path or 'top level'}]")
+
+    def _other_part_taking(self, path: str, key: str) -> str | None:
+        """Another registered part (a built-in first) whose inline arguments at `path` include `key`, or None."""
+        if path not in self._inline_choice:
+            return None
+        kind, chosen, _ = self._inline_choice[path]
+        for other in sorted(registry.available(kind), key=lambda name: (registry.get(kind, name).plugin, name)):
+            args = registry.get(kind, other).args if other != chosen else None
+            if args is not None and key in {f.name for f in dataclasses.fields(args)}:
+                return other
+        return None
 
     def _cross_checks(self, obj: Any, path: str) -> None:
         """The part's own cross-field rules (its `check()`), re-homed under the recipe path."""
