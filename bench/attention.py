@@ -41,7 +41,8 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=positive_int, help="head dim (overrides the preset)")
     p.add_argument("--batch", type=positive_int, default=1)
     add_nsa_args(p)
-    p.add_argument("--rep-ms", type=positive_int, default=200, help="time budget per measurement (triton.testing.do_bench)")
+    p.add_argument("--rep-ms", type=positive_int, default=200,
+                   help="time budget per measurement (triton.testing.do_bench)")
 
 
 def add_nsa_args(p: argparse.ArgumentParser) -> None:

@@ -182,9 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp", nargs="+", type=positive_int, default=[1, 2, 4])
     parser.add_argument("--seq-len", type=positive_int, default=32768)
     parser.add_argument("--steps", type=positive_int, default=3)
-    parser.add_argument("--balance-seq-len", type=non_negative_int, default=None, help="default: --seq-len; 0 skips the balance")
+    parser.add_argument("--balance-seq-len", type=non_negative_int, default=None,
+                        help="default: --seq-len; 0 skips the balance")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per rank in the balance part")
-    parser.add_argument("--vocab-size", type=positive_int, default=50257, help="stand-in vocabulary size (GPT-2: 50257)")
+    parser.add_argument("--vocab-size", type=positive_int, default=50257,
+                        help="stand-in vocabulary size (GPT-2: 50257)")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU: gloo, one process per rank")
     parser.add_argument("--out", default=None, help="output JSON path (default bench/results/context_parallel-<device>-"

@@ -156,10 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
     parser.add_argument("--seq-lens", nargs="+", type=positive_int, default=[2048, 32768])
-    parser.add_argument("--tokens-per-step", type=positive_int, default=65536, help="local batch = this / seq_len (>= 1)")
+    parser.add_argument("--tokens-per-step", type=positive_int, default=65536,
+                        help="local batch = this / seq_len (>= 1)")
     parser.add_argument("--steps", type=positive_int, default=20)
     parser.add_argument("--warmup", type=non_negative_int, default=5)
-    parser.add_argument("--vocab-size", type=positive_int, default=50257, help="stand-in vocabulary size (GPT-2: 50257)")
+    parser.add_argument("--vocab-size", type=positive_int, default=50257,
+                        help="stand-in vocabulary size (GPT-2: 50257)")
     parser.add_argument("--documents", choices=("row", "packed"), default="row",
                         help="row: every row one seq_len-token document; packed: short documents, masked apart")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
