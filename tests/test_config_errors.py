@@ -223,6 +223,20 @@ def test_compiling_a_model_without_blocks_is_an_error_not_a_no_op(tmp_path, caps
     assert "Traceback" not in err
 
 
+def test_a_plugin_string_in_a_recipe_is_a_type_error_not_an_import(tmp_path, capsys):
+    """A flag's text is a list (comma-separated); a recipe's string is not, and the module it names is not
+    imported either (it would register parts for a recipe that is refused)."""
+    marker = tmp_path / "imported"
+    (tmp_path / "marking_plugin.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    plugin = str(tmp_path / "marking_plugin.py")
+    recipe = write(tmp_path, "")
+    text = open(recipe).read().replace("[job]\n", f'[job]\nplugins = "{plugin}"\n')
+    open(recipe, "w").write(text)
+    code, err = run_cli(capsys, [recipe])
+    assert code == 2, err
+    assert "job.plugins" in err and "list" in err and not marker.exists()
+    code, err = run_cli(capsys, [write(tmp_path, ""), f"--job.plugins={plugin}", "--training.steps=abc"])
+    assert code == 2 and marker.exists()  # the flag's text is read as a list of one
 
 
 def test_every_problem_is_reported_at_once(tmp_path, capsys):

@@ -203,9 +203,9 @@ def _plugin_import_problem(source: str, name: str, exc: Exception) -> Problem:
 
 def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]) -> None:
     plugins = table.get("job", {}).get("plugins", []) if isinstance(table.get("job"), dict) else []
-    if isinstance(plugins, str):  # a flag's text: read as any list flag is (comma-separated, or a TOML list)
+    if isinstance(plugins, CliText):  # a flag's text: read as any list flag is (comma-separated, or a TOML list)
         try:
-            plugins = coerce(CliText(plugins), list[str])
+            plugins = coerce(plugins, list[str])
         except Exception:  # not a list of names: the schema check reports it
             return
     if not isinstance(plugins, list):
