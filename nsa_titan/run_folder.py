@@ -8,10 +8,10 @@ import json
 import os
 import socket
 import time
-import tomllib
 from typing import Any, Callable
 
 from components.errors import UserError
+from nsa_titan.config.toml_io import tomllib
 
 RECIPE_FILE = "recipe.toml"
 LOCK_FILE = ".run.lock"

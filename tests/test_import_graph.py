@@ -125,3 +125,21 @@ def test_the_engine_knows_no_model_insides():
     assert not offenders, offenders
     nsa_users = {a for a, edges in graph.items() if a.startswith("nsa_titan") and "components.nsa" in edges}
     assert nsa_users == {"nsa_titan.registry"}, nsa_users
+
+
+def test_only_toml_io_imports_tomllib():
+    """pyproject admits Python 3.10, which has no tomllib (new in 3.11): toml_io falls back to tomli
+    there, so every other module takes tomllib from it."""
+    offenders = []
+    for folder in (*PACKAGES, "bench", "tests", "scripts"):
+        for where, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in (n for n in files if n.endswith(".py")):
+                path = os.path.join(where, name)
+                with open(path, encoding="utf-8") as fh:
+                    tree = ast.parse(fh.read(), path)
+                for node in ast.walk(tree):
+                    names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                             [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                    if "tomllib" in names:
+                        offenders.append(os.path.relpath(path, ROOT))
+    assert offenders == [os.path.join("nsa_titan", "config", "toml_io.py")], offenders
