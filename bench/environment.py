@@ -13,21 +13,26 @@ import torch
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def git_commit() -> str:
+def git_commit() -> tuple[str, list[str]]:
+    """HEAD ("-dirty" when tracked files differ from it) and the tracked files that differ: the code
+    measured is the commit plus those."""
     root = os.path.dirname(RESULTS_DIR)
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.splitlines()
+        files = sorted(line[3:] for line in changed if line.strip())
+        return out.stdout.strip() + ("-dirty" if files else ""), files
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return "unknown", []
 
 
 def describe_environment() -> dict:
+    commit, changed = git_commit()
     info = {
         "time": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "commit": git_commit(),
+        "commit": commit,
+        "changed_files": changed,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),

@@ -34,8 +34,13 @@ def _verdict(met: bool) -> str:
 
 def environment_line(env: dict) -> str:
     where = env.get("gpu") or f"CPU ({env.get('cpu')}, {env.get('cpu_count')} cores)"
+    commit = str(env.get("commit", "unknown"))
+    code = f"commit {commit.removesuffix('-dirty')[:12]}"
+    if commit.endswith("-dirty"):  # the code measured was not that commit's: say so, with the files if recorded
+        changed = env.get("changed_files") or []
+        code += f" with changes to {', '.join(changed)}" if changed else " with uncommitted changes"
     return (f"Measured on {where}; torch {env.get('torch')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}, "
-            f"commit {str(env.get('commit', 'unknown'))[:12]}, {env.get('time', '')[:10]}.")
+            f"{code}, {env.get('time', '')[:10]}.")
 
 
 def attention_tables(report: dict) -> list[str]:

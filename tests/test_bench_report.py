@@ -76,3 +76,30 @@ def test_the_command_reads_files_and_names_what_it_cannot_read(tmp_path, capsys)
            "attention_stages, train_throughput, loss_memory reports (read the others' JSON as it is)" in captured.err
     assert "unnamed.json: ValueError: no benchmark report (it names no 'benchmark')" in captured.err
     assert "missing.json: FileNotFoundError" in captured.err
+
+
+def test_a_result_of_uncommitted_code_says_so_with_the_files(tmp_path, monkeypatch):
+    """The commit alone would claim code that was not measured: the JSON lists the tracked files that
+    differed and the report names them."""
+    import subprocess
+
+    from bench import environment
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "kernel.py").write_text("x = 1\n")
+    (tmp_path / "results").mkdir()
+    git("add", "kernel.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    monkeypatch.setattr(environment, "RESULTS_DIR", str(tmp_path / "results"))
+    (tmp_path / "untracked.txt").write_text("not code of the commit, not a change to it\n")
+    commit, changed = environment.git_commit()
+    assert not commit.endswith("-dirty") and changed == []
+    (tmp_path / "kernel.py").write_text("x = 2\n")
+    commit, changed = environment.git_commit()
+    assert commit.endswith("-dirty") and changed == ["kernel.py"]
+    line = report.environment_line({**ENV, "commit": commit, "changed_files": changed})
+    assert f"commit {commit[:12]} with changes to kernel.py, 2026-11-25." in line
+    assert "with uncommitted changes" in report.environment_line({**ENV, "commit": "0123456789abcdef-dirty"})
