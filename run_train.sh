@@ -6,6 +6,7 @@
 #   NNODES         nodes in the job (default 1)
 #   NODE_RANK      this node's index (default 0)
 #   RDZV_ENDPOINT  host:port of the c10d rendezvous, required when NNODES > 1
+#   RDZV_ID        the job's name at that rendezvous (default nsa_titan): two jobs sharing an endpoint need two
 # Other commands of the nsa-titan tool (inspect, doctor, ...) run as: ./run_train.sh COMMAND ARGS, exactly as
 # `nsa-titan COMMAND ARGS` (train alone defaults to recipes/debug.toml).
 set -euo pipefail

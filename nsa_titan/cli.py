@@ -22,11 +22,12 @@ COMMANDS = {
     "sample": "generate text: nsa-titan sample EXPORTED_FILE|HF_DIR [--prompt TEXT] "
               "[--max-new-tokens N (default 200, or what max_seq_len leaves)] [--temperature T (0 = greedy; default "
               "0.8)] [--top-k K (the K likeliest tokens; default all)] [--seed S (default 0)]",
-    "plot": "draw NSA selection and gates as PNGs: nsa-titan plot EXPORTED_FILE|RECIPE.toml [overrides] "
+    "plot": "draw NSA selection and gates as PNGs: nsa-titan plot RECIPE.toml [overrides]|EXPORTED_FILE|HF_DIR "
             "--text TEXT|--text-file FILE [--layer N] --out DIR [--overwrite (replace an earlier plot's files in DIR)]",
-    "eval": "loss by context position, a passkey probe and lm-eval tasks: nsa-titan eval RECIPE.toml|EXPORTED_FILE "
-            "--out DIR [--batches N] [--lengths 64,128] [--depths 0,0.5,1] [--trials N] [--tasks a,b "
-            "[--task-dir DIR] [--limit N]] [--overwrite (replace an earlier eval's results in DIR)]",
+    "eval": "loss by context position, a passkey probe and lm-eval tasks: nsa-titan eval "
+            "RECIPE.toml|EXPORTED_FILE|HF_DIR --out DIR [--batches N] [--lengths 64,128] [--depths 0,0.5,1] "
+            "[--trials N] [--tasks a,b [--task-dir DIR] [--limit N]] [--overwrite (replace an earlier eval's "
+            "results in DIR)]",
     "inspect": "compile-graph inspection: nsa-titan inspect RECIPE.toml [overrides] [--seq-lens 64,96] "
                "[--fail-on-break]",
     "doctor": "preflight checks: nsa-titan doctor RECIPE.toml [overrides] [--world-size N]",
@@ -205,8 +206,8 @@ def sample(argv: list[str]) -> int:
                      f"--temperature 0 (greedy decoding picks the likeliest token). Fix: drop "
                      f"{'it' if len(unused) == 1 else 'them'}, or sample with a temperature above 0.")
     if len(argv) != 1:
-        return _fail("error: sample takes one exported model file. Fix: `nsa-titan sample outputs/debug/model.pt "
-                     "--prompt 'def '`.")
+        return _fail("error: sample takes one exported model file or hf folder. Fix: `nsa-titan sample "
+                     "outputs/debug/model.pt --prompt 'def '`.")
     run = load_exported_run(argv[0], say=say_on_stderr)
     model, recipe, tokenizer = run.model, run.recipe, run.tokenizer
     # A document as training saw it: BOS first when data.add_bos is set, else it follows the previous
@@ -248,7 +249,7 @@ def plot(argv: list[str]) -> int:
                                                     else " (recipe overrides go with a recipe)"),
                            overrides=from_recipe)
     if not argv or (len(argv) != 1 and not from_recipe):
-        return _fail(f"error: plot takes one exported model file or a recipe. Fix: {usage}.")
+        return _fail(f"error: plot takes one exported model file, hf folder or recipe. Fix: {usage}.")
     if (text is None) == (text_file is None):
         return _fail(f"error: plot needs exactly one of --text TEXT or --text-file FILE. Fix: {usage}.")
     if not out:

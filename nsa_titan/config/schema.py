@@ -16,7 +16,7 @@ from nsa_titan.config.fields import f
 class JobConfig:
     name: str = f("debug", "Run name: on the run's start line, in its recipe.toml and manifest, and the W&B "
                            "run's name. Unset in the recipe itself (a file it extends does not name it): the "
-                           "recipe file's name (my_run.toml: my_run); debug without a recipe.")
+                           "recipe file's name (my_run.toml: my_run).")
     description: str = f("", "Free text describing the run.")
     dump_folder: str = f("./outputs/debug", "Folder for this run's recipe, metrics, checkpoints and logs. Unset in "
                                             "the recipe itself: ./outputs/<job.name>.")

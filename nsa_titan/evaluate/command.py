@@ -1,7 +1,7 @@
 """`nsa-titan eval`: loss by context position on held-out data and a passkey probe, as JSON and plots.
 
     nsa-titan eval RECIPE.toml [overrides] --out DIR [options]   the run's newest checkpoint
-    nsa-titan eval EXPORTED.pt --out DIR [options]               an exported model
+    nsa-titan eval EXPORTED.pt|HF_DIR --out DIR [options]        an exported model or hf folder
 options: --batches N (held-out batches, default validation.steps), --lengths 64,128 (passkey prompt
 lengths, default up to four, the longest max_seq_len less the answer), --depths 0,0.5,1 (default 0 to 1
 by 0.25), --trials N (keys per cell, default 5); --tasks a,b runs lm-evaluation-harness tasks too

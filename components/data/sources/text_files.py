@@ -10,7 +10,7 @@ from components.problems import Problem, problem, raise_problems
 
 @dataclass
 class TextFilesArgs:
-    """Local files: .txt/.md/.py are one document each; .jsonl lines and .parquet rows are documents."""
+    """Local files: .txt/.text/.md/.py are one document each; .jsonl lines and .parquet rows are documents."""
 
     paths: list[str] = field(
         default_factory=list,
@@ -25,7 +25,7 @@ class TextFilesArgs:
     )
     invalid_utf8: str = field(
         default="error",
-        metadata={"doc": "bytes that are not UTF-8 in text files (.txt/.md/.py, .jsonl): error (stop, naming the "
+        metadata={"doc": "bytes that are not UTF-8 in text files (.txt/.text/.md/.py, .jsonl): error (stop, naming the "
                          "file) or replace (read them as U+FFFD)", "choices": ("error", "replace")},
     )
 
