@@ -206,6 +206,8 @@ class Checkpointer:
             cause = exc
             if isinstance(exc, CheckpointException):
                 cause = next(iter(exc.failures.values()), (exc,))[0]
+            if not isinstance(cause, Exception):  # a second Ctrl-C that DCP's writer caught: a stop, not a write
+                raise cause.with_traceback(None) from None
             why = cause.strerror if isinstance(cause, OSError) and cause.strerror else \
                 " ".join(str(cause).split())[:200] or type(cause).__name__
             try:

@@ -469,6 +469,33 @@ def test_a_save_that_cannot_be_written_is_one_message_and_keeps_the_last_checkpo
     assert sorted(os.listdir(folder / "checkpoint")) == ["step-2"]
 
 
+def test_a_second_ctrl_c_inside_a_save_is_an_interruption_not_a_full_disk(tmp_path, capsys, monkeypatch):
+    """DCP's writer catches the KeyboardInterrupt of a second Ctrl-C and wraps it as a failed write: the run
+    must still end as interrupted (exit 130, the interruption's message), not as a disk to free (exit 2, which
+    a requeue wrapper reads as bad input), with the partial save removed and the last checkpoint kept."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from nsa_titan import checkpoint
+    from nsa_titan.cli import INTERRUPTED
+
+    real_save = checkpoint.dcp.save
+
+    def save(tensors, checkpoint_id, **kw):
+        if "step-4" in checkpoint_id:
+            raise CheckpointException("save failed", {0: (KeyboardInterrupt(), traceback.StackSummary())})
+        return real_save(tensors, checkpoint_id=checkpoint_id, **kw)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    folder = tmp_path / "run"
+    code = cli.main(["train", *BASE, "--training.steps=6", "--checkpoint.interval=2", f"--job.dump_folder={folder}"])
+    err = capsys.readouterr().err
+    assert code == INTERRUPTED == 130, err
+    assert "error: train interrupted at once" in err and "free space" not in err and "Traceback" not in err, err
+    assert sorted(os.listdir(folder / "checkpoint")) == ["step-2"]
+
+
 def test_a_partial_save_cut_short_in_an_atomic_write_is_removed(tmp_path, capsys):
     """A crash while train_state.json was being written leaves its temporary: still this run's partial save,
     removed at that step's save rather than kept aside as somebody else's."""
