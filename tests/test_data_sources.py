@@ -139,6 +139,22 @@ def test_text_files_errors(tmp_path):
     wrong_column = write_parquet(str(tmp_path / "field.parquet"), ["x"], field="body")
     with pytest.raises(UserError, match=r"no column 'text'.*body"):
         check([wrong_column])
+    # Parquet's own schema names the leaves: a struct's fields, a list's 'element'. The columns a user
+    # writes are the top-level ones, and the text column must hold strings.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    nested = str(tmp_path / "nested.parquet")
+    pq.write_table(pa.table({"doc": pa.array([{"text": "hello " * 5, "lang": "en"}] * 20)}), nested)
+    with pytest.raises(UserError, match=r"no column 'text'; its columns are \['doc'\]"):
+        check([nested])
+    listed = str(tmp_path / "listed.parquet")
+    pq.write_table(pa.table({"text": pa.array([["a", "b"]] * 20, pa.list_(pa.string())), "meta": ["m"] * 20}), listed)
+    with pytest.raises(UserError, match=r"column 'text' holds list<element: string>, not text.*meta \(string\)"):
+        check([listed])
+    categorical = str(tmp_path / "categorical.parquet")  # dictionary-encoded strings read as strings
+    pq.write_table(pa.table({"text": pa.array(["one text", "another text"] * 10).dictionary_encode()}), categorical)
+    check([categorical])
 
     corrupt = tmp_path / "corrupt.parquet"
     corrupt.write_bytes(b"PAR1 this is not a parquet file at all")

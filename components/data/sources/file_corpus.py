@@ -176,16 +176,23 @@ class FileCorpus:
         try:
             if f.kind != "parquet":
                 return (f.kind, os.path.getsize(f.path))
-            md = pq.ParquetFile(f.path).metadata
+            parquet = pq.ParquetFile(f.path)
+            md, schema = parquet.metadata, parquet.schema_arrow
         except (OSError, ValueError, pa.ArrowException) as e:
             raise UserError(
                 f"{self.what}: cannot read {f.path} ({type(e).__name__}: {e}); replace or remove the file"
             ) from e
-        names = md.schema.names
+        names = schema.names  # the top-level columns (the Parquet schema's names are its leaves: a struct's fields)
         if self.text_field not in names:
             raise UserError(
                 f"{self.what}: {f.path} has no column {self.text_field!r}; its columns are {names}; "
                 "set text_field to the column holding the text"
+            )
+        kind = schema.field(self.text_field).type
+        if not _is_text(kind.value_type if pa.types.is_dictionary(kind) else kind):
+            raise UserError(
+                f"{self.what}: {f.path}'s column {self.text_field!r} holds {kind}, not text; set text_field to a "
+                f"string column (its columns: {', '.join(f'{n} ({schema.field(n).type})' for n in names)})"
             )
         return ("parquet", [md.row_group(g).num_rows for g in range(md.num_row_groups)])
 
@@ -412,3 +419,11 @@ class FileCorpus:
 def member_documents(corpus: FileCorpus, split: str) -> list[str]:
     """Every document of `split`, read piece by piece (for tests and inspection; reads everything)."""
     return [d for piece in corpus.pieces(split, 1) for d in corpus.read_piece(piece, split)]
+
+
+def _is_text(kind) -> bool:
+    """An Arrow type whose values read as Python strings (or an all-null column)."""
+    import pyarrow as pa
+
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+            or getattr(pa.types, "is_string_view", lambda _: False)(kind))
