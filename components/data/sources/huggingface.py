@@ -25,9 +25,11 @@ without the failure. A builder over local files is not retried: its failure is a
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -83,6 +85,12 @@ class HuggingFaceArgs:
         if self.path in _LOCAL_BUILDERS and not self.data_files:
             problems.append(problem("data_files", None, f"builder {self.path!r} needs data_files",
                                     "list the local files as paths or globs"))
+        # A builder's local pattern that matches nothing: datasets says only StopIteration. (With a Hub dataset
+        # as path, data_files name files of its repository.)
+        for pattern in self.data_files if self.path in _LOCAL_BUILDERS else ():
+            if "://" not in pattern and not glob.glob(os.path.expanduser(pattern), recursive=True):
+                problems.append(problem("data_files", pattern, "matches no file",
+                                        "give paths or globs of existing files (relative to where the run starts)"))
         return problems
 
 
@@ -140,6 +148,10 @@ class HuggingFaceSource:
                 if a.path in _LOCAL_BUILDERS:  # local files: no network involved; a list of data_files is one split
                     fix = ("check data_files; a list of files is the one split 'train' (set split = 'train', and "
                            "hold validation documents out with validation_fraction and validation_split = '')")
+                elif os.path.isdir(a.path):  # a local folder, not a Hub id: no network involved either
+                    fix = ("a folder that datasets' save_to_disk wrote streams only as files: write its split once "
+                           "as parquet (datasets.load_from_disk(FOLDER)['train'].to_parquet('data/train.parquet')) and "
+                           "use path = 'parquet' with data_files = ['data/*.parquet']")
                 else:
                     fix = ("without network, download the parquet files once and use data source text_files with "
                            "paths = ['<folder>/*.parquet'] (or huggingface with path = 'parquet' and data_files)")
