@@ -441,12 +441,25 @@ def test_huggingface_errors(hf_parquet, monkeypatch):
     with pytest.raises(UserError, match="cannot open split 'test'") as raised:
         list(local.documents(0, 1, "validation", 0, 0, None))
     assert "network" not in str(raised.value) and "is the one split 'train'" in str(raised.value)
+    # A folder given as the dataset's path (save_to_disk's, say) is local too: no network advice.
+    folder = HuggingFaceSource(HuggingFaceArgs(path=str(hf_parquet[0].args.data_files[0]).rsplit("/", 1)[0],
+                                               name=""))
+    with pytest.raises(UserError, match="cannot open split") as raised:
+        folder._load("no_such_split")
+    assert "network" not in str(raised.value) and "to_parquet" in str(raised.value)
 
 
-def test_huggingface_args_check():
+def test_huggingface_args_check(tmp_path):
     assert HuggingFaceArgs().check() == []
     assert [p.field for p in HuggingFaceArgs(validation_split="train").check()] == ["validation_split"]
     assert [p.field for p in HuggingFaceArgs(path="parquet").check()] == ["data_files"]
+    # A local pattern that matches nothing is named (datasets would say StopIteration); a Hub repository's
+    # data_files are its own paths, not looked for here.
+    write_parquet(str(tmp_path / "a.parquet"), ["x"])
+    (missing,) = HuggingFaceArgs(path="parquet", name="", data_files=[str(tmp_path / "*.parquet"),
+                                                                      str(tmp_path / "b*.parquet")]).check()
+    assert missing.field == "data_files" and missing.value.endswith("b*.parquet") and "matches no file" in missing.why
+    assert HuggingFaceArgs(path="HuggingFaceFW/fineweb-edu", data_files=["sample/10BT/*.parquet"]).check() == []
     with pytest.raises(UserError, match="repeat training data"):
         HuggingFaceSource(HuggingFaceArgs(validation_split="train")).check()
 
