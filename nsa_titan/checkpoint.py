@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from components.data import DataStreamMismatch
+from components.data import DataStreamMismatch, worker_died
 from components.errors import UserError
 from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mismatches, tensor_shapes,
                                          truncated_shards)
@@ -208,6 +208,8 @@ class Checkpointer:
                 cause = next(iter(exc.failures.values()), (exc,))[0]
             if not isinstance(cause, Exception):  # a second Ctrl-C that DCP's writer caught: a stop, not a write
                 raise cause.with_traceback(None) from None
+            if worker_died(cause):  # a loader worker's death, raised wherever this process was: not a write
+                raise cause
             why = cause.strerror if isinstance(cause, OSError) and cause.strerror else \
                 " ".join(str(cause).split())[:200] or type(cause).__name__
             try:

@@ -18,7 +18,8 @@ import torch
 from components.errors import UserError
 from components.sequence_shard import SequenceShard
 
-from nsa_titan import assemble, registry
+from components.data import no_documents_error, worker_died
+from nsa_titan import assemble, held_out, registry
 from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
@@ -26,11 +27,11 @@ from nsa_titan.config.schema import CUDA_GRAPH_MODES
 from nsa_titan.config.toml_io import tomllib
 from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.hf_folder import is_hf_folder, load_hf_weights
-from nsa_titan.loss import token_cross_entropy_sum
+from nsa_titan.loss import IGNORE_INDEX, token_cross_entropy_sum
 from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
 from nsa_titan.observe.manifest import MANIFEST_FILE, write_manifest
-from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog, WandbLog
+from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog, WandbLog, has_record
 from nsa_titan.observe.mfu import mfu_percent, peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
@@ -163,6 +164,7 @@ class Trainer:
 
         self.tokenizer = assemble.build_tokenizer(recipe)
         self.source = assemble.build_source(recipe)
+        self._held_out_reader = held_out.shard_reader(recipe, runtime, self.source, self.tokenizer)
         self._build_model()
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)
@@ -284,9 +286,18 @@ class Trainer:
                                      dp_size=self.dp_size, split=split,
                                      batch_size=self.recipe.training.local_batch_size, shard_states=shard_states)
 
+    def _held_out_rows(self) -> int:
+        return self.recipe.validation.steps * self.global_batch
+
     def _check_validation_data(self) -> None:
-        """Fail at start-up, not after validation.freq steps, when the held-out stream is empty."""
-        self._next_batch(iter(self._loader("validation")))
+        """Fail at start-up, not after validation.freq steps, when the held-out set is empty (every rank
+        hears it: one rank's shards may hold no held-out document while another's do)."""
+        mine = held_out.has_rows(self._held_out_reader, self._held_out_rows(), self.recipe.data.logical_shards,
+                                 self.dp_rank, self.dp_size)
+        if all_reduce_mean(torch.tensor(float(mine), device=self.runtime.device)).item() == 0:
+            data = self.recipe.data
+            raise no_documents_error("validation", list(range(data.logical_shards)), None, data.logical_shards,
+                                     data.min_document_tokens)
 
     # -- resume ----------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -309,6 +320,7 @@ class Trainer:
                 self.nan_guard.load_state_dict(record["nan_guard"])
             self._abandon_after = step
             self.train_loader = self.state.dataloader
+            saved_factor = self._lr_factor()  # the saved run's schedule, for the step after the one it saved
             self._apply_recipe_optimizer_settings()
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
             note = recipe_change_note(self.resolved, "the recipe differs from the one this run folder's last run "
@@ -316,6 +328,7 @@ class Trainer:
             if note:
                 self._say(note)
             self._say_derived_batch_change(record, step)
+            self._say_schedule_jump(saved_factor, step)
             if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only
                 self._say(f"checkpoint.initial_load_path = {ckpt.initial_load_path!r} is not used: this run resumes "
                           f"its own checkpoint (a new --job.dump_folder starts from those weights)")
@@ -504,16 +517,17 @@ class Trainer:
     # -- validation and telemetry ----------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Loss on the first validation.steps batches of the held-out stream (the same batches every time)."""
+        """Loss over every token of the held-out set (held_out.py: validation.steps global batches of rows,
+        the same ones at every layout and every validation)."""
         self.model.eval()
-        total = torch.zeros((), device=self.runtime.device, dtype=torch.float64)
-        count = 0
+        sums = torch.zeros(2, device=self.runtime.device, dtype=torch.float64)  # loss, tokens counted
         for batch in self._validation_batches():
             logits, targets = self._forward(batch)  # this rank's share of the rows under context parallelism
-            total += token_cross_entropy_sum(logits, targets).double()
-            count += targets.numel()  # the same on every rank, so the mean over ranks is the token mean
+            sums[0] += token_cross_entropy_sum(logits, targets).double()
+            sums[1] += (targets != IGNORE_INDEX).sum()  # a rank's filler rows count nothing
             del logits  # not held through the next batch's forward
-        loss = all_reduce_mean(total).item() / count
+        total, count = all_reduce_mean(sums).tolist()  # the ratio of the means is the ratio of the sums
+        loss = total / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
     def _validation_batches(self):
@@ -527,12 +541,13 @@ class Trainer:
                 yield Batch(inputs.to(device, non_blocking=True).long(), targets.to(device, non_blocking=True).long(),
                             starts)
             return
-        loader = self._loader("validation")
-        tokens = recipe.validation.steps * recipe.training.local_batch_size * recipe.training.seq_len
-        keep = (2 * 4 + 1) * tokens <= VALIDATION_CACHE_BYTES and self.tokenizer.vocab_size < 2**31
+        S, B, T = recipe.data.logical_shards, recipe.training.local_batch_size, recipe.training.seq_len
+        rows = self._held_out_rows()
+        count = held_out.batches_per_rank(rows, S, self.dp_size, B)
+        keep = (2 * 4 + 1) * count * B * T <= VALIDATION_CACHE_BYTES and self.tokenizer.vocab_size < 2**31
         kept = []
-        iterator = iter(loader)
-        for _ in range(recipe.validation.steps):
+        iterator = held_out.held_out_batches(self._held_out_reader, rows, S, self.dp_rank, self.dp_size, B, T)
+        for _ in range(count):
             batch = self._next_batch(iterator)
             if keep:
                 kept.append((batch.inputs.to("cpu", torch.int32), batch.targets.to("cpu", torch.int32),
@@ -601,6 +616,51 @@ class Trainer:
             raise TrainingFault(self._out_of_memory_message(what, step, exc), OUT_OF_MEMORY_EXIT,
                                 every_rank=False) from None
 
+    def _missed_validation(self) -> dict | None:
+        """The validation due at the step this run resumes from, when the run that saved that step stopped
+        before it logged one (between the save and the validation after it): computed now, on the weights
+        it was due for, and logged once this run has begun (its first step succeeded)."""
+        validation, step = self.recipe.validation, self.state.step
+        if not validation.enable or step == 0 or step % validation.freq:
+            return None
+        if has_record(os.path.join(self.recipe.job.dump_folder, "metrics.jsonl"), step, "val_loss"):
+            return None  # every rank reads it: the dump folder is on a filesystem they all see
+        with self._memory_fault("validation after step", step):
+            return {"step": step, **self.validate()}
+
+    def _worker_lost_message(self, text: str) -> str:
+        """A data loader worker process that died (torch says how: 'DataLoader worker (pid N) is killed by
+        signal: Killed.'): what it cost and the way on, not the loader's traceback. The loader's place may
+        be past the step the model reached, so nothing is saved: the last checkpoint is this run's way on."""
+        how = " ".join(text.split())
+        killed = "Killed" in text
+        why = ("; a SIGKILL, most often the host's out-of-memory killer" if killed else "")
+        fix = ("lower data.num_workers or data.prefetch_factor (each worker holds its own read-ahead), or give "
+               "the job more host memory" if killed else
+               "the worker's own error, if it printed one, is above; data.num_workers = 0 reads in the training "
+               "process")
+        return (f"rank {self.runtime.rank}: a data loader worker died after step {self.state.step} "
+                f"({how.rstrip('.')}{why}); {self._way_on()}. Fix: {fix}.")
+
+    def _lr_factor(self) -> float:
+        """The learning rate the optimizer steps at next, as a share of its peak (optimizer.lr)."""
+        group = self.optimizer.param_groups[0]
+        return group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0
+
+    def _say_schedule_jump(self, saved: float, step: int) -> None:
+        """A resume whose schedule fields changed (training.steps extended, say) continues the new schedule
+        at the saved step: a run already in its decay jumps back up, which the recipe-change note alone does
+        not show. The number moves, not the run: it goes on as the recipe says."""
+        now = self._lr_factor()
+        if abs(now - saved) <= 1e-3 * max(now, saved):
+            return
+        self._say(f"note: the learning rate {'rises' if now > saved else 'falls'} at step {step + 1} from "
+                  f"{100 * saved:.3g}% of optimizer.lr, where the schedule of the run that saved step {step} had "
+                  f"it, to {100 * now:.3g}%, where this recipe's schedule has it (lr_scheduler and "
+                  f"training.steps). To extend a run without raising its learning rate again, resume from a "
+                  f"checkpoint before its decay began (checkpoint.load_step; lr_scheduler.decay_steps keeps the "
+                  f"rate at its peak until the last decay_steps steps)")
+
     def _say_derived_batch_change(self, record: dict, step: int) -> None:
         """training.global_batch_size = -1 follows the world size: a resume on another number of processes
         changes the batch the optimizer steps on, which no recipe field shows (an explicit size is kept, and
@@ -644,6 +704,18 @@ class Trainer:
                 f"Fix: {'; or '.join(fixes)}. `nsa-titan doctor RECIPE` estimates the memory per device.")
 
     def run(self) -> None:
+        """Train to training.steps (or a stop request). A loader worker's death reaches this process as a
+        RuntimeError wherever it happens to be (torch's SIGCHLD handler raises it): a step, a save, a
+        validation; it ends the run as one message."""
+        try:
+            self._train()
+        except RuntimeError as exc:
+            if not worker_died(exc):
+                raise
+            raise TrainingFault(self._worker_lost_message(str(exc)), OUT_OF_MEMORY_EXIT if "Killed" in str(exc)
+                                else 1, every_rank=False) from None
+
+    def _train(self) -> None:
         recipe, t, state, fault = self.recipe, self.recipe.training, self.state, self.recipe.fault
         layout = f" ({self.shard.size}-way context parallel)" if self.shard is not None else ""
         if self.mesh is not None:
@@ -662,6 +734,7 @@ class Trainer:
             self._say(f"nothing to do: the run already reached training.steps = {t.steps}. Fix: raise "
                       f"--training.steps to train on, or use another --job.dump_folder to start afresh.")
             return
+        missed = self._missed_validation()
         iterator = iter(self.train_loader)
         self.gc = ScheduledGC(t.gc_freq)
         run_start = time.perf_counter()
@@ -679,6 +752,9 @@ class Trainer:
                 loss, grad_norm, data_wait, decision = self.train_step(iterator)
             if decision != STOP:  # agreed by every rank: all of them begin (a collective) or none
                 self._begin()
+                if missed is not None:
+                    self._log(missed)
+                    missed = None
             state.step += 1
             phase = time.perf_counter()
             self.profiler.after_step(state.step)

@@ -107,9 +107,15 @@ def assert_resumed_at(output: str, folder, step: int) -> None:
     assert len(logged) == len(set(logged)), logged
 
 
-def losses_and_norms(folder) -> dict[int, tuple[float, float]]:
-    """step -> (loss, gradient norm): a gradient scaled wrongly barely moves AdamW's losses, but its norm."""
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics(folder) if "loss" in r}
+def losses_and_norms(folder) -> dict[int, tuple[float, ...]]:
+    """step -> (loss, gradient norm[, validation loss at a step that validated]): a gradient scaled wrongly
+    barely moves AdamW's losses, but its norm."""
+    records = metrics(folder)
+    got = {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
+    for r in records:
+        if "val_loss" in r:
+            got[r["step"]] += (r["val_loss"],)
+    return got
 
 
 def assert_cuda_only_refused_at_start(tmp_path, capsys, flags: list[str], message: str) -> None:

@@ -511,6 +511,65 @@ def test_a_warmup_stable_decay_run_extended_on_resume_decays_at_its_new_end(tmp_
     assert [logged[s] for s in (3, 4, 5, 6)] == pytest.approx([peak, peak, peak, peak * 0.1], rel=1e-12)
 
 
+def test_a_finished_run_extended_on_resume_says_its_learning_rate_jumps(tmp_path, capsys):
+    """Cosine over 4 steps, then the same run extended to 8: the schedule stretched, so step 5 runs far above
+    where step 4 left the rate. The run goes on as its recipe says, but a note gives both rates and the way
+    to extend without the jump; the stable stretch of the test above needs none."""
+    argv = [*BASE, "--checkpoint.interval=2", "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=1",
+            f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv, "--training.steps=4"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=8"]) == 0
+    out = capsys.readouterr().out
+    lrs = {r["step"]: r["lr"] for r in json_records(tmp_path) if "lr" in r}
+    peak = resolve([*argv, "--training.steps=8"]).recipe.optimizer.lr
+    saved, now = 100 * lrs[4] / peak, 100 * lrs[5] / peak  # step 4's rate under 4 steps, step 5's under 8
+    assert now > 2 * saved
+    (note,) = [line for line in out.splitlines() if "the learning rate rises at step 5" in line]
+    assert f"from {saved:.3g}% of optimizer.lr" in note and f"to {now:.3g}%" in note and "checkpoint.load_step" in note
+    # The same command again (the run at its new end) and a peak changed alone move no share of it: no note.
+    rewind_to(tmp_path, 6)
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=8", "--optimizer.lr=1e-3"]) == 0
+    assert "the learning rate" not in capsys.readouterr().out
+
+
+def test_a_validation_lost_between_a_save_and_its_logging_is_made_up_on_resume(tmp_path, capsys, monkeypatch):
+    """The run stops right after step 4's save, before the validation due there (a kill, a second Ctrl-C):
+    the resume validates step 4's weights before its first step and logs it, so the curve has the point an
+    uninterrupted run has, with its value."""
+    from nsa_titan.trainer import Trainer
+
+    argv = [*BASE, "--training.steps=6", "--checkpoint.interval=2", "--validation.enable=true",
+            "--validation.freq=2", "--validation.steps=2"]
+    assert cli.main(["train", *argv, f"--job.dump_folder={tmp_path / 'straight'}"]) == 0
+    validate = Trainer.validate
+
+    def killed_at_step_4(self):
+        if self.state.step == 4:
+            raise KeyboardInterrupt  # after step 4's save, as a kill there would be
+        return validate(self)
+
+    monkeypatch.setattr(Trainer, "validate", killed_at_step_4)
+    cut = tmp_path / "cut"
+    assert cli.main(["train", *argv, f"--job.dump_folder={cut}"]) == 130
+    assert complete_steps(ckpt_dir(cut)) == [2, 4]
+    monkeypatch.setattr(Trainer, "validate", validate)
+    capsys.readouterr()
+    assert cli.main(["train", *argv, f"--job.dump_folder={cut}"]) == 0
+    def validated(folder):
+        return [(r["step"], r["val_loss"]) for r in json_records(folder) if "val_loss" in r]
+
+    assert validated(cut) == validated(tmp_path / "straight") and [s for s, _ in validated(cut)] == [2, 4, 6]
+    # Logged once: a resume from a step whose validation was logged does not validate it again.
+    rewind = [r for r in json_records(cut) if r["step"] <= 4]
+    shutil.rmtree(os.path.join(ckpt_dir(cut), "step-6"))
+    with open(os.path.join(cut, "metrics.jsonl"), "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rewind)
+    assert cli.main(["train", *argv, f"--job.dump_folder={cut}"]) == 0
+    assert [s for s, _ in validated(cut)] == [2, 4, 6]
+
+
 def test_resuming_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys):
     argv = [*BASE, "--training.steps=4", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv]) == 0

@@ -149,3 +149,33 @@ def test_the_full_scan_finds_a_cut_last_line_and_a_broken_row_group(tmp_path):
         source.scan()
     pq.write_table(table, broken, row_group_size=100)
     assert "(1,000 documents, " in TextFilesSource(TextFilesArgs(paths=[str(broken)])).scan()
+
+
+def test_a_killed_loader_worker_ends_the_run_with_one_message_and_the_way_on(tmp_path):
+    """The host's out-of-memory killer takes a loader worker (SIGKILL): the run says so in one line, with the
+    checkpoint a rerun resumes and the settings that lower host memory, and exits 4 (out of memory), not
+    with the loader's traceback."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.launch import DEBUG, TINY, finish, start_training
+
+    proc = start_training([DEBUG, *TINY, "--training.steps=100000", "--data.num_workers=2", "--checkpoint.enable=true",
+                           "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"], tmp_path)
+    # The training process's children are its persistent loader workers.
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    assert len(workers) == 2, workers
+    deadline = time.time() + 120
+    while not (tmp_path / "checkpoint" / "step-2" / "COMPLETE").exists() and time.time() < deadline:
+        time.sleep(0.05)  # a checkpoint to name as the way on
+    os.kill(workers[0], signal.SIGKILL)
+    _, err = finish(proc, timeout=120)
+    assert proc.returncode == 4, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and "Traceback" not in err, err[-3000:]
+    assert "a data loader worker died after step" in said[0] and "is killed by signal: Killed" in said[0]
+    assert "out-of-memory killer" in said[0] and "the same command then resumes from" in said[0]
+    assert "Fix: lower data.num_workers or data.prefetch_factor" in said[0]

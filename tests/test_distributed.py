@@ -16,9 +16,11 @@ from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-# Same global batch (4 samples) in every layout: one process accumulates 2 micro-batches of 2.
+# Same global batch (4 samples) in every layout: one process accumulates 2 micro-batches of 2. Validated at
+# the last step: the held-out set is the same rows in every layout (each rank reads its shards' share).
 COMMON = [DEBUG, *TINY, f"--training.steps={STEPS}", "--training.local_batch_size=2",
-          "--training.global_batch_size=4"]
+          "--training.global_batch_size=4", "--validation.enable=true", f"--validation.freq={STEPS}",
+          "--validation.steps=3"]
 # fp32 on CPU; only the order of floating-point reductions differs between layouts (measured: 2e-7
 # for AdamW; 6e-5 for Muon, whose Newton-Schulz iteration runs in bf16).
 RTOL = 1e-5
@@ -81,7 +83,7 @@ def assert_trains_like(expected: dict, layout: str, folder, *extra: str, rtol: f
     assert f", {MICRO_BATCHES.get(layout, 1)} micro-batch(es)/step" in proc.stdout + proc.stderr
     assert "DTensor random operators" not in proc.stderr  # torch's warning of every CPU rank, kept out
     got = losses_and_norms(folder)
-    assert sorted(got) == list(range(1, STEPS + 1))
+    assert sorted(got) == list(range(1, STEPS + 1)) and len(got[STEPS]) == 3  # with the validation loss
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=rtol), (layout, step, got, expected)
 

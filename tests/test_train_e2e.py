@@ -125,9 +125,11 @@ def test_validation_reads_its_batches_once_and_evaluates_the_same_ones(tmp_path,
             "--validation.steps=2", f"--job.dump_folder={out}"]
     assert cli.main(["train", *argv]) == 0
     assert [r["step"] for r in read_metrics(out) if "val_loss" in r] == [1, 2, 3]
-    # Built for the start-up check and the first evaluation only, yet every evaluation saw the same batches.
-    assert built.count("validation") == 2, built
+    # Each logical shard's held-out stream is built for the start-up check (the first shard holds a row)
+    # and the first evaluation only (4 shards, 2 x 2 rows: one each), yet every evaluation saw the same batches.
+    assert built.count("validation") == 1 + 4, built
     assert len(seen) == 6
+    assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(seen[:2], seen[2:4])), "another held-out set"
     for i in (2, 4):
         for a, b in zip(seen[i:i + 2], seen[:2]):
             assert a.inputs.dtype == b.inputs.dtype == torch.int64
@@ -351,7 +353,7 @@ def test_no_micro_batchs_logits_outlive_its_backward(tmp_path, monkeypatch):
         trainer.train_step(iter(trainer.train_loader))
         assert trainer.grad_accum == 3 and len(made) == 3
         trainer.validate()
-        assert len(made) == 6
+        assert len(made) == 3 + 9  # the held-out set: 3 global batches of 6 rows, in batches of 2
     finally:
         trainer.close()
-    assert alive_at == [0, 0, 0, 0, 0, 0, 0], alive_at  # 3 forwards, the step, 3 validation forwards
+    assert alive_at == [0] * (3 + 1 + 9), alive_at  # 3 forwards, the step, 9 validation forwards

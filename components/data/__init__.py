@@ -1,7 +1,7 @@
 """Data: sources, tokenizers, packing and the resumable per-rank sharded loader."""
 
-from components.data.dataset import DataStreamMismatch
-from components.data.loader import build_dataloader, stream_id
+from components.data.dataset import DataStreamMismatch, NoDocuments, no_documents_error
+from components.data.loader import build_dataloader, stream_id, worker_died
 from components.data.sharding import (
     loader_state_by_logical_shard,
     merge_shard_states,
@@ -17,6 +17,7 @@ __all__ = [
     "MIXTURE",
     "SOURCES",
     "MixtureArgs",
+    "NoDocuments",
     "build_mixture_source",
     "TOKENIZERS",
     "ByteTokenizer",
@@ -26,6 +27,8 @@ __all__ = [
     "document_prefix_id",
     "loader_state_by_logical_shard",
     "merge_shard_states",
+    "no_documents_error",
     "shards_of_rank",
     "stream_id",
+    "worker_died",
 ]

@@ -24,6 +24,10 @@ class DataStreamMismatch(UserError):
     """A saved data state belongs to another stream (other data settings): it cannot continue this one."""
 
 
+class NoDocuments(UserError):
+    """The logical shards a stream reads hold no document of its split (so it would wait forever for one)."""
+
+
 class PackedShardsDataset(IterableDataset):
     def __init__(
         self,
@@ -157,9 +161,10 @@ class PackedShardsDataset(IterableDataset):
                    "document_starts": row_document_starts(window[1], self.seq_len)}
 
 
-def no_documents_error(split: str, shards: list[int], dp_rank: int, logical_shards: int,
-                       min_document_tokens: int) -> UserError:
-    """The stream of a rank whose logical shards hold no document (it would wait forever for one)."""
+def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logical_shards: int,
+                       min_document_tokens: int) -> NoDocuments:
+    """The stream of a rank whose logical shards hold no document (it would wait forever for one); dp_rank
+    None: shards read by no one rank (every rank's share of the held-out set)."""
     shards = sorted(shards)
     which = (f"all {logical_shards} logical shards" if len(shards) == logical_shards else
              f"logical shards {shards}" if len(shards) <= 8 else
@@ -174,8 +179,8 @@ def no_documents_error(split: str, shards: list[int], dp_rank: int, logical_shar
         fix = "add data, or lower data.logical_shards or data.num_workers"
     if min_document_tokens:
         fix += ", or lower data.min_document_tokens"
-    return UserError(f"data split {split!r}: {which} of data-parallel rank {dp_rank} hold no documents{at_least}, "
-                     f"so {what}. Fix: {fix}.")
+    whose = "" if dp_rank is None else f" of data-parallel rank {dp_rank}"
+    return NoDocuments(f"data split {split!r}: {which}{whose} hold no documents{at_least}, so {what}. Fix: {fix}.")
 
 
 def row_document_starts(starts, seq_len: int) -> torch.Tensor:

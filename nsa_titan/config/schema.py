@@ -152,7 +152,8 @@ class FaultConfig:
 class ValidationConfig:
     enable: bool = f(False, "Evaluate on the held-out stream during training.")
     freq: int = f(100, "Validate every this many steps.", ge=1)
-    steps: int = f(10, "Batches per validation.", ge=1)
+    steps: int = f(10, "Global batches of held-out rows per validation, an equal share from each logical shard: the "
+                       "same rows at every world size, local batch size and worker count.", ge=1)
 
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # compile modes that capture CUDA graphs

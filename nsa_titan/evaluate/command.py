@@ -2,7 +2,7 @@
 
     nsa-titan eval RECIPE.toml [overrides] --out DIR [options]   the run's newest checkpoint
     nsa-titan eval EXPORTED.pt|HF_DIR --out DIR [options]        an exported model or hf folder
-options: --batches N (held-out batches, default validation.steps), --lengths 64,128 (passkey prompt
+options: --batches N (global batches of held-out rows, default validation.steps), --lengths 64,128 (passkey prompt
 lengths, default up to four, the longest max_seq_len less the answer), --depths 0,0.5,1 (default 0 to 1
 by 0.25), --trials N (keys per cell, default 5); --tasks a,b runs lm-evaluation-harness tasks too
 (--task-dir DIR for your own task YAML files, --limit N documents per task). Writes eval.json, position_loss.png and passkey.png
@@ -15,8 +15,10 @@ import json
 import os
 
 
+from components.data import no_documents_error
 from components.errors import UserError
 from nsa_titan import assemble, registry
+from nsa_titan import held_out as held_out_set
 from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
                                        take_option, write_results)
 from nsa_titan.config import resolve
@@ -133,12 +135,17 @@ def run_command(argv: list[str]) -> int:
     from nsa_titan.runtime import make_runtime
 
     runtime = make_runtime("cpu", "float32")
-    count = batches[0] if batches else recipe.validation.steps
+    # The run's held-out set (held_out.py) at its global batch: the rows its logged validation loss covers.
+    t = recipe.training
+    rows = (batches[0] if batches else recipe.validation.steps) * (
+        t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size)
     try:
-        loader = assemble.build_loader(recipe, runtime, assemble.build_source(recipe), tokenizer, dp_rank=0,
-                                       dp_size=1, split="validation", batch_size=recipe.training.local_batch_size)
-        iterator = iter(loader)
-        held_out = [next(iterator) for _ in range(count)]
+        reader = held_out_set.shard_reader(recipe, runtime, assemble.build_source(recipe), tokenizer)
+        held_out = list(held_out_set.held_out_batches(reader, rows, recipe.data.logical_shards, 0, 1,
+                                                      t.local_batch_size, t.seq_len, pad=False))
+        if not held_out:
+            raise no_documents_error("validation", list(range(recipe.data.logical_shards)), None,
+                                     recipe.data.logical_shards, recipe.data.min_document_tokens)
     except UserError as exc:
         if argv[0].endswith(".toml"):
             raise

@@ -57,6 +57,17 @@ def _step_of(line: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
+def has_record(path: str, step: int, key: str) -> bool:
+    """Whether the JSON-lines file `path` holds a whole record of `step` with `key` (False without the file)."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if _step_of(line) == step and key in json.loads(line):
+                return True
+    return False
+
+
 def _new_empty_file(path: str) -> None:
     with open(path, "x", encoding="utf-8"):
         pass
