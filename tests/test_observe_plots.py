@@ -49,6 +49,9 @@ def test_the_pictures_draw_those_numbers(tmp_path):
     fig = plots.selection_figure(colors, 0, chosen)
     assert np.array_equal(fig.axes[0].images[0].get_array(), colors)
     assert fig.axes[0].get_xlabel() == "selection block (2 tokens)"
+    low, high = fig.axes[0].get_xlim()
+    shown = [t for t in fig.axes[0].get_xticks() if low <= t <= high]
+    assert shown == [0, 1], shown  # one tick per block number, none between
     assert "(n = 3)" in fig.axes[0].get_title() and "all 2 key/value groups" in fig.axes[0].get_title()
     means = torch.tensor([[0.5, 0.25, 1.0], [0.0, 0.75, 0.1]])
     branches = ("cmp", "sel", "win")

@@ -90,6 +90,7 @@ def selection_figure(colors: np.ndarray, layer: int, chosen: AttentionMap):
                            layout="constrained")
     ax.imshow(colors, interpolation="nearest", aspect="auto", extent=(-0.5, nb - 0.5, T - 0.5, -0.5))
     ax.set_xlabel(f"selection block ({chosen.block_tokens} tokens)")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # blocks are whole numbers: no -0.5, 0.25 ticks
     ax.set_ylabel("query position")
     ax.set_title(f"layer {layer}: the blocks each query selected (n = {chosen.selected.shape[-1]})\n"
                  f"white: no group, darkest: all {chosen.groups} key/value groups, grey: future",
