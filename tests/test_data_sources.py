@@ -111,6 +111,19 @@ def test_jsonl_lines_cut_across_pieces_are_read_once(tmp_path):
     assert sorted(docs) == sorted(texts)
 
 
+def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):
+    """Editors on some systems write a UTF-8 BOM first; it is no part of the first record (json.loads refuses it)."""
+    texts = unique_texts(5, seed=6)
+    plain = write_jsonl(str(tmp_path / "plain.jsonl"), texts)
+    (tmp_path / "bom").mkdir()
+    marked = tmp_path / "bom" / "plain.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + open(plain, "rb").read())
+    source = TextFilesSource(TextFilesArgs(paths=[str(marked)], validation_fraction=0.0))
+    source.check()
+    _, docs = all_documents(source, 1, "train")
+    assert sorted(docs) == sorted(texts)
+
+
 def test_text_files_errors(tmp_path):
     def check(paths, **kw):
         TextFilesSource(TextFilesArgs(paths=paths, **kw)).check()

@@ -262,6 +262,8 @@ class FileCorpus:
                 if not line.strip():
                     continue
                 text = self._decode(line, path, offset)
+                if offset == 0 and text.startswith("\ufeff"):
+                    text = text[1:]  # a byte-order mark some editors write first: not part of the JSON
                 try:
                     record = json.loads(text)
                 except ValueError as e:
