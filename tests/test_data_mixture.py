@@ -226,6 +226,20 @@ def test_the_builder_builds_each_source_and_refuses_a_mixture_of_one():
         build_mixture_source(MixtureArgs({"a": MixtureEntry(1.0, "x")}), lambda name, args: None)
 
 
+
+def test_a_source_that_fails_its_check_is_named_by_its_mixture_entry(tmp_path):
+    """Two entries of one kind (text_files twice): the message says which entry's pattern matches nothing."""
+    from components.data.sources import TextFilesArgs, TextFilesSource
+
+    present = tmp_path / "a.txt"
+    present.write_text("some text to train on " * 20)
+    entries = {"web": MixtureEntry(1.0, "text_files", TextFilesArgs(paths=[str(present)])),
+               "books": MixtureEntry(1.0, "text_files", TextFilesArgs(paths=[str(tmp_path / "books/*.txt")]))}
+    source = build_mixture_source(MixtureArgs(entries), lambda name, args: TextFilesSource(args))
+    with pytest.raises(UserError, match=r"^mixture source 'books' \(\[data.mixture.sources.books\]\): .*books/\*\.txt"):
+        source.check()
+
+
 MIXED = """extends = "{debug}"
 [data]
 source = "mixture"

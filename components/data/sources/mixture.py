@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from components.errors import UserError
 from components.data.sources.base import digest, unit_hash
 from components.problems import Problem, problem, raise_problems
 
@@ -76,10 +77,13 @@ class MixtureSource:
         self.names, self.weights, self.sources, self.by = names, weights, sources, by
 
     def check(self) -> None:
-        for source in self.sources:
+        for name, source in zip(self.names, self.sources):
             check = getattr(source, "check", None)
             if callable(check):
-                check()
+                try:
+                    check()
+                except UserError as exc:  # which of the mixture's sources, when several are of one kind
+                    raise UserError(f"mixture source {name!r} ([data.mixture.sources.{name}]): {exc}") from None
 
     def scan(self) -> str:
         found = [f"{name}: {source.scan()}" for name, source in zip(self.names, self.sources)
