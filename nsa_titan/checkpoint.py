@@ -204,8 +204,8 @@ class Checkpointer:
             if self.rank == 0:
                 _remove_step(path)
             cause = exc
-            if isinstance(exc, CheckpointException):
-                cause = next(iter(exc.failures.values()), (exc,))[0]
+            if isinstance(exc, CheckpointException):  # this rank's own failure first, else a peer's
+                cause = exc.failures.get(self.rank, next(iter(exc.failures.values()), (exc,)))[0]
             if not isinstance(cause, Exception):  # a second Ctrl-C that DCP's writer caught: a stop, not a write
                 raise cause.with_traceback(None) from None
             if worker_died(cause):  # a loader worker's death, raised wherever this process was: not a write

@@ -1,7 +1,7 @@
 """The held-out set: the same rows of the validation split at every layout.
 
-A validation reads `rows` windows (validation.steps global batches), drawn evenly from the logical
-shards: shard s gives the first rows // S of its held-out stream, one more for the first rows % S
+A validation reads `rows` windows (held_out_rows: validation.steps global batches), drawn evenly from
+the logical shards: shard s gives the first rows // S of its held-out stream, one more for the first rows % S
 shards. A shard's stream does not depend on the layout, so neither does the set: each data-parallel
 rank reads the rows of its own shards (shard by shard, in order), and the loss is the mean over every
 token of the set. A resumed run at another world size, local batch size or worker count therefore
@@ -37,9 +37,21 @@ def shard_reader(recipe, runtime, source, tokenizer) -> ShardRows:
     return rows_of
 
 
+def held_out_rows(recipe) -> int:
+    """validation.steps batches of training.global_batch_size rows; with global_batch_size = -1 (which
+    follows the world size) of one process's local batch, so the set does not follow the world size."""
+    t = recipe.training
+    return recipe.validation.steps * (t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size)
+
+
 def rows_per_shard(rows: int, logical_shards: int) -> list[int]:
     base, extra = divmod(rows, logical_shards)
     return [base + (s < extra) for s in range(logical_shards)]
+
+
+def shards_read(rows: int, logical_shards: int) -> list[int]:
+    """The logical shards the set takes rows from (all of them unless rows < logical_shards)."""
+    return [s for s, k in enumerate(rows_per_shard(rows, logical_shards)) if k]
 
 
 def batches_per_rank(rows: int, logical_shards: int, dp_size: int, batch_size: int) -> int:

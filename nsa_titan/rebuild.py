@@ -39,7 +39,8 @@ def runnable_args(part, args, device, say: Callable[[str], None] | None = None):
 CHECKPOINT_MODEL_READS = ("job.name", "job.dump_folder", "job.plugins", "model", "data.tokenizer", "data.add_bos",
                           TOKENIZER_ARGS, "checkpoint.folder", "checkpoint.load_step")
 # What eval reads beside (of a run's recipe, or of the one an export records): the held-out data and its cut.
-HELD_OUT_READS = ("job.seed", "data", "training.seq_len", "training.local_batch_size", "validation.steps")
+HELD_OUT_READS = ("job.seed", "data", "training.seq_len", "training.local_batch_size", "training.global_batch_size",
+                  "validation.steps")
 
 
 def say_unread_flags(resolved: ResolvedRecipe, command: str, also_reads: tuple[str, ...] = (),

@@ -286,18 +286,15 @@ class Trainer:
                                      dp_size=self.dp_size, split=split,
                                      batch_size=self.recipe.training.local_batch_size, shard_states=shard_states)
 
-    def _held_out_rows(self) -> int:
-        return self.recipe.validation.steps * self.global_batch
-
     def _check_validation_data(self) -> None:
         """Fail at start-up, not after validation.freq steps, when the held-out set is empty (every rank
         hears it: one rank's shards may hold no held-out document while another's do)."""
-        mine = held_out.has_rows(self._held_out_reader, self._held_out_rows(), self.recipe.data.logical_shards,
-                                 self.dp_rank, self.dp_size)
+        mine = held_out.has_rows(self._held_out_reader, held_out.held_out_rows(self.recipe),
+                                 self.recipe.data.logical_shards, self.dp_rank, self.dp_size)
         if all_reduce_mean(torch.tensor(float(mine), device=self.runtime.device)).item() == 0:
             data = self.recipe.data
-            raise no_documents_error("validation", list(range(data.logical_shards)), None, data.logical_shards,
-                                     data.min_document_tokens)
+            read = held_out.shards_read(held_out.held_out_rows(self.recipe), data.logical_shards)
+            raise no_documents_error("validation", read, None, data.logical_shards, data.min_document_tokens)
 
     # -- resume ----------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -526,6 +523,8 @@ class Trainer:
             sums[0] += token_cross_entropy_sum(logits, targets).double()
             sums[1] += (targets != IGNORE_INDEX).sum()  # a rank's filler rows count nothing
             del logits  # not held through the next batch's forward
+            if self.watchdog is not None:  # a first validation reads its set too: no step is due meanwhile
+                self.watchdog.beat(self.state.step)
         total, count = all_reduce_mean(sums).tolist()  # the ratio of the means is the ratio of the sums
         loss = total / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
@@ -542,7 +541,7 @@ class Trainer:
                             starts)
             return
         S, B, T = recipe.data.logical_shards, recipe.training.local_batch_size, recipe.training.seq_len
-        rows = self._held_out_rows()
+        rows = held_out.held_out_rows(self.recipe)
         count = held_out.batches_per_rank(rows, S, self.dp_size, B)
         keep = (2 * 4 + 1) * count * B * T <= VALIDATION_CACHE_BYTES and self.tokenizer.vocab_size < 2**31
         kept = []
@@ -621,10 +620,11 @@ class Trainer:
         before it logged one (between the save and the validation after it): computed now, on the weights
         it was due for, and logged once this run has begun (its first step succeeded)."""
         validation, step = self.recipe.validation, self.state.step
-        if not validation.enable or step == 0 or step % validation.freq:
+        if not validation.enable or step == 0 or (step % validation.freq and step != self.recipe.training.steps):
             return None
-        if has_record(os.path.join(self.recipe.job.dump_folder, "metrics.jsonl"), step, "val_loss"):
-            return None  # every rank reads it: the dump folder is on a filesystem they all see
+        logged = has_record(os.path.join(self.recipe.job.dump_folder, "metrics.jsonl"), step, "val_loss")
+        if all_reduce_mean(torch.tensor(float(logged), device=self.runtime.device)).item() > 0:
+            return None  # agreed: a rank that validated alone would wait for the others in its collectives
         with self._memory_fault("validation after step", step):
             return {"step": step, **self.validate()}
 
@@ -652,14 +652,15 @@ class Trainer:
         at the saved step: a run already in its decay jumps back up, which the recipe-change note alone does
         not show. The number moves, not the run: it goes on as the recipe says."""
         now = self._lr_factor()
-        if abs(now - saved) <= 1e-3 * max(now, saved):
-            return
+        if abs(now - saved) <= 1e-3 * max(now, saved) or step >= self.recipe.training.steps:
+            return  # the same rate, or no step to take at it
+        advice = (". To extend a run without raising its learning rate again, resume from a checkpoint before "
+                  "its decay began (checkpoint.load_step; lr_scheduler.decay_steps keeps the rate at its peak until "
+                  "the last decay_steps steps)") if now > saved else ""
         self._say(f"note: the learning rate {'rises' if now > saved else 'falls'} at step {step + 1} from "
                   f"{100 * saved:.3g}% of optimizer.lr, where the schedule of the run that saved step {step} had "
                   f"it, to {100 * now:.3g}%, where this recipe's schedule has it (lr_scheduler and "
-                  f"training.steps). To extend a run without raising its learning rate again, resume from a "
-                  f"checkpoint before its decay began (checkpoint.load_step; lr_scheduler.decay_steps keeps the "
-                  f"rate at its peak until the last decay_steps steps)")
+                  f"training.steps){advice}")
 
     def _say_derived_batch_change(self, record: dict, step: int) -> None:
         """training.global_batch_size = -1 follows the world size: a resume on another number of processes
@@ -730,11 +731,14 @@ class Trainer:
         self.watchdog = Watchdog(fault.step_timeout_seconds, fault.first_step_timeout_seconds, self.stacks_path,
                                  on_timeout_message=lambda stall: f"rank {rank}: {describe_stall(stall)}",
                                  start_step=state.step)
+        missed = self._missed_validation()
         if state.step >= t.steps:
+            if missed is not None:  # the run ended between its last save and the validation after it
+                self._begin()
+                self._log(missed)
             self._say(f"nothing to do: the run already reached training.steps = {t.steps}. Fix: raise "
                       f"--training.steps to train on, or use another --job.dump_folder to start afresh.")
             return
-        missed = self._missed_validation()
         iterator = iter(self.train_loader)
         self.gc = ScheduledGC(t.gc_freq)
         run_start = time.perf_counter()

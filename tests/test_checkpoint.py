@@ -522,9 +522,10 @@ def test_a_finished_run_extended_on_resume_says_its_learning_rate_jumps(tmp_path
     assert cli.main(["train", *argv, "--training.steps=8"]) == 0
     out = capsys.readouterr().out
     lrs = {r["step"]: r["lr"] for r in json_records(tmp_path) if "lr" in r}
-    peak = resolve([*argv, "--training.steps=8"]).recipe.optimizer.lr
-    saved, now = 100 * lrs[4] / peak, 100 * lrs[5] / peak  # step 4's rate under 4 steps, step 5's under 8
-    assert now > 2 * saved
+    recipe = resolve([*argv, "--training.steps=8"]).recipe
+    # Step 5 under the 4-step schedule: past its end, at the floor; under the 8-step one, what step 5 ran at.
+    saved, now = 100 * recipe.lr_scheduler.min_lr_factor, 100 * lrs[5] / recipe.optimizer.lr
+    assert lrs[4] == pytest.approx(recipe.optimizer.lr * saved / 100) and now > 2 * saved
     (note,) = [line for line in out.splitlines() if "the learning rate rises at step 5" in line]
     assert f"from {saved:.3g}% of optimizer.lr" in note and f"to {now:.3g}%" in note and "checkpoint.load_step" in note
     # The same command again (the run at its new end) and a peak changed alone move no share of it: no note.
@@ -545,22 +546,33 @@ def test_a_validation_lost_between_a_save_and_its_logging_is_made_up_on_resume(t
     assert cli.main(["train", *argv, f"--job.dump_folder={tmp_path / 'straight'}"]) == 0
     validate = Trainer.validate
 
-    def killed_at_step_4(self):
-        if self.state.step == 4:
-            raise KeyboardInterrupt  # after step 4's save, as a kill there would be
-        return validate(self)
+    def killed_at(step):
+        def validate_or_stop(self):
+            if self.state.step == step:
+                raise KeyboardInterrupt  # after the step's save, as a kill there would be
+            return validate(self)
+        return validate_or_stop
 
-    monkeypatch.setattr(Trainer, "validate", killed_at_step_4)
+    def validated(folder):
+        return [(r["step"], r["val_loss"]) for r in json_records(folder) if "val_loss" in r]
+
+    monkeypatch.setattr(Trainer, "validate", killed_at(4))
     cut = tmp_path / "cut"
     assert cli.main(["train", *argv, f"--job.dump_folder={cut}"]) == 130
     assert complete_steps(ckpt_dir(cut)) == [2, 4]
     monkeypatch.setattr(Trainer, "validate", validate)
     capsys.readouterr()
     assert cli.main(["train", *argv, f"--job.dump_folder={cut}"]) == 0
-    def validated(folder):
-        return [(r["step"], r["val_loss"]) for r in json_records(folder) if "val_loss" in r]
-
     assert validated(cut) == validated(tmp_path / "straight") and [s for s, _ in validated(cut)] == [2, 4, 6]
+    # Stopped after the last step's save: the same command has no step to take, but logs the validation.
+    monkeypatch.setattr(Trainer, "validate", killed_at(6))
+    end = tmp_path / "end"
+    assert cli.main(["train", *argv, f"--job.dump_folder={end}"]) == 130
+    monkeypatch.setattr(Trainer, "validate", validate)
+    capsys.readouterr()
+    assert cli.main(["train", *argv, f"--job.dump_folder={end}"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert validated(end) == validated(tmp_path / "straight")
     # Logged once: a resume from a step whose validation was logged does not validate it again.
     rewind = [r for r in json_records(cut) if r["step"] <= 4]
     shutil.rmtree(os.path.join(ckpt_dir(cut), "step-6"))

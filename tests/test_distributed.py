@@ -88,6 +88,19 @@ def assert_trains_like(expected: dict, layout: str, folder, *extra: str, rtol: f
         assert got[step] == pytest.approx(expected[step], rel=rtol), (layout, step, got, expected)
 
 
+def test_validation_on_a_rank_whose_shards_hold_no_held_out_document(tmp_path):
+    """One held-out document, in logical shard 0 of 2: FSDP's rank 1 owns shard 1 and runs only filler rows,
+    which count nothing, yet joins every forward's collectives (no hang). The loss is one process's."""
+    flags = ["--data.source=synthetic", "--data.synthetic.validation_documents=1", "--data.logical_shards=2"]
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    proc = train([*COMMON, *flags, f"--job.dump_folder={single}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = train([*COMMON, *flags, *LAYOUTS["fsdp"][1], f"--job.dump_folder={sharded}"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected, got = losses_and_norms(single), losses_and_norms(sharded)
+    assert len(got[STEPS]) == 3 and got[STEPS] == pytest.approx(expected[STEPS], rel=RTOL), (got, expected)
+
+
 @pytest.fixture(scope="module")
 def single_process_muon_losses(tmp_path_factory, single_process_losses):
     out = tmp_path_factory.mktemp("single_muon")

@@ -72,3 +72,17 @@ def test_unpadded_batches_end_with_the_last_row():
     batches = list(held_out.held_out_batches(fake_shards(), 5, 4, 0, 1, 2, T, pad=False))
     assert [b["input"].shape[0] for b in batches] == [2, 2, 1]
     assert (torch.cat([b["target"] for b in batches]) != IGNORE_INDEX).all()
+
+
+def test_the_set_follows_the_global_batch_or_with_minus_one_the_local_batch():
+    """global_batch_size = -1 follows the world size: the set takes one process's local batch instead, so it
+    stays the same at every world size."""
+    from types import SimpleNamespace
+
+    def recipe(global_batch, local_batch):
+        return SimpleNamespace(validation=SimpleNamespace(steps=3),
+                               training=SimpleNamespace(global_batch_size=global_batch, local_batch_size=local_batch))
+
+    assert held_out.held_out_rows(recipe(64, 8)) == held_out.held_out_rows(recipe(64, 2)) == 192
+    assert held_out.held_out_rows(recipe(-1, 8)) == 24
+    assert held_out.shards_read(3, 4) == [0, 1, 2] and held_out.shards_read(8, 4) == [0, 1, 2, 3]

@@ -1,7 +1,7 @@
 """Data: sources, tokenizers, packing and the resumable per-rank sharded loader."""
 
 from components.data.dataset import DataStreamMismatch, NoDocuments, no_documents_error
-from components.data.loader import build_dataloader, stream_id, worker_died
+from components.data.loader import build_dataloader, stream_id
 from components.data.sharding import (
     loader_state_by_logical_shard,
     merge_shard_states,
@@ -11,6 +11,7 @@ from components.data.sources import SOURCES
 from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_source
 from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
                                         document_prefix_id)
+from components.data.workers import worker_died
 
 __all__ = [
     "DataStreamMismatch",

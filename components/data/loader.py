@@ -109,12 +109,6 @@ def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, 
     )
 
 
-def worker_died(exc: BaseException) -> bool:
-    """Whether `exc` is torch's word that a loader worker process died (its SIGCHLD handler raises it in
-    the main thread, wherever that thread is: a step, a save, a validation)."""
-    return isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker (pid")
-
-
 def build_dataloader(
     source,
     tokenizer,

@@ -152,8 +152,9 @@ class FaultConfig:
 class ValidationConfig:
     enable: bool = f(False, "Evaluate on the held-out stream during training.")
     freq: int = f(100, "Validate every this many steps.", ge=1)
-    steps: int = f(10, "Global batches of held-out rows per validation, an equal share from each logical shard: the "
-                       "same rows at every world size, local batch size and worker count.", ge=1)
+    steps: int = f(10, "Batches of training.global_batch_size held-out rows per validation (of local_batch_size rows "
+                       "when the global batch is -1), an equal share from each logical shard: the same rows at every "
+                       "world size, micro-batch size and worker count.", ge=1)
 
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # compile modes that capture CUDA graphs

@@ -135,16 +135,16 @@ def run_command(argv: list[str]) -> int:
     from nsa_titan.runtime import make_runtime
 
     runtime = make_runtime("cpu", "float32")
-    # The run's held-out set (held_out.py) at its global batch: the rows its logged validation loss covers.
+    # The run's held-out set (held_out.py): the rows its logged validation loss covers, or --batches of them.
     t = recipe.training
-    rows = (batches[0] if batches else recipe.validation.steps) * (
-        t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size)
+    rows = held_out_set.held_out_rows(recipe) // recipe.validation.steps * (batches[0] if batches
+                                                                          else recipe.validation.steps)
     try:
         reader = held_out_set.shard_reader(recipe, runtime, assemble.build_source(recipe), tokenizer)
         held_out = list(held_out_set.held_out_batches(reader, rows, recipe.data.logical_shards, 0, 1,
                                                       t.local_batch_size, t.seq_len, pad=False))
         if not held_out:
-            raise no_documents_error("validation", list(range(recipe.data.logical_shards)), None,
+            raise no_documents_error("validation", held_out_set.shards_read(rows, recipe.data.logical_shards), None,
                                      recipe.data.logical_shards, recipe.data.min_document_tokens)
     except UserError as exc:
         if argv[0].endswith(".toml"):

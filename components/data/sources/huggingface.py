@@ -33,6 +33,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from components.data.workers import worker_died
 from components.errors import UserError, first_line
 from components.data.sources.base import order_rng, split_of
 from components.problems import Problem, problem, raise_problems
@@ -85,12 +86,6 @@ class HuggingFaceArgs:
         if self.path in _LOCAL_BUILDERS and not self.data_files:
             problems.append(problem("data_files", None, f"builder {self.path!r} needs data_files",
                                     "list the local files as paths or globs"))
-        # A builder's local pattern that matches nothing: datasets says only StopIteration. (With a Hub dataset
-        # as path, data_files name files of its repository.)
-        for pattern in self.data_files if self.path in _LOCAL_BUILDERS else ():
-            if "://" not in pattern and not glob.glob(os.path.expanduser(pattern), recursive=True):
-                problems.append(problem("data_files", pattern, "matches no file",
-                                        "give paths or globs of existing files (relative to where the run starts)"))
         return problems
 
 
@@ -144,6 +139,8 @@ class HuggingFaceSource:
                     a.path, a.name or None, split=hf_split, streaming=True, data_files=list(a.data_files) or None
                 )
             except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+                if worker_died(e):  # another process's death, raised in this frame: not this load's failure
+                    raise
                 why = first_line(e)
                 if a.path in _LOCAL_BUILDERS:  # local files: no network involved; a list of data_files is one split
                     fix = ("check data_files; a list of files is the one split 'train' (set split = 'train', and "
@@ -201,6 +198,8 @@ class HuggingFaceSource:
         except UserError:
             raise
         except Exception as e:  # network and decoding failures surface here during streaming
+            if worker_died(e):  # another process's death, raised in this frame: not this stream's failure
+                raise
             if (first and resumed and isinstance(e, (KeyError, TypeError, IndexError, AttributeError))
                     and not type(e).__module__.startswith("pyarrow")):  # pyarrow's errors are about the data read
                 # datasets applies a loaded position at the first read: these mean the position does not fit
@@ -223,6 +222,13 @@ class HuggingFaceSource:
 
     def check(self) -> None:
         raise_problems(self._what(), self.args.check())
+        # A builder's local pattern that matches nothing: datasets says only StopIteration. (With a Hub dataset
+        # as path, data_files name files of its repository.)
+        a = self.args
+        for pattern in a.data_files if a.path in _LOCAL_BUILDERS else ():
+            if "://" not in pattern and not glob.glob(os.path.expanduser(pattern), recursive=True):
+                raise UserError(f"{self._what()}: data_files pattern {pattern!r} matches no file. Fix: give paths "
+                                f"or globs of existing files (relative to the directory the run starts in)")
         splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
         for hf_split in splits:
             try:
