@@ -233,8 +233,7 @@ class Checkpointer:
         """What is already at this step's path: a partial save (a crash at this very step) is removed;
         anything else (a file, a folder with other contents) is not this package's to delete, and is
         moved into abandoned-<time>/."""
-        if os.path.isdir(path) and not os.path.islink(path) and all(
-                name in STEP_ENTRIES or PARTIAL_WRITE.match(name) for name in os.listdir(path)):
+        if _holds_only_a_save(path):
             _remove_step(path)
             return
         aside = self._new_aside_folder()
@@ -335,13 +334,21 @@ class Checkpointer:
 
     def abandon_after(self, step: int) -> None:
         """Resuming from an older step starts a new branch of the run: the newer checkpoints move into
-        abandoned-<time>/ (kept, never deleted), so no later resume returns to them."""
-        newer = [s for s in complete_steps(self.folder) + incomplete_steps(self.folder) if s > step]
-        if self.rank == 0 and newer:
-            aside = self._new_aside_folder()
-            for later in sorted(set(newer)):
-                os.replace(self.step_dir(later), os.path.join(aside, f"step-{later}"))
-            self.say(f"resuming from step {step}: moved the newer checkpoints {sorted(set(newer))} to {aside}")
+        abandoned-<time>/ (kept, never deleted), so no later resume returns to them. A newer save that was
+        cut short (no COMPLETE marker, nothing in it but what a save writes) is removed instead: it holds
+        nothing to go back to, and a run preempted in its saves would pile them up."""
+        if self.rank == 0:
+            cut_short = [s for s in incomplete_steps(self.folder) if s > step and _holds_only_a_save(self.step_dir(s))]
+            for later in cut_short:
+                _remove_step(self.step_dir(later))
+            newer = sorted({s for s in complete_steps(self.folder) + incomplete_steps(self.folder) if s > step})
+            if newer:
+                aside = self._new_aside_folder()
+                for later in newer:
+                    os.replace(self.step_dir(later), os.path.join(aside, f"step-{later}"))
+                self.say(f"resuming from step {step}: moved the newer checkpoints {newer} to {aside}")
+            if cut_short:
+                self.say(f"removed the saves of steps {cut_short}, which were cut short before they completed")
         _barrier()
 
     def find_resume_step(self, load_step: int, branch: dict | None = None, quiet: bool = False) -> int | None:
@@ -651,6 +658,12 @@ def _barrier(group=None) -> None:
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer holds state, i.e. has made an update (every step so far may have been skipped)."""
     return any(len(entry) for entry in optimizer.state.values())
+
+
+def _holds_only_a_save(path: str) -> bool:
+    """A step folder holding nothing but what a save writes (its files, or their temporaries cut short)."""
+    return os.path.isdir(path) and not os.path.islink(path) and all(
+        name in STEP_ENTRIES or PARTIAL_WRITE.match(name) for name in os.listdir(path))
 
 
 def _remove_step(step_dir: str) -> None:

@@ -583,13 +583,24 @@ def test_a_validation_lost_between_a_save_and_its_logging_is_made_up_on_resume(t
 
 
 def test_resuming_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys):
+    """Newer complete checkpoints are kept aside; a newer save cut short (a kill in a save) holds nothing to
+    go back to and is removed, unless something else lies in its folder."""
     argv = [*BASE, "--training.steps=4", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv]) == 0
+    for cut, extra in ((6, None), (7, "notes.txt")):
+        shutil.copytree(os.path.join(ckpt_dir(tmp_path), "step-4"), os.path.join(ckpt_dir(tmp_path), f"step-{cut}"))
+        os.remove(os.path.join(ckpt_dir(tmp_path), f"step-{cut}", COMPLETE))
+        if extra:
+            open(os.path.join(ckpt_dir(tmp_path), f"step-{cut}", extra), "w").close()
+    capsys.readouterr()
     assert cli.main(["train", *argv, "--checkpoint.load_step=2"]) == 0
-    assert "moved the newer checkpoints [3, 4]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "moved the newer checkpoints [3, 4, 7]" in out
+    assert "removed the saves of steps [6], which were cut short" in out
     assert complete_steps(ckpt_dir(tmp_path)) == [1, 2, 3, 4]  # 3 and 4 written again by the new branch
     (aside,) = [d for d in os.listdir(ckpt_dir(tmp_path)) if d.startswith("abandoned-")]
-    assert sorted(os.listdir(os.path.join(ckpt_dir(tmp_path), aside))) == ["step-3", "step-4"]
+    assert sorted(os.listdir(os.path.join(ckpt_dir(tmp_path), aside))) == ["step-3", "step-4", "step-7"]
+    assert not os.path.exists(os.path.join(ckpt_dir(tmp_path), "step-6"))
 
 
 @pytest.mark.slow
