@@ -164,7 +164,6 @@ class Trainer:
 
         self.tokenizer = assemble.build_tokenizer(recipe)
         self.source = assemble.build_source(recipe)
-        self._held_out_reader = held_out.shard_reader(recipe, runtime, self.source, self.tokenizer)
         self._build_model()
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)
@@ -286,11 +285,15 @@ class Trainer:
                                      dp_size=self.dp_size, split=split,
                                      batch_size=self.recipe.training.local_batch_size, shard_states=shard_states)
 
+    def _held_out_rows(self):
+        """This rank's share of the held-out set, a row at a time (held_out.py)."""
+        return held_out.rank_rows(self.recipe, self.runtime, self.source, self.tokenizer, self.dp_rank, self.dp_size,
+                                  held_out.held_out_rows(self.recipe))
+
     def _check_validation_data(self) -> None:
         """Fail at start-up, not after validation.freq steps, when the held-out set is empty (every rank
         hears it: one rank's shards may hold no held-out document while another's do)."""
-        mine = held_out.has_rows(self._held_out_reader, held_out.held_out_rows(self.recipe),
-                                 self.recipe.data.logical_shards, self.dp_rank, self.dp_size)
+        mine = next(iter(self._held_out_rows()), None) is not None
         if all_reduce_mean(torch.tensor(float(mine), device=self.runtime.device)).item() == 0:
             data = self.recipe.data
             read = held_out.shards_read(held_out.held_out_rows(self.recipe), data.logical_shards)
@@ -545,7 +548,7 @@ class Trainer:
         count = held_out.batches_per_rank(rows, S, self.dp_size, B)
         keep = (2 * 4 + 1) * count * B * T <= VALIDATION_CACHE_BYTES and self.tokenizer.vocab_size < 2**31
         kept = []
-        iterator = held_out.held_out_batches(self._held_out_reader, rows, S, self.dp_rank, self.dp_size, B, T)
+        iterator = held_out.held_out_batches(self._held_out_rows(), B, T, count)
         for _ in range(count):
             batch = self._next_batch(iterator)
             if keep:

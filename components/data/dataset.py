@@ -44,6 +44,7 @@ class PackedShardsDataset(IterableDataset):
         min_document_tokens: int = 0,
         dp_rank: int,
         shard_states: dict[int, dict] | None = None,
+        quotas: dict[int, int] | None = None,
     ):
         self.source = source
         self.tokenizer = tokenizer
@@ -60,6 +61,8 @@ class PackedShardsDataset(IterableDataset):
         if shard_states is not None:
             self._adopt(shard_states, require_all=True)
         self._packers: dict[int, ShardPacker] | None = None
+        # Windows each shard gives before the stream ends (a fixed set, such as the held-out one); None: endless.
+        self.quotas = quotas
 
     # ----- state ---------------------------------------------------------------------------------
     def _fresh_state(self, shard: int) -> dict:
@@ -145,8 +148,12 @@ class PackedShardsDataset(IterableDataset):
         return self._windows(self._packers)
 
     def _windows(self, packers: dict[int, ShardPacker]):
+        quotas = self.quotas
         while True:
-            live = {s: p.windows for s, p in packers.items() if not p.empty}
+            live = {s: p.windows for s, p in packers.items()
+                    if not p.empty and (quotas is None or p.windows < quotas.get(s, 0))}
+            if not live and quotas is not None:
+                return  # every shard gave its share, or holds no document
             if not live:
                 worker = torch.utils.data.get_worker_info()
                 if worker is not None and worker.num_workers > 1:

@@ -14,9 +14,8 @@ Resuming:
     exactly where it stopped; the interleave rule of components.data.sharding orders them.
 seq_len may change on resume: positions are kept in tokens, not windows.
 
-Validation: the validation stream is as endless as the training one; for the same validation
-batches at every evaluation, build the validation loader afresh each time (or keep its initial
-state_dict() and load it) and take a fixed number of batches.
+Validation: the validation stream is as endless as the training one; a fixed held-out set is a loader
+built with `quotas` (each shard's first windows), which ends once every shard gave its share.
 """
 
 from __future__ import annotations
@@ -83,6 +82,8 @@ class _PlainErrors:
             return next(self._batches)
         except StopIteration:
             data = self._dataset
+            if data.quotas is not None:
+                raise  # a fixed set: its end is the end
             raise no_documents_error(data.split, data.rank_shards, data.dp_rank, data.logical_shards,
                                      data.min_document_tokens) from None
         except UserError as exc:
@@ -127,8 +128,11 @@ def build_dataloader(
     min_document_tokens: int = 0,
     shard_states: dict[int, dict] | None = None,
     check_source: bool = True,
+    quotas: dict[int, int] | None = None,
 ) -> StatefulDataLoader:
-    """The loader of data-parallel rank dp_rank; `shard_states` restarts from per-shard states.
+    """The loader of data-parallel rank dp_rank; `shard_states` restarts from per-shard states. quotas
+    (shard -> windows): each of the rank's shards gives at most that many windows from its stream's start
+    (none for a shard not named), then the loader ends; a shard without documents gives none.
 
     dp_rank / dp_world_size are data-parallel coordinates: ranks that share a model replica's
     batch (tensor or pipeline peers) pass the same dp_rank.
@@ -165,6 +169,7 @@ def build_dataloader(
                             min_document_tokens=min_document_tokens),
         dp_rank=dp_rank,
         shard_states=shard_states,
+        quotas=quotas,
     )
     with warnings.catch_warnings():
         # torchdata 0.11 calls a deprecated torch telemetry hook in its constructor; nothing to act on.

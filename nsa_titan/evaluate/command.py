@@ -140,9 +140,8 @@ def run_command(argv: list[str]) -> int:
     rows = held_out_set.held_out_rows(recipe) // recipe.validation.steps * (batches[0] if batches
                                                                           else recipe.validation.steps)
     try:
-        reader = held_out_set.shard_reader(recipe, runtime, assemble.build_source(recipe), tokenizer)
-        held_out = list(held_out_set.held_out_batches(reader, rows, recipe.data.logical_shards, 0, 1,
-                                                      t.local_batch_size, t.seq_len, pad=False))
+        every_row = held_out_set.rank_rows(recipe, runtime, assemble.build_source(recipe), tokenizer, 0, 1, rows)
+        held_out = list(held_out_set.held_out_batches(every_row, t.local_batch_size, t.seq_len, None))
         if not held_out:
             raise no_documents_error("validation", held_out_set.shards_read(rows, recipe.data.logical_shards), None,
                                      recipe.data.logical_shards, recipe.data.min_document_tokens)
