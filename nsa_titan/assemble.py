@@ -99,15 +99,17 @@ def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer,
 
 
 def build_loader(recipe: Recipe, runtime: Runtime, source, tokenizer, *, dp_rank: int, dp_size: int,
-                 split: str, batch_size: int, shard_states: dict | None = None, quotas: dict[int, int] | None = None):
-    """A loader over a source from build_source (already checked); quotas: a fixed set's windows per shard."""
+                 split: str, batch_size: int, shard_states: dict | None = None, quotas: dict[int, int] | None = None,
+                 num_workers: int | None = None):
+    """A loader over a source from build_source (already checked); quotas: a fixed set's windows per shard;
+    num_workers: data.num_workers unless given."""
     from components.data import build_dataloader
 
     data = recipe.data
     return build_dataloader(source, tokenizer, seq_len=recipe.training.seq_len, batch_size=batch_size,
                             dp_rank=dp_rank, dp_world_size=dp_size, logical_shards=data.logical_shards,
                             split=split, seed=recipe.job.seed,
-                            num_workers=data.num_workers,
+                            num_workers=data.num_workers if num_workers is None else num_workers,
                             prefetch_factor=data.prefetch_factor,
                             pin_memory=data.pin_memory and runtime.device.type == "cuda", add_bos=data.add_bos,
                             min_document_tokens=data.min_document_tokens, shard_states=shard_states,

@@ -338,7 +338,8 @@ class Checkpointer:
         cut short (no COMPLETE marker, nothing in it but what a save writes) is removed instead: it holds
         nothing to go back to, and a run preempted in its saves would pile them up."""
         if self.rank == 0:
-            cut_short = [s for s in incomplete_steps(self.folder) if s > step and _holds_only_a_save(self.step_dir(s))]
+            cut_short = [s for s in incomplete_steps(self.folder) if s > step and _holds_only_a_save(self.step_dir(s))
+                         and not _marker_being_written(self.step_dir(s))]
             for later in cut_short:
                 _remove_step(self.step_dir(later))
             newer = sorted({s for s in complete_steps(self.folder) + incomplete_steps(self.folder) if s > step})
@@ -664,6 +665,12 @@ def _holds_only_a_save(path: str) -> bool:
     """A step folder holding nothing but what a save writes (its files, or their temporaries cut short)."""
     return os.path.isdir(path) and not os.path.islink(path) and all(
         name in STEP_ENTRIES or PARTIAL_WRITE.match(name) for name in os.listdir(path))
+
+
+def _marker_being_written(path: str) -> bool:
+    """A save cut while its COMPLETE marker was being put in place: every file whole, only the rename
+    missing. Not removed with the other cut-short saves (it is kept aside: the checksums are there)."""
+    return any(name.startswith(COMPLETE + ".tmp") for name in os.listdir(path))
 
 
 def _remove_step(step_dir: str) -> None:

@@ -46,14 +46,16 @@ def quotas_of_rank(rows: int, logical_shards: int, dp_rank: int, dp_size: int) -
     return {s: per_shard[s] for s in shards_of_rank(dp_rank, dp_size, logical_shards)}
 
 
-def rank_rows(recipe, runtime, source, tokenizer, dp_rank: int, dp_size: int, rows: int) -> Iterable[dict]:
+def rank_rows(recipe, runtime, source, tokenizer, dp_rank: int, dp_size: int, rows: int,
+              workers: bool = True) -> Iterable[dict]:
     """This rank's share of the set, a row at a time ({"input", "target", "document_starts"} of one row),
-    from a loader of the run's workers that ends with it."""
+    from a loader that ends with it: of the run's workers, or (workers=False: a probe for one row) none."""
     from nsa_titan import assemble
 
     quotas = quotas_of_rank(rows, recipe.data.logical_shards, dp_rank, dp_size)
     return assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=dp_rank, dp_size=dp_size,
-                                 split="validation", batch_size=1, quotas=quotas)
+                                 split="validation", batch_size=1, quotas=quotas,
+                                 num_workers=None if workers else 0)
 
 
 def batches_per_rank(rows: int, logical_shards: int, dp_size: int, batch_size: int) -> int:

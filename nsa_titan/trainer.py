@@ -285,15 +285,16 @@ class Trainer:
                                      dp_size=self.dp_size, split=split,
                                      batch_size=self.recipe.training.local_batch_size, shard_states=shard_states)
 
-    def _held_out_rows(self):
-        """This rank's share of the held-out set, a row at a time (held_out.py)."""
+    def _held_out_rows(self, workers: bool = True):
+        """This rank's share of the held-out set, a row at a time (held_out.py); workers=False: in this
+        process (a probe for one row, which the workers' read-ahead and shutdown would only slow)."""
         return held_out.rank_rows(self.recipe, self.runtime, self.source, self.tokenizer, self.dp_rank, self.dp_size,
-                                  held_out.held_out_rows(self.recipe))
+                                  held_out.held_out_rows(self.recipe), workers)
 
     def _check_validation_data(self) -> None:
         """Fail at start-up, not after validation.freq steps, when the held-out set is empty (every rank
         hears it: one rank's shards may hold no held-out document while another's do)."""
-        mine = next(iter(self._held_out_rows()), None) is not None
+        mine = next(iter(self._held_out_rows(workers=False)), None) is not None
         if all_reduce_mean(torch.tensor(float(mine), device=self.runtime.device)).item() == 0:
             data = self.recipe.data
             read = held_out.shards_read(held_out.held_out_rows(self.recipe), data.logical_shards)

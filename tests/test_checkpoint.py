@@ -587,7 +587,7 @@ def test_resuming_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys):
     go back to and is removed, unless something else lies in its folder."""
     argv = [*BASE, "--training.steps=4", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv]) == 0
-    for cut, extra in ((6, None), (7, "notes.txt")):
+    for cut, extra in ((6, None), (7, "notes.txt"), (8, COMPLETE + ".tmp4242")):  # 8: cut in its marker's rename
         shutil.copytree(os.path.join(ckpt_dir(tmp_path), "step-4"), os.path.join(ckpt_dir(tmp_path), f"step-{cut}"))
         os.remove(os.path.join(ckpt_dir(tmp_path), f"step-{cut}", COMPLETE))
         if extra:
@@ -595,11 +595,11 @@ def test_resuming_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["train", *argv, "--checkpoint.load_step=2"]) == 0
     out = capsys.readouterr().out
-    assert "moved the newer checkpoints [3, 4, 7]" in out
+    assert "moved the newer checkpoints [3, 4, 7, 8]" in out
     assert "removed the saves of steps [6], which were cut short" in out
     assert complete_steps(ckpt_dir(tmp_path)) == [1, 2, 3, 4]  # 3 and 4 written again by the new branch
     (aside,) = [d for d in os.listdir(ckpt_dir(tmp_path)) if d.startswith("abandoned-")]
-    assert sorted(os.listdir(os.path.join(ckpt_dir(tmp_path), aside))) == ["step-3", "step-4", "step-7"]
+    assert sorted(os.listdir(os.path.join(ckpt_dir(tmp_path), aside))) == ["step-3", "step-4", "step-7", "step-8"]
     assert not os.path.exists(os.path.join(ckpt_dir(tmp_path), "step-6"))
 
 

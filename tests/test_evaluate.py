@@ -90,7 +90,9 @@ def checkpointed_run(tmp_path_factory):
 
 
 def held_out_batches(argv, count=2):
-    """The first held-out batches of the run, as eval reads them."""
+    """The first held-out batches of the run's endless held-out stream, read in this process: round robin over
+    the logical shards, so the first validation.steps x local_batch_size rows take an equal share of each
+    shard's first windows (the held-out set of a run whose global batch is its local batch)."""
     from nsa_titan import assemble
     from nsa_titan.config import resolve
     from nsa_titan.runtime import make_runtime
@@ -98,7 +100,7 @@ def held_out_batches(argv, count=2):
     recipe = resolve(argv, world_size=None).recipe
     loader = assemble.build_loader(recipe, make_runtime("cpu", "float32"), assemble.build_source(recipe),
                                    assemble.build_tokenizer(recipe), dp_rank=0, dp_size=1, split="validation",
-                                   batch_size=recipe.training.local_batch_size)
+                                   batch_size=recipe.training.local_batch_size, num_workers=0)
     iterator = iter(loader)
     return [next(iterator) for _ in range(count)]
 

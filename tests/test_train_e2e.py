@@ -65,7 +65,8 @@ def test_loss_falls_on_real_text(tmp_path):
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
 
 
-def test_validation_is_logged(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_validation_is_logged(tmp_path, workers):
     import torch.nn.functional as F
 
     from nsa_titan.rebuild import load_checkpoint_model
@@ -73,7 +74,8 @@ def test_validation_is_logged(tmp_path):
 
     out = tmp_path / "run"
     argv = [DEBUG, *TINY, "--training.steps=2", "--validation.enable=true", "--validation.freq=2",
-            "--validation.steps=2", "--checkpoint.enable=true", f"--job.dump_folder={out}"]
+            "--validation.steps=2", "--checkpoint.enable=true", f"--data.num_workers={workers}",
+            f"--job.dump_folder={out}"]
     assert cli.main(["train", *argv]) == 0
     val = [r for r in read_metrics(out) if "val_loss" in r]
     assert len(val) == 1 and val[0]["step"] == 2

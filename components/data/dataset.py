@@ -2,7 +2,8 @@
 
 It runs inside each DataLoader worker (tokenization happens there) on that worker's shards, and its
 state_dict()/load_state_dict() are what StatefulDataLoader snapshots per worker after every batch.
-The stream never ends: shards restart in a new epoch with a new order when their documents run out.
+The stream never ends: shards restart in a new epoch with a new order when their documents run out
+(unless `quotas` fix a set: each shard's first windows, after which the stream ends).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Batches are {"input": LongTensor[B, seq_len], "target": LongTensor[B, seq_len],
 "document_starts": BoolTensor[B, seq_len]} for every batch size including 1. document_starts marks
 the input tokens that open a document: each row's first token, and every token after an EOS of the
-stream (a document cut by a row end goes on as a document of its own in the next row). The stream is endless: iterate it once and keep the iterator.
+stream (a document cut by a row end goes on as a document of its own in the next row). The stream is
+endless (but for a fixed set, below): iterate it once and keep the iterator.
 
 Resuming:
   - same source, tokenizer, seed, logical_shards, split, world size and num_workers:
@@ -69,7 +70,8 @@ _WORKER_HEADER = "Caught {} in DataLoader worker process"
 class _PlainErrors:
     """The loader's iterator, whose errors read as the user's problem wherever the data was read: a worker
     process's UserError loses torch's traceback wrapper, and an ended stream (the stream is endless, so
-    it ends only when none of the rank's shards holds a document) is a UserError, not a StopIteration."""
+    it ends only when none of the rank's shards holds a document) is a UserError, not a StopIteration;
+    a fixed set's stream (quotas) ends with StopIteration, as an iterator does."""
 
     def __init__(self, batches, dataset: PackedShardsDataset):
         self._batches, self._dataset = batches, dataset
@@ -180,7 +182,8 @@ def build_dataloader(
             num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             pin_memory=bool(pin_memory and torch.cuda.is_available()),
-            persistent_workers=num_workers > 0,
+            # A fixed set is read once: its workers end with it (they would sit idle in forks of this process).
+            persistent_workers=num_workers > 0 and quotas is None,
             snapshot_every_n_steps=1,
             worker_init_fn=_leave_process_group if num_workers > 0 else None,
         )
