@@ -338,16 +338,18 @@ class Checkpointer:
         cut short (no COMPLETE marker, nothing in it but what a save writes) is removed instead: it holds
         nothing to go back to, and a run preempted in its saves would pile them up."""
         if self.rank == 0:
-            cut_short = [s for s in incomplete_steps(self.folder) if s > step and _holds_only_a_save(self.step_dir(s))
+            partial = set(incomplete_steps(self.folder))
+            newer = sorted(s for s in partial.union(complete_steps(self.folder)) if s > step)
+            cut_short = [s for s in newer if s in partial and _holds_only_a_save(self.step_dir(s))
                          and not _marker_being_written(self.step_dir(s))]
             for later in cut_short:
                 _remove_step(self.step_dir(later))
-            newer = sorted({s for s in complete_steps(self.folder) + incomplete_steps(self.folder) if s > step})
-            if newer:
+            kept = [s for s in newer if s not in cut_short]
+            if kept:
                 aside = self._new_aside_folder()
-                for later in newer:
+                for later in kept:
                     os.replace(self.step_dir(later), os.path.join(aside, f"step-{later}"))
-                self.say(f"resuming from step {step}: moved the newer checkpoints {newer} to {aside}")
+                self.say(f"resuming from step {step}: moved the newer checkpoints {kept} to {aside}")
             if cut_short:
                 self.say(f"removed the saves of steps {cut_short}, which were cut short before they completed")
         _barrier()

@@ -31,7 +31,7 @@ from nsa_titan.loss import IGNORE_INDEX, token_cross_entropy_sum
 from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
 from nsa_titan.observe.manifest import MANIFEST_FILE, write_manifest
-from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog, WandbLog, has_record
+from nsa_titan.observe.metrics_log import METRICS_FILE, MetricsLog, TensorBoardLog, WandbLog, has_record
 from nsa_titan.observe.mfu import mfu_percent, peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
@@ -41,7 +41,8 @@ from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
 from nsa_titan.parallel.compile import compile_blocks, compile_counters
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
-from nsa_titan.parallel.distributed import all_reduce_mean, build_mesh, describe_data_parallel, init_process_group
+from nsa_titan.parallel.distributed import (all_reduce_mean, any_rank, build_mesh, describe_data_parallel,
+                                            init_process_group)
 from nsa_titan.parallel.grad_clip import clip_grad_norm
 from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, recipe_change_note,
                                   write_run_recipe)
@@ -295,7 +296,7 @@ class Trainer:
         """Fail at start-up, not after validation.freq steps, when the held-out set is empty (every rank
         hears it: one rank's shards may hold no held-out document while another's do)."""
         mine = next(iter(self._held_out_rows(workers=False)), None) is not None
-        if all_reduce_mean(torch.tensor(float(mine), device=self.runtime.device)).item() == 0:
+        if not any_rank(mine, self.runtime.device):
             data = self.recipe.data
             read = held_out.shards_read(held_out.held_out_rows(self.recipe), data.logical_shards)
             raise no_documents_error("validation", read, None, data.logical_shards, data.min_document_tokens)
@@ -400,7 +401,7 @@ class Trainer:
         if self._records_pending:
             self._write_records()
         dump, start = self.recipe.job.dump_folder, self.state.step
-        self.metrics = MetricsLog(os.path.join(dump, "metrics.jsonl"), start)
+        self.metrics = MetricsLog(os.path.join(dump, METRICS_FILE), start)
         if self.metrics.set_aside:
             self._say(f"metrics.jsonl held steps after {start}, the step this run starts from: they are moved "
                       f"to {self.metrics.set_aside}")
@@ -619,16 +620,21 @@ class Trainer:
             raise TrainingFault(self._out_of_memory_message(what, step, exc), OUT_OF_MEMORY_EXIT,
                                 every_rank=False) from None
 
+    def _validation_due(self, step: int) -> bool:
+        """Whether the run validates after `step`: every validation.freq steps and at its last step."""
+        validation = self.recipe.validation
+        return validation.enable and (step % validation.freq == 0 or step == self.recipe.training.steps)
+
     def _missed_validation(self) -> dict | None:
         """The validation due at the step this run resumes from, when the run that saved that step stopped
         before it logged one (between the save and the validation after it): computed now, on the weights
         it was due for, and logged once this run has begun (its first step succeeded)."""
-        validation, step = self.recipe.validation, self.state.step
-        if not validation.enable or step == 0 or (step % validation.freq and step != self.recipe.training.steps):
+        step = self.state.step
+        if step == 0 or not self._validation_due(step):
             return None
-        logged = has_record(os.path.join(self.recipe.job.dump_folder, "metrics.jsonl"), step, "val_loss")
-        if all_reduce_mean(torch.tensor(float(logged), device=self.runtime.device)).item() > 0:
-            return None  # agreed: a rank that validated alone would wait for the others in its collectives
+        logged = has_record(os.path.join(self.recipe.job.dump_folder, METRICS_FILE), step, "val_loss")
+        if any_rank(logged, self.runtime.device):  # agreed: a rank that validated alone would wait for the others
+            return None
         with self._memory_fault("validation after step", step):
             return {"step": step, **self.validate()}
 
@@ -823,7 +829,7 @@ class Trainer:
                                            wait=stopping or state.step == t.steps)
                     self.watchdog.beat(state.step)
             # After the save: a validation that runs out of memory must not cost the step's checkpoint.
-            if recipe.validation.enable and (state.step % recipe.validation.freq == 0 or state.step == t.steps):
+            if self._validation_due(state.step):
                 with self._memory_fault("validation after step", state.step):
                     self._log({"step": state.step, **self.validate()})
                 self.watchdog.beat(state.step)

@@ -14,6 +14,9 @@ from components.errors import UserError
 from nsa_titan.run_folder import create_new
 
 
+METRICS_FILE = "metrics.jsonl"  # in the dump folder
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN or Infinity

@@ -72,6 +72,12 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank: every rank gets the same answer, so all take the same branch
+    (one that went into a collective alone would wait there)."""
+    return all_reduce_mean(torch.tensor(float(flag), device=device)).item() > 0
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
