@@ -18,7 +18,7 @@ import torch
 from components.errors import UserError
 from components.sequence_shard import SequenceShard
 
-from components.data import no_documents_error, worker_died
+from components.data import no_documents_error, signal_that_ended, worker_died
 from nsa_titan import assemble, held_out, registry
 from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
 from nsa_titan.config import ResolvedRecipe
@@ -638,19 +638,20 @@ class Trainer:
         with self._memory_fault("validation after step", step):
             return {"step": step, **self.validate()}
 
-    def _worker_lost_message(self, text: str) -> str:
-        """A data loader worker process that died (torch says how: 'DataLoader worker (pid N) is killed by
-        signal: Killed.'): what it cost and the way on, not the loader's traceback. The loader's place may
-        be past the step the model reached, so nothing is saved: the last checkpoint is this run's way on."""
-        how = " ".join(text.split())
-        killed = "Killed" in text
-        why = ("; a SIGKILL, most often the host's out-of-memory killer" if killed else "")
+    def _worker_lost_message(self, text: str, ended_by: str | None) -> str:
+        """A data loader worker process that died (`ended_by`: the signal that ended it, if one did): what it
+        cost and the way on, not the loader's traceback. The loader's place may be past the step the model
+        reached, so nothing is saved: the last checkpoint is this run's way on."""
+        how = " ".join(text.split()).rstrip(".")
+        killed = ended_by == "SIGKILL"
+        if ended_by is not None:
+            how += f"; ended by {ended_by}" + (", most often the host's out-of-memory killer" if killed else "")
         fix = ("lower data.num_workers or data.prefetch_factor (each worker holds its own read-ahead), or give "
                "the job more host memory" if killed else
                "the worker's own error, if it printed one, is above; data.num_workers = 0 reads in the training "
                "process")
-        return (f"rank {self.runtime.rank}: a data loader worker died after step {self.state.step} "
-                f"({how.rstrip('.')}{why}); {self._way_on()}. Fix: {fix}.")
+        return (f"rank {self.runtime.rank}: a data loader worker died after step {self.state.step} ({how}); "
+                f"{self._way_on()}. Fix: {fix}.")
 
     def _lr_factor(self) -> float:
         """The learning rate the optimizer steps at next, as a share of its peak (optimizer.lr)."""
@@ -723,8 +724,9 @@ class Trainer:
         except RuntimeError as exc:
             if not worker_died(exc):
                 raise
-            raise TrainingFault(self._worker_lost_message(str(exc)), OUT_OF_MEMORY_EXIT if "Killed" in str(exc)
-                                else 1, every_rank=False) from None
+            ended_by = signal_that_ended(exc, self.train_loader)
+            raise TrainingFault(self._worker_lost_message(str(exc), ended_by),
+                                OUT_OF_MEMORY_EXIT if ended_by == "SIGKILL" else 1, every_rank=False) from None
 
     def _train(self) -> None:
         recipe, t, state, fault = self.recipe, self.recipe.training, self.state, self.recipe.fault

@@ -11,7 +11,7 @@ from components.data.sources import SOURCES
 from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_source
 from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
                                         document_prefix_id)
-from components.data.workers import worker_died
+from components.data.workers import signal_that_ended, worker_died
 
 __all__ = [
     "DataStreamMismatch",
@@ -30,6 +30,7 @@ __all__ = [
     "merge_shard_states",
     "no_documents_error",
     "shards_of_rank",
+    "signal_that_ended",
     "stream_id",
     "worker_died",
 ]
