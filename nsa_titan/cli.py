@@ -44,8 +44,15 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def say_error_line(line: str) -> None:
+    """`line` to stderr in one write: print's two (the text, then its newline) let another rank's line,
+    on the pipe they share, land between them."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _fail(message: str) -> int:
-    print(message, file=sys.stderr, flush=True)
+    say_error_line(message)
     return INPUT_ERROR
 
 
@@ -96,7 +103,7 @@ def train(argv: list[str]) -> int:
     except TrainingFault as fault:
         if not fault.every_rank and runtime.world_size > 1:  # only this rank failed
             _end_this_rank(str(fault), fault.exit_code)
-        print(f"error: {fault}", file=sys.stderr, flush=True)
+        say_error_line(f"error: {fault}")
         barrier()  # every rank stopped here together
         return fault.exit_code
     except UserError as exc:
@@ -121,7 +128,7 @@ def _end_this_rank(message: str, code: int) -> None:
     """One rank of several stops alone: the others may wait in a collective that will never complete, and
     tearing the process group down (NCCL) would wait with them. Say why and end here; the launcher stops
     the rest."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    say_error_line(f"error: {message}")
     sys.stdout.flush()
     os._exit(code)
 

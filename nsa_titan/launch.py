@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from nsa_titan.cli import say_error_line
     from nsa_titan.parallel.distributed import PEER_LOST_EXIT_CODE
 
     # Its log line for a failed rank ("failed (exitcode: 2) local_rank: 1 ...") says what the line below says;
@@ -39,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             how = (f"rank {rank} failed first (signal {_signal_name(-code)}); a signal leaves no message: look for "
                    "the system's out-of-memory killer or a scheduler that ended it")
-        print(f"error: the run stopped: {how}.", file=sys.stderr, flush=True)
+        say_error_line(f"error: the run stopped: {how}.")
         return code if code > 0 else 1
     except SignalException as stopped:  # the launcher itself was told to stop (a second Ctrl-C, a scheduler)
-        print(f"error: the launcher was stopped by signal {_signal_name(stopped.sigval)}; the ranks were ended.",
-              file=sys.stderr, flush=True)
+        say_error_line(f"error: the launcher was stopped by signal {_signal_name(stopped.sigval)}; the ranks "
+                       "were ended.")
         return 128 + int(stopped.sigval)
     return 0
 

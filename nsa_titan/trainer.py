@@ -98,6 +98,7 @@ class Trainer:
         self.runtime = runtime
         self.gc: ScheduledGC | None = None  # from run() on
         self.folder_lock: RunFolderLock | None = None  # the main process's, from start-up on
+        self.stop: GracefulStop | None = None  # SIGINT/SIGTERM/HALT, from set-up on
         self._made_folder = False  # the main process made the run folder (a refused start removes it)
         t, dump = recipe.training, recipe.job.dump_folder
         if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":  # training.device = auto: known now
@@ -147,8 +148,10 @@ class Trainer:
                 self._write_records()
         try:
             self._set_up(records_pending)
-        except UserError:
-            self._remove_made_folder()
+        except BaseException as exc:
+            self._undo_handlers()  # a process that goes on (a caller of cli.main) keeps its own handlers
+            if isinstance(exc, UserError):
+                self._remove_made_folder()
             raise
 
     def _set_up(self, records_pending: bool) -> None:
@@ -222,6 +225,12 @@ class Trainer:
         self.watchdog: Watchdog | None = None
         self._probe: Batch | None = None  # two fixed rows for attention telemetry
         self._validation_cache: list | None = None  # the validation batches once read (see validate)
+
+    def _undo_handlers(self) -> None:
+        """The signal handlers the set-up installed, put back as they were."""
+        uninstall_sigusr1()
+        if self.stop is not None:
+            self.stop.restore()
 
     def _remove_made_folder(self) -> None:
         """A start refused for bad input (weights of another model, say) leaves no run folder behind where this
@@ -884,8 +893,7 @@ class Trainer:
         self.profiler.close()
         if self.watchdog is not None:
             self.watchdog.stop()
-        uninstall_sigusr1()
-        self.stop.restore()
+        self._undo_handlers()
         for sink in (self.metrics, self.tensorboard, self.wandb):
             if sink is not None:
                 sink.close()

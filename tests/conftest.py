@@ -22,6 +22,24 @@ def _seed_everything():
     yield
 
 
+_HANDLED = ("SIGINT", "SIGTERM", "SIGUSR1")
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_left_as_found():
+    """A trainer run in this process (cli.main) installs SIGINT/SIGTERM/SIGUSR1 handlers; one left behind,
+    by a start that failed say, would swallow the Ctrl-C or the CI time limit meant for the suite."""
+    import signal
+
+    before = {name: signal.getsignal(getattr(signal, name)) for name in _HANDLED}
+    yield
+    after = {name: signal.getsignal(getattr(signal, name)) for name in _HANDLED}
+    left = [name for name in _HANDLED if after[name] is not before[name]]
+    for name in left:
+        signal.signal(getattr(signal, name), before[name])
+    assert not left, f"the test left its own handler for {', '.join(left)}"
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny ops on a shared 2-core machine: a second thread only adds synchronisation (and, when the

@@ -59,3 +59,23 @@ def test_sigusr1_dumps_and_continues(tmp_path):
     text = dump.read_text()
     assert text.count("waiting_for_signal") == 2 and text.count("side_worker") == 2  # all threads, both times
     assert err.count("waiting_for_signal") == 2 and "(SIGUSR1)" in err
+
+
+def test_a_dump_file_nothing_was_written_to_is_removed(tmp_path):
+    """A run that never got SIGUSR1 leaves no empty stacks file (it read as a dump that failed); a file
+    holding a dump, and a folder holding another rank's file, stay."""
+    from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
+
+    before = signal.getsignal(signal.SIGUSR1)
+    folder = tmp_path / "stacks"
+    install_sigusr1(str(folder / "rank-0.txt"))
+    uninstall_sigusr1()
+    assert not folder.exists() and signal.getsignal(signal.SIGUSR1) == before
+    folder.mkdir()
+    (folder / "rank-1.txt").write_text("Thread 0x1 (most recent call first):\n")
+    install_sigusr1(str(folder / "rank-0.txt"))
+    uninstall_sigusr1()
+    assert sorted(p.name for p in folder.iterdir()) == ["rank-1.txt"]
+    install_sigusr1(str(folder / "rank-1.txt"))  # its earlier dump is appended to, and kept
+    uninstall_sigusr1()
+    assert (folder / "rank-1.txt").read_text().startswith("Thread 0x1")

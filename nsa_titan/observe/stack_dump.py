@@ -48,10 +48,19 @@ def install_sigusr1(dump_path: str) -> None:
 
 
 def uninstall_sigusr1() -> None:
-    """Restore the SIGUSR1 handling from before install_sigusr1 and close the dump file."""
+    """Restore the SIGUSR1 handling from before install_sigusr1 and close the dump file; a file no dump
+    was written to is removed (with its folder, if that is left empty), so an empty one never reads as a
+    dump that failed."""
     if not _installed:
         return
     faulthandler.unregister(signal.SIGUSR1)
     signal.signal(signal.SIGUSR1, _installed["previous"])
     _installed["file"].close()
+    path = _installed["path"]
     _installed.clear()
+    try:
+        if os.path.getsize(path) == 0:
+            os.remove(path)
+            os.rmdir(os.path.dirname(os.path.abspath(path)))  # refused while another rank's file is there
+    except OSError:
+        pass

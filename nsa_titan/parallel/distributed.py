@@ -85,9 +85,12 @@ def barrier() -> None:
 
 # What a collective raises on a rank whose peer has exited (gloo's sockets close; NCCL reports the remote
 # process gone or its communicator aborted): the symptom of another rank's failure, which that rank
-# reports itself. A backend's name must come with it: a download's "Connection reset by peer" is not this.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
-              "remote process exiting", "ncclRemoteError")
+# reports itself. gloo words it by which of its threads meets the closed socket first: a read ("Connection
+# closed by peer", "Connection reset by peer"), a write after the reset ("writev ...: Broken pipe"), or a
+# socket already torn down ("Socket closed"). A backend's name must come with it: a download's "Connection
+# reset by peer" is not this.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+              "communicator was aborted", "remote process exiting", "ncclRemoteError")
 _BACKENDS = ("gloo", "NCCL", "nccl", "ProcessGroup")
 # The exit code of a rank that stopped only because it lost a peer: the launcher looks past it for the cause.
 PEER_LOST_EXIT_CODE = 5  # beside 2 (bad input), 3 (NaN stop), 4 (out of memory), 124 (hang)
