@@ -52,10 +52,13 @@ def train(args: list[str], nproc: int = 1, timeout: float | None = None, **popen
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def start_training(args: list[str], folder, nproc: int = 1, timeout: float = 180, command: list[str] | None = None,
-                   extra_env: dict | None = None, **popen) -> subprocess.Popen:
-    """Launch a run in the background and return once its first step is logged in folder/metrics.jsonl.
+def start_training(args: list[str], folder, nproc: int = 1, timeout: float | None = None,
+                   command: list[str] | None = None, extra_env: dict | None = None, **popen) -> subprocess.Popen:
+    """Launch a run in the background and return once its first step is logged in folder/metrics.jsonl
+    (within `timeout` s: by default 300, 600 for several ranks or a `command` such as run_train.sh, which
+    checks the environment and starts several processes before the first step).
     `command` replaces the usual `python -m nsa_titan.cli train` (or torchrun) prefix of args."""
+    timeout = timeout if timeout is not None else (300 if nproc == 1 and command is None else 600)
     argv = [*command, *args] if command else train_command(args, nproc)
     popen.setdefault("start_new_session", True)  # so that finish() can stop every process it starts
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

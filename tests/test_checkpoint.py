@@ -389,11 +389,19 @@ def test_sigterm_and_kill_lose_nothing_beyond_the_last_checkpoint(tmp_path):
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     """The first Ctrl-C is answered at once (a long step would leave the user guessing); a second one ends
     the run without saving, in one line and exit 130, not a KeyboardInterrupt traceback."""
-    folder = tmp_path / "run"
+    from tests.plugins.slow_steps import HOLD_ENV
+
+    folder, hold = tmp_path / "run", str(tmp_path / "hold")
     cmd = [sys.executable, "-m", "nsa_titan.cli", "train", *BASE, "--training.steps=100", "--checkpoint.interval=2",
            f"--job.dump_folder={folder}", "--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env(), HOLD_ENV: hold})
     _wait_for(lambda: complete_steps(ckpt_dir(folder)), proc)
+    # The run waits inside its next step, so both Ctrl-Cs land there however slowly this test is scheduled:
+    # the first would otherwise let the run save and end before the second.
+    open(hold, "w").close()
+    _wait_for(lambda: os.path.exists(hold + ".held"), proc)
+    saved = complete_steps(ckpt_dir(folder))
     proc.send_signal(signal.SIGINT)
     said = []
     for line in proc.stderr:  # the answer to the first, then the second (two at once may arrive as one)
@@ -409,6 +417,7 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     assert "error: train interrupted at once: nothing was saved since the last complete checkpoint, which a rerun " \
            "resumes (if checkpoints are on)." in err
     assert "Traceback" not in err and err.count("error:") == 1 and err.count("SIGINT: ") == 1, err
+    assert complete_steps(ckpt_dir(folder)) == saved
 
 
 def _wait_for(condition, proc, timeout=240):

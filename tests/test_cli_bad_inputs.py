@@ -45,13 +45,14 @@ def test_sample_of_a_recipe_says_export_first(capsys):
 
 
 def test_run_train_sh_passes_other_commands_their_arguments_as_given(tmp_path):
-    """Only train defaults to the debug recipe: sample, eval and plot get no recipe slipped in front."""
+    """Only train defaults to the debug recipe: sample, eval and plot get no recipe slipped in front. (Each
+    call first checks the environment, importing every package: the time limits only catch a hang.)"""
     script = os.path.join(REPO_ROOT, "run_train.sh")
-    done = subprocess.run([script, "sample"], capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=120)
+    done = subprocess.run([script, "sample"], capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=600)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "sample takes one exported model file" in done.stderr and "debug.toml" not in done.stderr
     done = subprocess.run([script, "eval", "--out", str(tmp_path / "eval"), "missing.pt"], capture_output=True,
-                          text=True, env=env(), cwd=REPO_ROOT, timeout=120)
+                          text=True, env=env(), cwd=REPO_ROOT, timeout=600)
     assert done.returncode == 2 and "cannot read exported model 'missing.pt'" in done.stderr, done.stderr[-2000:]
 
 

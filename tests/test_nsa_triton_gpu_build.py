@@ -38,9 +38,13 @@ def test_kernels_compile_for_hopper_and_ampere_within_shared_memory(tmp_path):
         cmd = [sys.executable, "-m", "bench.kernel_resources", *args, "--json", str(tmp_path / f"{name}.json")]
         procs[name] = subprocess.Popen(cmd, cwd=REPO_ROOT, env=child_env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)
+    try:
+        outputs = {name: proc.communicate(timeout=900) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():  # one left compiling would take the cores of every later test
+            proc.kill()
     for name, proc in procs.items():
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{name} ({RUNS[name][1]}):\n{err[-6000:]}"
+        assert proc.returncode == 0, f"{name} ({RUNS[name][1]}):\n{outputs[name][1][-6000:]}"
         report = json.loads((tmp_path / f"{name}.json").read_text())
         assert report["failures"] == []
         configs = {(r["target"], r["dtype"], r["head_dim"]) for r in report["rows"]}

@@ -12,7 +12,6 @@ import torch
 
 from nsa_titan.observe.nan_guard import NanGuard, nonfinite_flag
 from tests.conftest import REPO_ROOT
-from tests.launch import free_port
 
 GOOD, NAN, INF = 1.5, float("nan"), float("inf")
 
@@ -60,7 +59,7 @@ def test_negative_limit_is_rejected():
 RANK = """
 import json, os, sys, torch, torch.distributed as dist
 from nsa_titan.observe.nan_guard import NanGuard
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=int(os.environ["RANK"]), world_size=2)
 rank = dist.get_rank()
 guard = NanGuard(1)
 nan = float("nan")
@@ -75,12 +74,11 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_ranks_agree():
-    port = free_port()
+def test_ranks_agree(tmp_path):
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    for rank in range(2):  # they meet through a file, not a port that could be taken between picking and binding
+        env = dict(os.environ, RANK=str(rank), INIT=f"file://{tmp_path / 'rendezvous'}", PYTHONPATH=REPO_ROOT,
+                   OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", RANK], env=env, cwd=REPO_ROOT, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []

@@ -124,7 +124,7 @@ def test_planted_hang_dumps_stacks_and_exits(tmp_path):
     out = tmp_path / "run"
     proc = train([*BASE, "--training.steps=50", "--job.plugins=tests.plugins.hang", "--data.source=hang_after",
                   "--data.hang_after.after_batches=2", "--data.hang_after.batch_size=2",
-                  "--data.hang_after.seq_len=64", "--fault.step_timeout_seconds=8",
+                  "--data.hang_after.seq_len=64", "--fault.step_timeout_seconds=20",
                   f"--job.dump_folder={out}"], timeout=240)
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
     assert "fault.step_timeout_seconds" in proc.stderr and "after step 2" in proc.stderr

@@ -45,17 +45,17 @@ def _child(tmp_path, step_timeout, first_timeout, steps, stop=False, stuck_for=3
 
 
 def test_stuck_step_dumps_stacks_and_exits(tmp_path):
-    # 2 s between beats 0.05 s apart: only the planted stall outlasts it, even on a loaded machine
-    proc, dump, elapsed = _child(tmp_path, step_timeout=2.0, first_timeout=5.0, steps=3)
+    # 6 s between beats 0.05 s apart: only the planted stall outlasts it, even on a loaded machine
+    proc, dump, elapsed = _child(tmp_path, step_timeout=6.0, first_timeout=10.0, steps=3)
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr
     assert "stuck now" in proc.stdout and "finished" not in proc.stdout
-    assert 2.0 < elapsed < 30
+    assert 6.0 < elapsed < 30
     text = dump.read_text()
     assert "stuck_in_data_loader" in text  # the main thread's stack, where it is stuck
     assert "nsa_titan/observe/watchdog.py" in text  # and the watchdog thread's own
     assert "stuck_in_data_loader" in proc.stderr
     message = proc.stderr.strip().splitlines()[-1]
-    assert "after step 13" in message and "fault.step_timeout_seconds = 2)" in message
+    assert "after step 13" in message and "fault.step_timeout_seconds = 6)" in message
     assert str(dump) in message and f"code {HANG_EXIT_CODE}" in message
 
 
@@ -73,7 +73,7 @@ def test_first_step_has_its_own_limit(tmp_path):
 def test_zero_disables_and_stop_ends_the_watch(tmp_path):
     proc, dump, _ = _child(tmp_path, step_timeout=0.0, first_timeout=0.0, steps=2, stuck_for=1.0)
     assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr
-    proc, dump, _ = _child(tmp_path, step_timeout=2.0, first_timeout=2.0, steps=2, stop=True, stuck_for=3.0)
+    proc, dump, _ = _child(tmp_path, step_timeout=6.0, first_timeout=6.0, steps=2, stop=True, stuck_for=7.0)
     assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr
     assert not dump.exists()
 
@@ -81,7 +81,7 @@ def test_zero_disables_and_stop_ends_the_watch(tmp_path):
 def test_steady_beats_never_fire(tmp_path, monkeypatch):
     fired = []  # in this process firing would end the test run: record it instead
     monkeypatch.setattr(Watchdog, "_fire", lambda self, stall: fired.append(stall))
-    watchdog = Watchdog(2.0, 2.0, str(tmp_path / "never.txt"), poll_s=0.02)
+    watchdog = Watchdog(10.0, 10.0, str(tmp_path / "never.txt"), poll_s=0.02)
     assert watchdog.enabled
     for step in range(1, 15):  # 0.7 s in all, each gap far below the limit
         time.sleep(0.05)
