@@ -47,8 +47,10 @@ def _usage() -> str:
 def say_error_line(line: str) -> None:
     """`line` to stderr in one write: print's two (the text, then its newline) let another rank's line,
     on the pipe they share, land between them."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    stream = sys.stderr or sys.__stderr__
+    if stream is not None:
+        stream.write(line + "\n")
+        stream.flush()
 
 
 def _fail(message: str) -> int:

@@ -396,28 +396,32 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
            f"--job.dump_folder={folder}", "--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env(), HOLD_ENV: hold})
-    _wait_for(lambda: complete_steps(ckpt_dir(folder)), proc)
-    # The run waits inside its next step, so both Ctrl-Cs land there however slowly this test is scheduled:
-    # the first would otherwise let the run save and end before the second.
-    open(hold, "w").close()
-    _wait_for(lambda: os.path.exists(hold + ".held"), proc)
-    saved = complete_steps(ckpt_dir(folder))
-    proc.send_signal(signal.SIGINT)
-    said = []
-    for line in proc.stderr:  # the answer to the first, then the second (two at once may arrive as one)
-        said.append(line)
-        if line.startswith("SIGINT: "):
-            break
-    assert said[-1] == "SIGINT: stopping after the current step, with a checkpoint; Ctrl-C again stops at once " \
-                       "without saving.\n", "".join(said)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    err = "".join(said) + err
-    assert proc.returncode == 130, err
-    assert "error: train interrupted at once: nothing was saved since the last complete checkpoint, which a rerun " \
-           "resumes (if checkpoints are on)." in err
-    assert "Traceback" not in err and err.count("error:") == 1 and err.count("SIGINT: ") == 1, err
-    assert complete_steps(ckpt_dir(folder)) == saved
+    try:
+        _wait_for(lambda: complete_steps(ckpt_dir(folder)), proc)
+        # The run waits inside its next step, so both Ctrl-Cs land there however slowly this test is scheduled:
+        # the first would otherwise let the run save and end before the second.
+        open(hold, "w").close()
+        _wait_for(lambda: os.path.exists(hold + ".held"), proc)
+        saved = complete_steps(ckpt_dir(folder))
+        proc.send_signal(signal.SIGINT)
+        said = []
+        for line in proc.stderr:  # the answer to the first, then the second (two at once may arrive as one)
+            said.append(line)
+            if line.startswith("SIGINT: "):
+                break
+        assert said[-1] == "SIGINT: stopping after the current step, with a checkpoint; Ctrl-C again stops at once " \
+                           "without saving.\n", "".join(said)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        err = "".join(said) + err
+        assert proc.returncode == 130, err
+        assert "error: train interrupted at once: nothing was saved since the last complete checkpoint, which a " \
+               "rerun resumes (if checkpoints are on)." in err
+        assert "Traceback" not in err and err.count("error:") == 1 and err.count("SIGINT: ") == 1, err
+        assert complete_steps(ckpt_dir(folder)) == saved
+    finally:
+        if proc.poll() is None:  # failed while held: a run left sleeping would outlive the test
+            proc.kill()
 
 
 def _wait_for(condition, proc, timeout=240):

@@ -155,15 +155,19 @@ def test_the_full_scan_finds_a_cut_last_line_and_a_broken_row_group(tmp_path):
     assert "(1,000 documents, " in TextFilesSource(TextFilesArgs(paths=[str(broken)])).scan()
 
 
-class _ExitsInWorker(torch.utils.data.Dataset):
-    """Item 1 ends its worker process with exit code 3, as a native library's own exit would."""
+class _EndsInWorker(torch.utils.data.Dataset):
+    """Item 1 ends its worker process: with exit code 3, as a native library's own exit would, or by SIGKILL,
+    as the host's out-of-memory killer would."""
+
+    def __init__(self, killed: bool):
+        self.killed = killed
 
     def __len__(self):
         return 4
 
     def __getitem__(self, i):
         if i == 1:
-            os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL) if self.killed else os._exit(3)
         return i
 
 
@@ -201,9 +205,13 @@ def test_the_signal_that_ended_a_worker_is_known_however_torch_words_its_death()
                              None) == "SIGKILL"  # no loader to ask: torch's words
     assert signal_that_ended(RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly"), None) is None
 
-    exits = StatefulDataLoader(_ExitsInWorker(), batch_size=None, num_workers=1)
+    exits = StatefulDataLoader(_EndsInWorker(killed=False), batch_size=None, num_workers=1)
     exc = _death_of_a_worker(exits, kill=False)
     assert worker_died(exc) and signal_that_ended(exc, exits) is None, exc
+    # A loader the caller does not hold (validation's own): the iterator whose check raised is in the traceback.
+    killed = StatefulDataLoader(_EndsInWorker(killed=True), batch_size=None, num_workers=1)
+    exc = _death_of_a_worker(killed, kill=False)
+    assert worker_died(exc) and signal_that_ended(exc) == "SIGKILL", exc
 
 
 def test_a_killed_loader_worker_ends_the_run_with_one_message_and_the_way_on(tmp_path):

@@ -15,17 +15,32 @@ def worker_died(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and _DIED.match(str(exc)) is not None
 
 
-def signal_that_ended(exc: BaseException, loader: object) -> str | None:
+def signal_that_ended(exc: BaseException, loader: object = None) -> str | None:
     """The signal ('SIGKILL') that ended a dead worker `exc` names, or None if it exited by itself or is not
     known. torch words the same death two ways, by whichever of its checks sees it first: its SIGCHLD handler
     says 'is killed by signal: Killed.', its check after a queue timeout says only 'exited unexpectedly'. The
-    worker's exit code says it either way, while the loader's iterator still holds the worker."""
+    worker's exit code says it either way, while a loader's iterator still holds the worker: `loader`'s, or
+    the one whose check raised `exc` (a validation's loader, say), found in the traceback."""
     match = _DIED.match(str(exc))
     if match is None:
         return None
     pids = {int(p) for p in match.group(1).replace(",", " ").split()}
-    for worker in getattr(getattr(loader, "_iterator", None), "_workers", None) or ():
+    for worker in _workers_near(exc, loader):
         code = worker.exitcode if getattr(worker, "pid", None) in pids else None
         if code is not None and code < 0:
-            return signal.Signals(-code).name
+            try:
+                return signal.Signals(-code).name
+            except ValueError:  # a real-time signal has no name
+                return f"signal {-code}"
     return "SIGKILL" if "killed by signal: Killed" in str(exc) else None
+
+
+def _workers_near(exc: BaseException, loader: object):
+    """The worker processes of `loader`'s iterator and of any loader iterator among the frames `exc` passed."""
+    iterators = [getattr(loader, "_iterator", None)]
+    tb = exc.__traceback__
+    while tb is not None:
+        iterators.append(tb.tb_frame.f_locals.get("self"))
+        tb = tb.tb_next
+    for it in iterators:
+        yield from getattr(it, "_workers", None) or ()
