@@ -205,6 +205,9 @@ class Trainer:
         if recipe.validation.enable:
             self._check_validation_data()
         self._abandon_after: int | None = None  # a resume from an older step: set its newer steps aside
+        # Seconds the launches before this one took to reach the resumed step (its checkpoint's elapsed_s):
+        # a run's elapsed_s counts on across resumes, not from 0 at each.
+        self._elapsed_before = 0.0
         self._restore()
         # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
         # replaced) waits for this run's first step to succeed (_begin): a start that fails, at start-up or
@@ -329,6 +332,7 @@ class Trainer:
             self.state.extra["branch"] = branch if step == ckpt.load_step else record.get("branch")
             if "nan_guard" in record:  # absent from checkpoints written before the guard's counts were kept
                 self.nan_guard.load_state_dict(record["nan_guard"])
+            self._elapsed_before = float(record.get("elapsed_s", 0.0))  # absent from older checkpoints
             self._abandon_after = step
             self.train_loader = self.state.dataloader
             saved_factor = self._lr_factor()  # the saved run's schedule, for the step after the one it saved
@@ -816,7 +820,7 @@ class Trainer:
                     "tokens_seen": state.tokens_seen,
                     "step_time_s": now - step_start - profiled_s,
                     "data_wait_s": data_wait,
-                    "elapsed_s": now - run_start,
+                    "elapsed_s": self._elapsed_before + now - run_start,
                     "eta_s": pace * (t.steps - state.step),
                     "skipped_steps": self.nan_guard.total_bad,
                 }
@@ -836,6 +840,7 @@ class Trainer:
             if self.checkpointer is not None and recipe.checkpoint.enable:
                 if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
                     state.extra["nan_guard"] = self.nan_guard.state_dict()
+                    state.extra["elapsed_s"] = self._elapsed_before + time.perf_counter() - run_start
                     self.checkpointer.save(state, data_layout=self._data_layout(),
                                            wait=stopping or state.step == t.steps)
                     self.watchdog.beat(state.step)

@@ -284,6 +284,23 @@ def test_a_users_own_recipe_in_the_dump_folder_is_never_replaced(tmp_path, capsy
     assert (run / "recipe.toml").read_text().startswith("# resolved recipe, hash ")
 
 
+def test_elapsed_time_counts_on_across_a_resume(tmp_path):
+    """elapsed_s is the training time that led to a step, summed over the launches that reached it: a resume
+    goes on from its checkpoint's, not from 0."""
+    import json
+
+    run = [DEBUG, *TINY, "--checkpoint.enable=true", "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *run, "--training.steps=2"]) == 0
+    saved = json.loads((tmp_path / "checkpoint" / "step-2" / "train_state.json").read_text())["elapsed_s"]
+    assert saved >= read_metrics(tmp_path)[-1]["elapsed_s"] > 0  # saved after step 2 was logged
+    assert cli.main(["train", *run, "--training.steps=4"]) == 0
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    # This launch's own time to step 3 is at least that step's time; the launch before it adds its own.
+    assert records[2]["elapsed_s"] >= saved + records[2]["step_time_s"], records
+    assert records[3]["elapsed_s"] > records[2]["elapsed_s"]
+
+
 def test_a_resume_with_a_changed_recipe_names_each_change(tmp_path, capsys):
     """Fields changed on resume are applied (a new window, more steps): the run names each one, old and new,
     so that no change passes unseen; the same recipe resumes without the note."""
