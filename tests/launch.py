@@ -67,7 +67,7 @@ def start_training(args: list[str], folder, nproc: int = 1, timeout: float | Non
     deadline = time.time() + timeout
     while not (os.path.exists(path) and os.path.getsize(path) > 0):
         if proc.poll() is not None or time.time() > deadline:
-            _stop_all(proc)
+            stop_all(proc)
             raise AssertionError(f"training never started:\n{proc.communicate()[1][-3000:]}")
         time.sleep(0.2)
     return proc
@@ -80,12 +80,13 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _stop_all(proc)
+        stop_all(proc)
         raise AssertionError(f"the run was still going after {timeout} s; stopped:\n"
                              f"{proc.communicate()[1][-3000:]}") from None
 
 
-def _stop_all(proc: subprocess.Popen) -> None:
+def stop_all(proc: subprocess.Popen) -> None:
+    """Kill a process started with start_new_session and every process it started (none left: nothing)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # its session: torchrun, the ranks and their loader workers
     except ProcessLookupError:

@@ -166,8 +166,10 @@ class _EndsInWorker(torch.utils.data.Dataset):
         return 4
 
     def __getitem__(self, i):
+        if i == 1 and self.killed:
+            os.kill(os.getpid(), signal.SIGKILL)
         if i == 1:
-            os.kill(os.getpid(), signal.SIGKILL) if self.killed else os._exit(3)
+            os._exit(3)
         return i
 
 
@@ -180,7 +182,10 @@ def _death_of_a_worker(loader, kill: bool) -> RuntimeError:
         if kill:
             os.kill(loader._iterator._workers[0].pid, signal.SIGKILL)
         for _ in range(200):
-            next(it) if not kill else time.sleep(0.05)  # torch's SIGCHLD handler raises in here
+            if kill:
+                time.sleep(0.05)  # torch's SIGCHLD handler raises in here
+            else:
+                next(it)
     except RuntimeError as exc:
         return exc
     raise AssertionError("the worker's death was never reported")

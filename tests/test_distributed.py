@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses_and_norms, start_training,
-                          train)
+                          stop_all, train)
 
 pytestmark = pytest.mark.slow
 
@@ -137,8 +137,7 @@ def test_two_node_launch_on_loopback(tmp_path, single_process_losses):
             proc.wait(timeout=600)
     finally:
         for proc in procs:  # a node left running would take the cores of every later test
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_all(proc)
     outputs = [log.read_text() for log in logs]
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-4000:]
@@ -187,7 +186,7 @@ def test_killed_rank_makes_the_other_exit(tmp_path):
     try:
         _, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop_all(proc)
         pytest.fail("the surviving rank hung after its peer was killed")
     assert proc.returncode == 1
     said = [line for line in err.splitlines() if line.startswith("error: ")]
