@@ -39,7 +39,7 @@ from nsa_titan.observe.telemetry_log import telemetry_line, telemetry_records
 from nsa_titan.observe.step_profiler import StepProfiler
 from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
-from nsa_titan.parallel.compile import compile_blocks, compile_counters
+from nsa_titan.parallel.compile import compile_blocks, compile_counters, graph_break_message
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import (all_reduce_mean, any_rank, build_mesh, describe_data_parallel,
                                             init_process_group)
@@ -731,10 +731,14 @@ class Trainer:
     def run(self) -> None:
         """Train to training.steps (or a stop request). A loader worker's death reaches this process as a
         RuntimeError wherever it happens to be (torch's SIGCHLD handler raises it): a step, a save, a
-        validation; it ends the run as one message."""
+        validation; it ends the run as one message. So does a graph break under compile.fullgraph = true,
+        which Dynamo raises from a block's first call."""
         try:
             self._train()
         except RuntimeError as exc:
+            graph_break = graph_break_message(exc)
+            if graph_break is not None:
+                raise UserError(graph_break) from None
             if not worker_died(exc):
                 raise
             ended_by = signal_that_ended(exc, self.train_loader)

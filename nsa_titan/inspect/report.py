@@ -80,7 +80,8 @@ def render(result: InspectResult, recipe_label: str) -> str:
         f"fullgraph = {str(result.fullgraph_in_recipe).lower()}); activation checkpointing "
         f"{result.activation_checkpoint}; {result.device}, {result.dtype}",
         "  inspected with fullgraph = false so that every break is listed"
-        + ("; with fullgraph = true training stops at the first one" if result.fullgraph_in_recipe else ""),
+        + ("; with fullgraph = true training stops at the first one Dynamo cannot capture whole (it may capture "
+           "some, such as a tensor read into Python, in one graph)" if result.fullgraph_in_recipe else ""),
         "steps (forward + backward):",
     ]
     for n, step in enumerate(result.steps, 1):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 from torch import nn
@@ -20,8 +21,31 @@ def compile_blocks(blocks: Sequence[nn.Module], *, fullgraph: bool, backend, mod
 
 def compile_counters() -> dict[str, int]:
     """Graphs Dynamo has captured in this process so far, and the graph breaks it met. Logged with
-    each step: a count that grows after the first step is a recompile (a new shape, a failed guard)."""
+    each step: a count that grows after the first step is a recompile (a new shape, a failed guard).
+    Dynamo files some breaks (a branch on a tensor's value) under "unimplemented" rather than
+    "graph_break": both count, as does a frame it could not trace at all."""
     from torch._dynamo.utils import counters
 
-    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+    breaks = sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": int(breaks)}
+
+
+def graph_break_message(exc: BaseException) -> str | None:
+    """One message for Dynamo's refusal of a graph break under compile.fullgraph = true (it raises
+    `Unsupported` from the first call of the block), naming the reason and the innermost user line;
+    None for any other error."""
+    dynamo_errors = sys.modules.get("torch._dynamo.exc")
+    if dynamo_errors is None or not isinstance(exc, dynamo_errors.Unsupported):
+        return None
+    lines = [line.strip() for line in str(exc).strip().splitlines()]
+    reason = lines[0] if lines else type(exc).__name__
+    hint = next((line for line in lines if line.startswith("Hint:")), "")
+    stack = getattr(exc, "real_stack", None) or []
+    where = ""
+    if stack:
+        frame = stack[-1]
+        where = f" at {frame.filename}:{frame.lineno}" + (f" `{frame.line.strip()}`" if frame.line else "")
+    return (f"a compiled block has a graph break{where}: {reason}" + (f" ({hint})" if hint else "")
+            + ". compile.fullgraph = true requires one graph per block. Fix: remove the break (`nsa-titan inspect "
+              "RECIPE` lists every one with its line), or set compile.fullgraph = false to train with it (each break "
+              "splits the block's graph), or compile.enable = false")

@@ -1,10 +1,13 @@
-"""A recipe plugin registering transformers the engine must handle with care: two that torch.compile
+"""A recipe plugin registering transformers the engine must handle with care: three that torch.compile
 cannot compile whole, one without hooks, one whose telemetry cannot split sequences.
 
 `breaking_transformer`: each block reads a tensor value into Python (`float(...)`, a host sync)
-between attention and the feed-forward, which Dynamo cannot trace: every block compiles as two
-graphs with a break between them. `eager_transformer`: each block opts out of compilation, so
-compiling it changes nothing. `nsa-titan inspect` must report both, with reasons and source lines.
+between attention and the feed-forward: with fullgraph = false every block compiles as two graphs
+with a break between them (with fullgraph = true, Dynamo may capture the read in one graph).
+`branching_transformer`: each block branches on a tensor's value, which Dynamo cannot trace in any
+mode: a break with fullgraph = false, an error with fullgraph = true. `eager_transformer`: each block
+opts out of compilation, so compiling it changes nothing. `nsa-titan inspect` must report all three,
+with reasons and source lines.
 """
 
 from __future__ import annotations
@@ -31,6 +34,22 @@ class BreakingTransformer(Transformer):
             self.init_weights()
 
 
+class BranchingBlock(TransformerBlock):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        if x.detach().abs().amax() > 1e4:  # the deliberate data-dependent branch
+            x = x.clamp(-1e4, 1e4)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class BranchingTransformer(Transformer):
+    def __init__(self, args: TransformerArgs, vocab_size: int):
+        super().__init__(args, vocab_size)
+        self.layers = nn.ModuleList(BranchingBlock(args) for _ in range(args.n_layers))
+        if not self.norm.weight.is_meta:
+            self.init_weights()
+
+
 class EagerBlock(TransformerBlock):
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -49,6 +68,10 @@ def build_breaking_transformer(args: TransformerArgs, vocab_size: int) -> Breaki
     return BreakingTransformer(args, vocab_size)
 
 
+def build_branching_transformer(args: TransformerArgs, vocab_size: int) -> BranchingTransformer:
+    return BranchingTransformer(args, vocab_size)
+
+
 def build_eager_transformer(args: TransformerArgs, vocab_size: int) -> EagerTransformer:
     return EagerTransformer(args, vocab_size)
 
@@ -56,6 +79,9 @@ def build_eager_transformer(args: TransformerArgs, vocab_size: int) -> EagerTran
 # The plugin is imported again whenever a recipe naming it is resolved (e.g. once per test).
 register("model", "breaking_transformer", build_breaking_transformer, args=TransformerArgs,
          doc="transformer whose blocks read a tensor into Python (a graph break)", replace=True,
+         **transformer_hooks())
+register("model", "branching_transformer", build_branching_transformer, args=TransformerArgs,
+         doc="transformer whose blocks branch on a tensor's value (a graph break even under fullgraph)", replace=True,
          **transformer_hooks())
 register("model", "eager_transformer", build_eager_transformer, args=TransformerArgs,
          doc="transformer whose blocks opt out of torch.compile", replace=True, **transformer_hooks())
