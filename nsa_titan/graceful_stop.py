@@ -1,15 +1,31 @@
 """Graceful stop: SIGTERM, SIGINT or a halt file ends the run after the current step, with a checkpoint.
 
 Preemption is normal on clusters: the scheduler's SIGTERM should cost nothing but a short save.
-A second SIGINT stops at once, for a user who really means it.
+A second SIGINT stops at once, for a user who really means it. A rank whose launcher dies (torchrun
+killed with SIGKILL cannot end its ranks) gets a SIGTERM from the kernel and stops the same way,
+rather than train on as an orphan holding the run folder.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 
 HALT_FILE = "HALT"
+LAUNCHER_ENDED = "its launcher ended"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _signal_on_parent_death(signum: int) -> bool:
+    """Ask Linux to send `signum` to this process when its parent ends (0: no longer); False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 class GracefulStop:
@@ -26,12 +42,21 @@ class GracefulStop:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread: no handlers to install
                 pass
+        # A rank of a launch (torchrun's agent is its parent) ends with its launcher.
+        self._launcher: int | None = None
+        launched = world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+        if launched and signal.SIGTERM in self._previous and _signal_on_parent_death(signal.SIGTERM):
+            self._launcher = os.getppid()
+            if self._launcher == 1:  # adopted by init: the launcher ended before the request took effect
+                self.reason = LAUNCHER_ENDED
 
     def _on_signal(self, signum, frame) -> None:
         if self.reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         first = self.reason is None
         self.reason = signal.Signals(signum).name
+        if signum == signal.SIGTERM and self._launcher is not None and os.getppid() != self._launcher:
+            self.reason = LAUNCHER_ENDED
         if first and (signum == signal.SIGINT or self.say_sigterm):
             # Said at once: a step can be long, and a user who hears nothing presses again. os.write, not
             # print: the handler may run while the main code is inside a print to stderr.
@@ -64,3 +89,6 @@ class GracefulStop:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._launcher is not None:  # no SIGTERM without a handler to answer it
+            _signal_on_parent_death(0)
+            self._launcher = None

@@ -243,6 +243,23 @@ def test_sigterm_to_the_launcher_saves_even_with_loader_workers(tmp_path):
     assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))
 
 
+def test_ranks_whose_launcher_is_killed_stop_with_a_save(tmp_path):
+    """torchrun killed with SIGKILL cannot end its ranks: each gets a SIGTERM from the kernel instead (its parent
+    died), so they stop together after a step with a checkpoint rather than train on as orphans."""
+    proc = start_training([*COMMON, "--training.steps=100000", "--checkpoint.enable=true",
+                           "--checkpoint.interval=100000", "--validation.freq=100000",
+                           "--parallelism.data_parallel_shard_degree=2", f"--job.dump_folder={tmp_path}"],
+                          tmp_path, nproc=2)
+    try:
+        proc.kill()  # the launcher alone: torchrun started each rank in a session of its own
+        out, err = proc.communicate(timeout=120)  # the pipes close when the last rank exits
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", f"job.dump_folder={tmp_path}"], check=False)  # orphans left
+    stopped = re.search(r"stopping after step (\d+) \(its launcher ended\); the checkpoint above resumes it", out)
+    assert stopped, (out[-2000:], err[-3000:])
+    assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))
+
+
 def test_run_train_sh_turns_a_stop_signal_into_a_clean_stop_of_every_rank(tmp_path):
     """SIGTERM to run_train.sh (a scheduler's preemption, Ctrl-C) halts all ranks after a step and a
     save, and the whole launch exits 0: torchrun never sees the signal, so it kills nobody."""
