@@ -7,12 +7,19 @@ import os
 import sys
 import warnings
 
-from components.errors import UserError
-from components.problems import suggest
-from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
-                                       take_option)
-from nsa_titan.config import RecipeError, resolve
-from nsa_titan.full_disk import full_disk_message, space_error
+try:
+    from components.errors import UserError
+    from components.problems import suggest
+    from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
+                                           take_option)
+    from nsa_titan.config import RecipeError, resolve
+    from nsa_titan.full_disk import full_disk_message, space_error
+except KeyboardInterrupt:
+    if __name__ != "__main__":  # imported by a program (or the console script, which says so itself)
+        raise
+    from nsa_titan import say_interrupted_while_starting
+
+    sys.exit(say_interrupted_while_starting())
 
 COMMANDS = {
     "train": "train from a recipe: nsa-titan train RECIPE.toml [--section.field=VALUE ...]",

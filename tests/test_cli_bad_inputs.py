@@ -398,3 +398,22 @@ def test_commands_reading_a_run_say_when_its_folder_is_not_the_extended_recipes(
     assert "error: no complete checkpoint in ./outputs/my_exp/checkpoint" in err and "Traceback" not in err, err
     assert "note: this run is 'my_exp' in './outputs/my_exp', not the run of the recipe it extends (job.name = " \
            "'base' in base.toml, job.dump_folder = 'runs/base' in base.toml)" in err
+
+
+@pytest.mark.parametrize("module", ["nsa_titan.cli", "nsa_titan"])
+def test_ctrl_c_while_the_command_line_starts_is_one_line(tmp_path, module):
+    """A Ctrl-C 0.5 s after the start lands while the modules import (torch alone takes seconds): one error
+    line and the shell's SIGINT code, not the import's traceback (a later one is one line as well)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", module, "train", DEBUG, *TINY, f"--job.dump_folder={tmp_path}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO_ROOT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err

@@ -1,0 +1,20 @@
+"""`nsa-titan` (the console script) and `python -m nsa_titan`: the command line, started so that a Ctrl-C
+while its modules import ends in one line rather than a traceback."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    try:
+        from nsa_titan import cli
+    except KeyboardInterrupt:
+        from nsa_titan import say_interrupted_while_starting
+
+        return say_interrupted_while_starting()
+    return cli.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
