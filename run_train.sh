@@ -98,23 +98,33 @@ fi
 # finishes its step, saves and exits 0, however long the save takes, and torchrun exits 0 with
 # them (nsa_titan.launch is torchrun ending a failure with one line and the failed rank's exit code).
 # torchrun runs in its own session so that the request reaches this script alone (torchrun
-# itself would kill its workers 30 s after a signal). A second request stops torchrun at once.
+# itself would kill its workers 30 s after a signal). A second request ends every process at once,
+# saving nothing, as a second Ctrl-C does to one process.
 own_session=()
 command -v setsid >/dev/null 2>&1 && own_session=(setsid)  # without it, a group signal reaches torchrun too
 ${own_session[@]+"${own_session[@]}"} "$py" -m nsa_titan.launch "${launcher[@]}" --nproc_per_node="$NGPU" \
   -m nsa_titan.cli train "$@" &
 child=$!
 stopping=0
-request_stop() {
+stopped_by=""
+request_stop() {  # SIGNAL_NUMBER
   if [ "$stopping" -eq 0 ]; then
     stopping=1
     mkdir -p "$dump" && : > "$dump/HALT"
     echo "run_train.sh: stop requested; every rank stops after its current step and saves. Again to stop now." >&2
-  else
-    kill -TERM "$child" 2>/dev/null || true
+  elif [ -z "$stopped_by" ]; then
+    stopped_by=$1
+    # torchrun starts each rank in a session of its own (with its loader workers): those groups, then torchrun.
+    # (A rank whose launcher is gone would otherwise stop with a save, which this request refuses to wait for.)
+    for rank in $(pgrep -P "$child" 2>/dev/null); do
+      kill -KILL -- "-$rank" 2>/dev/null || kill -KILL "$rank" 2>/dev/null || true
+    done
+    kill -KILL "$child" 2>/dev/null || true
   fi
 }
-trap request_stop TERM INT HUP
+trap 'request_stop 15' TERM
+trap 'request_stop 2' INT
+trap 'request_stop 1' HUP
 while :; do
   rc=0
   wait "$child" || rc=$?
@@ -122,4 +132,8 @@ while :; do
 done
 # A halt the run never read (it had already ended) must not stop the next run.
 [ "$stopping" -eq 0 ] || rm -f "$dump/HALT"
+if [ -n "$stopped_by" ]; then
+  echo "error: train interrupted at once: nothing was saved since the last complete checkpoint, which a rerun resumes (if checkpoints are on)." >&2
+  exit $((128 + stopped_by))
+fi
 exit "$rc"

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -241,6 +242,44 @@ def test_sigterm_to_the_launcher_saves_even_with_loader_workers(tmp_path):
     stopped = re.search(r"stopping after step (\d+) \(SIGTERM\)", out)
     assert stopped, (out[-2000:], err[-3000:])
     assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))
+
+
+def test_a_second_stop_signal_to_run_train_sh_ends_every_process_at_once(tmp_path):
+    """The second request ends the ranks (and their loader workers) and torchrun at once without a save: one
+    line, exit 128 + the signal, no process left behind and no halt file to stop the next run."""
+    from tests.plugins.slow_steps import HOLD_ENV
+
+    hold = str(tmp_path / "hold")
+    proc = start_training([*COMMON, "--training.steps=100000", "--checkpoint.enable=true",
+                           "--checkpoint.interval=100000", "--data.num_workers=1", "--validation.freq=100000",
+                           "--parallelism.data_parallel_shard_degree=2", "--job.plugins=tests.plugins.slow_steps",
+                           "--optimizer.name=slow_adamw", f"--job.dump_folder={tmp_path}"], tmp_path,
+                          command=[os.path.join(REPO_ROOT, "run_train.sh")], extra_env={"NGPU": "2", HOLD_ENV: hold})
+    try:
+        open(hold, "w").close()  # the ranks wait inside a step: the halt file cannot end the run before the second
+        deadline = time.time() + 120
+        while not os.path.exists(hold + ".held") and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        said = []
+        for line in proc.stderr:
+            said.append(line)
+            if line.startswith("run_train.sh: stop requested"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        err = "".join(said) + err
+        left = subprocess.run(["pgrep", "-f", f"job.dump_folder={tmp_path}"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", f"job.dump_folder={tmp_path}"], check=False)  # orphans left
+        if os.path.exists(hold):
+            os.remove(hold)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.count("error:") == 1 and "error: train interrupted at once: nothing was saved" in err, err[-3000:]
+    assert left == "", left
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoint")) or not any(
+        os.path.isfile(os.path.join(tmp_path, "checkpoint", d, "COMPLETE")) for d in os.listdir(tmp_path / "checkpoint"))
+    assert not os.path.exists(os.path.join(tmp_path, "HALT"))
 
 
 def test_ranks_whose_launcher_is_killed_stop_with_a_save(tmp_path):
