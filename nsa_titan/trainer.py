@@ -841,18 +841,24 @@ class Trainer:
             if self._stop_agreed and self.runtime.is_main:
                 self.stop.consume_halt_file()
             stopping = self._stop_agreed and state.step < t.steps
-            if self.checkpointer is not None and recipe.checkpoint.enable:
-                if state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping:
-                    state.extra["nan_guard"] = self.nan_guard.state_dict()
-                    state.extra["elapsed_s"] = self._elapsed_before + time.perf_counter() - run_start
-                    self.checkpointer.save(state, data_layout=self._data_layout(),
-                                           wait=stopping or state.step == t.steps)
-                    self.watchdog.beat(state.step)
+            saving = self.checkpointer is not None and recipe.checkpoint.enable
+            saved = saving and (state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping)
+            if saved:
+                self._save(run_start, wait=stopping or state.step == t.steps)
             # After the save: a validation that runs out of memory must not cost the step's checkpoint.
-            if self._validation_due(state.step):
+            validated = self._validation_due(state.step)
+            if validated:
                 with self._memory_fault("validation after step", state.step):
                     self._log({"step": state.step, **self.validate()})
                 self.watchdog.beat(state.step)
+            if (saved or validated) and not stopping and state.step < t.steps and self._stop_asked_meanwhile():
+                # A preemption's SIGTERM often lands in a save, which can take minutes: this step is the last
+                # one, rather than one more step and one more save eating into the grace period.
+                stopping = True
+                if saved:  # a background save completes before the stop line names it
+                    self.checkpointer.finish_pending()
+                elif saving:
+                    self._save(run_start, wait=True)
             if recipe.metrics.telemetry_freq and state.step % recipe.metrics.telemetry_freq == 0:
                 records = self.telemetry()
                 self._say(telemetry_line(state.step, records))
@@ -867,6 +873,23 @@ class Trainer:
                 break
         if self.checkpointer is not None:
             self.checkpointer.finish_pending()
+
+    def _save(self, run_start: float, wait: bool) -> None:
+        state = self.state
+        state.extra["nan_guard"] = self.nan_guard.state_dict()
+        state.extra["elapsed_s"] = self._elapsed_before + time.perf_counter() - run_start
+        self.checkpointer.save(state, data_layout=self._data_layout(), wait=wait)
+        self.watchdog.beat(state.step)
+
+    def _stop_asked_meanwhile(self) -> bool:
+        """Whether any rank was asked to stop after this step's agreement (during its save or validation):
+        one more small collective, at steps that save or validate only. A halt file is then handled."""
+        if not self.stop.agree(any_rank(self.stop.local_request(), self.runtime.device)):
+            return False
+        self._stop_agreed = True
+        if self.runtime.is_main:
+            self.stop.consume_halt_file()
+        return True
 
     # -- helpers ---------------------------------------------------------------------------------
     def _write_records(self) -> None:

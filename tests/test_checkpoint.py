@@ -386,6 +386,35 @@ def test_sigterm_and_kill_lose_nothing_beyond_the_last_checkpoint(tmp_path):
     assert max(losses(folder)) == 30
 
 
+@pytest.mark.parametrize("during", ["save", "validation"])
+def test_a_stop_asked_during_a_save_or_validation_ends_at_that_step(tmp_path, capsys, monkeypatch, during):
+    """A SIGTERM that lands in step 4's save (or its validation, a step that does not save) stops the run at
+    step 4, saved, instead of after one more step and one more save."""
+    from nsa_titan.checkpoint import Checkpointer
+    from nsa_titan.trainer import Trainer
+
+    owner, name = (Checkpointer, "save") if during == "save" else (Trainer, "validate")
+    real = getattr(owner, name)
+
+    def signalled(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        step = args[0].step if during == "save" else self.state.step
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's graceful stop answers it at once: it sets a flag
+        return result
+
+    monkeypatch.setattr(owner, name, signalled)
+    folder = tmp_path / "run"
+    interval = "2" if during == "save" else "3"
+    assert cli.main(["train", *BASE, "--training.steps=10", f"--checkpoint.interval={interval}",
+                     "--validation.enable=true", "--validation.freq=2", "--validation.steps=1",
+                     f"--job.dump_folder={folder}"]) == 0
+    out = capsys.readouterr().out
+    assert "stopping after step 4 (SIGTERM); the checkpoint above resumes it" in out, out
+    assert complete_steps(ckpt_dir(folder)) == ([2, 4] if during == "save" else [3, 4])
+    assert max(losses(folder)) == 4
+
+
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     """The first Ctrl-C is answered at once (a long step would leave the user guessing); a second one ends
     the run without saving, in one line and exit 130, not a KeyboardInterrupt traceback."""
