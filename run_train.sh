@@ -125,6 +125,10 @@ request_stop() {  # SIGNAL_NUMBER
 trap 'request_stop 15' TERM
 trap 'request_stop 2' INT
 trap 'request_stop 1' HUP
+forward_to_ranks() {  # SIGNAL: `kill -USR1` of this script dumps every rank's stacks (its default would end it)
+  for rank in $(pgrep -P "$child" 2>/dev/null); do kill "-$1" "$rank" 2>/dev/null || true; done
+}
+trap 'forward_to_ranks USR1' USR1
 while :; do
   rc=0
   wait "$child" || rc=$?

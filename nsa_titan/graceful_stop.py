@@ -1,4 +1,4 @@
-"""Graceful stop: SIGTERM, SIGINT or a halt file ends the run after the current step, with a checkpoint.
+"""Graceful stop: SIGTERM, SIGINT, SIGHUP or a halt file ends the run after the current step, with a checkpoint.
 
 Preemption is normal on clusters: the scheduler's SIGTERM should cost nothing but a short save.
 A second SIGINT stops at once, for a user who really means it. A rank whose launcher dies (torchrun
@@ -37,8 +37,12 @@ class GracefulStop:
         self.say_sigterm = world_size == 1
         self.reason: str | None = None
         self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP: the terminal or ssh session that started the run closed (with several processes,
+        # run_train.sh turns it into the halt file; a single process meets it here).
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             try:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # started under nohup: a hang-up is meant to leave the run going
                 self._previous[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread: no handlers to install
                 pass

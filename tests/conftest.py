@@ -22,7 +22,7 @@ def _seed_everything():
     yield
 
 
-_HANDLED = ("SIGINT", "SIGTERM", "SIGUSR1")
+_HANDLED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1")
 
 
 @pytest.fixture(autouse=True)

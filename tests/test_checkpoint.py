@@ -386,10 +386,8 @@ def test_sigterm_and_kill_lose_nothing_beyond_the_last_checkpoint(tmp_path):
     assert max(losses(folder)) == 30
 
 
-@pytest.mark.parametrize("during", ["save", "validation"])
-def test_a_stop_asked_during_a_save_or_validation_ends_at_that_step(tmp_path, capsys, monkeypatch, during):
-    """A SIGTERM that lands in step 4's save (or its validation, a step that does not save) stops the run at
-    step 4, saved, instead of after one more step and one more save."""
+def _signal_after(monkeypatch, during: str, step: int, signum: int) -> None:
+    """Send this process `signum` right after step `step`'s save (or validation)."""
     from nsa_titan.checkpoint import Checkpointer
     from nsa_titan.trainer import Trainer
 
@@ -398,21 +396,43 @@ def test_a_stop_asked_during_a_save_or_validation_ends_at_that_step(tmp_path, ca
 
     def signalled(self, *args, **kwargs):
         result = real(self, *args, **kwargs)
-        step = args[0].step if during == "save" else self.state.step
-        if step == 4:
-            os.kill(os.getpid(), signal.SIGTERM)  # the run's graceful stop answers it at once: it sets a flag
+        if (args[0].step if during == "save" else self.state.step) == step:
+            os.kill(os.getpid(), signum)  # the run's graceful stop answers it at once: it sets a flag
         return result
 
     monkeypatch.setattr(owner, name, signalled)
+
+
+@pytest.mark.parametrize("during, signum", [("save", signal.SIGTERM), ("validation", signal.SIGTERM),
+                                            ("save", signal.SIGHUP)])
+def test_a_stop_asked_during_a_save_or_validation_ends_at_that_step(tmp_path, capsys, monkeypatch, during, signum):
+    """A SIGTERM that lands in step 4's save (or its validation, a step that does not save) stops the run at
+    step 4, saved, instead of after one more step and one more save. A hang-up (the terminal closed) is a stop
+    request too."""
+    _signal_after(monkeypatch, during, 4, signum)
     folder = tmp_path / "run"
     interval = "2" if during == "save" else "3"
     assert cli.main(["train", *BASE, "--training.steps=10", f"--checkpoint.interval={interval}",
                      "--validation.enable=true", "--validation.freq=2", "--validation.steps=1",
                      f"--job.dump_folder={folder}"]) == 0
     out = capsys.readouterr().out
-    assert "stopping after step 4 (SIGTERM); the checkpoint above resumes it" in out, out
+    assert f"stopping after step 4 ({signal.Signals(signum).name}); the checkpoint above resumes it" in out, out
     assert complete_steps(ckpt_dir(folder)) == ([2, 4] if during == "save" else [3, 4])
     assert max(losses(folder)) == 4
+
+
+def test_a_hang_up_under_nohup_leaves_the_run_going(tmp_path, capsys, monkeypatch):
+    """nohup starts a program with SIGHUP ignored so that it outlives the terminal: the run keeps that."""
+    _signal_after(monkeypatch, "save", 2, signal.SIGHUP)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert cli.main(["train", *BASE, "--training.steps=4", "--checkpoint.interval=2",
+                         f"--job.dump_folder={tmp_path}"]) == 0
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert "stopping" not in capsys.readouterr().out
+    assert max(losses(tmp_path)) == 4 and complete_steps(ckpt_dir(tmp_path)) == [2, 4]
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):

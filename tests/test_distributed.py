@@ -244,6 +244,30 @@ def test_sigterm_to_the_launcher_saves_even_with_loader_workers(tmp_path):
     assert os.path.isfile(os.path.join(tmp_path, "checkpoint", f"step-{stopped.group(1)}", "COMPLETE"))
 
 
+def test_sigusr1_to_run_train_sh_dumps_every_ranks_stacks_and_the_run_goes_on(tmp_path):
+    proc = start_training([*COMMON, "--training.steps=100000", "--parallelism.data_parallel_shard_degree=2",
+                           f"--job.dump_folder={tmp_path}"], tmp_path,
+                          command=[os.path.join(REPO_ROOT, "run_train.sh")], extra_env={"NGPU": "2"})
+    stacks = [os.path.join(tmp_path, "stacks", f"rank-{rank}.txt") for rank in (0, 1)]
+    try:
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.time() + 120
+        while not all(os.path.exists(p) and "end of SIGUSR1 stack dump" in _text(p) for p in stacks):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        open(os.path.join(tmp_path, "HALT"), "w").close()  # the launch is still in run_train.sh's hands
+        out, err = finish(proc, timeout=180)
+    finally:
+        stop_all(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopping after step" in out and "trainer.py" in _text(stacks[1])
+
+
+def _text(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return fh.read()
+
+
 def test_a_second_stop_signal_to_run_train_sh_ends_every_process_at_once(tmp_path):
     """The second request ends the ranks (and their loader workers) and torchrun at once without a save: one
     line, exit 128 + the signal, no process left behind and no halt file to stop the next run."""
