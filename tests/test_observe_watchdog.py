@@ -96,3 +96,9 @@ def test_message_names_step_and_field():
                                 field="fault.step_timeout_seconds", dump_path="/run/stacks/rank-2.txt"))
     assert "after step 41" in text and "905 s" in text and "raise fault.step_timeout_seconds" in text
     assert "/run/stacks/rank-2.txt" in text
+
+
+def test_a_short_limits_wait_is_not_rounded_to_zero():
+    text = describe_stall(Stall(step=3, start_step=0, waited_s=0.23, limit_s=0.2,
+                                field="fault.step_timeout_seconds", dump_path="/run/stacks/rank-0.txt"))
+    assert "no training step completed for 0.2 s after step 3 (fault.step_timeout_seconds = 0.2)" in text
