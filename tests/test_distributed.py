@@ -301,8 +301,8 @@ def test_a_second_stop_signal_to_run_train_sh_ends_every_process_at_once(tmp_pat
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.count("error:") == 1 and "error: train interrupted at once: nothing was saved" in err, err[-3000:]
     assert left == "", left
-    assert not os.path.exists(os.path.join(tmp_path, "checkpoint")) or not any(
-        os.path.isfile(os.path.join(tmp_path, "checkpoint", d, "COMPLETE")) for d in os.listdir(tmp_path / "checkpoint"))
+    saved = tmp_path / "checkpoint"
+    assert not saved.exists() or not any((saved / d / "COMPLETE").is_file() for d in os.listdir(saved))
     assert not os.path.exists(os.path.join(tmp_path, "HALT"))
 
 

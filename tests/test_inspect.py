@@ -177,6 +177,10 @@ def test_a_graph_break_is_reported_with_its_reason_and_line(dense_recipe, tmp_pa
     breaks = out.split("graph breaks: ", 1)[1].splitlines()
     assert breaks[0] == "1"
     assert re.match(rf"  \S*{where} .* in blocks 0, 1: ", breaks[1]), breaks[1]
+    # Each block's graphs create the same symbol again: it is listed once, not once per graph.
+    dynamic = next(line for line in out.splitlines() if line.startswith("dynamic shapes:"))
+    entries = dynamic.split("): ", 1)[1].split(", L[")
+    assert len(entries) == len(set(entries)), dynamic
     # The break is reported, not fatal: without the flag the command succeeds.
     assert _inspect(capsys, *argv)[0] == 0
 

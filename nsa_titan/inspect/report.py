@@ -58,8 +58,11 @@ def _dynamic_lines(result: InspectResult) -> list[str]:
     if not result.symbols:
         return ["dynamic shapes: not used (every graph has static sizes; torch.compile's default "
                 "dynamic=None makes a size symbolic only after it changes)"]
-    lines = ["dynamic shapes: Dynamo made these symbolic after they changed: "
-             + ", ".join(f"{source} ({symbol}, first value {value})" for symbol, source, value in result.symbols)]
+    # One entry per symbol and source: each block's graphs (and a recompile) create the same ones again.
+    created = dict.fromkeys(result.symbols)
+    lines = ["dynamic shapes: sizes and values compiled as symbols (marked dynamic by the model, or by Dynamo "
+             "once they changed): " + ", ".join(f"{source} ({symbol}, first value {value})"
+                                                 for symbol, source, value in created)]
     for spec in result.specializations:
         lines.append(f"  specialized back to {spec.value}: {' '.join(spec.sources) or spec.symbol} by {_at(spec.where)} "
                      f"({spec.reason}); each new value of it compiles again")
