@@ -431,6 +431,15 @@ class Checkpointer:
         state.tokens_seen = record["tokens_seen"]
         return record
 
+    def check_step(self, step: int) -> dict:
+        """What a resume of `step` reads before its tensors: the COMPLETE marker and the files it records (their
+        checksums), train_state.json and every rank file. Returns the train state; UserError names the damage."""
+        self._check_marker(step)
+        record = self._read_train_state(step)
+        for rank in range(int(record["world_size"])):
+            self._read_rank_file(step, rank)
+        return record
+
     def _check_marker(self, step: int, resuming: bool = True, under: str = "") -> None:
         """The step's COMPLETE marker, then the files it records (those `under` a subfolder, if given)."""
         found = _step_folder_finding(self.step_dir(step), step, under)

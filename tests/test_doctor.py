@@ -20,7 +20,7 @@ from nsa_titan.doctor.memory import estimate_memory
 from tests.saved_tensors import saved_bytes
 from tests.launch import DEBUG
 
-CHECKS = ("versions", "devices", "recipe", "data", "dump folder", "NSA backend", "memory estimate")
+CHECKS = ("versions", "devices", "recipe", "data", "dump folder", "resume", "NSA backend", "memory estimate")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -418,3 +418,27 @@ def test_a_dump_folder_a_run_holds_is_a_warning_naming_the_run(tmp_path):
         holder.kill()
         holder.wait()
     assert checks.check_dump_folder(str(folder), needed=0).status == "ok"  # released when that process ended
+
+
+def test_the_resume_check_reads_the_checkpoint_a_resume_would_load(tmp_path, capsys):
+    """A run folder whose newest checkpoint is damaged fails the check with the message training would give at
+    its start, naming the file; the intact step a resume would then load passes."""
+    from tests.launch import TINY
+
+    run = [DEBUG, *TINY, "--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_latest_k=0",
+           f"--job.dump_folder={tmp_path}"]
+    code, lines = _doctor(capsys, *run)
+    assert lines["resume"] == ("ok", f"resume: no complete checkpoint in {tmp_path / 'checkpoint'}: the run starts "
+                                     "at step 0 from scratch"), lines["resume"]
+    assert cli.main(["train", *run, "--training.steps=2"]) == 0
+    capsys.readouterr()
+    code, lines = _doctor(capsys, *run, "--training.steps=4")
+    status, text = lines["resume"]
+    assert status == "ok" and f"a resume loads {tmp_path / 'checkpoint' / 'step-2'} (step 2, " in text, text
+    rank_file = tmp_path / "checkpoint" / "step-2" / "ranks" / "rank-0.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:-10])
+    code, lines = _doctor(capsys, *run, "--training.steps=4")
+    status, text = lines["resume"]
+    assert code == 1 and status == "fail" and "rank-0.pt" in text and "load_step" in text, text
+    code, lines = _doctor(capsys, *run, "--training.steps=4", "--checkpoint.load_step=1")
+    assert lines["resume"][0] == "ok" and "step-1 (step 1, " in lines["resume"][1], lines["resume"]

@@ -1,6 +1,6 @@
 """`nsa-titan doctor`: preflight checks for a recipe on this machine, one line each (ok / warn / fail).
 
-    run_checks(argv, world_size) -> list[Check]   versions, devices, recipe, data, dump folder,
+    run_checks(argv, world_size) -> list[Check]   versions, devices, recipe, data, dump folder, resume,
                                                   NSA backend on this device, memory estimate
     run_command(argv) -> int                      print them; exit 1 when any check fails
 """

@@ -8,7 +8,7 @@ from components.errors import UserError
 from nsa_titan.command_options import refuse_unknown_options, take_option
 from nsa_titan.doctor.checks import FAIL, OK, WARN, Check
 
-NEEDS_RECIPE = ("data", "dump folder", "NSA backend", "memory estimate")
+NEEDS_RECIPE = ("data", "dump folder", "resume", "NSA backend", "memory estimate")
 USAGE = ("nsa-titan doctor RECIPE.toml [--section.field=VALUE ...] [--world-size N]\n"
          "  --world-size N   check the recipe for N processes (default: this launch's WORLD_SIZE, else 1)\n"
          "Prints one line per check (ok / warn / fail); exit 1 when a check fails (the recipe's own included),\n"
@@ -78,6 +78,7 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     data_check, tokenizer = _data(recipe, runtime)
     results.append(data_check)
     results.append(_guarded("dump folder", lambda: _dump_folder(recipe, tokenizer)))
+    results.append(_guarded("resume", lambda: _resume(resolved)))
     results.append(_guarded("NSA backend", lambda: checks.check_model(recipe, runtime.device,
                                                                        runtime.autocast_dtype)))
     if tokenizer is None:
@@ -94,6 +95,12 @@ def _data(recipe, runtime):
         return check_data(recipe, runtime)
     except Exception as exc:  # reported as the data check's failure, with its type
         return Check("data", FAIL, f"{type(exc).__name__}: {exc}"), None
+
+
+def _resume(resolved) -> Check:
+    from nsa_titan.doctor.resume import check_resume
+
+    return check_resume(resolved)
 
 
 def _dump_folder(recipe, tokenizer) -> Check:
