@@ -208,6 +208,8 @@ class Trainer:
         # Seconds the launches before this one took to reach the resumed step (its checkpoint's elapsed_s):
         # a run's elapsed_s counts on across resumes, not from 0 at each.
         self._elapsed_before = 0.0
+        # The last training record logged before the resumed checkpoint was saved: the metrics file must hold it.
+        self._last_logged: dict | None = None
         self._restore()
         # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
         # replaced) waits for this run's first step to succeed (_begin): a start that fails, at start-up or
@@ -333,6 +335,7 @@ class Trainer:
             if "nan_guard" in record:  # absent from checkpoints written before the guard's counts were kept
                 self.nan_guard.load_state_dict(record["nan_guard"])
             self._elapsed_before = float(record.get("elapsed_s", 0.0))  # absent from older checkpoints
+            self._last_logged = record.get("last_logged")  # absent from older checkpoints
             self._abandon_after = step
             self.train_loader = self.state.dataloader
             saved_factor = self._lr_factor()  # the saved run's schedule, for the step after the one it saved
@@ -414,12 +417,28 @@ class Trainer:
         if self._records_pending:
             self._write_records()
         dump, start = self.recipe.job.dump_folder, self.state.step
-        self.metrics = MetricsLog(os.path.join(dump, METRICS_FILE), start)
+        self.metrics = MetricsLog(os.path.join(dump, METRICS_FILE), start, self._last_logged)
         if self.metrics.set_aside:
             self._say(f"metrics.jsonl held steps after {start}, the step this run starts from: they are moved "
                       f"to {self.metrics.set_aside}")
+        history = self.metrics.history
+        if history is not None and history.restored_from:
+            moved = (f"held another run's records (a run without checkpoints in this folder, say), moved to "
+                     f"{history.foreign}, and " if history.foreign else "")
+            self._say(f"metrics.jsonl {moved}lacked the resumed run's records up to step {start}: they came back "
+                      f"from {history.restored_from}")
+        elif history is not None:
+            self._say(f"note: metrics.jsonl lacks the last record logged before the checkpoint of step {start} "
+                      f"(step {self._last_logged['step']}), and no set-aside metrics file holds it: its earlier "
+                      f"records may be another run's")
         if self.recipe.metrics.enable_tensorboard:
-            self.tensorboard = TensorBoardLog(os.path.join(dump, self.recipe.metrics.save_tb_folder), start)
+            folder = os.path.join(dump, self.recipe.metrics.save_tb_folder)
+            if history is not None and history.restored_from:  # the events hold the other run's steps as well:
+                self.tensorboard = TensorBoardLog(folder, 0)  # hide every earlier one, draw the records again
+                for record in self.metrics.records():
+                    self.tensorboard.write(record)
+            else:
+                self.tensorboard = TensorBoardLog(folder, start)
 
     def _apply_recipe_optimizer_settings(self) -> None:
         """The recipe, not the checkpoint, says the optimizer's settings (lr, betas, eps, weight decay, an
@@ -915,6 +934,8 @@ class Trainer:
             say(f"validation at step {record['step']}: loss {record['val_loss']:.4f} | "
                 f"perplexity {record['val_perplexity']:.2f}")
         self.metrics.write(record)
+        if "loss" in record:  # saved with each checkpoint: a resume checks the metrics file holds its history
+            self.state.extra["last_logged"] = {"step": record["step"], "loss": record["loss"]}
         for sink in (self.tensorboard, self.wandb):
             if sink is not None:
                 sink.write(record)

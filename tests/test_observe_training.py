@@ -280,6 +280,38 @@ def test_a_resume_logs_each_step_once(tmp_path, capsys):
         [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
 
 
+def test_a_resume_brings_back_its_records_after_a_run_without_checkpoints_in_its_folder(tmp_path, capsys):
+    """A run with checkpoint.enable = false started afresh in a run's folder sets the run's records aside and
+    writes its own; the run resumed later gets its own records back in metrics.jsonl (the other run's go to a
+    set-aside file), not the other run's steps followed by its own."""
+    tb = "--metrics.enable_tensorboard=true"
+    argv = ["train", *[f for f in BASE if f != "--checkpoint.enable=false"], "--checkpoint.enable=true",
+            "--checkpoint.interval=3", tb, f"--job.dump_folder={tmp_path}"]
+    assert cli.main([*argv, "--training.steps=6"]) == 0
+    first = [r for r in metrics(tmp_path) if "loss" in r]
+    assert cli.main(["train", *BASE, "--training.steps=2", "--optimizer.lr=1e-2", tb,
+                     f"--job.dump_folder={tmp_path}"]) == 0
+    scratch = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in scratch] == [1, 2] and scratch[1]["loss"] != first[1]["loss"]
+    capsys.readouterr()
+    assert cli.main([*argv, "--training.steps=8"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "lacked the resumed run's records up to step 6: they came back from" in out
+    records = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[:6] == first
+    moved = re.search(r"held another run's records \(.*\), moved to (\S+), and", out).group(1)
+    with open(moved, encoding="utf-8") as fh:
+        assert [json.loads(line) for line in fh if '"loss"' in line] == scratch
+    # TensorBoard draws the same curve: the other run's events are hidden, the restored records drawn again.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == \
+        [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
+
+
 def test_telemetry_follows_the_same_rows_across_a_resume(tmp_path, capsys):
     """The telemetry probe is the stream's first rows in every run: 4 steps straight and 2 + 2 resumed
     report the same telemetry at step 4."""

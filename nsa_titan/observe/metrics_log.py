@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from components.errors import UserError
@@ -30,11 +32,21 @@ class MetricsLog:
     metrics.after-step-<start_step>-<time>.jsonl beside it, so every step appears once, every line is a
     whole record, and nothing is lost."""
 
-    def __init__(self, path: str, start_step: int = 0):
+    def __init__(self, path: str, start_step: int = 0, last_logged: dict | None = None):
+        """last_logged: the resumed checkpoint's last logged training record ({"step", "loss"}); where the file
+        lacks it, its history is looked for among the set-aside files (`history`)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.set_aside = set_aside_records_after(path, start_step)  # where they went, or None
+        self.history: History | None = None
+        if last_logged is not None and not _holds(path, last_logged):
+            self.history = recover_history(path, start_step, last_logged)
         self._fh = open(path, "a", encoding="utf-8")
+
+    def records(self) -> list[dict[str, Any]]:
+        """The records in the file now, as written (a NaN is the string "nan")."""
+        with open(self.path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if _step_of(line) is not None]
 
     def write(self, record: dict[str, Any]) -> None:
         try:
@@ -69,6 +81,65 @@ def has_record(path: str, step: int, key: str) -> bool:
             if _step_of(line) == step and key in json.loads(line):
                 return True
     return False
+
+
+@dataclass
+class History:
+    """What a resume whose metrics file lacked its own last record found: the set-aside file its records came
+    back from and where the file's foreign records went (both None: found nowhere, nothing moved)."""
+    restored_from: str | None = None
+    foreign: str | None = None
+
+
+def _read(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as fh:
+        return [line if line.endswith("\n") else line + "\n" for line in fh]
+
+
+def _matches(line: str, record: dict) -> bool:
+    try:
+        found = json.loads(line)
+    except ValueError:
+        return False
+    # As written: a NaN loss is the string "nan" in the file.
+    return (isinstance(found, dict) and found.get("step") == record["step"]
+            and found.get("loss") == _plain(record["loss"]))
+
+
+def _holds(path: str, record: dict) -> bool:
+    return os.path.isfile(path) and any(_matches(line, record) for line in _read(path))
+
+
+def recover_history(path: str, start_step: int, last_logged: dict) -> History:
+    """A run that started afresh in this folder without checkpoints set the resumed run's records aside and
+    wrote its own: bring back the resumed run's records up to `start_step` from the newest set-aside file that
+    holds `last_logged` (a file set aside after step K holds steps after K; those up to K stay), and move the
+    file's other records into a set-aside file of their own. Nothing is deleted."""
+    stem, ext = os.path.splitext(path)
+    pattern = re.compile(re.escape(os.path.basename(stem)) + r"\.after-step-(\d+)-.*" + re.escape(ext) + "$")
+    folder = os.path.dirname(os.path.abspath(path))
+    candidates = [os.path.join(folder, name) for name in os.listdir(folder) if pattern.match(name)]
+    for aside in sorted(candidates, key=os.path.getmtime, reverse=True):
+        lines = _read(aside)
+        if not any(_matches(line, last_logged) for line in lines):
+            continue
+        after = int(pattern.match(os.path.basename(aside)).group(1))
+        current = _read(path) if os.path.isfile(path) else []
+        keep = [_step_of(line) is not None and _step_of(line) <= after for line in current]
+        kept = [line for line, k in zip(current, keep) if k]
+        foreign = [line for line, k in zip(current, keep) if not k]
+        moved = None
+        if foreign:
+            moved = create_new(f"{stem}.after-step-{after}-{time.strftime('%Y%m%d-%H%M%S')}{ext}", _new_empty_file)
+            with open(moved, "w", encoding="utf-8") as fh:
+                fh.writelines(foreign)
+        restored = [line for line in lines if _step_of(line) is not None and after < _step_of(line) <= start_step]
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(kept + restored)
+        os.replace(tmp, path)
+        return History(restored_from=aside, foreign=moved)
+    return History()
 
 
 def _new_empty_file(path: str) -> None:
