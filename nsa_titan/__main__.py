@@ -8,6 +8,9 @@ import sys
 
 def main() -> int:
     try:
+        from nsa_titan.graceful_stop import end_with_launcher
+
+        end_with_launcher()  # first thing: the launcher is still this process's parent
         from nsa_titan import cli
     except KeyboardInterrupt:
         from nsa_titan import say_interrupted_while_starting

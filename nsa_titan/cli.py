@@ -8,6 +8,10 @@ import sys
 import warnings
 
 try:
+    if __name__ == "__main__":  # first thing: the launcher is still this process's parent
+        from nsa_titan.graceful_stop import end_with_launcher
+
+        end_with_launcher()
     from components.errors import UserError
     from components.problems import suggest
     from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,

@@ -28,6 +28,35 @@ def _signal_on_parent_death(signum: int) -> bool:
         return False
 
 
+_launcher: int | None = None  # the launcher's pid, noted first thing at start-up by end_with_launcher
+
+
+def end_with_launcher() -> None:
+    """Under torchrun (it sets TORCHELASTIC_RUN_ID), note the launcher, this process's parent at start-up, and
+    ask Linux for a SIGTERM when it dies: during start-up its default action ends the rank; once the run's
+    GracefulStop is installed, it stops after the step with a save. Called before anything slow, so that the
+    parent noted is still the launcher (which may be pid 1 in a container)."""
+    global _launcher
+    if _launcher is None and "TORCHELASTIC_RUN_ID" in os.environ and _signal_on_parent_death(signal.SIGTERM):
+        _launcher = os.getppid()
+
+
+def _detach_from_terminal() -> None:
+    """After a hang-up every write to the terminal fails (EIO): point stdout and stderr where nohup would, so
+    the run's last lines cannot crash it between its step and its save."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                os.dup2(devnull, fd)
+        except OSError:
+            pass
+    os.close(devnull)
+
+
 class GracefulStop:
     def __init__(self, dump_folder: str, saves: bool = True, world_size: int = 1):
         self.halt_path = os.path.join(dump_folder, HALT_FILE)
@@ -46,13 +75,10 @@ class GracefulStop:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread: no handlers to install
                 pass
-        # A rank of a launch (torchrun's agent is its parent) ends with its launcher.
-        self._launcher: int | None = None
-        launched = world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ
-        if launched and signal.SIGTERM in self._previous and _signal_on_parent_death(signal.SIGTERM):
-            self._launcher = os.getppid()
-            if self._launcher == 1:  # adopted by init: the launcher ended before the request took effect
-                self.reason = LAUNCHER_ENDED
+        # A rank of a launch ends with its launcher (end_with_launcher): one already gone stops at once.
+        self._launcher = _launcher
+        if self._launcher is not None and os.getppid() != self._launcher:
+            self.reason = LAUNCHER_ENDED
 
     def _on_signal(self, signum, frame) -> None:
         if self.reason is not None and signum == signal.SIGINT:
@@ -61,6 +87,8 @@ class GracefulStop:
         self.reason = signal.Signals(signum).name
         if signum == signal.SIGTERM and self._launcher is not None and os.getppid() != self._launcher:
             self.reason = LAUNCHER_ENDED
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()
         if first and (signum == signal.SIGINT or self.say_sigterm):
             # Said at once: a step can be long, and a user who hears nothing presses again. os.write, not
             # print: the handler may run while the main code is inside a print to stderr.
@@ -93,6 +121,3 @@ class GracefulStop:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if self._launcher is not None:  # no SIGTERM without a handler to answer it
-            _signal_on_parent_death(0)
-            self._launcher = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import torch
 from nsa_titan import cli
 from nsa_titan.checkpoint import COMPLETE, complete_steps
 from nsa_titan.config import resolve
+from tests.conftest import REPO_ROOT
 from tests.launch import DEBUG, TINY, assert_resumed_at, env, forget_model_fields, losses, losses_and_norms, train
 
 STEPS = 6
@@ -412,13 +414,51 @@ def test_a_stop_asked_during_a_save_or_validation_ends_at_that_step(tmp_path, ca
     _signal_after(monkeypatch, during, 4, signum)
     folder = tmp_path / "run"
     interval = "2" if during == "save" else "3"
-    assert cli.main(["train", *BASE, "--training.steps=10", f"--checkpoint.interval={interval}",
-                     "--validation.enable=true", "--validation.freq=2", "--validation.steps=1",
-                     f"--job.dump_folder={folder}"]) == 0
+    previous = signal.signal(signum, signal.SIG_DFL)  # as a terminal's program has it (pytest run under nohup not)
+    try:
+        assert cli.main(["train", *BASE, "--training.steps=10", f"--checkpoint.interval={interval}",
+                         "--validation.enable=true", "--validation.freq=2", "--validation.steps=1",
+                         f"--job.dump_folder={folder}"]) == 0
+    finally:
+        signal.signal(signum, previous)
     out = capsys.readouterr().out
     assert f"stopping after step 4 ({signal.Signals(signum).name}); the checkpoint above resumes it" in out, out
     assert complete_steps(ckpt_dir(folder)) == ([2, 4] if during == "save" else [3, 4])
     assert max(losses(folder)) == 4
+
+
+def test_a_closed_terminal_stops_the_run_with_a_save(tmp_path):
+    """The terminal a run prints to goes away (an ssh session closed): the kernel sends SIGHUP and every later
+    write to it fails with EIO. The run stops after its step with a checkpoint and exits 0; its last lines,
+    with nobody to read them, must not crash it before or after the save."""
+    import pty
+
+    folder = tmp_path / "run"
+    argv = [sys.executable, "-m", "nsa_titan.cli", "train", *BASE, "--training.steps=100000",
+            "--checkpoint.interval=100000", "--metrics.log_freq=1", f"--job.dump_folder={folder}",
+            "--job.plugins=tests.plugins.slow_steps", "--optimizer.name=slow_adamw"]
+    pid, terminal = pty.fork()  # the child's controlling terminal, as a login shell's programs have
+    if pid == 0:
+        os.chdir(REPO_ROOT)
+        os.execve(sys.executable, argv, env())
+    try:
+        seen, deadline = b"", time.time() + 300
+        while not re.search(rb"step +2/", seen) and time.time() < deadline:
+            try:
+                seen += os.read(terminal, 4096)
+            except OSError:
+                break
+        assert re.search(rb"step +2/", seen), seen[-2000:]
+        os.close(terminal)  # hang up
+        _, status = os.waitpid(pid, 0)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert os.waitstatus_to_exitcode(status) == 0
+    (stopped,) = complete_steps(ckpt_dir(folder))
+    assert stopped >= 2 and max(losses(folder)) == stopped
 
 
 def test_a_hang_up_under_nohup_leaves_the_run_going(tmp_path, capsys, monkeypatch):

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from datetime import timedelta
 
 
+def _line(text: str, stream) -> None:
+    try:
+        print(text, file=stream, flush=True)
+    except OSError as exc:
+        # The terminal hung up (EIO: a closed ssh session, whose hang-up run_train.sh turned into a stop) or the
+        # reader went away (EPIPE): the run goes on to its save without a console rather than crash.
+        if exc.errno not in (errno.EIO, errno.EPIPE):
+            raise
+
+
 def say(message: str) -> None:
-    print(message, flush=True)
+    _line(message, sys.stdout)
 
 
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    _line(f"warning: {message}", sys.stderr)
 
 
 _ETA_CAP_S = 100 * 365 * 86400  # beyond this (a run of absurdly many steps) no date arithmetic is meaningful
