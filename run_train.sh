@@ -107,6 +107,10 @@ ${own_session[@]+"${own_session[@]}"} "$py" -m nsa_titan.launch "${launcher[@]}"
 child=$!
 stopping=0
 stopped_by=""
+children_of() {  # PID: its child processes (pgrep where procps is installed, else Linux's /proc)
+  if command -v pgrep >/dev/null 2>&1; then pgrep -P "$1" 2>/dev/null || true
+  else cat /proc/"$1"/task/*/children 2>/dev/null || true; fi
+}
 request_stop() {  # SIGNAL_NUMBER
   if [ "$stopping" -eq 0 ]; then
     stopping=1
@@ -114,9 +118,11 @@ request_stop() {  # SIGNAL_NUMBER
     echo "run_train.sh: stop requested; every rank stops after its current step and saves. Again to stop now." >&2
   elif [ -z "$stopped_by" ]; then
     stopped_by=$1
-    # torchrun starts each rank in a session of its own (with its loader workers): those groups, then torchrun.
-    # (A rank whose launcher is gone would otherwise stop with a save, which this request refuses to wait for.)
-    for rank in $(pgrep -P "$child" 2>/dev/null); do
+    # torchrun, frozen first, neither restarts nor reports the ranks it loses. It starts each rank in a session
+    # of its own (with its loader workers): those groups go, then torchrun. (A rank whose launcher is gone
+    # would otherwise stop with a save, which this request refuses to wait for.)
+    kill -STOP "$child" 2>/dev/null || true
+    for rank in $(children_of "$child"); do
       kill -KILL -- "-$rank" 2>/dev/null || kill -KILL "$rank" 2>/dev/null || true
     done
     kill -KILL "$child" 2>/dev/null || true
@@ -126,7 +132,7 @@ trap 'request_stop 15' TERM
 trap 'request_stop 2' INT
 trap 'request_stop 1' HUP
 forward_to_ranks() {  # SIGNAL: `kill -USR1` of this script dumps every rank's stacks (its default would end it)
-  for rank in $(pgrep -P "$child" 2>/dev/null); do kill "-$1" "$rank" 2>/dev/null || true; done
+  for rank in $(children_of "$child"); do kill "-$1" "$rank" 2>/dev/null || true; done
 }
 trap 'forward_to_ranks USR1' USR1
 while :; do

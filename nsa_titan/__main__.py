@@ -8,12 +8,12 @@ import sys
 
 def main() -> int:
     try:
-        from nsa_titan.graceful_stop import end_with_launcher
+        from nsa_titan.start_up import prepare_process
 
-        end_with_launcher()  # first thing: the launcher is still this process's parent
+        prepare_process()  # first thing: the launcher is still this process's parent
         from nsa_titan import cli
     except KeyboardInterrupt:
-        from nsa_titan import say_interrupted_while_starting
+        from nsa_titan.start_up import say_interrupted_while_starting
 
         return say_interrupted_while_starting()
     return cli.main()

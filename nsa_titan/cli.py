@@ -9,19 +9,20 @@ import warnings
 
 try:
     if __name__ == "__main__":  # first thing: the launcher is still this process's parent
-        from nsa_titan.graceful_stop import end_with_launcher
+        from nsa_titan.start_up import prepare_process
 
-        end_with_launcher()
+        prepare_process()
     from components.errors import UserError
     from components.problems import suggest
     from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
                                            take_option)
     from nsa_titan.config import RecipeError, resolve
     from nsa_titan.full_disk import full_disk_message, space_error
+    from nsa_titan.start_up import INTERRUPTED
 except KeyboardInterrupt:
     if __name__ != "__main__":  # imported by a program (or the console script, which says so itself)
         raise
-    from nsa_titan import say_interrupted_while_starting
+    from nsa_titan.start_up import say_interrupted_while_starting
 
     sys.exit(say_interrupted_while_starting())
 
@@ -45,7 +46,6 @@ COMMANDS = {
 }
 
 INPUT_ERROR = 2
-INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 
 
 def _usage() -> str:

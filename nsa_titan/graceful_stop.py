@@ -8,39 +8,13 @@ rather than train on as an orphan holding the run folder.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import sys
+
+from nsa_titan.start_up import launcher_pid
 
 HALT_FILE = "HALT"
 LAUNCHER_ENDED = "its launcher ended"
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _signal_on_parent_death(signum: int) -> bool:
-    """Ask Linux to send `signum` to this process when its parent ends (0: no longer); False elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-_launcher: int | None = None  # the launcher's pid, noted first thing at start-up by end_with_launcher
-
-
-def end_with_launcher() -> None:
-    """Under torchrun (it sets TORCHELASTIC_RUN_ID), note the launcher, this process's parent at start-up, and
-    ask Linux for a SIGTERM when it dies: during start-up its default action ends the rank; once the run's
-    GracefulStop is installed, it stops after the step with a save. Called before anything slow, so that the
-    parent noted is still the launcher (which may be pid 1 in a container)."""
-    global _launcher
-    if _launcher is None and "TORCHELASTIC_RUN_ID" in os.environ and _signal_on_parent_death(signal.SIGTERM):
-        _launcher = os.getppid()
-
-
 def _detach_from_terminal() -> None:
     """After a hang-up every write to the terminal fails (EIO): point stdout and stderr where nohup would, so
     the run's last lines cannot crash it between its step and its save."""
@@ -75,8 +49,8 @@ class GracefulStop:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread: no handlers to install
                 pass
-        # A rank of a launch ends with its launcher (end_with_launcher): one already gone stops at once.
-        self._launcher = _launcher
+        # A rank of a launch ends with its launcher (start_up.prepare_process): one already gone stops at once.
+        self._launcher = launcher_pid()
         if self._launcher is not None and os.getppid() != self._launcher:
             self.reason = LAUNCHER_ENDED
 

@@ -755,7 +755,7 @@ class Trainer:
         try:
             self._train()
         except RuntimeError as exc:
-            graph_break = graph_break_message(exc)
+            graph_break = graph_break_message(exc) if self.recipe.compile.fullgraph else None
             if graph_break is not None:
                 raise UserError(graph_break) from None
             if not worker_died(exc):
@@ -857,8 +857,7 @@ class Trainer:
                 self._log(record)
                 window_start, window_tokens, aside_s = now, 0, 0.0
             phase = time.perf_counter()
-            if self._stop_agreed and self.runtime.is_main:
-                self.stop.consume_halt_file()
+            self._handle_halt_file()
             stopping = self._stop_agreed and state.step < t.steps
             saving = self.checkpointer is not None and recipe.checkpoint.enable
             saved = saving and (state.step % recipe.checkpoint.interval == 0 or state.step == t.steps or stopping)
@@ -906,9 +905,13 @@ class Trainer:
         if not self.stop.agree(any_rank(self.stop.local_request(), self.runtime.device)):
             return False
         self._stop_agreed = True
-        if self.runtime.is_main:
-            self.stop.consume_halt_file()
+        self._handle_halt_file()
         return True
+
+    def _handle_halt_file(self) -> None:
+        """Once a stop is agreed, the halt file (if that was the request) is renamed, not to stop the resume."""
+        if self._stop_agreed and self.runtime.is_main:
+            self.stop.consume_halt_file()
 
     # -- helpers ---------------------------------------------------------------------------------
     def _write_records(self) -> None:

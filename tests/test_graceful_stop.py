@@ -29,14 +29,11 @@ def test_a_stop_asked_of_another_rank_alone_says_so(tmp_path):
 def test_the_launcher_is_judged_by_the_pid_noted_at_start_up(tmp_path, monkeypatch):
     """A rank whose parent is still the launcher noted at start-up goes on, even when that launcher is pid 1 (a
     container whose command is torchrun); one whose parent changed since (its launcher died) stops."""
-    from nsa_titan import graceful_stop
+    from nsa_titan import graceful_stop, start_up
 
     monkeypatch.setattr(graceful_stop.os, "getppid", lambda: 1)
-    monkeypatch.setattr(graceful_stop, "_launcher", 1)
-    stop = _stop(tmp_path)
-    assert not stop.local_request()
-    stop.restore()
-    monkeypatch.setattr(graceful_stop, "_launcher", 4242)
+    monkeypatch.setattr(start_up, "_launcher", 1)
+    assert not _stop(tmp_path).local_request()
+    monkeypatch.setattr(start_up, "_launcher", 4242)
     stop = _stop(tmp_path)
     assert stop.local_request() and stop.reason == graceful_stop.LAUNCHER_ENDED
-    stop.restore()

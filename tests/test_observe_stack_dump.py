@@ -79,3 +79,26 @@ def test_a_dump_file_nothing_was_written_to_is_removed(tmp_path):
     install_sigusr1(str(folder / "rank-1.txt"))  # its earlier dump is appended to, and kept
     uninstall_sigusr1()
     assert (folder / "rank-1.txt").read_text().startswith("Thread 0x1")
+
+
+def test_sigusr1_during_start_up_writes_the_stacks_and_the_process_goes_on():
+    """Before the trainer installs its handler (a rank still importing, or waiting in rendezvous), SIGUSR1's
+    default would end the process: the command line dumps the stacks to stderr from its first line on."""
+    from tests.launch import DEBUG, env
+
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "nsa_titan.cli", "train", DEBUG,
+                             "--training.steps=1", "--job.dump_folder=/nonexistent/never-made"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO_ROOT)
+    try:
+        said = []
+        for line in proc.stderr:
+            said.append(line)
+            if line.rstrip().endswith("components.errors"):  # imported after the start-up preparation
+                proc.send_signal(signal.SIGUSR1)
+                break
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    err = "".join(said) + err
+    assert proc.returncode != -signal.SIGUSR1, err[-3000:]
+    assert "most recent call first" in err, err[-3000:]

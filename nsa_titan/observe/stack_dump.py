@@ -24,6 +24,8 @@ def install_sigusr1(dump_path: str) -> None:
     Call from the main thread. Calling again moves the dump to the new path.
     """
     uninstall_sigusr1()
+    # An earlier registration (start_up's, to stderr) would keep its own C handler in place: drop it first.
+    faulthandler.unregister(signal.SIGUSR1)
     os.makedirs(os.path.dirname(os.path.abspath(dump_path)), exist_ok=True)
     fh = open(dump_path, "ab", buffering=0)  # unbuffered: faulthandler writes to the descriptor itself
     state = {"file": fh, "path": dump_path, "echoed": fh.tell()}

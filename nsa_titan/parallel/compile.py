@@ -23,7 +23,8 @@ def compile_counters() -> dict[str, int]:
     """Graphs Dynamo has captured in this process so far, and the graph breaks it met. Logged with
     each step: a count that grows after the first step is a recompile (a new shape, a failed guard).
     Dynamo files some breaks (a branch on a tensor's value) under "unimplemented" rather than
-    "graph_break": both count, as does a frame it could not trace at all."""
+    "graph_break": both count, as does a frame it could not trace at all. An upper bound: Dynamo also
+    files there a few refusals it recovers from without a break."""
     from torch._dynamo.utils import counters
 
     breaks = sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
@@ -39,7 +40,7 @@ def graph_break_message(exc: BaseException) -> str | None:
         return None
     lines = [line.strip() for line in str(exc).strip().splitlines()]
     reason = lines[0] if lines else type(exc).__name__
-    hint = next((line for line in lines if line.startswith("Hint:")), "")
+    hint = next((line for line in lines if line.startswith("Hint:")), "").rstrip(".")
     stack = getattr(exc, "real_stack", None) or []
     where = ""
     if stack:
