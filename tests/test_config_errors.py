@@ -184,6 +184,11 @@ CASES = [
      ["parallelism.init_timeout_seconds", "starts no process group"]),
     ("impossible degrees", "[parallelism]\ndata_parallel_shard_degree = 2\ndata_parallel_replicate_degree = 2\n", [],
      ["parallelism.data_parallel_shard_degree", "world size is 1"]),
+    # Found before the model is built (the kernels refused it at their first call; compiled, as a graph break).
+    ("a head too wide for the Triton kernels", "", ["--model.nsa.backend=triton", "--model.dim=512",
+                                                    "--model.n_heads=1", "--model.n_kv_heads=1"],
+     ["model.n_heads = 1: gives head dim dim/n_heads = 512, above the 256 NSA backend 'triton' supports",
+      "use at least 2 heads (or a smaller dim), or backend 'reference'"]),
 ]
 
 

@@ -263,3 +263,23 @@ def test_training_with_a_graph_break_under_fullgraph_false_logs_it(dense_recipe,
         records = [json.loads(line) for line in fh if '"loss"' in line]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["graph_breaks"] >= 1 and r["compiled_graphs"] >= 2 for r in records), records
+
+
+def test_an_error_the_compiled_code_raises_is_not_called_a_graph_break():
+    """Dynamo reports an exception raised by the traced code as Unsupported too: the message says the code raised
+    it (and what it said), not that a graph break needs removing."""
+    from components.errors import UserError
+    from nsa_titan.parallel.compile import graph_break_message
+
+    class Refusing(torch.nn.Module):
+        def forward(self, x):
+            if x.shape[-1] > 2:
+                raise UserError("too wide for this module")
+            return x * 2
+
+    module = Refusing()
+    module.compile(fullgraph=True, backend="eager")
+    with pytest.raises(Exception) as raised:
+        module(torch.ones(4))
+    message = graph_break_message(raised.value)
+    assert "own code raises" in message and "too wide for this module" in message and "graph break" not in message

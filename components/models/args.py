@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from components.nsa import available_backends
+from components.errors import UserError
+from components.nsa import available_backends, get_backend
 from components.nsa.hyperparams import divisors, hyperparameter_problems
 from components.problems import Problem, find_problems, problem
 
@@ -126,6 +127,12 @@ class TransformerArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def slots_used(self) -> int:
+        """The selection slots a row can fill: nsa.num_selected, at most ceil(max_seq_len / sel_block_size)
+        (more slots stay unused, -1, so the op is not asked for them: the same function for less work)."""
+        return min(self.nsa.num_selected, -(-self.max_seq_len // self.nsa.sel_block_size))
+
     def mlp_hidden_dim(self) -> int:
         hidden = int(2 * self.mlp_ratio * self.dim / 3)
         return self.multiple_of * -(-hidden // self.multiple_of)
@@ -145,8 +152,21 @@ class TransformerArgs:
         if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
             problems.append(problem("n_kv_heads", self.n_kv_heads, f"must divide n_heads ({self.n_heads})",
                                     f"use one of {divisors(max(self.n_heads, 1))}"))
+        limit = _max_head_dim(self.nsa.backend) if self.attention == "nsa" else None
+        if limit is not None and self.n_heads >= 1 and self.head_dim > limit:
+            fewest = -(-self.dim // limit)
+            problems.append(problem("n_heads", self.n_heads, f"gives head dim dim/n_heads = {self.head_dim}, above "
+                                    f"the {limit} NSA backend {self.nsa.backend!r} supports",
+                                    f"use at least {fewest} heads (or a smaller dim), or backend 'reference'"))
         # nsa.check() runs on its own (find_problems and the engine visit every nested dataclass)
         if self.attention == "dense" and self.nsa != NSAArgs():
             problems.append(problem("nsa", None, "nsa settings are given but attention = 'dense' ignores them",
                                     "remove the nsa section or set attention = 'nsa'"))
         return problems
+
+
+def _max_head_dim(backend: str) -> int | None:
+    try:
+        return get_backend(backend).max_head_dim
+    except UserError:  # an unknown name is refused on its own field
+        return None

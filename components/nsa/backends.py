@@ -20,12 +20,16 @@ from components.errors import UserError
 from components.nsa.reference_op import reference_attention
 
 
+TRITON_MAX_HEAD_DIM = 256  # the kernels' tiles hold a whole head (tile_configs.py sizes them up to this)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
     attention: Callable[..., object]
     doc: str
     built_in: bool
+    max_head_dim: int | None = None  # a limit a recipe is checked against before anything is built
 
     @property
     def takes_documents(self) -> bool:
@@ -59,7 +63,8 @@ def _triton(*tensors, cu_seqlens=None, cu_seqlens_q=None, **hyper):
 
 _TABLE: dict[str, Backend] = {
     "reference": Backend("reference", _reference, "exact PyTorch, chunked over queries", True),
-    "triton": Backend("triton", _triton, "Triton kernels (CUDA, or Triton's interpreter)", True),
+    "triton": Backend("triton", _triton, "Triton kernels (CUDA, or Triton's interpreter)", True,
+                      max_head_dim=TRITON_MAX_HEAD_DIM),
 }
 BACKENDS = tuple(_TABLE)  # the built-in backends, proven equal by the test suite
 

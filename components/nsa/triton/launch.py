@@ -9,6 +9,7 @@ import torch
 import triton
 
 from components.errors import UserError
+from components.nsa.backends import TRITON_MAX_HEAD_DIM
 
 # Natural-log <-> base-2 conversion: kernels keep softmax statistics in base 2 (exp2 is the
 # hardware instruction), so every logsumexp tensor the launchers pass around is log2-sum-exp2
@@ -87,10 +88,10 @@ def check_kernel_dtype(x: torch.Tensor) -> None:
 
 
 def check_head_dim(head_dim: int) -> None:
-    if head_dim > 256:
+    if head_dim > TRITON_MAX_HEAD_DIM:
         raise UserError(
-            f"NSA backend 'triton' supports head dims up to 256, got {head_dim}; use smaller heads or "
-            "backend 'reference'"
+            f"NSA backend 'triton' supports head dims up to {TRITON_MAX_HEAD_DIM}, got {head_dim}; use smaller "
+            "heads or backend 'reference'"
         )
 
 
