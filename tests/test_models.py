@@ -103,6 +103,27 @@ def test_nsa_variants_run(kv_per_branch, compress, gate):
     assert wkv.shape[0] == (6 if kv_per_branch else 2) * args.n_kv_heads * args.head_dim
 
 
+def test_more_selected_blocks_than_a_row_can_hold_change_nothing_and_cost_nothing():
+    """n above ceil(max_seq_len / l') (8 blocks here) leaves the extra slots unused: the op is asked for no
+    more slots than a row can fill, and the logits and gradients are those of the n asked for."""
+    model = build_transformer(tiny_args(nsa=small_nsa(num_selected=1000)), VOCAB)
+    tokens = torch.randint(0, VOCAB, (2, 64))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logits = model(tokens)
+        logits.float().pow(2).mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    assert {layer.attention.hyper["num_selected"] for layer in model.layers} == {8}
+    clamped = run()
+    for layer in model.layers:  # the n asked for, as the op would take it
+        layer.attention.hyper["num_selected"] = layer.attention.selection["num_selected"] = 1000
+    asked = run()
+    assert torch.equal(clamped[0], asked[0])
+    assert all(torch.equal(a, b) for a, b in zip(clamped[1], asked[1]))
+
+
 def test_nsa_and_dense_differ_only_in_attention():
     nsa = build_transformer(tiny_args("nsa"), VOCAB)
     dense = build_transformer(tiny_args("dense"), VOCAB)

@@ -91,7 +91,7 @@ def _nsa_workspace_bytes(args: TransformerArgs, tokens: int, element_bytes: int)
         return 0.0
     from components.nsa.triton import tile_configs
 
-    shape = (tokens, args.n_heads, args.nsa.num_selected, args.head_dim, args.nsa.sel_block_size, element_bytes)
+    shape = (tokens, args.n_heads, args.slots_used, args.head_dim, args.nsa.sel_block_size, element_bytes)
     if tile_configs.selected_layout_for(tokens, args.n_heads, args.n_kv_heads, *shape[2:]) != "block":
         return 0.0
     return float(tile_configs.block_layout_partial_bytes(*shape))
@@ -135,7 +135,7 @@ def self_check(args: TransformerArgs, device: torch.device, compute_dtype: torch
                                      "TRITON_INTERPRET=1); training here would fail. Fix: run on a GPU or use "
                                      "--model.nsa.backend=reference")
     hyper = dict(block_size=nsa.block_size, block_stride=nsa.block_stride, sel_block_size=nsa.sel_block_size,
-                 num_selected=nsa.num_selected, window_size=nsa.window_size)
+                 num_selected=args.slots_used, window_size=nsa.window_size)
     start = time.perf_counter()
     try:
         failures = check_backend(nsa.backend, hyper, args.n_heads, args.n_kv_heads, args.head_dim, device,
