@@ -13,6 +13,7 @@ import pytest
 from nsa_titan import cli
 from nsa_titan.config import resolve
 from tests.conftest import REPO_ROOT
+from tests.launch import DEBUG
 
 BASE = """
 [job]
@@ -202,6 +203,28 @@ def test_bad_recipe_is_reported(tmp_path, capsys, name, text, overrides, expecte
     for fragment in expected:
         assert fragment in err, f"{fragment!r} missing from:\n{err}"
     assert "Fix:" in err
+
+
+@pytest.mark.parametrize("flags, note", [
+    (["--model.nsa.block_size=512", "--model.nsa.sel_block_size=512"],
+     "model.nsa.block_size = 512 is more than max_seq_len = 256: no row holds a compressed block"),
+    (["--model.nsa.num_selected=3"], "model.nsa.num_selected = 3: the blocks always selected"),
+    (["--model.nsa.num_selected=100"], "model.nsa.num_selected = 100: a row of max_seq_len = 256 tokens holds at "
+                                       "most 8 selection blocks of 32"),
+    (["--model.nsa.window_size=256"], "model.nsa.window_size = 256 is at least max_seq_len = 256: the "
+                                      "sliding-window branch is full causal attention"),
+])
+def test_an_nsa_shape_in_which_a_branch_never_acts_is_a_note(flags, note):
+    """Legal by the spec, so no error; but a designer wants to know the branch (or the choice by score) is idle."""
+    resolved = resolve([DEBUG, *flags])
+    assert [n for n in resolved.notes if n.startswith("model.nsa")] == [next(n for n in resolved.notes if note in n)]
+
+
+def test_the_shipped_recipes_have_no_idle_nsa_branch():
+    for name in sorted(os.listdir(os.path.join(REPO_ROOT, "recipes"))):
+        if name.endswith(".toml"):
+            notes = resolve([os.path.join(REPO_ROOT, "recipes", name)], world_size=None).notes
+            assert not [n for n in notes if n.startswith("model.")], (name, notes)
 
 
 def test_warmup_longer_than_the_run_is_a_note_not_an_error(tmp_path):

@@ -137,6 +137,28 @@ class TransformerArgs:
         hidden = int(2 * self.mlp_ratio * self.dim / 3)
         return self.multiple_of * -(-hidden // self.multiple_of)
 
+    def notes(self) -> list[str]:
+        """Legal NSA shapes in which a branch, or the choice by score, can never act (each text starts with the
+        field it is about, relative to this table)."""
+        if self.attention != "nsa" or find_problems(self.nsa):
+            return []
+        nsa, T, said = self.nsa, self.max_seq_len, []
+        if nsa.block_size > T:
+            said.append(f"nsa.block_size = {nsa.block_size} is more than max_seq_len = {T}: no row holds a compressed "
+                        f"block, so the compressed branch and its compression weights never act, and selection "
+                        f"keeps only its forced blocks")
+        elif nsa.num_selected <= 3:
+            said.append(f"nsa.num_selected = {nsa.num_selected}: the blocks always selected (the current one, block 0, "
+                        f"the previous one) fill every slot, so no block is ever chosen by its score")
+        elif nsa.num_selected > self.slots_used:
+            said.append(f"nsa.num_selected = {nsa.num_selected}: a row of max_seq_len = {T} tokens holds at most "
+                        f"{self.slots_used} selection blocks of {nsa.sel_block_size}, so the selected branch attends "
+                        f"to all of a row's past and the slots beyond those stay unused")
+        if nsa.window_size >= T:
+            said.append(f"nsa.window_size = {nsa.window_size} is at least max_seq_len = {T}: the sliding-window branch "
+                        f"is full causal attention")
+        return said
+
     def check(self) -> list[Problem]:
         problems = []
         if self.n_heads >= 1 and self.dim % self.n_heads:

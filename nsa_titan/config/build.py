@@ -249,11 +249,15 @@ class RecipeBuilder:
         return None
 
     def _cross_checks(self, obj: Any, path: str) -> None:
-        """The part's own cross-field rules (its `check()`), re-homed under the recipe path."""
+        """The part's own cross-field rules (its `check()`), re-homed under the recipe path, and what it has to
+        say of legal but notable settings (its `notes()`: texts naming fields relative to its table)."""
+        prefix = path + "." if path else ""
+        notes = getattr(obj, "notes", None)
+        if callable(notes) and not self.saved:
+            self.notes.extend(f"{prefix}{note}" for note in notes() or [])
         check = getattr(obj, "check", None)
         if not callable(check):
             return
-        prefix = path + "." if path else ""
         for found in check() or []:
             found = found.under(prefix, where=self.source_of(prefix + found.field))
             if self.saved:
