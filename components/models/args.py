@@ -80,7 +80,8 @@ class TransformerArgs:
 
     dim: int = field(default=256, metadata={"doc": "model width (residual stream size)", "ge": 2})
     n_layers: int = field(default=4, metadata={"doc": "number of transformer blocks", "ge": 1})
-    n_heads: int = field(default=4, metadata={"doc": "query heads per attention layer", "ge": 1})
+    n_heads: int = field(default=4, metadata={"doc": "query heads per attention layer; the head dim is dim / n_heads, "
+                                                     "a whole even number (RoPE rotates pairs)", "ge": 1})
     n_kv_heads: int = field(
         default=2, metadata={"doc": "key/value heads (GQA groups); must divide n_heads", "ge": 1}
     )
