@@ -185,6 +185,8 @@ CASES = [
      ["parallelism.init_timeout_seconds", "starts no process group"]),
     ("impossible degrees", "[parallelism]\ndata_parallel_shard_degree = 2\ndata_parallel_replicate_degree = 2\n", [],
      ["parallelism.data_parallel_shard_degree", "world size is 1"]),
+    ("a float for a whole number", "[validation]\nenable = true\nsteps = 64.0\n", ["--model.nsa.block_size=16.0"],
+     ["got '16.0'. Fix: write an integer such as 16.", "such as 64, without quotes"]),
     # Found before the model is built (the kernels refused it at their first call; compiled, as a graph break).
     ("a head too wide for the Triton kernels", "", ["--model.nsa.backend=triton", "--model.dim=512",
                                                     "--model.n_heads=1", "--model.n_kv_heads=1"],

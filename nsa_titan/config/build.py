@@ -266,6 +266,15 @@ class RecipeBuilder:
                 self.problems.append(found)
 
 
+def _whole(raw: Any) -> int:
+    """The whole number a value that is not one stands nearest to (16.0 or '16.0': 16), else 20 as an example."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return 20
+    return round(value) if math.isfinite(value) else 20
+
+
 def coerce(raw: Any, tp: Any) -> Any:
     """Give a recipe or command-line value the field's type, or say why it cannot be."""
     origin = typing.get_origin(tp)
@@ -301,10 +310,12 @@ def coerce(raw: Any, tp: Any) -> Any:
                     raise ValueError(raw)
                 return int(raw)
             except ValueError:
-                raise _Invalid(f"expected a whole number, got {raw!r}", "write an integer such as 20") from None
+                raise _Invalid(f"expected a whole number, got {raw!r}", f"write an integer such as {_whole(raw)}") \
+                    from None
         if isinstance(raw, int) and not isinstance(raw, bool):
             return raw
-        raise _Invalid(f"expected a whole number, got {_kind(raw)}", "write an integer such as 20, without quotes")
+        raise _Invalid(f"expected a whole number, got {_kind(raw)}",
+                       f"write an integer such as {_whole(raw)}, without quotes")
     if tp is float:
         if isinstance(raw, CliText):
             try:
