@@ -152,3 +152,21 @@ def forget_model_fields(step_dir) -> None:
     complete["files"]["train_state.json"] = file_checksum(file)
     with open(marker, "w") as fh:
         json.dump(complete, fh)
+
+
+def signal_once_imported(argv: list[str], module: str, signum: int, timeout: float = 300) -> tuple[int, str]:
+    """Run `python -X importtime ARGV`, send it `signum` as soon as Python reports `module` imported (the start of
+    a command line, before its slow imports), and return (exit code, stderr) once it exits."""
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO_ROOT)
+    try:
+        said = []
+        for line in proc.stderr:
+            said.append(line)
+            if line.rstrip().endswith(f" {module}"):
+                proc.send_signal(signum)
+                break
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, "".join(said) + err

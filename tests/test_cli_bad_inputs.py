@@ -11,7 +11,7 @@ import pytest
 
 from nsa_titan import cli
 from tests.conftest import REPO_ROOT
-from tests.launch import DEBUG, TINY, env
+from tests.launch import DEBUG, TINY, env, signal_once_imported
 
 
 @pytest.fixture(scope="module")
@@ -409,20 +409,8 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line(tmp_path, module):
 
     from nsa_titan.start_up import INTERRUPTED, INTERRUPTED_WHILE_STARTING
 
-    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", module, "train", DEBUG, *TINY,
-                             f"--job.dump_folder={tmp_path}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env(), cwd=REPO_ROOT)
-    try:
-        said = []
-        for line in proc.stderr:
-            said.append(line)
-            if line.rstrip().endswith("nsa_titan.start_up"):
-                proc.send_signal(signal.SIGINT)
-                break
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    err = "".join(said) + err
-    assert proc.returncode == INTERRUPTED, err[-3000:]
+    code, err = signal_once_imported(["-m", module, "train", DEBUG, *TINY, f"--job.dump_folder={tmp_path}"],
+                                     "nsa_titan.start_up", signal.SIGINT, timeout=120)
+    assert code == INTERRUPTED, err[-3000:]
     assert [line for line in err.splitlines() if line.startswith("error:")] == [INTERRUPTED_WHILE_STARTING]
     assert "Traceback" not in err

@@ -84,21 +84,10 @@ def test_a_dump_file_nothing_was_written_to_is_removed(tmp_path):
 def test_sigusr1_during_start_up_writes_the_stacks_and_the_process_goes_on():
     """Before the trainer installs its handler (a rank still importing, or waiting in rendezvous), SIGUSR1's
     default would end the process: the command line dumps the stacks to stderr from its first line on."""
-    from tests.launch import DEBUG, env
+    from tests.launch import DEBUG, signal_once_imported
 
-    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "nsa_titan.cli", "train", DEBUG,
-                             "--training.steps=1", "--job.dump_folder=/nonexistent/never-made"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO_ROOT)
-    try:
-        said = []
-        for line in proc.stderr:
-            said.append(line)
-            if line.rstrip().endswith("components.errors"):  # imported after the start-up preparation
-                proc.send_signal(signal.SIGUSR1)
-                break
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    err = "".join(said) + err
-    assert proc.returncode != -signal.SIGUSR1, err[-3000:]
+    # components.errors is imported right after the start-up preparation
+    code, err = signal_once_imported(["-m", "nsa_titan.cli", "train", DEBUG, "--training.steps=1",
+                                      "--job.dump_folder=/nonexistent/never-made"], "components.errors", signal.SIGUSR1)
+    assert code != -signal.SIGUSR1, err[-3000:]
     assert "most recent call first" in err, err[-3000:]
