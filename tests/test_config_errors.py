@@ -286,6 +286,19 @@ def test_problem_names_the_file_it_came_from(tmp_path, capsys):
     assert "base.toml: metrics.log_freq = -3" in err
 
 
+def test_a_switched_off_table_names_the_file_that_wrote_it_beside_the_switch(tmp_path, capsys):
+    """A child recipe that chooses dense attention and writes its own [model.nsa] is told so at its own path, not
+    at the extended recipe's, whose table the choice overrides (that one alone is only a note)."""
+    write(tmp_path, "", name="base.toml")
+    child = tmp_path / "child.toml"
+    child.write_text('extends = "base.toml"\n[model]\nattention = "dense"\n[model.nsa]\nblock_size = 16\n')
+    code, err = run_cli(capsys, [str(child)])
+    assert code == 2
+    assert f"{child}: model.nsa: is set but model.attention = 'dense'" in err, err
+    child.write_text('extends = "base.toml"\n[model]\nattention = "dense"\n')
+    assert run_cli(capsys, [str(child)])[0] == 0
+
+
 def test_section_that_is_not_a_table(tmp_path, capsys):
     path = write(tmp_path, "model = 3\n", base=False)
     code, err = run_cli(capsys, [path])

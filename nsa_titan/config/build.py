@@ -65,13 +65,27 @@ class RecipeBuilder:
             self.notes.append(f"{shown} from {self.source_of(path)} is not used: "
                               f"{self.source_of(switch_path)} chose {switch_path} = {chosen!r}")
         else:
-            what = "that flag" if self.source_of(path).startswith("flag") else shown
+            where = self._unsuperseded_source(path, switch_path)
+            what = "that flag" if where.startswith("flag") else shown
             self.problem(path, None, f"is set but {switch_path} = {chosen!r}, so it would be ignored",
-                         f"remove {what} or set {switch_path} = {wanted!r}")
+                         f"remove {what} or set {switch_path} = {wanted!r}", where=where)
 
-    def problem(self, path: str, value: Any, why: str, fix: str) -> None:
+    def _unsuperseded_source(self, table_path: str, choice_path: str) -> str:
+        """Of the layers that set fields of `table_path`, the last one the choice does not override (its own,
+        or a later one): the file (or flag) to change, not an extended preset whose table was overridden."""
+        if choice_path in self.origin:
+            position = {key: i for i, key in enumerate(self.origin)}
+            choice_layer = _layer(self.origin[choice_path])
+            live = [source for key, source in self.origin.items()
+                    if (key == table_path or key.startswith(table_path + "."))
+                    and (_layer(source) == choice_layer or position[key] > position[choice_path])]
+            if live:
+                return live[-1]
+        return self.source_of(table_path)
+
+    def problem(self, path: str, value: Any, why: str, fix: str, where: str | None = None) -> None:
         shown = str(value) if isinstance(value, CliText) else value
-        self.problems.append(Problem(self.source_of(path), path, shown, why, fix))
+        self.problems.append(Problem(where or self.source_of(path), path, shown, why, fix))
 
     # -- building ----------------------------------------------------------------------------
     def build(self, cls: type, table: Any, path: str = "") -> Any:
