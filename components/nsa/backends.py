@@ -18,9 +18,7 @@ from typing import Callable
 
 from components.errors import UserError
 from components.nsa.reference_op import reference_attention
-
-
-TRITON_MAX_HEAD_DIM = 256  # the kernels' tiles hold a whole head (tile_configs.py sizes them up to this)
+from components.nsa.triton_limits import TRITON_MAX_HEAD_DIM
 
 
 @dataclass(frozen=True)

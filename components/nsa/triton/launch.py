@@ -9,7 +9,7 @@ import torch
 import triton
 
 from components.errors import UserError
-from components.nsa.backends import TRITON_MAX_HEAD_DIM
+from components.nsa.triton_limits import TRITON_MAX_HEAD_DIM
 
 # Natural-log <-> base-2 conversion: kernels keep softmax statistics in base 2 (exp2 is the
 # hardware instruction), so every logsumexp tensor the launchers pass around is log2-sum-exp2
