@@ -42,7 +42,8 @@ def describe_stall(stall: Stall) -> str:
         what = (f"the first step of this run (after step {stall.start_step}) did not complete within "
                 f"{stall.limit_s:g} s ({stall.field} = {stall.limit_s:g}); it includes compilation and warm-up")
     else:
-        what = (f"no training step completed for {stall.waited_s:.{0 if stall.waited_s >= 10 else 1}f} s after step {stall.step} "
+        waited = f"{stall.waited_s:.{0 if stall.waited_s >= 10 else 1}f}"  # a 0.2 s limit's wait is not "0 s"
+        what = (f"no training step completed for {waited} s after step {stall.step} "
                 f"({stall.field} = {stall.limit_s:g})")
     return (f"the run looks hung: {what}. Every thread's stack is above and in {stall.dump_path}; the "
             f"main thread's stack shows the stuck call (a data read, a collective waiting for another rank, I/O). "
