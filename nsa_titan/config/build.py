@@ -48,40 +48,32 @@ class RecipeBuilder:
         flags = [source for source in inside if source.startswith("flag")]
         return flags[-1] if flags else inside[0] if inside else "defaults"
 
-    def _superseded(self, table_path: str, choice_path: str) -> bool:
-        """A table set in an earlier layer (an extended preset, or the recipe under command-line flags)
-        than the layer that switched it off is overridden like any field, not a mistake."""
+    def _sources_beside_choice(self, table_path: str, choice_path: str) -> list[str] | None:
+        """The sources of `table_path`'s fields that the choice at `choice_path` does not override: those set in
+        the choice's layer or a later one (a table set only in earlier layers, an extended preset or the recipe
+        under command-line flags, is overridden like any field, not a mistake). None: the choice is the
+        default, so nothing overrode the table."""
         if choice_path not in self.origin:
-            return False  # the choice is the default: nothing overrode the table
+            return None
         position = {key: i for i, key in enumerate(self.origin)}
         choice_layer = _layer(self.origin[choice_path])
-        return all(_layer(source) != choice_layer and position[key] < position[choice_path]
-                   for key, source in self.origin.items() if key == table_path or key.startswith(table_path + "."))
+        return [source for key, source in self.origin.items()
+                if (key == table_path or key.startswith(table_path + "."))
+                and (_layer(source) == choice_layer or position[key] > position[choice_path])]
 
     def _set_but_unused(self, path: str, shown: str, switch_path: str, chosen: Any, wanted: Any) -> None:
         """`path` (written as `shown`) is set, but `switch_path` = chosen leaves it unused: a note when a
-        later layer made that choice, else a problem whose fix is removing it or choosing `wanted`."""
-        if self._superseded(path, switch_path):
+        later layer made that choice, else a problem whose fix is removing it or choosing `wanted`, blamed
+        on the layer to change (not an extended preset whose table the choice overrides)."""
+        beside = self._sources_beside_choice(path, switch_path)
+        if beside == []:
             self.notes.append(f"{shown} from {self.source_of(path)} is not used: "
                               f"{self.source_of(switch_path)} chose {switch_path} = {chosen!r}")
         else:
-            where = self._unsuperseded_source(path, switch_path)
+            where = beside[-1] if beside else self.source_of(path)
             what = "that flag" if where.startswith("flag") else shown
             self.problem(path, None, f"is set but {switch_path} = {chosen!r}, so it would be ignored",
                          f"remove {what} or set {switch_path} = {wanted!r}", where=where)
-
-    def _unsuperseded_source(self, table_path: str, choice_path: str) -> str:
-        """Of the layers that set fields of `table_path`, the last one the choice does not override (its own,
-        or a later one): the file (or flag) to change, not an extended preset whose table was overridden."""
-        if choice_path in self.origin:
-            position = {key: i for i, key in enumerate(self.origin)}
-            choice_layer = _layer(self.origin[choice_path])
-            live = [source for key, source in self.origin.items()
-                    if (key == table_path or key.startswith(table_path + "."))
-                    and (_layer(source) == choice_layer or position[key] > position[choice_path])]
-            if live:
-                return live[-1]
-        return self.source_of(table_path)
 
     def problem(self, path: str, value: Any, why: str, fix: str, where: str | None = None) -> None:
         shown = str(value) if isinstance(value, CliText) else value
