@@ -124,20 +124,8 @@ def recover_history(path: str, start_step: int, last_logged: dict) -> History:
         if not any(_matches(line, last_logged) for line in lines):
             continue
         after = int(pattern.match(os.path.basename(aside)).group(1))
-        current = _read(path) if os.path.isfile(path) else []
-        keep = [_step_of(line) is not None and _step_of(line) <= after for line in current]
-        kept = [line for line, k in zip(current, keep) if k]
-        foreign = [line for line, k in zip(current, keep) if not k]
-        moved = None
-        if foreign:
-            moved = create_new(f"{stem}.after-step-{after}-{time.strftime('%Y%m%d-%H%M%S')}{ext}", _new_empty_file)
-            with open(moved, "w", encoding="utf-8") as fh:
-                fh.writelines(foreign)
         restored = [line for line in lines if _step_of(line) is not None and after < _step_of(line) <= start_step]
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(kept + restored)
-        os.replace(tmp, path)
+        moved = _keep_records_up_to(path, _read(path) if os.path.isfile(path) else [], after, then=restored)
         return History(restored_from=aside, foreign=moved)
     return History()
 
@@ -153,19 +141,26 @@ def set_aside_records_after(path: str, step: int) -> str | None:
     file's path, or None when every line stays."""
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as fh:
-        lines = fh.readlines()
-    steps = [_step_of(line) for line in lines]
-    later = [line for line, s in zip(lines, steps) if s is None or s > step]
-    if not later:
+    return _keep_records_up_to(path, _read(path), step)
+
+
+def _keep_records_up_to(path: str, lines: list[str], step: int, then: list[str] = ()) -> str | None:
+    """Rewrite `path` as the whole records of `lines` up to `step`, followed by `then`; the other lines (later
+    steps, a line cut short) go into a new metrics.after-step-<step>-<time> file beside it, whose path is
+    returned (None when every line stays and nothing is appended)."""
+    keep = [_step_of(line) is not None and _step_of(line) <= step for line in lines]
+    later = [line for line, k in zip(lines, keep) if not k]
+    if not later and not then:
         return None
-    stem, ext = os.path.splitext(path)
-    aside = create_new(f"{stem}.after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}{ext}", _new_empty_file)
-    with open(aside, "w", encoding="utf-8") as fh:
-        fh.writelines(line if line.endswith("\n") else line + "\n" for line in later)
+    aside = None
+    if later:
+        stem, ext = os.path.splitext(path)
+        aside = create_new(f"{stem}.after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}{ext}", _new_empty_file)
+        with open(aside, "w", encoding="utf-8") as fh:
+            fh.writelines(later)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        fh.writelines(line for line, s in zip(lines, steps) if s is not None and s <= step)
+        fh.writelines([line for line, k in zip(lines, keep) if k] + list(then))
     os.replace(tmp, path)
     return aside
 
