@@ -15,6 +15,8 @@ from nsa_titan.start_up import launcher_pid
 
 HALT_FILE = "HALT"
 LAUNCHER_ENDED = "its launcher ended"
+
+
 def _detach_from_terminal() -> None:
     """After a hang-up every write to the terminal fails (EIO): point stdout and stderr where nohup would, so
     the run's last lines cannot crash it between its step and its save."""

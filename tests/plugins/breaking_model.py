@@ -26,14 +26,6 @@ class BreakingBlock(TransformerBlock):
         return x + self.feed_forward(self.ffn_norm(x)) / scale
 
 
-class BreakingTransformer(Transformer):
-    def __init__(self, args: TransformerArgs, vocab_size: int):
-        super().__init__(args, vocab_size)
-        self.layers = nn.ModuleList(BreakingBlock(args) for _ in range(args.n_layers))
-        if not self.norm.weight.is_meta:
-            self.init_weights()
-
-
 class BranchingBlock(TransformerBlock):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -42,48 +34,37 @@ class BranchingBlock(TransformerBlock):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class BranchingTransformer(Transformer):
-    def __init__(self, args: TransformerArgs, vocab_size: int):
-        super().__init__(args, vocab_size)
-        self.layers = nn.ModuleList(BranchingBlock(args) for _ in range(args.n_layers))
-        if not self.norm.weight.is_meta:
-            self.init_weights()
-
-
 class EagerBlock(TransformerBlock):
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return super().forward(x, cos, sin)
 
 
-class EagerTransformer(Transformer):
-    def __init__(self, args: TransformerArgs, vocab_size: int):
+class TransformerOf(Transformer):
+    """The transformer with every block of the class `block`."""
+
+    def __init__(self, args: TransformerArgs, vocab_size: int, block: type[TransformerBlock]):
         super().__init__(args, vocab_size)
-        self.layers = nn.ModuleList(EagerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(block(args) for _ in range(args.n_layers))
         if not self.norm.weight.is_meta:
             self.init_weights()
 
 
-def build_breaking_transformer(args: TransformerArgs, vocab_size: int) -> BreakingTransformer:
-    return BreakingTransformer(args, vocab_size)
+def builder_of(block: type[TransformerBlock]):
+    def build(args: TransformerArgs, vocab_size: int) -> TransformerOf:
+        return TransformerOf(args, vocab_size, block)
 
-
-def build_branching_transformer(args: TransformerArgs, vocab_size: int) -> BranchingTransformer:
-    return BranchingTransformer(args, vocab_size)
-
-
-def build_eager_transformer(args: TransformerArgs, vocab_size: int) -> EagerTransformer:
-    return EagerTransformer(args, vocab_size)
+    return build
 
 
 # The plugin is imported again whenever a recipe naming it is resolved (e.g. once per test).
-register("model", "breaking_transformer", build_breaking_transformer, args=TransformerArgs,
+register("model", "breaking_transformer", builder_of(BreakingBlock), args=TransformerArgs,
          doc="transformer whose blocks read a tensor into Python (a graph break)", replace=True,
          **transformer_hooks())
-register("model", "branching_transformer", build_branching_transformer, args=TransformerArgs,
+register("model", "branching_transformer", builder_of(BranchingBlock), args=TransformerArgs,
          doc="transformer whose blocks branch on a tensor's value (a graph break even under fullgraph)", replace=True,
          **transformer_hooks())
-register("model", "eager_transformer", build_eager_transformer, args=TransformerArgs,
+register("model", "eager_transformer", builder_of(EagerBlock), args=TransformerArgs,
          doc="transformer whose blocks opt out of torch.compile", replace=True, **transformer_hooks())
 # The transformer without its hooks: the engine cannot tell its blocks, so it cannot compile them.
 register("model", "blockless_transformer", Transformer, args=TransformerArgs,
