@@ -455,3 +455,16 @@ def test_a_recipe_path_through_a_broken_link_says_so(tmp_path, capsys):
     loop.symlink_to(loop)
     code, err = run_cli(capsys, [str(loop)])
     assert code == 2 and "is a symbolic link that leads to no file" in err, err
+
+
+@pytest.mark.parametrize("flag,shown", [("--model.nsa.sel_block_size=0", "model.nsa.sel_block_size = 0: must be at least 1"),
+                                        ("--optimizer.lr=-1", "optimizer.lr = -1.0: must be greater than 0.0"),
+                                        ("--training.steps=x", "training.steps = 'x': expected a whole number")])
+def test_a_flag_out_of_range_shows_the_number_it_was_read_as(flag, shown):
+    """A flag's text that reads as a number but breaks a bound is shown as that number (0, not '0'); text that
+    does not read as the field's type is shown as typed."""
+    from nsa_titan.config.errors import RecipeError
+
+    with pytest.raises(RecipeError) as error:
+        resolve(["recipes/debug.toml", flag])
+    assert shown in str(error.value), str(error.value)

@@ -90,5 +90,5 @@ def test_sigusr1_during_start_up_writes_the_stacks_and_the_process_goes_on():
     # (a recipe error then ends it: nothing is made or trained)
     code, err = signal_once_imported(["-m", "nsa_titan.cli", "train", DEBUG, "--training.steps=0"],
                                      "components.errors", signal.SIGUSR1)
-    assert code == 2 and "training.steps = '0': must be at least 1" in err, err[-3000:]
+    assert code == 2 and "training.steps = 0: must be at least 1" in err, err[-3000:]
     assert "most recent call first" in err, err[-3000:]

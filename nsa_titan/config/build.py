@@ -123,15 +123,16 @@ class RecipeBuilder:
                 self.problem(path, None, "is required", f"set {path} in the recipe")
             return default
         raw = table[fld.name]
+        value = shown = raw  # a refusal shows the value as typed until it has the field's type (0, not '0')
         try:
-            value = coerce(raw, tp)
+            value = shown = coerce(raw, tp)
             check_bounds(value, fld.metadata)
             if "component" in fld.metadata:
                 registry.get(fld.metadata["component"], value)
                 if value in fld.metadata.get("exclude", ()):
                     raise _Invalid(fld.metadata["exclude"][value], f"choose another {fld.metadata['component']}")
         except _Invalid as bad:
-            self.problem(path, raw, bad.why, bad.fix)
+            self.problem(path, shown, bad.why, bad.fix)
             return default
         except registry.UnknownPartError as unknown:
             names = registry.available(unknown.kind)
