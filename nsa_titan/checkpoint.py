@@ -131,6 +131,12 @@ def weights_step_dir(path: str) -> str:
     return os.path.dirname(os.path.realpath(_weights_model_dir(path)))
 
 
+def data_mismatch_message(mismatch: DataStreamMismatch, path: str) -> str:
+    """A resume refused because the checkpoint's data stream is not the recipe's, with both ways on."""
+    return (f"{mismatch} (--checkpoint.data_mismatch=restart, resuming the model, optimizer and step), or take this "
+            f"checkpoint's weights only into a new --job.dump_folder with --checkpoint.initial_load_path={path}")
+
+
 class Checkpointer:
     def __init__(self, folder: str, *, keep_latest_k: int, async_mode: str, rank: int, world_size: int,
                  say: Callable[[str], None], context_parallel: int = 1):
@@ -411,9 +417,8 @@ class Checkpointer:
             raise UserError(f"checkpoint {path} was written with data layout {record.get('data_layout')} "
                             f"and this run has {data_layout}; the data cannot continue exactly. Fix: resume "
                             f"with the original world size and data.num_workers.")
-        ranks = ([self.rank // self.context_parallel * old_cp] if same_layout
-                 else [r * old_cp for r in range(old_world // old_cp)])
-        saved = [self._read_rank_file(step, r)["dataloader"] for r in ranks]
+        saved = (self.saved_data_states(step, record, ranks=[self.rank // self.context_parallel * old_cp])
+                 if same_layout else self.saved_data_states(step, record))
         try:
             if same_layout:
                 state.dataloader.load_state_dict(saved[0])
@@ -421,15 +426,21 @@ class Checkpointer:
                 state.dataloader = reshard_data(saved)
         except DataStreamMismatch as exc:  # the loader says what differs; the engine knows the ways on
             if restart_data is None:
-                raise UserError(f"{exc} (--checkpoint.data_mismatch=restart, resuming the model, optimizer and "
-                                f"step), or take this checkpoint's weights only into a new --job.dump_folder with "
-                                f"--checkpoint.initial_load_path={path}") from None
+                raise UserError(data_mismatch_message(exc, path)) from None
             state.dataloader = restart_data()
         if self.rank < old_world:
             _set_rng_state(self._read_rank_file(step, self.rank)["rng"])
         state.step = record["step"]
         state.tokens_seen = record["tokens_seen"]
         return record
+
+    def saved_data_states(self, step: int, record: dict, ranks: list[int] | None = None) -> list[dict]:
+        """The loader states `step` saved: one per data-parallel rank of the run that wrote it (a context-parallel
+        group's first rank holds its group's), or those of the given ranks."""
+        old_cp = int(record.get("context_parallel_degree", 1))  # data rank d was saved by rank d * old_cp
+        if ranks is None:
+            ranks = [r * old_cp for r in range(int(record["world_size"]) // old_cp)]
+        return [self._read_rank_file(step, r)["dataloader"] for r in ranks]
 
     def check_step(self, step: int) -> dict:
         """What a resume of `step` reads before its tensors: the COMPLETE marker and the files it records (their

@@ -442,3 +442,25 @@ def test_the_resume_check_reads_the_checkpoint_a_resume_would_load(tmp_path, cap
     assert code == 1 and status == "fail" and "rank-0.pt" in text and "load_step" in text, text
     code, lines = _doctor(capsys, *run, "--training.steps=4", "--checkpoint.load_step=1")
     assert lines["resume"][0] == "ok" and "step-1 (step 1, " in lines["resume"][1], lines["resume"]
+
+
+def test_the_resume_check_compares_the_saved_data_stream(tmp_path, capsys):
+    """A checkpoint whose data stream is not the recipe's (another seed) fails the check with the message a resume
+    would give; with checkpoint.data_mismatch = 'restart' it passes and says the data starts afresh."""
+    from tests.launch import TINY
+
+    run = [DEBUG, *TINY, "--checkpoint.enable=true", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *run, "--training.steps=2"]) == 0
+    capsys.readouterr()
+    code, lines = _doctor(capsys, *run, "--training.steps=4")
+    assert lines["resume"][0] == "ok" and "data stream" not in lines["resume"][1], lines["resume"]
+    code, lines = _doctor(capsys, *run, "--training.steps=4", "--job.seed=7")
+    status, text = lines["resume"]
+    assert code == 1 and status == "fail", lines["resume"]
+    assert "another data stream" in text and "job.seed 0 there, 7 here" in text, text
+    assert "--checkpoint.data_mismatch=restart" in text and "step-2" in text, text
+    assert cli.main(["train", *run, "--training.steps=4", "--job.seed=7"]) == 2  # as training refuses it
+    assert text.splitlines()[0].split(": ", 1)[1] in capsys.readouterr().err
+    code, lines = _doctor(capsys, *run, "--training.steps=4", "--job.seed=7", "--checkpoint.data_mismatch=restart")
+    status, text = lines["resume"]
+    assert status == "ok" and "the data starts from its beginning" in text, text

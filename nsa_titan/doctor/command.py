@@ -78,7 +78,7 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     data_check, tokenizer = _data(recipe, runtime)
     results.append(data_check)
     results.append(_guarded("dump folder", lambda: _dump_folder(recipe, tokenizer)))
-    results.append(_guarded("resume", lambda: _resume(resolved)))
+    results.append(_guarded("resume", lambda: _resume(resolved, runtime, tokenizer)))
     results.append(_guarded("NSA backend", lambda: checks.check_model(recipe, runtime.device,
                                                                        runtime.autocast_dtype)))
     if tokenizer is None:
@@ -97,10 +97,10 @@ def _data(recipe, runtime):
         return Check("data", FAIL, f"{type(exc).__name__}: {exc}"), None
 
 
-def _resume(resolved) -> Check:
+def _resume(resolved, runtime, tokenizer) -> Check:
     from nsa_titan.doctor.resume import check_resume
 
-    return check_resume(resolved)
+    return check_resume(resolved, runtime, tokenizer)
 
 
 def _dump_folder(recipe, tokenizer) -> Check:

@@ -2,20 +2,23 @@
 
 Training finds a damaged checkpoint only when it starts; a preflight that passed a run folder whose newest
 checkpoint a resume then refuses would be no preflight. The same finding and the same reads as a resume
-(marker, recorded checksums, train state, rank files, the model fields that trained the weights), no tensors.
+(marker, recorded checksums, train state, rank files, the model fields that trained the weights), no tensors;
+then whether the saved data stream is this recipe's (the loader a resume builds takes the saved states).
 """
 
 from __future__ import annotations
 
 import os
 
-from nsa_titan import registry
-from nsa_titan.checkpoint import Checkpointer, weights_step_dir
-from nsa_titan.doctor.checks import OK, Check
+from components.data import DataStreamMismatch, loader_state_by_logical_shard, merge_shard_states
+from nsa_titan import assemble, registry
+from nsa_titan.checkpoint import Checkpointer, data_mismatch_message, weights_step_dir
+from nsa_titan.doctor.checks import FAIL, OK, Check
 from nsa_titan.weight_source import changes_note, step_field_changes
 
 
-def check_resume(resolved) -> Check:
+def check_resume(resolved, runtime, tokenizer) -> Check:
+    """tokenizer: the data check's (None when it could not be built: the data stream then goes unchecked)."""
     recipe = resolved.recipe
     ckpt = recipe.checkpoint
     if not ckpt.enable:
@@ -34,5 +37,28 @@ def check_resume(resolved) -> Check:
                                  registry.get("model", recipe.model.name).args, path, notes.append, "resume")
     detail = (f"a resume loads {path} (step {record['step']}, {record['tokens_seen']:,} tokens seen, saved by "
               f"{record['world_size']} process(es)): complete, its files as written")
-    said = [note for note in [changes_note(changes), *notes] if note]  # allowed changes: said, not refused
+    stream = _data_stream_note(resolved.recipe, runtime, tokenizer, reader, step, record)
+    if isinstance(stream, Check):
+        return stream
+    said = [note for note in [changes_note(changes), *notes, stream] if note]  # allowed changes: said, not refused
     return Check("resume", OK, "; ".join([detail, *said]))
+
+
+def _data_stream_note(recipe, runtime, tokenizer, reader: Checkpointer, step: int, record: dict) -> str | Check:
+    """Whether the loader states `step` saved continue this recipe's data: "" when they do, a note when the recipe
+    restarts the data instead (checkpoint.data_mismatch = 'restart'), a failing check when a resume is refused.
+    Every data rank's states are merged into one loader, as a resume on another world size does."""
+    if tokenizer is None:
+        return "the data stream is not compared (the data check could not build the tokenizer)"
+    merged = merge_shard_states(*(loader_state_by_logical_shard(saved)
+                                  for saved in reader.saved_data_states(step, record)))
+    try:
+        assemble.build_loader(recipe, runtime, assemble.build_source(recipe), tokenizer, dp_rank=0, dp_size=1,
+                              split="train", batch_size=recipe.training.local_batch_size, shard_states=merged,
+                              num_workers=0)
+    except DataStreamMismatch as mismatch:
+        if recipe.checkpoint.data_mismatch == "restart":
+            return ("its data stream is not this recipe's: the data starts from its beginning "
+                    "(checkpoint.data_mismatch = 'restart')")
+        return Check("resume", FAIL, data_mismatch_message(mismatch, reader.step_dir(step)))
+    return ""
