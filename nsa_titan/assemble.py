@@ -25,6 +25,12 @@ def build_source(recipe: Recipe):
     return source
 
 
+def source_notes(recipe: Recipe, source) -> list[str]:
+    """What the source says a run over the recipe's logical shards should be told (once, not per worker)."""
+    notes = getattr(source, "shard_notes", None)
+    return list(notes(recipe.data.logical_shards)) if callable(notes) else []
+
+
 def build_model_on_meta(recipe: Recipe, vocab_size: int) -> nn.Module:
     """The model's structure without memory; parallelism is applied before weights exist."""
     part = registry.get("model", recipe.model.name)

@@ -168,6 +168,8 @@ class Trainer:
 
         self.tokenizer = assemble.build_tokenizer(recipe)
         self.source = assemble.build_source(recipe)
+        for note in assemble.source_notes(recipe, self.source) if runtime.is_main else ():
+            warn(note)
         self._build_model()
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)

@@ -572,3 +572,20 @@ def test_huggingface_a_position_that_is_not_one_is_refused(hf_row_groups):
     for state in ("[1, 2]", '{"datasets": "5.2.0"}', '"text"', "not JSON {", 7):
         with pytest.raises(UserError, match="saved position in the stream is not one this version writes"):
             list(HuggingFaceSource(args).documents(1, 4, "train", 4, 0, [1, state, 0, 0]))
+
+
+def test_huggingface_says_once_when_shards_outnumber_its_sources(hf_row_groups, caplog):
+    """18 row groups over 24 logical shards: every shard reads the whole stream; the source says so through
+    shard_notes (which the engine says once, on the first rank), not as a log line from every loader worker."""
+    from components.data.sources.mixture import MixtureSource
+
+    args, _ = hf_row_groups
+    source = HuggingFaceSource(args)
+    assert source.shard_notes(3) == [] and source.shard_notes(18) == []
+    (note,) = source.shard_notes(24)
+    assert "has 18 data source(s), fewer than data.logical_shards = 24" in note and "one document in 24" in note
+    with caplog.at_level("WARNING"):
+        docs = [d for s in (0, 23) for d, _ in HuggingFaceSource(args).documents(s, 24, "train", 0, 0, None)]
+    assert docs and not caplog.records, [r.getMessage() for r in caplog.records]
+    mixed = MixtureSource(["web", "code"], [0.5, 0.5], [source, HuggingFaceSource(args)])
+    assert mixed.shard_notes(24) == [f"mixture source 'web': {note}", f"mixture source 'code': {note}"]

@@ -464,3 +464,19 @@ def test_the_resume_check_compares_the_saved_data_stream(tmp_path, capsys):
     code, lines = _doctor(capsys, *run, "--training.steps=4", "--job.seed=7", "--checkpoint.data_mismatch=restart")
     status, text = lines["resume"]
     assert status == "ok" and "the data starts from its beginning" in text, text
+
+
+def test_the_data_check_warns_when_logical_shards_outnumber_the_sources(tmp_path, capsys):
+    """4 row groups over 8 logical shards: every shard would read the whole stream (the note training gives once)."""
+    from tests.launch import TINY
+    from tests.test_data_helpers import unique_texts, write_parquet
+
+    write_parquet(str(tmp_path / "a.parquet"), unique_texts(200, seed=1, prefix="x"), row_group_size=50)
+    hf = ["--data.source=huggingface", "--data.huggingface.path=parquet", "--data.huggingface.name=",
+          f"--data.huggingface.data_files={tmp_path / 'a.parquet'}", "--data.huggingface.validation_fraction=0.1",
+          f"--job.dump_folder={tmp_path / 'run'}"]
+    code, lines = _doctor(capsys, DEBUG, *TINY, *hf, "--data.logical_shards=8")
+    status, text = lines["data"]
+    assert status == "warn" and "has 4 data source(s), fewer than data.logical_shards = 8" in text, text
+    code, lines = _doctor(capsys, DEBUG, *TINY, *hf, "--data.logical_shards=4")
+    assert lines["data"][0] == "ok", lines["data"]

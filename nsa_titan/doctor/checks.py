@@ -117,6 +117,7 @@ def check_data(recipe, runtime) -> tuple[Check, object | None]:
         batch = next(iter(loader))
         scan = getattr(source, "scan", None)  # the whole corpus once: what a long run would meet late
         scanned = scan() if callable(scan) else ""
+        notes = assemble.source_notes(recipe, source)
     except UserError as exc:
         return Check(name, FAIL, str(exc)), tokenizer
     inputs = batch["input"]
@@ -128,7 +129,7 @@ def check_data(recipe, runtime) -> tuple[Check, object | None]:
     expected = (recipe.training.local_batch_size, recipe.training.seq_len)
     if tuple(inputs.shape) != expected or int(inputs.max()) >= tokenizer.vocab_size or int(inputs.min()) < 0:
         return Check(name, FAIL, detail + f"; expected shape {expected} and ids in 0..{tokenizer.vocab_size - 1}"), tokenizer
-    return Check(name, OK, detail), tokenizer
+    return Check(name, WARN if notes else OK, "; ".join([detail, *notes])), tokenizer
 
 
 def checkpoint_bytes(num_params: int, keep: int) -> int:

@@ -7,6 +7,9 @@ A source is a picklable object with:
   - optionally `has_split(split)`: False when the split is empty by construction (e.g. no
     validation held out), so the loader can refuse it before training;
   - optionally `check_tokenizer(tokenizer)`: raises UserError when the source cannot feed it;
+  - optionally `shard_notes(num_shards)`: what a run over that many logical shards should be told once (say,
+    shards that each read the whole stream), as sentences; the engine says them on the first rank, not in
+    every loader worker;
   - optionally `scan()`: reads the whole corpus once for what check() only samples (doctor calls it),
     raising UserError, else returning what it found in a few words;
   - `documents(shard, num_shards, split, seed, epoch, cursor)`: the documents of one logical shard

@@ -111,11 +111,10 @@ class HuggingFaceSource:
     def __init__(self, args: HuggingFaceArgs | None = None):
         self.args = args or HuggingFaceArgs()
         self._loaded: dict[str, object] = {}
-        self._warned = False
 
     def __getstate__(self):
         # Workers started by fork inherit the loaded streams; other start methods reload them.
-        return {"args": self.args, "_loaded": {}, "_warned": self._warned}
+        return {"args": self.args, "_loaded": {}}
 
     def has_split(self, split: str) -> bool:
         return split == "train" or bool(self.args.validation_split) or self.args.validation_fraction > 0
@@ -159,29 +158,37 @@ class HuggingFaceSource:
             self._loaded[hf_split] = ds
         return self._loaded[hf_split]
 
-    def _shard_dataset(self, shard: int, num_shards: int, hf_split: str):
-        from datasets.distributed import split_dataset_by_node
-
+    def _resharded(self, num_shards: int, hf_split: str):
+        """The split's stream, split into one source per parquet row group when its files do not divide."""
         key = f"{hf_split}/resharded-for-{num_shards}"
         if key not in self._loaded:
             base = self._load(hf_split)
             if base.num_shards % num_shards and hasattr(base, "reshard"):
                 base = base.reshard()  # parquet: one source per row group
             self._loaded[key] = base
-        base = self._loaded[key]
-        if base.num_shards % num_shards == 0:
-            return split_dataset_by_node(base, rank=shard, world_size=num_shards)
-        if base.num_shards >= num_shards:
+        return self._loaded[key]
+
+    def _shard_dataset(self, shard: int, num_shards: int, hf_split: str):
+        from datasets.distributed import split_dataset_by_node
+
+        base = self._resharded(num_shards, hf_split)
+        if base.num_shards % num_shards and base.num_shards >= num_shards:
             return base.shard(num_shards=num_shards, index=shard, contiguous=False)
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "%s has %d data sources, fewer than logical_shards=%d: every logical shard reads the whole "
-                "stream and keeps one document in %d. Use text_files over local parquet files or fewer "
-                "logical shards to read each file once.",
-                self._what(), base.num_shards, num_shards, num_shards,
-            )
+        # Divisible: whole sources per shard. Fewer sources than shards: every shard reads the whole stream and
+        # keeps one example in num_shards (shard_notes says so once).
         return split_dataset_by_node(base, rank=shard, world_size=num_shards)
+
+    def shard_notes(self, num_shards: int) -> list[str]:
+        splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
+        notes = []
+        for hf_split in dict.fromkeys(splits):
+            sources = self._resharded(num_shards, hf_split).num_shards
+            if sources < num_shards:
+                notes.append(f"{self._what()}, split {hf_split!r}, has {sources} data source(s), fewer than "
+                             f"data.logical_shards = {num_shards}: every logical shard reads the whole stream and "
+                             f"keeps one document in {num_shards}. Use text_files over local parquet files, or "
+                             f"fewer logical shards, to read each file once")
+        return notes
 
     def _texts(self, dataset, resumed: bool = False):
         field_name = self.args.text_field

@@ -90,6 +90,10 @@ class MixtureSource:
                  if callable(getattr(source, "scan", None))]
         return "; ".join(found)
 
+    def shard_notes(self, num_shards: int) -> list[str]:
+        return [f"mixture source {name!r}: {note}" for name, source in zip(self.names, self.sources)
+                if callable(getattr(source, "shard_notes", None)) for note in source.shard_notes(num_shards)]
+
     def check_tokenizer(self, tokenizer) -> None:
         for source in self.sources:
             check = getattr(source, "check_tokenizer", None)
