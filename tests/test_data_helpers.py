@@ -89,6 +89,7 @@ class ShardStreamModel:
         self.min_document_tokens = min_document_tokens
         self.tokens: list[int] = []
         self.epoch = 0
+        self.epoch_starts: list[int] = []  # the stream offset where each epoch's first document begins
         self.empty = not self._documents(0)
 
     def _documents(self, epoch: int) -> list[list[int]]:
@@ -98,12 +99,27 @@ class ShardStreamModel:
                 for d in shard_documents(source, shard, num_shards, split, seed, epoch)]
         return [d for d in docs if len(d) >= self.min_document_tokens]
 
-    def window(self, k: int, seq_len: int) -> torch.Tensor:
-        while len(self.tokens) < (k + 1) * seq_len + 1:
+    def _grow(self, length: int) -> None:
+        while len(self.tokens) < length:
+            self.epoch_starts.append(len(self.tokens))
             for doc in self._documents(self.epoch):
                 self.tokens += doc
             self.epoch += 1
+
+    def window(self, k: int, seq_len: int) -> torch.Tensor:
+        self._grow((k + 1) * seq_len + 1)
         return torch.tensor(self.tokens[k * seq_len : k * seq_len + seq_len + 1], dtype=torch.long)
+
+    def _epoch_at(self, k: int, seq_len: int) -> int:
+        """The epoch of the token window k starts at."""
+        self._grow(k * seq_len + 1)
+        return max(e for e, start in enumerate(self.epoch_starts) if start <= k * seq_len)
+
+    def position(self, k: int, seq_len: int) -> tuple[int, int]:
+        """(epoch, windows emitted in it) of a shard that has emitted k windows: the interleave's key."""
+        epoch = self._epoch_at(k, seq_len)
+        first = -(-self.epoch_starts[epoch] // seq_len)  # the first window starting in that epoch
+        return epoch, k - first
 
 
 def expected_batches(
@@ -137,7 +153,7 @@ def expected_batches(
         group = [s for s in groups[b % len(groups)] if not models[s].empty]
         rows, ids = [], []
         for _ in range(batch_size):
-            s = min(group, key=lambda x: (counts[x], x))
+            s = min(group, key=lambda x: (models[x].position(counts[x], seq_len), x))
             rows.append(models[s].window(counts[s], seq_len))
             ids.append(s)
             counts[s] += 1

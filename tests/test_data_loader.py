@@ -356,3 +356,25 @@ def test_check_runs_before_the_loader_is_built(tmp_path):
     source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "nothing" / "*.jsonl")]))
     with pytest.raises(UserError, match="matches no file"):
         build_dataloader(source, TOK, seq_len=8, batch_size=1)
+
+
+def test_shards_of_uneven_size_keep_in_step_across_epochs():
+    """Eight shards of 3.3k to 5.1k tokens: the windows that start in the first epoch all come before any that
+    start in the second, so no document is read twice before every document was read once (a small shard used
+    to start its next epoch while the large ones still held unread documents)."""
+    source = SyntheticSource(SyntheticArgs(num_documents=64, validation_documents=4, min_length=64, max_length=1024,
+                                           seed=0))
+    seq_len, shards = 64, 8
+    models = {s: ShardStreamModel(source, ByteTokenizer(), s, shards, "train", 0) for s in range(shards)}
+    # windows whose first token lies in epoch 0
+    first_epoch = {s: -(-sum(map(len, m._documents(0))) // seq_len) for s, m in models.items()}
+    assert max(first_epoch.values()) > 1.3 * min(first_epoch.values()), first_epoch  # uneven, as the test needs
+    loader = byte_loader(source, seq_len=seq_len, batch_size=1, logical_shards=shards)
+    it = iter(loader)
+    for _ in range(sum(first_epoch.values())):
+        next(it)
+    state = loader_state_by_logical_shard(loader.state_dict())
+    assert {s: (st["epoch"], st["windows"]) for s, st in state.items()} == {s: (1, n) for s, n in first_epoch.items()}
+    next(it)  # the second epoch begins with the shard of fewest windows, in shard order on ties
+    state = loader_state_by_logical_shard(loader.state_dict())
+    assert [s for s, st in state.items() if st["windows"] > first_epoch[s]] == [0]

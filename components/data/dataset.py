@@ -3,7 +3,9 @@
 It runs inside each DataLoader worker (tokenization happens there) on that worker's shards, and its
 state_dict()/load_state_dict() are what StatefulDataLoader snapshots per worker after every batch.
 The stream never ends: shards restart in a new epoch with a new order when their documents run out
-(unless `quotas` fix a set: each shard's first windows, after which the stream ends).
+(unless `quotas` fix a set: each shard's first windows, after which the stream ends). A worker's shards
+keep in step: one that finished its epoch waits until the others have, so no document comes twice
+before every document of those shards came once.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from components.data.packing import ShardPacker, document_tokens, fresh_shard_st
 from components.data.sharding import next_shard, shards_of_worker
 from components.data.tokenizers import encode_array
 
-_STATE_KEYS = ("epoch", "cursor", "skip", "windows", "empty")
+_STATE_KEYS = ("epoch", "cursor", "skip", "windows", "empty")  # and epoch_start_windows, absent from older states
 
 
 class DataStreamMismatch(UserError):
@@ -89,6 +91,8 @@ class PackedShardsDataset(IterableDataset):
             )
         for s in mine:
             self._states[s] = {k: states[s][k] for k in _STATE_KEYS}
+            if "epoch_start_windows" in states[s]:
+                self._states[s]["epoch_start_windows"] = states[s]["epoch_start_windows"]
 
     def check_stream(self, saved: str) -> None:
         if saved != self.stream_id:
@@ -151,7 +155,7 @@ class PackedShardsDataset(IterableDataset):
     def _windows(self, packers: dict[int, ShardPacker]):
         quotas = self.quotas
         while True:
-            live = {s: p.windows for s, p in packers.items()
+            live = {s: (p.epoch, p.windows - p.epoch_start_windows) for s, p in packers.items()
                     if not p.empty and (quotas is None or p.windows < quotas.get(s, 0))}
             if not live and quotas is not None:
                 return  # every shard gave its share, or holds no document

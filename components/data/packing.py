@@ -13,8 +13,10 @@ the model whatever the stream says (a row end is a boundary): a document cut by 
 continues as a document of its own in the next window.
 
 State is a position in the stream, independent of L: (epoch, cursor) of the first document not yet
-fully consumed, `skip` tokens into it, plus the count of windows emitted and whether the shard
-turned out to hold no documents. Resuming re-reads (and re-tokenizes) that one document.
+fully consumed, `skip` tokens into it, plus the count of windows emitted (and that count when the
+shard entered its epoch) and whether the shard turned out to hold no documents. Resuming re-reads
+(and re-tokenizes) that one document. A shard's epoch is that of the document holding its next
+window's first token.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ OpenDocuments = Callable[[int, Any], Iterator[tuple[np.ndarray, Any]]]
 
 
 def fresh_shard_state() -> dict:
-    return {"epoch": 0, "cursor": None, "skip": 0, "windows": 0, "empty": False}
+    return {"epoch": 0, "cursor": None, "skip": 0, "windows": 0, "epoch_start_windows": 0, "empty": False}
 
 
 class ShardPacker:
@@ -39,6 +41,8 @@ class ShardPacker:
         self._open = open_documents
         self.seq_len = seq_len
         self.windows = int(state["windows"])
+        # States saved before the count was kept resume as if their epoch began at the start.
+        self.epoch_start_windows = int(state.get("epoch_start_windows", 0))
         self.empty = bool(state["empty"])
         # Buffered documents: (tokens, epoch, cursor before the document).
         self._buffer: deque[tuple[np.ndarray, int, Any]] = deque()
@@ -50,16 +54,19 @@ class ShardPacker:
         self._reader_from_start = False
         self._reader_count = 0
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the first document not yet fully consumed (its next window starts in it)."""
+        return self._buffer[0][1] if self._buffer else self._read_epoch
+
     def state_dict(self) -> dict:
-        if self._buffer:
-            _, epoch, cursor = self._buffer[0]
-        else:
-            epoch, cursor = self._read_epoch, self._read_cursor
+        cursor = self._buffer[0][2] if self._buffer else self._read_cursor
         return {
-            "epoch": epoch,
+            "epoch": self.epoch,
             "cursor": cursor,
             "skip": self._offset,
             "windows": self.windows,
+            "epoch_start_windows": self.epoch_start_windows,
             "empty": self.empty,
         }
 
@@ -113,12 +120,15 @@ class ShardPacker:
                 break
         window = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
         # Advance by seq_len, keeping the window's last token as the next window's first.
+        epoch = self.epoch
         self._offset += self.seq_len
         while self._buffer and self._offset >= len(self._buffer[0][0]):
             first = self._buffer.popleft()[0]
             self._offset -= len(first)
             self._buffered -= len(first)
         self.windows += 1
+        if self.epoch != epoch:
+            self.epoch_start_windows = self.windows
         return window, np.asarray(starts, dtype=np.int64)
 
 

@@ -54,9 +54,10 @@ def shards_of_worker(rank_shards: list[int], worker_id: int, num_workers: int) -
     return rank_shards[worker_id::num_workers]
 
 
-def next_shard(counts: dict[int, int]) -> int:
-    """The interleave rule: fewest windows emitted first, then the lowest shard id."""
-    return min(counts, key=lambda s: (counts[s], s))
+def next_shard(positions: dict[int, tuple[int, int]]) -> int:
+    """The interleave rule over {shard: (epoch, windows emitted in that epoch)}: the earliest epoch first (a
+    shard that finished its epoch waits for the others), then the fewest windows, then the lowest shard id."""
+    return min(positions, key=lambda s: (positions[s], s))
 
 
 def _dataset_states(loader_state: dict) -> list[dict]:
