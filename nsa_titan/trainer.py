@@ -198,6 +198,8 @@ class Trainer:
         # and the model fields its weights mean, which a moved step folder (without the run's recipe.toml) keeps
         self.state.extra["model"] = model_fields_of(resolved.toml)
         self.state.extra["global_batch_size"] = self.global_batch  # what -1 meant at the world size that saved
+        if recipe.validation.enable:  # the held-out set's size, which global_batch_size = -1 ties to the local batch
+            self.state.extra["held_out_rows"] = held_out.held_out_rows(recipe)
         self.checkpointer = None
         ckpt = recipe.checkpoint
         if ckpt.enable or ckpt.initial_load_path:
@@ -348,6 +350,7 @@ class Trainer:
             if note:
                 self._say(note)
             self._say_derived_batch_change(record, step)
+            self._say_held_out_change(record, step)
             self._say_schedule_jump(saved_factor, step)
             if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only
                 self._say(f"checkpoint.initial_load_path = {ckpt.initial_load_path!r} is not used: this run resumes "
@@ -725,6 +728,27 @@ class Trainer:
         self._say(f"the global batch is {self.global_batch} sequences a step here and was {saved} in the run that "
                   f"saved step {step} ({record['world_size']} process(es)): training.global_batch_size = -1 follows "
                   f"the world size. {keep}")
+
+    def _say_held_out_change(self, record: dict, step: int) -> None:
+        """A resume whose held-out set has another size validates on other rows: its losses do not continue the
+        curve. With training.global_batch_size = -1 the set follows local_batch_size, which a scale-out (1 x 8 to
+        4 x 2 sequences) changes without a validation field changing."""
+        saved = record.get("held_out_rows")  # absent where the saving run did not validate, or kept no count
+        if not self.recipe.validation.enable or saved is None:
+            return
+        rows = held_out.held_out_rows(self.recipe)
+        if rows == saved:
+            return
+        t = self.recipe.training
+        per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size
+        why = ("validation.steps x training.local_batch_size, as training.global_batch_size = -1"
+               if t.global_batch_size == -1 else "validation.steps x training.global_batch_size")
+        keep = (f"To validate on the same rows, resume with --validation.steps={saved // per_step}."
+                if saved % per_step == 0 else
+                f"{saved} rows are no whole number of validation batches of {per_step} rows here, so the set cannot "
+                f"be kept.")
+        self._say(f"note: the held-out set is {rows} rows here ({why}) and was {saved} in the run that saved step "
+                  f"{step}: validation losses from here are over another set than the earlier ones. {keep}")
 
     def _out_of_memory_message(self, what: str, step: int, exc: BaseException) -> str:
         allocator = " ".join(str(exc).split()).split(" If reserved but unallocated")[0].split(" See documentation")[0]

@@ -88,6 +88,25 @@ def test_resume_at_another_world_size(tmp_path, before, after):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5), (step, resumed, expected)
 
 
+def test_a_resume_whose_held_out_set_has_another_size_says_so(tmp_path, capsys):
+    """With global_batch_size = -1 the held-out set is validation.steps x local_batch_size rows: a resume with
+    another local batch (as when 1 x 8 sequences become 4 x 2) validates on other rows, which the run says,
+    with the validation.steps that keeps the saved set."""
+    derived = [a for a in BASE if not a.startswith("--training.global_batch_size")]
+    argv = [*derived, f"--job.dump_folder={tmp_path}", "--validation.enable=true", "--validation.freq=2",
+            "--validation.steps=2", "--checkpoint.interval=2"]
+    assert cli.main(["train", *argv, "--training.steps=2"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=4", "--training.local_batch_size=1",
+                     "--validation.steps=4"]) == 0
+    assert "held-out set is" not in capsys.readouterr().out  # the same 4 rows as the step-2 save: nothing to say
+    assert cli.main(["train", *argv, "--training.steps=6", "--training.local_batch_size=1"]) == 0
+    said = capsys.readouterr().out
+    assert ("the held-out set is 2 rows here (validation.steps x training.local_batch_size, as "
+            "training.global_batch_size = -1) and was 4 in the run that saved step 4") in said, said
+    assert "resume with --validation.steps=4" in said, said
+
+
 @pytest.mark.slow
 def test_a_resume_on_fewer_processes_names_the_smaller_derived_batch(tmp_path, capsys):
     """global_batch_size = -1 means local x data-parallel size: two processes saved batches of 4, one resumes
