@@ -30,7 +30,8 @@ class Problem:
 
     def render(self) -> str:
         plain = self.value is None or dataclasses.is_dataclass(self.value)
-        shown = "" if plain else f" = {self.value!r}"
+        value = str(self.value).lower() if isinstance(self.value, bool) else repr(self.value)  # as TOML writes it
+        shown = "" if plain else f" = {value}"
         head = f"{self.where}: " if self.where else ""
         return f"{head}{self.field}{shown}: {self.why}. Fix: {self.fix}."
 

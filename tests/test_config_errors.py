@@ -375,6 +375,44 @@ def test_logical_shards_must_split_over_ranks(tmp_path):
     with pytest.raises(RecipeError) as info:
         resolve([path], world_size=2)
     assert "data.logical_shards" in info.value.render() and "data-parallel size 2" in info.value.render()
+    assert "or a data-parallel size that divides 3 (1 or 3)" in info.value.render()
+
+
+@pytest.mark.parametrize("world,flags,expected", [
+    (4, ["--parallelism.data_parallel_replicate_degree=3"],
+     "flag '--parallelism.data_parallel_replicate_degree=3': parallelism.data_parallel_replicate_degree = 3: the world "
+     "size 4 is not divisible by the fixed degree 3"),
+    (2, ["--parallelism.data_parallel_replicate_degree=-1"],
+     "flag '--parallelism.data_parallel_replicate_degree=-1': parallelism.data_parallel_replicate_degree = -1: only "
+     "one of the two degrees"),
+    (4, ["--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=3"],
+     "flag '--parallelism.data_parallel_shard_degree=3': parallelism.data_parallel_shard_degree = 3: the world size 4"),
+])
+def test_a_layout_problem_names_the_degree_that_was_set(world, flags, expected):
+    """Not the shard degree left at its default when the replicate degree is the one given."""
+    from nsa_titan.config import RecipeError, resolve
+
+    with pytest.raises(RecipeError) as info:
+        resolve([DEBUG, *flags], world_size=world)
+    assert expected in info.value.render(), info.value.render()
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--parallelism.fsdp_single_process=true"],
+     "parallelism.fsdp_single_process = true: is set on the command line, but it only applies to a job of one process"),
+    (["--parallelism.data_parallel_replicate_degree=2", "--parallelism.fsdp_reshard_after_forward=never"],
+     "parallelism.fsdp_reshard_after_forward = 'never': is set on the command line, but data_parallel_shard_degree "
+     "is 1 (DDP"),
+])
+def test_parallelism_flags_that_would_do_nothing_on_several_processes_are_refused(flags, expected):
+    from nsa_titan.config import RecipeError, resolve
+
+    with pytest.raises(RecipeError) as info:
+        resolve([DEBUG, *flags], world_size=2)
+    assert expected in info.value.render(), info.value.render()
+    # 'always' frees DDP's gathered low-precision copies: it does something
+    resolve([DEBUG, "--parallelism.data_parallel_replicate_degree=2",
+             "--parallelism.fsdp_reshard_after_forward=always"], world_size=2)
 
 
 def test_process_exit_code_and_no_traceback(tmp_path):

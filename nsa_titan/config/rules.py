@@ -16,6 +16,13 @@ def _changed(section, name: str) -> bool:
     return getattr(section, name) != getattr(type(section)(), name)
 
 
+def _divisors_text(n: int) -> str:
+    """'1, 2, 4, 8, 16, 32 or 64': the data-parallel sizes that share n logical shards equally."""
+    found = [d for d in range(1, n + 1) if n % d == 0]
+    shown = found if len(found) <= 12 else found[:11] + ["..."]
+    return ", ".join(map(str, shown[:-1])) + f" or {shown[-1]}" if len(shown) > 1 else str(shown[0])
+
+
 def _flagged(source_of, path: str) -> bool:
     """Whether a flag on the command line set the field (source_of names a flag first)."""
     return source_of(path).startswith("flag")
@@ -53,12 +60,13 @@ def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
         if value == 0:  # named as itself, not as a world size that the other degree cannot divide
             raise LayoutError("a degree is -1 (to fill what the others leave) or at least 1, not 0",
                               f"parallelism.{name}", "use -1 or a positive degree")
-    if rep == -1 and shard == -1:
-        raise LayoutError("only one of the two degrees may be -1")
+    if rep == -1 and shard == -1:  # shard's default is -1: the replicate degree was set to -1 too
+        raise LayoutError("only one of the two degrees may be -1", "parallelism.data_parallel_replicate_degree")
     if rep == -1 or shard == -1:
         known = shard if rep == -1 else rep
-        if world_size % known:
-            raise LayoutError(f"the {size_name} {world_size} is not divisible by the fixed degree {known}")
+        if world_size % known:  # named as the fixed degree, the one set
+            raise LayoutError(f"the {size_name} {world_size} is not divisible by the fixed degree {known}",
+                              f"parallelism.data_parallel_{'shard' if rep == -1 else 'replicate'}_degree")
         fill = world_size // known
         return (fill, shard) if rep == -1 else (rep, fill)
     if rep * shard != world_size:
@@ -82,7 +90,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add(exc.field, getattr(recipe.parallelism, exc.field.split(".")[1]), str(exc),
             exc.fix or "make replicate x shard x context_parallel_degree equal the number of processes (NGPU x "
                        "NNODES), or set one of replicate and shard to -1")
-        dp = world_size
+        dp, degrees = world_size, None
     else:
         for name, value in zip(("data_parallel_replicate_degree", "data_parallel_shard_degree"), degrees):
             if value < 1:
@@ -111,7 +119,8 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if recipe.data.logical_shards % dp:
         add("data.logical_shards", recipe.data.logical_shards,
             f"is not divisible by the data-parallel size {dp}, so ranks cannot own equal shards",
-            f"use a multiple of {dp}, e.g. {dp * max(1, recipe.data.logical_shards // dp)}")
+            f"use a multiple of {dp}, e.g. {dp * max(1, recipe.data.logical_shards // dp)}, or a data-parallel size "
+            f"that divides {recipe.data.logical_shards} ({_divisors_text(recipe.data.logical_shards)})")
 
     if recipe.metrics.telemetry_freq > 0:
         part = registry.get("model", recipe.model.name)
@@ -205,6 +214,17 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                 add(f"parallelism.{name}", getattr(par, name), f"is set on the command line, but one process "
                     f"without parallelism.fsdp_single_process {why}, so it would be ignored",
                     "remove it, or add --parallelism.fsdp_single_process=true (or launch several processes)")
+    if world_size is not None and world_size > 1:
+        if _flagged(source_of, "parallelism.fsdp_single_process"):
+            add("parallelism.fsdp_single_process", par.fsdp_single_process, f"is set on the command line, but it only "
+                f"applies to a job of one process and this one has {world_size}, so it would be ignored",
+                "remove it: with several processes the degrees choose FSDP2, HSDP or DDP")
+        if degrees is not None and degrees[1] * cp == 1 and par.fsdp_reshard_after_forward != "always" and \
+                _flagged(source_of, "parallelism.fsdp_reshard_after_forward"):
+            add("parallelism.fsdp_reshard_after_forward", par.fsdp_reshard_after_forward, "is set on the command "
+                "line, but data_parallel_shard_degree is 1 (DDP: every rank holds the whole model), where nothing is "
+                "resharded unless it is 'always' (which frees the gathered low-precision copies), so it would be "
+                "ignored", "remove it, or shard over several ranks (parallelism.data_parallel_shard_degree)")
     if recipe.activation_checkpoint.mode != "selective" and _set(recipe.activation_checkpoint, "activation_checkpoint",
                                                                  "selective_every", source_of):
         add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
