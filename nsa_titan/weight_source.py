@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from components.errors import UserError
 from nsa_titan.config.fields import default_of, is_dataclass_type, resolved_types
+from nsa_titan.config.toml_io import toml_value
 from nsa_titan.run_folder import model_fields_of, model_fields_of_step_folder
 
 
@@ -66,7 +67,8 @@ def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: 
     free = free_fields(args_cls) if args_cls is not None else set()
     blocked = [key for key in differ if key not in free]
     if blocked:
-        shown = "; ".join(f"{key} = {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in blocked[:4])
+        shown = "; ".join(f"{key} = {_as_written(theirs.get(key))} there, {_as_written(ours.get(key))} here"
+                          for key in blocked[:4])
         more = f"; and {len(blocked) - 4} more" if len(blocked) > 4 else ""
         allowed = f" ({', '.join(sorted(free))} may differ)" if free else ""
         lead, other = _READERS[reader]
@@ -95,3 +97,13 @@ def changes_note(changes: list[str]) -> str | None:
     """The note naming the allowed model-field changes (max_seq_len to extend the context, say): legal, and said
     so that no change passes unseen; None when there are none."""
     return f"note: the model differs from the one that trained these weights: {'; '.join(changes)}" if changes else None
+
+
+def _as_written(value: Any) -> str:
+    """A model field's value as a recipe writes it (true, not True); 'unset' where one side lacks it."""
+    if value is None:
+        return "unset"
+    try:
+        return toml_value(value)
+    except TypeError:
+        return repr(value)

@@ -347,7 +347,7 @@ def test_initial_load_path_takes_weights_only(tmp_path, capsys):
             f"--checkpoint.initial_load_path={source}/checkpoint/step-2"]
     assert cli.main(["train", *tied]) == 2
     err = capsys.readouterr().err
-    assert "holds weights trained with other model fields: model.tie_embeddings = False there, True here" in err
+    assert "holds weights trained with other model fields: model.tie_embeddings = false there, true here" in err
     assert f"Fix: set those fields to the values in {source / 'checkpoint' / 'step-2' / 'train_state.json'}" in err
     # The source run went on with another window: step 2 is still judged by the fields that trained it, step 3
     # by the new ones; by the fields the step records, and for steps of an older release that records none, by
