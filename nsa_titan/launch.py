@@ -23,10 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     from nsa_titan.cli import say_error_line
     from nsa_titan.parallel.distributed import PEER_LOST_EXIT_CODE
 
-    # Its log line for a failed rank ("failed (exitcode: 2) local_rank: 1 ...") says what the line below says;
-    # its other lines (a worker that would not stop, and was killed) stay.
+    # Its log lines for a failed rank ("failed (exitcode: 2) local_rank: 1 ...") and for the ranks it then ends
+    # ("Sending process 123 closing signal SIGTERM") say what the line below says; its other lines (a worker
+    # that would not stop, and was killed) stay.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
-        lambda record: not str(record.msg).startswith("failed (exitcode"))
+        lambda record: not str(record.msg).startswith(("failed (exitcode", "Sending process")))
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)

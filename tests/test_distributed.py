@@ -214,6 +214,7 @@ def test_a_rank_without_data_ends_the_run_with_one_message(tmp_path):
                if line.startswith("error: rank 0"))
     assert len(said) <= 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "failed (exitcode" not in proc.stderr, proc.stderr[-3000:]  # torchrun's own log line of the same
+    assert "closing signal" not in proc.stderr, proc.stderr[-3000:]  # nor its line for each rank it then ends
 
 
 def test_halt_file_stops_every_rank_at_the_same_step(tmp_path):
