@@ -31,6 +31,27 @@ def free_fields(args_cls: type, prefix: str = "model") -> set[str]:
     return free
 
 
+def switched_tables(args_cls: type, prefix: str = "model") -> dict[str, tuple[str, Any]]:
+    """{table path: (the sibling's path, the value that switches the table on)} for tables marked used_when
+    (model.nsa is used only while model.attention = 'nsa')."""
+    found: dict[str, tuple[str, Any]] = {}
+    hints = resolved_types(args_cls)
+    for fld in dataclasses.fields(args_cls):
+        path = f"{prefix}.{fld.name}"
+        if "used_when" in fld.metadata:
+            sibling, wanted = fld.metadata["used_when"]
+            found[path] = (f"{prefix}.{sibling}", wanted)
+        if is_dataclass_type(hints[fld.name]):
+            found.update(switched_tables(hints[fld.name], path))
+    return found
+
+
+def _in_use(key: str, fields: dict[str, Any], switches: dict[str, tuple[str, Any]]) -> bool:
+    """Whether the field `key` means something to the model `fields` describe (its table is switched on)."""
+    return all(fields.get(sibling) == wanted for table, (sibling, wanted) in switches.items()
+               if key.startswith(table + "."))
+
+
 def field_defaults(args_cls: type, prefix: str = "model") -> dict[str, Any]:
     """Dotted paths of the fields with a default, and the default (a nested table's fields under it)."""
     defaults: dict[str, Any] = {}
@@ -63,8 +84,12 @@ def model_field_changes(theirs: dict[str, Any], ours: dict[str, Any], args_cls: 
     command reading a checkpoint (export, eval, plot: "read")."""
     if args_cls is not None:  # a field the weights' recipe predates had its default there
         theirs = {**field_defaults(args_cls), **theirs}
-    differ = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
-    free = free_fields(args_cls) if args_cls is not None else set()
+    switches = switched_tables(args_cls) if args_cls is not None else {}
+    # A switched-off table's fields (model.nsa on a dense model) mean nothing to the weights: where the switch
+    # differs, the switch is the change to name.
+    differ = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key)
+                    and _in_use(key, theirs, switches) and _in_use(key, ours, switches))
+    free = {key for key in (free_fields(args_cls) if args_cls is not None else set()) if _in_use(key, ours, switches)}
     blocked = [key for key in differ if key not in free]
     if blocked:
         shown = "; ".join(f"{key} = {_as_written(theirs.get(key))} there, {_as_written(ours.get(key))} here"
