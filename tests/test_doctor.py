@@ -480,3 +480,16 @@ def test_the_data_check_warns_when_logical_shards_outnumber_the_sources(tmp_path
     assert status == "warn" and "has 4 data source(s), fewer than data.logical_shards = 8" in text, text
     code, lines = _doctor(capsys, DEBUG, *TINY, *hf, "--data.logical_shards=4")
     assert lines["data"][0] == "ok", lines["data"]
+
+
+def test_the_backend_check_fails_where_training_would_refuse_the_backend(monkeypatch):
+    """The Triton backend on a CPU without the interpreter: training refuses to start, so the check fails (it
+    only warned) with training's message and fix."""
+    monkeypatch.setattr("components.nsa.triton.launch.interpreting", lambda: False)
+    from tests.launch import REPO_ROOT
+
+    recipe = resolve([f"{REPO_ROOT}/recipes/nsa_125m.toml"], world_size=None).recipe
+    check = checks.check_model(recipe, torch.device("cpu"))
+    assert check.status == "fail" and check.name == "NSA backend 'triton' on cpu", check
+    assert "runs CUDA kernels, but this run is on cpu" in check.detail and "--model.nsa.backend=reference" in \
+        check.detail, check

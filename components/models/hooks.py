@@ -44,7 +44,7 @@ import time
 import torch
 
 from components.errors import UserError
-from components.model_hooks import FAIL, OK, WARN, ActivationMemory, MemoryLayout, ParallelPlan, SelfCheck, ShardGroup
+from components.model_hooks import FAIL, OK, ActivationMemory, MemoryLayout, ParallelPlan, SelfCheck, ShardGroup
 from components.models.args import TransformerArgs
 from components.models.dense_documents import flex_attention_runs
 from components.models.flops import flops_per_token
@@ -130,10 +130,9 @@ def self_check(args: TransformerArgs, device: torch.device, compute_dtype: torch
     if args.attention != "nsa":
         return SelfCheck("NSA backend", OK, f"not used (attention {args.attention!r})")
     name = f"NSA backend {nsa.backend!r} on {device.type}"
-    if _triton_without_cuda(args, device):
-        return SelfCheck(name, WARN, "skipped: the Triton kernels need a CUDA GPU (or Triton's interpreter, "
-                                     "TRITON_INTERPRET=1); training here would fail. Fix: run on a GPU or use "
-                                     "--model.nsa.backend=reference")
+    problem = device_problem(args, device)
+    if problem:  # training here refuses to start: so does the check
+        return SelfCheck(name, FAIL, problem)
     hyper = dict(block_size=nsa.block_size, block_stride=nsa.block_stride, sel_block_size=nsa.sel_block_size,
                  num_selected=args.slots_used, window_size=nsa.window_size)
     start = time.perf_counter()

@@ -173,11 +173,15 @@ def check_model(recipe, device: torch.device, compute_dtype: torch.dtype | None 
 
     from nsa_titan import registry
 
-    hook = registry.get("model", recipe.model.name).self_check
+    part = registry.get("model", recipe.model.name)
+    hook = part.self_check
+    problem = part.device_problem(recipe.model.args, device) if part.device_problem is not None else None
     if hook is None:
-        return Check("model self-check", OK, f"model {recipe.model.name!r} has none")
+        return Check("model self-check", FAIL if problem else OK, problem or f"model {recipe.model.name!r} has none")
     takes_dtype = "compute_dtype" in inspect.signature(hook).parameters  # (args, device) hooks keep working
     result = hook(recipe.model.args, device, **({"compute_dtype": compute_dtype} if takes_dtype else {}))
+    if problem and result.status != FAIL:  # what training refuses at its start fails here too
+        return Check(result.name, FAIL, problem)
     return Check(result.name, result.status, result.detail)
 
 
