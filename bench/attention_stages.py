@@ -6,7 +6,8 @@ Stages, in the order the op runs them: the compressed branch (interval attention
 compressed keys), block selection, the selected branch, the window branch, and the gating. Each is
 timed forward, and backward from a random output gradient (selection has no backward). The selected
 branch's launchers are also timed in both of its layouts (query- and block-major forward and dQ,
-tile_configs.selected_layout), side by side. Results go to
+tile_configs.selected_layout), side by side; and the whole op's forward + backward against the host's time to
+issue it (and the kernels it launches), which shows a length where launches, not kernels, set the pace. Results go to
 bench/results/attention_stages-<gpu>-<time>.json with the environment. Needs CUDA; --allow-cpu
 runs it under Triton's interpreter at tiny sizes as a smoke test (times mean nothing there).
 """
@@ -88,6 +89,42 @@ def stage_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
     return rows
 
 
+def host_overhead(args, T: int, dtype: torch.dtype, device: str, calls: int = 20) -> dict:
+    """Whether the whole op (forward + backward, as training calls it) is bound by the host: the time Python
+    takes to issue one call (no synchronisation inside it, so the GPU works behind it) against the GPU time of
+    one, and on CUDA the kernels one call launches. Issue time near the GPU time means the GPU waits for
+    launches: fewer kernels or CUDA graphs help there, faster kernels do not."""
+    from components.nsa.op import nsa_attention
+
+    inputs = nsa_inputs(args, T, dtype, device)
+    hyper = dict(block_size=args.block_size, block_stride=args.block_stride, sel_block_size=args.sel_block_size,
+                 num_selected=args.num_selected, window_size=args.window_size, backend="triton")
+    grad = torch.randn_like(inputs[0])
+
+    def call():
+        torch.autograd.grad(nsa_attention(*inputs, **hyper), inputs, grad)
+
+    call()  # warm: compiled kernels, allocator
+    issue = []
+    for _ in range(calls if device == "cuda" else 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        issue.append((time.perf_counter() - start) * 1e3)
+    row = {"seq_len": T, "issue_ms": sorted(issue)[len(issue) // 2], "total_ms": timer(device, args.rep_ms)(call)}
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        row["kernels"] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    row["issue_share"] = row["issue_ms"] / row["total_ms"]
+    return row
+
+
 def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
     """The selected branch's forward and backward launchers, once per layout, on one selection."""
     from components.nsa.triton import ops
@@ -147,7 +184,7 @@ def main(argv=None) -> int:
         return 2
     dtype = DTYPES[args.dtype]
     report = {"benchmark": "attention_stages", "environment": describe_environment(), "config": vars(args),
-              "results": [], "selected_layouts": []}
+              "results": [], "selected_layouts": [], "host_overhead": []}
     path = args.out or environment.results_path("attention_stages")
     for T in args.seq_lens:
         for row in stage_times(args, T, dtype, device):
@@ -161,6 +198,11 @@ def main(argv=None) -> int:
                       if "fwd_extra_gib" in row else "")
             print(f"T={T:6d} selected, {row['layout']}-major forward and dQ: {row['fwd_ms']:9.3f} ms fwd  "
                   f"{row['bwd_ms']:9.3f} ms bwd{memory}", flush=True)
+        row = host_overhead(args, T, dtype, device)
+        report["host_overhead"].append(row)
+        kernels = f", {row['kernels']} kernels" if "kernels" in row else ""
+        print(f"T={T:6d} whole op fwd+bwd: {row['total_ms']:9.3f} ms, of which the host takes {row['issue_ms']:.3f} "
+              f"ms to issue ({row['issue_share']:.0%}{kernels})", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
         write_report(report, "attention_stages", path)  # after every length: a run cut short keeps what ran

@@ -11,7 +11,8 @@
 #              run side by side: they check results, they time nothing.
 #   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens, 125M and paper heads
 #              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
-#              where the NSA op's time goes, and the selected branch's two layouts side by side
+#              where the NSA op's time goes, the selected branch's two layouts side by side, and whether
+#              the host's launches set the op's pace (2k, 8k, 64k)
 #   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k;
 #              python -m bench.loss_memory at 65,536 tokens; nsa_125m at 2k with CUDA graphs
 #              (compile.mode = reduce-overhead)
@@ -144,7 +145,7 @@ phase_check() {
 }
 phase_attention() {
   step attention_125m 150 "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 --packed 1024 8192
-  step attention_stages 60 "$py" -m bench.attention_stages --seq-lens 8192 65536
+  step attention_stages 60 "$py" -m bench.attention_stages --seq-lens 2048 8192 65536
   step attention_paper 120 "$py" -m bench.attention --preset paper --seq-lens 2048 8192 32768 65536
   step attention_stages_paper 60 "$py" -m bench.attention_stages --preset paper --seq-lens 8192 65536
 }

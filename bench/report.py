@@ -107,6 +107,13 @@ def stage_tables(report: dict) -> list[str]:
             extra = (f"{r['fwd_extra_gib']:.2f} / {r['bwd_extra_gib']:.2f}" if "fwd_extra_gib" in r else "-")
             lines.append(f"| {r['seq_len']} | {r['layout']}-major | {_ms(r['fwd_ms'])} | {_ms(r['bwd_ms'])} | "
                          f"{_ms(r.get('lists_ms'))} | {extra} |")
+    host = report.get("host_overhead", [])
+    if host:
+        lines += ["", "The whole op, forward + backward, against the host's time to issue it:", "",
+                  "| tokens | op ms | host issue ms | share | kernels |", "| --- | --- | --- | --- | --- |"]
+        for r in host:
+            lines.append(f"| {r['seq_len']} | {_ms(r['total_ms'])} | {_ms(r['issue_ms'])} | {r['issue_share']:.0%} | "
+                         f"{r.get('kernels', '-')} |")
     return lines
 
 

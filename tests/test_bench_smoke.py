@@ -145,8 +145,11 @@ def test_attention_stages_times_every_stage(tmp_path):
     assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["lists_ms"] > 0 for r in layouts)
     from bench.report import render  # the README's table reads this file
 
+    (host,) = json.loads(out.read_text())["host_overhead"]
+    assert host["seq_len"] == 40 and host["total_ms"] > 0 and host["issue_ms"] > 0
     table = render(json.loads(out.read_text()))
     assert "| 40 | selected |" in table and "| 40 | block-major |" in table
+    assert "| 40 | " in table.split("host's time to issue it")[1]
 
 
 def test_attention_speedups_pair_each_nsa_timing_with_sdpa_at_the_same_length_and_mode():
