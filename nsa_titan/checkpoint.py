@@ -161,19 +161,20 @@ class Checkpointer:
         return os.path.join(self.folder, f"step-{step}")
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, state: RunState, *, data_layout: dict, wait: bool = False) -> None:
-        """Save the run at state.step; with async_mode the model/optimizer write overlaps training."""
+    def save(self, state: RunState, *, data_layout: dict, wait: bool = False, good: bool = True) -> None:
+        """Save the run at state.step; with async_mode the model/optimizer write overlaps training. good=False:
+        the step ends a run of skipped (NaN/Inf) steps; retention keeps the newest good checkpoint beside it."""
         self.finish_pending()  # one save in flight at a time; also completes the previous one
         path = self.step_dir(state.step)
         if self.rank == 0 and os.path.lexists(path):
             self._clear_leftover(path)
         _barrier()
-        stepped = _has_stepped(state.optimizer)
+        stepped = has_stepped(state.optimizer)
         with self._writing(state.step):
             os.makedirs(os.path.join(path, "ranks"), exist_ok=True)
             self._save_rank_state(state, path)
             if self.rank == 0:
-                self._save_train_state(state, path, data_layout, stepped)
+                self._save_train_state(state, path, data_layout, stepped, good)
         tensors = {"model": get_model_state_dict(state.model),
                    "optimizer": get_optimizer_state_dict(state.model, state.optimizer)}
         if not stepped:
@@ -279,11 +280,12 @@ class Checkpointer:
         torch.save(payload, buffer)
         _write_atomically(os.path.join(path, "ranks", f"rank-{self.rank}.pt"), buffer.getvalue())
 
-    def _save_train_state(self, state: RunState, path: str, data_layout: dict, optimizer_stepped: bool) -> None:
+    def _save_train_state(self, state: RunState, path: str, data_layout: dict, optimizer_stepped: bool,
+                          good: bool = True) -> None:
         record = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size,
                   "context_parallel_degree": self.context_parallel, "data_layout": data_layout,
                   "lr_scheduler": state.lr_scheduler.state_dict(), "optimizer_stepped": optimizer_stepped,
-                  "saved_at": time.time(), **state.extra}
+                  "good": good, "saved_at": time.time(), **state.extra}
         _write_atomically(os.path.join(path, "train_state.json"), json.dumps(record, indent=1).encode())
 
     def _checksums_when_written(self, written: Future, step: int) -> dict[str, list[int]]:
@@ -315,12 +317,36 @@ class Checkpointer:
         if self.keep_latest_k <= 0:
             return
         done = complete_steps(self.folder)
-        for step in done[: -self.keep_latest_k]:
+        drop = done[: -self.keep_latest_k]
+        if drop and not any(self._is_good(step) for step in done[-self.keep_latest_k:]):
+            # Every kept step ends a run of skipped steps: the newest good one stays too, for a run that stops
+            # on them (its weights are the same; its data and schedule stand before the bad batches).
+            good = next((step for step in reversed(drop) if self._is_good(step)), None)
+            if good is not None:
+                drop.remove(good)
+                if good == done[-self.keep_latest_k - 1]:  # said once, as it leaves the newest k
+                    self.say(f"keeping {self.step_dir(good)} beside the newest {self.keep_latest_k} "
+                             f"(checkpoint.keep_latest_k): the steps saved since ended runs of steps skipped as "
+                             f"NaN/Inf, and it is the newest checkpoint of a good step")
+        for step in drop:
             _remove_step(self.step_dir(step))
         newest = done[-1] if done else None
         for step in incomplete_steps(self.folder):
             if newest is not None and step < newest:
                 _remove_step(self.step_dir(step))
+
+    def _is_good(self, step: int) -> bool:
+        """Whether `step` was saved after a good step (checkpoints that predate the record count as good; one
+        whose train state cannot be read does not)."""
+        try:
+            with open(os.path.join(self.step_dir(step), "train_state.json"), encoding="utf-8") as fh:
+                return json.load(fh).get("good", True) is True
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def newest_good_step(self) -> int | None:
+        """The newest complete checkpoint saved after a good step (not at the end of a run of skipped ones)."""
+        return next((step for step in reversed(complete_steps(self.folder)) if self._is_good(step)), None)
 
     # -- loading ---------------------------------------------------------------------------------
     def agree_resume_step(self, load_step: int, branch: dict | None = None) -> int | None:
@@ -471,6 +497,8 @@ class Checkpointer:
             problem = found and f"its nan_guard entry is {found}"
         if problem is None and not isinstance(record.get("optimizer_stepped", True), bool):
             problem = f"its optimizer_stepped is {record['optimizer_stepped']!r}, not true or false"
+        if problem is None and not isinstance(record.get("good", True), bool):
+            problem = f"its good is {record['good']!r}, not true or false"
         if problem is None and record["step"] != step:
             problem = f"its step is {record['step']}, not the folder's {step}"
         if problem:
@@ -678,7 +706,7 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+def has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer holds state, i.e. has made an update (every step so far may have been skipped)."""
     return any(len(entry) for entry in optimizer.state.values())
 

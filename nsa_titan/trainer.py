@@ -20,7 +20,7 @@ from components.sequence_shard import SequenceShard
 
 from components.data import no_documents_error, signal_that_ended, worker_died
 from nsa_titan import assemble, held_out, registry
-from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
+from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, has_stepped, weights_step_dir
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.config.schema import CUDA_GRAPH_MODES
@@ -393,7 +393,12 @@ class Trainer:
             return f"the same command would not resume: {exc}"
         if step is None:
             return "no checkpoint was saved yet, so the same command starts the run over"
-        return f"the same command then resumes from {self.checkpointer.step_dir(step)}"
+        way = f"the same command then resumes from {self.checkpointer.step_dir(step)}"
+        good = self.checkpointer.newest_good_step() if self.nan_guard.consecutive_bad else None
+        if good is not None and good < step:  # the resumed step ends skipped steps: the weights are the same
+            way += (f" (past the skipped steps' batches, with the same weights); --checkpoint.load_step={good} "
+                    f"resumes before them, from the newest checkpoint of a good step")
+        return way
 
     def _weight_source_changes(self, path: str, resumed: bool = False) -> list[str]:
         """The model fields in which this run differs from the one that trained the step folder at `path` (a
@@ -695,6 +700,20 @@ class Trainer:
         group = self.optimizer.param_groups[0]
         return group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0
 
+    def _nan_fixes(self) -> list[str]:
+        """What the run's settings leave to change after a NaN/Inf stop: no learning-rate advice before any
+        update was applied (the weights and data gave it), no clipping advice when clipping is on, no
+        float32 advice when the run computes in float32."""
+        fixes = (["lower optimizer.lr or raise lr_scheduler.warmup_steps"] if has_stepped(self.optimizer) else
+                 ["look at the initial weights (model.init_std) and the first batches' data: no update was applied "
+                  "before it, so the learning rate is not the cause"])
+        if self.recipe.training.max_norm == 0:
+            fixes.append("set training.max_norm > 0 to clip gradients")
+        if self.runtime.autocast_dtype is not None:
+            fixes.append("train in float32 (training.dtype = 'float32') to rule out overflow in "
+                         f"{str(self.runtime.autocast_dtype).removeprefix('torch.')}")
+        return fixes + ["raise fault.max_bad_steps to ride out isolated spikes"]
+
     def _say_schedule_jump(self, saved: float, step: int) -> None:
         """A resume whose schedule fields changed (training.steps extended, say) continues the new schedule
         at the saved step: a run already in its decay jumps back up, which the recipe-change note alone does
@@ -845,7 +864,8 @@ class Trainer:
             if decision == STOP:
                 if self.checkpointer is not None:  # a background save of a good step completes first; every
                     self.checkpointer.finish_pending()  # rank stops here (the guard's answer is agreed)
-                raise TrainingFault(self.nan_guard.stop_message(state.step, self._way_on()), NUMERICAL_FAULT_EXIT,
+                raise TrainingFault(self.nan_guard.stop_message(state.step, self._way_on(), self._nan_fixes()),
+                                    NUMERICAL_FAULT_EXIT,
                                     every_rank=True)
             if decision == SKIP and self.runtime.is_main:
                 warn(self.nan_guard.skip_message(state.step))
@@ -922,7 +942,10 @@ class Trainer:
         state = self.state
         state.extra["nan_guard"] = self.nan_guard.state_dict()
         state.extra["elapsed_s"] = self._elapsed_before + time.perf_counter() - run_start
-        self.checkpointer.save(state, data_layout=self._data_layout(), wait=wait)
+        # A step that ends a run of skipped (NaN/Inf) steps is saved (a resume goes on past its batches), but
+        # retention keeps the newest checkpoint of a good step beside it, which a run that then stops needs.
+        self.checkpointer.save(state, data_layout=self._data_layout(), wait=wait,
+                               good=self.nan_guard.consecutive_bad == 0)
         self.watchdog.beat(state.step)
 
     def _stop_asked_meanwhile(self) -> bool:

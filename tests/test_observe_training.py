@@ -250,6 +250,34 @@ def test_the_run_of_bad_steps_is_counted_across_a_resume(tmp_path):
     assert "error: stopping at step 5" in resumed.stderr and "3 step(s) in a row (3 in total)" in resumed.stderr
 
 
+def test_a_stop_on_bad_steps_keeps_the_newest_good_checkpoint(tmp_path):
+    """Every step from 3 on is NaN; steps are saved (each ends a run of skipped ones) with keep_latest_k = 2, and
+    step 6 stops the run: step 2's checkpoint, the newest of a good step, is kept beside 4 and 5, and the stop
+    names it. The fixes are those the run's settings leave (it clips, and computes in float32)."""
+    out = tmp_path / "run"
+    proc = train([*BASE, "--training.steps=10", "--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step",
+                  "--model.nan_at_step=3", "--model.nan_steps=0", "--fault.max_bad_steps=3",
+                  "--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_latest_k=2",
+                  f"--job.dump_folder={out}"])
+    assert proc.returncode == NUMERICAL_FAULT_EXIT, proc.stderr[-3000:]
+    assert complete_steps(str(out / "checkpoint")) == [2, 4, 5]
+    assert proc.stdout.count(f"keeping {out / 'checkpoint' / 'step-2'} beside the newest 2") == 1, proc.stdout
+    error = proc.stderr[proc.stderr.index("error: stopping at step 6"):]
+    assert f"resumes from {out / 'checkpoint' / 'step-5'} (past the skipped steps' batches" in error, error
+    assert "--checkpoint.load_step=2 resumes before them" in error, error
+    assert "lower optimizer.lr" in error and "max_norm" not in error and "float32" not in error, error
+    assert "warning: warning:" not in proc.stderr and proc.stderr.count("warning: step") == 3, proc.stderr[-3000:]
+
+
+def test_a_bad_first_step_blames_the_weights_or_data_not_the_learning_rate(tmp_path):
+    proc = train([*BASE, "--training.steps=3", "--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step",
+                  "--model.nan_at_step=1", "--model.nan_steps=0", "--training.max_norm=0"])
+    assert proc.returncode == NUMERICAL_FAULT_EXIT, proc.stderr[-3000:]
+    error = proc.stderr[proc.stderr.index("error: stopping at step 1"):]
+    assert "look at the initial weights (model.init_std)" in error and "lower optimizer.lr" not in error, error
+    assert "set training.max_norm > 0" in error, error
+
+
 def test_a_resume_logs_each_step_once(tmp_path, capsys):
     """A crash after step 6 with the last checkpoint at 4: the resumed run logs 5 and 6 again. metrics.jsonl
     and TensorBoard then hold each step once, the new values; the old records of 5 and 6 are set aside."""

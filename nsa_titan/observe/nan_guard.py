@@ -66,16 +66,21 @@ class NanGuard:
         self.last_bad_step = state["last_bad_step"]
 
     def skip_message(self, step: int) -> str:
-        return (f"warning: step {step}: the loss or gradient norm is NaN/Inf on some rank; the update was skipped "
+        return (f"step {step}: the loss or gradient norm is NaN/Inf on some rank; the update was skipped "
                 f"({self.consecutive_bad} bad step(s) in a row, {self.total_bad} in total; "
                 f"fault.max_bad_steps = {self.max_bad_steps})")
 
-    def stop_message(self, step: int, way_on: str = "resume from the last checkpoint") -> str:
-        """The message for a run stopped by the guard: what happened, what to change and `way_on` (which
-        checkpoint a rerun resumes, or that none was saved)."""
+    def stop_message(self, step: int, way_on: str = "resume from the last checkpoint",
+                     fixes: list[str] | None = None) -> str:
+        """The message for a run stopped by the guard: what happened, `fixes` (what the run's settings leave to
+        change; a general list when not given) and `way_on` (which checkpoint a rerun resumes, or that none
+        was saved)."""
+        fixes = fixes or ["lower optimizer.lr or raise lr_scheduler.warmup_steps",
+                          "set training.max_norm > 0 to clip gradients",
+                          "train in float32 to rule out bf16 overflow",
+                          "raise fault.max_bad_steps to ride out isolated spikes"]
+        listed = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + f", or {fixes[-1]}"
         return (f"stopping at step {step}: the loss or gradient norm was NaN/Inf for "
                 f"{self.consecutive_bad} step(s) in a row ({self.total_bad} in total), more than "
                 f"fault.max_bad_steps = {self.max_bad_steps}; no update of a bad step was applied. "
-                f"Fix: lower optimizer.lr or raise lr_scheduler.warmup_steps, set training.max_norm > 0 to clip "
-                f"gradients, train in float32 to rule out bf16 overflow, or raise fault.max_bad_steps to ride out "
-                f"isolated spikes; {way_on}.")
+                f"Fix: {listed}; {way_on}.")
