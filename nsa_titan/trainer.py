@@ -214,6 +214,7 @@ class Trainer:
         self._elapsed_before = 0.0
         # The last training record logged before the resumed checkpoint was saved: the metrics file must hold it.
         self._last_logged: dict | None = None
+        self._applied_lr: float | None = None  # the learning rate of the last step taken, which a save records
         self._restore()
         # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
         # replaced) waits for this run's first step to succeed (_begin): a start that fails, at start-up or
@@ -342,7 +343,8 @@ class Trainer:
             self._last_logged = record.get("last_logged")  # absent from older checkpoints
             self._abandon_after = step
             self.train_loader = self.state.dataloader
-            saved_factor = self._lr_factor()  # the saved run's schedule, for the step after the one it saved
+            group = self.optimizer.param_groups[0]  # the saved run's: its rate for the step after its save, its peak
+            saved_rates = (group["lr"], record.get("applied_lr"), group.get("initial_lr") or group["lr"])
             self._apply_recipe_optimizer_settings()
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
             note = recipe_change_note(self.resolved, "the recipe differs from the one this run folder's last run "
@@ -351,7 +353,7 @@ class Trainer:
                 self._say(note)
             self._say_derived_batch_change(record, step)
             self._say_held_out_change(record, step)
-            self._say_schedule_jump(saved_factor, step)
+            self._say_schedule_jump(*saved_rates, step)
             if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only
                 self._say(f"checkpoint.initial_load_path = {ckpt.initial_load_path!r} is not used: this run resumes "
                           f"its own checkpoint (a new --job.dump_folder starts from those weights)")
@@ -695,11 +697,6 @@ class Trainer:
         return (f"rank {self.runtime.rank}: a data loader worker died after step {self.state.step} ({how}); "
                 f"{self._way_on()}. Fix: {fix}.")
 
-    def _lr_factor(self) -> float:
-        """The learning rate the optimizer steps at next, as a share of its peak (optimizer.lr)."""
-        group = self.optimizer.param_groups[0]
-        return group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0
-
     def _nan_fixes(self) -> list[str]:
         """What the run's settings leave to change after a NaN/Inf stop: no learning-rate advice before any
         update was applied (the weights and data gave it), no clipping advice when clipping is on, no
@@ -714,20 +711,30 @@ class Trainer:
                          f"{str(self.runtime.autocast_dtype).removeprefix('torch.')}")
         return fixes + ["raise fault.max_bad_steps to ride out isolated spikes"]
 
-    def _say_schedule_jump(self, saved: float, step: int) -> None:
-        """A resume whose schedule fields changed (training.steps extended, say) continues the new schedule
-        at the saved step: a run already in its decay jumps back up, which the recipe-change note alone does
-        not show. The number moves, not the run: it goes on as the recipe says."""
-        now = self._lr_factor()
-        if abs(now - saved) <= 1e-3 * max(now, saved) or step >= self.recipe.training.steps:
-            return  # the same rate, or no step to take at it
+    def _say_schedule_jump(self, saved_next: float, applied: float | None, saved_peak: float, step: int) -> None:
+        """A resume whose schedule changed (training.steps extended, say) goes on at the new schedule's rate,
+        which the recipe-change note alone does not show. Said when the schedule's shape jumps (its share of the
+        peak leaves the span between the share the saved run stepped at, `applied`, and the one it would have
+        gone on at) and the rate does too: a run extended in its stable stretch (warmup-stable-decay) goes on
+        without a word, as does one whose peak (optimizer.lr) alone changed, which the recipe note names."""
+        now, peak = self.optimizer.param_groups[0]["lr"], self.recipe.optimizer.lr
+        rates = [saved_next] + ([applied] if applied is not None else [])  # None: saved before it was recorded
+        shares = [rate / saved_peak for rate in rates]
+
+        def within(value: float, span: list[float]) -> bool:
+            return min(span) * (1 - 1e-3) <= value <= max(span) * (1 + 1e-3)
+
+        if within(now / peak, shares) or within(now, rates) or step >= self.recipe.training.steps:
+            return  # no jump, or no step to take at it
+        rises = now > max(rates)
+        before = (f"stepped at {applied:.3g} at step {step} and would have gone on at {saved_next:.3g}"
+                  if applied is not None else f"would have gone on at {saved_next:.3g}")
         advice = (". To extend a run without raising its learning rate again, resume from a checkpoint before "
                   "its decay began (checkpoint.load_step; lr_scheduler.decay_steps keeps the rate at its peak until "
-                  "the last decay_steps steps)") if now > saved else ""
-        self._say(f"note: the learning rate {'rises' if now > saved else 'falls'} at step {step + 1} from "
-                  f"{100 * saved:.3g}% of optimizer.lr, where the schedule of the run that saved step {step} had "
-                  f"it, to {100 * now:.3g}%, where this recipe's schedule has it (lr_scheduler and "
-                  f"training.steps){advice}")
+                  "the last decay_steps steps)") if rises else ""
+        self._say(f"note: the learning rate {'rises' if rises else 'falls'} at step {step + 1} to {now:.3g} "
+                  f"({100 * now / peak:.3g}% of optimizer.lr = {peak:g}), where this recipe's schedule has it "
+                  f"(lr_scheduler and training.steps); the run that saved step {step} {before}{advice}")
 
     def _say_derived_batch_change(self, record: dict, step: int) -> None:
         """training.global_batch_size = -1 follows the world size: a resume on another number of processes
@@ -847,6 +854,7 @@ class Trainer:
             self.profiler.before_step(state.step + 1)
             with self._memory_fault("step", state.step + 1):
                 loss, grad_norm, data_wait, decision = self.train_step(iterator)
+            self._applied_lr = lr
             if decision != STOP:  # agreed by every rank: all of them begin (a collective) or none
                 self._begin()
                 if missed is not None:
@@ -941,6 +949,7 @@ class Trainer:
     def _save(self, run_start: float, wait: bool) -> None:
         state = self.state
         state.extra["nan_guard"] = self.nan_guard.state_dict()
+        state.extra["applied_lr"] = self._applied_lr  # the rate of the step saved, for a resume's schedule note
         state.extra["elapsed_s"] = self._elapsed_before + time.perf_counter() - run_start
         # A step that ends a run of skipped (NaN/Inf) steps is saved (a resume goes on past its batches), but
         # retention keeps the newest checkpoint of a good step beside it, which a run that then stops needs.

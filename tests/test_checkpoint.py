@@ -653,15 +653,43 @@ def test_a_finished_run_extended_on_resume_says_its_learning_rate_jumps(tmp_path
     out = capsys.readouterr().out
     lrs = {r["step"]: r["lr"] for r in json_records(tmp_path) if "lr" in r}
     recipe = resolve([*argv, "--training.steps=8"]).recipe
-    # Step 5 under the 4-step schedule: past its end, at the floor; under the 8-step one, what step 5 ran at.
-    saved, now = 100 * recipe.lr_scheduler.min_lr_factor, 100 * lrs[5] / recipe.optimizer.lr
-    assert lrs[4] == pytest.approx(recipe.optimizer.lr * saved / 100) and now > 2 * saved
+    # Step 4 ran at the 4-step schedule's floor, where it would have stayed; the 8-step one has step 5 far above.
+    floor = recipe.optimizer.lr * recipe.lr_scheduler.min_lr_factor
+    assert lrs[4] == pytest.approx(floor) and lrs[5] > 2 * floor
     (note,) = [line for line in out.splitlines() if "the learning rate rises at step 5" in line]
-    assert f"from {saved:.3g}% of optimizer.lr" in note and f"to {now:.3g}%" in note and "checkpoint.load_step" in note
+    assert f"to {lrs[5]:.3g} ({100 * lrs[5] / recipe.optimizer.lr:.3g}% of optimizer.lr" in note, note
+    assert f"stepped at {floor:.3g} at step 4 and would have gone on at {floor:.3g}" in note, note
+    assert "checkpoint.load_step" in note, note
     # The same command again (the run at its new end) and a peak changed alone move no share of it: no note.
     rewind_to(tmp_path, 6)
     capsys.readouterr()
     assert cli.main(["train", *argv, "--training.steps=8", "--optimizer.lr=1e-3"]) == 0
+    assert "the learning rate" not in capsys.readouterr().out
+
+
+def test_a_resume_says_which_way_its_learning_rate_jumps_in_absolute_terms(tmp_path, capsys):
+    """A lower peak with a longer warmup: the schedule's share of the peak rises at the resumed step, but the
+    rate falls, and the note says falls (with the rates), without the advice for a rising rate. A
+    warmup-stable-decay run resumed at the end of its stable stretch and extended goes on at its peak: no note."""
+    argv = [*BASE, "--checkpoint.interval=6", "--metrics.log_freq=1", f"--job.dump_folder={tmp_path / 'cos'}"]
+    assert cli.main(["train", *argv, "--training.steps=12", "--lr_scheduler.warmup_steps=3",
+                     "--optimizer.lr=3e-3"]) == 0
+    rewind_to(tmp_path / "cos", 6)
+    capsys.readouterr()
+    # Step 6 ran at 78% of 3e-3 and step 7 would have run at 63%; the new schedule has step 7 at 83% of 1e-3:
+    # a larger share of a smaller peak.
+    assert cli.main(["train", *argv, "--training.steps=12", "--lr_scheduler.warmup_steps=5",
+                     "--optimizer.lr=1e-3"]) == 0
+    (note,) = [line for line in capsys.readouterr().out.splitlines() if "the learning rate" in line]
+    assert note.startswith("note: the learning rate falls at step 7 to 0.000831 (83.1% of optimizer.lr = 0.001)"), note
+    assert "stepped at 0.00233 at step 6 and would have gone on at 0.00188" in note, note
+    assert "checkpoint.load_step" not in note, note
+    wsd = [*BASE, "--checkpoint.interval=3", "--lr_scheduler.decay_steps=2", "--lr_scheduler.decay_type=linear",
+           "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={tmp_path / 'wsd'}"]
+    assert cli.main(["train", *wsd, "--training.steps=5"]) == 0  # decays over steps 4 and 5
+    rewind_to(tmp_path / "wsd", 3)
+    capsys.readouterr()
+    assert cli.main(["train", *wsd, "--training.steps=7"]) == 0
     assert "the learning rate" not in capsys.readouterr().out
 
 
