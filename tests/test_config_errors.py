@@ -243,6 +243,15 @@ def test_warmup_longer_than_the_run_is_a_note_not_an_error(tmp_path):
     assert "step 2/2" in proc.stdout
 
 
+def test_warmup_as_long_as_the_run_says_there_is_no_decay():
+    """Not that a shorter decay_steps still ends at min_lr_factor: no step is left after warmup to decay in."""
+    notes = resolve([DEBUG, "--training.steps=4", "--lr_scheduler.warmup_steps=4", "--lr_scheduler.decay_steps=2"],
+                    world_size=1).notes
+    assert [n for n in notes if "lr_scheduler" in n] == [
+        "lr_scheduler.warmup_steps = 4 from flag '--lr_scheduler.warmup_steps=4' is the whole run (training.steps = "
+        "4): the learning rate reaches optimizer.lr at the last step, and there is no decay"], notes
+
+
 @pytest.mark.parametrize("flag", ["--compile.enable=true", "--activation_checkpoint.mode=full"])
 def test_compiling_a_model_without_blocks_is_an_error_not_a_no_op(tmp_path, capsys, flag):
     plugin = os.path.join(REPO_ROOT, "tests", "plugins", "breaking_model.py")

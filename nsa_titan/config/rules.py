@@ -177,6 +177,10 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                      f"{source_of('lr_scheduler.warmup_steps')} is longer than the run (training.steps = {t.steps}): "
                      f"the learning rate stays in warmup and peaks at "
                      f"{t.steps / recipe.lr_scheduler.warmup_steps:.0%} of optimizer.lr")
+    elif recipe.lr_scheduler.warmup_steps == t.steps and recipe.lr_scheduler.decay_type != "constant":
+        notes.append(f"lr_scheduler.warmup_steps = {t.steps} from {source_of('lr_scheduler.warmup_steps')} is the "
+                     f"whole run (training.steps = {t.steps}): the learning rate reaches optimizer.lr at the last "
+                     f"step, and there is no decay")
     _check_lr_schedule(recipe, add, notes, source_of)
     if recipe.data.num_workers == 0 and _set(recipe.data, "data", "prefetch_factor", source_of):
         add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
@@ -297,7 +301,7 @@ def _check_lr_schedule(recipe: Recipe, add, notes: list[str], source_of) -> None
     elif sched.decay_steps == 0:
         add("lr_scheduler.decay_steps", 0, "is a decay of no steps",
             "use -1 to decay over every step after warmup, or decay_type = 'constant' for no decay")
-    elif sched.decay_steps > 0 and sched.decay_steps > steps - sched.warmup_steps:
+    elif sched.decay_steps > 0 and sched.decay_steps > steps - sched.warmup_steps and steps > sched.warmup_steps:
         # Like a long warmup: a shortened trial run is still a run; its decay starts after warmup.
         notes.append(f"lr_scheduler.decay_steps = {sched.decay_steps} from {source_of('lr_scheduler.decay_steps')} "
                      f"is longer than the steps after warmup ({max(steps - sched.warmup_steps, 0)}): "
