@@ -93,7 +93,9 @@ def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer,
     optimizer's lr is set to initial_lr x the factor there), as a resumed run with new settings needs.
     """
     sched = recipe.lr_scheduler
-    shape = registry.get("lr_schedule", sched.decay_type).build
+    part = registry.get("lr_schedule", sched.decay_type)
+    registry.check_schedule_shape(part)
+    shape = part.build
     decay_steps = None if sched.decay_steps == -1 else sched.decay_steps
 
     def factor(completed: int) -> float:

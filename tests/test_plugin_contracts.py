@@ -60,6 +60,11 @@ register("model", "plain", Plain, args=Args)
 register("optimizer", "no_betas", lambda model, lr: torch.optim.SGD(model.parameters(), lr=lr))
 register("data_source", "a_list", lambda args: ["hello"] * 50, args=Args)
 register("optimizer", "adamw", lambda model, **kw: torch.optim.SGD(model.parameters(), lr=kw["lr"]), replace=True)
+register("lr_schedule", "rising", lambda progress: 1 + 4 * progress)
+register("lr_schedule", "nan", lambda progress: float("nan"))
+register("lr_schedule", "stable", lambda progress: 1.0)
+register("lr_schedule", "half_way", lambda progress: 1 - progress if progress < 0.5 else 1 / 0)
+register("lr_schedule", "straight", lambda progress: 1 - progress)
 '''
 BROKEN_LINE = PLUGIN.splitlines().index('    return {}["no such key"]') + 1
 RECIPE = """
@@ -109,6 +114,16 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
                                                                        "weight_decay=[, args=])"]),
     (["--model.name=short", "--data.source=a_list"],
      ["data_source 'a_list' (a plugin's) built a list without check, fingerprint, documents"]),
+    # A schedule is tried over its range before the first step: a factor beyond the peak or not finite would train.
+    (["--model.name=plain", "--lr_scheduler.decay_type=rising"],
+     ["lr_schedule 'rising' (a plugin's) gives 1.04 at progress 0.01, where the contract asks for a factor in [0, "
+      "1]. Fix: lr_schedule shapes are called as shape(progress)"]),
+    (["--model.name=plain", "--lr_scheduler.decay_type=nan"],
+     ["lr_schedule 'nan' (a plugin's) gives nan at progress 0, where the contract asks for 1."]),
+    (["--model.name=plain", "--lr_scheduler.decay_type=stable"],
+     ["lr_schedule 'stable' (a plugin's) gives 1.0 at progress 1, where the contract asks for 0."]),
+    (["--model.name=plain", "--lr_scheduler.decay_type=half_way"],
+     ["lr_schedule 'half_way' (a plugin's) failed at progress 0.5: ZeroDivisionError: division by zero. Fix:"]),
 ])
 def test_a_part_that_breaks_its_contract_is_one_message(plugin, tmp_path, capsys, flags, fragments):
     recipe, path = plugin
@@ -180,3 +195,19 @@ def test_switching_the_model_leaves_the_other_models_arguments_named_as_its(plug
                    "model.dim: is an argument of 'transformer', but model.name = 'plain' (from flag "
                    "'--model.name=plain'). Fix: remove it from", "or choose 'transformer' again")
     assert "is not a recipe field" not in err
+
+
+def test_a_plugin_schedule_that_keeps_its_contract_trains_as_the_built_in_one(plugin, tmp_path, capsys):
+    import json
+
+    recipe, path = plugin
+    lrs = {}
+    for shape in ("straight", "linear"):
+        folder = tmp_path / shape
+        assert cli.main(["train", recipe, f"--job.plugins={path}", "--model.name=plain", "--training.device=cpu",
+                         "--data.logical_shards=4", "--training.steps=4", "--lr_scheduler.warmup_steps=1",
+                         f"--lr_scheduler.decay_type={shape}", "--metrics.log_freq=1",
+                         f"--job.dump_folder={folder}"]) == 0
+        with open(folder / "metrics.jsonl", encoding="utf-8") as fh:
+            lrs[shape] = [record["lr"] for record in map(json.loads, fh) if "lr" in record]
+    assert len(lrs["linear"]) == 4 and lrs["straight"] == lrs["linear"]
