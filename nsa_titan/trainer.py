@@ -836,7 +836,9 @@ class Trainer:
             if missed is not None:  # the run ended between its last save and the validation after it
                 self._begin()
                 self._log(missed)
-            self._say(f"nothing to do: the run already reached training.steps = {t.steps}. Fix: raise "
+            past = (f" (it is at step {state.step}; --checkpoint.load_step=N resumes an earlier checkpoint)"
+                    if state.step > t.steps else "")
+            self._say(f"nothing to do: the run already reached training.steps = {t.steps}{past}. Fix: raise "
                       f"--training.steps to train on, or use another --job.dump_folder to start afresh.")
             return
         iterator = iter(self.train_loader)

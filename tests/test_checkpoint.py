@@ -306,7 +306,12 @@ def test_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
     assert cli.main(["train", *argv]) == 0
     capsys.readouterr()
     assert cli.main(["train", *argv]) == 0
-    assert "nothing to do: the run already reached training.steps = 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nothing to do: the run already reached training.steps = 2. Fix:" in out, out
+    assert cli.main(["train", *argv[:-2], "--training.steps=1", f"--job.dump_folder={tmp_path}"]) == 0
+    # a run past the steps asked for says where it is, and how to go back
+    assert ("nothing to do: the run already reached training.steps = 1 (it is at step 2; --checkpoint.load_step=N "
+            "resumes an earlier checkpoint)") in capsys.readouterr().out
 
 
 def test_async_save_resumes_exactly(tmp_path):

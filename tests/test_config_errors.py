@@ -506,7 +506,9 @@ def test_a_recipe_path_through_a_broken_link_says_so(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag,shown", [("--model.nsa.sel_block_size=0", "model.nsa.sel_block_size = 0: must be at least 1"),
                                         ("--optimizer.lr=-1", "optimizer.lr = -1.0: must be greater than 0.0"),
-                                        ("--training.steps=x", "training.steps = 'x': expected a whole number")])
+                                        ("--training.steps=x", "training.steps = 'x': expected a whole number"),
+                                        ("--training.max_norm=inf", "finite number, got inf. Fix: write a finite "
+                                                                    "number such as 1.0.")])
 def test_a_flag_out_of_range_shows_the_number_it_was_read_as(flag, shown):
     """A flag's text that reads as a number but breaks a bound is shown as that number (0, not '0'); text that
     does not read as the field's type is shown as typed."""

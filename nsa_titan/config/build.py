@@ -16,7 +16,7 @@ from nsa_titan import registry
 from nsa_titan.config.errors import NO_LONGER_PASSES, Problem
 from nsa_titan.config.fields import default_of, is_dataclass_type, named_tables_of, resolved_types, type_name
 from nsa_titan.config.overrides import CliText
-from nsa_titan.config.toml_io import tomllib
+from nsa_titan.config.toml_io import toml_value, tomllib
 
 _BOOL_TEXT = {"true": True, "false": False}
 
@@ -132,7 +132,10 @@ class RecipeBuilder:
                 if value in fld.metadata.get("exclude", ()):
                     raise _Invalid(fld.metadata["exclude"][value], f"choose another {fld.metadata['component']}")
         except _Invalid as bad:
-            self.problem(path, shown, bad.why, bad.fix)
+            fix = bad.fix
+            if isinstance(default, float) and default != 3e-4:  # the field's own example, not an lr's
+                fix = fix.replace("such as 3e-4", f"such as {toml_value(default)}")
+            self.problem(path, shown, bad.why, fix)
             return default
         except registry.UnknownPartError as unknown:
             names = registry.available(unknown.kind)

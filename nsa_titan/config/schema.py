@@ -74,7 +74,8 @@ class TrainingConfig:
     seq_len: int = f(256, "Tokens per sample.", ge=1)
     local_batch_size: int = f(8, "Samples per micro-batch on each data-parallel rank.", ge=1)
     global_batch_size: int = f(-1, "Samples per optimizer step over all ranks; -1 means local x data-parallel size.", ge=-1)
-    max_norm: float = f(1.0, "Clip the global gradient norm to this; 0 disables clipping.", ge=0.0)
+    max_norm: float = f(1.0, "Clip the global gradient norm to this; 0 disables clipping (the logged grad_norm is "
+                             "the norm before clipping).", ge=0.0)
     device: str = f("auto", "Where to train: auto (CUDA when present, else CPU), cpu or cuda.",
                     choices=("auto", "cpu", "cuda"))
     dtype: str = f("auto", "Compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU), float32 or bfloat16.",
