@@ -517,3 +517,27 @@ def test_a_flag_out_of_range_shows_the_number_it_was_read_as(flag, shown):
     with pytest.raises(RecipeError) as error:
         resolve(["recipes/debug.toml", flag])
     assert shown in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("text,flag,note,default", [
+    ("[data]\nnum_workers = 2\nprefetch_factor = 4\n", "--data.num_workers=0",
+     "data.prefetch_factor = 4 from {path} is not used: flag '--data.num_workers=0' set data.num_workers = 0",
+     "prefetch_factor = 2"),
+    ("[activation_checkpoint]\nmode = \"selective\"\nselective_every = 3\n", "--activation_checkpoint.mode=full",
+     "activation_checkpoint.selective_every = 3 from {path} is not used: flag '--activation_checkpoint.mode=full' set "
+     "activation_checkpoint.mode = \"full\"", "selective_every = 2"),
+    ("[lr_scheduler]\nmin_lr_factor = 0.2\n", "--lr_scheduler.decay_type=constant",
+     "lr_scheduler.min_lr_factor = 0.2 from {path} is not used: flag '--lr_scheduler.decay_type=constant' set "
+     "lr_scheduler.decay_type = \"constant\"", "min_lr_factor = 0.1"),
+])
+def test_a_flag_that_turns_a_feature_off_notes_the_files_setting_for_it(tmp_path, text, flag, note, default):
+    """A recipe file's prefetch_factor under a flag's num_workers = 0 (a shipped 125M recipe scaled down on a CPU)
+    is a later layer's choice: a note, not a refusal no flag could mend; the recipe the run writes holds the
+    field's default, so it reads back."""
+    from nsa_titan.config.resolve import resolve_text
+
+    path = write(tmp_path, text)
+    resolved = resolve([path, flag])
+    assert note.format(path=path) in resolved.notes, resolved.notes
+    assert default in resolved.toml.splitlines()
+    assert resolve_text(resolved.toml).notes == ()

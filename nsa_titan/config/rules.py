@@ -9,6 +9,7 @@ from nsa_titan import registry
 from nsa_titan.config.errors import Problem
 from nsa_titan.config.fields import default_of
 from nsa_titan.config.schema import CUDA_GRAPH_MODES, Recipe
+from nsa_titan.config.toml_io import toml_value
 
 
 def _changed(section, name: str) -> bool:
@@ -26,6 +27,22 @@ def _divisors_text(n: int) -> str:
 def _flagged(source_of, path: str) -> bool:
     """Whether a flag on the command line set the field (source_of names a flag first)."""
     return source_of(path).startswith("flag")
+
+
+def _unused_or_overridden(add, notes: list[str], source_of, section, field: str, switch: str, switch_value,
+                          why: str, fix: str) -> None:
+    """`field` (of the recipe table `section`) is set but `switch` = switch_value leaves it unused: a problem,
+    unless a flag made that choice over a recipe file's `field` (a later layer turning a feature off: the file's
+    setting waits for it, as the table of a part another layer replaced does), which is a note; the field then
+    takes its default, as that table does, so the recipe the run writes reads back."""
+    name = field.rsplit(".", 1)[1]
+    value = getattr(section, name)
+    if _flagged(source_of, switch) and not _flagged(source_of, field):
+        notes.append(f"{field} = {toml_value(value)} from {source_of(field)} is not used: {source_of(switch)} set "
+                     f"{switch} = {toml_value(switch_value)}")
+        setattr(section, name, default_of(next(f for f in dataclasses.fields(section) if f.name == name)))
+    else:
+        add(field, value, why, fix)
 
 
 def _set(section, path: str, name: str, source_of) -> bool:
@@ -136,8 +153,9 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
             f"profile steps within the run: start_step at most {t.steps - prof.steps + 1}" if prof.steps <= t.steps
             else f"lower profiling.steps to at most {t.steps} and start at step 1, or train longer")
     if prof.memory_snapshot and not prof.enable:
-        add("profiling.memory_snapshot", True, "is recorded over the profiled steps, but profiling.enable is false",
-            "set profiling.enable = true, or memory_snapshot = false")
+        _unused_or_overridden(add, notes, source_of, prof, "profiling.memory_snapshot", "profiling.enable", False,
+                              "is recorded over the profiled steps, but profiling.enable is false",
+                              "set profiling.enable = true, or memory_snapshot = false")
     if prof.memory_snapshot and t.device == "cpu":
         add("profiling.memory_snapshot", True, "records the CUDA allocator, but training.device is 'cpu'",
             "set profiling.memory_snapshot = false, or train on CUDA")
@@ -183,8 +201,9 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                      f"step, and there is no decay")
     _check_lr_schedule(recipe, add, notes, source_of)
     if recipe.data.num_workers == 0 and _set(recipe.data, "data", "prefetch_factor", source_of):
-        add("data.prefetch_factor", recipe.data.prefetch_factor, "has no effect without worker processes",
-            "remove it, or set data.num_workers > 0")
+        _unused_or_overridden(add, notes, source_of, recipe.data, "data.prefetch_factor", "data.num_workers", 0,
+                              "has no effect without worker processes",
+                              "remove it, or set data.num_workers > 0")
     name = recipe.job.name
     parts = name.replace("\\", "/").split("/")
     if not name.strip():
@@ -231,9 +250,11 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                 "ignored", "remove it, or shard over several ranks (parallelism.data_parallel_shard_degree)")
     if recipe.activation_checkpoint.mode != "selective" and _set(recipe.activation_checkpoint, "activation_checkpoint",
                                                                  "selective_every", source_of):
-        add("activation_checkpoint.selective_every", recipe.activation_checkpoint.selective_every,
-            f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
-            "remove it, or set activation_checkpoint.mode = 'selective'")
+        _unused_or_overridden(add, notes, source_of, recipe.activation_checkpoint,
+                              "activation_checkpoint.selective_every", "activation_checkpoint.mode",
+                              recipe.activation_checkpoint.mode,
+                              f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
+                              "remove it, or set activation_checkpoint.mode = 'selective'")
 
 
 def _check_unused_data_fields(recipe: Recipe, add, source_of) -> None:
@@ -296,8 +317,10 @@ def _check_lr_schedule(recipe: Recipe, add, notes: list[str], source_of) -> None
     if sched.decay_type == "constant":
         for name in ("min_lr_factor", "decay_steps"):
             if _set(sched, "lr_scheduler", name, source_of):  # a flag even at the default: it was asked for
-                add(f"lr_scheduler.{name}", getattr(sched, name), "has no effect with decay_type = 'constant'",
-                    "remove it, or choose a decaying shape such as decay_type = 'cosine'")
+                _unused_or_overridden(add, notes, source_of, sched, f"lr_scheduler.{name}",
+                                      "lr_scheduler.decay_type", "constant",
+                                      "has no effect with decay_type = 'constant'",
+                                      "remove it, or choose a decaying shape such as decay_type = 'cosine'")
     elif sched.decay_steps == 0:
         add("lr_scheduler.decay_steps", 0, "is a decay of no steps",
             "use -1 to decay over every step after warmup, or decay_type = 'constant' for no decay")
