@@ -222,6 +222,21 @@ def test_an_nsa_shape_in_which_a_branch_never_acts_is_a_note(flags, note):
     assert [n for n in resolved.notes if n.startswith("model.nsa")] == [next(n for n in resolved.notes if note in n)]
 
 
+def test_training_rows_shorter_than_the_model_can_idle_a_branch_too():
+    """A 32k recipe scaled down with training.seq_len alone: the model's own notes (max_seq_len) say nothing, but
+    every training row is 512 tokens, as long as the window, and holds 8 selection blocks of the 16 asked for."""
+    resolved = resolve([f"{REPO_ROOT}/recipes/nsa_125m_32k.toml", "--model.nsa.backend=reference",
+                        "--training.seq_len=512"], world_size=8)
+    assert [n for n in resolved.notes if n.startswith("model.")] == [
+        "model.nsa.num_selected = 16: a row of training.seq_len = 512 tokens holds at most 8 selection blocks of 64, "
+        "so the selected branch attends to all of a row's past and the slots beyond those stay unused",
+        "model.nsa.window_size = 512 is at least training.seq_len = 512: the sliding-window branch is full causal "
+        "attention"]
+    # said once, as the model's, where max_seq_len is as short
+    both = resolve([DEBUG, "--model.nsa.window_size=256"]).notes
+    assert len([n for n in both if "window_size" in n]) == 1, both
+
+
 def test_the_shipped_recipes_have_no_idle_nsa_branch():
     for name in sorted(os.listdir(os.path.join(REPO_ROOT, "recipes"))):
         if name.endswith(".toml"):

@@ -141,22 +141,35 @@ class TransformerArgs:
     def notes(self) -> list[str]:
         """Legal NSA shapes in which a branch, or the choice by score, can never act (each text starts with the
         field it is about, relative to this table)."""
+        return self._shape_notes(self.max_seq_len, "max_seq_len")
+
+    def row_notes(self, seq_len: int) -> list[str]:
+        """What training rows of seq_len tokens, shorter than max_seq_len, add to notes(): a branch that cannot
+        act within such a row (a long-context model's recipe scaled down with training.seq_len alone)."""
+        if seq_len >= self.max_seq_len:
+            return []
+        said = {note.split(" ", 1)[0] for note in self.notes()}
+        return [note for note in self._shape_notes(seq_len, "training.seq_len") if note.split(" ", 1)[0] not in said]
+
+    def _shape_notes(self, T: int, length: str) -> list[str]:
+        """notes() for rows of T tokens, named `length` in the texts."""
         if self.attention != "nsa" or find_problems(self.nsa):
             return []
-        nsa, T, said = self.nsa, self.max_seq_len, []
+        nsa, said = self.nsa, []
+        slots = min(nsa.num_selected, -(-T // nsa.sel_block_size))
         if nsa.block_size > T:
-            said.append(f"nsa.block_size = {nsa.block_size} is more than max_seq_len = {T}: no row holds a compressed "
+            said.append(f"nsa.block_size = {nsa.block_size} is more than {length} = {T}: no row holds a compressed "
                         f"block, so the compressed branch and its compression weights never act, and selection "
                         f"keeps only its forced blocks")
         elif nsa.num_selected <= 3:
             said.append(f"nsa.num_selected = {nsa.num_selected}: the blocks always selected (the current one, block 0, "
                         f"the previous one) fill every slot, so no block is ever chosen by its score")
-        elif nsa.num_selected > self.slots_used:
-            said.append(f"nsa.num_selected = {nsa.num_selected}: a row of max_seq_len = {T} tokens holds at most "
-                        f"{self.slots_used} selection blocks of {nsa.sel_block_size}, so the selected branch attends "
+        elif nsa.num_selected > slots:
+            said.append(f"nsa.num_selected = {nsa.num_selected}: a row of {length} = {T} tokens holds at most "
+                        f"{slots} selection blocks of {nsa.sel_block_size}, so the selected branch attends "
                         f"to all of a row's past and the slots beyond those stay unused")
         if nsa.window_size >= T:
-            said.append(f"nsa.window_size = {nsa.window_size} is at least max_seq_len = {T}: the sliding-window branch "
+            said.append(f"nsa.window_size = {nsa.window_size} is at least {length} = {T}: the sliding-window branch "
                         f"is full causal attention")
         return said
 

@@ -170,6 +170,9 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if isinstance(max_len, int) and t.seq_len > max_len:
         add("training.seq_len", t.seq_len, f"exceeds the model's max_seq_len = {max_len}",
             f"lower training.seq_len or raise model.max_seq_len to at least {t.seq_len}")
+    row_notes = getattr(recipe.model.args, "row_notes", None)  # what rows of training.seq_len tokens add
+    if callable(row_notes):
+        notes.extend(f"model.{note}" for note in row_notes(t.seq_len))
 
     if len(recipe.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in recipe.optimizer.betas):
         add("optimizer.betas", recipe.optimizer.betas, "must be two numbers in [0, 1)", "write betas = [0.9, 0.95]")
