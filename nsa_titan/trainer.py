@@ -199,7 +199,7 @@ class Trainer:
         self.state.extra["model"] = model_fields_of(resolved.toml)
         self.state.extra["global_batch_size"] = self.global_batch  # what -1 meant at the world size that saved
         if recipe.validation.enable:  # the held-out set's size, which global_batch_size = -1 ties to the local batch
-            self.state.extra["held_out_rows"] = held_out.held_out_rows(recipe)
+            self.state.extra["held_out_set"] = {"rows": held_out.held_out_rows(recipe), "seq_len": t.seq_len}
         self.checkpointer = None
         ckpt = recipe.checkpoint
         if ckpt.enable or ckpt.initial_load_path:
@@ -758,23 +758,28 @@ class Trainer:
     def _say_held_out_change(self, record: dict, step: int) -> None:
         """A resume whose held-out set has another size validates on other rows: its losses do not continue the
         curve. With training.global_batch_size = -1 the set follows local_batch_size, which a scale-out (1 x 8 to
-        4 x 2 sequences) changes without a validation field changing."""
-        saved = record.get("held_out_rows")  # absent where the saving run did not validate, or kept no count
+        4 x 2 sequences) changes without a validation field changing; a new training.seq_len (a context
+        extension) changes every row."""
+        saved = record.get("held_out_set")  # absent where the saving run did not validate, or kept no record
         if not self.recipe.validation.enable or saved is None:
             return
-        rows = held_out.held_out_rows(self.recipe)
-        if rows == saved:
-            return
         t = self.recipe.training
+        rows = held_out.held_out_rows(self.recipe)
+        if (rows, t.seq_len) == (saved["rows"], saved["seq_len"]):
+            return
         per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size
         why = ("validation.steps x training.local_batch_size, as training.global_batch_size = -1"
                if t.global_batch_size == -1 else "validation.steps x training.global_batch_size")
-        keep = (f"To validate on the same rows, resume with --validation.steps={saved // per_step}."
-                if saved % per_step == 0 else
-                f"{saved} rows are no whole number of validation batches of {per_step} rows here, so the set cannot "
-                f"be kept.")
-        self._say(f"note: the held-out set is {rows} rows here ({why}) and was {saved} in the run that saved step "
-                  f"{step}: validation losses from here are over another set than the earlier ones. {keep}")
+        if t.seq_len != saved["seq_len"]:
+            keep = "Its rows follow training.seq_len, so the set cannot be kept at this length."
+        elif saved["rows"] % per_step == 0:
+            keep = f"To validate on the same rows, resume with --validation.steps={saved['rows'] // per_step}."
+        else:
+            keep = (f"{saved['rows']} rows are no whole number of validation batches of {per_step} rows here, so the "
+                    f"set cannot be kept.")
+        self._say(f"note: the held-out set is {rows} rows of {t.seq_len} tokens here ({why}) and was {saved['rows']} "
+                  f"of {saved['seq_len']} in the run that saved step {step}: validation losses from here are over "
+                  f"another set than the earlier ones. {keep}")
 
     def _out_of_memory_message(self, what: str, step: int, exc: BaseException) -> str:
         allocator = " ".join(str(exc).split()).split(" If reserved but unallocated")[0].split(" See documentation")[0]

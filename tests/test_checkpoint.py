@@ -102,9 +102,16 @@ def test_a_resume_whose_held_out_set_has_another_size_says_so(tmp_path, capsys):
     assert "held-out set is" not in capsys.readouterr().out  # the same 4 rows as the step-2 save: nothing to say
     assert cli.main(["train", *argv, "--training.steps=6", "--training.local_batch_size=1"]) == 0
     said = capsys.readouterr().out
-    assert ("the held-out set is 2 rows here (validation.steps x training.local_batch_size, as "
-            "training.global_batch_size = -1) and was 4 in the run that saved step 4") in said, said
+    assert ("the held-out set is 2 rows of 64 tokens here (validation.steps x training.local_batch_size, as "
+            "training.global_batch_size = -1) and was 4 of 64 in the run that saved step 4") in said, said
     assert "resume with --validation.steps=4" in said, said
+    # a longer context changes every row: said, and no validation.steps keeps it
+    longer = [a for a in argv if not a.startswith(("--training.seq_len", "--model.max_seq_len"))]
+    assert cli.main(["train", *longer, "--training.steps=8", "--training.local_batch_size=1", "--validation.steps=4",
+                     "--training.seq_len=128", "--model.max_seq_len=128"]) == 0
+    said = capsys.readouterr().out
+    assert "the held-out set is 4 rows of 128 tokens here" in said and "was 2 of 64 in the run that saved step 6" \
+        in said and "Its rows follow training.seq_len, so the set cannot be kept at this length." in said, said
 
 
 @pytest.mark.slow
