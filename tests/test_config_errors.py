@@ -339,8 +339,9 @@ def test_invalid_toml(tmp_path, capsys):
 def test_a_flag_given_twice_takes_the_last_and_says_so():
     resolved = resolve(["--training.steps=3", "--training.steps", "5"])
     assert resolved.recipe.training.steps == 5
-    assert resolved.notes == ("training.steps is set twice on the command line: '--training.steps 5' replaces "
-                              "'--training.steps=3'",)
+    # (the built-in defaults' 256-token rows also idle NSA branches of the model's 2048: notes of their own)
+    assert [n for n in resolved.notes if not n.startswith("model.nsa.")] == [
+        "training.steps is set twice on the command line: '--training.steps 5' replaces '--training.steps=3'"]
 
 
 @pytest.mark.parametrize("name, refused", [("../elsewhere", True), (".", True), ("/abs", True),
@@ -419,6 +420,16 @@ def test_a_layout_problem_names_the_degree_that_was_set(world, flags, expected):
     with pytest.raises(RecipeError) as info:
         resolve([DEBUG, *flags], world_size=world)
     assert expected in info.value.render(), info.value.render()
+
+
+def test_a_layout_that_does_not_resolve_adds_no_problems_computed_from_a_guessed_data_parallel_size():
+    """cp = 2 on 3 processes: one problem; not also a global batch and logical shards judged against a
+    data-parallel size of 3, which ignores the context parallelism and would send the user after wrong fixes."""
+    from nsa_titan.config import RecipeError, resolve
+
+    with pytest.raises(RecipeError) as info:
+        resolve([DEBUG, "--parallelism.context_parallel_degree=2", "--training.global_batch_size=2"], world_size=3)
+    assert [p.field for p in info.value.problems] == ["parallelism.context_parallel_degree"], info.value.render()
 
 
 @pytest.mark.parametrize("flags,expected", [

@@ -107,7 +107,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add(exc.field, getattr(recipe.parallelism, exc.field.split(".")[1]), str(exc),
             exc.fix or "make replicate x shard x context_parallel_degree equal the number of processes (NGPU x "
                        "NNODES), or set one of replicate and shard to -1")
-        dp, degrees = world_size, None
+        dp, degrees = None, None  # unknown: the checks that need it wait for a layout that resolves
     else:
         for name, value in zip(("data_parallel_replicate_degree", "data_parallel_shard_degree"), degrees):
             if value < 1:
@@ -124,16 +124,16 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         if registry.get("model", recipe.model.name).context_shard is None:
             add("parallelism.context_parallel_degree", cp, f"model {recipe.model.name!r} cannot split its sequences "
                 f"(its part registers no context_shard hook)", "set parallelism.context_parallel_degree = 1")
-    per_step = t.local_batch_size * dp
-    if t.global_batch_size == 0:
+    per_step = t.local_batch_size * (dp or 1)
+    if dp is not None and t.global_batch_size == 0:
         add("training.global_batch_size", 0, "would train on no samples: it is -1 (local_batch_size x "
             f"data-parallel size) or a positive multiple of local_batch_size x data-parallel size = {per_step}",
             f"use -1 or a multiple of {per_step}")
-    elif t.global_batch_size != -1 and t.global_batch_size % per_step:
+    elif dp is not None and t.global_batch_size != -1 and t.global_batch_size % per_step:
         add("training.global_batch_size", t.global_batch_size,
             f"is not a multiple of local_batch_size x data-parallel size = {t.local_batch_size} x {dp} = {per_step}",
             f"use a multiple of {per_step} (e.g. {per_step * max(1, round(t.global_batch_size / per_step))}) or -1")
-    if recipe.data.logical_shards % dp:
+    if dp is not None and recipe.data.logical_shards % dp:
         add("data.logical_shards", recipe.data.logical_shards,
             f"is not divisible by the data-parallel size {dp}, so ranks cannot own equal shards",
             f"use a multiple of {dp}, e.g. {dp * max(1, recipe.data.logical_shards // dp)}, or a data-parallel size "
@@ -160,7 +160,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add("profiling.memory_snapshot", True, "records the CUDA allocator, but training.device is 'cpu'",
             "set profiling.memory_snapshot = false, or train on CUDA")
 
-    per_rank = recipe.data.logical_shards // dp if recipe.data.logical_shards % dp == 0 else None
+    per_rank = recipe.data.logical_shards // dp if dp and recipe.data.logical_shards % dp == 0 else None
     if per_rank is not None and recipe.data.num_workers > per_rank:
         add("data.num_workers", recipe.data.num_workers,
             f"exceeds the {per_rank} logical shards each of the {dp} data-parallel ranks owns, so workers would idle",
