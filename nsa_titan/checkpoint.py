@@ -169,7 +169,7 @@ class Checkpointer:
         if self.rank == 0 and os.path.lexists(path):
             self._clear_leftover(path)
         _barrier()
-        stepped = has_stepped(state.optimizer)
+        stepped = _has_stepped(state.optimizer)
         with self._writing(state.step):
             os.makedirs(os.path.join(path, "ranks"), exist_ok=True)
             self._save_rank_state(state, path)
@@ -320,7 +320,7 @@ class Checkpointer:
         drop = done[: -self.keep_latest_k]
         if drop and not any(self._is_good(step) for step in done[-self.keep_latest_k:]):
             # Every kept step ends a run of skipped steps: the newest good one stays too, for a run that stops
-            # on them (its weights are the same; its data and schedule stand before the bad batches).
+            # on them (its data and schedule stand before the bad batches).
             good = next((step for step in reversed(drop) if self._is_good(step)), None)
             if good is not None:
                 drop.remove(good)
@@ -706,7 +706,7 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer holds state, i.e. has made an update (every step so far may have been skipped)."""
     return any(len(entry) for entry in optimizer.state.values())
 

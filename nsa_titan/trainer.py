@@ -20,7 +20,7 @@ from components.sequence_shard import SequenceShard
 
 from components.data import no_documents_error, signal_that_ended, worker_died
 from nsa_titan import assemble, held_out, registry
-from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, has_stepped, weights_step_dir
+from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.config.schema import CUDA_GRAPH_MODES
@@ -397,9 +397,9 @@ class Trainer:
             return "no checkpoint was saved yet, so the same command starts the run over"
         way = f"the same command then resumes from {self.checkpointer.step_dir(step)}"
         good = self.checkpointer.newest_good_step() if self.nan_guard.consecutive_bad else None
-        if good is not None and good < step:  # the resumed step ends skipped steps: the weights are the same
-            way += (f" (past the skipped steps' batches, with the same weights); --checkpoint.load_step={good} "
-                    f"resumes before them, from the newest checkpoint of a good step")
+        if good is not None and good < step:  # the resumed step ends skipped steps
+            way += (f" (past the skipped steps' batches; its weights are those of the last good step); "
+                    f"--checkpoint.load_step={good} goes back to step {good}, the newest checkpoint of a good step")
         return way
 
     def _weight_source_changes(self, path: str, resumed: bool = False) -> list[str]:
@@ -701,9 +701,12 @@ class Trainer:
         """What the run's settings leave to change after a NaN/Inf stop: no learning-rate advice before any
         update was applied (the weights and data gave it), no clipping advice when clipping is on, no
         float32 advice when the run computes in float32."""
-        fixes = (["lower optimizer.lr or raise lr_scheduler.warmup_steps"] if has_stepped(self.optimizer) else
-                 ["look at the initial weights (model.init_std) and the first batches' data: no update was applied "
-                  "before it, so the learning rate is not the cause"])
+        applied = self.state.step - self.nan_guard.total_bad  # updates made, resumed steps included
+        start = self.recipe.checkpoint.initial_load_path
+        origin = f"checkpoint.initial_load_path = {start!r}" if start else "model.init_std"
+        fixes = (["lower optimizer.lr or raise lr_scheduler.warmup_steps"] if applied > 0 else
+                 [f"look at the weights it started from ({origin}) and the first batches' data: no update was applied "
+                  f"before it, so the learning rate is not the cause"])
         if self.recipe.training.max_norm == 0:
             fixes.append("set training.max_norm > 0 to clip gradients")
         if self.runtime.autocast_dtype is not None:

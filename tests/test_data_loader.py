@@ -375,6 +375,6 @@ def test_shards_of_uneven_size_keep_in_step_across_epochs():
         next(it)
     state = loader_state_by_logical_shard(loader.state_dict())
     assert {s: (st["epoch"], st["windows"]) for s, st in state.items()} == {s: (1, n) for s, n in first_epoch.items()}
-    next(it)  # the second epoch begins with the shard of fewest windows, in shard order on ties
+    next(it)  # every shard stands at the start of the second epoch: the lowest shard id goes first
     state = loader_state_by_logical_shard(loader.state_dict())
     assert [s for s, st in state.items() if st["windows"] > first_epoch[s]] == [0]

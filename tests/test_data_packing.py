@@ -146,3 +146,13 @@ def test_long_documents_pack_whole_without_warnings():
     assert len(tok.encode(texts[0])) > 10 * seq_len
     decoded = tok.decode(np.concatenate([windows[0][:1], targets]).tolist())
     assert decoded.startswith(texts[0] + "<|endoftext|>short one")
+
+
+def test_a_state_saved_before_epoch_starts_were_kept_joins_its_epoch_as_just_begun():
+    """No epoch_start_windows: a shard in its first epoch counts every window in it; one in a later epoch counts
+    none yet, so it takes turns with the shards that enter that epoch after it instead of waiting for them."""
+    docs = make_docs([4, 6, 3])
+    state = ShardPacker(opener(docs), 5).state_dict()
+    del state["epoch_start_windows"]
+    assert ShardPacker(opener(docs), 5, {**state, "windows": 7}).epoch_start_windows == 0
+    assert ShardPacker(opener(docs), 5, {**state, "epoch": 2, "windows": 7}).epoch_start_windows == 7

@@ -264,7 +264,7 @@ def test_a_stop_on_bad_steps_keeps_the_newest_good_checkpoint(tmp_path):
     assert proc.stdout.count(f"keeping {out / 'checkpoint' / 'step-2'} beside the newest 2") == 1, proc.stdout
     error = proc.stderr[proc.stderr.index("error: stopping at step 6"):]
     assert f"resumes from {out / 'checkpoint' / 'step-5'} (past the skipped steps' batches" in error, error
-    assert "--checkpoint.load_step=2 resumes before them" in error, error
+    assert "--checkpoint.load_step=2 goes back to step 2, the newest checkpoint of a good step" in error, error
     assert "lower optimizer.lr" in error and "max_norm" not in error and "float32" not in error, error
     assert "warning: warning:" not in proc.stderr and proc.stderr.count("warning: step") == 3, proc.stderr[-3000:]
 
@@ -274,7 +274,7 @@ def test_a_bad_first_step_blames_the_weights_or_data_not_the_learning_rate(tmp_p
                   "--model.nan_at_step=1", "--model.nan_steps=0", "--training.max_norm=0"])
     assert proc.returncode == NUMERICAL_FAULT_EXIT, proc.stderr[-3000:]
     error = proc.stderr[proc.stderr.index("error: stopping at step 1"):]
-    assert "look at the initial weights (model.init_std)" in error and "lower optimizer.lr" not in error, error
+    assert "look at the weights it started from (model.init_std)" in error and "lower optimizer.lr" not in error, error
     assert "set training.max_norm > 0" in error, error
 
 

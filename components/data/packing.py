@@ -41,8 +41,10 @@ class ShardPacker:
         self._open = open_documents
         self.seq_len = seq_len
         self.windows = int(state["windows"])
-        # States saved before the count was kept resume as if their epoch began at the start.
-        self.epoch_start_windows = int(state.get("epoch_start_windows", 0))
+        # States saved before the count was kept: in the first epoch every window is in it; in a later one the
+        # shard joins its epoch as if it had just begun it (not with all its windows, which would hold it back
+        # until the others caught up).
+        self.epoch_start_windows = int(state.get("epoch_start_windows", self.windows if state["epoch"] else 0))
         self.empty = bool(state["empty"])
         # Buffered documents: (tokens, epoch, cursor before the document).
         self._buffer: deque[tuple[np.ndarray, int, Any]] = deque()

@@ -3,10 +3,11 @@
 The corpus is split into `logical_shards` (S) streams, fixed for the life of a run. Data-parallel
 rank r of world size W (W divides S) owns shards r, r + W, r + 2W, ...; DataLoader worker k of n
 owns the rank's shards k, k + n, ... (in that list). A worker interleaves its shards one window at
-a time: the next window comes from the live shard with the fewest windows emitted, ties going to
-the lowest shard id. With equal counts that is plain round robin in ascending shard order, and
-since it depends only on per-shard counts, it is also the rule after resharding: a rank built from
-a merged per-shard state first serves the shards that are behind, then round robin.
+a time: the next window comes from the live shard in the earliest epoch (a shard that has given all
+its documents waits for the others), then with the fewest windows emitted in that epoch, ties going
+to the lowest shard id. With equal counts that is plain round robin in ascending shard order, and
+since it depends only on per-shard positions, it is also the rule after resharding: a rank built
+from a merged per-shard state first serves the shards that are behind, then round robin.
 
 Per-shard state (see packing.ShardPacker) is a stream position that any rank can pick up, so a
 checkpoint taken at world size W can be redistributed to another world size W' (W' divides S):
