@@ -138,25 +138,31 @@ def call(part: Part, *args: Any, **kwargs: Any) -> Any:
     return built
 
 
-def check_schedule_shape(part: Part, samples: int = 101) -> None:
-    """A plugin's lr_schedule, tried over its whole range once before training: a factor above the peak, below
-    the floor or not finite would otherwise train (or poison the weights) without a word."""
+def schedule_shape_problem(part: Part, samples: int = 101) -> tuple[str, str] | None:
+    """(why, fix) when a plugin's lr_schedule breaks its contract anywhere over its range, else None: a factor
+    above the peak, below the floor or not finite would otherwise train (or poison the weights) without a word."""
     if not part.plugin:
-        return
-    fix = f"Fix: lr_schedule shapes are called as {CONTRACTS['lr_schedule']}"
+        return None
+    fix = f"lr_schedule shapes are called as {CONTRACTS['lr_schedule']}"
     for i in range(samples):
         progress = i / (samples - 1)
         try:
             value = float(part.build(progress))
         except Exception as exc:
-            raise UserError(f"lr_schedule {part.name!r} (a plugin's) failed at progress {progress:g}: "
-                            f"{type(exc).__name__}: {exc}. {fix}") from None
+            return f"fails at progress {progress:g}: {type(exc).__name__}: {exc}", fix
         wanted = 1.0 if i == 0 else 0.0 if i == samples - 1 else None
         if not math.isfinite(value) or not -1e-6 <= value <= 1 + 1e-6 or \
                 (wanted is not None and abs(value - wanted) > 1e-6):
             expected = f"{wanted:g}" if wanted is not None else "a factor in [0, 1]"
-            raise UserError(f"lr_schedule {part.name!r} (a plugin's) gives {value!r} at progress {progress:g}, where "
-                            f"the contract asks for {expected}. {fix}")
+            return f"gives {value!r} at progress {progress:g}, where the contract asks for {expected}", fix
+    return None
+
+
+def check_schedule_shape(part: Part) -> None:
+    """UserError for a plugin's lr_schedule that breaks its contract (schedule_shape_problem)."""
+    found = schedule_shape_problem(part)
+    if found:
+        raise UserError(f"lr_schedule {part.name!r} (a plugin's) {found[0]}. Fix: {found[1]}")
 
 
 def _failed_to_build(part: Part, exc: Exception) -> UserError:

@@ -114,16 +114,16 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
                                                                        "weight_decay=[, args=])"]),
     (["--model.name=short", "--data.source=a_list"],
      ["data_source 'a_list' (a plugin's) built a list without check, fingerprint, documents"]),
-    # A schedule is tried over its range before the first step: a factor beyond the peak or not finite would train.
+    # A schedule is tried over its range when the recipe is checked: a factor beyond the peak or not finite would train.
     (["--model.name=plain", "--lr_scheduler.decay_type=rising"],
-     ["lr_schedule 'rising' (a plugin's) gives 1.04 at progress 0.01, where the contract asks for a factor in [0, "
-      "1]. Fix: lr_schedule shapes are called as shape(progress)"]),
+     ["lr_scheduler.decay_type = 'rising': names a plugin's shape that gives 1.04 at progress 0.01, where the "
+      "contract asks for a factor in [0, 1]. Fix: lr_schedule shapes are called as shape(progress)"]),
     (["--model.name=plain", "--lr_scheduler.decay_type=nan"],
-     ["lr_schedule 'nan' (a plugin's) gives nan at progress 0, where the contract asks for 1."]),
+     ["names a plugin's shape that gives nan at progress 0, where the contract asks for 1."]),
     (["--model.name=plain", "--lr_scheduler.decay_type=stable"],
-     ["lr_schedule 'stable' (a plugin's) gives 1.0 at progress 1, where the contract asks for 0."]),
+     ["names a plugin's shape that gives 1.0 at progress 1, where the contract asks for 0."]),
     (["--model.name=plain", "--lr_scheduler.decay_type=half_way"],
-     ["lr_schedule 'half_way' (a plugin's) failed at progress 0.5: ZeroDivisionError: division by zero. Fix:"]),
+     ["names a plugin's shape that fails at progress 0.5: ZeroDivisionError: division by zero. Fix:"]),
 ])
 def test_a_part_that_breaks_its_contract_is_one_message(plugin, tmp_path, capsys, flags, fragments):
     recipe, path = plugin

@@ -317,6 +317,9 @@ _SWITCHED_FIELDS_READ_ELSEWHERE = (
 
 def _check_lr_schedule(recipe: Recipe, add, notes: list[str], source_of) -> None:
     sched, steps = recipe.lr_scheduler, recipe.training.steps
+    shape = registry.schedule_shape_problem(registry.get("lr_schedule", sched.decay_type))  # a plugin's, tried
+    if shape:
+        add("lr_scheduler.decay_type", sched.decay_type, f"names a plugin's shape that {shape[0]}", shape[1])
     if sched.decay_type == "constant":
         for name in ("min_lr_factor", "decay_steps"):
             if _set(sched, "lr_scheduler", name, source_of):  # a flag even at the default: it was asked for
