@@ -342,6 +342,8 @@ class Trainer:
             self._elapsed_before = float(record.get("elapsed_s", 0.0))  # absent from older checkpoints
             self._last_logged = record.get("last_logged")  # absent from older checkpoints
             self._abandon_after = step
+            if not self.recipe.validation.enable and "held_out_set" in record:  # kept for a later run that validates
+                self.state.extra["held_out_set"] = record["held_out_set"]
             self.train_loader = self.state.dataloader
             group = self.optimizer.param_groups[0]  # the saved run's: its rate for the step after its save, its peak
             saved_rates = (group["lr"], record.get("applied_lr"), group.get("initial_lr") or group["lr"])

@@ -112,6 +112,13 @@ def test_a_resume_whose_held_out_set_has_another_size_says_so(tmp_path, capsys):
     said = capsys.readouterr().out
     assert "the held-out set is 4 rows of 128 tokens here" in said and "was 2 of 64 in the run that saved step 6" \
         in said and "Its rows follow training.seq_len, so the set cannot be kept at this length." in said, said
+    # a run without validation in between keeps the record for the next one that validates
+    longer += ["--training.seq_len=128", "--model.max_seq_len=128", "--training.local_batch_size=1"]
+    quiet = [a for a in longer if not a.startswith("--validation.")]
+    assert cli.main(["train", *quiet, "--training.steps=10", "--validation.enable=false"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *longer, "--training.steps=12", "--validation.steps=2"]) == 0
+    assert "the held-out set is 2 rows of 128 tokens here" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -20,8 +20,9 @@ def _changed(section, name: str) -> bool:
 def _divisors_text(n: int) -> str:
     """'1, 2, 4, 8, 16, 32 or 64': the data-parallel sizes that share n logical shards equally."""
     found = [d for d in range(1, n + 1) if n % d == 0]
-    shown = found if len(found) <= 12 else found[:11] + ["..."]
-    return ", ".join(map(str, shown[:-1])) + f" or {shown[-1]}" if len(shown) > 1 else str(shown[0])
+    if len(found) > 12:
+        return ", ".join(map(str, found[:10])) + f", ... or {found[-1]}"
+    return ", ".join(map(str, found[:-1])) + f" or {found[-1]}" if len(found) > 1 else str(found[0])
 
 
 def _flagged(source_of, path: str) -> bool:

@@ -78,7 +78,9 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     data_check, tokenizer = _data(recipe, runtime)
     results.append(data_check)
     results.append(_guarded("dump folder", lambda: _dump_folder(recipe, tokenizer)))
-    results.append(_guarded("resume", lambda: _resume(resolved, runtime, tokenizer)))
+    # The data stream is compared only with data the data check could read (its failure is said there, once).
+    readable = tokenizer if data_check.status != FAIL else None
+    results.append(_guarded("resume", lambda: _resume(resolved, runtime, readable)))
     results.append(_guarded("NSA backend", lambda: checks.check_model(recipe, runtime.device,
                                                                        runtime.autocast_dtype)))
     if tokenizer is None:

@@ -18,7 +18,7 @@ from nsa_titan.weight_source import changes_note, step_field_changes
 
 
 def check_resume(resolved, runtime, tokenizer) -> Check:
-    """tokenizer: the data check's (None when it could not be built: the data stream then goes unchecked)."""
+    """tokenizer: the data check's (None when that check failed: the data stream then goes unchecked)."""
     recipe = resolved.recipe
     ckpt = recipe.checkpoint
     if not ckpt.enable:
@@ -49,7 +49,7 @@ def _data_stream_note(recipe, runtime, tokenizer, reader: Checkpointer, step: in
     restarts the data instead (checkpoint.data_mismatch = 'restart'), a failing check when a resume is refused.
     Every data rank's states are merged into one loader, as a resume on another world size does."""
     if tokenizer is None:
-        return "the data stream is not compared (the data check could not build the tokenizer)"
+        return "the data stream is not compared (the data check did not pass)"
     merged = merge_shard_states(*(loader_state_by_logical_shard(saved)
                                   for saved in reader.saved_data_states(step, record)))
     try:
