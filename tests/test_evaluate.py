@@ -211,3 +211,15 @@ def test_a_triton_trained_model_is_read_on_the_cpu_with_the_reference_backend(mo
     same = registry.get("model", "transformer").build(reference, 61)
     same.load_state_dict(trained.state_dict())
     torch.testing.assert_close(model(tokens), same.eval()(tokens), rtol=0, atol=0)
+
+
+def test_the_summary_line_weighs_a_band_of_positions_at_each_end():
+    """The far end of a held-out set may hold one token per position: the summary gives the token-weighted loss
+    over the first and the last tenth of positions, with their token counts, not one position's loss each."""
+    from nsa_titan.evaluate.command import context_bands
+
+    positions = {"positions": [1, 2, 3, 500, 1022, 1023, 1024], "mean_loss": [1.5, 1.6, 1.7, 3.0, 4.0, 5.0, 9.0],
+                 "tokens": [30, 30, 30, 10, 1, 1, 2]}
+    assert context_bands(positions) == ("loss 1.600 with 1-3 tokens of context (90 tokens), 6.750 with 1022-1024 "
+                                        "tokens of context (4 tokens)")
+    assert context_bands({"positions": [], "mean_loss": [], "tokens": []}) == "no held-out token was scored"

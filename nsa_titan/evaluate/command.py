@@ -176,10 +176,8 @@ def run_command(argv: list[str]) -> int:
     if harness is not None:
         paths["lm_eval"] = os.path.join(out, "lm_eval.json")
     _write_results(out, paths, results, harness, loaded, overwrite)
-    far = positions["mean_loss"][-1] if positions["mean_loss"] else float("nan")
     mean_accuracy = sum(map(sum, passkey["accuracy"])) / (len(lengths) * len(depths))
-    print(f"evaluated {loaded}: loss {positions['mean_loss'][0]:.3f} with {positions['positions'][0]} token(s) of "
-          f"context, {far:.3f} with {positions['positions'][-1]}; passkey accuracy {mean_accuracy:.0%} over "
+    print(f"evaluated {loaded}: {context_bands(positions)}; passkey accuracy {mean_accuracy:.0%} over "
           f"{len(lengths)} lengths x {len(depths)} depths x {trials} keys: " + ", ".join(paths.values()))
     if resolved is not None:
         from nsa_titan.rebuild import HELD_OUT_READS, say_unread_flags
@@ -187,6 +185,25 @@ def run_command(argv: list[str]) -> int:
         # --batches says how many held-out batches instead of validation.steps
         say_unread_flags(resolved, "eval", tuple(r for r in HELD_OUT_READS if not (batches and r == "validation.steps")))
     return 0
+
+
+def context_bands(positions: dict, share: float = 0.1) -> str:
+    """The loss with the shortest and the longest contexts, each over a band of positions (the first and the
+    last tenth of those seen), weighted by tokens: a single position at the far end may hold one token."""
+    seen = list(zip(positions["positions"], positions["mean_loss"], positions["tokens"]))
+    if not seen:
+        return "no held-out token was scored"
+    longest = seen[-1][0]
+    width = max(1, round(share * longest))
+
+    def band(rows) -> str:
+        tokens = sum(n for _, _, n in rows)
+        loss = sum(value * n for _, value, n in rows) / tokens
+        return f"{loss:.3f} with {rows[0][0]}-{rows[-1][0]} tokens of context ({tokens:,} tokens)"
+
+    near = [row for row in seen if row[0] <= width]
+    far = [row for row in seen if row[0] > longest - width]
+    return f"loss {band(near)}, {band(far)}"
 
 
 def _write_results(out: str, paths: dict[str, str], results: dict, harness: dict | None, loaded: str,
