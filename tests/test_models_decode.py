@@ -124,8 +124,11 @@ def test_generate_rejects_bad_input():
     with pytest.raises(UserError, match=f"Fix: ask for at most {model.args.max_seq_len - 3} new tokens"):
         generate(model, prompt, model.args.max_seq_len)
     too_long = torch.zeros(1, model.args.max_seq_len + 5, dtype=torch.long)  # no room left: the prompt must shrink
-    with pytest.raises(UserError, match=f"Fix: shorten the prompt to fewer than {model.args.max_seq_len} tokens"):
-        generate(model, too_long, 1)
+    with pytest.raises(UserError, match=f"Fix: shorten the prompt to at most {model.args.max_seq_len - 4} tokens, "
+                                        "leaving room for the 4 new ones"):
+        generate(model, too_long, 4)
+    with pytest.raises(UserError, match=f"Fix: ask for fewer than {model.args.max_seq_len} new tokens"):
+        generate(model, too_long, model.args.max_seq_len)
 
 
 def test_generation_stops_once_every_row_has_produced_the_stop_token():
