@@ -499,6 +499,13 @@ class Checkpointer:
             problem = f"its optimizer_stepped is {record['optimizer_stepped']!r}, not true or false"
         if problem is None and not isinstance(record.get("good", True), bool):
             problem = f"its good is {record['good']!r}, not true or false"
+        if problem is None and "held_out_set" in record:  # written by runs that keep the held-out set's size
+            found = _not_ours(record["held_out_set"], {"rows": int, "seq_len": int})
+            problem = found and f"its held_out_set entry is {found}"
+        applied = record.get("applied_lr", 0.0)
+        if problem is None and applied is not None and (isinstance(applied, bool) or
+                                                        not isinstance(applied, (int, float))):
+            problem = f"its applied_lr is {applied!r}, not a number"
         if problem is None and record["step"] != step:
             problem = f"its step is {record['step']}, not the folder's {step}"
         if problem:

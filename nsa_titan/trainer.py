@@ -346,10 +346,7 @@ class Trainer:
                 self.state.extra["held_out_set"] = record["held_out_set"]
             self.train_loader = self.state.dataloader
             group = self.optimizer.param_groups[0]  # the saved run's: its rate for the step after its save, its peak
-            applied = record.get("applied_lr")  # absent from older checkpoints; a hand-edited one is not trusted
-            trusted = isinstance(applied, (int, float)) and not isinstance(applied, bool) and 0 <= applied < math.inf
-            saved_rates = (group["lr"], applied if trusted else None,
-                           group.get("initial_lr") or group["lr"])
+            saved_rates = (group["lr"], record.get("applied_lr"), group.get("initial_lr") or group["lr"])
             self._apply_recipe_optimizer_settings()
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
             note = recipe_change_note(self.resolved, "the recipe differs from the one this run folder's last run "
@@ -769,7 +766,7 @@ class Trainer:
         4 x 2 sequences) changes without a validation field changing; a new training.seq_len (a context
         extension) changes every row."""
         saved = record.get("held_out_set")  # absent where the saving run did not validate, or kept no record
-        if not self.recipe.validation.enable or not isinstance(saved, dict) or not {"rows", "seq_len"} <= saved.keys():
+        if not self.recipe.validation.enable or saved is None:
             return
         t = self.recipe.training
         rows = held_out.held_out_rows(self.recipe)
