@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from components.errors import UserError
 from nsa_titan import registry
-from nsa_titan.config.schema import Recipe
+from nsa_titan.config.schema import CUDA_GRAPH_MODES, Recipe
 from nsa_titan.runtime import Runtime
 from components.model_hooks import ParallelPlan
 from components.optim import lr_factor
@@ -23,6 +24,18 @@ def build_source(recipe: Recipe):
     if callable(check):
         check()
     return source
+
+
+def refuse_what_cannot_run_here(recipe: Recipe, device: torch.device, compiling: bool) -> None:
+    """What the recipe asks that this device cannot do, found before anything is built, read or written (the
+    trainer and inspect alike): CUDA-graph compile modes off CUDA, and what the model part says it cannot run."""
+    if compiling and recipe.compile.mode in CUDA_GRAPH_MODES and device.type != "cuda":
+        raise UserError(f"compile.mode = {recipe.compile.mode!r} replays CUDA graphs, but this run is on "
+                        f"{device.type}. Fix: set --compile.mode=default, or run on CUDA.")
+    part = registry.get("model", recipe.model.name)
+    problem = part.device_problem(recipe.model.args, device) if part.device_problem is not None else None
+    if problem:
+        raise UserError(problem)
 
 
 def source_notes(recipe: Recipe, source) -> list[str]:

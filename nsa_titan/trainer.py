@@ -23,7 +23,6 @@ from nsa_titan import assemble, held_out, registry
 from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
-from nsa_titan.config.schema import CUDA_GRAPH_MODES
 from nsa_titan.config.toml_io import tomllib
 from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.hf_folder import is_hf_folder, load_hf_weights
@@ -104,15 +103,8 @@ class Trainer:
         if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":  # training.device = auto: known now
             raise UserError(f"profiling.memory_snapshot records the CUDA allocator, but this run trains on "
                             f"{runtime.device.type}. Fix: set --profiling.memory_snapshot=false, or train on CUDA.")
-        if recipe.compile.enable and recipe.compile.mode in CUDA_GRAPH_MODES and runtime.device.type != "cuda":
-            raise UserError(f"compile.mode = {recipe.compile.mode!r} replays CUDA graphs, but this run trains on "
-                            f"{runtime.device.type}. Fix: set --compile.mode=default, or train on CUDA.")
-
+        assemble.refuse_what_cannot_run_here(recipe, runtime.device, compiling=recipe.compile.enable)
         self.model_part = registry.get("model", recipe.model.name)
-        if self.model_part.device_problem is not None:  # before anything is built, read or written
-            problem = self.model_part.device_problem(recipe.model.args, runtime.device)
-            if problem:
-                raise UserError(problem)
 
         fault = recipe.fault
         single = recipe.parallelism.fsdp_single_process

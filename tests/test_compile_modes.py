@@ -34,4 +34,4 @@ def test_cuda_graphs_off_cuda_are_an_error(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA, where CUDA graphs run")
     assert_cuda_only_refused_at_start(tmp_path, capsys, ["--compile.enable=true", "--compile.mode=reduce-overhead"],
-                                      "replays CUDA graphs, but this run trains on cpu. Fix: set --compile.mode=default")
+                                      "replays CUDA graphs, but this run is on cpu. Fix: set --compile.mode=default")

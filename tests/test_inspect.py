@@ -283,3 +283,27 @@ def test_an_error_the_compiled_code_raises_is_not_called_a_graph_break():
         module(torch.ones(4))
     message = graph_break_message(raised.value)
     assert "own code raises" in message and "too wide for this module" in message and "graph break" not in message
+
+
+def test_inspect_refuses_what_training_refuses_and_keeps_the_last_report(dense_recipe, tmp_path, capsys):
+    """A CUDA-graph mode off CUDA, or a model without blocks: input errors (exit 2) found before the folder is
+    touched, so the last inspection's report stays; training refuses both the same way."""
+    code, out, _ = _inspect(capsys, dense_recipe, f"--job.dump_folder={tmp_path}")
+    assert code == 0, out
+    report = (tmp_path / "inspect" / "report.txt").read_text()
+    code, _, err = _inspect(capsys, dense_recipe, f"--job.dump_folder={tmp_path}", "--compile.backend=inductor",
+                            "--compile.mode=reduce-overhead")
+    assert code == 2 and "compile.mode = 'reduce-overhead' replays CUDA graphs, but this run is on cpu" in err, err
+    code, _, err = _inspect(capsys, dense_recipe, f"--job.dump_folder={tmp_path}", f"--job.plugins={PLUGIN}",
+                            "--model.name=blockless_transformer", "--model.document_masking=false")
+    assert code == 2 and "names no blocks" in err and "nothing to compile or inspect" in err, err
+    assert (tmp_path / "inspect" / "report.txt").read_text() == report
+
+
+def test_training_a_model_whose_blocks_dynamo_skips_under_fullgraph_is_one_message(dense_recipe, tmp_path, capsys):
+    code = cli.main(["train", dense_recipe, f"--job.plugins={PLUGIN}", "--model.name=eager_transformer",
+                     "--model.document_masking=false", f"--job.dump_folder={tmp_path}", "--compile.enable=true",
+                     "--compile.backend=eager", "--training.steps=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "torch.compile compiled nothing in a block" in err and "compile.fullgraph = false" in err, err

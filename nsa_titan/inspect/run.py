@@ -169,12 +169,17 @@ def inspect_recipe(resolved: ResolvedRecipe, seq_lens: list[int] | None = None) 
     lengths = list(seq_lens or [recipe.training.seq_len])
     _check_lengths(lengths, recipe)
     runtime = make_runtime(recipe.training.device, recipe.training.dtype)
+    assemble.refuse_what_cannot_run_here(recipe, runtime.device, compiling=True)  # as training would refuse it
     folder = os.path.join(recipe.job.dump_folder, "inspect")
-    _fresh_folder(folder)
 
     tokenizer = assemble.build_tokenizer(recipe)
     source = assemble.build_source(recipe)
     model, num_blocks, tracker, recorder = _compiled_model(recipe, runtime, tokenizer.vocab_size)
+    if num_blocks == 0:
+        raise UserError(f"model {recipe.model.name!r} names no blocks (its part has no parallel_plan hook), so there "
+                        f"is nothing to compile or inspect. Fix: register the model with a parallel_plan hook naming "
+                        f"its blocks")
+    _fresh_folder(folder)  # an earlier inspection's report stays until this one can run
     batch_size = recipe.training.local_batch_size
     loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0, dp_size=1, split="train",
                                    batch_size=batch_size)

@@ -35,6 +35,11 @@ def graph_break_message(exc: BaseException) -> str | None:
     """One message for Dynamo's refusal of a graph break under compile.fullgraph = true (it raises
     `Unsupported` from the first call of the block), naming the reason and the innermost user line;
     None for any other error."""
+    if isinstance(exc, RuntimeError) and "found no compiled frames" in str(exc):  # Dynamo skipped the block's code
+        return ("torch.compile compiled nothing in a block: Dynamo skipped every frame of its forward (code under "
+                "torch.compiler.disable, say). compile.fullgraph = true requires one graph per block. Fix: set "
+                "compile.enable = false for this model, or compile.fullgraph = false to let the skipped code run "
+                "eagerly (`nsa-titan inspect RECIPE` shows what was compiled)")
     dynamo_errors = sys.modules.get("torch._dynamo.exc")
     if dynamo_errors is None or not isinstance(exc, dynamo_errors.Unsupported):
         return None
