@@ -120,7 +120,7 @@ def test_debug_recipe_compiles_whole_under_inductor(tmp_path, capsys):
     code, out, _ = _inspect(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--fail-on-break")
     assert code == 0, out
     assert _verdict(out) == "verdict: 0 graph breaks, 1 graph, 0 recompiles"
-    assert "compile: backend inductor per block" in out
+    assert "compile: backend inductor in mode default per block" in out
     assert "ran eagerly" not in out
     ops = next(line for line in out.splitlines() if line.startswith("custom ops in the graphs: "))
     assert "nsa_reference::attention" in ops and "nsa_reference::attention_backward" in ops, ops
@@ -133,7 +133,7 @@ def test_shipped_dense_recipe_compiles_whole_under_inductor(tmp_path, capsys):
                             f"--job.dump_folder={tmp_path}", "--fail-on-break")
     assert code == 0, out
     assert _verdict(out) == "verdict: 0 graph breaks, 1 graph, 0 recompiles"
-    assert "compile: backend inductor per block" in out and "attention dense" in out
+    assert "compile: backend inductor in mode default per block" in out and "attention dense" in out
     assert "ran eagerly" not in out
 
 

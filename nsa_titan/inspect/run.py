@@ -48,6 +48,7 @@ class InspectResult:
     model: str
     attention: str
     backend: str
+    mode: str
     compile_enabled_in_recipe: bool
     fullgraph_in_recipe: bool
     activation_checkpoint: str
@@ -222,7 +223,7 @@ def inspect_recipe(resolved: ResolvedRecipe, seq_lens: list[int] | None = None) 
     attention = part.describe(recipe.model.args) if part.describe is not None else "not described by the model"
     return InspectResult(
         recipe_path=resolved.path, recipe_hash=resolved.hash, model=recipe.model.name, attention=attention,
-        backend=recipe.compile.backend, compile_enabled_in_recipe=recipe.compile.enable,
+        backend=recipe.compile.backend, mode=recipe.compile.mode, compile_enabled_in_recipe=recipe.compile.enable,
         fullgraph_in_recipe=recipe.compile.fullgraph, activation_checkpoint=recipe.activation_checkpoint.mode,
         device=str(runtime.device), dtype=str(runtime.autocast_dtype or torch.get_default_dtype()).replace("torch.", ""),
         num_blocks=num_blocks, blocks_attributed=tracker.attached == num_blocks, folder=folder,
