@@ -567,3 +567,12 @@ def test_a_flag_that_turns_a_feature_off_notes_the_files_setting_for_it(tmp_path
     assert note.format(path=path) in resolved.notes, resolved.notes
     assert default in resolved.toml.splitlines()
     assert resolve_text(resolved.toml).notes == ()
+
+
+def test_profiling_the_first_step_of_a_compiled_run_is_said_to_profile_compilation():
+    notes = resolve([DEBUG, "--compile.enable=true", "--profiling.enable=true", "--profiling.start_step=1",
+                     "--profiling.steps=1"]).notes
+    assert any(n.startswith("profiling.start_step = 1 from flag") and "mostly compilation" in n for n in notes), notes
+    notes = resolve([DEBUG, "--compile.enable=true", "--profiling.enable=true", "--profiling.start_step=2",
+                     "--profiling.steps=1"]).notes
+    assert not any("mostly compilation" in n for n in notes), notes

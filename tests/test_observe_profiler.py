@@ -53,6 +53,14 @@ def test_a_run_resumed_past_the_window_says_nothing_is_profiled(tmp_path):
     profiler.close()
     assert len(said) == 1 and "starts at step 5, after profiling.start_step = 3" in said[0]
     assert not (tmp_path / "profile").exists()
+    # resumed past a window an earlier launch profiled: that trace is named, with no fix to make
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "trace_rank0.json.gz").write_bytes(b"")
+    said.clear()
+    profiler = StepProfiler(_config(), str(tmp_path), 0, torch.device("cpu"), said.append)
+    profiler.before_step(5)
+    profiler.close()
+    assert len(said) == 1 and "which an earlier launch profiled" in said[0] and "Fix" not in said[0], said
 
 
 @pytest.mark.parametrize("start, steps, run, recorded", [

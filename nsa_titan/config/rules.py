@@ -148,6 +148,10 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                 "set metrics.telemetry_freq = 0")
 
     prof = recipe.profiling
+    if prof.enable and prof.start_step == 1 and recipe.compile.enable:
+        notes.append(f"profiling.start_step = 1 from {source_of('profiling.start_step')} with compile.enable: the "
+                     f"window's first step compiles the blocks (no warmup step comes before it), so the trace and "
+                     f"op table are mostly compilation; start at step 2 or later to profile training")
     if prof.enable and prof.start_step + prof.steps - 1 > t.steps:
         add("profiling.start_step", prof.start_step, f"with profiling.steps = {prof.steps} ends after training.steps "
             f"= {t.steps}, so the window would never be written whole",

@@ -41,8 +41,15 @@ class StepProfiler:
         warmup = 1 if step < self.config.start_step else 0
         if step > self.config.start_step:
             self._done = True
-            self.say(f"profiling: the run starts at step {step}, after profiling.start_step = "
-                     f"{self.config.start_step}; nothing is profiled. Fix: set --profiling.start_step to a later step.")
+            trace = os.path.join(self.folder, f"trace_rank{self.rank}.json.gz")
+            if os.path.exists(trace):  # a resumed run whose window an earlier launch profiled
+                self.say(f"profiling: the run resumes at step {step}, after the window from profiling.start_step = "
+                         f"{self.config.start_step}, which an earlier launch profiled ({trace}); nothing more is "
+                         f"profiled (a later --profiling.start_step profiles other steps)")
+            else:
+                self.say(f"profiling: the run starts at step {step}, after profiling.start_step = "
+                         f"{self.config.start_step}; nothing is profiled. Fix: set --profiling.start_step to a later "
+                         f"step.")
             return
         if step < self.config.start_step - warmup:
             return
