@@ -23,11 +23,16 @@ from components.data import shards_of_rank
 from nsa_titan.loss import IGNORE_INDEX
 
 
-def held_out_rows(recipe) -> int:
-    """validation.steps batches of training.global_batch_size rows; with global_batch_size = -1 (which
-    follows the world size) of one process's local batch, so the set does not follow the world size."""
+def rows_per_batch(recipe) -> int:
+    """The rows of one validation batch: training.global_batch_size; with global_batch_size = -1 (which
+    follows the world size) one process's local batch, so the set does not follow the world size."""
     t = recipe.training
-    return recipe.validation.steps * (t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size)
+    return t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size
+
+
+def held_out_rows(recipe) -> int:
+    """validation.steps batches of rows_per_batch rows."""
+    return recipe.validation.steps * rows_per_batch(recipe)
 
 
 def rows_per_shard(rows: int, logical_shards: int) -> list[int]:

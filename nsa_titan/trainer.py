@@ -764,7 +764,7 @@ class Trainer:
         rows = held_out.held_out_rows(self.recipe)
         if (rows, t.seq_len) == (saved["rows"], saved["seq_len"]):
             return
-        per_step = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size
+        per_step = held_out.rows_per_batch(self.recipe)
         why = ("validation.steps x training.local_batch_size, as training.global_batch_size = -1"
                if t.global_batch_size == -1 else "validation.steps x training.global_batch_size")
         if t.seq_len != saved["seq_len"]:

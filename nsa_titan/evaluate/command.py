@@ -137,8 +137,7 @@ def run_command(argv: list[str]) -> int:
     runtime = make_runtime("cpu", "float32")
     # The run's held-out set (held_out.py): the rows its logged validation loss covers, or --batches of them.
     t = recipe.training
-    rows = held_out_set.held_out_rows(recipe) // recipe.validation.steps * (batches[0] if batches
-                                                                          else recipe.validation.steps)
+    rows = held_out_set.rows_per_batch(recipe) * (batches[0] if batches else recipe.validation.steps)
     try:
         every_row = held_out_set.rank_rows(recipe, runtime, assemble.build_source(recipe), tokenizer, 0, 1, rows)
         held_out = list(held_out_set.held_out_batches(every_row, t.local_batch_size, t.seq_len, None))
