@@ -339,9 +339,8 @@ class Checkpointer:
         """Whether `step` was saved after a good step (checkpoints that predate the record count as good; one
         whose train state cannot be read does not)."""
         try:
-            with open(os.path.join(self.step_dir(step), "train_state.json"), encoding="utf-8") as fh:
-                return json.load(fh).get("good", True) is True
-        except (OSError, ValueError, AttributeError):
+            return self._read_train_state(step).get("good", True)
+        except UserError:
             return False
 
     def newest_good_step(self) -> int | None:
@@ -437,14 +436,12 @@ class Checkpointer:
             state.optimizer.state.clear()
         state.lr_scheduler.load_state_dict(record["lr_scheduler"])
         old_world = int(record["world_size"])
-        old_cp = int(record.get("context_parallel_degree", 1))  # data rank d was saved by rank d * old_cp
         same_layout = record.get("data_layout") == data_layout
         if not same_layout and reshard_data is None:
             raise UserError(f"checkpoint {path} was written with data layout {record.get('data_layout')} "
                             f"and this run has {data_layout}; the data cannot continue exactly. Fix: resume "
                             f"with the original world size and data.num_workers.")
-        saved = (self.saved_data_states(step, record, ranks=[self.rank // self.context_parallel * old_cp])
-                 if same_layout else self.saved_data_states(step, record))
+        saved = self.saved_data_states(step, record, [self.rank // self.context_parallel] if same_layout else None)
         try:
             if same_layout:
                 state.dataloader.load_state_dict(saved[0])
@@ -460,13 +457,13 @@ class Checkpointer:
         state.tokens_seen = record["tokens_seen"]
         return record
 
-    def saved_data_states(self, step: int, record: dict, ranks: list[int] | None = None) -> list[dict]:
-        """The loader states `step` saved: one per data-parallel rank of the run that wrote it (a context-parallel
-        group's first rank holds its group's), or those of the given ranks."""
+    def saved_data_states(self, step: int, record: dict, data_ranks: list[int] | None = None) -> list[dict]:
+        """The loader states `step` saved: one per data-parallel rank of the run that wrote it, or those of the
+        given data-parallel ranks (a context-parallel group's first rank holds its group's)."""
         old_cp = int(record.get("context_parallel_degree", 1))  # data rank d was saved by rank d * old_cp
-        if ranks is None:
-            ranks = [r * old_cp for r in range(int(record["world_size"]) // old_cp)]
-        return [self._read_rank_file(step, r)["dataloader"] for r in ranks]
+        if data_ranks is None:
+            data_ranks = list(range(int(record["world_size"]) // old_cp))
+        return [self._read_rank_file(step, d * old_cp)["dataloader"] for d in data_ranks]
 
     def check_step(self, step: int) -> dict:
         """What a resume of `step` reads before its tensors: the COMPLETE marker and the files it records (their
