@@ -32,10 +32,15 @@ def refuse_what_cannot_run_here(recipe: Recipe, device: torch.device, compiling:
     if compiling and recipe.compile.mode in CUDA_GRAPH_MODES and device.type != "cuda":
         raise UserError(f"compile.mode = {recipe.compile.mode!r} replays CUDA graphs, but this run is on "
                         f"{device.type}. Fix: set --compile.mode=default, or run on CUDA.")
-    part = registry.get("model", recipe.model.name)
-    problem = part.device_problem(recipe.model.args, device) if part.device_problem is not None else None
+    problem = device_problem(recipe, device)
     if problem:
         raise UserError(problem)
+
+
+def device_problem(recipe: Recipe, device: torch.device) -> str | None:
+    """Why the model part says it cannot run on `device` (with the fix), or None."""
+    part = registry.get("model", recipe.model.name)
+    return part.device_problem(recipe.model.args, device) if part.device_problem is not None else None
 
 
 def source_notes(recipe: Recipe, source) -> list[str]:
@@ -106,9 +111,7 @@ def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer,
     optimizer's lr is set to initial_lr x the factor there), as a resumed run with new settings needs.
     """
     sched = recipe.lr_scheduler
-    part = registry.get("lr_schedule", sched.decay_type)
-    registry.check_schedule_shape(part)
-    shape = part.build
+    shape = registry.get("lr_schedule", sched.decay_type).build  # a plugin's tried when the recipe was checked
     decay_steps = None if sched.decay_steps == -1 else sched.decay_steps
 
     def factor(completed: int) -> float:

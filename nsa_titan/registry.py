@@ -158,13 +158,6 @@ def schedule_shape_problem(part: Part, samples: int = 101) -> tuple[str, str] | 
     return None
 
 
-def check_schedule_shape(part: Part) -> None:
-    """UserError for a plugin's lr_schedule that breaks its contract (schedule_shape_problem)."""
-    found = schedule_shape_problem(part)
-    if found:
-        raise UserError(f"lr_schedule {part.name!r} (a plugin's) {found[0]}. Fix: {found[1]}")
-
-
 def _failed_to_build(part: Part, exc: Exception) -> UserError:
     """The plugin's line where its builder failed (the deepest in the builder's own file; else the deepest
     outside this module; else the call itself, whose arguments the builder does not take)."""

@@ -171,11 +171,11 @@ def check_model(recipe, device: torch.device, compute_dtype: torch.dtype | None 
     the half type the run computes in (autocast), for a hook that takes it."""
     import inspect
 
-    from nsa_titan import registry
+    from nsa_titan import assemble, registry
 
     part = registry.get("model", recipe.model.name)
     hook = part.self_check
-    problem = part.device_problem(recipe.model.args, device) if part.device_problem is not None else None
+    problem = assemble.device_problem(recipe, device)
     if hook is None:
         return Check("model self-check", FAIL if problem else OK, problem or f"model {recipe.model.name!r} has none")
     takes_dtype = "compute_dtype" in inspect.signature(hook).parameters  # (args, device) hooks keep working
