@@ -132,7 +132,11 @@ class TransformerArgs:
     def slots_used(self) -> int:
         """The selection slots a row can fill: nsa.num_selected, at most ceil(max_seq_len / sel_block_size)
         (more slots stay unused, -1, so the op is not asked for them: the same function for less work)."""
-        return min(self.nsa.num_selected, -(-self.max_seq_len // self.nsa.sel_block_size))
+        return self._slots_in(self.max_seq_len)
+
+    def _slots_in(self, T: int) -> int:
+        """The selection slots a row of T tokens can fill."""
+        return min(self.nsa.num_selected, -(-T // self.nsa.sel_block_size))
 
     def mlp_hidden_dim(self) -> int:
         hidden = int(2 * self.mlp_ratio * self.dim / 3)
@@ -156,7 +160,7 @@ class TransformerArgs:
         if self.attention != "nsa" or find_problems(self.nsa):
             return []
         nsa, said = self.nsa, []
-        slots = min(nsa.num_selected, -(-T // nsa.sel_block_size))
+        slots = self._slots_in(T)
         if nsa.block_size > T:
             said.append(f"nsa.block_size = {nsa.block_size} is more than {length} = {T}: no row holds a compressed "
                         f"block, so the compressed branch and its compression weights never act, and selection "

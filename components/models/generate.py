@@ -75,11 +75,14 @@ def generate(
     B, T0 = prompt.shape
     total = T0 + max_new_tokens
     if total > model.args.max_seq_len:
-        room = model.args.max_seq_len - T0
-        fix = (f"ask for at most {room} new tokens (sample's --max-new-tokens), or shorten the prompt" if room > 0 else
-               f"shorten the prompt to at most {model.args.max_seq_len - max_new_tokens} tokens, leaving room for the "
-               f"{max_new_tokens} new ones" if max_new_tokens < model.args.max_seq_len else
-               f"ask for fewer than {model.args.max_seq_len} new tokens and shorten the prompt to fit beside them")
+        room, limit = model.args.max_seq_len - T0, model.args.max_seq_len
+        if room > 0:
+            fix = f"ask for at most {room} new tokens (sample's --max-new-tokens), or shorten the prompt"
+        elif max_new_tokens < limit:
+            fix = (f"shorten the prompt to at most {limit - max_new_tokens} tokens, leaving room for the "
+                   f"{max_new_tokens} new ones")
+        else:
+            fix = f"ask for fewer than {limit} new tokens and shorten the prompt to fit beside them"
         raise UserError(f"prompt + new tokens = {T0} + {max_new_tokens} = {total} exceeds the model's max_seq_len "
                         f"{model.args.max_seq_len}. Fix: {fix}")
     out = prompt.new_empty(B, total)
