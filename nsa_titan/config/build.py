@@ -125,17 +125,16 @@ class RecipeBuilder:
         raw = table[fld.name]
         value = shown = raw  # a refusal shows the value as typed until it has the field's type (0, not '0')
         try:
-            value = shown = coerce(raw, tp)
+            # The field's own default as the example a fix offers (3e-4, the learning rate's, reads as written).
+            example = toml_value(default) if isinstance(default, float) and default != 3e-4 else "3e-4"
+            value = shown = coerce(raw, tp, example)
             check_bounds(value, fld.metadata)
             if "component" in fld.metadata:
                 registry.get(fld.metadata["component"], value)
                 if value in fld.metadata.get("exclude", ()):
                     raise _Invalid(fld.metadata["exclude"][value], f"choose another {fld.metadata['component']}")
         except _Invalid as bad:
-            fix = bad.fix
-            if isinstance(default, float) and default != 3e-4:  # the field's own example, not an lr's
-                fix = fix.replace("such as 3e-4", f"such as {toml_value(default)}")
-            self.problem(path, shown, bad.why, fix)
+            self.problem(path, shown, bad.why, bad.fix)
             return default
         except registry.UnknownPartError as unknown:
             names = registry.available(unknown.kind)
@@ -285,8 +284,9 @@ def _whole(raw: Any) -> int:
     return round(value) if math.isfinite(value) else 20
 
 
-def coerce(raw: Any, tp: Any) -> Any:
-    """Give a recipe or command-line value the field's type, or say why it cannot be."""
+def coerce(raw: Any, tp: Any, example: str = "3e-4") -> Any:
+    """Give a recipe or command-line value the field's type, or say why it cannot be; `example`: a number the
+    fix for a float field offers (the field's own default, where the caller knows it)."""
     origin = typing.get_origin(tp)
     if origin in (list, typing.List):
         (inner,) = typing.get_args(tp) or (Any,)
@@ -304,7 +304,7 @@ def coerce(raw: Any, tp: Any) -> Any:
         else:
             raise _Invalid(f"expected a list ({type_name(tp)}), got {_kind(raw)}",
                            "write a TOML list like [1, 2] or, on the command line, a comma-separated list")
-        return [coerce(item, inner) for item in items]
+        return [coerce(item, inner, example) for item in items]
     if tp is bool:
         if isinstance(raw, CliText):
             if raw.lower() in _BOOL_TEXT:
@@ -331,12 +331,12 @@ def coerce(raw: Any, tp: Any) -> Any:
             try:
                 if not raw.isascii():
                     raise ValueError(raw)
-                return _finite(float(raw))
+                return _finite(float(raw), example)
             except ValueError:
-                raise _Invalid(f"expected a number, got {raw!r}", "write a number such as 3e-4") from None
+                raise _Invalid(f"expected a number, got {raw!r}", f"write a number such as {example}") from None
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return _finite(float(raw))
-        raise _Invalid(f"expected a number, got {_kind(raw)}", "write a number such as 3e-4, without quotes")
+            return _finite(float(raw), example)
+        raise _Invalid(f"expected a number, got {_kind(raw)}", f"write a number such as {example}, without quotes")
     if tp is str:
         if isinstance(raw, str):
             return str(raw)
@@ -344,10 +344,10 @@ def coerce(raw: Any, tp: Any) -> Any:
     raise _Invalid(f"has unsupported type {type_name(tp)}", "report this field's declaration as a bug")
 
 
-def _finite(value: float) -> float:
+def _finite(value: float, example: str) -> float:
     """TOML and Python both read inf and nan as numbers; no recipe field means either."""
     if not math.isfinite(value):
-        raise _Invalid(f"must be a finite number, got {value}", "write a finite number such as 3e-4")
+        raise _Invalid(f"must be a finite number, got {value}", f"write a finite number such as {example}")
     return value
 
 
