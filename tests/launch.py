@@ -156,9 +156,13 @@ def forget_model_fields(step_dir) -> None:
 
 def signal_once_imported(argv: list[str], module: str, signum: int, timeout: float = 300) -> tuple[int, str]:
     """Run `python -X importtime ARGV`, send it `signum` as soon as Python reports `module` imported (the start of
-    a command line, before its slow imports), and return (exit code, stderr) once it exits."""
+    a command line, before its slow imports), and return (exit code, stderr) once it exits.
+
+    The process starts with the signal's default action, as a command typed in a terminal does: a suite run in
+    the background of a script (as CI may run it) has SIGINT ignored, which its children would inherit."""
     proc = subprocess.Popen([sys.executable, "-X", "importtime", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO_ROOT)
+                            stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO_ROOT,
+                            preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
     try:
         said = []
         for line in proc.stderr:
