@@ -231,6 +231,27 @@ def test_resume_refuses_another_stream(tmp_path):
         byte_loader(source, seed=1, dp_rank=1, dp_world_size=2).load_state_dict(loader.state_dict())
 
 
+def test_the_stream_id_holds_the_tokenizers_specials_and_older_states_without_them_resume(tmp_path):
+    """Another end-of-document id (an edited tokenizer_config.json) is another stream, and the message says
+    the model learned the other ids; a state saved before ids held the specials still continues."""
+    from components.data.dataset import stream_differences
+
+    class OtherEos(ByteTokenizer):
+        eos_id = 256
+
+    source, _ = jsonl_source(tmp_path)
+    loader = byte_loader(source)
+    take(loader, 2)
+    state = loader.state_dict()
+    with pytest.raises(UserError, match=r"end-of-document id \(its eos_token\) 257 there, 256 here; the model "
+                                        r"learned the token ids of the tokenizer there"):
+        build_dataloader(source, OtherEos(), seq_len=16, batch_size=2, logical_shards=8).load_state_dict(state)
+    saved = loader.dataset.stream_id
+    older = saved.replace("|eos=257", "")
+    assert saved != older and stream_differences(older, saved) == []
+    assert stream_differences(saved, saved.replace("|seed=0", "|seed=1")) == ["job.seed 0 there, 1 here"]
+
+
 # ----- resharding through per-shard state -------------------------------------------------------
 
 

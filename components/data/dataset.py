@@ -95,10 +95,11 @@ class PackedShardsDataset(IterableDataset):
                 self._states[s]["epoch_start_windows"] = states[s]["epoch_start_windows"]
 
     def check_stream(self, saved: str) -> None:
-        if saved != self.stream_id:
+        differences = stream_differences(saved, self.stream_id)
+        if differences:
             raise DataStreamMismatch(
                 f"the data state was written for another data stream and cannot continue this one: "
-                f"{'; '.join(stream_differences(saved, self.stream_id))}. Fix: restore those settings of the run "
+                f"{'; '.join(differences)}. Fix: restore those settings of the run "
                 f"that wrote it, or start the data from its beginning"
             )
 
@@ -207,23 +208,38 @@ def row_document_starts(starts, seq_len: int) -> torch.Tensor:
 # The recipe fields behind the parts of a stream id (loader.stream_id) after the source's fingerprint.
 _STREAM_FIELDS = {"tokenizer": "data.tokenizer (name:vocabulary size)", "add_bos": "data.add_bos", "seed": "job.seed",
                   "logical_shards": "data.logical_shards", "split": "the split",
-                  "min_document_tokens": "data.min_document_tokens"}
+                  "min_document_tokens": "data.min_document_tokens",
+                  "eos": "the tokenizer's end-of-document id (its eos_token)",
+                  "bos": "the tokenizer's start-of-document id (its bos_token)",
+                  "tokenizer_file": "the tokenizer file's content (digest)"}
+# Parts added to stream ids after states were saved without them: a state that lacks one is not asked it.
+_ADDED_LATER = ("eos", "bos", "tokenizer_file")
+# The model learned the ids of the saved run's tokenizer: going on with other ids is a new start for it.
+_TOKENIZER_PARTS = ("tokenizer", "eos", "bos", "tokenizer_file")
 
 
 def stream_differences(saved: str, current: str) -> list[str]:
-    """What differs between two stream ids, by recipe field: 'job.seed 0 there, 7 here'."""
+    """What differs between two stream ids, by recipe field: 'job.seed 0 there, 7 here'; [] when the saved
+    state continues the current stream."""
     def parts(stream: str) -> dict[str, str]:
         source, _, rest = stream.rpartition("|tokenizer=")  # the source's fingerprint may hold '|' itself
         named = dict(part.split("=", 1) for part in f"tokenizer={rest}".split("|") if "=" in part)
         return {"source": source, "min_document_tokens": "0", **named}
 
+    if saved == current:
+        return []
     theirs, ours = parts(saved), parts(current)
     found = []
     for key in ["source", *_STREAM_FIELDS]:
+        if key in _ADDED_LATER and key not in theirs:
+            continue
         if theirs.get(key) != ours.get(key):
             if key == "source":
                 found.append(f"the data source (data.source, its [data.<source>] settings or its files' contents): "
                              f"{theirs.get(key)} there, {ours.get(key)} here")
             else:
-                found.append(f"{_STREAM_FIELDS[key]} {theirs.get(key)} there, {ours.get(key)} here")
-    return found or [f"{saved} there, {current} here"]
+                found.append(f"{_STREAM_FIELDS[key]} {theirs.get(key, 'none')} there, {ours.get(key, 'none')} here")
+    if any(theirs.get(key) != ours.get(key) for key in _TOKENIZER_PARTS if key in theirs):
+        found.append("the model learned the token ids of the tokenizer there")
+    unknown = {k for k in {*theirs, *ours} - {"source", *_STREAM_FIELDS} if theirs.get(k) != ours.get(k)}
+    return found or ([f"{saved} there, {current} here"] if unknown else [])

@@ -104,11 +104,15 @@ class _PlainErrors:
 
 def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, add_bos: bool,
               min_document_tokens: int = 0) -> str:
-    """Everything that fixes a shard's token stream; a saved state only continues an equal stream."""
+    """Everything that fixes a shard's token stream; a saved state only continues an equal stream
+    (dataset.stream_differences: parts added since are not asked of older states)."""
+    file = getattr(tokenizer, "file_digest", None)  # a tokenizer read from a file whose name holds no digest
     return (
         f"{source.fingerprint()}|tokenizer={tokenizer.name}:{tokenizer.vocab_size}|add_bos={add_bos}"
         f"|seed={seed}|logical_shards={logical_shards}|split={split}"
         + (f"|min_document_tokens={min_document_tokens}" if min_document_tokens else "")  # older states stay valid
+        + f"|eos={tokenizer.eos_id}" + (f"|bos={tokenizer.bos_id}" if add_bos else "")
+        + (f"|tokenizer_file={file}" if file else "")
     )
 
 
