@@ -64,6 +64,12 @@ def test_pickles_and_names_its_content(trained, tmp_path):
     assert HFTokenizer(HFTokenizerArgs(path=str(moved))).name == tok.name  # the stream id follows the content
 
 
+def test_a_lone_surrogate_from_json_encodes_as_tiktoken_reads_it(trained):
+    """JSON may hold "\\ud800"; the tokenizers library refuses such a string (a TypeError deep in a run)."""
+    tok = HFTokenizer(HFTokenizerArgs(path=str(trained)))
+    assert tok.encode("x\ud800y") == tok.encode("x\ufffdy") and tok.encode("x\ufffdy")
+
+
 @pytest.mark.parametrize("args, message", [
     (HFTokenizerArgs(), "needs a path"),
     (HFTokenizerArgs(path="/nonexistent/tokenizer.json"), "does not exist"),

@@ -101,7 +101,11 @@ class HFTokenizer:
         self.__init__(state["args"])
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:  # JSON may hold lone surrogates ("\\ud800"), which the library cannot take
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # U+FFFD, as tiktoken does
+            return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)
