@@ -45,6 +45,32 @@ def test_invalid_utf8_stops_the_data_naming_the_file_unless_the_recipe_says_repl
         assert f"{document}<|endoftext|>" in text, text
 
 
+def test_a_parquet_column_of_invalid_utf8_is_named_or_replaced_as_the_recipe_says(tmp_path):
+    """Arrow lets a string column hold any bytes; reading its rows raised Python's UnicodeDecodeError."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "odd.parquet"
+    rows = pa.array([b"fine text", None, b"bad \xff\xfe byte"], type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": rows}), path)
+    strict = TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0))
+    with pytest.raises(UserError, match=r"odd\.parquet is not UTF-8 text \(row 2 of row group 0, column 'text', "
+                                        r"byte 4: invalid start byte\).*invalid_utf8 = 'replace'"):
+        strict.scan()  # doctor's read of every row, as training reads them
+    replaced = TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0, invalid_utf8="replace"))
+    texts = [text for text, _ in replaced.documents(0, 1, "train", 0, 0, None)]
+    assert sorted(texts) == ["bad \ufffd\ufffd byte", "fine text"]
+
+
+def test_a_byte_order_mark_is_not_part_of_a_document(tmp_path):
+    """Some editors write EF BB BF first; .jsonl lines already dropped it, whole-file documents kept it as text."""
+    (tmp_path / "notes.txt").write_bytes(b"\xef\xbb\xbfhello\r\nworld")
+    (tmp_path / "more.md").write_bytes(b"no mark \xef\xbb\xbf inside")
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
+    texts = sorted(text for text, _ in source.documents(0, 1, "train", 0, 0, None))
+    assert texts == ["hello\nworld", "no mark \ufeff inside"]
+
+
 def test_folder_with_unreadable_files_is_refused(tmp_path):
     write_jsonl(str(tmp_path / "good.jsonl"), unique_texts(5))
     (tmp_path / "archive.jsonl.gz").write_bytes(b"\x1f\x8b")

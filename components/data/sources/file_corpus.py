@@ -286,13 +286,34 @@ class FileCorpus:
                 f"{self.what}: cannot read row group {group} of {path} ({type(e).__name__}: {e}); "
                 "replace or remove the file"
             ) from e
-        values = column.slice(start, end - start).to_pylist()
+        rows = column.slice(start, end - start)
+        try:
+            values = rows.to_pylist()
+        except UnicodeDecodeError:  # Arrow does not check that a string column holds UTF-8
+            values = self._decode_rows(rows, path, group, start)
         for v in values:
             if v is not None and not isinstance(v, str):
                 raise UserError(
                     f"{self.what}: {path} column {self.text_field!r} holds {type(v).__name__} values, not strings; "
                     "set text_field to a text column"
                 )
+        return values
+
+    def _decode_rows(self, rows, path: str, group: int, start: int) -> list:
+        """A parquet text column's rows decoded as invalid_utf8 says, a bad row named with its place."""
+        import pyarrow as pa
+
+        if pa.types.is_dictionary(rows.type):
+            rows = rows.cast(rows.type.value_type)
+        errors = "strict" if self.invalid_utf8 == "error" else "replace"
+        values = []
+        for row, raw in enumerate(rows.cast(pa.large_binary()).to_pylist(), start):
+            try:
+                values.append(None if raw is None else raw.decode("utf-8", errors))
+            except UnicodeDecodeError as e:
+                raise UserError(f"{self.what}: {path} is not UTF-8 text (row {row} of row group {group}, column "
+                                f"{self.text_field!r}, byte {e.start}: {e.reason}). Fix: convert it to UTF-8 or "
+                                f"remove it{self.fix}") from None
         return values
 
     def _decode(self, data: bytes, path: str, offset: int = 0, final: bool = True) -> str:
@@ -352,6 +373,7 @@ class FileCorpus:
         except OSError as e:
             raise UserError(f"{self.what}: cannot read {path} ({e}); fix its permissions or remove it") from e
         text = self._decode(data, path, final=not 0 < limit <= len(data))
+        text = text[1:] if text.startswith("\ufeff") else text  # a byte-order mark some editors write: not text
         return text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as text-mode reading gave them
 
     def read_piece(self, piece: tuple[int, int, int, int], split: str) -> list[str]:
