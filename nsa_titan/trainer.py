@@ -326,8 +326,15 @@ class Trainer:
             # Refused before anything loads; the changes allowed are named by the recipe-change note below.
             self._weight_source_changes(self.checkpointer.step_dir(step), resumed=True)
             restart = self._restart_data if ckpt.data_mismatch == "restart" else None
-            record = self.checkpointer.load(self.state, step, data_layout=self._data_layout(),
-                                            reshard_data=self._reshard_data, restart_data=restart)
+            try:
+                record = self.checkpointer.load(self.state, step, data_layout=self._data_layout(),
+                                                reshard_data=self._reshard_data, restart_data=restart)
+            except UserError:  # a refusal (say, tensors of another shape) names tensors; the recipe's change is why
+                note = recipe_change_note(self.resolved, "the recipe differs from the one this run folder's last run "
+                                                         "kept (recipe.toml)")
+                if note:
+                    self._say(note)
+                raise
             self.state.extra["branch"] = branch if step == ckpt.load_step else record.get("branch")
             if "nan_guard" in record:  # absent from checkpoints written before the guard's counts were kept
                 self.nan_guard.load_state_dict(record["nan_guard"])

@@ -291,6 +291,24 @@ def test_resume_into_another_model_names_the_first_mismatches(tmp_path, capsys, 
     assert complete_steps(ckpt_dir(folder)) == [1, 2, 3]
 
 
+def test_resume_refused_for_another_vocabulary_names_the_recipe_change_behind_it(tmp_path, capsys, three_checkpoints):
+    """Another tokenizer changes no [model] field, only the embedding's rows: the refusal names the tensors, and
+    the note before it the recipe field that changed them."""
+    import base64
+
+    folder = tmp_path / "run"
+    shutil.copytree(three_checkpoints, folder)
+    bpe = tmp_path / "bytes.tiktoken"
+    bpe.write_bytes(b"".join(base64.b64encode(bytes([b])) + b" %d\n" % b for b in range(256)))
+    capsys.readouterr()
+    code = cli.main(["train", *BASE, "--training.steps=4", "--data.tokenizer=tiktoken",
+                     f"--data.tiktoken.encoding={bpe}", f"--job.dump_folder={folder}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "model.tok_embeddings.weight is [258, 32] in the checkpoint but [257, 32] here" in err, err
+    assert "note: the recipe differs from the one this run folder's last run kept (recipe.toml): " in out, out
+    assert "data.tokenizer: 'byte' -> 'tiktoken'" in out, out
+
+
 def test_load_step_missing_is_an_error(tmp_path, capsys):
     folder = tmp_path / "run"
     argv = [*BASE, "--training.steps=2", "--checkpoint.interval=1", f"--job.dump_folder={folder}"]
