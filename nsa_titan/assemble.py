@@ -49,6 +49,11 @@ def source_notes(recipe: Recipe, source) -> list[str]:
     return list(notes(recipe.data.logical_shards)) if callable(notes) else []
 
 
+def tokenizer_notes(tokenizer) -> list[str]:
+    """What the tokenizer decided that no setting said (a guessed end-of-document token), to be told once."""
+    return list(getattr(tokenizer, "notes", ()))
+
+
 def build_model_on_meta(recipe: Recipe, vocab_size: int) -> nn.Module:
     """The model's structure without memory; parallelism is applied before weights exist."""
     part = registry.get("model", recipe.model.name)

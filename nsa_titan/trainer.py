@@ -18,7 +18,7 @@ import torch
 from components.errors import UserError
 from components.sequence_shard import SequenceShard
 
-from components.data import no_documents_error, signal_that_ended, worker_died
+from components.data import signal_that_ended, worker_died
 from nsa_titan import assemble, held_out, registry
 from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
 from nsa_titan.config import ResolvedRecipe
@@ -162,6 +162,8 @@ class Trainer:
         self.source = assemble.build_source(recipe)
         for note in assemble.source_notes(recipe, self.source) if runtime.is_main else ():
             warn(note)
+        for note in assemble.tokenizer_notes(self.tokenizer):
+            self._say(f"note: {note}")
         self._build_model()
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)
@@ -297,20 +299,18 @@ class Trainer:
                                      dp_size=self.dp_size, split=split,
                                      batch_size=self.recipe.training.local_batch_size, shard_states=shard_states)
 
-    def _held_out_rows(self, workers: bool = True):
-        """This rank's share of the held-out set, a row at a time (held_out.py); workers=False: in this
-        process (a probe for one row, which the workers' read-ahead and shutdown would only slow)."""
+    def _held_out_rows(self):
+        """This rank's share of the held-out set, a row at a time (held_out.py)."""
         return held_out.rank_rows(self.recipe, self.runtime, self.source, self.tokenizer, self.dp_rank, self.dp_size,
-                                  held_out.held_out_rows(self.recipe), workers)
+                                  held_out.held_out_rows(self.recipe))
 
     def _check_validation_data(self) -> None:
         """Fail at start-up, not after validation.freq steps, when the held-out set is empty (every rank
         hears it: one rank's shards may hold no held-out document while another's do)."""
-        mine = next(iter(self._held_out_rows(workers=False)), None) is not None
+        mine = held_out.rank_has_rows(self.recipe, self.runtime, self.source, self.tokenizer, self.dp_rank,
+                                      self.dp_size)
         if not any_rank(mine, self.runtime.device):
-            data = self.recipe.data
-            read = held_out.shards_read(held_out.held_out_rows(self.recipe), data.logical_shards)
-            raise no_documents_error("validation", read, None, data.logical_shards, data.min_document_tokens)
+            raise held_out.empty_set_error(self.recipe)
 
     # -- resume ----------------------------------------------------------------------------------
     def _restore(self) -> None:

@@ -92,11 +92,31 @@ def test_a_tokenizer_config_that_cannot_be_read_is_an_error_not_a_guess(trained,
     (folder / "tokenizer.json").write_bytes((trained / "tokenizer.json").read_bytes())
     data = config if isinstance(config, bytes) else config.encode()
     (folder / "tokenizer_config.json").write_bytes(data)
-    with pytest.raises(UserError, match="cannot read .*tokenizer_config.json.*set data.hf_tokenizer.eos_token"):
+    # Every field the config would have given is named at once (a fix of eos_token alone met bos_token next).
+    with pytest.raises(UserError, match="cannot read .*tokenizer_config.json.*set data.hf_tokenizer.eos_token and "
+                                        "data.hf_tokenizer.bos_token to the tokens to use"):
         HFTokenizer(HFTokenizerArgs(path=str(folder)))
-    assert HFTokenizer(HFTokenizerArgs(path=str(folder), eos_token="<|endoftext|>", bos_token="<s>")).eos_id == 0
+    with pytest.raises(UserError, match=r"set data.hf_tokenizer.bos_token to the token to use\.$"):
+        HFTokenizer(HFTokenizerArgs(path=str(folder), eos_token="<|endoftext|>"))
+    named = HFTokenizer(HFTokenizerArgs(path=str(folder), eos_token="<|endoftext|>", bos_token="<s>"))
+    assert named.eos_id == 0 and named.notes == []
     (folder / "tokenizer_config.json").unlink()  # no config at all: the usual end-of-document names are tried
-    assert HFTokenizer(HFTokenizerArgs(path=str(folder))).eos_id == 0
+    guessed = HFTokenizer(HFTokenizerArgs(path=str(folder)))
+    assert guessed.eos_id == 0 and guessed.notes == [
+        f"tokenizer hf_tokenizer: documents end with '<|endoftext|>' (the first of the usual end-of-text tokens "
+        f"{str(folder / 'tokenizer.json')!r} holds; neither data.hf_tokenizer.eos_token nor a tokenizer_config.json "
+        f"names one). Set data.hf_tokenizer.eos_token to choose."]
+
+
+def test_an_ordinary_token_is_refused_as_the_end_or_start_of_a_document(trained):
+    """Text yields an ordinary token's id too, so a document's end would not be told from the letter."""
+    with pytest.raises(UserError, match=r"eos_token 'a' is an ordinary token of .*: text yields it too, so the end "
+                                        r"of a document could not be told from text. Fix: set "
+                                        r"data.hf_tokenizer.eos_token to a special token \(its special tokens: "
+                                        r"'<\|endoftext\|>', '<s>'\)"):
+        HFTokenizer(HFTokenizerArgs(path=str(trained), eos_token="a"))
+    with pytest.raises(UserError, match="bos_token 'b' is an ordinary token .* the start of a document"):
+        HFTokenizer(HFTokenizerArgs(path=str(trained), bos_token="b"))
 
 
 def test_the_debug_recipe_trains_with_it(trained, tmp_path, monkeypatch):
@@ -139,3 +159,14 @@ def test_the_debug_recipe_trains_with_it(trained, tmp_path, monkeypatch):
     assert int((rows[:, 0] == tok.bos_id).sum()) >= 4
     # Its loss starts near ln(600), that of uniform guesses over 600 tokens (ln 258 = 5.55 for bytes).
     assert abs(metrics(out)[0]["loss"] - math.log(600)) < 0.1
+
+
+def test_a_run_is_told_the_end_of_document_token_it_guessed(trained, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((trained / "tokenizer.json").read_bytes())  # no tokenizer_config.json
+    argv = [DEBUG, *TINY, "--training.steps=1", "--data.tokenizer=hf_tokenizer", f"--data.hf_tokenizer.path={bare}",
+            f"--job.dump_folder={tmp_path / 'run'}"]
+    assert cli.main(["train", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.count("note: tokenizer hf_tokenizer: documents end with '<|endoftext|>' (the first of the usual") == 1

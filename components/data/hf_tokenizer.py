@@ -43,22 +43,24 @@ def _tokenizer_file(path: str) -> str:
     return file
 
 
-def _config_token(file: str, key: str) -> str:
-    """bos_token / eos_token from the tokenizer_config.json beside the file, or '' when there is no such
-    file or it names none. A file that is there but cannot be read is an error, not a silent guess."""
+def _config_tokens(file: str, unset: list[str]) -> dict[str, str]:
+    """The `unset` fields (eos_token, bos_token) as the tokenizer_config.json beside the file names them ('' for
+    one it does not name, or with no such file). A file that is there but cannot be read is an error naming
+    every field that would replace it, not a silent guess."""
     config = os.path.join(os.path.dirname(file), "tokenizer_config.json")
-    if not os.path.exists(config):
-        return ""
+    if not unset or not os.path.exists(config):
+        return {key: "" for key in unset}
     try:
         with open(config, encoding="utf-8") as fh:
             table = json.load(fh)
         if not isinstance(table, dict):
             raise ValueError(f"it holds {type(table).__name__}, not a JSON object")
     except (OSError, ValueError) as exc:  # ValueError covers bad JSON and bad UTF-8
+        fields = " and ".join(f"data.hf_tokenizer.{key}" for key in unset)
         raise UserError(f"tokenizer hf_tokenizer: cannot read {config!r} ({exc}). Fix: repair or remove it, or set "
-                        f"data.hf_tokenizer.{key} to the token to use.") from None
-    value = table.get(key) or ""
-    return value.get("content", "") if isinstance(value, dict) else str(value)
+                        f"{fields} to the token{'s' if len(unset) > 1 else ''} to use.") from None
+    values = {key: table.get(key) or "" for key in unset}
+    return {key: v.get("content", "") if isinstance(v, dict) else str(v) for key, v in values.items()}
 
 
 class HFTokenizer:
@@ -77,10 +79,17 @@ class HFTokenizer:
                             f"the tokenizers library wrote (Tokenizer.save or save_pretrained).") from None
         self._tok.encode_special_tokens = True  # special-token strings in documents are plain text
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        eos = args.eos_token or _config_token(file, "eos_token") or next(
-            (t for t in EOS_CANDIDATES if self._tok.token_to_id(t) is not None), "")
+        config = _config_tokens(file, [key for key in ("eos_token", "bos_token") if not getattr(args, key)])
+        eos = args.eos_token or config["eos_token"]
+        self.notes: list[str] = []  # what the run should be told at its start
+        if not eos:
+            eos = next((t for t in EOS_CANDIDATES if self._tok.token_to_id(t) is not None), "")
+            if eos:
+                self.notes.append(f"tokenizer hf_tokenizer: documents end with {eos!r} (the first of the usual "
+                                  f"end-of-text tokens {file!r} holds; neither data.hf_tokenizer.eos_token nor a "
+                                  f"tokenizer_config.json names one). Set data.hf_tokenizer.eos_token to choose.")
         self.eos_id = self._token_id(eos, "eos_token")
-        bos = args.bos_token or _config_token(file, "bos_token")
+        bos = args.bos_token or config.get("bos_token", "")
         self.bos_id = self._token_id(bos, "bos_token") if bos else self.eos_id
         with open(file, "rb") as fh:  # the data stream's id follows the file's content, not where it lies
             self.name = f"hf_tokenizer:{hashlib.sha256(fh.read()).hexdigest()[:12]}"
@@ -91,6 +100,13 @@ class HFTokenizer:
             what = f"has no token {token!r}" if token else "names no end-of-document token"
             raise UserError(f"tokenizer hf_tokenizer: {self.args.path!r} {what}. Fix: set "
                             f"data.hf_tokenizer.{field_name} to one of its tokens.")
+        if self._tok.encode(token, add_special_tokens=False).ids == [token_id]:
+            specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+            where = "end" if field_name == "eos_token" else "start"
+            choose = f" (its special tokens: {', '.join(map(repr, specials[:6]))})" if specials else ""
+            raise UserError(f"tokenizer hf_tokenizer: {field_name} {token!r} is an ordinary token of "
+                            f"{self.args.path!r}: text yields it too, so the {where} of a document could not be told "
+                            f"from text. Fix: set data.hf_tokenizer.{field_name} to a special token{choose}.")
         return int(token_id)
 
     # Workers receive the arguments and load the file themselves.
