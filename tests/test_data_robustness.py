@@ -71,6 +71,26 @@ def test_a_byte_order_mark_is_not_part_of_a_document(tmp_path):
     assert texts == ["hello\nworld", "no mark \ufeff inside"]
 
 
+def test_a_record_that_is_no_object_or_holds_no_string_is_named_as_json_names_it(tmp_path):
+    for line, said in [("[1, 2]", r"line 2 is an array, not a JSON object. Fix: write each line as an object holding "
+                                  r"the text in 'text', as \{\"text\": \"the document\"\}"),
+                       ('{"text": 7}', r"line 2: field 'text' is a number, not a string. Fix:")]:
+        path = tmp_path / "records.jsonl"
+        path.write_text('{"text": "fine"}\n' + line + "\n")
+        with pytest.raises(UserError, match=said):
+            list(TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0)).scan())
+
+
+def test_a_corpus_file_removed_during_the_run_is_named_as_gone(tmp_path):
+    (tmp_path / "a.txt").write_text("first document")
+    (tmp_path / "b.txt").write_text("second document")
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
+    source.check()
+    os.remove(tmp_path / "b.txt")
+    with pytest.raises(UserError, match=r"b\.txt is gone \(it was there when the run started\). Fix: restore it"):
+        list(source.documents(0, 1, "train", 0, 0, None))
+
+
 def test_folder_with_unreadable_files_is_refused(tmp_path):
     write_jsonl(str(tmp_path / "good.jsonl"), unique_texts(5))
     (tmp_path / "archive.jsonl.gz").write_bytes(b"\x1f\x8b")

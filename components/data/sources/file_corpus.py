@@ -220,12 +220,21 @@ class FileCorpus:
         return out
 
     # ----- reading ---------------------------------------------------------------------------
+    def _unreadable(self, path: str, error: OSError) -> UserError:
+        if isinstance(error, FileNotFoundError):  # it was there when the corpus was listed
+            return UserError(f"{self.what}: {path} is gone (it was there when the run started). Fix: restore it; a "
+                             "corpus without it is another data stream, which a resume starts from its beginning "
+                             "(checkpoint.data_mismatch = 'restart')")
+        return UserError(f"{self.what}: cannot read {path} ({error}); fix its permissions or remove it")
+
     def _text_of(self, record, path: str, offset: int) -> str:
         if isinstance(record, dict) and isinstance(record.get(self.text_field), str):
             return record[self.text_field]
         where = f"line {_line_number(path, offset)}"  # counted only on the error path
         if not isinstance(record, dict):
-            raise UserError(f"{self.what}: {path} {where} is a JSON {type(record).__name__}, not an object")
+            raise UserError(f"{self.what}: {path} {where} is {_json_kind(record)}, not a JSON object. Fix: write each "
+                            f"line as an object holding the text in {self.text_field!r}, as "
+                            f"{json.dumps({self.text_field: 'the document'})}")
         if self.text_field not in record:
             raise UserError(
                 f"{self.what}: {path} {where} has no field {self.text_field!r}; its fields are "
@@ -236,7 +245,7 @@ class FileCorpus:
             return ""
         if not isinstance(text, str):
             raise UserError(
-                f"{self.what}: {path} {where}: field {self.text_field!r} is a {type(text).__name__}, not a string. "
+                f"{self.what}: {path} {where}: field {self.text_field!r} is {_json_kind(text)}, not a string. "
                 f"Fix: set text_field to the field holding the text, or write the text as a string there"
             )
         return text
@@ -246,7 +255,7 @@ class FileCorpus:
         try:
             f = open(path, "rb")
         except OSError as e:
-            raise UserError(f"{self.what}: cannot read {path} ({e}); fix its permissions or remove it") from e
+            raise self._unreadable(path, e) from e
         with f:
             if start > 0:
                 f.seek(start - 1)
@@ -364,14 +373,14 @@ class FileCorpus:
                 pending = decoder.getstate()[0]
                 self._decode(pending, path, offset - len(pending))  # a character cut by the file's end
         except OSError as e:
-            raise UserError(f"{self.what}: cannot read {path} ({e}); fix its permissions or remove it") from e
+            raise self._unreadable(path, e) from e
 
     def _read_whole(self, path: str, limit: int = -1) -> str:
         try:
             with open(path, "rb") as fh:
                 data = fh.read(limit)
         except OSError as e:
-            raise UserError(f"{self.what}: cannot read {path} ({e}); fix its permissions or remove it") from e
+            raise self._unreadable(path, e) from e
         text = self._decode(data, path, final=not 0 < limit <= len(data))
         text = text[1:] if text.startswith("\ufeff") else text  # a byte-order mark some editors write: not text
         return text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as text-mode reading gave them
@@ -443,6 +452,12 @@ class FileCorpus:
 def member_documents(corpus: FileCorpus, split: str) -> list[str]:
     """Every document of `split`, read piece by piece (for tests and inspection; reads everything)."""
     return [d for piece in corpus.pieces(split, 1) for d in corpus.read_piece(piece, split)]
+
+
+def _json_kind(value) -> str:
+    """A parsed JSON value's kind as JSON names it: 'an array', 'a number', ..."""
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number", dict: "an object"}
+    return "null" if value is None else kinds.get(type(value), f"a {type(value).__name__}")
 
 
 def _is_text(kind) -> bool:
