@@ -19,7 +19,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from components.data import shards_of_rank
+from components.data import NoDocuments, no_documents_error, shards_of_rank
 from nsa_titan.loss import IGNORE_INDEX
 
 
@@ -61,6 +61,20 @@ def rank_rows(recipe, runtime, source, tokenizer, dp_rank: int, dp_size: int, ro
     return assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=dp_rank, dp_size=dp_size,
                                  split="validation", batch_size=1, quotas=quotas,
                                  num_workers=None if workers else 0)
+
+
+def rank_has_rows(recipe, runtime, source, tokenizer, dp_rank: int, dp_size: int) -> bool:
+    """Whether this rank's share of the set holds a row (one row read in this process)."""
+    rows = rank_rows(recipe, runtime, source, tokenizer, dp_rank, dp_size, held_out_rows(recipe), workers=False)
+    return next(iter(rows), None) is not None
+
+
+def empty_set_error(recipe, rows: int | None = None) -> NoDocuments:
+    """The refusal of a held-out set of `rows` rows (the run's, by default) that no rank holds a row of."""
+    data = recipe.data
+    rows = held_out_rows(recipe) if rows is None else rows
+    return no_documents_error("validation", shards_read(rows, data.logical_shards), None, data.logical_shards,
+                              data.min_document_tokens)
 
 
 def batches_per_rank(rows: int, logical_shards: int, dp_size: int, batch_size: int) -> int:

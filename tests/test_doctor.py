@@ -73,7 +73,8 @@ def test_a_bad_byte_deep_in_a_text_corpus_fails_the_data_check(tmp_path, capsys)
     (corpus / "a.txt").write_text("plain text\n" * 2000)
     (corpus / "b.txt").write_bytes(b"more text\n" * 2000 + b"caf\xe9\n")
     flags = [f"--job.dump_folder={tmp_path / 'run'}", "--data.source=text_files",
-             f"--data.text_files.paths={corpus}", "--data.text_files.validation_fraction=0"]
+             f"--data.text_files.paths={corpus}", "--data.text_files.validation_fraction=0",
+             "--validation.enable=false"]  # nothing is held out (training refuses validation on it, as doctor does)
     code, lines = _doctor(capsys, DEBUG, *flags)
     assert code == 1 and lines["data"][0] == "fail", lines["data"]
     assert "b.txt is not UTF-8 text (byte 20003 of the file, line 2001" in lines["data"][1]
@@ -82,6 +83,26 @@ def test_a_bad_byte_deep_in_a_text_corpus_fails_the_data_check(tmp_path, capsys)
     (corpus / "b.txt").write_bytes(b"more text\n" * 2000)
     code, lines = _doctor(capsys, DEBUG, *flags)
     assert code == 0 and "every file reads as training reads it (2 documents, 0.0 MiB)" in lines["data"][1], lines["data"]
+
+
+def test_the_data_check_asks_every_rank_and_the_held_out_set_as_training_does(tmp_path, capsys):
+    """One document: rank 1 of two has nothing to train on, and with a held-out share of 0.1 there is nothing
+    to validate on; training refuses both at start-up, so doctor fails them (it read rank 0 alone)."""
+    corpus = tmp_path / "one"
+    corpus.mkdir()
+    (corpus / "only.txt").write_text("the one document of this corpus\n" * 40)
+    flags = [f"--job.dump_folder={tmp_path / 'run'}", "--data.source=text_files", f"--data.text_files.paths={corpus}",
+             "--data.logical_shards=2", "--data.text_files.validation_fraction=0", "--validation.enable=false"]
+    code, lines = _doctor(capsys, DEBUG, *flags)
+    assert code == 0 and lines["data"][0] == "ok", lines["data"]
+    code, lines = _doctor(capsys, DEBUG, *flags, "--world-size", "2")
+    assert code == 1 and lines["data"][0] == "fail", lines["data"]
+    assert "data split 'train': logical shards [1] of data-parallel rank 1 hold no documents" in lines["data"][1]
+    code, lines = _doctor(capsys, DEBUG, *flags[:-2], "--data.text_files.validation_fraction=0.1",
+                          "--validation.enable=true")
+    assert code == 1 and lines["data"][0] == "fail", lines["data"]
+    assert "data split 'validation': all 2 logical shards hold no documents, so there is no held-out data to " \
+           "validate on" in lines["data"][1], lines["data"]
 
 
 def test_invalid_recipe_fails_and_skips_what_depends_on_it(tmp_path, capsys):

@@ -98,9 +98,11 @@ def check_devices(device_choice: str | None, world_size: int) -> Check:
     return Check("devices", OK, detail + " (training runs on the CPU)")
 
 
-def check_data(recipe, runtime) -> tuple[Check, object | None]:
-    """Build the tokenizer and source and take one batch, as training would; also returns the tokenizer
-    (None when it cannot be built), which the memory estimate needs for the vocabulary size."""
+def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | None]:
+    """Build the tokenizer and source and take one batch, as training would, and ask every data-parallel rank of
+    `world_size` processes for a row of its own shards (and of the held-out set, where validation is on), as
+    training refuses to start without them; also returns the tokenizer (None when it cannot be built), which the
+    memory estimate needs for the vocabulary size."""
     from nsa_titan import assemble
 
     start = time.perf_counter()
@@ -115,6 +117,7 @@ def check_data(recipe, runtime) -> tuple[Check, object | None]:
         loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0, dp_size=1, split="train",
                                        batch_size=recipe.training.local_batch_size)
         batch = next(iter(loader))
+        _every_rank_has_rows(recipe, runtime, source, tokenizer, world_size)
         scan = getattr(source, "scan", None)  # the whole corpus once: what a long run would meet late
         scanned = scan() if callable(scan) else ""
         notes = assemble.source_notes(recipe, source)
@@ -129,7 +132,25 @@ def check_data(recipe, runtime) -> tuple[Check, object | None]:
     expected = (recipe.training.local_batch_size, recipe.training.seq_len)
     if tuple(inputs.shape) != expected or int(inputs.max()) >= tokenizer.vocab_size or int(inputs.min()) < 0:
         return Check(name, FAIL, detail + f"; expected shape {expected} and ids in 0..{tokenizer.vocab_size - 1}"), tokenizer
-    return Check(name, WARN if notes else OK, "; ".join([detail, *notes])), tokenizer
+    return Check(name, WARN if notes else OK, "; ".join([detail, *notes, *assemble.tokenizer_notes(tokenizer)])), \
+        tokenizer
+
+
+def _every_rank_has_rows(recipe, runtime, source, tokenizer, world_size: int) -> None:
+    """Training's start-up refusals that depend on the ranks' shards: a data-parallel rank whose shards hold no
+    training document, and a held-out set that no rank's shards hold a row of (NoDocuments, as training says it)."""
+    from nsa_titan import assemble, held_out
+    from nsa_titan.config.rules import data_parallel_degrees
+
+    replicate, shard = data_parallel_degrees(recipe, world_size)
+    dp_size = replicate * shard
+    if dp_size > 1:
+        for rank in range(dp_size):  # in this process, one row each: a rank's shards, as its loader reads them
+            next(iter(assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=rank, dp_size=dp_size,
+                                            split="train", batch_size=1, num_workers=0)))
+    if recipe.validation.enable and not any(held_out.rank_has_rows(recipe, runtime, source, tokenizer, rank, dp_size)
+                                            for rank in range(dp_size)):
+        raise held_out.empty_set_error(recipe)
 
 
 def checkpoint_bytes(num_params: int, keep: int) -> int:

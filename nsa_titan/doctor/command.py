@@ -75,7 +75,7 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     if runtime is None:
         results += [Check(name, WARN, "skipped: no device to run on") for name in NEEDS_RECIPE]
         return results
-    data_check, tokenizer = _data(recipe, runtime)
+    data_check, tokenizer = _data(recipe, runtime, world_size)
     results.append(data_check)
     results.append(_guarded("dump folder", lambda: _dump_folder(recipe, tokenizer)))
     # The data stream is compared only with data the data check could read (its failure is said there, once).
@@ -90,11 +90,11 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     return results
 
 
-def _data(recipe, runtime):
+def _data(recipe, runtime, world_size: int):
     from nsa_titan.doctor.checks import check_data
 
     try:
-        return check_data(recipe, runtime)
+        return check_data(recipe, runtime, world_size)
     except Exception as exc:  # reported as the data check's failure, with its type
         return Check("data", FAIL, f"{type(exc).__name__}: {exc}"), None
 

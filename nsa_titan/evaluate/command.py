@@ -15,7 +15,6 @@ import json
 import os
 
 
-from components.data import no_documents_error
 from components.errors import UserError
 from nsa_titan import assemble, registry
 from nsa_titan import held_out as held_out_set
@@ -142,8 +141,7 @@ def run_command(argv: list[str]) -> int:
         every_row = held_out_set.rank_rows(recipe, runtime, assemble.build_source(recipe), tokenizer, 0, 1, rows)
         held_out = list(held_out_set.held_out_batches(every_row, t.local_batch_size, t.seq_len, None))
         if not held_out:
-            raise no_documents_error("validation", held_out_set.shards_read(rows, recipe.data.logical_shards), None,
-                                     recipe.data.logical_shards, recipe.data.min_document_tokens)
+            raise held_out_set.empty_set_error(recipe, rows)
     except UserError as exc:
         if argv[0].endswith(".toml"):
             raise
