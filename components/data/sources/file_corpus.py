@@ -444,7 +444,8 @@ class FileCorpus:
 
     def fingerprint(self) -> str:
         """Names and shapes (byte sizes, parquet row groups): pieces depend on both, so a saved position
-        must never be applied to a corpus whose files grew, shrank or were rewritten."""
+        must never be applied to a corpus whose files grew, shrank or were cut otherwise. Contents are not read:
+        a file rewritten to the same size (or parquet row-group sizes) is not told apart."""
         keys = "\n".join(f"{f.key} {m}" for f, m in zip(self.files, self.meta()))
         return f"{len(self.files)} files {digest(keys)}"
 
