@@ -683,6 +683,12 @@ class Trainer:
         with self._memory_fault("validation after step", step):
             return {"step": step, **self.validate()}
 
+    def _log_missed_validation(self, record: dict) -> None:
+        """Log the validation _missed_validation computed, unless the records _begin brought back from a set-aside
+        file (after a run without checkpoints in this folder) hold it already."""
+        if self.runtime.is_main and not has_record(self.metrics.path, record["step"], "val_loss"):
+            self._log(record)
+
     def _worker_lost_message(self, text: str, ended_by: str | None) -> str:
         """A data loader worker process that died (`ended_by`: the signal that ended it, if one did): what it
         cost and the way on, not the loader's traceback. The loader's place may be past the step the model
@@ -844,7 +850,7 @@ class Trainer:
         if state.step >= t.steps:
             if missed is not None:  # the run ended between its last save and the validation after it
                 self._begin()
-                self._log(missed)
+                self._log_missed_validation(missed)
             past = (f" (it is at step {state.step}; --checkpoint.load_step=N resumes an earlier checkpoint)"
                     if state.step > t.steps else "")
             self._say(f"nothing to do: the run already reached training.steps = {t.steps}{past}. Fix: raise "
@@ -869,7 +875,7 @@ class Trainer:
             if decision != STOP:  # agreed by every rank: all of them begin (a collective) or none
                 self._begin()
                 if missed is not None:
-                    self._log(missed)
+                    self._log_missed_validation(missed)
                     missed = None
             state.step += 1
             phase = time.perf_counter()

@@ -313,10 +313,13 @@ def test_a_resume_brings_back_its_records_after_a_run_without_checkpoints_in_its
     writes its own; the run resumed later gets its own records back in metrics.jsonl (the other run's go to a
     set-aside file), not the other run's steps followed by its own."""
     tb = "--metrics.enable_tensorboard=true"
-    argv = ["train", *[f for f in BASE if f != "--checkpoint.enable=false"], "--checkpoint.enable=true",
-            "--checkpoint.interval=3", tb, f"--job.dump_folder={tmp_path}"]
+    validate = ["--validation.enable=true", "--validation.freq=3", "--validation.steps=1"]
+    argv = ["train", *[f for f in BASE if f not in ("--checkpoint.enable=false", "--validation.enable=false")],
+            "--checkpoint.enable=true", "--checkpoint.interval=3", *validate, tb, f"--job.dump_folder={tmp_path}"]
     assert cli.main([*argv, "--training.steps=6"]) == 0
     first = [r for r in metrics(tmp_path) if "loss" in r]
+    first_validations = [r for r in metrics(tmp_path) if "val_loss" in r]
+    assert [r["step"] for r in first_validations] == [3, 6]
     assert cli.main(["train", *BASE, "--training.steps=2", "--optimizer.lr=1e-2", tb,
                      f"--job.dump_folder={tmp_path}"]) == 0
     scratch = [r for r in metrics(tmp_path) if "loss" in r]
@@ -328,6 +331,9 @@ def test_a_resume_brings_back_its_records_after_a_run_without_checkpoints_in_its
     records = [r for r in metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[:6] == first
+    # The validation of step 6 came back with the records: the resume does not log it a second time.
+    validations = [r for r in metrics(tmp_path) if "val_loss" in r]
+    assert validations[:2] == first_validations and [r["step"] for r in validations] == [3, 6, 8]
     moved = re.search(r"held another run's records \(.*\), moved to (\S+), and", out).group(1)
     with open(moved, encoding="utf-8") as fh:
         assert [json.loads(line) for line in fh if '"loss"' in line] == scratch
@@ -338,6 +344,7 @@ def test_a_resume_brings_back_its_records_after_a_run_without_checkpoints_in_its
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == \
         [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
+    assert [e.step for e in events.Scalars("val_loss")] == [3, 6, 8]
 
 
 def test_telemetry_follows_the_same_rows_across_a_resume(tmp_path, capsys):
