@@ -191,6 +191,50 @@ def test_greedy_generation_with_the_cache_matches(exported):
     torch.testing.assert_close(steps, full[:, 36:96], rtol=0, atol=1e-5)
 
 
+def test_the_loss_follows_transformers_trainer_over_accumulated_micro_batches(exported):
+    """transformers' Trainer passes num_items_in_batch (the label tokens of a whole accumulated step) to a forward
+    taking **kwargs and leaves the division to it: a micro-batch's loss is its summed loss over that count, so
+    four micro-batches sum to the whole batch's mean (the per-micro-batch mean was 4x too large)."""
+    _, folder = exported
+    model = _auto_model(folder)
+    tokens = torch.randint(0, 256, (8, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = model(tokens, labels=tokens).loss
+        items = torch.tensor(8 * 39)
+        parts = [model(part, labels=part, num_items_in_batch=items).loss for part in tokens.split(2)]
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-6, atol=0)
+
+
+def test_arguments_the_model_does_not_compute_with_are_refused_not_ignored(exported):
+    _, folder = exported
+    model = _auto_model(folder)
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = model(tokens)
+        as_tuple = model(tokens, return_dict=False)
+        assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], plain.logits)
+        assert torch.equal(model(tokens, position_ids=torch.arange(12)[None]).logits, plain.logits)
+        for kwargs, said in [({"output_hidden_states": True}, "does not return hidden_states"),
+                             ({"output_attentions": True}, "does not return attentions"),
+                             ({"position_ids": torch.arange(3, 15)[None]}, "position_ids, when given, must be 0, 1"),
+                             ({"input_ids": None, "inputs_embeds": torch.zeros(1, 12, 32)}, "not inputs_embeds")]:
+            with pytest.raises(ValueError, match=said):
+                model(**{"input_ids": tokens, **kwargs})
+
+
+def test_generation_past_max_seq_len_is_refused_before_it_starts(exported, monkeypatch):
+    _, folder = exported
+    model = _auto_model(folder)
+    calls = _count_tokens_per_call(model)
+    prompt = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="the prompt's 200 tokens and the tokens asked for make 266, over max_seq_len "
+                                         r"256: ask for at most 56 new tokens \(max_new_tokens\)"):
+        model.generate(prompt, max_new_tokens=66, do_sample=False, pad_token_id=257)
+    assert calls == []  # nothing was computed
+    assert model.generate(prompt, max_new_tokens=56, do_sample=False, eos_token_id=None,
+                          pad_token_id=257).shape == (1, 256)
+
+
 def test_padded_rows_compute_what_each_row_computes_alone(exported):
     """Prompts of different lengths in one batch, padded on the left for generation and on the right for
     scoring: each row's new tokens, logits and loss are those of the row run alone, each generation step
@@ -527,6 +571,34 @@ def test_bad_export_requests(tmp_path, capsys, setup, extra, message):
     assert message in capsys.readouterr().err
     if setup == "full":
         assert (out / "keep.txt").read_text() == "mine"  # nothing lost
+
+
+def test_export_of_an_exported_model_names_the_recipe_it_needs(exported, tmp_path, capsys):
+    _, folder = exported
+    assert cli.main(["export", folder, "--format", "hf", "--output", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert f"export reads a run's checkpoint through the run's recipe; {folder!r} is an exported model" in err, err
+    assert not (tmp_path / "again").exists()
+
+
+def test_a_folder_saved_again_by_transformers_reads_sharded_or_whole(exported, tmp_path, capsys):
+    """save_pretrained writes its own files (sharded past max_shard_size) and drops nsa_titan_recipe.toml, which
+    names the tokenizer: the folder is read once the recipe is copied back, as the refusal says."""
+    import shutil
+
+    from nsa_titan.export import load_exported
+
+    _, folder = exported
+    saved = tmp_path / "saved"
+    _auto_model(folder).save_pretrained(saved, max_shard_size="20KB")
+    assert (saved / "model.safetensors.index.json").is_file() and not (saved / "model.safetensors").exists()
+    with pytest.raises(UserError, match="has no nsa_titan_recipe.toml.*save_pretrained does not copy it"):
+        load_exported(str(saved))
+    shutil.copyfile(os.path.join(folder, "nsa_titan_recipe.toml"), saved / "nsa_titan_recipe.toml")
+    ours, _ = load_exported(folder)
+    theirs, _ = load_exported(str(saved))
+    for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert torch.equal(a, b), name
 
 
 def test_a_damaged_folder_is_one_clear_error(exported, tmp_path):

@@ -354,6 +354,22 @@ class NSATitanModel(nn.Module):
         return self.output(self.norm(h))
 
 
+def _refuse_unsupported(input_ids, kwargs: dict, start: int) -> None:
+    """Standard arguments this model does not compute with raise, rather than being ignored (start: the tokens
+    the cache has seen, where the new tokens' positions begin)."""
+    if kwargs.get("inputs_embeds") is not None or input_ids is None:
+        raise ValueError("this model takes input_ids (token ids), not inputs_embeds")
+    for name in ("output_hidden_states", "output_attentions"):
+        if kwargs.get(name):
+            raise ValueError(f"this model does not return {name[len('output_'):]}; call it without {name}")
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        expected = torch.arange(start, start + positions.shape[-1], device=positions.device)
+        if not bool((positions == expected).all()):
+            raise ValueError(f"this model places tokens by their order: position_ids, when given, must be "
+                             f"{start}, {start + 1}, ... (the tokens seen before these), as it computes them itself")
+
+
 class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = NSATitanConfig
     base_model_prefix = "model"
@@ -391,11 +407,12 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.model.output
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, labels=None,
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, use_cache=None, labels=None,
                 return_dict=None, **kwargs):
         cache = past_key_values if past_key_values is not None else kwargs.get("cache")  # transformers 5: cache
         if cache is not None and not isinstance(cache, NSATitanCache):
             raise ValueError(f"this model keeps its own cache (NSATitanCache), not {type(cache).__name__}")
+        _refuse_unsupported(input_ids, kwargs, 0 if cache is None else cache.length)
         caching = cache is not None or ((use_cache if use_cache is not None else self.config.use_cache)
                                         and not self.training)
         padded = attention_mask is not None and not bool(attention_mask.all())
@@ -420,8 +437,29 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
             if padded:  # a pad neither predicts nor is predicted
                 real = attention_mask[:, -input_ids.shape[1]:].bool()
                 targets = targets.masked_fill(~(real[:, :-1] & real[:, 1:]), -100)
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+            # transformers' Trainer passes num_items_in_batch (the label tokens of every micro-batch of a step)
+            # to a forward that takes **kwargs, and then leaves the division over accumulation to the model.
+            items = kwargs.get("num_items_in_batch")
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                                   reduction="mean" if items is None else "sum")
+            loss = loss if items is None else loss / items
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+        return output if return_dict is not False else output.to_tuple()
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """transformers' generate, refused before any work when the prompt and max_new_tokens (or max_length)
+        exceed max_seq_len, rather than failing at the token past it with the generated tokens lost."""
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        config = generation_config if generation_config is not None else self.generation_config
+        new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        if prompt is not None and prompt.dim() == 2:
+            length = prompt.shape[1] + new if new is not None else kwargs.get("max_length")
+            limit = self.config.max_seq_len
+            if length is not None and length > limit:
+                raise ValueError(f"the prompt's {prompt.shape[1]} tokens and the tokens asked for make {length}, over "
+                                 f"max_seq_len {limit}: ask for at most {max(limit - prompt.shape[1], 0)} new tokens "
+                                 f"(max_new_tokens)")
+        return super().generate(inputs, generation_config, **kwargs)
 
     def _check_length(self, tokens: int):
         if tokens > self.config.max_seq_len:
