@@ -131,9 +131,10 @@ def _load_hf_folder(path: str, device, say=None) -> tuple[nn.Module, dict]:
 
     folder = read_hf_folder(path)
     if folder.recipe_toml is None:
-        raise UserError(f"{path!r} has no {RECIPE}, which names the tokenizer and data. Fix: export the run again "
-                        f"with `nsa-titan export RECIPE --format hf --output DIR`, or copy the run's recipe there "
-                        f"as {RECIPE}.")
+        raise UserError(f"{path!r} has no {RECIPE}, which names the tokenizer and data (transformers' "
+                        f"save_pretrained does not copy it). Fix: copy it there from the exported folder, or the "
+                        f"run's recipe as {RECIPE}, or export the run again with `nsa-titan export RECIPE --format hf "
+                        f"--output DIR`.")
     model = rebuild_model(folder.model_name, folder.model_args, folder.vocab_size, folder.state_dict, device, path,
                           say)
     return model, {"format": "hf", "model_name": folder.model_name, "model_args": folder.model_args,

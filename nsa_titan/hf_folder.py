@@ -32,6 +32,7 @@ from nsa_titan.weight_source import model_field_changes
 FORMAT = "nsa_titan.hf.v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTS, CONFIG, RECIPE = "model.safetensors", "config.json", "nsa_titan_recipe.toml"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # and the files it names, where save_pretrained sharded the weights
 
 
 def _require(module: str):
@@ -50,7 +51,32 @@ def _hf_format(part, args, vocab_size: int):
 
 
 def is_hf_folder(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, CONFIG)) and os.path.isfile(os.path.join(path, WEIGHTS))
+    return os.path.isfile(os.path.join(path, CONFIG)) and (
+        os.path.isfile(os.path.join(path, WEIGHTS)) or os.path.isfile(os.path.join(path, WEIGHTS_INDEX)))
+
+
+def _read_weights(path: str, fix: str) -> dict:
+    """The folder's tensors: model.safetensors, or the files model.safetensors.index.json names (save_pretrained
+    shards a model larger than its max_shard_size)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, WEIGHTS_INDEX)
+    if os.path.isfile(os.path.join(path, WEIGHTS)):
+        files = [WEIGHTS]
+    else:
+        try:
+            with open(index, encoding="utf-8") as fh:
+                files = sorted(set(json.load(fh)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{index} cannot be read ({type(exc).__name__}: {exc}). {fix}") from None
+    tensors = {}
+    for name in files:
+        try:
+            tensors.update(load_file(os.path.join(path, name), device="cpu"))
+        except (OSError, SafetensorError) as exc:
+            raise UserError(f"{os.path.join(path, name)} cannot be read ({exc}). {fix}") from None
+    return tensors
 
 
 def is_exported_folder(path: str) -> bool:
@@ -184,7 +210,8 @@ def read_hf_folder(path: str) -> HFFolder:
     """The model a Hugging Face folder holds, in the package's terms; UserError if it is not one of ours."""
     fix = "Fix: give a folder written by `nsa-titan export RECIPE --format hf --output DIR` (or saved from it)."
     if not is_hf_folder(path):
-        raise UserError(f"{path!r} is not a Hugging Face model folder (it needs {CONFIG} and {WEIGHTS}). {fix}")
+        raise UserError(f"{path!r} is not a Hugging Face model folder (it needs {CONFIG} and {WEIGHTS}, or "
+                        f"{WEIGHTS_INDEX} and its files). {fix}")
     try:
         with open(os.path.join(path, CONFIG), encoding="utf-8") as fh:
             config = json.load(fh)
@@ -194,13 +221,7 @@ def read_hf_folder(path: str) -> HFFolder:
         raise UserError(f"{os.path.join(path, CONFIG)} does not describe an nsa_titan model ({type(exc).__name__}: "
                         f"{exc}). {fix}") from None
     _require("safetensors")
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(os.path.join(path, WEIGHTS), device="cpu")
-    except (OSError, SafetensorError) as exc:
-        raise UserError(f"{os.path.join(path, WEIGHTS)} cannot be read ({exc}). {fix}") from None
+    tensors = _read_weights(path, fix)
     from nsa_titan.config.resolve import import_plugins_of
     from nsa_titan.rebuild import model_arguments
 
@@ -214,7 +235,7 @@ def read_hf_folder(path: str) -> HFFolder:
     try:
         state = _hf_format(part, model_arguments(part, model_args), vocab_size).from_hf(tensors)
     except (KeyError, ValueError, RuntimeError) as exc:  # tensors missing, or of other shapes than config.json says
-        raise UserError(f"the weights in {os.path.join(path, WEIGHTS)} do not fit the model {CONFIG} describes "
+        raise UserError(f"the weights in {path} do not fit the model {CONFIG} describes "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r}). Fix: export "
                         f"the run again rather than editing {CONFIG}.") from None
     return HFFolder(model_name, model_args, vocab_size, state, ours.get("step"), recipe_toml)
