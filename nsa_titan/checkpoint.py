@@ -499,6 +499,8 @@ class Checkpointer:
         if problem is None and "held_out_set" in record:  # written by runs that keep the held-out set's size
             found = _not_ours(record["held_out_set"], {"rows": int, "seq_len": int})
             problem = found and f"its held_out_set entry is {found}"
+        if problem is None and not isinstance(record.get("wandb_run_id", ""), str):
+            problem = f"its wandb_run_id is {record['wandb_run_id']!r}, not text"
         applied = record.get("applied_lr", 0.0)
         if problem is None and applied is not None and (isinstance(applied, bool) or
                                                         not isinstance(applied, (int, float))):

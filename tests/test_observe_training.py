@@ -451,6 +451,36 @@ def test_wandb_offline_logs_the_run_and_a_resume_continues_it(tmp_path):
     assert sorted(logged) == [1, 2, 3]
     for step in (1, 2, 3):
         assert float(logged[step]["loss"]) == pytest.approx(expected[step])
+    assert json.loads((out / "checkpoint" / "step-3" / "train_state.json").read_text())["wandb_run_id"] == run_id
+
+    # A run from step 0 in the folder (checkpoints off) is another W&B run: W&B drops steps a run already has.
+    proc = train([*flags, "--training.steps=2", "--checkpoint.enable=false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fresh = (out / "wandb_run_id").read_text().strip()
+    assert fresh != run_id and sorted(out.glob(f"wandb/offline-run-*-{fresh}/run-{fresh}.wandb"))
+    # The first run resumed later goes on in its own W&B run, which its checkpoint names.
+    proc = train([*flags, "--training.steps=4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "wandb_run_id").read_text().strip() == run_id
+    assert len(sorted(out.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))) == 3
+
+
+def test_a_wandb_run_that_cannot_start_is_one_clear_error(tmp_path, monkeypatch):
+    """Online without an API key (or without network), wandb.init raises its own errors."""
+    import wandb
+
+    from components.errors import UserError
+    from nsa_titan.observe.metrics_log import WandbLog
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    with pytest.raises(UserError, match=r"W&B could not start the run \(UsageError: No API key configured. Use "
+                                        r"`wandb login` to log in.\). Fix: `wandb login` \(or set WANDB_API_KEY\), "
+                                        r"or --metrics.wandb_mode=offline"):
+        WandbLog(str(tmp_path), run_id="abc", project="p", name="n", mode="online", config={})
+    assert not (tmp_path / "wandb_run_id").exists()
 
 
 def test_tensorboard_pictures_without_matplotlib_are_one_clear_error(tmp_path, capsys, hide_package):
@@ -468,5 +498,5 @@ def test_wandb_missing_is_one_clear_error(tmp_path, hide_package):
 
     hide_package("wandb")
     with pytest.raises(UserError, match="pip install wandb, or set --metrics.enable_wandb=false"):
-        WandbLog(str(tmp_path), project="p", name="n", mode="offline", config={})
+        WandbLog(str(tmp_path), run_id="abc", project="p", name="n", mode="offline", config={})
     assert not (tmp_path / "wandb_run_id").exists()

@@ -196,25 +196,37 @@ def _numbers(record: dict[str, Any]) -> dict[str, float]:
 
 
 class WandbLog:
-    """A W&B run in dump_folder/wandb. Its id is kept in dump_folder/wandb_run_id, so a resumed run logs
-    into the same W&B run."""
+    """A W&B run in dump_folder/wandb, with the id `run_id` (the trainer's choice: a resumed run's own, recorded
+    in its checkpoint, or a new one for a run from step 0); the id is also written to dump_folder/wandb_run_id."""
 
-    def __init__(self, dump_folder: str, *, project: str, name: str, mode: str, config: dict[str, Any]):
+    def __init__(self, dump_folder: str, *, run_id: str, project: str, name: str, mode: str, config: dict[str, Any]):
         try:
             import wandb
         except ImportError:
             raise UserError("metrics.enable_wandb needs the wandb package. Fix: pip install wandb, or set "
                             "--metrics.enable_wandb=false.") from None
-        id_file = os.path.join(dump_folder, "wandb_run_id")
-        if os.path.exists(id_file):
-            with open(id_file, encoding="utf-8") as fh:
-                run_id = fh.read().strip()
-        else:
-            run_id = uuid.uuid4().hex[:12]
-            with open(id_file, "w", encoding="utf-8") as fh:
-                fh.write(run_id + "\n")
-        self._run = wandb.init(project=project, name=name, id=run_id, resume="allow", mode=mode, dir=dump_folder,
-                               config=config)
+        try:
+            self._run = wandb.init(project=project, name=name, id=run_id, resume="allow", mode=mode,
+                                   dir=dump_folder, config=config)
+        except wandb.Error as exc:  # no API key, no network, a refused project: wandb says which
+            raise UserError(f"W&B could not start the run ({type(exc).__name__}: {str(exc).strip().splitlines()[0]}). "
+                            f"Fix: `wandb login` (or set WANDB_API_KEY), or --metrics.wandb_mode=offline to log in "
+                            f"the dump folder and `wandb sync` it later, or --metrics.enable_wandb=false.") from None
+        with open(os.path.join(dump_folder, "wandb_run_id"), "w", encoding="utf-8") as fh:
+            fh.write(run_id + "\n")
+
+    @staticmethod
+    def folder_run_id(dump_folder: str) -> str | None:
+        """The id the folder's last W&B run wrote (what a checkpoint saved before checkpoints kept it resumes)."""
+        try:
+            with open(os.path.join(dump_folder, "wandb_run_id"), encoding="utf-8") as fh:
+                return fh.read().strip() or None
+        except OSError:
+            return None
+
+    @staticmethod
+    def new_run_id() -> str:
+        return uuid.uuid4().hex[:12]
 
     def write(self, record: dict[str, Any]) -> None:
         self._run.log(_numbers(record), step=int(record["step"]))
