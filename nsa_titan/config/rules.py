@@ -234,6 +234,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
             add(f"{section}.{name}", value, "must be a folder inside job.dump_folder (a relative path that stays in "
                 "it, not '.'), so that the run's folder and its lock hold everything the run writes",
                 f"use a relative name such as {getattr(type(table)(), name)!r}, or move job.dump_folder instead")
+    _check_run_subfolders_apart(recipe, add)
     _check_unused_data_fields(recipe, add, source_of)
     if "compile" not in refused_sections:  # its flags refused as switched off: the mode checks would say more of it
         _check_compile(recipe, world_size, add)
@@ -263,6 +264,35 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                               recipe.activation_checkpoint.mode,
                               f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
                               "remove it, or set activation_checkpoint.mode = 'selective'")
+
+
+# Folders of the run's folder the trainer writes on its own: no recipe folder may be or hold them.
+_RUN_OWN_FOLDERS = ("stacks", "wandb")
+
+
+def _check_run_subfolders_apart(recipe, add) -> None:
+    """The checkpoint, TensorBoard and profiler folders are each managed on their own (checkpoint steps are moved
+    aside and pruned; events are purged on a resume): none may be, or lie inside, another, or a folder the
+    trainer writes itself (an event file inside a pruned step ended a run with a traceback)."""
+    tables = [(section, name, getattr(recipe, section))
+              for section, name in (("checkpoint", "folder"), ("metrics", "save_tb_folder"), ("profiling", "folder"))]
+    named = [(f"{section}.{name}", os.path.normpath(getattr(table, name)), getattr(type(table)(), name))
+             for section, name, table in tables]
+    named = [(field, path, default) for field, path, default in named if path not in ("", ".")
+             and not os.path.isabs(path) and ".." not in path.split(os.sep)]  # those are refused above
+    for i, (field, path, default) in enumerate(named):
+        parts = path.split(os.sep)
+        if parts[0] in _RUN_OWN_FOLDERS:
+            add(field, path, f"lies in the run's {parts[0]}/ folder, which the trainer writes itself",
+                f"choose another name, e.g. {default!r}")
+            continue
+        for other, where, _ in named[:i]:
+            if path == where or path.startswith(where + os.sep) or where.startswith(path + os.sep):
+                how = "is" if path == where else "lies inside" if path.startswith(where + os.sep) else "holds"
+                add(field, path, f"{how} {other} = {where!r}: each of the run's folders is kept on its own (checkpoint "
+                    f"steps are moved aside and pruned, TensorBoard events purged on a resume)",
+                    f"give it a folder of its own beside the other, e.g. {default!r}" if default != where else
+                    "give it a folder of its own beside the other")
 
 
 def _check_unused_data_fields(recipe: Recipe, add, source_of) -> None:
