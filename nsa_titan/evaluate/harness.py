@@ -189,5 +189,5 @@ def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None, se
     seed %= 2**32  # NumPy's seeds stop below 2**32; the recipe's seed may be any 64-bit number
     out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, random_seed=seed,
                           numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                          log_samples=False, bootstrap_iters=0)
+                          log_samples=False)  # the harness's own bootstrap_iters: its standard errors too
     return {"results": out["results"], "versions": out.get("versions", {}), "n-shot": out.get("n-shot", {})}
