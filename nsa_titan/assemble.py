@@ -49,6 +49,41 @@ def source_notes(recipe: Recipe, source) -> list[str]:
     return list(notes(recipe.data.logical_shards)) if callable(notes) else []
 
 
+def reader_balance_note(recipe: Recipe, source, dp_size: int) -> str | None:
+    """A warning when the data's readers (each data-parallel rank's loader workers, or the rank itself without
+    workers) hold shares of the corpus more than 2x apart: a reader's logical shards keep in step, but readers
+    go at one pace each, so the smallest share repeats while the largest still holds unread documents."""
+    from components.data import shards_of_rank, shards_of_worker
+
+    sizes = getattr(source, "shard_sizes", None)
+    if not callable(sizes):
+        return None
+    shards, workers = recipe.data.logical_shards, max(recipe.data.num_workers, 1)
+    per_shard = sizes(shards)
+    readers = {(r, w): sum(per_shard[s] for s in shards_of_worker(shards_of_rank(r, dp_size, shards), w, workers))
+               for r in range(dp_size) for w in range(workers)}
+    held = {reader: size for reader, size in readers.items() if size > 0}  # an empty worker stops; others go on
+    if len(held) < 2:
+        return None
+    small, large = min(held, key=held.get), max(held, key=held.get)
+    if held[small] * 2 > held[large]:
+        return None
+
+    def named(reader):
+        rank, worker = reader
+        who = f"data-parallel rank {rank}" if dp_size > 1 else "the rank"
+        return f"{who}'s loader worker {worker}" if recipe.data.num_workers else who
+
+    def size(n: float) -> str:
+        return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+    return (f"the data's readers hold uneven shares: {named(small)} reads {size(held[small])} of the corpus, "
+            f"{named(large)} {size(held[large])}. Readers go at one pace, so the smaller share is read "
+            f"{held[large] / held[small]:.1f}x as often over a run (a reader's own logical shards keep in step). Fix: "
+            f"more, smaller files (a .jsonl or .parquet file is cut into pieces; one document per file is not), "
+            f"fewer data.num_workers, or another data.logical_shards")
+
+
 def tokenizer_notes(tokenizer) -> list[str]:
     """What the tokenizer decided that no setting said (a guessed end-of-document token), to be told once."""
     return list(getattr(tokenizer, "notes", ()))

@@ -162,6 +162,9 @@ class Trainer:
         self.source = assemble.build_source(recipe)
         for note in assemble.source_notes(recipe, self.source) if runtime.is_main else ():
             warn(note)
+        balance = assemble.reader_balance_note(recipe, self.source, self.dp_size) if runtime.is_main else None
+        if balance:
+            warn(balance)
         for note in assemble.tokenizer_notes(self.tokenizer):
             self._say(f"note: {note}")
         self._build_model()

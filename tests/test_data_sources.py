@@ -589,3 +589,19 @@ def test_huggingface_says_once_when_shards_outnumber_its_sources(hf_row_groups, 
     assert docs and not caplog.records, [r.getMessage() for r in caplog.records]
     mixed = MixtureSource(["web", "code"], [0.5, 0.5], [source, HuggingFaceSource(args)])
     assert mixed.shard_notes(24) == [f"mixture source 'web': {note}", f"mixture source 'code': {note}"]
+
+
+def test_shard_sizes_share_out_every_file_by_its_pieces(tmp_path):
+    """What the reader-balance warning weighs: every byte of a .jsonl file and of a parquet file's row groups lands
+    in the logical shard of the piece that holds it; whole files by their size."""
+    import pyarrow.parquet as pq
+
+    write_jsonl(str(tmp_path / "a.jsonl"), unique_texts(300))
+    write_parquet(str(tmp_path / "b.parquet"), unique_texts(200), row_group_size=50)
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
+    sizes = source.shard_sizes(4)
+    meta = pq.ParquetFile(tmp_path / "b.parquet").metadata
+    total = os.path.getsize(tmp_path / "a.jsonl") + sum(meta.row_group(g).total_byte_size
+                                                       for g in range(meta.num_row_groups))
+    assert len(sizes) == 4 and min(sizes) > 0 and sum(sizes) == pytest.approx(total)
+    assert max(sizes) < 1.5 * min(sizes)  # a few pieces per shard spread the files evenly

@@ -105,6 +105,38 @@ def test_the_data_check_asks_every_rank_and_the_held_out_set_as_training_does(tm
            "validate on" in lines["data"][1], lines["data"]
 
 
+def _uneven_corpus(folder):
+    """Five one-document files: logical shard 0 of 2 holds a.txt, big.txt and d.txt (22 kB), shard 1 b.txt and
+    c.txt (2 kB)."""
+    folder.mkdir()
+    for name in "abcd":
+        (folder / f"{name}.txt").write_text(name * 1000)
+    (folder / "big.txt").write_text("big document\n" * 1539)
+    return [f"--data.source=text_files", f"--data.text_files.paths={folder}", "--data.logical_shards=2",
+            "--data.text_files.validation_fraction=0", "--validation.enable=false"]
+
+
+def test_readers_holding_uneven_shares_of_the_corpus_are_a_warning(tmp_path, capsys):
+    """Two ranks read one shard each: rank 1 goes through its 2 kB eleven times while rank 0 reads its 22 kB once."""
+    flags = [f"--job.dump_folder={tmp_path / 'run'}", *_uneven_corpus(tmp_path / "corpus")]
+    code, lines = _doctor(capsys, DEBUG, *flags)
+    assert code == 0 and lines["data"][0] == "ok", lines["data"]  # one reader: nothing to compare
+    code, lines = _doctor(capsys, DEBUG, *flags, "--world-size", "2")
+    assert code == 0 and lines["data"][0] == "warn", lines["data"]
+    assert "the data's readers hold uneven shares: data-parallel rank 1 reads 2.0 KiB of the corpus, data-parallel " \
+           "rank 0 21.5 KiB. Readers go at one pace, so the smaller share is read 11.0x as often" in lines["data"][1]
+
+
+def test_training_warns_of_loader_workers_holding_uneven_shares(tmp_path, capsys):
+    from tests.launch import TINY
+
+    argv = [DEBUG, *TINY, "--training.steps=1", "--data.num_workers=2", f"--job.dump_folder={tmp_path / 'run'}",
+            *_uneven_corpus(tmp_path / "corpus")]
+    assert cli.main(["train", *argv]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: the data's readers hold uneven shares: the rank's loader worker 1 reads") == 1, err
+
+
 def test_invalid_recipe_fails_and_skips_what_depends_on_it(tmp_path, capsys):
     code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--model.nsa.block_stride=5")
     assert code == 1

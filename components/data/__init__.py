@@ -6,6 +6,7 @@ from components.data.sharding import (
     loader_state_by_logical_shard,
     merge_shard_states,
     shards_of_rank,
+    shards_of_worker,
 )
 from components.data.sources import SOURCES
 from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_source
@@ -30,6 +31,7 @@ __all__ = [
     "merge_shard_states",
     "no_documents_error",
     "shards_of_rank",
+    "shards_of_worker",
     "signal_that_ended",
     "stream_id",
     "worker_died",

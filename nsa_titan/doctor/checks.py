@@ -121,6 +121,8 @@ def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | No
         scan = getattr(source, "scan", None)  # the whole corpus once: what a long run would meet late
         scanned = scan() if callable(scan) else ""
         notes = assemble.source_notes(recipe, source)
+        balance = assemble.reader_balance_note(recipe, source, _data_parallel_size(recipe, world_size))
+        notes += [balance] if balance else []
     except UserError as exc:
         return Check(name, FAIL, str(exc)), tokenizer
     inputs = batch["input"]
@@ -140,10 +142,8 @@ def _every_rank_has_rows(recipe, runtime, source, tokenizer, world_size: int) ->
     """Training's start-up refusals that depend on the ranks' shards: a data-parallel rank whose shards hold no
     training document, and a held-out set that no rank's shards hold a row of (NoDocuments, as training says it)."""
     from nsa_titan import assemble, held_out
-    from nsa_titan.config.rules import data_parallel_degrees
 
-    replicate, shard = data_parallel_degrees(recipe, world_size)
-    dp_size = replicate * shard
+    dp_size = _data_parallel_size(recipe, world_size)
     if dp_size > 1:
         for rank in range(dp_size):  # in this process, one row each: a rank's shards, as its loader reads them
             next(iter(assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=rank, dp_size=dp_size,
@@ -151,6 +151,13 @@ def _every_rank_has_rows(recipe, runtime, source, tokenizer, world_size: int) ->
     if recipe.validation.enable and not any(held_out.rank_has_rows(recipe, runtime, source, tokenizer, rank, dp_size)
                                             for rank in range(dp_size)):
         raise held_out.empty_set_error(recipe)
+
+
+def _data_parallel_size(recipe, world_size: int) -> int:
+    from nsa_titan.config.rules import data_parallel_degrees
+
+    replicate, shard = data_parallel_degrees(recipe, world_size)
+    return replicate * shard
 
 
 def checkpoint_bytes(num_params: int, keep: int) -> int:

@@ -67,6 +67,10 @@ class PythonStdlibSource:
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
 
+    def shard_sizes(self, num_shards: int) -> list[float]:
+        """Each logical shard's share of the training split, in bytes (from the files' metadata)."""
+        return self.corpus().shard_bytes("train", num_shards)
+
 
 def build_python_stdlib_source(args: PythonStdlibArgs) -> PythonStdlibSource:
     return PythonStdlibSource(args)

@@ -70,6 +70,10 @@ class TextFilesSource:
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
 
+    def shard_sizes(self, num_shards: int) -> list[float]:
+        """Each logical shard's share of the training split, in bytes (from the files' metadata)."""
+        return self.corpus().shard_bytes("train", num_shards)
+
 
 def build_text_files_source(args: TextFilesArgs) -> TextFilesSource:
     return TextFilesSource(args)
