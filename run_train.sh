@@ -4,8 +4,7 @@
 # Launch variables (the only environment that matters; the recipe holds everything computed):
 #   NGPU           processes on this node (default: the GPU count, else 1 CPU process)
 #   NNODES         nodes in the job (default 1)
-#   NODE_RANK      this node's index (default 0)
-#   RDZV_ENDPOINT  host:port of the c10d rendezvous, required when NNODES > 1
+#   RDZV_ENDPOINT  host:port of the c10d rendezvous (node 0), required when NNODES > 1
 #   RDZV_ID        the job's name at that rendezvous (default nsa_titan): two jobs sharing an endpoint need two
 # Other commands of the nsa-titan tool (inspect, doctor, ...) run as: ./run_train.sh COMMAND ARGS, exactly as
 # `nsa-titan COMMAND ARGS` (train alone defaults to recipes/debug.toml).
@@ -50,7 +49,6 @@ if [ -z "${NGPU:-}" ]; then
   [ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1
 fi
 NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
 # Each launch variable is a whole number in its range, or the launch stops here naming it.
 check_count() {  # NAME VALUE MIN
   case "$2" in
@@ -64,11 +62,16 @@ check_count() {  # NAME VALUE MIN
 }
 check_count NGPU "$NGPU" 1
 check_count NNODES "$NNODES" 1
-check_count NODE_RANK "$NODE_RANK" 0
-NGPU=$((10#$NGPU)) NNODES=$((10#$NNODES)) NODE_RANK=$((10#$NODE_RANK))
-if [ "$NODE_RANK" -ge "$NNODES" ]; then
-  echo "error: NODE_RANK=$NODE_RANK must be below NNODES=$NNODES (nodes count from 0). Fix: set NODE_RANK to 0 .. $((NNODES - 1))." >&2
-  exit 2
+NGPU=$((10#$NGPU)) NNODES=$((10#$NNODES))
+if [ "$NNODES" -eq 1 ]; then
+  for name in RDZV_ENDPOINT RDZV_ID; do  # a node of a multi-node job started without NNODES would train alone
+    if [ -n "${!name:-}" ]; then
+      echo "error: $name is set but NNODES is 1, so this launch would train alone. Fix: set NNODES to the job's node count, or unset $name." >&2
+      exit 2
+    fi
+  done
+elif [ -n "${NODE_RANK:-}" ]; then
+  echo "note: NODE_RANK is not used: the c10d rendezvous numbers the nodes as they join, and rank 0 (which logs and writes the run's records) is on the first node to join." >&2
 fi
 for arg in "$@"; do  # the recipe as this launch would run it: checked for its world size
   case "$arg" in --print-config) WORLD_SIZE=$((NGPU * NNODES)) exec "$py" -m nsa_titan.cli train "$@" ;; esac
@@ -88,8 +91,17 @@ if [ "$NNODES" -gt 1 ]; then
     echo "error: NNODES=$NNODES needs RDZV_ENDPOINT, the host:port every node meets at. Fix: set RDZV_ENDPOINT=host:port of node 0 (the same on every node)." >&2
     exit 2
   fi
-  launcher=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"
-            --rdzv_id="${RDZV_ID:-nsa_titan}")
+  port=${RDZV_ENDPOINT##*:} host=${RDZV_ENDPOINT%:*}
+  if [ "$host" = "$RDZV_ENDPOINT" ] || [ -z "$host" ] || ! [[ "$port" =~ ^[0-9]+$ ]] || [ "$((10#$port))" -lt 1 ] || [ "$((10#$port))" -gt 65535 ]; then
+    echo "error: RDZV_ENDPOINT=$RDZV_ENDPOINT is not host:port (a port from 1 to 65535). Fix: set RDZV_ENDPOINT=host:port of node 0, e.g. node0:29500." >&2
+    exit 2
+  fi
+  if ! "$py" -c 'import socket, sys; socket.getaddrinfo(sys.argv[1].strip("[]"), None)' "$host" 2>/dev/null; then
+    echo "error: RDZV_ENDPOINT=$RDZV_ENDPOINT: the host '$host' is not known here. Fix: give node 0's address or a name this node resolves." >&2
+    exit 2
+  fi
+  launcher=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-nsa_titan}")
+  echo "run_train.sh: waiting at $RDZV_ENDPOINT for the $NNODES nodes to join (torchrun's rendezvous gives up after 600 s)." >&2
 else
   launcher=(--standalone)
 fi
@@ -112,6 +124,12 @@ children_of() {  # PID: its child processes (pgrep where procps is installed, el
   else cat /proc/"$1"/task/*/children 2>/dev/null || true; fi
 }
 request_stop() {  # SIGNAL_NUMBER
+  if [ -z "$(children_of "$child")" ]; then  # no rank yet (the nodes are still meeting): nothing to save
+    kill -KILL "$child" 2>/dev/null || true  # it has started nothing to end (a TERM would add its own line)
+    wait "$child" 2>/dev/null || true
+    echo "error: stopped before any rank started (the nodes were still meeting); nothing ran." >&2
+    exit $((128 + $1))
+  fi
   if [ "$stopping" -eq 0 ]; then
     stopping=1
     mkdir -p "$dump" && : > "$dump/HALT"

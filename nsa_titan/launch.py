@@ -18,6 +18,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     from nsa_titan.cli import say_error_line
@@ -43,6 +44,13 @@ def main(argv: list[str] | None = None) -> int:
                    "the system's out-of-memory killer or a scheduler that ended it")
         say_error_line(f"error: the run stopped: {how}.")
         return code if code > 0 else 1
+    except RendezvousError as failed:  # the nodes never met: one missing, the endpoint unreachable or taken
+        endpoint = getattr(args, "rdzv_endpoint", "") or "the rendezvous endpoint"
+        say_error_line(f"error: the nodes did not meet at {endpoint} ({type(failed).__name__}: "
+                       f"{str(failed).strip().splitlines()[0] if str(failed).strip() else 'no detail'}). Fix: start "
+                       f"every node (NNODES of them) with the same RDZV_ENDPOINT, the host:port of node 0, reachable "
+                       f"from each and not used by another program; nothing ran.")
+        return 1
     except SignalException as stopped:  # the launcher itself was told to stop (a second Ctrl-C, a scheduler)
         say_error_line(f"error: the launcher was stopped by signal {_signal_name(stopped.sigval)}; the ranks "
                        "were ended.")

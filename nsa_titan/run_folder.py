@@ -125,8 +125,13 @@ def recipe_differences(text: str | None, resolved, limit: int = 12) -> list[str]
     [] when the same or text is None or unreadable."""
     if text is None or text.startswith(f"{RESOLVED_HEADER}{resolved.hash}\n"):
         return []
+    return toml_differences(text, resolved.toml, limit)
+
+
+def toml_differences(before_text: str, now_text: str, limit: int = 12) -> list[str]:
+    """Fields whose values differ between two recipes' TOML, as 'field: before -> now' ([] when unreadable)."""
     try:
-        before, now = flat_fields(tomllib.loads(text)), flat_fields(tomllib.loads(resolved.toml))
+        before, now = flat_fields(tomllib.loads(before_text)), flat_fields(tomllib.loads(now_text))
     except tomllib.TOMLDecodeError:
         return []  # nothing readable to compare with
     changes = [f"{key}: {_short(before.get(key, _UNSET))} -> {_short(now.get(key, _UNSET))}"

@@ -19,6 +19,7 @@ from components.errors import UserError
 from components.sequence_shard import SequenceShard
 
 from components.data import signal_that_ended, worker_died
+from components.data.workers import restore_worker_deaths, stop_hearing_worker_deaths
 from nsa_titan import assemble, held_out, registry
 from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
 from nsa_titan.config import ResolvedRecipe
@@ -43,8 +44,9 @@ from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_s
 from nsa_titan.parallel.distributed import (all_reduce_mean, any_rank, build_mesh, describe_data_parallel,
                                             init_process_group)
 from nsa_titan.parallel.grad_clip import clip_grad_norm
+from nsa_titan.parallel.start_agreement import refuse_other_recipes, refuse_unshared_folder
 from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, recipe_change_note,
-                                  write_run_recipe)
+                                  toml_differences, write_run_recipe)
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 from nsa_titan.weight_source import changes_note, step_field_changes
@@ -98,6 +100,7 @@ class Trainer:
         self.gc: ScheduledGC | None = None  # from run() on
         self.folder_lock: RunFolderLock | None = None  # the main process's, from start-up on
         self.stop: GracefulStop | None = None  # SIGINT/SIGTERM/HALT, from set-up on
+        self._sigchld: list | None = None  # [the SIGCHLD handler close restores] once worker deaths are not heard
         self._made_folder = False  # the main process made the run folder (a refused start removes it)
         t, dump = recipe.training, recipe.job.dump_folder
         if recipe.profiling.memory_snapshot and runtime.device.type != "cuda":  # training.device = auto: known now
@@ -110,6 +113,7 @@ class Trainer:
         single = recipe.parallelism.fsdp_single_process
         init_process_group(runtime, max(recipe.parallelism.init_timeout_seconds, fault.step_timeout_seconds + 60,
                                         fault.first_step_timeout_seconds + 60), single)
+        refuse_other_recipes(resolved.hash, resolved.toml, toml_differences)  # before the first layout collective
         replicate, shard = data_parallel_degrees(recipe, runtime.world_size)
         cp = recipe.parallelism.context_parallel_degree
         self.mesh, cp_mesh = build_mesh(runtime, replicate, shard, cp, single)
@@ -150,6 +154,7 @@ class Trainer:
         """Everything after the run folder and its lock: parts, model, data, optimizer, the resume."""
         resolved, recipe, runtime = self.resolved, self.recipe, self.runtime
         t, dump = recipe.training, recipe.job.dump_folder
+        refuse_unshared_folder(dump, runtime.is_main)
         cp = recipe.parallelism.context_parallel_degree
         self.stacks_path = os.path.join(dump, "stacks", f"rank-{runtime.rank}.txt")
         install_sigusr1(self.stacks_path)
@@ -833,11 +838,13 @@ class Trainer:
         which Dynamo raises from a block's first call."""
         try:
             self._train()
-        except RuntimeError as exc:
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            if worker_died(exc, self.train_loader):
+                self._stop_hearing_worker_deaths()  # torch's handler would raise the death again, anywhere
             graph_break = graph_break_message(exc) if self.recipe.compile.fullgraph else None
             if graph_break is not None:
                 raise UserError(graph_break) from None
-            if not worker_died(exc):
+            if not worker_died(exc, self.train_loader):
                 raise
             ended_by = signal_that_ended(exc, self.train_loader)
             raise TrainingFault(self._worker_lost_message(str(exc), ended_by),
@@ -1030,7 +1037,12 @@ class Trainer:
             if sink is not None:
                 sink.write(record)
 
+    def _stop_hearing_worker_deaths(self) -> None:
+        if self._sigchld is None:
+            self._sigchld = [stop_hearing_worker_deaths()]
+
     def close(self) -> None:
+        self._stop_hearing_worker_deaths()  # a worker that dies now (or died) must not raise inside the clean-up
         if self.gc is not None:
             self.gc.close()
         self.profiler.close()
@@ -1042,3 +1054,12 @@ class Trainer:
                 sink.close()
         if self.folder_lock is not None:
             self.folder_lock.release()
+        # Torch's handler comes back once the loader's workers are shut down (a dead one still registered with
+        # it would be raised at any later child's exit); where they cannot be, the default action stays.
+        iterator = getattr(getattr(self, "train_loader", None), "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if iterator is None or callable(shutdown):
+            if callable(shutdown):
+                shutdown()
+            restore_worker_deaths(self._sigchld[0])
+        self._sigchld = None

@@ -2,7 +2,7 @@
 # Print the path of a Python that can import nsa_titan, setting one up in .venv when needed.
 # Reuses the active environment when the package already imports there.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)  # as Python names it (links resolved)
 # Every package pyproject.toml names (with the test extra; Triton on Linux), and, on a machine without a
 # GPU, where the suite runs the kernels in Triton's interpreter, an interpreter that can run (the NumPy pin
 # below): an environment short of any of them is set up, not reused.

@@ -264,6 +264,65 @@ def test_the_signal_that_ended_a_worker_is_known_however_torch_words_its_death()
     exc = _death_of_a_worker(killed, kill=False)
     assert worker_died(exc) and signal_that_ended(exc) == "SIGKILL", exc
 
+    # Killed while it handed a batch over: the hand-over's socket breaks first (seen in CI).
+    reset = ConnectionResetError(104, "Connection reset by peer")
+    assert worker_died(reset, loader) and signal_that_ended(reset, loader) == "SIGKILL"
+    alive = StatefulDataLoader(list(range(4)), batch_size=None, num_workers=1, persistent_workers=True)
+    next(iter(alive))
+    assert not worker_died(reset, alive) and not worker_died(reset)  # no dead worker: the error is its own
+
+
+def test_a_worker_killed_while_it_hands_over_a_batch_ends_the_run_with_one_message(tmp_path, capsys, monkeypatch):
+    """The kill breaks the hand-over's socket (ConnectionResetError), and torch's SIGCHLD handler then raises the
+    same death wherever the process is, here inside the run's clean-up: one message and the out-of-memory exit
+    code, as for any killed worker (CI met this as a traceback)."""
+    from torchdata.stateful_dataloader import stateful_dataloader
+
+    from nsa_titan import cli
+    from nsa_titan.observe.watchdog import Watchdog
+    from tests.launch import DEBUG, TINY
+
+    real = stateful_dataloader._StatefulMultiProcessingDataLoaderIter._try_get_data
+    calls = []
+
+    def killed_during_hand_over(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) < 3:
+            return real(self, *args, **kwargs)
+        worker = self._workers[0]
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # its SIGCHLD comes later, as it did in CI
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=30)
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def stop_then_hear_the_death(watchdog, stop=Watchdog.stop):
+        stop(watchdog)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # delivered now: inside the clean-up
+
+    monkeypatch.setattr(stateful_dataloader._StatefulMultiProcessingDataLoaderIter, "_try_get_data",
+                        killed_during_hand_over)
+    monkeypatch.setattr(Watchdog, "stop", stop_then_hear_the_death)
+    argv = [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1", f"--job.dump_folder={tmp_path}"]
+    try:
+        assert cli.main(["train", *argv]) == 4
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # as it was, whatever happened
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and "a data loader worker died after step" in said[0] and "ended by SIGKILL" in said[0], err
+
+
+def test_a_run_that_ends_gives_back_torchs_worker_death_handler_once_its_workers_are_shut_down(tmp_path):
+    """The trainer stops hearing worker deaths while it ends (torch's SIGCHLD handler raised a killed worker's death
+    inside the clean-up, as a traceback); a process that goes on gets the handler back."""
+    from nsa_titan import cli
+    from tests.launch import DEBUG, TINY
+
+    before = signal.getsignal(signal.SIGCHLD)
+    argv = [DEBUG, *TINY, "--training.steps=1", "--data.num_workers=1", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv]) == 0
+    assert signal.getsignal(signal.SIGCHLD) is before
+
 
 def test_a_killed_loader_worker_ends_the_run_with_one_message_and_the_way_on(tmp_path):
     """The host's out-of-memory killer takes a loader worker (SIGKILL): the run says so in one line, with the

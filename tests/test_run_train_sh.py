@@ -32,7 +32,7 @@ def test_a_command_runs_through_the_script():
     ({"NGPU": "abc"}, "NGPU=abc is not a whole number"),
     ({"NGPU": "-2"}, "NGPU=-2 is not a whole number"),
     ({"NNODES": "x"}, "NNODES=x is not a whole number"),
-    ({"NODE_RANK": "2", "NNODES": "2"}, "NODE_RANK=2 must be below NNODES=2"),
+    ({"RDZV_ENDPOINT": "node0:29500"}, "RDZV_ENDPOINT is set but NNODES is 1, so this launch would train alone"),
 ])
 def test_bad_launch_variables_are_named_before_anything_starts(variables, message):
     done = subprocess.run([SCRIPT, "recipes/debug.toml"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
@@ -46,6 +46,50 @@ def test_a_multi_node_launch_without_a_rendezvous_is_named():
                           env={**os.environ, "NNODES": "2", "RDZV_ENDPOINT": ""})
     assert done.returncode == 2 and "error: NNODES=2 needs RDZV_ENDPOINT" in done.stderr, done.stderr
     assert "Fix: set RDZV_ENDPOINT=host:port" in done.stderr
+
+
+@pytest.mark.parametrize("endpoint, message", [
+    ("nohostport", "RDZV_ENDPOINT=nohostport is not host:port (a port from 1 to 65535)"),
+    ("127.0.0.1:notaport", "RDZV_ENDPOINT=127.0.0.1:notaport is not host:port"),
+    ("nosuchhost.invalid:29500",
+     "RDZV_ENDPOINT=nosuchhost.invalid:29500: the host 'nosuchhost.invalid' is not known here"),
+])
+def test_a_rendezvous_endpoint_that_cannot_be_met_is_named_before_the_launch(endpoint, message):
+    """torchrun took 'nohostport' as port 29400 and waited minutes in C++ warnings; 'notaport' was its traceback."""
+    done = subprocess.run([SCRIPT, "recipes/debug.toml"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                          env={**os.environ, "NNODES": "2", "NODE_RANK": "1", "RDZV_ENDPOINT": endpoint})
+    assert done.returncode == 2 and f"error: {message}" in done.stderr, done.stderr
+    assert "note: NODE_RANK is not used: the c10d rendezvous numbers the nodes as they join" in done.stderr
+    assert "Traceback" not in done.stderr and "waiting at" not in done.stderr
+
+
+def test_a_stop_while_the_nodes_meet_ends_the_launch_at_once():
+    """No rank runs yet, so there is nothing to stop after a step or to save: a scheduler's one SIGTERM waited
+    for the rendezvous to give up (10 minutes)."""
+    import signal
+    import time
+
+    from tests.launch import free_port
+
+    proc = subprocess.Popen([SCRIPT, "recipes/debug.toml", "--training.device=cpu"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, start_new_session=True,
+                            env={**os.environ, "NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+                                 "OMP_NUM_THREADS": "1"})
+    try:
+        said = ""
+        while "waiting at" not in said:
+            line = proc.stderr.readline()
+            assert line, "the launch ended before it waited"
+            said += line
+        time.sleep(3)  # torchrun is in its rendezvous now
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, said + err
+    assert "error: stopped before any rank started (the nodes were still meeting); nothing ran." in err, err
+    assert "Traceback" not in err
 
 
 def test_print_config_checks_the_recipe_for_the_launchs_world_size():

@@ -4,15 +4,38 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 
 _DIED = re.compile(r"^DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\)")
 
 
-def worker_died(exc: BaseException) -> bool:
+def worker_died(exc: BaseException, loader: object = None) -> bool:
     """Whether `exc` is torch's word that a loader worker process died: its SIGCHLD handler raises it in the
     main thread wherever that thread is (a step, a save, a validation, a source's own read), so code that
-    catches broad errors passes it on."""
-    return isinstance(exc, RuntimeError) and _DIED.match(str(exc)) is not None
+    catches broad errors passes it on. A worker killed while it handed over a batch (through a socket, for a
+    tensor in shared memory) breaks that socket first: a ConnectionError or EOFError, with a worker of
+    `loader` (or of a loader iterator the error passed) dead."""
+    if isinstance(exc, RuntimeError):
+        return _DIED.match(str(exc)) is not None
+    return isinstance(exc, (ConnectionError, EOFError)) and bool(_dead_workers(exc, loader))
+
+
+def _dead_workers(exc: BaseException, loader: object) -> list:
+    return [worker for worker in _workers_near(exc, loader) if getattr(worker, "exitcode", None) is not None]
+
+
+def stop_hearing_worker_deaths() -> object:
+    """Set SIGCHLD to its default action and return the handler it had (for restore_worker_deaths): a run that
+    ends, on a worker's death or otherwise, must not meet torch's handler raising that death again inside its
+    clean-up, where it would escape as a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+def restore_worker_deaths(previous: object) -> None:
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, previous)
 
 
 def signal_that_ended(exc: BaseException, loader: object = None) -> str | None:
@@ -22,10 +45,11 @@ def signal_that_ended(exc: BaseException, loader: object = None) -> str | None:
     worker's exit code says it either way, while a loader's iterator still holds the worker: `loader`'s, or
     the one whose check raised `exc` (a validation's loader, say), found in the traceback."""
     match = _DIED.match(str(exc))
-    if match is None:
+    if match is None and not isinstance(exc, (ConnectionError, EOFError)):
         return None
-    pids = {int(p) for p in match.group(1).replace(",", " ").split()}
-    for worker in _workers_near(exc, loader):
+    dead = _dead_workers(exc, loader)
+    pids = {int(p) for p in match.group(1).replace(",", " ").split()} if match else {w.pid for w in dead}
+    for worker in dead:
         code = worker.exitcode if getattr(worker, "pid", None) in pids else None
         if code is not None and code < 0:
             try:
