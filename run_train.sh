@@ -71,7 +71,7 @@ if [ "$NNODES" -eq 1 ]; then
     fi
   done
 elif [ -n "${NODE_RANK:-}" ]; then
-  echo "note: NODE_RANK is not used: the c10d rendezvous numbers the nodes as they join, and rank 0 (which logs and writes the run's records) is on the first node to join." >&2
+  echo "note: NODE_RANK is not used: the c10d rendezvous numbers the nodes itself, by host name (rank 0, which logs and writes the run's records, is on the node whose name sorts first)." >&2
 fi
 for arg in "$@"; do  # the recipe as this launch would run it: checked for its world size
   case "$arg" in --print-config) WORLD_SIZE=$((NGPU * NNODES)) exec "$py" -m nsa_titan.cli train "$@" ;; esac
@@ -123,12 +123,18 @@ children_of() {  # PID: its child processes (pgrep where procps is installed, el
   if command -v pgrep >/dev/null 2>&1; then pgrep -P "$1" 2>/dev/null || true
   else cat /proc/"$1"/task/*/children 2>/dev/null || true; fi
 }
+ranks_seen=0  # whether the launcher has started its ranks (seen by the wait loop below, or by request_stop)
 request_stop() {  # SIGNAL_NUMBER
-  if [ -z "$(children_of "$child")" ]; then  # no rank yet (the nodes are still meeting): nothing to save
-    kill -KILL "$child" 2>/dev/null || true  # it has started nothing to end (a TERM would add its own line)
-    wait "$child" 2>/dev/null || true
-    echo "error: stopped before any rank started (the nodes were still meeting); nothing ran." >&2
-    exit $((128 + $1))
+  if [ "$ranks_seen" -eq 0 ] && [ "$stopping" -eq 0 ]; then
+    kill -STOP "$child" 2>/dev/null || true  # frozen: no rank starts while this looks
+    if [ -z "$(children_of "$child")" ]; then  # none ever started (the nodes may still be meeting): nothing to save
+      kill -KILL "$child" 2>/dev/null || true
+      wait "$child" 2>/dev/null || true
+      echo "error: stopped before any rank started; nothing ran." >&2
+      exit $((128 + $1))
+    fi
+    ranks_seen=1
+    kill -CONT "$child" 2>/dev/null || true
   fi
   if [ "$stopping" -eq 0 ]; then
     stopping=1
@@ -153,6 +159,10 @@ forward_to_ranks() {  # SIGNAL: `kill -USR1` of this script dumps every rank's s
   for rank in $(children_of "$child"); do kill "-$1" "$rank" 2>/dev/null || true; done
 }
 trap 'forward_to_ranks USR1' USR1
+while [ "$ranks_seen" -eq 0 ] && kill -0 "$child" 2>/dev/null; do  # until the ranks start (a second each)
+  [ -z "$(children_of "$child")" ] || ranks_seen=1
+  [ "$ranks_seen" -eq 1 ] || { sleep 1 & wait $! 2>/dev/null || true; }  # a signal's trap runs at once
+done
 while :; do
   rc=0
   wait "$child" || rc=$?

@@ -167,9 +167,11 @@ def export(argv: list[str]) -> int:
     if not output:
         example = "--format hf --output outputs/debug/hf" if form == "hf" else "--output outputs/debug/model.pt"
         return _fail(f"error: export needs --output. Fix: e.g. `nsa-titan export recipes/debug.toml {example}`.")
-    exported = next((a for a in argv if not a.startswith("--")), None)
-    if exported is not None and not exported.endswith(".toml") and (
-            os.path.isdir(exported) or exported.endswith(".pt")):
+    from nsa_titan.config.overrides import parse_args
+    from nsa_titan.hf_folder import is_hf_folder
+
+    exported = parse_args(list(argv), []).recipe  # the recipe's place ('--section.field VALUE' takes a word)
+    if exported is not None and ((exported.endswith(".pt") and os.path.isfile(exported)) or is_hf_folder(exported)):
         return _fail(f"error: export reads a run's checkpoint through the run's recipe; {exported!r} is an exported "
                      f"model, not a recipe. Fix: `nsa-titan export RECIPE.toml --format {form} --output {output}` with "
                      f"the recipe of the run it came from (its recipe.toml in the run's folder).")

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         say_error_line(f"error: the nodes did not meet at {endpoint} ({type(failed).__name__}: "
                        f"{str(failed).strip().splitlines()[0] if str(failed).strip() else 'no detail'}). Fix: start "
                        f"every node (NNODES of them) with the same RDZV_ENDPOINT, the host:port of node 0, reachable "
-                       f"from each and not used by another program; nothing ran.")
+                       f"from each and not used by another program.")
         return 1
     except SignalException as stopped:  # the launcher itself was told to stop (a second Ctrl-C, a scheduler)
         say_error_line(f"error: the launcher was stopped by signal {_signal_name(stopped.sigval)}; the ranks "

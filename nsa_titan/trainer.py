@@ -154,7 +154,8 @@ class Trainer:
         """Everything after the run folder and its lock: parts, model, data, optimizer, the resume."""
         resolved, recipe, runtime = self.resolved, self.recipe, self.runtime
         t, dump = recipe.training, recipe.job.dump_folder
-        refuse_unshared_folder(dump, runtime.is_main)
+        if recipe.checkpoint.enable:  # every rank writes a checkpoint's files; the rest is rank 0's own
+            refuse_unshared_folder(dump, runtime.is_main)
         cp = recipe.parallelism.context_parallel_degree
         self.stacks_path = os.path.join(dump, "stacks", f"rank-{runtime.rank}.txt")
         install_sigusr1(self.stacks_path)
@@ -231,11 +232,15 @@ class Trainer:
         if self._draw_attention:
             _require_matplotlib()
         self.wandb = None
+        if not recipe.metrics.enable_wandb:  # checkpoints say no W&B run was logged into (unless one is carried)
+            self.state.extra.setdefault("wandb_run_id", "")
         if runtime.is_main and recipe.metrics.enable_wandb:  # rank 0 logs, and writes train_state.json
             # A resumed run logs into its own W&B run (its checkpoint says which); a run from step 0 starts
             # another, even in a folder an earlier run logged from (W&B would drop steps it already has).
-            run_id = (self._resumed_wandb_id or WandbLog.folder_run_id(dump) if self.state.step
-                      else None) or WandbLog.new_run_id()
+            # "" in the checkpoint: saved with W&B off (a new run); absent: saved before checkpoints kept the id.
+            resumed = (self._resumed_wandb_id if self._resumed_wandb_id is not None else WandbLog.folder_run_id(dump)
+                       ) if self.state.step else None
+            run_id = resumed or WandbLog.new_run_id()
             self.state.extra["wandb_run_id"] = run_id
             self.wandb = WandbLog(dump, run_id=run_id, project=recipe.metrics.wandb_project, name=recipe.job.name,
                                   mode=recipe.metrics.wandb_mode,
@@ -1058,7 +1063,7 @@ class Trainer:
         # it would be raised at any later child's exit); where they cannot be, the default action stays.
         iterator = getattr(getattr(self, "train_loader", None), "_iterator", None)
         shutdown = getattr(iterator, "_shutdown_workers", None)
-        if iterator is None or callable(shutdown):
+        if not getattr(iterator, "_workers", None) or callable(shutdown):  # none started, or they can be ended
             if callable(shutdown):
                 shutdown()
             restore_worker_deaths(self._sigchld[0])

@@ -119,6 +119,16 @@ def test_an_ordinary_token_is_refused_as_the_end_or_start_of_a_document(trained)
         HFTokenizer(HFTokenizerArgs(path=str(trained), bos_token="b"))
 
 
+def test_an_ordinary_bos_token_in_the_config_is_left_to_add_bos(trained, tmp_path):
+    """A run without add_bos never puts the config's bos_token in: an ordinary one is no reason to refuse it."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((trained / "tokenizer.json").read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": "b"}))
+    tok = HFTokenizer(HFTokenizerArgs(path=str(folder)))
+    assert tok.eos_id == 0 and tok.bos_id == tok.encode("b")[0]
+
+
 def test_the_debug_recipe_trains_with_it(trained, tmp_path, monkeypatch):
     import torch
 

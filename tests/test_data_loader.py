@@ -250,6 +250,10 @@ def test_the_stream_id_holds_the_tokenizers_specials_and_older_states_without_th
     older = saved.replace("|eos=257", "")
     assert saved != older and stream_differences(older, saved) == []
     assert stream_differences(saved, saved.replace("|seed=0", "|seed=1")) == ["job.seed 0 there, 1 here"]
+    with_bos = saved.replace("|add_bos=False", "|add_bos=True").replace("|eos=257", "|eos=257|bos=256")
+    assert stream_differences(with_bos, saved) == ["data.add_bos True there, False here",
+                                                   "the tokenizer's start-of-document id (its bos_token) 256 there, "
+                                                   "none here"]  # the tokenizer is the same: no word of its ids
 
 
 # ----- resharding through per-shard state -------------------------------------------------------

@@ -151,8 +151,13 @@ def test_a_tiktoken_file_that_cannot_encode_every_text_is_refused_when_read(tmp_
 
     ascii_only = tmp_path / "ascii.tiktoken"
     ascii_only.write_bytes(b"\n".join(_byte_ranks()[:128]) + b"\n")
-    with pytest.raises(UserError, match=r"ascii.tiktoken' lacks 128 of the 256 single-byte tokens \(0x80, 0x81"):
+    with pytest.raises(UserError, match=r"ascii.tiktoken' lacks 115 single-byte tokens of the bytes UTF-8 text "
+                                        r"holds \(0x80, 0x81"):
         TiktokenTokenizer(TiktokenArgs(encoding=str(ascii_only)))
+    utf8_only = tmp_path / "utf8.tiktoken"  # no token for the bytes UTF-8 never holds: every text encodes
+    utf8_only.write_bytes(b"\n".join(r for b, r in enumerate(_byte_ranks()) if b < 0xC0 or 0xC2 <= b <= 0xF4) + b"\n")
+    utf8 = TiktokenTokenizer(TiktokenArgs(encoding=str(utf8_only)))
+    assert utf8.decode(utf8.encode("naïve 日本 🙂")) == "naïve 日本 🙂"
     twice = tmp_path / "twice.tiktoken"
     twice.write_bytes(b"\n".join(_byte_ranks() + [base64.b64encode(b"ab") + b" 97"]) + b"\n")
     with pytest.raises(UserError, match=r"gives rank 97 to two tokens \(b'a' and b'ab'\)"):

@@ -579,6 +579,12 @@ def test_export_of_an_exported_model_names_the_recipe_it_needs(exported, tmp_pat
     err = capsys.readouterr().err
     assert f"export reads a run's checkpoint through the run's recipe; {folder!r} is an exported model" in err, err
     assert not (tmp_path / "again").exists()
+    # An override's value given as the next word is not taken for the recipe (here a folder).
+    argv, _ = exported
+    recipe, *overrides = argv
+    dump = next(a for a in overrides if a.startswith("--job.dump_folder=")).split("=", 1)[1]
+    rest = [a for a in overrides if not a.startswith("--job.dump_folder=")]
+    assert cli.main(["export", "--job.dump_folder", dump, recipe, *rest, "--output", str(tmp_path / "m.pt")]) == 0
 
 
 def test_a_folder_saved_again_by_transformers_reads_sharded_or_whole(exported, tmp_path, capsys):

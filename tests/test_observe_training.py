@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import time
 import warnings
@@ -281,8 +282,6 @@ def test_a_bad_first_step_blames_the_weights_or_data_not_the_learning_rate(tmp_p
 def test_a_resume_logs_each_step_once(tmp_path, capsys):
     """A crash after step 6 with the last checkpoint at 4: the resumed run logs 5 and 6 again. metrics.jsonl
     and TensorBoard then hold each step once, the new values; the old records of 5 and 6 are set aside."""
-    import shutil
-
     out = tmp_path / "run"
     argv = ["train", *[f for f in BASE if f != "--checkpoint.enable=false"], "--training.steps=6",
             "--checkpoint.enable=true", "--checkpoint.interval=4", "--metrics.enable_tensorboard=true",
@@ -463,6 +462,16 @@ def test_wandb_offline_logs_the_run_and_a_resume_continues_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "wandb_run_id").read_text().strip() == run_id
     assert len(sorted(out.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))) == 3
+
+    # A run from step 0 with W&B off, resumed with it on, starts its own W&B run (not the folder's last one).
+    other = tmp_path / "other"
+    shutil.copytree(out, other, ignore=shutil.ignore_patterns("checkpoint", "metrics*", "tb"))
+    off = [a for a in flags if "wandb" not in a and "dump_folder" not in a] + [f"--job.dump_folder={other}"]
+    assert train([*off, "--training.steps=2"]).returncode == 0
+    assert json.loads((other / "checkpoint" / "step-2" / "train_state.json").read_text())["wandb_run_id"] == ""
+    proc = train([*off, "--training.steps=3", "--metrics.enable_wandb=true", "--metrics.wandb_mode=offline"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (other / "wandb_run_id").read_text().strip() not in (run_id, fresh, "")
 
 
 def test_a_wandb_run_that_cannot_start_is_one_clear_error(tmp_path, monkeypatch):

@@ -90,17 +90,18 @@ class HFTokenizer:
                                   f"tokenizer_config.json names one). Set data.hf_tokenizer.eos_token to choose.")
         self.eos_id = self._token_id(eos, "eos_token")
         bos = args.bos_token or config.get("bos_token", "")
-        self.bos_id = self._token_id(bos, "bos_token") if bos else self.eos_id
+        # A bos_token the recipe names is used (the recipe refuses it without add_bos); the config's may not be.
+        self.bos_id = self._token_id(bos, "bos_token", plain_allowed=not args.bos_token) if bos else self.eos_id
         with open(file, "rb") as fh:  # the data stream's id follows the file's content, not where it lies
             self.name = f"hf_tokenizer:{hashlib.sha256(fh.read()).hexdigest()[:12]}"
 
-    def _token_id(self, token: str, field_name: str) -> int:
+    def _token_id(self, token: str, field_name: str, plain_allowed: bool = False) -> int:
         token_id = self._tok.token_to_id(token) if token else None
         if token_id is None:
             what = f"has no token {token!r}" if token else "names no end-of-document token"
             raise UserError(f"tokenizer hf_tokenizer: {self.args.path!r} {what}. Fix: set "
                             f"data.hf_tokenizer.{field_name} to one of its tokens.")
-        if self._tok.encode(token, add_special_tokens=False).ids == [token_id]:
+        if not plain_allowed and self._tok.encode(token, add_special_tokens=False).ids == [token_id]:
             specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
             where = "end" if field_name == "eos_token" else "start"
             choose = f" (its special tokens: {', '.join(map(repr, specials[:6]))})" if specials else ""

@@ -119,12 +119,13 @@ def _bpe_ranks(path: str, content: bytes) -> dict[bytes, int]:
         raise UserError(f"tokenizer tiktoken: the BPE file {path!r} gives rank {rank} to two tokens "
                         f"({owners[rank]!r} and {token!r}); every token needs a rank of its own. Fix: give the file "
                         "as tiktoken wrote it")
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    # Every byte UTF-8 text can hold (never 0xc0, 0xc1 or 0xf5 and above) needs a token of its own.
+    missing = [b for b in range(256) if (b < 0xC0 or 0xC2 <= b <= 0xF4) and bytes([b]) not in ranks]
     if missing:
         shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise UserError(f"tokenizer tiktoken: the BPE file {path!r} lacks {len(missing)} of the 256 single-byte "
-                        f"tokens ({shown}), so text holding those bytes cannot be encoded. Fix: give a file that "
-                        "ranks every byte, as tiktoken's byte-level encodings do")
+        raise UserError(f"tokenizer tiktoken: the BPE file {path!r} lacks {len(missing)} single-byte tokens of "
+                        f"the bytes UTF-8 text holds ({shown}), so text holding them cannot be encoded. Fix: give a "
+                        "file that ranks every byte, as tiktoken's byte-level encodings do")
     return ranks
 
 

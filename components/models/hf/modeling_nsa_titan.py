@@ -453,7 +453,8 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         config = generation_config if generation_config is not None else self.generation_config
         new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
         if prompt is not None and prompt.dim() == 2:
-            length = prompt.shape[1] + new if new is not None else kwargs.get("max_length")
+            length = (prompt.shape[1] + new if new is not None else
+                      kwargs.get("max_length", getattr(config, "max_length", None)))
             limit = self.config.max_seq_len
             if length is not None and length > limit:
                 raise ValueError(f"the prompt's {prompt.shape[1]} tokens and the tokens asked for make {length}, over "
