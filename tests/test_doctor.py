@@ -112,7 +112,7 @@ def _uneven_corpus(folder):
     for name in "abcd":
         (folder / f"{name}.txt").write_text(name * 1000)
     (folder / "big.txt").write_text("big document\n" * 1539)
-    return [f"--data.source=text_files", f"--data.text_files.paths={folder}", "--data.logical_shards=2",
+    return ["--data.source=text_files", f"--data.text_files.paths={folder}", "--data.logical_shards=2",
             "--data.text_files.validation_fraction=0", "--validation.enable=false"]
 
 
