@@ -18,8 +18,7 @@ import torch
 from components.errors import UserError
 from components.sequence_shard import SequenceShard
 
-from components.data import signal_that_ended, worker_died
-from components.data.workers import restore_worker_deaths, stop_hearing_worker_deaths
+from components.data import restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths, worker_died
 from nsa_titan import assemble, held_out, registry
 from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
 from nsa_titan.config import ResolvedRecipe

@@ -4,6 +4,7 @@ one path; prints the refusal, or "shared", once per rank."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch.distributed as dist
@@ -16,8 +17,9 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     try:
         refuse_unshared_folder(sys.argv[1 + rank], is_main=rank == 0)
-        print(f"rank {rank}: shared")
+        said = "shared"
     except UserError as exc:
-        print(f"rank {rank}: {exc}")
+        said = str(exc)
+    os.write(1, f"rank {rank}: {said}\n".encode())  # one write: the ranks share the pipe (print writes twice)
     dist.barrier()
     dist.destroy_process_group()

@@ -12,7 +12,8 @@ from components.data.sources import SOURCES
 from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_source
 from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
                                         document_prefix_id)
-from components.data.workers import signal_that_ended, worker_died
+from components.data.workers import (restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
+                                     worker_died)
 
 __all__ = [
     "DataStreamMismatch",
@@ -32,7 +33,9 @@ __all__ = [
     "no_documents_error",
     "shards_of_rank",
     "shards_of_worker",
+    "restore_worker_deaths",
     "signal_that_ended",
+    "stop_hearing_worker_deaths",
     "stream_id",
     "worker_died",
 ]
