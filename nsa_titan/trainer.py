@@ -843,12 +843,13 @@ class Trainer:
         try:
             self._train()
         except (RuntimeError, ConnectionError, EOFError) as exc:
-            if worker_died(exc, self.train_loader):
+            died = worker_died(exc, self.train_loader)
+            if died:
                 self._stop_hearing_worker_deaths()  # torch's handler would raise the death again, anywhere
             graph_break = graph_break_message(exc) if self.recipe.compile.fullgraph else None
             if graph_break is not None:
                 raise UserError(graph_break) from None
-            if not worker_died(exc, self.train_loader):
+            if not died:
                 raise
             ended_by = signal_that_ended(exc, self.train_loader)
             raise TrainingFault(self._worker_lost_message(str(exc), ended_by),
