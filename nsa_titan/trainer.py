@@ -217,7 +217,6 @@ class Trainer:
         # The last training record logged before the resumed checkpoint was saved: the metrics file must hold it.
         self._last_logged: dict | None = None
         self._applied_lr: float | None = None  # the learning rate of the last step taken, which a save records
-        self._resumed_wandb_id: str | None = None  # the W&B run the resumed checkpoint logged into
         self._restore()
         # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
         # replaced) waits for this run's first step to succeed (_begin): a start that fails, at start-up or
@@ -237,8 +236,8 @@ class Trainer:
             # A resumed run logs into its own W&B run (its checkpoint says which); a run from step 0 starts
             # another, even in a folder an earlier run logged from (W&B would drop steps it already has).
             # "" in the checkpoint: saved with W&B off (a new run); absent: saved before checkpoints kept the id.
-            resumed = (self._resumed_wandb_id if self._resumed_wandb_id is not None else WandbLog.folder_run_id(dump)
-                       ) if self.state.step else None
+            saved = self.state.extra.get("wandb_run_id")
+            resumed = (saved if saved is not None else WandbLog.folder_run_id(dump)) if self.state.step else None
             run_id = resumed or WandbLog.new_run_id()
             self.state.extra["wandb_run_id"] = run_id
             self.wandb = WandbLog(dump, run_id=run_id, project=recipe.metrics.wandb_project, name=recipe.job.name,
@@ -358,8 +357,7 @@ class Trainer:
                 self.nan_guard.load_state_dict(record["nan_guard"])
             self._elapsed_before = float(record.get("elapsed_s", 0.0))  # absent from older checkpoints
             self._last_logged = record.get("last_logged")  # absent from older checkpoints
-            self._resumed_wandb_id = record.get("wandb_run_id")  # absent from older checkpoints
-            if not self.recipe.metrics.enable_wandb and "wandb_run_id" in record:  # kept for a later run that logs
+            if "wandb_run_id" in record:  # the W&B run it logged into ("": none); absent from older checkpoints
                 self.state.extra["wandb_run_id"] = record["wandb_run_id"]
             self._abandon_after = step
             if not self.recipe.validation.enable and "held_out_set" in record:  # kept for a later run that validates
