@@ -117,11 +117,12 @@ def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | No
         loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0, dp_size=1, split="train",
                                        batch_size=recipe.training.local_batch_size)
         batch = next(iter(loader))
-        _every_rank_has_rows(recipe, runtime, source, tokenizer, world_size)
+        dp_size = _data_parallel_size(recipe, world_size)
+        _every_rank_has_rows(recipe, runtime, source, tokenizer, dp_size)
         scan = getattr(source, "scan", None)  # the whole corpus once: what a long run would meet late
         scanned = scan() if callable(scan) else ""
         notes = assemble.source_notes(recipe, source)
-        balance = assemble.reader_balance_note(recipe, source, _data_parallel_size(recipe, world_size))
+        balance = assemble.reader_balance_note(recipe, source, dp_size)
         notes += [balance] if balance else []
     except UserError as exc:
         return Check(name, FAIL, str(exc)), tokenizer
@@ -138,12 +139,11 @@ def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | No
         tokenizer
 
 
-def _every_rank_has_rows(recipe, runtime, source, tokenizer, world_size: int) -> None:
+def _every_rank_has_rows(recipe, runtime, source, tokenizer, dp_size: int) -> None:
     """Training's start-up refusals that depend on the ranks' shards: a data-parallel rank whose shards hold no
     training document, and a held-out set that no rank's shards hold a row of (NoDocuments, as training says it)."""
     from nsa_titan import assemble, held_out
 
-    dp_size = _data_parallel_size(recipe, world_size)
     if dp_size > 1:
         for rank in range(dp_size):  # in this process, one row each: a rank's shards, as its loader reads them
             next(iter(assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=rank, dp_size=dp_size,
