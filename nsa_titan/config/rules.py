@@ -225,7 +225,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if not recipe.job.dump_folder.strip():
         add("job.dump_folder", recipe.job.dump_folder, "is empty: a run needs a folder of its own",
             "name one, e.g. ./outputs/<run name> (or leave it unset: ./outputs/<job.name>)")
-    for section, name in (("checkpoint", "folder"), ("metrics", "save_tb_folder"), ("profiling", "folder")):
+    for section, name in _RUN_SUBFOLDERS:
         table = getattr(recipe, section)
         value = getattr(table, name)
         # "." is the run folder itself: its step-N folders, event files or traces would mix with the run's files.
@@ -266,7 +266,9 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                               "remove it, or set activation_checkpoint.mode = 'selective'")
 
 
-# Folders of the run's folder the trainer writes on its own: no recipe folder may be or hold them.
+# The recipe's folders inside job.dump_folder, (section, field); and those the trainer writes on its own there,
+# which no recipe folder may be or hold.
+_RUN_SUBFOLDERS = (("checkpoint", "folder"), ("metrics", "save_tb_folder"), ("profiling", "folder"))
 _RUN_OWN_FOLDERS = ("stacks", "wandb")
 
 
@@ -274,8 +276,7 @@ def _check_run_subfolders_apart(recipe, add) -> None:
     """The checkpoint, TensorBoard and profiler folders are each managed on their own (checkpoint steps are moved
     aside and pruned; events are purged on a resume): none may be, or lie inside, another, or a folder the
     trainer writes itself (an event file inside a pruned step ended a run with a traceback)."""
-    tables = [(section, name, getattr(recipe, section))
-              for section, name in (("checkpoint", "folder"), ("metrics", "save_tb_folder"), ("profiling", "folder"))]
+    tables = [(section, name, getattr(recipe, section)) for section, name in _RUN_SUBFOLDERS]
     named = [(f"{section}.{name}", os.path.normpath(getattr(table, name)), getattr(type(table)(), name))
              for section, name, table in tables]
     named = [(field, path, default) for field, path, default in named if path not in ("", ".")
