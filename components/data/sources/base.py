@@ -10,6 +10,8 @@ A source is a picklable object with:
   - optionally `shard_notes(num_shards)`: what a run over that many logical shards should be told once (say,
     shards that each read the whole stream), as sentences; the engine says them on the first rank, not in
     every loader worker;
+  - optionally `shard_sizes(num_shards)`: each logical shard's share of the training split (bytes, from
+    metadata, without reading), so the engine can warn when loader workers' shares are far apart;
   - optionally `scan()`: reads the whole corpus once for what check() only samples (doctor calls it),
     raising UserError, else returning what it found in a few words;
   - `documents(shard, num_shards, split, seed, epoch, cursor)`: the documents of one logical shard

@@ -8,6 +8,7 @@ import sysconfig
 from dataclasses import dataclass, field
 
 from components.errors import UserError
+from components.data.sources.corpus_source import CorpusSource
 from components.data.sources.file_corpus import CorpusFile, FileCorpus
 
 _SKIPPED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
@@ -35,27 +36,23 @@ def stdlib_files(root: str) -> list[CorpusFile]:
     return [CorpusFile(p, "whole", os.path.relpath(p, root)) for p in sorted(found)]
 
 
-class PythonStdlibSource:
+class PythonStdlibSource(CorpusSource):
+    args: PythonStdlibArgs
+
     def __init__(self, args: PythonStdlibArgs | None = None):
-        self.args = args or PythonStdlibArgs()
-        self._corpus: FileCorpus | None = None
+        super().__init__(args or PythonStdlibArgs())
 
-    def has_split(self, split: str) -> bool:
-        return split == "train" or self.args.validation_fraction > 0
-
-    def corpus(self) -> FileCorpus:
-        if self._corpus is None:
-            root = stdlib_root()
-            files = stdlib_files(root) if os.path.isdir(root) else []
-            if not files:
-                raise UserError(
-                    f"data source python_stdlib: no .py files under {root!r} (this Python ships without its "
-                    "standard library sources); use data source text_files instead"
-                )
-            # A few test modules are in other encodings on purpose: their odd bytes read as U+FFFD.
-            self._corpus = FileCorpus(files, "text", self.args.validation_fraction, "data source python_stdlib",
-                                      invalid_utf8="replace")
-        return self._corpus
+    def _build_corpus(self) -> FileCorpus:
+        root = stdlib_root()
+        files = stdlib_files(root) if os.path.isdir(root) else []
+        if not files:
+            raise UserError(
+                f"data source python_stdlib: no .py files under {root!r} (this Python ships without its "
+                "standard library sources); use data source text_files instead"
+            )
+        # A few test modules are in other encodings on purpose: their odd bytes read as U+FFFD.
+        return FileCorpus(files, "text", self.args.validation_fraction, "data source python_stdlib",
+                          invalid_utf8="replace")
 
     def check(self) -> None:
         self.corpus().check()
@@ -63,13 +60,6 @@ class PythonStdlibSource:
     def fingerprint(self) -> str:
         version = ".".join(map(str, sys.version_info[:3]))
         return f"python_stdlib({version},{self.corpus().fingerprint()},val={self.args.validation_fraction})"
-
-    def documents(self, shard, num_shards, split, seed, epoch, cursor):
-        return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
-
-    def shard_sizes(self, num_shards: int) -> list[float]:
-        """Each logical shard's share of the training split, in bytes (from the files' metadata)."""
-        return self.corpus().shard_bytes("train", num_shards)
 
 
 def build_python_stdlib_source(args: PythonStdlibArgs) -> PythonStdlibSource:

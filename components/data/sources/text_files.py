@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from components.data.sources.corpus_source import CorpusSource
 from components.data.sources.file_corpus import FileCorpus, corpus_files, expand_paths
 from components.problems import Problem, problem, raise_problems
 
@@ -35,23 +36,16 @@ class TextFilesArgs:
         return []
 
 
-class TextFilesSource:
-    def __init__(self, args: TextFilesArgs):
-        self.args = args
-        self._corpus: FileCorpus | None = None
+class TextFilesSource(CorpusSource):
+    args: TextFilesArgs
 
-    def has_split(self, split: str) -> bool:
-        return split == "train" or self.args.validation_fraction > 0
-
-    def corpus(self) -> FileCorpus:
-        if self._corpus is None:
-            files = corpus_files(expand_paths(list(self.args.paths), "data source text_files"))
-            self._corpus = FileCorpus(
-                files, self.args.text_field, self.args.validation_fraction, "data source text_files",
-                self.args.invalid_utf8, " from data.text_files.paths, or set data.text_files.invalid_utf8 = "
-                "'replace' to read such bytes as U+FFFD",
-            )
-        return self._corpus
+    def _build_corpus(self) -> FileCorpus:
+        files = corpus_files(expand_paths(list(self.args.paths), "data source text_files"))
+        return FileCorpus(
+            files, self.args.text_field, self.args.validation_fraction, "data source text_files",
+            self.args.invalid_utf8, " from data.text_files.paths, or set data.text_files.invalid_utf8 = "
+            "'replace' to read such bytes as U+FFFD",
+        )
 
     def check(self) -> None:
         raise_problems("data source text_files", self.args.check())
@@ -66,13 +60,6 @@ class TextFilesSource:
         a = self.args
         # invalid_utf8 is not part of it: every document "error" reads, "replace" reads the same.
         return f"text_files({self.corpus().fingerprint()},field={a.text_field},val={a.validation_fraction})"
-
-    def documents(self, shard, num_shards, split, seed, epoch, cursor):
-        return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
-
-    def shard_sizes(self, num_shards: int) -> list[float]:
-        """Each logical shard's share of the training split, in bytes (from the files' metadata)."""
-        return self.corpus().shard_bytes("train", num_shards)
 
 
 def build_text_files_source(args: TextFilesArgs) -> TextFilesSource:
