@@ -143,6 +143,24 @@ def test_eval_writes_results_and_plots(checkpointed_run, tmp_path, capsys):
     assert not (out / "lm_eval.json").exists()
 
 
+def test_trials_0_skips_the_passkey_probe(checkpointed_run, tmp_path, capsys):
+    """--trials 0 measures the loss by position alone: no passkey result or picture (an earlier passkey.png goes
+    with --overwrite), and a model too short for the prompt is evaluated rather than refused."""
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "passkey.png").write_text("an earlier eval's picture")
+    short = [*checkpointed_run, "--model.max_seq_len=64"]  # the prompt takes more than 64 byte tokens
+    assert cli.main(["eval", *short, "--out", str(out), "--batches", "1", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "the passkey prompt needs" in err and "Fix: add --trials 0 to skip the passkey probe" in err, err
+    assert cli.main(["eval", *short, "--out", str(out), "--batches", "1", "--trials", "0", "--overwrite"]) == 0
+    said = capsys.readouterr().out
+    assert "no passkey probe (--trials 0)" in said and "passkey.png" not in said, said
+    results = json.loads((out / "eval.json").read_text())
+    assert results["passkey"] is None and sum(results["position_loss"]["tokens"]) > 0
+    assert sorted(os.listdir(out)) == ["eval.json", "position_loss.png"]
+
+
 def test_a_failed_write_leaves_the_earlier_results(checkpointed_run, tmp_path, capsys, monkeypatch):
     """--overwrite removes the earlier results only once the new ones are written: a full disk midway
     leaves them as they were, in one message."""
@@ -180,6 +198,9 @@ def test_eval_says_where_its_recipe_differs_from_the_runs(checkpointed_run, tmp_
     (["--out", "X", "--depths", "0.5,,"], "--depths = '0.5,,' is not a comma-separated list of floats"),
     (["--out", "X", "--lengths", "500"], "--lengths must lie in"),
     (["--out", "X", "--batchs", "2"], "eval has no option '--batchs' (did you mean '--batches'?)"),
+    (["--out", "X", "--trials", "-1"], "--trials must be at least 0 (0 skips the passkey probe), got -1"),
+    (["--out", "X", "--trials", "0", "--depths=0.5"], "--lengths and --depths shape the passkey probe"),
+    (["--out", "X", "--trials", "0", "--lengths", "100"], "--lengths and --depths shape the passkey probe"),
 ])
 def test_eval_bad_options(checkpointed_run, tmp_path, capsys, extra, message):
     extra = [str(tmp_path) if x == "X" else x for x in extra]

@@ -4,9 +4,9 @@
     nsa-titan eval EXPORTED.pt|HF_DIR --out DIR [options]        an exported model or hf folder
 options: --batches N (global batches of held-out rows, default validation.steps), --lengths 64,128 (passkey prompt
 lengths, default up to four, the longest max_seq_len less the answer), --depths 0,0.5,1 (default 0 to 1
-by 0.25), --trials N (keys per cell, default 5); --tasks a,b runs lm-evaluation-harness tasks too
+by 0.25), --trials N (keys per cell, default 5; 0 skips the probe); --tasks a,b runs lm-evaluation-harness tasks too
 (--task-dir DIR for your own task YAML files, --limit N documents per task). Writes eval.json, position_loss.png and passkey.png
-(matplotlib), and lm_eval.json with --tasks.
+(matplotlib; no passkey.png with --trials 0), and lm_eval.json with --tasks.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def _load(argv: list[str]):
 
 def run_command(argv: list[str]) -> int:
     argv = list(argv)
+    depths_given = any(arg == "--depths" or arg.startswith("--depths=") for arg in argv)
     out = take_option(argv, "--out")
     if not out:
         raise UserError(f"eval needs --out DIR for its results. Fix: {USAGE}.")
@@ -94,7 +95,12 @@ def run_command(argv: list[str]) -> int:
     # not 0 <= nan: a nan depth is refused too; --limit 0 would mean "no limit" to the harness
     if any(not 0 <= d <= 1 for d in depths):
         raise UserError(f"--depths must lie in [0, 1], got {','.join(map(str, depths))}. Fix: e.g. --depths 0,0.5,1.")
-    for name, given in (("--trials", [trials]), ("--batches", batches), ("--limit", task_limit)):
+    if trials < 0:
+        raise UserError(f"--trials must be at least 0 (0 skips the passkey probe), got {trials}. Fix: e.g. --trials 1.")
+    if trials == 0 and (lengths or depths_given):
+        raise UserError("--lengths and --depths shape the passkey probe, which --trials 0 skips. Fix: drop them, "
+                        "or give --trials 1 or more.")
+    for name, given in (("--batches", batches), ("--limit", task_limit)):
         if given and given[0] < 1:
             raise UserError(f"{name} must be at least 1, got {given[0]}. Fix: e.g. {name} 1.")
     if task_dir and not os.path.isdir(task_dir):
@@ -111,19 +117,8 @@ def run_command(argv: list[str]) -> int:
         check_tasks_load(task_names, manager)
     pyplot()  # fail before the work when matplotlib is missing
     model, tokenizer, recipe, loaded, resolved = _load(argv)
-    from components.models.generate import check_decodes
-
-    check_decodes(model)  # the passkey probe decodes; before any work
-    limit = recipe.model.args.max_seq_len - answer_tokens(tokenizer)
-    shortest = shortest_length(tokenizer, recipe.data.add_bos)
-    if shortest > limit:
-        raise UserError(f"the passkey prompt needs {shortest} tokens, more than max_seq_len "
-                        f"{recipe.model.args.max_seq_len} leaves. Fix: evaluate a model with a longer max_seq_len.")
-    lengths = lengths or sorted({max(limit // k, shortest) for k in (8, 4, 2, 1)})
-    if max(lengths) > limit or min(lengths) < shortest:
-        raise UserError(f"--lengths must lie in {shortest}..{limit} (the needle and question take {shortest} tokens; "
-                        f"the answer needs room within max_seq_len {recipe.model.args.max_seq_len}). Fix: e.g. "
-                        f"--lengths {shortest},{limit}.")
+    if trials:
+        lengths = _passkey_lengths(model, tokenizer, recipe, lengths)
 
     part = registry.get("model", recipe.model.name)
     device = next(model.parameters()).device
@@ -157,8 +152,10 @@ def run_command(argv: list[str]) -> int:
 
     from components.models import generate
 
-    passkey = passkey_accuracy(model, tokenizer, generate, lengths, depths, trials, recipe.job.seed,
-                               progress("passkey"), recipe.data.add_bos)
+    passkey = None
+    if trials:
+        passkey = passkey_accuracy(model, tokenizer, generate, lengths, depths, trials, recipe.job.seed,
+                                   progress("passkey"), recipe.data.add_bos)
 
     harness = None
     if tasks:
@@ -168,20 +165,45 @@ def run_command(argv: list[str]) -> int:
                             recipe.job.seed, recipe.data.add_bos)
 
     results = {"model": loaded, "position_loss": positions, "passkey": passkey}
-    paths = {"results": os.path.join(out, "eval.json"), "position_loss": os.path.join(out, "position_loss.png"),
-             "passkey": os.path.join(out, "passkey.png")}
+    paths = {"results": os.path.join(out, "eval.json"), "position_loss": os.path.join(out, "position_loss.png")}
+    if passkey is not None:
+        paths["passkey"] = os.path.join(out, "passkey.png")
     if harness is not None:
         paths["lm_eval"] = os.path.join(out, "lm_eval.json")
     _write_results(out, paths, results, harness, loaded, overwrite)
-    mean_accuracy = sum(map(sum, passkey["accuracy"])) / (len(lengths) * len(depths))
-    print(f"evaluated {loaded}: {context_bands(positions)}; passkey accuracy {mean_accuracy:.0%} over "
-          f"{len(lengths)} lengths x {len(depths)} depths x {trials} keys: " + ", ".join(paths.values()))
+    if passkey is None:
+        probe = "no passkey probe (--trials 0)"
+    else:
+        mean_accuracy = sum(map(sum, passkey["accuracy"])) / (len(lengths) * len(depths))
+        probe = (f"passkey accuracy {mean_accuracy:.0%} over {len(lengths)} lengths x {len(depths)} depths x "
+                 f"{trials} keys")
+    print(f"evaluated {loaded}: {context_bands(positions)}; {probe}: " + ", ".join(paths.values()))
     if resolved is not None:
         from nsa_titan.rebuild import HELD_OUT_READS, say_unread_flags
 
         # --batches says how many held-out batches instead of validation.steps
         say_unread_flags(resolved, "eval", tuple(r for r in HELD_OUT_READS if not (batches and r == "validation.steps")))
     return 0
+
+
+def _passkey_lengths(model, tokenizer, recipe, lengths: list[int] | None) -> list[int]:
+    """The passkey prompt lengths to probe (given, or up to four up to max_seq_len), checked before any work."""
+    from components.models.generate import check_decodes
+
+    check_decodes(model)  # the passkey probe decodes
+    max_seq_len = recipe.model.args.max_seq_len
+    limit = max_seq_len - answer_tokens(tokenizer)
+    shortest = shortest_length(tokenizer, recipe.data.add_bos)
+    if shortest > limit:
+        raise UserError(f"the passkey prompt needs {shortest} tokens, more than max_seq_len {max_seq_len} leaves. "
+                        f"Fix: add --trials 0 to skip the passkey probe, or evaluate a model with a longer "
+                        f"max_seq_len.")
+    lengths = lengths or sorted({max(limit // k, shortest) for k in (8, 4, 2, 1)})
+    if max(lengths) > limit or min(lengths) < shortest:
+        raise UserError(f"--lengths must lie in {shortest}..{limit} (the needle and question take {shortest} tokens; "
+                        f"the answer needs room within max_seq_len {max_seq_len}). Fix: e.g. "
+                        f"--lengths {shortest},{limit}.")
+    return lengths
 
 
 def context_bands(positions: dict, share: float = 0.1) -> str:
@@ -213,8 +235,9 @@ def _write_results(out: str, paths: dict[str, str], results: dict, harness: dict
         return write
 
     writers = {paths["results"]: write_json(results),
-               paths["position_loss"]: figure_writer(lambda: position_loss_figure(results["position_loss"], loaded)),
-               paths["passkey"]: figure_writer(lambda: passkey_figure(results["passkey"], loaded))}
+               paths["position_loss"]: figure_writer(lambda: position_loss_figure(results["position_loss"], loaded))}
+    if "passkey" in paths:
+        writers[paths["passkey"]] = figure_writer(lambda: passkey_figure(results["passkey"], loaded))
     if harness is not None:
         writers[paths["lm_eval"]] = write_json({"model": loaded, **harness})
     write_results(out, "eval", RESULT_FILES, overwrite, writers)
