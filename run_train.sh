@@ -9,6 +9,11 @@
 # Other commands of the nsa-titan tool (inspect, doctor, ...) run as: ./run_train.sh COMMAND ARGS, exactly as
 # `nsa-titan COMMAND ARGS` (train alone defaults to recipes/debug.toml).
 set -euo pipefail
+# A scheduler's stop before the ranks start ends the launch (once the set-up or recipe check under way is done),
+# saying so; a terminal's Ctrl-C reaches that check too, which says it. The launch replaces these traps.
+stopped_early() { echo "error: stopped before any rank started; nothing ran." >&2; exit $((128 + $1)); }
+trap 'stopped_early 15' TERM
+trap 'stopped_early 1' HUP
 root=$(cd "$(dirname "$0")" && pwd)
 py=$("$root/scripts/ensure_env.sh")
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
