@@ -89,8 +89,8 @@ if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
 fi
 # Check the recipe once, for the whole job's world size, before starting any process.
 config=$(WORLD_SIZE=$((NGPU * NNODES)) "$py" -m nsa_titan.cli train "$@" --print-config) || exit $?
-dump=$(printf '%s' "$config" | "$py" -c \
-  'import sys; from nsa_titan.config.toml_io import tomllib; print(tomllib.loads(sys.stdin.read())["job"]["dump_folder"])')
+# The node's devices, checked once here (not once per rank); the run's folder, for a stop request's halt file.
+dump=$(printf '%s' "$config" | "$py" -m nsa_titan.launch_check "$NGPU") || exit $?
 if [ "$NNODES" -gt 1 ]; then
   if [ -z "${RDZV_ENDPOINT:-}" ]; then
     echo "error: NNODES=$NNODES needs RDZV_ENDPOINT, the host:port every node meets at. Fix: set RDZV_ENDPOINT=host:port of node 0 (the same on every node)." >&2

@@ -56,18 +56,26 @@ def check_launched(world_size: int) -> None:
                         f"unset WORLD_SIZE to run one process, or launch several with NGPU=N ./run_train.sh.")
 
 
-def make_runtime(device_choice: str, dtype_choice: str) -> Runtime:
-    rank, local_rank, world_size = launch_world()
+def uses_cuda(device_choice: str, processes_per_node: int) -> bool:
+    """Whether training.device puts the ranks on GPUs here, refusing a device this node cannot give each of its
+    processes (the launcher asks once for the node before starting them; each rank asks again for itself)."""
     has_cuda = torch.cuda.is_available()
     if device_choice == "cuda" and not has_cuda:
         raise UserError("training.device = 'cuda' but no CUDA device is visible. Fix: set "
                         "--training.device=cpu (or auto), or run on a machine with a GPU.")
     use_cuda = device_choice == "cuda" or (device_choice == "auto" and has_cuda)
+    if use_cuda and processes_per_node > torch.cuda.device_count():
+        raise UserError(f"{processes_per_node} processes on this node but {torch.cuda.device_count()} GPU(s) "
+                        f"visible: local rank {torch.cuda.device_count()} would have no GPU of its own. Fix: launch "
+                        f"at most that many processes per node (NGPU), or make more GPUs visible "
+                        f"(CUDA_VISIBLE_DEVICES).")
+    return use_cuda
+
+
+def make_runtime(device_choice: str, dtype_choice: str) -> Runtime:
+    rank, local_rank, world_size = launch_world()
+    use_cuda = uses_cuda(device_choice, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
     if use_cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(f"local rank {local_rank} has no GPU of its own: {torch.cuda.device_count()} visible "
-                            f"on this node. Fix: launch at most that many processes per node (NGPU), or make "
-                            f"more GPUs visible (CUDA_VISIBLE_DEVICES).")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -114,6 +114,44 @@ def test_a_stop_while_the_launch_sets_up_says_so(tmp_path):
     assert out == "" and not dump.exists()
 
 
+def test_a_device_the_node_cannot_give_every_rank_is_one_line_before_any_starts(tmp_path):
+    """--training.device=cuda on a node without CUDA, or more processes than GPUs, was the same error printed by
+    every rank (and the launcher's line after them): the launch checks the node once before it starts them."""
+    import torch
+
+    ngpu = torch.cuda.device_count() + 1
+    done = subprocess.run([SCRIPT, "recipes/debug.toml", "--training.device=cuda", f"--job.dump_folder={tmp_path}/r"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                          env={**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1"})
+    message = ("training.device = 'cuda' but no CUDA device is visible" if ngpu == 1 else
+               f"{ngpu} processes on this node but {ngpu - 1} GPU(s) visible: local rank {ngpu - 1} would have no GPU")
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {message}"), done.stderr
+    assert done.stderr.count("\n") == 1 and done.stdout == "" and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("choice, gpus, processes, uses, message", [
+    ("cuda", 0, 1, None, "training.device = 'cuda' but no CUDA device is visible"),
+    ("auto", 0, 4, False, None),
+    ("cpu", 2, 4, False, None),
+    ("auto", 2, 2, True, None),
+    ("auto", 2, 3, None, "3 processes on this node but 2 GPU(s) visible: local rank 2 would have no GPU"),
+    ("cuda", 1, 2, None, "2 processes on this node but 1 GPU(s) visible"),
+])
+def test_the_device_each_process_gets(monkeypatch, choice, gpus, processes, uses, message):
+    import torch
+
+    from components.errors import UserError
+    from nsa_titan.runtime import uses_cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    if message is None:
+        assert uses_cuda(choice, processes) is uses
+    else:
+        with pytest.raises(UserError, match=re.escape(message)):
+            uses_cuda(choice, processes)
+
+
 def test_print_config_checks_the_recipe_for_the_launchs_world_size():
     """NGPU x NNODES processes, as the launch would start: a context-parallel degree they cannot hold is
     refused, naming that setting."""

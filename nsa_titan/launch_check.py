@@ -1,0 +1,30 @@
+"""`python -m nsa_titan.launch_check PROCESSES_PER_NODE < RESOLVED_RECIPE`: what run_train.sh asks once for a node
+before it starts the ranks. Prints the run's dump folder; refuses a device the node cannot give every process,
+in one line, rather than once per rank."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from components.errors import UserError
+    from nsa_titan.cli import INPUT_ERROR, say_error_line
+    from nsa_titan.config.toml_io import tomllib
+
+    processes_per_node = int((sys.argv[1:] if argv is None else argv)[0])
+    recipe = tomllib.loads(sys.stdin.read())
+    if recipe["training"]["device"] != "cpu":  # torch's import costs seconds: only when a GPU may be asked for
+        from nsa_titan.runtime import uses_cuda
+
+        try:
+            uses_cuda(recipe["training"]["device"], processes_per_node)
+        except UserError as exc:
+            say_error_line(f"error: {exc}")
+            return INPUT_ERROR
+    print(recipe["job"]["dump_folder"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
