@@ -246,6 +246,7 @@ class Trainer:
         self.watchdog: Watchdog | None = None
         self._probe: Batch | None = None  # two fixed rows for attention telemetry
         self._validation_cache: list | None = None  # the validation batches once read (see validate)
+        self._held_out_size_said = False  # whether the first validation told of a held-out set short of rows
 
     def _undo_handlers(self) -> None:
         """The signal handlers the set-up installed, put back as they were."""
@@ -595,8 +596,22 @@ class Trainer:
             if self.watchdog is not None:  # a first validation reads its set too: no step is due meanwhile
                 self.watchdog.beat(self.state.step)
         total, count = all_reduce_mean(sums).tolist()  # the ratio of the means is the ratio of the sums
+        if not self._held_out_size_said:
+            self._held_out_size_said = True
+            self._say_short_held_out_set(count * self.runtime.world_size)
         loss = total / count
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+
+    def _say_short_held_out_set(self, tokens: float) -> None:
+        """A held-out set its shards cannot fill (few held-out documents, most shards holding none) gives a loss
+        over far fewer tokens than validation.steps asks for: said once. (A real row's targets all count.)"""
+        rows, seq_len = held_out.held_out_rows(self.recipe), self.recipe.training.seq_len
+        found = round(tokens / seq_len)
+        if found < rows:
+            self._say(f"note: the held-out set holds {found} of the {rows} rows validation.steps asks for: the "
+                      f"logical shards' held-out documents do not fill their share, so the validation loss covers "
+                      f"{found * seq_len:,} tokens. Fix: hold out more documents (the source's validation_fraction "
+                      f"or split), or lower validation.steps to fit them.")
 
     def _validation_batches(self):
         """The held-out batches, read once and then kept in host memory (int32) when they fit in
