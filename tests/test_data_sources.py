@@ -436,6 +436,67 @@ def test_a_damaged_local_file_fails_at_once(tmp_path, monkeypatch):
     assert pauses == [] and "network" not in str(raised.value)
 
 
+def _bad_local_files(folder, case: str) -> tuple[str, list[str]]:
+    """(builder, data_files) of a local dataset with one kind of bad file among good ones."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if case in ("truncated parquet", "empty parquet"):
+        for i in range(3):  # 3 files for 4 shards: split into row groups, reading every file's footer
+            write_parquet(str(folder / f"{i}.parquet"), unique_texts(20, seed=i), row_group_size=5)
+        if case == "truncated parquet":
+            data = (folder / "1.parquet").read_bytes()
+            (folder / "1.parquet").write_bytes(data[:len(data) // 2])
+        else:
+            pq.write_table(pa.table({"text": pa.array([], pa.string())}), str(folder / "3.parquet"))
+        return "parquet", [str(folder / "*.parquet")]
+    if case == "a number among the texts":
+        lines = [json.dumps({"text": 12345 if j == 150 else f"document {j}"}) for j in range(200)]
+        (folder / "mixed.jsonl").write_text("\n".join(lines) + "\n")
+        return "json", [str(folder / "mixed.jsonl")]
+    (folder / "empty.jsonl").write_text("")
+    return "json", [str(folder / "empty.jsonl")]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("truncated parquet", r"reading the data files failed: .*1\.parquet cannot be read as parquet \(ArrowInvalid: "
+                          r"Parquet magic bytes not found.*Fix: remove it from data_files"),
+    ("empty parquet", r"reading the data files failed: .*3\.parquet holds no rows, which datasets' parquet reader "
+                      r"cannot stream\. Fix: remove it from data_files"),
+    ("a number among the texts", r"field 'text' holds a value of type int \(12345\) among its texts\. Fix: give "
+                                 r"text_field a column of strings"),
+    ("empty jsonl", r"cannot open split 'train': .*empty\.jsonl is empty\. Fix: remove it from data_files"),
+])
+def test_a_bad_local_file_is_named(tmp_path, case, message):
+    """Each was a traceback (pyarrow's ArrowInvalid while the files were split into row groups, an AttributeError
+    hashing a number) or blamed the wrong thing (an empty file called damaged, or 'set split = train')."""
+    builder, files = _bad_local_files(tmp_path, case)
+    source = HuggingFaceSource(HuggingFaceArgs(path=builder, name="", data_files=files, validation_fraction=0.1))
+    with pytest.raises(UserError, match=message):
+        source.check()
+        source.shard_notes(4)
+        for shard in range(4):
+            list(source.documents(shard, 4, "train", 0, 0, None))
+
+
+def test_nulls_in_the_text_column_are_no_documents(tmp_path):
+    """A first value that is null was 'split has no records'; a column of nulls says so."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([None, *unique_texts(10, seed=3)], pa.string())}),
+                   str(tmp_path / "a.parquet"))
+    source = HuggingFaceSource(HuggingFaceArgs(path="parquet", name="", data_files=[str(tmp_path / "a.parquet")],
+                                               validation_fraction=0.0))
+    source.check()
+    assert len(list(source.documents(0, 1, "train", 0, 0, None))) == 10
+    pq.write_table(pa.table({"text": pa.array([None] * 5, pa.string())}), str(tmp_path / "a.parquet"))
+    with pytest.raises(UserError, match="field 'text' is null in all 5 records of split 'train', so it yields no tokens"):
+        HuggingFaceSource(source.args).check()
+
+
 def test_huggingface_errors(hf_parquet, monkeypatch):
     source, _ = hf_parquet
     wrong = HuggingFaceSource(HuggingFaceArgs(**{**source.args.__dict__, "text_field": "body"}))

@@ -65,6 +65,18 @@ def test_missing_data_path_fails_clearly(tmp_path, capsys):
     assert lines["recipe"][0] == "ok" and lines["memory estimate"][0] == "ok"
 
 
+def test_an_unforeseen_data_failure_leaves_the_memory_estimate(tmp_path, capsys, monkeypatch):
+    """A data error of a kind the sources do not name (a library's own) skipped the memory estimate, saying the
+    tokenizer could not be built: the tokenizer is built apart, as it is fine."""
+    def broken(*args):
+        raise RuntimeError("a library failed")
+
+    monkeypatch.setattr(checks, "check_data", broken)
+    code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}")
+    assert code == 1 and lines["data"] == ("fail", "data: RuntimeError: a library failed"), lines["data"]
+    assert lines["memory estimate"][0] == "ok", lines["memory estimate"]
+
+
 def test_a_bad_byte_deep_in_a_text_corpus_fails_the_data_check(tmp_path, capsys):
     """Training reads the start of the corpus at start-up; doctor reads all of it (the cut last line and
     the broken row group are in tests/test_data_robustness.py)."""

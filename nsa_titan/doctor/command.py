@@ -96,7 +96,13 @@ def _data(recipe, runtime, world_size: int):
     try:
         return check_data(recipe, runtime, world_size)
     except Exception as exc:  # reported as the data check's failure, with its type
-        return Check("data", FAIL, f"{type(exc).__name__}: {exc}"), None
+        failed = Check("data", FAIL, f"{type(exc).__name__}: {exc}")
+    try:  # the data failed past the tokenizer, most likely: the checks that need only it still run
+        from nsa_titan import assemble
+
+        return failed, assemble.build_tokenizer(recipe)
+    except Exception:
+        return failed, None
 
 
 def _resume(resolved, runtime, tokenizer) -> Check:

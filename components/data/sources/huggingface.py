@@ -141,6 +141,9 @@ class HuggingFaceSource:
                 if worker_died(e):  # another process's death, raised in this frame: not this load's failure
                     raise
                 why = first_line(e)
+                named = self._local_file_problem()
+                if named:  # an empty or unreadable file: datasets' own words ('StopIteration') do not name it
+                    raise UserError(f"{self._what()}: cannot open split {hf_split!r}: {named}") from e
                 if a.path in _LOCAL_BUILDERS:  # local files: no network involved; a list of data_files is one split
                     fix = ("check data_files; a list of files is the one split 'train' (set split = 'train', and "
                            "hold validation documents out with validation_fraction and validation_split = '')")
@@ -164,7 +167,12 @@ class HuggingFaceSource:
         if key not in self._loaded:
             base = self._load(hf_split)
             if base.num_shards % num_shards and hasattr(base, "reshard"):
-                base = base.reshard()  # parquet: one source per row group
+                try:
+                    base = base.reshard()  # parquet: one source per row group (each file's footer is read)
+                except Exception as e:
+                    if worker_died(e):
+                        raise
+                    raise self._read_error(e) from e
             self._loaded[key] = base
         return self._loaded[key]
 
@@ -214,14 +222,45 @@ class HuggingFaceSource:
                                 f"({type(e).__name__}: {e}); was the checkpoint written for other data files? Fix: "
                                 "resume with the files that wrote it") from e
             if self._reads_local_files():  # no network to wait for: another attempt reads the same bytes
-                raise UserError(
-                    f"{self._what()}: reading the data files failed ({type(e).__name__}: {e}), so one of them "
-                    f"(data_files = {list(self.args.data_files)}) is damaged, unreadable, or not of builder "
-                    f"{self.args.path!r}'s format (or not the others' columns). Fix: replace or remove that file "
-                    "(pyarrow.parquet.read_table(path) names a damaged parquet file), then run again: training "
-                    "resumes from the last checkpoint"
-                ) from e
+                raise self._read_error(e) from e
             raise _ReadFailed(f"{type(e).__name__}: {e}") from e
+
+    def _read_error(self, e: Exception) -> Exception:
+        """A failed read of local files (the same bytes at every attempt) as the user's error, naming the file
+        when one is empty or unreadable; a remote stream's failure as one to retry."""
+        if not self._reads_local_files():
+            return _ReadFailed(f"{type(e).__name__}: {first_line(e)}")
+        named = self._local_file_problem()
+        if named:
+            return UserError(f"{self._what()}: reading the data files failed: {named}")
+        return UserError(
+            f"{self._what()}: reading the data files failed ({type(e).__name__}: {first_line(e)}), so one of them "
+            f"(data_files = {list(self.args.data_files)}) is damaged, unreadable, or not of builder "
+            f"{self.args.path!r}'s format (or not the others' columns). Fix: replace or remove that file "
+            "(pyarrow.parquet.read_table(path) names a damaged parquet file), then run again: training "
+            "resumes from the last checkpoint")
+
+    def _local_file_problem(self) -> str | None:
+        """The first local data file that is empty or (parquet) not readable, with its fix; None when each opens."""
+        if self.args.path not in _LOCAL_BUILDERS:
+            return None
+        for pattern in self.args.data_files:
+            if "://" in pattern:
+                continue
+            for path in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
+                fix = ("Fix: remove it from data_files (a glob: move it out of the folder), then run again "
+                       "(a run resumes from its last checkpoint)")
+                try:
+                    if os.path.getsize(path) == 0:
+                        return f"{path} is empty. {fix}"
+                    if self.args.path == "parquet":
+                        import pyarrow.parquet as pq
+
+                        if pq.ParquetFile(path).metadata.num_rows == 0:
+                            return f"{path} holds no rows, which datasets' parquet reader cannot stream. {fix}"
+                except Exception as e:  # pyarrow's ArrowInvalid, OSError: the file named is the news
+                    return f"{path} cannot be read as {self.args.path} ({type(e).__name__}: {first_line(e)}). {fix}"
+        return None
 
     def _reads_local_files(self) -> bool:
         """A builder over files on this machine (path 'parquet' and local data_files), not a remote stream."""
@@ -238,12 +277,22 @@ class HuggingFaceSource:
                                 f"or globs of existing files (relative to the directory the run starts in)")
         splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
         for hf_split in splits:
+            records = 0
             try:
-                first = next((t for batch in self._texts(self._load(hf_split)) for t in batch), None)
+                for batch in self._texts(self._load(hf_split)):
+                    records += len(batch)
+                    first = next((t for t in batch if t is not None), None)
+                    if first is not None:
+                        break
+                else:
+                    first = None
             except _ReadFailed as e:
                 raise UserError(f"{self._what()}: reading split {hf_split!r} failed ({e})") from e
             if first is None:
-                raise UserError(f"{self._what()}: split {hf_split!r} has no records, so it yields no tokens")
+                raise UserError(f"{self._what()}: split {hf_split!r} has no records, so it yields no tokens" if not
+                                records else f"{self._what()}: field {self.args.text_field!r} is null in all {records:,} "
+                                f"records of split {hf_split!r}, so it yields no tokens. Fix: set "
+                                f"text_field to the column holding the text")
             if not isinstance(first, str):
                 raise UserError(
                     f"{self._what()}: field {self.args.text_field!r} holds {type(first).__name__} values, not text; "
@@ -314,7 +363,12 @@ class HuggingFaceSource:
         import datasets
 
         for texts in self._texts(dataset, resumed):
-            kept = [t for t in texts if t]
+            kept = [t for t in texts if t]  # a null or empty text is no document
+            odd = next((t for t in kept if not isinstance(t, str)), None)
+            if odd is not None:
+                raise UserError(f"{self._what()}: field {self.args.text_field!r} holds a value of type {type(odd).__name__} "
+                                f"({repr(odd)[:60]}) among its texts. Fix: give text_field a column of "
+                                f"strings (nulls are skipped), or convert that column's values to text")
             if not self.args.validation_split:
                 kept = [t for t in kept if split_of(t, self.args.validation_fraction) == split]
             yield kept, json.dumps({"datasets": datasets.__version__, "stream": dataset.state_dict()})
