@@ -493,7 +493,7 @@ def test_nulls_in_the_text_column_are_no_documents(tmp_path):
     source.check()
     assert len(list(source.documents(0, 1, "train", 0, 0, None))) == 10
     pq.write_table(pa.table({"text": pa.array([None] * 5, pa.string())}), str(tmp_path / "a.parquet"))
-    with pytest.raises(UserError, match="field 'text' is null in all 5 records of split 'train', so it yields no tokens"):
+    with pytest.raises(UserError, match="field 'text' is null in all 5 records of split 'train', so it yields no"):
         HuggingFaceSource(source.args).check()
 
 

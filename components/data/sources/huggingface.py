@@ -289,10 +289,11 @@ class HuggingFaceSource:
             except _ReadFailed as e:
                 raise UserError(f"{self._what()}: reading split {hf_split!r} failed ({e})") from e
             if first is None:
-                raise UserError(f"{self._what()}: split {hf_split!r} has no records, so it yields no tokens" if not
-                                records else f"{self._what()}: field {self.args.text_field!r} is null in all {records:,} "
-                                f"records of split {hf_split!r}, so it yields no tokens. Fix: set "
-                                f"text_field to the column holding the text")
+                if not records:
+                    raise UserError(f"{self._what()}: split {hf_split!r} has no records, so it yields no tokens")
+                raise UserError(f"{self._what()}: field {self.args.text_field!r} is null in all {records:,} records "
+                                f"of split {hf_split!r}, so it yields no tokens. Fix: set text_field to the column "
+                                f"holding the text")
             if not isinstance(first, str):
                 raise UserError(
                     f"{self._what()}: field {self.args.text_field!r} holds {type(first).__name__} values, not text; "
@@ -366,9 +367,9 @@ class HuggingFaceSource:
             kept = [t for t in texts if t]  # a null or empty text is no document
             odd = next((t for t in kept if not isinstance(t, str)), None)
             if odd is not None:
-                raise UserError(f"{self._what()}: field {self.args.text_field!r} holds a value of type {type(odd).__name__} "
-                                f"({repr(odd)[:60]}) among its texts. Fix: give text_field a column of "
-                                f"strings (nulls are skipped), or convert that column's values to text")
+                raise UserError(f"{self._what()}: field {self.args.text_field!r} holds a value of type "
+                                f"{type(odd).__name__} ({repr(odd)[:60]}) among its texts. Fix: give text_field a "
+                                f"column of strings (nulls are skipped), or convert that column's values to text")
             if not self.args.validation_split:
                 kept = [t for t in kept if split_of(t, self.args.validation_fraction) == split]
             yield kept, json.dumps({"datasets": datasets.__version__, "stream": dataset.state_dict()})
