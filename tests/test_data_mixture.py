@@ -351,3 +351,33 @@ def test_a_source_argument_named_like_an_entry_field_is_refused(tmp_path, capsys
         registry._PARTS["data_source"].pop("weighted")
     err = capsys.readouterr().err
     assert code == 2 and "data.mixture.sources.noise.weight" in err and "cannot be told apart" in err, err
+
+
+def test_by_tokens_the_shards_open_with_the_sources_in_turn():
+    """Ties at zero went to the first name in every shard: with long documents the run's first batches were all
+    of one source. Shard s breaks ties from its s-th name; the shares still follow the weights."""
+    names = ["a", "b", "c"]
+    source = MixtureSource(names, [0.5, 0.3, 0.2], [Texts(n, 200) for n in names], "tokens")
+    assert [take(source, 1, shard=s)[0][0][0] for s in range(4)] == ["a", "b", "c", "a"]
+    tokens = {n: 0 for n in names}
+    for doc, _ in take(source, 1000, shard=1):
+        tokens[doc[0]] += len(doc)
+    assert all(abs(tokens[n] / sum(tokens.values()) - w) < 0.01 for n, w in zip(names, [0.5, 0.3, 0.2])), tokens
+
+
+def test_a_source_in_few_logical_shards_is_told(tmp_path):
+    """A source of 3 documents (parquet rows) reaches 3 of 8 logical shards; the others mix without it, so it got
+    3/8 of its weight's share in silence."""
+    from components.data.sources import TextFilesArgs, TextFilesSource
+    from tests.test_data_helpers import unique_texts, write_jsonl, write_parquet
+
+    big = write_jsonl(str(tmp_path / "big.jsonl"), unique_texts(200, seed=1))
+    small = write_parquet(str(tmp_path / "small.parquet"), unique_texts(3, seed=2))
+    parts = [TextFilesSource(TextFilesArgs(paths=[p], validation_fraction=0)) for p in (big, small)]
+    source = MixtureSource(["big", "small"], [1.0, 1.0], parts)
+    notes = source.shard_notes(8)
+    assert notes == ["mixture source 'small' holds training documents in 3 of the 8 logical shards "
+                     "(data.logical_shards), and the other shards mix without it: it gets about 3/8 of its weight's "
+                     "share. Fix: fewer logical shards (at most 3, a multiple of the data-parallel size), or its "
+                     "documents in more files or lines (parquet: smaller row groups)"], notes
+    assert source.shard_notes(2) == []

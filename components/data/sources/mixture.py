@@ -3,8 +3,9 @@
 Each logical shard of the mixture is the same logical shard of every source, interleaved. The
 weights share out either
   - tokens (by = "tokens"): the next document comes from the source whose tokens so far, over its
-    weight, are the fewest (ties: the first name), so each source's share of the tokens stays within
-    one document of its weight's share; or
+    weight, are the fewest, so each source's share of the tokens stays within one document of its
+    weight's share (ties go to the names in turn from shard s's s-th name, so that the shards do not
+    all open with one source: with long documents that was the first batches of a run); or
   - documents (by = "documents"): the k-th document comes from source i with probability
     weight_i / sum(weights), drawn from a stable hash of (seed, shard, epoch, k).
 Both count the documents the loader keeps: one it skips (data.min_document_tokens) is replaced by
@@ -92,7 +93,24 @@ class MixtureSource:
 
     def shard_notes(self, num_shards: int) -> list[str]:
         return [f"mixture source {name!r}: {note}" for name, source in zip(self.names, self.sources)
-                if callable(getattr(source, "shard_notes", None)) for note in source.shard_notes(num_shards)]
+                if callable(getattr(source, "shard_notes", None)) for note in source.shard_notes(num_shards)
+                ] + self._shard_reach_notes(num_shards)
+
+    def _shard_reach_notes(self, num_shards: int) -> list[str]:
+        """A source whose training documents lie in only some of the logical shards (fewer files or rows than
+        shards) is missing from the others' mix, so it gets only that part of its weight's share: said, from
+        the sources that know their shards' sizes without reading them."""
+        notes = []
+        for name, source in zip(self.names, self.sources):
+            sizes = source.shard_sizes(num_shards) if callable(getattr(source, "shard_sizes", None)) else None
+            reached = sum(1 for size in sizes or () if size > 0)
+            if sizes and 0 < reached < num_shards:
+                notes.append(f"mixture source {name!r} holds training documents in {reached} of the {num_shards} "
+                             f"logical shards (data.logical_shards), and the other shards mix without it: it gets "
+                             f"about {reached}/{num_shards} of its weight's share. Fix: fewer logical shards (at most "
+                             f"{reached}, a multiple of the data-parallel size), or its documents in more files or "
+                             f"lines (parquet: smaller row groups)")
+        return notes
 
     def check_tokenizer(self, tokenizer) -> None:
         for source in self.sources:
@@ -139,7 +157,8 @@ class MixtureSource:
             # next one of the same source.
             rule_weights, rule_by = rule
             if rule_by == "tokens":
-                i = min(alive, key=lambda j: states[j][4] / rule_weights[j])
+                n = len(states)
+                i = min(alive, key=lambda j: (states[j][4] / rule_weights[j], (j - shard) % n))
             else:
                 i = self._choose(alive, rule_weights, unit_hash(f"mixture/{seed}/{shard}/{epoch}/{k}"))
             state = states[i]
