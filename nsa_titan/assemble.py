@@ -110,17 +110,31 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, build_refe
     others receive their shards from it.
     """
     model.to_empty(device=device)
+    _mark_unset(model.buffers())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.init_weights()  # buffers (e.g. RoPE tables) on every rank; parameters follow below
+    unset = _unset(model.named_buffers())
     full_state = {}
     if not distributed or torch.distributed.get_rank() == 0:
         reference = build_reference()
         reference.to_empty(device="cpu")
+        _mark_unset(reference.parameters())
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             reference.init_weights()
+        unset += _unset(reference.named_parameters())
         full_state = reference.state_dict()
+    if distributed:  # every rank stops, with rank 0's list of parameters, rather than wait in the broadcast
+        said = [unset]
+        torch.distributed.broadcast_object_list(said, src=0)
+        unset = sorted(set(unset) | set(said[0]))
+    if unset:
+        more = f" and {len(unset) - 5} more" if len(unset) > 5 else ""
+        raise UserError(f"the model's init_weights() ({type(model).__name__}) leaves {len(unset)} weight(s) unset: "
+                        f"{', '.join(unset[:5])}{more}; they would start as whatever memory held. Fix: set every "
+                        f"parameter and buffer in init_weights() (the model is built on the meta device, so values "
+                        f"given in __init__ are not kept).")
     if distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -128,6 +142,20 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, build_refe
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:
         model.load_state_dict(full_state)
+
+
+def _mark_unset(tensors) -> None:
+    """NaN in every floating-point tensor, so that one init_weights() leaves unwritten is seen (to_empty's memory
+    is whatever it held, and may look like weights)."""
+    with torch.no_grad():
+        for tensor in tensors:
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+
+
+def _unset(named_tensors) -> list[str]:
+    """The names of the floating-point tensors still holding a NaN of _mark_unset."""
+    return [name for name, tensor in named_tensors if tensor.is_floating_point() and bool(torch.isnan(tensor).any())]
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -247,6 +247,7 @@ class Trainer:
         self._probe: Batch | None = None  # two fixed rows for attention telemetry
         self._validation_cache: list | None = None  # the validation batches once read (see validate)
         self._held_out_size_said = False  # whether the first validation told of a held-out set short of rows
+        self._output_checked = False  # whether a training forward's logits were seen to keep the contract
 
     def _undo_handlers(self) -> None:
         """The signal handlers the set-up installed, put back as they were."""
@@ -529,13 +530,34 @@ class Trainer:
         """(logits, the targets they predict): of the whole rows, or under context parallelism of this
         rank's share of every row (the model gathers what its share needs from the others)."""
         if self.shard is not None:
-            context = self._context(batch)
-            with self._autocast():
-                return self.model(self.shard.split(batch.inputs), context=context), self.shard.split(batch.targets)
-        documents = self._documents(batch)
+            inputs, targets = self.shard.split(batch.inputs), self.shard.split(batch.targets)
+            extra = {"context": self._context(batch)}
+        else:
+            documents = self._documents(batch)
+            inputs, targets, extra = batch.inputs, batch.targets, {} if documents is None else {"documents": documents}
         with self._autocast():
-            logits = self.model(batch.inputs) if documents is None else self.model(batch.inputs, documents=documents)
-        return logits, batch.targets
+            logits = self.model(inputs, **extra)
+        if not self._output_checked:
+            self._check_output(logits)
+        return logits, targets
+
+    def _check_output(self, logits) -> None:
+        """The first forward's result keeps the model contract (a plugin's may not): a logits tensor over the
+        tokenizer's vocabulary that gradients reach. Each mistake was a traceback of its own, in the loss, the
+        backward or a CUDA index assertion."""
+        vocab = self.tokenizer.vocab_size
+        if not isinstance(logits, torch.Tensor):
+            raise UserError(f"the model's forward returned a {type(logits).__name__}, not a logits tensor. Fix: a "
+                            f"model's forward returns the logits [batch, tokens, vocab] alone")
+        if logits.dim() < 1 or logits.shape[-1] != vocab:
+            raise UserError(f"the model returned logits of shape {list(logits.shape)}, over "
+                            f"{logits.shape[-1] if logits.dim() else 0} tokens, but the tokenizer has {vocab}. Fix: "
+                            f"size the model's output by the vocab_size its builder is called with")
+        if self.model.training and torch.is_grad_enabled() and not logits.requires_grad:
+            raise UserError("the model returned logits no parameter's gradient reaches (computed under no_grad, "
+                            "detached, or from no parameter). Fix: compute the logits from the model's parameters "
+                            "with autograd on")
+        self._output_checked = self.model.training
 
     def train_step(self, iterator) -> tuple[torch.Tensor, torch.Tensor, float, str]:
         """Returns (this rank's mean loss, global grad norm, seconds waiting for data, NaN-guard decision)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -129,9 +130,28 @@ class PackedShardsDataset(IterableDataset):
     # ----- iteration -----------------------------------------------------------------------------
     def _prepare(self, doc) -> Any:
         """A source document as the stream's tokens, or None when it is too short to keep."""
-        tokens = document_tokens(encode_array(self.tokenizer, doc) if isinstance(doc, str) else doc,
-                                 self.bos_id, self.tokenizer.eos_id)
+        if isinstance(doc, str):
+            ids, made_by = encode_array(self.tokenizer, doc), f"the tokenizer ({type(self.tokenizer).__name__})"
+        else:
+            ids, made_by = doc, f"the data source ({type(self.source).__name__})"
+        self._check_ids(ids, made_by)
+        tokens = document_tokens(ids, self.bos_id, self.tokenizer.eos_id)
         return tokens if len(tokens) >= self.min_document_tokens else None
+
+    def _check_ids(self, ids, made_by: str) -> None:
+        """A document's token ids are whole numbers the model's embedding holds: a plugin's source or tokenizer
+        that breaks this trained on float ids cast to 0, or died in an index error deep in the model."""
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            what = (f"an array of {ids.dtype} with shape {list(ids.shape)}" if isinstance(ids, np.ndarray) else
+                    f"a {type(ids).__name__}")
+            raise UserError(f"{made_by} gave a document as {what}. Fix: a document is a str (which the tokenizer "
+                            f"encodes) or a 1-D numpy array of integer token ids")
+        vocab = self.tokenizer.vocab_size
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            odd = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise UserError(f"{made_by} gave token id {odd}, outside the tokenizer's vocabulary of {vocab} (ids 0 to "
+                            f"{vocab - 1}). Fix: give ids below the tokenizer's vocab_size, or a tokenizer whose "
+                            f"vocab_size covers them")
 
     def _open_documents(self, shard: int):
         def open_documents(epoch: int, cursor: Any):
@@ -139,7 +159,12 @@ class PackedShardsDataset(IterableDataset):
             if getattr(self.source, "prepares_documents", False):  # it skips and counts kept documents itself
                 yield from self.source.documents(*args, prepare=self._prepare)
                 return
-            for doc, cursor_after in self.source.documents(*args):
+            for item in self.source.documents(*args):
+                if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                    raise UserError(f"the data source ({type(self.source).__name__}) yielded a "
+                                    f"{type(item).__name__}, not a (document, cursor) pair. Fix: documents() yields "
+                                    f"(document, cursor_after) pairs (see components/data/sources/base.py)")
+                doc, cursor_after = item
                 tokens = self._prepare(doc)
                 # A skipped document is read again on resume (cursors count source documents) and skipped again.
                 if tokens is not None:
