@@ -55,6 +55,13 @@ def test_debug_recipe_passes_on_this_machine(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # the writability probe leaves nothing behind
 
 
+def test_a_layout_the_world_size_cannot_hold_names_doctors_option(tmp_path, capsys):
+    """The fix said to launch NGPU x NNODES processes, which doctor does not read; --world-size is its way."""
+    code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--parallelism.context_parallel_degree=2")
+    assert code == 1 and lines["recipe"][0] == "fail"
+    assert "Fix: launch a multiple of 2 processes (doctor: --world-size N)" in lines["recipe"][1], lines["recipe"]
+
+
 def test_missing_data_path_fails_clearly(tmp_path, capsys):
     missing = tmp_path / "no_such_corpus"
     code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--data.source=text_files",
@@ -558,3 +565,26 @@ def test_the_backend_check_fails_where_training_would_refuse_the_backend(monkeyp
     assert check.status == "fail" and check.name == "NSA backend 'triton' on cpu", check
     assert "runs CUDA kernels, but this run is on cpu" in check.detail and "--model.nsa.backend=reference" in \
         check.detail, check
+
+
+def test_the_memory_fix_names_only_settings_that_would_lower_it():
+    """The fix was one fixed sentence: for the 128k recipe (full checkpointing, one row, sharded over all 8
+    ranks) all three settings it named were taken already, and context parallelism, the one that helps, was
+    not among them."""
+    from types import SimpleNamespace
+
+    from nsa_titan.doctor.checks import memory_fixes
+
+    long_context = resolve(["recipes/nsa_125m_128k.toml"], world_size=8).recipe
+    estimate = SimpleNamespace(states=0.5, activations=2.7, logits=13.0, masks=0.0)
+    assert memory_fixes(long_context, 8, 8, estimate) == (
+        "raise parallelism.context_parallel_degree (now 8) over more processes: it divides the tokens each holds")
+    debug = resolve([DEBUG, "--activation_checkpoint.mode=none"], world_size=1).recipe
+    fixes = memory_fixes(debug, 1, 1, estimate).split(", or ")
+    assert [fix.split(" (")[0] for fix in fixes] == [
+        "set activation_checkpoint.mode = 'full'", "lower training.local_batch_size",
+        "raise parallelism.context_parallel_degree"]
+    # Weights and optimizer state larger than the per-token memory: sharding them over more processes helps.
+    heavy = SimpleNamespace(states=20.0, activations=2.7, logits=13.0, masks=0.0)
+    assert memory_fixes(debug, 1, 1, heavy).endswith(
+        ", or shard the weights and optimizer state over more processes (parallelism.data_parallel_shard_degree)")

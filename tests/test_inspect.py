@@ -202,6 +202,20 @@ def test_bad_seq_lens_are_input_errors(tmp_path, capsys, lengths, message):
     assert message in err and "Fix:" in err
 
 
+@pytest.mark.parametrize("world_size", [None, "2"])
+def test_a_context_parallel_recipe_is_refused_naming_the_flag_that_inspects_it(tmp_path, capsys, monkeypatch,
+                                                                                world_size):
+    """One process cannot run context parallelism's exchange: inspect told the user to launch 8 processes (which
+    run_train.sh does not do for inspect), and with WORLD_SIZE set it inspected the model without it in
+    silence."""
+    if world_size:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    code, _, err = _inspect(capsys, DEBUG, *TINY_NSA, f"--job.dump_folder={tmp_path}",
+                            "--parallelism.context_parallel_degree=2")
+    assert code == 2 and "inspect compiles the model in one process, and parallelism.context_parallel_degree = 2" in err
+    assert "Fix: inspect the blocks without it, adding --parallelism.context_parallel_degree=1" in err, err
+
+
 def test_a_misspelled_option_is_named_as_one(tmp_path, capsys):
     code, _, err = _inspect(capsys, DEBUG, *TINY_NSA, f"--job.dump_folder={tmp_path}", "--seq-len", "64")
     assert code == 2 and "inspect has no option '--seq-len' (did you mean '--seq-lens'?)" in err, err

@@ -61,6 +61,11 @@ class LayoutError(ValueError):
         self.field, self.fix = field, fix
 
 
+# How a launch sets its process count, in layout fixes; a command that checks a recipe for a size it is told
+# (doctor's --world-size) names its own option instead.
+LAUNCH_SIZE = "(NGPU x NNODES)"
+
+
 def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
     """(replicate, shard) degrees for this world size (replicate x shard x context_parallel_degree);
     LayoutError when they cannot be resolved."""
@@ -69,7 +74,7 @@ def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
     if world_size % cp:
         raise LayoutError(f"the world size {world_size} is not divisible by parallelism.context_parallel_degree {cp}",
                           "parallelism.context_parallel_degree",
-                          f"launch a multiple of {cp} processes (NGPU x NNODES), or choose a context_parallel_degree "
+                          f"launch a multiple of {cp} processes {LAUNCH_SIZE}, or choose a context_parallel_degree "
                           f"that divides {world_size}")
     world_size //= cp
     size_name = "world size" if cp == 1 else f"data-parallel size (world size / context_parallel_degree {cp})"

@@ -213,6 +213,26 @@ def check_model(recipe, device: torch.device, compute_dtype: torch.dtype | None 
     return Check(result.name, result.status, result.detail)
 
 
+def memory_fixes(recipe, world_size: int, shard: int, estimate) -> str:
+    """The settings that would lower this recipe's estimate, only those it can still change: a recipe already
+    checkpointing every block, at one row per rank, sharded over every rank, is told of context parallelism,
+    which alone divides the tokens each rank holds."""
+    t, cp = recipe.training, recipe.parallelism.context_parallel_degree
+    per_token = estimate.activations + estimate.logits + estimate.masks
+    fixes = []
+    if recipe.activation_checkpoint.mode != "full":
+        fixes.append("set activation_checkpoint.mode = 'full'")
+    if t.local_batch_size > 1:
+        fixes.append("lower training.local_batch_size (raising the micro-batches a step takes)")
+    if t.seq_len % (4 * cp) == 0:  # a degree twice as large still splits each row into 2 x cp even chunks
+        fixes.append(f"raise parallelism.context_parallel_degree (now {cp}) over more processes: it divides the "
+                     f"tokens each holds")
+    if shard < world_size or estimate.states > per_token:
+        fixes.append("shard the weights and optimizer state over more processes "
+                     "(parallelism.data_parallel_shard_degree)")
+    return ", or ".join(fixes) if fixes else "a device with more memory, or a smaller model"
+
+
 def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     """The estimate of nsa_titan/doctor/memory.py against what one device (or one process's share of the host) has."""
     from components.model_hooks import MemoryLayout
@@ -261,9 +281,7 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
     share = estimate.total / capacity
     detail += f"; {share:.0%} of it"
     if share > 1.2:
-        return Check("memory estimate", FAIL, detail + ". Fix: raise parallelism.data_parallel_shard_degree, set "
-                                                      "activation_checkpoint.mode = 'full', or lower "
-                                                      "training.local_batch_size")
+        return Check("memory estimate", FAIL, f"{detail}. Fix: {memory_fixes(recipe, world_size, shard, estimate)}")
     if share > 0.8:
         return Check("memory estimate", WARN, detail + "; little headroom for allocator fragmentation")
     return Check("memory estimate", OK, detail)

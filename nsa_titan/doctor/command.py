@@ -56,7 +56,10 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     try:
         resolved = resolve(argv, world_size=world_size, training=True)
     except RecipeError as exc:
-        recipe_check, resolved = Check("recipe", FAIL, exc.render()), None
+        from nsa_titan.config.rules import LAUNCH_SIZE
+
+        said = exc.render().replace(LAUNCH_SIZE, "(doctor: --world-size N)")  # the size doctor checks for
+        recipe_check, resolved = Check("recipe", FAIL, said), None
     else:
         if resolved.path is None:
             raise UserError("no recipe given. Fix: name one, e.g. `nsa-titan doctor recipes/debug.toml`.")

@@ -43,6 +43,12 @@ def run_command(argv: list[str]) -> int:
     refuse_unknown_options(argv, "inspect", "--seq-lens, --fail-on-break, or recipe overrides --section.field=VALUE",
                            overrides=True)
     seq_lens = parse_seq_lens(lengths_text) if lengths_text is not None else None
+    cp = resolve(argv, world_size=None).recipe.parallelism.context_parallel_degree
+    if cp > 1:  # said before the layout check, whose fix (launch cp processes) would not help here
+        raise UserError(f"inspect compiles the model in one process, and parallelism.context_parallel_degree = {cp} "
+                        f"splits each sequence over {cp} processes, whose exchange of keys one process cannot run. "
+                        f"Fix: inspect the blocks without it, adding --parallelism.context_parallel_degree=1 (their "
+                        f"graphs then hold no exchange between processes).")
     resolved = resolve(argv, world_size=launch_world()[2])
     if resolved.path is None:
         raise UserError("no recipe given. Fix: name one, e.g. `nsa-titan inspect recipes/debug.toml`.")
