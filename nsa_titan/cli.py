@@ -116,7 +116,8 @@ def train(argv: list[str]) -> int:
     except TrainingFault as fault:
         if not fault.every_rank and runtime.world_size > 1:  # only this rank failed
             _end_this_rank(str(fault), fault.exit_code)
-        say_error_line(f"error: {fault}")
+        if runtime.local_rank == 0:  # every rank raised the same: said once per node, not once per rank
+            say_error_line(f"error: {fault}")
         barrier()  # every rank stopped here together
         return fault.exit_code
     except UserError as exc:

@@ -34,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except ChildFailedError as failed:
         rank, code = _cause(failed.failures, PEER_LOST_EXIT_CODE)
-        if code == PEER_LOST_EXIT_CODE:  # none of this launcher's ranks failed of its own
+        codes = {failure.exitcode for failure in failed.failures.values()}
+        every = len(failed.failures) > 1 and str(len(failed.failures)) == str(args.nproc_per_node)
+        if every and codes == {code} and code > 0:
+            # an agreed stop (a NaN guard's): every rank of this node ended with it, none before the others
+            how = f"every rank stopped together (exit code {code}); the message is above"
+        elif code == PEER_LOST_EXIT_CODE:  # none of this launcher's ranks failed of its own
             how = (f"rank {rank} lost contact with a rank that failed on another node; that node's output says "
                    "why")
         elif code >= 0:

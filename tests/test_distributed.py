@@ -217,6 +217,17 @@ def test_a_rank_without_data_ends_the_run_with_one_message(tmp_path):
     assert "closing signal" not in proc.stderr, proc.stderr[-3000:]  # nor its line for each rank it then ends
 
 
+def test_a_stop_every_rank_agrees_on_is_said_once(tmp_path):
+    """The NaN guard's stop is an agreed one: each rank printed the same error, and the launcher blamed 'rank 1
+    failed first'."""
+    proc = train([DEBUG, *TINY, "--training.steps=5", "--optimizer.lr=1e30", "--training.max_norm=0",
+                  "--fault.max_bad_steps=0", f"--job.dump_folder={tmp_path / 'run'}"], nproc=2)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 2 and said[0].startswith("error: stopping at step "), said
+    assert said[1] == "error: the run stopped: every rank stopped together (exit code 3); the message is above."
+
+
 def test_halt_file_stops_every_rank_at_the_same_step(tmp_path):
     """The stop request rides on the per-step agreement, so ranks stop together, between log steps too."""
     proc = start_training([*COMMON, "--training.steps=100000", "--metrics.log_freq=100000", "--checkpoint.enable=true",
