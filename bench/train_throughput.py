@@ -23,6 +23,7 @@ import argparse
 import base64
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -32,7 +33,8 @@ import time
 import torch
 
 from bench import environment
-from bench.arguments import non_negative_int, positive_int
+from bench.arguments import VOCAB_SIZE_RANGE, non_negative_int, positive_int, recipe_problems, refuse_overrides
+from bench.arguments import vocab_size as vocab_size_type
 from bench.environment import describe_environment, write_report
 from nsa_titan.trainer import OUT_OF_MEMORY_EXIT, TrainingFault
 
@@ -42,8 +44,8 @@ DEFAULT_RECIPES = ["recipes/nsa_125m.toml", "recipes/dense_125m.toml"]
 def write_standin_bpe(path: str, vocab_size: int) -> None:
     """A .tiktoken file whose encoding has `vocab_size` ids (<|endoftext|> is the last): the 256
     bytes, then distinct two-byte tokens. Only its size matters; synthetic data encodes no text."""
-    if not 258 <= vocab_size <= 256 + 65536:
-        raise ValueError(f"--vocab-size must be in [258, {256 + 65536}], got {vocab_size}")
+    if not VOCAB_SIZE_RANGE[0] <= vocab_size <= VOCAB_SIZE_RANGE[1]:
+        raise ValueError(f"--vocab-size must be in {list(VOCAB_SIZE_RANGE)}, got {vocab_size}")
     tokens = [bytes([i]) for i in range(256)] + [bytes(divmod(i, 256)) for i in range(vocab_size - 257)]
     with open(path, "w", encoding="ascii") as fh:
         fh.writelines(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens))
@@ -67,6 +69,51 @@ def synthetic_run_argv(recipe_path: str, seq_len: int, steps: int, local_batch: 
             "--data.num_workers=2", "--checkpoint.enable=false", "--validation.enable=false",
             "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--metrics.telemetry_freq=0",
             "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={dump}", *rows, *extra]
+
+
+# The fields synthetic_run_argv sets, each with the option of this benchmark that sets it ('' for none): an
+# override of one would run something other than what the result records.
+OWNED_FIELDS = {"training.steps": "--steps", "training.seq_len": "--seq-lens",
+                "training.local_batch_size": "--tokens-per-step", "training.global_batch_size": "--tokens-per-step",
+                "data.source": "", "data.tokenizer": "", "data.tiktoken.encoding": "--vocab-size",
+                "data.synthetic.vocab_size": "--vocab-size", "checkpoint.enable": "", "validation.enable": "",
+                "metrics.log_freq": "", "job.dump_folder": "--out"}
+ROW_FIELDS = {"data.synthetic.min_length": "--documents", "data.synthetic.max_length": "--documents"}
+
+
+def check_arguments(args) -> str | None:
+    """What is wrong with the command line, before any case runs (one line, or the recipe's problems), or None."""
+    if args.warmup >= args.steps:
+        return (f"--warmup {args.warmup} leaves no step to time out of --steps {args.steps}. Fix: pass --warmup "
+                f"below --steps (e.g. --steps {args.warmup + 3}).")
+    every = math.lcm(*args.seq_lens)
+    for seq_len in args.seq_lens:
+        if args.tokens_per_step < seq_len or args.tokens_per_step % seq_len:
+            return (f"--tokens-per-step {args.tokens_per_step} is not a whole number of rows of {seq_len} tokens "
+                    f"(--seq-lens). Fix: pass a multiple of every length, e.g. --tokens-per-step "
+                    f"{every * max(1, args.tokens_per_step // every)}.")
+    owned = {**OWNED_FIELDS, **(ROW_FIELDS if args.documents == "row" else {})}
+    refused = refuse_overrides(args.override, owned)
+    if refused:
+        return refused
+    with tempfile.TemporaryDirectory() as dump:
+        for recipe in args.recipes:
+            for seq_len in args.seq_lens:
+                rows = args.tokens_per_step // seq_len
+                argv = synthetic_run_argv(recipe, seq_len, args.steps, rows, args.vocab_size, dump,
+                                          case_overrides(args.override, seq_len),
+                                          one_document_per_row=args.documents == "row")
+                problems = recipe_problems(argv, training=True)
+                if problems:
+                    return f"{recipe} at {seq_len} tokens: {problems.removeprefix('error: ')}"
+    return None
+
+
+def case_overrides(overrides: list[str], seq_len: int) -> list[str]:
+    extra = list(overrides)
+    if seq_len > 8192:
+        extra.append("--activation_checkpoint.mode=full")
+    return extra
 
 
 def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batch: int, vocab_size: int,
@@ -157,11 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
     parser.add_argument("--seq-lens", nargs="+", type=positive_int, default=[2048, 32768])
     parser.add_argument("--tokens-per-step", type=positive_int, default=65536,
-                        help="local batch = this / seq_len (>= 1)")
+                        help="rows a step = this / seq_len: a multiple of every --seq-lens")
     parser.add_argument("--steps", type=positive_int, default=20)
-    parser.add_argument("--warmup", type=non_negative_int, default=5)
-    parser.add_argument("--vocab-size", type=positive_int, default=50257,
-                        help="stand-in vocabulary size (GPT-2: 50257)")
+    parser.add_argument("--warmup", type=non_negative_int, default=5, help="first steps left out of the median "
+                                                                          "(below --steps)")
+    parser.add_argument("--vocab-size", type=vocab_size_type, default=50257,
+                        help=f"stand-in vocabulary size, {VOCAB_SIZE_RANGE[0]} to {VOCAB_SIZE_RANGE[1]} "
+                             f"(GPT-2: 50257)")
     parser.add_argument("--documents", choices=("row", "packed"), default="row",
                         help="row: every row one seq_len-token document; packed: short documents, masked apart")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
@@ -175,16 +224,17 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device: this benchmark measures GPU throughput. Fix: run it on a GPU machine "
               "(or pass --allow-cpu for a smoke test).", file=sys.stderr)
         return 2
+    problem = check_arguments(args)
+    if problem:
+        print(problem if problem.startswith("error:") else f"error: {problem}", file=sys.stderr)
+        return 2
     results = []
     payload = {"benchmark": "train_throughput", "environment": describe_environment(), "results": results}
     path = args.out or environment.results_path("train_throughput")  # on the module: tests point it elsewhere
     for recipe in args.recipes:
         for seq_len in args.seq_lens:
-            batch = max(1, args.tokens_per_step // seq_len)
-            extra = list(args.override)
-            if seq_len > 8192:
-                extra.append("--activation_checkpoint.mode=full")
-            result = fit_case(recipe, seq_len, args, batch, extra)
+            result = fit_case(recipe, seq_len, args, args.tokens_per_step // seq_len,
+                              case_overrides(args.override, seq_len))
             print(json.dumps(result), flush=True)
             results.append(result)
             write_report(payload, "train_throughput", path)  # after every case: a run cut short keeps what ran

@@ -256,3 +256,32 @@ def test_a_benchmark_refuses_a_number_out_of_range_in_one_line(argv, message):
     done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=env(), cwd=REPO_ROOT,
                           timeout=120)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+_TRAIN_SMOKE = ["--allow-cpu", "--recipes", "recipes/debug.toml", "--seq-lens", "64", "--tokens-per-step", "128",
+                "--steps", "3", "--warmup", "1", "--vocab-size", "300"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--override=--training.steps=9"], "sets training.steps, which this benchmark sets itself"),
+    (["--override=--data.synthetic.vocab_size=7"], "Fix: use --vocab-size"),
+    (["--warmup", "3"], "--warmup 3 leaves no step to time out of --steps 3"),
+    (["--tokens-per-step", "32"], "--tokens-per-step 32 is not a whole number of rows of 64 tokens"),
+    (["--tokens-per-step", "96"], "e.g. --tokens-per-step 64"),
+    (["--recipes", "nope.toml"], "nope.toml at 64 tokens: the recipe has 1 problem"),
+    (["--override=--model.nope=3"], "model.nope: is not a recipe field"),
+])
+def test_train_throughput_refuses_what_it_would_not_measure_before_any_case_runs(tmp_path, capsys, extra, message):
+    """Each would have run something other than the result records (9 steps recorded as 3, one 64-token row
+    for 32 tokens a step, no step to time), or ended in a traceback: one error, exit 2, nothing written."""
+    out = tmp_path / "train_throughput.json"
+    assert train_throughput.main([*_TRAIN_SMOKE, *extra, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_train_throughput_refuses_a_vocabulary_the_stand_in_cannot_have(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_throughput.main([*_TRAIN_SMOKE, "--vocab-size", "10"])
+    assert exit_.value.code == 2 and "argument --vocab-size: 10 is not at least 258" in capsys.readouterr().err
