@@ -44,6 +44,8 @@ def describe_environment() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    # Triton's interpreter runs the kernels on the CPU: what is timed is not the kernels a GPU runs.
+    info["triton_interpret"] = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,

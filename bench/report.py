@@ -2,8 +2,10 @@
 
     python -m bench.report bench/results/attention-*.json bench/results/train_throughput-*.json ...
 
-Reads what bench.attention, bench.attention_stages, bench.train_throughput and bench.loss_memory write
-and prints, per file, where it was measured (GPU, versions, commit) and one table of its numbers. Targets (checked
+Reads what every benchmark writes (bench.attention, attention_stages, train_throughput, loss_memory,
+context_parallel, data_resume, reference_vs_sdpa_cpu and kernel_resources --json) and prints, per file, where
+it was measured (GPU, versions, commit; a GPU benchmark run on the CPU, or with Triton interpreted, is marked as
+a smoke run) and one table of its numbers. Targets (checked
 where the file has the lengths): the NSA op's forward + backward at least 6x SDPA's speed at 64k
 tokens and at least SDPA's speed at 8k or below; nsa_125m at least 0.8x dense_125m's tokens/s at
 2k and at least 2x at 32k. Nothing here measures anything.
@@ -32,15 +34,23 @@ def _verdict(met: bool) -> str:
     return "met" if met else "MISSED"
 
 
-def environment_line(env: dict) -> str:
+# Benchmarks that measure the CPU, or compile without a GPU: a result from a machine without one is what they are for.
+CPU_BENCHMARKS = ("data_resume", "nsa_reference_vs_sdpa_cpu", "kernel_resources")
+
+
+def environment_line(env: dict, kind: str | None = None) -> str:
     where = env.get("gpu") or f"CPU ({env.get('cpu')}, {env.get('cpu_count')} cores)"
+    if not env.get("gpu") and kind not in CPU_BENCHMARKS:
+        where += " - a CPU smoke run, not a GPU measurement"
+    triton = f"Triton {env.get('triton')}" + (" (interpreted: TRITON_INTERPRET=1)" if env.get("triton_interpret")
+                                              else "")
+    cuda = f", CUDA {env.get('cuda')}" if env.get("cuda") else ""
     commit = str(env.get("commit", "unknown"))
     code = f"commit {commit.removesuffix('-dirty')[:12]}"
     if commit.endswith("-dirty"):  # the code measured was not that commit's: say so, with the files if recorded
         changed = env.get("changed_files") or []
         code += f" with changes to {', '.join(changed)}" if changed else " with uncommitted changes"
-    return (f"Measured on {where}; torch {env.get('torch')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}, "
-            f"{code}, {env.get('time', '')[:10]}.")
+    return f"Measured on {where}; torch {env.get('torch')}, {triton}{cuda}, {code}, {env.get('time', '')[:10]}."
 
 
 def attention_tables(report: dict) -> list[str]:
@@ -159,17 +169,101 @@ def loss_tables(report: dict) -> list[str]:
     return lines
 
 
+def _s(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def context_parallel_tables(report: dict) -> list[str]:
+    overrides = " ".join(report.get("overrides", [])) or "no overrides"
+    lines = [f"Context parallelism, {report.get('recipe')} ({overrides}): per cp size, the largest of the ranks' "
+             f"peak memory and median step time:", "",
+             "| cp | tokens | tokens per rank | max peak GiB | max median step s | memory |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in report.get("memory_and_time", []):
+        if "error" in r:
+            lines.append(f"| {r['cp']} | {r.get('seq_len')} | {_one_line(r['error'])} | | | |")
+            continue
+        kinds = sorted({rank.get("memory_kind", "-") for rank in r.get("ranks", [])})
+        lines.append(f"| {r['cp']} | {r['seq_len']} | {r['tokens_per_rank']} | {r['max_peak_memory_gib']:.2f} | "
+                     f"{_s(r['max_median_step_seconds'])} | {', '.join(kinds) or '-'} |")
+    balance = report.get("balance", [])
+    if balance:
+        lines += ["", "Work balance of the split (the op's forward + backward on each rank's queries; imbalance = "
+                  "slowest rank / mean):", "",
+                  "| cp | split | tokens | backend | rank seconds | imbalance |", "| --- | --- | --- | --- | --- | --- |"]
+        for b in balance:
+            lines.append(f"| {b['cp']} | {b['split']} | {b['seq_len']} | {b.get('backend')} | "
+                         f"{' / '.join(_s(t) for t in b['rank_seconds'])} | {b['imbalance']:.2f} |")
+    return lines
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    line = " ".join(str(text).split()).replace("|", "/")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def data_resume_tables(report: dict) -> list[str]:
+    first = report["seconds_to_first_document"]
+    return ["Huggingface-source resume late in an epoch (seconds to the first document after the cursor):", "",
+            "| documents | row group | shards | shuffle buffer | resumed after | stream-state cursor s | "
+            "count-cursor replay s | reaching the cursor from the start s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"| {report['documents']} | {report['row_group']} | {report['shards']} | {report['shuffle_buffer']} | "
+            f"{report['resumed_after_documents']} | {_s(first['stream_state_cursor'])} | "
+            f"{_s(first['count_cursor_replay'])} | {_s(report['seconds_to_reach_cursor_from_start'])} |"]
+
+
+def reference_tables(report: dict) -> list[str]:
+    lines = [f"NSA reference vs dense causal SDPA on the CPU ({report.get('seq_len')} tokens, {report.get('heads')} "
+             f"heads, D = {report.get('head_dim')}, {report.get('dtype')}, {report.get('threads')} threads; seconds, "
+             f"best of the repeats):", "",
+             "| kv heads | NSA fwd | SDPA fwd | ratio | NSA fwd+bwd | SDPA fwd+bwd | ratio | NSA fwd parts |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["results"]:
+        parts = ", ".join(f"{name} {_s(t)}" for name, t in r.get("nsa_forward_parts_s", {}).items()) or "-"
+        lines.append(f"| {r['kv_heads']} | {_s(r['nsa_forward_s'])} | {_s(r['sdpa_forward_s'])} | "
+                     f"{r['forward_ratio']:.2f} | {_s(r['nsa_forward_backward_s'])} | "
+                     f"{_s(r['sdpa_forward_backward_s'])} | {r['forward_backward_ratio']:.2f} | {parts} |")
+    return lines
+
+
+def kernel_tables(report: dict) -> list[str]:
+    lines = ["NSA Triton kernels compiled offline (no kernel ran):", "",
+             "| target | dtype | D | kernel | warps | shared KiB | limit KiB | registers | stack B |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["rows"]:
+        over = " (OVER)" if r["shared_bytes"] > r["shared_limit_bytes"] else ""
+        lines.append(f"| {r['target']} | {r['dtype']} | {r['head_dim']} | {r['name']} | {r['num_warps']} | "
+                     f"{r['shared_bytes'] / 1024:.1f}{over} | {r['shared_limit_bytes'] / 1024:.0f} | "
+                     f"{'-' if r.get('registers') is None else r['registers']} | "
+                     f"{'-' if r.get('stack_bytes') is None else r['stack_bytes']} |")
+    lines += [""] + [f"- failed: {_one_line(f)}" for f in report.get("failures", [])]
+    return lines
+
+
 TABLES = {"attention": attention_tables, "attention_stages": stage_tables, "train_throughput": train_tables,
-          "loss_memory": loss_tables}
+          "loss_memory": loss_tables, "context_parallel": context_parallel_tables, "data_resume": data_resume_tables,
+          "nsa_reference_vs_sdpa_cpu": reference_tables, "kernel_resources": kernel_tables}
 
 
-def render(report: dict) -> str:
+def report_kind(report) -> str:
+    """Which benchmark wrote `report`; ValueError naming what it is otherwise."""
+    if not isinstance(report, dict):
+        raise ValueError(f"not a benchmark report (a JSON {type(report).__name__}, not an object); this tool reads "
+                         f"the files the benchmarks write")
     kind = report.get("benchmark")
+    if kind is None and "seconds_to_first_document" in report:
+        return "data_resume"  # written before data_resume named itself
     if kind not in TABLES:
         what = "no benchmark report (it names no 'benchmark')" if kind is None else f"a {kind!r} report"
         raise ValueError(f"{what}; this tool makes tables of {', '.join(TABLES)} reports (read the others' JSON "
                          f"as it is)")
-    return "\n".join([environment_line(report.get("environment", {})), "", *TABLES[kind](report)])
+    return kind
+
+
+def render(report: dict) -> str:
+    kind = report_kind(report)
+    return "\n".join([environment_line(report.get("environment", {}), kind), "", *TABLES[kind](report)])
 
 
 def main(argv=None) -> int:
@@ -181,7 +275,7 @@ def main(argv=None) -> int:
         try:
             with open(path, encoding="utf-8") as fh:
                 text = render(json.load(fh))
-        except (OSError, ValueError, KeyError) as exc:  # one unreadable file: say so, go on
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # one unreadable file: say so, go on
             print(f"error: {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
             failed += 1
             continue

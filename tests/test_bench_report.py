@@ -66,14 +66,15 @@ def test_the_command_reads_files_and_names_what_it_cannot_read(tmp_path, capsys)
     good = tmp_path / "attention.json"
     good.write_text(json.dumps(_attention_report({65536: 8.0})))
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({"benchmark": "context_parallel"}))
+    other.write_text(json.dumps({"benchmark": "nonesuch"}))
     unnamed = tmp_path / "unnamed.json"
     unnamed.write_text(json.dumps({"documents": 10}))
     assert report.main([str(good), str(other), str(unnamed), str(tmp_path / "missing.json")]) == 1
     captured = capsys.readouterr()
     assert "## attention.json" in captured.out and "8.00x, met" in captured.out
-    assert "other.json: ValueError: a 'context_parallel' report; this tool makes tables of attention, " \
-           "attention_stages, train_throughput, loss_memory reports (read the others' JSON as it is)" in captured.err
+    assert "other.json: ValueError: a 'nonesuch' report; this tool makes tables of attention, attention_stages, " \
+           "train_throughput, loss_memory, context_parallel, data_resume, nsa_reference_vs_sdpa_cpu, " \
+           "kernel_resources reports (read the others' JSON as it is)" in captured.err
     assert "unnamed.json: ValueError: no benchmark report (it names no 'benchmark')" in captured.err
     assert "missing.json: FileNotFoundError" in captured.err
 
@@ -103,3 +104,81 @@ def test_a_result_of_uncommitted_code_says_so_with_the_files(tmp_path, monkeypat
     line = report.environment_line({**ENV, "commit": commit, "changed_files": changed})
     assert f"commit {commit[:12]} with changes to kernel.py, 2026-11-25." in line
     assert "with uncommitted changes" in report.environment_line({**ENV, "commit": "0123456789abcdef-dirty"})
+
+
+CPU_ENV = {"cpu": "x86_64", "cpu_count": 2, "torch": "2.13.0+cpu", "triton": "3.9.0", "commit": "0123456789abcdef",
+           "time": "2026-11-25T12:00:00+00:00"}
+
+
+def _every_kind() -> dict[str, dict]:
+    """A small report of each kind the benchmarks write, in their own format."""
+    rank = {"rank": 0, "cp": 1, "step_seconds": [2.0, 1.0], "median_step_seconds": 1.0, "peak_memory_gib": 1.5,
+            "memory_kind": "process peak resident set"}
+    return {
+        "context_parallel": {
+            "benchmark": "context_parallel", "environment": CPU_ENV, "recipe": "recipes/debug.toml",
+            "overrides": ["--training.device=cpu"],
+            "memory_and_time": [{"cp": 1, "seq_len": 128, "tokens_per_rank": 128, "ranks": [rank],
+                                 "max_peak_memory_gib": 1.5, "max_median_step_seconds": 1.0},
+                                {"cp": 2, "seq_len": 128, "error": "error: rank 1: the recipe\nhas | a problem"}],
+            "balance": [{"cp": 2, "split": "head-tail", "seq_len": 128, "backend": "reference",
+                         "rank_seconds": [1.0, 3.0], "imbalance": 1.5}]},
+        "data_resume": {
+            "benchmark": "data_resume", "environment": CPU_ENV, "documents": 600, "row_group": 50, "shards": 2,
+            "shuffle_buffer": 16, "resumed_after_documents": 240, "seconds_to_reach_cursor_from_start": 0.5,
+            "seconds_to_first_document": {"stream_state_cursor": 0.031, "count_cursor_replay": 0.25}},
+        "nsa_reference_vs_sdpa_cpu": {
+            "benchmark": "nsa_reference_vs_sdpa_cpu", "environment": CPU_ENV, "threads": 2, "batch": 1,
+            "seq_len": 512, "heads": 2, "head_dim": 16, "dtype": "float32",
+            "results": [{"kv_heads": 1, "group_size": 2, "nsa_forward_s": 0.4, "sdpa_forward_s": 0.2,
+                         "forward_ratio": 2.0, "nsa_forward_parts_s": {"selection": 0.05},
+                         "nsa_forward_backward_s": 1.2, "sdpa_forward_backward_s": 0.6, "forward_backward_ratio": 2.0}]},
+        "kernel_resources": {
+            "benchmark": "kernel_resources", "environment": CPU_ENV,
+            "rows": [{"dtype": "bf16", "head_dim": 64, "name": "window_fwd", "target": "sm_90", "constants": {},
+                      "num_warps": 4, "shared_bytes": 300 * 1024, "registers": 128, "stack_bytes": 0,
+                      "shared_limit_bytes": 227 * 1024}],
+            "failures": ["sm_90 bf16 D=64: window_fwd needs 307200 B of shared memory, the limit is 232448 B"]},
+    }
+
+
+def test_every_kind_of_result_the_benchmarks_write_is_rendered():
+    tables = {kind: report.render(r) for kind, r in _every_kind().items()}
+    assert "| 1 | 128 | 128 | 1.50 | 1.000 | process peak resident set |" in tables["context_parallel"]
+    assert "| 2 | 128 | error: rank 1: the recipe has / a problem | | | |" in tables["context_parallel"]
+    assert "| 2 | head-tail | 128 | reference | 1.000 / 3.000 | 1.50 |" in tables["context_parallel"]
+    assert "| 600 | 50 | 2 | 16 | 240 | 0.031 | 0.250 | 0.500 |" in tables["data_resume"]
+    assert "| 1 | 0.400 | 0.200 | 2.00 | 1.200 | 0.600 | 2.00 | selection 0.050 |" in tables["nsa_reference_vs_sdpa_cpu"]
+    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 |" in tables["kernel_resources"]
+    assert "- failed: sm_90 bf16 D=64: window_fwd needs" in tables["kernel_resources"]
+    # data_resume's results written before it named itself are still recognised by their numbers
+    unnamed = {k: v for k, v in _every_kind()["data_resume"].items() if k != "benchmark"}
+    assert "| 600 | 50 | 2 |" in report.render(unnamed)
+
+
+def test_a_gpu_benchmark_run_on_the_cpu_or_interpreted_is_marked_as_a_smoke_run():
+    train = {"benchmark": "train_throughput", "environment": CPU_ENV, "results": []}
+    line = report.render(train).splitlines()[0]
+    assert "a CPU smoke run, not a GPU measurement" in line and "CUDA" not in line, line
+    interpreted = report.environment_line({**CPU_ENV, "triton_interpret": True}, "attention_stages")
+    assert "Triton 3.9.0 (interpreted: TRITON_INTERPRET=1)" in interpreted
+    # the CPU benchmarks measure the CPU: no mark; a GPU result names its CUDA
+    assert "smoke" not in report.render(_every_kind()["data_resume"]).splitlines()[0]
+    assert "smoke" not in report.environment_line(ENV, "attention") and "CUDA 12.8" in report.environment_line(ENV)
+
+
+def test_the_results_kept_in_the_repository_all_render(capsys):
+    import glob
+    import os
+
+    files = sorted(glob.glob(os.path.join(os.path.dirname(report.__file__), "results", "*.json")))
+    assert files and report.main(files) == 0, capsys.readouterr().err
+
+
+def test_a_file_that_is_no_report_is_named_in_one_line(tmp_path, capsys):
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps([{"benchmark": "attention"}]))
+    assert report.main([str(listed)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {listed}: ValueError: not a benchmark report (a JSON list, not an object); this tool " \
+                  f"reads the files the benchmarks write\n"
