@@ -13,7 +13,8 @@ shows in their step times.
 Balance (--balance-seq-len, one process): the NSA op's forward + backward timed on each rank's
 queries against every key they need, for the head-tail split the trainer uses (rank r holds chunks r
 and 2cp-1-r of 2cp) and for plain contiguous chunks. Imbalance = the slowest rank over the mean.
-Results go to bench/results/context_parallel-<device>-<time>.json with the machine, versions and commit.
+Results go to bench/results/context_parallel-<device>-<time>.json with the machine, versions and commit. A
+cp size whose launch failed is recorded with its ranks' error lines, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import signal
@@ -31,7 +33,8 @@ import time
 
 import torch
 
-from bench.arguments import non_negative_int, positive_int
+from bench.arguments import VOCAB_SIZE_RANGE, non_negative_int, positive_int, recipe_problems, refuse_overrides
+from bench.arguments import vocab_size as vocab_size_type
 from bench.environment import describe_environment, write_report
 
 DEFAULT_RECIPE = "recipes/nsa_125m.toml"
@@ -83,6 +86,38 @@ def _worker(args) -> int:
     return 0
 
 
+# A line of a rank's stderr as torchrun passes it on ("[rank1]: TypeError: ..."), and the last line of a traceback.
+RANK_LINE = re.compile(r"\[(?:rank|default)(\d+)\]: ?(.*)")
+EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Fault|Interrupt)\b:?")
+
+
+def failure_summary(stderr: str, limit: int = 2000) -> str:
+    """The failing ranks' own error lines from a launch's stderr: "error: ..." lines (with the "  - " lines of a
+    list after them) and the last line of each traceback, each once, with the ranks that printed it; torchrun's
+    own report of which child failed is left out. With none of those, the end of stderr from a line start."""
+    ranks_of: dict[str, list[str]] = {}
+    last: dict[str | None, str] = {}
+    for raw in stderr.splitlines():
+        match = RANK_LINE.match(raw)
+        rank, line = (match.group(1), match.group(2)) if match else (None, raw)
+        if line.startswith("error:") or (EXCEPTION_LINE.match(line) and "ChildFailedError" not in line):
+            last[rank] = line
+            ranks_of.setdefault(line, [])
+        elif line.startswith("  - ") and rank in last:  # a problem of the list an error line began
+            ranks_of.pop(last[rank], None)
+            last[rank] = f"{last[rank]}\n{line}"
+            ranks_of.setdefault(last[rank], [])
+        else:
+            continue
+        if rank is not None and rank not in ranks_of[last[rank]]:
+            ranks_of[last[rank]].append(rank)
+    if not ranks_of:
+        tail = stderr[-limit:]
+        return tail if len(stderr) <= limit else tail[tail.find("\n") + 1:] if "\n" in tail else tail
+    lines = [(f"rank {', '.join(sorted(ranks, key=int))}: " if ranks else "") + message for message, ranks in ranks_of.items()]
+    return "\n".join(lines)
+
+
 def measure_cp(recipe: str, cp: int, seq_len: int, steps: int, vocab_size: int, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
@@ -100,9 +135,9 @@ def measure_cp(recipe: str, cp: int, seq_len: int, steps: int, vocab_size: int, 
             os.killpg(proc.pid, signal.SIGKILL)
             _, stderr = proc.communicate()
             return {"cp": cp, "seq_len": seq_len,
-                    "error": f"no result within {LAUNCH_TIMEOUT_SECONDS} s (stopped): {stderr[-2000:]}"}
+                    "error": f"no result within {LAUNCH_TIMEOUT_SECONDS} s (stopped): {failure_summary(stderr)}"}
         if proc.returncode:
-            return {"cp": cp, "seq_len": seq_len, "error": stderr[-2000:]}
+            return {"cp": cp, "seq_len": seq_len, "error": failure_summary(stderr)}
         ranks = [json.load(open(os.path.join(folder, f"rank-{r}.json"), encoding="utf-8")) for r in range(cp)]
     return {"cp": cp, "seq_len": seq_len, "tokens_per_rank": seq_len // cp, "ranks": ranks,
             "max_peak_memory_gib": max(r["peak_memory_gib"] for r in ranks),
@@ -176,6 +211,35 @@ def measure_balance(recipe: str, seq_len: int, cps: list[int], overrides: list[s
     return out
 
 
+# The fields each launch sets (bench.train_throughput.synthetic_run_argv and the cp degree), with the option of
+# this benchmark that sets it ('' for none).
+OWNED_FIELDS = {"training.steps": "--steps", "training.seq_len": "--seq-len", "training.local_batch_size": "",
+                "training.global_batch_size": "", "parallelism.context_parallel_degree": "--cp", "data.source": "",
+                "data.tokenizer": "", "data.tiktoken.encoding": "--vocab-size",
+                "data.synthetic.vocab_size": "--vocab-size", "data.synthetic.min_length": "--seq-len",
+                "data.synthetic.max_length": "--seq-len", "checkpoint.enable": "", "validation.enable": "",
+                "metrics.log_freq": "", "job.dump_folder": ""}
+
+
+def check_arguments(args, overrides: list[str]) -> str | None:
+    """What would fail every launch (an override of a field the benchmark sets, the recipe's problems at each cp
+    size), said before the first one, or None."""
+    from bench.train_throughput import synthetic_run_argv
+
+    refused = refuse_overrides(args.override, OWNED_FIELDS)
+    if refused:
+        return f"error: {refused}"
+    with tempfile.TemporaryDirectory() as dump:
+        for cp in args.cp:
+            argv = synthetic_run_argv(args.recipe, args.seq_len, args.steps, 1, args.vocab_size, dump,
+                                      [f"--parallelism.context_parallel_degree={cp}", *overrides],
+                                      one_document_per_row=True)
+            problems = recipe_problems(argv, world_size=cp, training=True)
+            if problems:
+                return f"error: {args.recipe} at cp = {cp}: {problems.removeprefix('error: ')}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
@@ -185,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--balance-seq-len", type=non_negative_int, default=None,
                         help="default: --seq-len; 0 skips the balance")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per rank in the balance part")
-    parser.add_argument("--vocab-size", type=positive_int, default=50257,
-                        help="stand-in vocabulary size (GPT-2: 50257)")
+    parser.add_argument("--vocab-size", type=vocab_size_type, default=50257,
+                        help=f"stand-in vocabulary size, {VOCAB_SIZE_RANGE[0]} to {VOCAB_SIZE_RANGE[1]} "
+                             f"(GPT-2: 50257)")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU: gloo, one process per rank")
     parser.add_argument("--out", default=None, help="output JSON path (default bench/results/context_parallel-<device>-"
@@ -205,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
               f"Fix: pass --cp with at most that many.", file=sys.stderr)
         return 2
     overrides = list(args.override) + ([] if cuda else ["--training.device=cpu"])
+    problem = check_arguments(args, overrides)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     runs = []
     for cp in args.cp:
         runs.append(measure_cp(args.recipe, cp, args.seq_len, args.steps, args.vocab_size, overrides))
@@ -214,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"benchmark": "context_parallel", "environment": describe_environment(), "recipe": args.recipe,
                "overrides": overrides, "memory_and_time": runs, "balance": balance}
     write_report(payload, "context_parallel", args.out)
-    return 0
+    failed = [run for run in runs if "error" in run]
+    for run in failed:
+        print(f"error: cp = {run['cp']} failed: {run['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -285,3 +285,77 @@ def test_train_throughput_refuses_a_vocabulary_the_stand_in_cannot_have(capsys):
     with pytest.raises(SystemExit) as exit_:
         train_throughput.main([*_TRAIN_SMOKE, "--vocab-size", "10"])
     assert exit_.value.code == 2 and "argument --vocab-size: 10 is not at least 258" in capsys.readouterr().err
+
+
+_CP_SMOKE = ["--recipe", "recipes/debug.toml", "--seq-len", "128", "--cp", "1", "2", "--steps", "2", "--repeats", "1",
+             "--vocab-size", "1000", "--allow-cpu", "--balance-seq-len", "0", "--override=--model.nsa.window_size=16"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--override=--model.nope=3"], "recipes/debug.toml at cp = 1: the recipe has 1 problem"),
+    (["--recipe", "nope.toml"], "nope.toml at cp = 1: the recipe has 1 problem"),
+    (["--override=--training.steps=5"], "sets training.steps, which this benchmark sets itself"),
+    (["--vocab-size", "10"], "argument --vocab-size: 10 is not at least 258"),
+])
+def test_context_parallel_bench_refuses_a_bad_recipe_before_launching(tmp_path, monkeypatch, capsys, extra, message):
+    """Every launch would fail of it, each recorded as torchrun's stderr: said once, exit 2, nothing launched."""
+    from bench import context_parallel
+
+    def launch(*args, **kwargs):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(context_parallel, "measure_cp", launch)
+    try:
+        code = context_parallel.main([*_CP_SMOKE, *extra, "--out", str(tmp_path / "cp.json")])
+    except SystemExit as exit_:  # argparse's own error
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "cp.json").exists()
+
+
+TORCHRUN_STDERR = """\
+/x/_dispatch.py:342: UserWarning: DTensor random operators may not have complete support on cpu device mesh
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/x/trainer.py", line 534, in _forward
+[rank1]:     return self.model(self.shard.split(batch.inputs), context=context)
+[rank1]: TypeError: FaultyTransformer.forward() got an unexpected keyword argument 'context'
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/x/trainer.py", line 534, in _forward
+[rank0]: TypeError: FaultyTransformer.forward() got an unexpected keyword argument 'context'
+[rank1]: error: the recipe has 2 problems:
+[rank1]:   - one
+[rank1]:   - two
+W1127 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 1)
+Traceback (most recent call last):
+  File "/x/run.py", line 383, in launch_agent
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+bench.context_parallel FAILED
+""" + "padding line of torchrun's report\\n" * 100
+
+
+def test_a_failed_launch_keeps_the_ranks_own_error_lines():
+    """Not the last 2000 characters of stderr (torchrun's report of which child failed, the message cut mid-word)."""
+    from bench.context_parallel import failure_summary
+
+    assert failure_summary(TORCHRUN_STDERR) == (
+        "rank 0, 1: TypeError: FaultyTransformer.forward() got an unexpected keyword argument 'context'\n"
+        "rank 1: error: the recipe has 2 problems:\n  - one\n  - two")
+    # nothing recognisable: the end of stderr from the start of a line
+    assert failure_summary("x" * 50 + "\nsecond half\n", limit=20) == "second half\n"
+
+
+def test_context_parallel_bench_exits_non_zero_when_a_cp_size_failed(tmp_path, monkeypatch, capsys):
+    from bench import context_parallel
+
+    def measure(recipe, cp, seq_len, *args):
+        if cp == 2:
+            return {"cp": cp, "seq_len": seq_len, "error": "rank 1: TypeError: boom"}
+        return {"cp": cp, "seq_len": seq_len, "tokens_per_rank": seq_len, "ranks": []}
+
+    monkeypatch.setattr(context_parallel, "measure_cp", measure)
+    out = tmp_path / "cp.json"
+    assert context_parallel.main([*_CP_SMOKE, "--out", str(out)]) == 1
+    assert "error: cp = 2 failed: rank 1: TypeError: boom" in capsys.readouterr().err
+    assert [run["cp"] for run in json.loads(out.read_text())["memory_and_time"]] == [1, 2]  # written all the same
