@@ -39,10 +39,47 @@ def write_corpus(folder: str, documents: int, row_group: int) -> str:
     return path
 
 
+class ShardTooSmall(Exception):
+    """The first logical shard holds no document where the benchmark resumes: a line for the user."""
+
+
 def first_after(source: HuggingFaceSource, shards: int, cursor) -> tuple[float, str]:
     start = time.perf_counter()
-    text, _ = next(iter(source.documents(0, shards, "train", 0, 0, cursor)))
-    return time.perf_counter() - start, text
+    first = next(iter(source.documents(0, shards, "train", 0, 0, cursor)), None)
+    if first is None:
+        raise ShardTooSmall(f"logical shard 0 of {shards} holds no document after the cursor. Fix: pass a smaller "
+                            f"--at or --shards, or more --documents.")
+    return time.perf_counter() - start, first[0]
+
+
+def library_versions() -> dict:
+    """The stream state a cursor saves is datasets' own (over pyarrow's parquet reader): how fast it resumes is
+    theirs too."""
+    import datasets
+    import pyarrow
+
+    return {"datasets": datasets.__version__, "pyarrow": pyarrow.__version__}
+
+
+def measure(args, hf_args: HuggingFaceArgs) -> dict:
+    target = int(args.at * args.documents / args.shards)
+    walk_start = time.perf_counter()
+    cursor, in_shard = None, 0  # --at 0 resumes at the start: no state, a count of 0
+    if target:
+        stream = HuggingFaceSource(hf_args).documents(0, args.shards, "train", 0, 0, None)
+        for in_shard, (_, cursor) in enumerate(stream, start=1):
+            if in_shard == target:
+                break
+        else:
+            raise ShardTooSmall(f"logical shard 0 of {args.shards} holds {in_shard} documents, fewer than the "
+                                f"{target} to resume after (--at {args.at} of --documents {args.documents} / "
+                                f"--shards {args.shards}). Fix: pass fewer --shards or a smaller --at.")
+    walk_seconds = time.perf_counter() - walk_start
+    state_seconds, _ = first_after(HuggingFaceSource(hf_args), args.shards, cursor)
+    replay_seconds, _ = first_after(HuggingFaceSource(hf_args), args.shards, in_shard)
+    return {"resumed_after_documents": in_shard, "seconds_to_reach_cursor_from_start": round(walk_seconds, 3),
+            "seconds_to_first_document": {"stream_state_cursor": round(state_seconds, 3),
+                                          "count_cursor_replay": round(replay_seconds, 3)}}
 
 
 def main(argv=None) -> int:
@@ -55,29 +92,23 @@ def main(argv=None) -> int:
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "nsa_titan_bench_data_resume"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.shards > args.documents:
+        parser.error(f"--shards {args.shards} is more than --documents {args.documents}: the first logical shard, "
+                     f"the one read, would hold no document. Pass at most {args.documents} shards.")
 
     os.makedirs(args.folder, exist_ok=True)
     path = write_corpus(args.folder, args.documents, args.row_group)
     hf_args = HuggingFaceArgs(path="parquet", name="", data_files=[path], validation_fraction=0.0,
                               shuffle_buffer=args.shuffle_buffer)
-
-    walk_start = time.perf_counter()
-    stream = HuggingFaceSource(hf_args).documents(0, args.shards, "train", 0, 0, None)
-    in_shard = 0
-    target = int(args.at * args.documents / args.shards)
-    for in_shard, (_, cursor) in enumerate(stream, start=1):
-        if in_shard == target:
-            break
-    walk_seconds = time.perf_counter() - walk_start
-    state_seconds, _ = first_after(HuggingFaceSource(hf_args), args.shards, cursor)
-    replay_seconds, _ = first_after(HuggingFaceSource(hf_args), args.shards, in_shard)
+    try:
+        measured = measure(args, hf_args)
+    except ShardTooSmall as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     report = {
-        "benchmark": "data_resume", "environment": describe_environment(),
+        "benchmark": "data_resume", "environment": {**describe_environment(), **library_versions()},
         "documents": args.documents, "row_group": args.row_group, "shards": args.shards,
-        "shuffle_buffer": args.shuffle_buffer, "resumed_after_documents": in_shard,
-        "seconds_to_reach_cursor_from_start": round(walk_seconds, 3),
-        "seconds_to_first_document": {"stream_state_cursor": round(state_seconds, 3),
-                                      "count_cursor_replay": round(replay_seconds, 3)},
+        "shuffle_buffer": args.shuffle_buffer, **measured,
     }
     write_report(report, "data_resume", args.out)
     return 0

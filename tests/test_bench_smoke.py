@@ -359,3 +359,29 @@ def test_context_parallel_bench_exits_non_zero_when_a_cp_size_failed(tmp_path, m
     assert context_parallel.main([*_CP_SMOKE, "--out", str(out)]) == 1
     assert "error: cp = 2 failed: rank 1: TypeError: boom" in capsys.readouterr().err
     assert [run["cp"] for run in json.loads(out.read_text())["memory_and_time"]] == [1, 2]  # written all the same
+
+
+def test_data_resume_bench_resumes_at_the_start_and_records_the_stream_libraries(tmp_path):
+    """--at 0 (in its documented range) walked the whole shard for a cursor it never reached, then asked for the
+    document after the end (a StopIteration traceback). The stream state is datasets' own: its version is kept."""
+    import datasets
+    import pyarrow
+
+    from bench import data_resume
+
+    out = tmp_path / "data_resume.json"
+    assert data_resume.main(["--documents", "200", "--row-group", "50", "--at", "0", "--shuffle-buffer", "4",
+                             "--folder", str(tmp_path), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["resumed_after_documents"] == 0 and result["seconds_to_first_document"]["count_cursor_replay"] >= 0
+    assert (result["environment"]["datasets"], result["environment"]["pyarrow"]) == (datasets.__version__,
+                                                                                     pyarrow.__version__)
+
+
+def test_data_resume_bench_refuses_more_shards_than_documents(tmp_path, capsys):
+    from bench import data_resume
+
+    with pytest.raises(SystemExit) as exit_:
+        data_resume.main(["--documents", "600", "--shards", "4000", "--folder", str(tmp_path)])
+    assert exit_.value.code == 2 and "--shards 4000 is more than --documents 600" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before the corpus is written
