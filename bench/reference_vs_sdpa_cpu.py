@@ -1,17 +1,19 @@
-"""Time the NSA reference forward against dense causal SDPA on the CPU; prints one JSON object.
+"""Time the NSA reference forward against dense causal SDPA on the CPU; prints one JSON object and writes it to --out.
 
     python bench/reference_vs_sdpa_cpu.py [--seq-len 4096] [--heads 12] [--kv-heads 12 3] [--repeats 3]
-                                          [--threads N]
+                                          [--threads N] [--out FILE]
 
 Defaults: B=1, D=64, fp32, paper hyperparameters (l=32, d=16, l'=64, n=16, w=512). Times are the
 best (minimum) of --repeats runs after one warm-up: on a shared machine the minimum is the
 least disturbed by other processes. Also reports each part of the forward (selection and
-the three branches) and forward+backward, for both NSA and SDPA.
+the three branches) and forward+backward, for both NSA and SDPA. The JSON goes to stdout and to --out
+(default bench/results/reference_vs_sdpa_cpu-cpu-<time>.json; where, on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.environment import describe_environment, results_path  # noqa: E402
+from bench.arguments import non_negative_int, positive_int  # noqa: E402
+from bench.environment import describe_environment, write_report  # noqa: E402
 from components.nsa import nsa_attention, num_compressed_blocks  # noqa: E402
 from components.nsa.reference import compressed_attention, selected_attention, window_attention  # noqa: E402
 from components.nsa.selection import select_blocks_at_reference  # noqa: E402
@@ -98,15 +101,22 @@ def bench_config(T: int, H: int, Hkv: int, D: int, repeats: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, nargs="+", default=[12, 3])
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
-    a = parser.parse_args()
+    parser.add_argument("--seq-len", type=positive_int, default=4096)
+    parser.add_argument("--heads", type=positive_int, default=12)
+    parser.add_argument("--kv-heads", type=positive_int, nargs="+", default=[12, 3],
+                        help="key/value heads, each dividing --heads (one case each)")
+    parser.add_argument("--head-dim", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=non_negative_int, default=0, help="intra-op threads (0: torch's default)")
+    parser.add_argument("--out", default=None, help="output JSON path (default bench/results/reference_vs_sdpa_cpu-"
+                                                    "cpu-<time>.json)")
+    a = parser.parse_args(argv)
+    bad = [hkv for hkv in a.kv_heads if a.heads % hkv]
+    if bad:
+        parser.error(f"--kv-heads {bad[0]} does not divide --heads {a.heads}: each key/value head serves a whole "
+                     f"group of query heads. Pass divisors of {a.heads}.")
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     results = [bench_config(a.seq_len, a.heads, hkv, a.head_dim, a.repeats) for hkv in a.kv_heads]
@@ -118,13 +128,11 @@ def main() -> None:
         "hyperparameters": HYPER,
         "results": results,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    path = results_path("reference_vs_sdpa_cpu")
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+    print(json.dumps(report, indent=2))
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the one JSON object; where it was written, apart
+        write_report(report, "reference_vs_sdpa_cpu", a.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -385,3 +385,27 @@ def test_data_resume_bench_refuses_more_shards_than_documents(tmp_path, capsys):
         data_resume.main(["--documents", "600", "--shards", "4000", "--folder", str(tmp_path)])
     assert exit_.value.code == 2 and "--shards 4000 is more than --documents 600" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before the corpus is written
+
+
+def test_reference_vs_sdpa_prints_one_json_object_and_writes_it_to_out(tmp_path, capsys):
+    from bench import reference_vs_sdpa_cpu
+
+    out = tmp_path / "reference.json"
+    assert reference_vs_sdpa_cpu.main(["--seq-len", "40", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+                                       "--repeats", "1", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == json.loads(out.read_text())  # stdout is the object alone
+    assert f"wrote {out}" in captured.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-len", "0"], "argument --seq-len: 0 is not at least 1"),
+    (["--heads", "2", "--kv-heads", "3"], "--kv-heads 3 does not divide --heads 2"),
+    (["--repeats", "0"], "argument --repeats: 0 is not at least 1"),
+])
+def test_reference_vs_sdpa_refuses_bad_sizes_in_one_line(capsys, argv, message):
+    from bench import reference_vs_sdpa_cpu
+
+    with pytest.raises(SystemExit) as exit_:
+        reference_vs_sdpa_cpu.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
