@@ -114,7 +114,8 @@ def failure_summary(stderr: str, limit: int = 2000) -> str:
     if not ranks_of:
         tail = stderr[-limit:]
         return tail if len(stderr) <= limit else tail[tail.find("\n") + 1:] if "\n" in tail else tail
-    lines = [(f"rank {', '.join(sorted(ranks, key=int))}: " if ranks else "") + message for message, ranks in ranks_of.items()]
+    lines = [(f"rank {', '.join(sorted(ranks, key=int))}: " if ranks else "") + message
+             for message, ranks in ranks_of.items()]
     return "\n".join(lines)
 
 

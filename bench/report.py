@@ -190,7 +190,8 @@ def context_parallel_tables(report: dict) -> list[str]:
     if balance:
         lines += ["", "Work balance of the split (the op's forward + backward on each rank's queries; imbalance = "
                   "slowest rank / mean):", "",
-                  "| cp | split | tokens | backend | rank seconds | imbalance |", "| --- | --- | --- | --- | --- | --- |"]
+                  "| cp | split | tokens | backend | rank seconds | imbalance |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for b in balance:
             lines.append(f"| {b['cp']} | {b['split']} | {b['seq_len']} | {b.get('backend')} | "
                          f"{' / '.join(_s(t) for t in b['rank_seconds'])} | {b['imbalance']:.2f} |")

@@ -132,7 +132,8 @@ def _every_kind() -> dict[str, dict]:
             "seq_len": 512, "heads": 2, "head_dim": 16, "dtype": "float32",
             "results": [{"kv_heads": 1, "group_size": 2, "nsa_forward_s": 0.4, "sdpa_forward_s": 0.2,
                          "forward_ratio": 2.0, "nsa_forward_parts_s": {"selection": 0.05},
-                         "nsa_forward_backward_s": 1.2, "sdpa_forward_backward_s": 0.6, "forward_backward_ratio": 2.0}]},
+                         "nsa_forward_backward_s": 1.2, "sdpa_forward_backward_s": 0.6,
+                         "forward_backward_ratio": 2.0}]},
         "kernel_resources": {
             "benchmark": "kernel_resources", "environment": CPU_ENV,
             "rows": [{"dtype": "bf16", "head_dim": 64, "name": "window_fwd", "target": "sm_90", "constants": {},
@@ -148,7 +149,8 @@ def test_every_kind_of_result_the_benchmarks_write_is_rendered():
     assert "| 2 | 128 | error: rank 1: the recipe has / a problem | | | |" in tables["context_parallel"]
     assert "| 2 | head-tail | 128 | reference | 1.000 / 3.000 | 1.50 |" in tables["context_parallel"]
     assert "| 600 | 50 | 2 | 16 | 240 | 0.031 | 0.250 | 0.500 |" in tables["data_resume"]
-    assert "| 1 | 0.400 | 0.200 | 2.00 | 1.200 | 0.600 | 2.00 | selection 0.050 |" in tables["nsa_reference_vs_sdpa_cpu"]
+    assert "| 1 | 0.400 | 0.200 | 2.00 | 1.200 | 0.600 | 2.00 | selection 0.050 |" \
+        in tables["nsa_reference_vs_sdpa_cpu"]
     assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 |" in tables["kernel_resources"]
     assert "- failed: sm_90 bf16 D=64: window_fwd needs" in tables["kernel_resources"]
     # data_resume's results written before it named itself are still recognised by their numbers
