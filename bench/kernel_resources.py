@@ -23,27 +23,58 @@ import traceback
 
 import torch
 
+from bench.arguments import positive_int
 from bench.attention import DTYPES, add_nsa_args, cu_seqlens_of, nsa_hyper, nsa_inputs
-from bench.environment import write_report
+from bench.environment import describe_environment, write_report
+from components.errors import UserError
+from components.nsa.triton.launch import interpreting
+from components.nsa.triton_limits import TRITON_MAX_HEAD_DIM
 from components.nsa.triton import nsa_attention_triton
 from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
 from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
 from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
-from components.nsa.triton.offline_compile import compile_only, target_for
+from components.nsa.triton.offline_compile import SHARED_LIMIT_BYTES, compile_only, target_for
+
+
+def arch(text: str) -> int:
+    """A compute capability this tool knows the shared-memory limit of (another one would be compiled for
+    regardless: LLVM aborts on some, sm_55 say)."""
+    value = positive_int(text)
+    if value not in SHARED_LIMIT_BYTES:
+        raise argparse.ArgumentTypeError(f"sm_{value} is not a target this tool knows; choose from "
+                                         f"{', '.join(map(str, sorted(SHARED_LIMIT_BYTES)))}")
+    return value
+
+
+def head_dim(text: str) -> int:
+    value = positive_int(text)
+    if value > TRITON_MAX_HEAD_DIM:
+        raise argparse.ArgumentTypeError(f"{value} is more than the Triton kernels' largest head dim, "
+                                         f"{TRITON_MAX_HEAD_DIM}")
+    return value
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arch", type=int, nargs="+", default=[90], help="CUDA compute capabilities (90, 80, ...)")
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--arch", type=arch, nargs="+", default=[90],
+                   help=f"CUDA compute capabilities, of {', '.join(map(str, sorted(SHARED_LIMIT_BYTES)))}")
+    p.add_argument("--head-dims", type=head_dim, nargs="+", default=[64, 128],
+                   help=f"up to {TRITON_MAX_HEAD_DIM}")
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"])
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--heads", type=positive_int, default=12)
+    p.add_argument("--kv-heads", type=positive_int, default=4)
     # Lengths and NSA sizes only shape the launch, not the kernels; odd ones exercise the masks.
-    p.add_argument("--seq-len", type=int, default=300)
+    p.add_argument("--seq-len", type=positive_int, default=300)
     add_nsa_args(p)
     p.add_argument("--packed", action="store_true", help="also compile the packed-document (cu_seqlens) variants")
-    p.add_argument("--json", help="also write the rows as JSON to this file")
-    return p.parse_args(argv)
+    p.add_argument("--json", help="also write the rows as JSON to this file, with the machine, versions and commit")
+    args = p.parse_args(argv)
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.packed and args.seq_len < 6:
+        p.error(f"--packed splits --seq-len into three documents, the second a third of it less one: pass at "
+                f"least 6, not {args.seq_len}")
+    return args
 
 
 def compile_one(args: argparse.Namespace, arch: int, head_dim: int, dtype: torch.dtype) -> list:
@@ -76,6 +107,10 @@ def compile_selected_layouts(args: argparse.Namespace, inputs: list, cu_seqlens)
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if interpreting():
+        print("error: TRITON_INTERPRET is set: this tool compiles the kernels for a GPU target, which the "
+              "interpreter does not. Fix: run it without TRITON_INTERPRET.", file=sys.stderr)
+        return 2
     rows, failures = [], []
     print(f"{'target':7} {'dtype':5} {'D':>4}  {'kernel':32} {'warps':>5} {'shared KiB':>10} {'limit':>6} "
           f"{'regs':>4} {'stack B':>7}")
@@ -84,6 +119,9 @@ def main(argv=None) -> int:
             for head_dim in args.head_dims:
                 try:
                     kernels = compile_one(args, arch, head_dim, DTYPES[name])
+                except UserError as exc:  # a configuration the op refuses (the same for every target): say so once
+                    print(f"error: {exc}", file=sys.stderr)
+                    return 2
                 except Exception:  # a compile error: report it with the configuration, go on
                     failures.append(f"sm_{arch} {name} D={head_dim}: does not compile:\n{traceback.format_exc()}")
                     continue
@@ -104,7 +142,9 @@ def main(argv=None) -> int:
                           f"{k.registers if k.registers is not None else '?':>4} "
                           f"{k.stack_bytes if k.stack_bytes is not None else '?':>7}" + ("  OVER" if over else ""))
     if args.json:
-        write_report({"rows": rows, "failures": failures}, "kernel_resources", args.json)
+        write_report({"benchmark": "kernel_resources", "environment": describe_environment(),
+                      "arguments": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows,
+                      "failures": failures}, "kernel_resources", args.json)
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     return 1 if failures else 0

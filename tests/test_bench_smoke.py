@@ -409,3 +409,48 @@ def test_reference_vs_sdpa_refuses_bad_sizes_in_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
         reference_vs_sdpa_cpu.main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arch", "55"], "argument --arch: sm_55 is not a target this tool knows; choose from 80, 86, 89, 90"),
+    (["--head-dims", "1024"], "argument --head-dims: 1024 is more than the Triton kernels' largest head dim, 256"),
+    (["--heads", "5"], "--heads 5 must be a multiple of --kv-heads 4"),
+])
+def test_kernel_resources_refuses_what_it_cannot_compile_in_one_line(capsys, argv, message):
+    """sm_55 aborted inside LLVM (exit 134); head dim 1024 was the op's UserError as a traceback."""
+    from bench import kernel_resources
+
+    with pytest.raises(SystemExit) as exit_:
+        kernel_resources.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_kernel_resources_json_is_a_report_with_its_environment(tmp_path, monkeypatch, capsys):
+    from bench import kernel_resources
+    from bench.report import render
+    from components.errors import UserError
+
+    monkeypatch.setattr(kernel_resources, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel_resources, "compile_one", lambda *args: [])
+    out = tmp_path / "kernels.json"
+    assert kernel_resources.main(["--head-dims", "64", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "kernel_resources" and result["arguments"]["arch"] == [90]
+    assert result["environment"]["commit"] and "triton" in result["environment"]
+    assert "NSA Triton kernels compiled offline" in render(result)
+
+    def refuse(*args):
+        raise UserError("NSA backend 'triton' needs block_size to divide sel_block_size")
+
+    monkeypatch.setattr(kernel_resources, "compile_one", refuse)
+    capsys.readouterr()
+    assert kernel_resources.main(["--head-dims", "64"]) == 2
+    assert capsys.readouterr().err == "error: NSA backend 'triton' needs block_size to divide sel_block_size\n"
+
+
+def test_kernel_resources_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
+    from bench import kernel_resources
+
+    monkeypatch.setattr(kernel_resources, "interpreting", lambda: True)
+    assert kernel_resources.main([]) == 2
+    assert "TRITON_INTERPRET is set" in capsys.readouterr().err
