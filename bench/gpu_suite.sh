@@ -25,7 +25,8 @@
 # to bench/results/logs/<step>.log, one line per step to bench/results/logs/summary.txt and the
 # tables of this run's results (bench.report) to bench/results/logs/report.md. --pack FILE writes
 # all of that (and this run's JSON) into one .tgz after every step, so a run killed mid-step still
-# leaves an archive of the steps before. Exit status: the number of steps that failed or were skipped.
+# leaves an archive of the steps before. Exit status: the number of steps that failed or were skipped; 2 before
+# any step runs for a bad argument or a machine without a CUDA GPU.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 budget=540 pack=""
@@ -63,6 +64,12 @@ elif command -v nvidia-smi >/dev/null 2>&1; then
   exit 2
 else
   py=$("$root/scripts/ensure_env.sh") || exit 1
+fi
+# Every phase needs a CUDA GPU: without one each step would run until it failed, one after another.
+if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+  echo "error: no CUDA GPU here (torch.cuda.is_available() is false), and every phase of this suite needs one." \
+       "Fix: run it on a GPU machine (the CPU checks are the test suite: python -m pytest)." >&2
+  exit 2
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 logs="$root/bench/results/logs"

@@ -108,3 +108,12 @@ def test_help_prints_the_usage_and_runs_nothing(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("The checks and benchmarks that need a CUDA GPU")
     assert "./bench/gpu_suite.sh [--budget SECONDS] [--pack FILE] [PHASE ...]" in proc.stdout
     assert "set -uo" not in proc.stdout and not (tmp_path / "commands.log").exists()
+
+
+def test_a_machine_without_a_gpu_is_told_so_before_any_step_runs(tmp_path):
+    """Each phase ran its steps until they failed (exit 6 for check); now one line, exit 2, no step run."""
+    proc, root = _suite(tmp_path, "check", fail="torch.cuda.is_available()")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no CUDA GPU here"), proc.stderr
+    commands = (tmp_path / "commands.log").read_text().splitlines()
+    assert all("-m " not in line for line in commands), commands  # the probes only: no test, tool or benchmark
+    assert not (root / "bench" / "results" / "logs" / "summary.txt").exists()
