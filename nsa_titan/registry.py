@@ -15,6 +15,7 @@ import errno
 import inspect
 import math
 import traceback
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -84,6 +85,8 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
                          f"got {args!r}")
     if args is not None and kind in ("lr_schedule", "attention_backend"):
         raise ValueError(f"{kind} {name!r}: a {kind} takes no args (nothing would read them)")
+    if args is not None:
+        _check_args_fields(kind, name, args)
     if kind == "attention_backend":
         nsa.register_backend(name, build, doc=doc, replace=replace)
         return _backend_part(name)
@@ -92,6 +95,72 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
     part = Part(kind, name, build, args, doc, **model_hooks, plugin=not _registering_builtins)
     _PARTS[kind][name] = part
     return part
+
+
+# What an argument dataclass's field may be declared as: what the recipe reads, --help shows and a run saves.
+ARG_TYPES = ("bool, int, float, str, list[bool | int | float | str], a dataclass (a sub-table) "
+             "or dict[str, a dataclass] (named tables)")
+_SCALARS = (bool, int, float, str)
+
+
+def _check_args_fields(kind: str, name: str, args: type, seen: tuple[type, ...] = ()) -> None:
+    """Refuse, at register(), a field the recipe could not hold: a type the recipe builder cannot read
+    (Optional, dict, tuple, ...) or a default it cannot write as TOML (None, an object). Left to the
+    recipe, either one failed every command later (--help included) with a traceback or a 'bug' message."""
+    from nsa_titan.config.fields import default_of, is_dataclass_type, named_tables_of
+
+    if args in seen:  # a dataclass nested within itself: checked already
+        return
+    try:
+        hints = typing.get_type_hints(args)
+    except Exception as exc:  # an annotation naming something its module does not define
+        raise ValueError(f"{kind} {name!r}: the annotations of {args.__qualname__} cannot be read "
+                         f"({type(exc).__name__}: {exc}); fields are {ARG_TYPES}") from None
+    for fld in dataclasses.fields(args):
+        if "args_for" in fld.metadata:  # another part's arguments: the engine builds and checks them
+            continue
+        tp, default = hints[fld.name], default_of(fld)
+        where = f"{kind} {name!r}: argument {args.__qualname__}.{fld.name}"
+        nested = tp if is_dataclass_type(tp) else named_tables_of(tp)
+        if nested is not None:
+            _check_args_fields(kind, name, nested, seen + (args,))
+            holds = isinstance(default, tp) if is_dataclass_type(tp) else (
+                isinstance(default, dict) and all(isinstance(v, nested) for v in default.values()))
+        elif _scalar_type(tp) is not None:
+            holds = _holds(tp, default)
+        else:
+            raise ValueError(f"{where} has type {_type_text(tp)}, which no recipe field can hold: declare it "
+                             f"as one of {ARG_TYPES} (a field that may be unset: a sentinel such as 0 or \"\")")
+        if default is not dataclasses.MISSING and not holds:
+            raise ValueError(f"{where} ({_type_text(tp)}) has the default {default!r}, which a recipe cannot "
+                             f"hold (the recipe and --help write every default as TOML): give it a default "
+                             f"of its type (a field that may be unset: a sentinel such as 0 or \"\"), or none")
+
+
+def _scalar_type(tp: Any) -> Any:
+    """tp when the recipe reads it as a value (a scalar, or a list of scalars), else None."""
+    if tp in _SCALARS:
+        return tp
+    if typing.get_origin(tp) is list and len(typing.get_args(tp)) == 1 and typing.get_args(tp)[0] in _SCALARS:
+        return tp
+    return None
+
+
+def _holds(tp: Any, value: Any) -> bool:
+    """Whether `value` is one the recipe holds in a field of type tp (and so writes and reads back)."""
+    if typing.get_origin(tp) is list:
+        return isinstance(value, list) and all(_holds(typing.get_args(tp)[0], item) for item in value)
+    if isinstance(value, bool):
+        return tp is bool
+    if tp is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, tp)
+
+
+def _type_text(tp: Any) -> str:
+    """A declared type as written (Optional[int], dict[str, int], Widget)."""
+    return tp.__qualname__ if isinstance(tp, type) and typing.get_origin(tp) is None else \
+        str(tp).replace("typing.", "")
 
 
 def build(kind: str, name: str, args: Any) -> Any:

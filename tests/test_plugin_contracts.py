@@ -211,3 +211,47 @@ def test_a_plugin_schedule_that_keeps_its_contract_trains_as_the_built_in_one(pl
         with open(folder / "metrics.jsonl", encoding="utf-8") as fh:
             lrs[shape] = [record["lr"] for record in map(json.loads, fh) if "lr" in record]
     assert len(lrs["linear"]) == 4 and lrs["straight"] == lrs["linear"]
+
+
+class _Widget:
+    pass
+
+
+@pytest.mark.parametrize("declared, default, message", [
+    ("typing.Optional[int]", None, "argument Args.maybe has type Optional[int], which no recipe field can hold"),
+    ("dict[str, int]", {}, "argument Args.maybe has type dict[str, int], which no recipe field can hold"),
+    ("tuple[int, int]", (1, 2), "argument Args.maybe has type tuple[int, int], which no recipe field can hold"),
+    ("_Widget", _Widget(), "argument Args.maybe has type _Widget, which no recipe field can hold"),
+    ("int", None, "argument Args.maybe (int) has the default None, which a recipe cannot hold"),
+    ("str", _Widget(), "argument Args.maybe (str) has the default <"),
+    ("float", float("nan"), "argument Args.maybe (float) has the default nan"),
+    ("list[int]", (1, 2), "argument Args.maybe (list[int]) has the default (1, 2)"),
+])
+def test_register_refuses_a_field_the_recipe_cannot_hold(declared, default, message):
+    """Accepted, such a field failed every command later: --help and --print-config with a traceback from the
+    TOML writer (a None default), or a recipe value with 'report this field's declaration as a bug'."""
+    import dataclasses
+    import typing
+
+    tp = eval(declared, {"typing": typing, "_Widget": _Widget})
+    made = dataclasses.field(default_factory=lambda: default, metadata={"doc": "maybe"})
+    args = dataclasses.make_dataclass("Args", [("maybe", tp, made)])
+    with pytest.raises(ValueError) as refused:
+        registry.register("optimizer", "holds_nothing", lambda model, **kw: None, args=args)
+    assert f"optimizer 'holds_nothing': {message}" in str(refused.value)
+    if "has type" in message:  # the types a field may have, said
+        assert "bool, int, float, str, list[bool | int | float | str]" in str(refused.value)
+    assert "holds_nothing" not in registry.available("optimizer")
+
+
+def test_a_plugin_with_a_field_the_recipe_cannot_hold_is_one_message_at_its_import(tmp_path, capsys):
+    path = tmp_path / "optional_plugin.py"
+    path.write_text("from dataclasses import dataclass, field\nfrom typing import Optional\n\n"
+                    "from nsa_titan.registry import register\n\n\n@dataclass\nclass Args:\n"
+                    "    maybe: Optional[int] = field(default=None, metadata={'doc': 'maybe'})\n\n\n"
+                    "register('optimizer', 'optional', lambda model, **kw: None, args=Args)\n")
+    _refused(capsys, ["--job.plugins=" + str(path), *TINY, "--print-config"],
+             f"raised ValueError while it was imported ({path}, line 12): optimizer 'optional': argument "
+             "Args.maybe has type Optional[int], which no recipe field can hold")
+    assert cli.main(["train", "--job.plugins=" + str(path), "--help"]) == 0  # was a traceback of the TOML writer
+    assert "Traceback" not in capsys.readouterr().err
