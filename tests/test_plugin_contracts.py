@@ -255,3 +255,76 @@ def test_a_plugin_with_a_field_the_recipe_cannot_hold_is_one_message_at_its_impo
              "Args.maybe has type Optional[int], which no recipe field can hold")
     assert cli.main(["train", "--job.plugins=" + str(path), "--help"]) == 0  # was a traceback of the TOML writer
     assert "Traceback" not in capsys.readouterr().err
+
+
+CHECKS_PLUGIN = '''
+from dataclasses import dataclass, field
+
+import torch
+
+from components.problems import problem
+from nsa_titan.registry import register
+
+
+def sgd(model, lr, args, **kw):
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def args_saying(check=None, notes=None):
+    @dataclass
+    class Args:
+        k: int = field(default=1, metadata={"doc": "k"})
+
+    if check is not None:
+        Args.check = lambda self: check()
+    if notes is not None:
+        Args.notes = lambda self: notes()
+    return Args
+
+
+register("optimizer", "texts", sgd, args=args_saying(check=lambda: ["k is bad"]))
+register("optimizer", "true", sgd, args=args_saying(check=lambda: True))
+register("optimizer", "raises", sgd, args=args_saying(check=lambda: 1 / 0))
+register("optimizer", "one_problem", sgd, args=args_saying(check=lambda: problem("k", 1, "is one", "make it two")))
+register("optimizer", "one_note", sgd, args=args_saying(notes=lambda: "k is notable"))
+register("optimizer", "numbers", sgd, args=args_saying(notes=lambda: [3]))
+'''
+
+
+@pytest.fixture
+def checks_plugin(tmp_path):
+    """CHECKS_PLUGIN's file; the registry as it was afterwards."""
+    registry.ensure_builtins()
+    saved = {kind: dict(parts) for kind, parts in registry._PARTS.items()}
+    path = tmp_path / "checks_plugin.py"
+    path.write_text(CHECKS_PLUGIN)
+    yield str(path)
+    registry._PARTS.clear()
+    registry._PARTS.update(saved)
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("texts", "optimizer 'texts' (a plugin's): optimizer.texts: Args.check() gave 'k is bad' (str), not a Problem. "
+              "Fix: Args.check() must return a list of Problems (components.problems.problem(field, value, why, "
+              "fix)), empty when none."),
+    ("true", "optimizer 'true' (a plugin's): optimizer.true: Args.check() gave True (bool). Fix: Args.check() "
+             "must return a list of Problems"),
+    ("raises", "optimizer 'raises' (a plugin's): optimizer.raises: Args.check() raised ZeroDivisionError: division "
+               "by zero. Fix:"),
+    ("numbers", "optimizer 'numbers' (a plugin's): optimizer.numbers: Args.notes() gave 3 (int), not a text. Fix: "
+                "Args.notes() must return a list of texts, one per note (one text is one note)."),
+    # A lone Problem is a list of one: the recipe's own problem, not the contract's.
+    ("one_problem", "optimizer.one_problem.k = 1: is one. Fix: make it two."),
+])
+def test_a_check_or_notes_that_breaks_its_contract_is_one_message_naming_the_part(checks_plugin, capsys, name,
+                                                                                  fragment):
+    """Was an AttributeError traceback ('str' object has no attribute 'under') for a check() giving texts."""
+    _refused(capsys, [f"--job.plugins={checks_plugin}", *TINY, f"--optimizer.name={name}", "--print-config"], fragment)
+
+
+def test_one_text_from_notes_is_one_note(checks_plugin, capsys):
+    """Was one note per character."""
+    argv = [f"--job.plugins={checks_plugin}", *TINY, "--optimizer.name=one_note", "--print-config"]
+    assert cli.main(["train", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "# note: optimizer.one_note.k is notable\n" in out and "# note: optimizer.one_note.k\n" not in out, out

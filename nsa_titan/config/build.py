@@ -37,6 +37,8 @@ class RecipeBuilder:
         self.saved = saved
         # [section] path -> (kind, chosen part, its name field) of the part whose arguments sit inline there
         self._inline_choice: dict[str, tuple[str, str, str]] = {}
+        # path of a part's arguments -> that part: a plugin's check() and notes() are held to their contract
+        self._args_owner: dict[str, registry.Part] = {}
 
     # -- reporting ---------------------------------------------------------------------------
     def source_of(self, path: str) -> str:
@@ -212,6 +214,7 @@ class RecipeBuilder:
                 known.update(k for k in table if k not in known)  # nothing more to say about them
                 return None
             sub = {k: v for k, v in table.items() if k in arg_names}
+            self._args_owner[path] = part
             return self.build(args_cls, sub, path) if args_cls else None
         # placement == "table": [section.<chosen>] holds the arguments
         for other in registry.available(kind):
@@ -228,6 +231,7 @@ class RecipeBuilder:
                 self.problem(_join(path, chosen), None, f"{kind} {chosen!r} takes no arguments",
                              f"remove [{_join(path, chosen)}]")
             return None
+        self._args_owner[_join(path, chosen)] = part
         return self.build(part.args, table.get(chosen, {}), _join(path, chosen))
 
     def _unknown_keys(self, table: dict, known: set[str], path: str) -> None:
@@ -263,16 +267,64 @@ class RecipeBuilder:
         prefix = path + "." if path else ""
         notes = getattr(obj, "notes", None)
         if callable(notes) and not self.saved:
-            self.notes.extend(f"{prefix}{note}" for note in notes() or [])
+            said = self._ask(obj, "notes", path)
+            # One text is one note (iterated, it was a note per character).
+            for note in [said] if isinstance(said, str) else said:
+                if not isinstance(note, str):
+                    self._broken_contract(obj, "notes", path, f"gave {note!r} ({type(note).__name__}), not a text",
+                                          _NOTES_CONTRACT)
+                    break
+                self.notes.append(f"{prefix}{note}")
         check = getattr(obj, "check", None)
         if not callable(check):
             return
-        for found in check() or []:
-            found = found.under(prefix, where=self.source_of(prefix + found.field))
+        found = self._ask(obj, "check", path)
+        for problem in [found] if isinstance(found, Problem) else found:
+            if not isinstance(problem, Problem):
+                self._broken_contract(obj, "check", path, f"gave {problem!r} ({type(problem).__name__}), "
+                                      "not a Problem", _CHECK_CONTRACT)
+                break
+            problem = problem.under(prefix, where=self.source_of(prefix + problem.field))
             if self.saved:
-                self.notes.append(f"{NO_LONGER_PASSES}{found.render()}")
+                self.notes.append(f"{NO_LONGER_PASSES}{problem.render()}")
             else:
-                self.problems.append(found)
+                self.problems.append(problem)
+
+    def _ask(self, obj: Any, method: str, path: str) -> list | tuple | str | Problem:
+        """obj.check() or obj.notes() as it came, [] for None: a list, or one Problem (check) or one text
+        (notes). What else it returns, or what a plugin's raises, is a problem naming the part: its own fault,
+        not the recipe's."""
+        contract = _NOTES_CONTRACT if method == "notes" else _CHECK_CONTRACT
+        try:
+            said = getattr(obj, method)() or []
+        except Exception as exc:
+            owner = self._owner(path)
+            if owner is None or not owner.plugin:
+                raise  # a built-in part's failure is a bug to see whole
+            self._broken_contract(obj, method, path, f"raised {type(exc).__name__}: {exc}", contract)
+            return []
+        if isinstance(said, (list, tuple)) or isinstance(said, str if method == "notes" else Problem):
+            return said
+        self._broken_contract(obj, method, path, f"gave {said!r} ({type(said).__name__})", contract)
+        return []
+
+    def _broken_contract(self, obj: Any, method: str, path: str, why: str, contract: str) -> None:
+        """A part's check() or notes() that broke its contract: the part's fault, named as such."""
+        owner = self._owner(path)
+        who = type(obj).__module__ if owner is None else \
+            f"{owner.kind} {owner.name!r}" + (" (a plugin's)" if owner.plugin else "")
+        call = f"{type(obj).__name__}.{method}()"
+        self.problems.append(Problem(who, path, None, f"{call} {why}", f"{call} must return {contract}"))
+
+    def _owner(self, path: str) -> registry.Part | None:
+        """The part whose arguments hold `path` (the nearest: a mixture's source within the mixture)."""
+        holders = [key for key in self._args_owner if path == key or path.startswith(key + ".")]
+        return self._args_owner[max(holders, key=len)] if holders else None
+
+
+# What an argument dataclass's check() and notes() return (README, Plugins).
+_CHECK_CONTRACT = "a list of Problems (components.problems.problem(field, value, why, fix)), empty when none"
+_NOTES_CONTRACT = "a list of texts, one per note (one text is one note)"
 
 
 def _whole(raw: Any) -> int:
