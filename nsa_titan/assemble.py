@@ -167,8 +167,23 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
     opt = recipe.optimizer
     part = registry.get("optimizer", opt.name)
     own = {} if part.args is None else {"args": opt.args}  # an optimizer registered with arguments gets them
-    return registry.call(part, model, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-                         **own)
+    optimizer = registry.call(part, model, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                              weight_decay=opt.weight_decay, **own)
+    fix = f"optimizer builders are called as {registry.CONTRACTS['optimizer']}"
+    who = f"optimizer {opt.name!r}" + (" (a plugin's)" if part.plugin else "")
+    if not isinstance(optimizer, torch.optim.Optimizer):  # else a traceback in the LR scheduler
+        raise UserError(f"{who} built {type(optimizer).__qualname__!r}, not a torch.optim.Optimizer. Fix: {fix}")
+    # A trainable parameter in no param group would never move, and the run would end as if it had trained.
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    left = [name for name, p in trainable if id(p) not in held]
+    if left:
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        raise UserError(f"{who} holds {len(trainable) - len(left)} of the model's {len(trainable)} parameters that "
+                        f"require grad: {', '.join(left[:3])}{more} are in none of its param groups, so training "
+                        f"would never update them. Fix: give it model.parameters() (or groups holding all of "
+                        f"them): {fix}")
+    return optimizer
 
 
 def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer,

@@ -177,7 +177,8 @@ CONTRACTS = {
                    "epoch, cursor) (components/data/sources/base.py)",
     "tokenizer": "build(args) -> a tokenizer with name, vocab_size, bos_id, eos_id, encode(text) and decode(ids) "
                  "(components/data/tokenizers.py)",
-    "optimizer": "build(model, lr=, betas=, eps=, weight_decay=[, args=]) -> a torch.optim.Optimizer",
+    "optimizer": "build(model, lr=, betas=, eps=, weight_decay=[, args=]) -> a torch.optim.Optimizer whose param "
+                 "groups hold every model parameter that requires grad",
     "lr_schedule": "shape(progress) -> factor: progress through the decay in [0, 1] to 1 at its start and 0 at its end",
 }
 # What a built part must have, checked once where a plugin builds it.

@@ -58,6 +58,8 @@ register("model", "broken", broken, args=Args)
 register("model", "short", Short, args=Args)
 register("model", "plain", Plain, args=Args)
 register("optimizer", "no_betas", lambda model, lr: torch.optim.SGD(model.parameters(), lr=lr))
+register("optimizer", "not_one", lambda model, **kw: object())
+register("optimizer", "first_only", lambda model, lr, **kw: torch.optim.SGD(list(model.parameters())[:1], lr=lr))
 register("data_source", "a_list", lambda args: ["hello"] * 50, args=Args)
 register("optimizer", "adamw", lambda model, **kw: torch.optim.SGD(model.parameters(), lr=kw["lr"]), replace=True)
 register("lr_schedule", "rising", lambda progress: 1 + 4 * progress)
@@ -112,6 +114,14 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
     (["--model.name=short", "--optimizer.name=no_betas"],
      ["optimizer 'no_betas' (a plugin's) failed to build: TypeError:", "build(model, lr=, betas=, eps=, "
                                                                        "weight_decay=[, args=])"]),
+    # Was a traceback of the LR scheduler; then a run that never updated the parameters left out, exit 0.
+    (["--model.name=plain", "--optimizer.name=not_one"],
+     ["optimizer 'not_one' (a plugin's) built 'object', not a torch.optim.Optimizer. Fix: optimizer builders are "
+      "called as build(model, lr="]),
+    (["--model.name=plain", "--optimizer.name=first_only"],
+     ["optimizer 'first_only' (a plugin's) holds 1 of the model's 3 parameters that require grad: out.weight, "
+      "out.bias are in none of its param groups, so training would never update them. Fix: give it "
+      "model.parameters()"]),
     (["--model.name=short", "--data.source=a_list"],
      ["data_source 'a_list' (a plugin's) built a list without check, fingerprint, documents"]),
     # A schedule is tried over its range when the recipe is checked: a factor beyond the peak or not finite would train.
