@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import inspect
 import math
+import numbers
 import traceback
 import typing
 from dataclasses import dataclass
@@ -217,9 +218,15 @@ def schedule_shape_problem(part: Part, samples: int = 101) -> tuple[str, str] | 
     for i in range(samples):
         progress = i / (samples - 1)
         try:
-            value = float(part.build(progress))
+            given = part.build(progress)
         except Exception as exc:
             return f"fails at progress {progress:g}: {type(exc).__name__}: {exc}", fix
+        # A real number only: float() would pass a text ("0.5") or a tensor here, which the optimizer's
+        # step then fails on (a bool is no factor either).
+        if isinstance(given, bool) or not isinstance(given, numbers.Real):
+            return (f"gives {given!r} ({type(given).__name__}) at progress {progress:g}, where the contract asks "
+                    f"for a real number (a float)"), fix
+        value = float(given)
         wanted = 1.0 if i == 0 else 0.0 if i == samples - 1 else None
         if not math.isfinite(value) or not -1e-6 <= value <= 1 + 1e-6 or \
                 (wanted is not None and abs(value - wanted) > 1e-6):

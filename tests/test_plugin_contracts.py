@@ -67,6 +67,9 @@ register("lr_schedule", "nan", lambda progress: float("nan"))
 register("lr_schedule", "stable", lambda progress: 1.0)
 register("lr_schedule", "half_way", lambda progress: 1 - progress if progress < 0.5 else 1 / 0)
 register("lr_schedule", "straight", lambda progress: 1 - progress)
+register("lr_schedule", "text", lambda progress: str(1 - progress))
+register("lr_schedule", "tensor", lambda progress: torch.tensor(1 - progress))
+register("lr_schedule", "boolean", lambda progress: progress < 1)
 '''
 BROKEN_LINE = PLUGIN.splitlines().index('    return {}["no such key"]') + 1
 RECIPE = """
@@ -134,6 +137,13 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
      ["names a plugin's shape that gives 1.0 at progress 1, where the contract asks for 0."]),
     (["--model.name=plain", "--lr_scheduler.decay_type=half_way"],
      ["names a plugin's shape that fails at progress 0.5: ZeroDivisionError: division by zero. Fix:"]),
+    # float() read these as factors, and the run failed at its first decaying step.
+    (["--model.name=plain", "--lr_scheduler.decay_type=text"],
+     ["names a plugin's shape that gives '1.0' (str) at progress 0, where the contract asks for a real number"]),
+    (["--model.name=plain", "--lr_scheduler.decay_type=tensor"],
+     ["names a plugin's shape that gives tensor(1.) (Tensor) at progress 0, where the contract asks for a real"]),
+    (["--model.name=plain", "--lr_scheduler.decay_type=boolean"],
+     ["names a plugin's shape that gives True (bool) at progress 0, where the contract asks for a real number"]),
 ])
 def test_a_part_that_breaks_its_contract_is_one_message(plugin, tmp_path, capsys, flags, fragments):
     recipe, path = plugin
