@@ -348,3 +348,20 @@ def test_one_text_from_notes_is_one_note(checks_plugin, capsys):
     assert cli.main(["train", *argv]) == 0
     out = capsys.readouterr().out
     assert "# note: optimizer.one_note.k is notable\n" in out and "# note: optimizer.one_note.k\n" not in out, out
+
+
+@pytest.mark.parametrize("module", ["json", "sys"])
+def test_a_plugin_file_named_as_an_installed_module_is_refused_before_it_replaces_it(tmp_path, capsys, module):
+    """A plugin datasets.py was imported as module 'datasets', in place of the library, which then failed far away
+    ("module 'datasets' has no attribute 'config'")."""
+    import sys
+
+    path = tmp_path / f"{module}.py"
+    path.write_text("from nsa_titan.registry import register\n\n"
+                    "register('lr_schedule', 'shadowing', lambda p: 1 - p)\n")
+    before = sys.modules[module]
+    _refused(capsys, [f"--job.plugins={path}", *TINY, "--print-config"],
+             f"job.plugins = '{path}': would be imported as module '{module}', which names ",
+             f" already, and would replace it for every later import of '{module}'. Fix: rename the file "
+             f"(e.g. {module}_plugin.py).")
+    assert sys.modules[module] is before and "shadowing" not in registry.available("lr_schedule")

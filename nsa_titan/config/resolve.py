@@ -201,6 +201,41 @@ def _plugin_import_problem(source: str, name: str, exc: Exception) -> Problem:
                    "mend the plugin there (parts it registers are missing until it imports)")
 
 
+# The modules imported here from plugin files (by file name): one of them, unlike an installed module, may be
+# replaced by another plugin file of its name.
+_PLUGIN_MODULES: set[str] = set()
+
+
+def _module_shadowed_by(path: str) -> str | None:
+    """Where the module a plugin file would be imported as (its file name) already comes from, when that is not
+    the file itself: loaded as that name, the plugin would replace it for every later import (a plugin file
+    datasets.py made `import datasets` the plugin)."""
+    module = os.path.basename(path)[:-3]
+    loaded = sys.modules.get(module)
+    if module in _PLUGIN_MODULES and loaded is not None:
+        return None  # another plugin file of that name, loaded by an earlier recipe: this one replaces it
+    if loaded is not None:
+        where = getattr(loaded, "__file__", None)
+    else:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):  # a name with dots whose parent is no package: nothing to shadow
+            return None
+        if spec is None:
+            return None
+        where = spec.origin
+    if where and os.path.isfile(where) and os.path.samefile(where, path):
+        return None  # the plugin itself, found on the path
+    return f"the module at {where}" if where and os.path.isabs(where) else "a built-in module"
+
+
+def _shadowed_problem(source: str, name: str, where: str) -> Problem:
+    module = os.path.basename(name)[:-3]
+    return Problem(source, "job.plugins", name, f"would be imported as module {module!r}, which names "
+                   f"{where} already, and would replace it for every later import of {module!r}",
+                   f"rename the file (e.g. {module}_plugin.py)")
+
+
 def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]) -> None:
     plugins = table.get("job", {}).get("plugins", []) if isinstance(table.get("job"), dict) else []
     if isinstance(plugins, CliText):  # a flag's text: read as any list flag is (comma-separated, or a TOML list)
@@ -222,9 +257,14 @@ def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]
                 if loaded is not None and os.path.isfile(getattr(loaded, "__file__", None) or "") and \
                         os.path.samefile(loaded.__file__, name):
                     continue  # imported by an earlier recipe of this process: its parts are registered
+                shadowed = _module_shadowed_by(name)
+                if shadowed:
+                    problems.append(_shadowed_problem(source, name, shadowed))
+                    continue
                 spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[spec.name] = module
+                _PLUGIN_MODULES.add(spec.name)
                 try:
                     spec.loader.exec_module(module)
                 except BaseException:
