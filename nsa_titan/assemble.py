@@ -169,7 +169,7 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
     own = {} if part.args is None else {"args": opt.args}  # an optimizer registered with arguments gets them
     optimizer = registry.call(part, model, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                               weight_decay=opt.weight_decay, **own)
-    fix = f"optimizer builders are called as {registry.CONTRACTS['optimizer']}"
+    fix = registry.contract_of(part)
     who = f"optimizer {opt.name!r}" + (" (a plugin's)" if part.plugin else "")
     if not isinstance(optimizer, torch.optim.Optimizer):  # else a traceback in the LR scheduler
         raise UserError(f"{who} built {type(optimizer).__qualname__!r}, not a torch.optim.Optimizer. Fix: {fix}")

@@ -182,6 +182,21 @@ CONTRACTS = {
                  "groups hold every model parameter that requires grad",
     "lr_schedule": "shape(progress) -> factor: progress through the decay in [0, 1] to 1 at its start and 0 at its end",
 }
+
+
+def contract_of(part: Part) -> str:
+    """How `part`'s builder is called and what it returns: a data_source or tokenizer registered without args=
+    is built with no arguments (build(), not build(args)), an optimizer without args= gets no args=."""
+    builders = f"{part.kind} builders"
+    if part.args is None and part.kind in ("data_source", "tokenizer"):
+        return f"{builders} registered without args= are called as build(){CONTRACTS[part.kind][len('build(args)'):]}"
+    if part.args is None and part.kind == "optimizer":
+        return f"{builders} registered without args= are called as {CONTRACTS['optimizer'].replace('[, args=]', '')}"
+    if part.kind in ("data_source", "tokenizer", "optimizer"):
+        return f"{builders} registered with args= are called as {CONTRACTS[part.kind].replace('[, args=]', ', args=')}"
+    return f"{builders} are called as {CONTRACTS[part.kind]}"
+
+
 # What a built part must have, checked once where a plugin builds it.
 _MEMBERS = {"model": ("init_weights", "forward"), "data_source": ("check", "fingerprint", "documents"),
             "tokenizer": ("vocab_size", "bos_id", "eos_id", "encode", "decode")}
@@ -205,7 +220,7 @@ def call(part: Part, *args: Any, **kwargs: Any) -> Any:
     missing = [member for member in _MEMBERS.get(part.kind, ()) if not hasattr(built, member)]
     if missing:
         raise UserError(f"{part.kind} {part.name!r} (a plugin's) built a {type(built).__name__} without "
-                        f"{', '.join(missing)}. Fix: {part.kind} builders are called as {CONTRACTS[part.kind]}")
+                        f"{', '.join(missing)}. Fix: {contract_of(part)}")
     return built
 
 
@@ -246,7 +261,7 @@ def _failed_to_build(part: Part, exc: Exception) -> UserError:
     inside = [f for f in frames if own_file and f.filename == own_file] or frames
     where = f"{inside[-1].filename}, line {inside[-1].lineno}" if inside else "in the call: its parameters"
     return UserError(f"{part.kind} {part.name!r} (a plugin's) failed to build: {type(exc).__name__}: {exc} "
-                     f"({where}). Fix: {part.kind} builders are called as {CONTRACTS[part.kind]}")
+                     f"({where}). Fix: {contract_of(part)}")
 
 
 def get(kind: str, name: str) -> Part:

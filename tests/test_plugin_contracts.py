@@ -60,6 +60,13 @@ register("model", "plain", Plain, args=Args)
 register("optimizer", "no_betas", lambda model, lr: torch.optim.SGD(model.parameters(), lr=lr))
 register("optimizer", "not_one", lambda model, **kw: object())
 register("optimizer", "first_only", lambda model, lr, **kw: torch.optim.SGD(list(model.parameters())[:1], lr=lr))
+class NoArgs:
+    def __init__(self, args):
+        pass
+
+
+register("data_source", "no_args", NoArgs)
+register("tokenizer", "no_args", NoArgs)
 register("data_source", "a_list", lambda args: ["hello"] * 50, args=Args)
 register("optimizer", "adamw", lambda model, **kw: torch.optim.SGD(model.parameters(), lr=kw["lr"]), replace=True)
 register("lr_schedule", "rising", lambda progress: 1 + 4 * progress)
@@ -115,16 +122,25 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
                                f"contract_plugin.py, line {BROKEN_LINE})"]),
     (["--model.name=short"], ["the model returned logits of shape [2, 63, 258] for targets of shape [2, 64]"]),
     (["--model.name=short", "--optimizer.name=no_betas"],
-     ["optimizer 'no_betas' (a plugin's) failed to build: TypeError:", "build(model, lr=, betas=, eps=, "
-                                                                       "weight_decay=[, args=])"]),
+     ["optimizer 'no_betas' (a plugin's) failed to build: TypeError:", "Fix: optimizer builders registered "
+      "without args= are called as build(model, lr=, betas=, eps=, weight_decay=) -> a torch.optim.Optimizer"]),
     # Was a traceback of the LR scheduler; then a run that never updated the parameters left out, exit 0.
     (["--model.name=plain", "--optimizer.name=not_one"],
-     ["optimizer 'not_one' (a plugin's) built 'object', not a torch.optim.Optimizer. Fix: optimizer builders are "
-      "called as build(model, lr="]),
+     ["optimizer 'not_one' (a plugin's) built 'object', not a torch.optim.Optimizer. Fix: optimizer builders "
+      "registered without args= are called as build(model, lr="]),
     (["--model.name=plain", "--optimizer.name=first_only"],
      ["optimizer 'first_only' (a plugin's) holds 1 of the model's 3 parameters that require grad: out.weight, "
       "out.bias are in none of its param groups, so training would never update them. Fix: give it "
       "model.parameters()"]),
+    # Built with no arguments, it was told it is called as build(args).
+    (["--model.name=short", "--data.source=no_args"],
+     ["data_source 'no_args' (a plugin's) failed to build: TypeError: NoArgs.__init__() missing 1 required "
+      "positional argument: 'args' (in the call: its parameters). Fix: data_source builders registered without "
+      "args= are called as build() -> a source with check(), fingerprint() and documents("]),
+    (["--model.name=short", "--data.tokenizer=no_args"],
+     ["Fix: tokenizer builders registered without args= are called as build() -> a tokenizer with name,"]),
+    (["--model.name=short", "--data.source=a_list"],
+     ["Fix: data_source builders registered with args= are called as build(args) -> a source with"]),
     (["--model.name=short", "--data.source=a_list"],
      ["data_source 'a_list' (a plugin's) built a list without check, fingerprint, documents"]),
     # A schedule is tried over its range when the recipe is checked: a factor beyond the peak or not finite would train.
