@@ -130,9 +130,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, build_refe
         torch.distributed.broadcast_object_list(said, src=0)
         unset = sorted(set(unset) | set(said[0]))
     if unset:
-        more = f" and {len(unset) - 5} more" if len(unset) > 5 else ""
         raise UserError(f"the model's init_weights() ({type(model).__name__}) leaves {len(unset)} weight(s) unset: "
-                        f"{', '.join(unset[:5])}{more}; they would start as whatever memory held. Fix: set every "
+                        f"{_first_names(unset, 5)}; they would start as whatever memory held. Fix: set every "
                         f"parameter and buffer in init_weights() (the model is built on the meta device, so values "
                         f"given in __init__ are not kept).")
     if distributed:
@@ -142,6 +141,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, build_refe
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:
         model.load_state_dict(full_state)
+
+
+def _first_names(names: list[str], shown: int) -> str:
+    """'a, b, c and 4 more': a message's list of parameters, kept to a line."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _mark_unset(tensors) -> None:
@@ -178,9 +183,8 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     left = [name for name, p in trainable if id(p) not in held]
     if left:
-        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
         raise UserError(f"{who} holds {len(trainable) - len(left)} of the model's {len(trainable)} parameters that "
-                        f"require grad: {', '.join(left[:3])}{more} are in none of its param groups, so training "
+                        f"require grad: {_first_names(left, 3)} are in none of its param groups, so training "
                         f"would never update them. Fix: give it model.parameters() (or groups holding all of "
                         f"them): {fix}")
     return optimizer

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from nsa_titan import cli, registry
+from nsa_titan import cli
+from tests.registry_state import registry_restored
 
 PLUGIN = '''
 from dataclasses import dataclass, field
@@ -95,14 +96,11 @@ enable = false
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
     """(recipe, plugin file); the registry as it was afterwards."""
-    registry.ensure_builtins()
-    saved = {kind: dict(parts) for kind, parts in registry._PARTS.items()}
     folder = tmp_path_factory.mktemp("plugin")
     (folder / "part_outputs_plugin.py").write_text(PLUGIN)
     (folder / "bigram.toml").write_text(RECIPE)
-    yield str(folder / "bigram.toml"), str(folder / "part_outputs_plugin.py")
-    registry._PARTS.clear()
-    registry._PARTS.update(saved)
+    with registry_restored():
+        yield str(folder / "bigram.toml"), str(folder / "part_outputs_plugin.py")
 
 
 def _train(plugin, tmp_path, capsys, *flags) -> tuple[int, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nsa_titan import cli, registry
+from tests.registry_state import registry_restored
 from tests.launch import TINY
 
 PLUGIN = '''
@@ -92,15 +93,12 @@ local_batch_size = 2
 @pytest.fixture
 def plugin(tmp_path):
     """(recipe, plugin file) written for this test; the registry as it was afterwards."""
-    registry.ensure_builtins()
-    saved = {kind: dict(parts) for kind, parts in registry._PARTS.items()}
     path = tmp_path / "contract_plugin.py"
     path.write_text(PLUGIN)
     recipe = tmp_path / "bigram.toml"
     recipe.write_text(RECIPE)
-    yield str(recipe), str(path)
-    registry._PARTS.clear()
-    registry._PARTS.update(saved)
+    with registry_restored():
+        yield str(recipe), str(path)
 
 
 def _refused(capsys, argv: list[str], *fragments: str) -> str:
@@ -330,13 +328,10 @@ register("optimizer", "numbers", sgd, args=args_saying(notes=lambda: [3]))
 @pytest.fixture
 def checks_plugin(tmp_path):
     """CHECKS_PLUGIN's file; the registry as it was afterwards."""
-    registry.ensure_builtins()
-    saved = {kind: dict(parts) for kind, parts in registry._PARTS.items()}
     path = tmp_path / "checks_plugin.py"
     path.write_text(CHECKS_PLUGIN)
-    yield str(path)
-    registry._PARTS.clear()
-    registry._PARTS.update(saved)
+    with registry_restored():
+        yield str(path)
 
 
 @pytest.mark.parametrize("name, fragment", [
