@@ -33,20 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as failed:
-        rank, code = _cause(failed.failures, PEER_LOST_EXIT_CODE)
-        codes = {failure.exitcode for failure in failed.failures.values()}
-        every = len(failed.failures) > 1 and str(len(failed.failures)) == str(args.nproc_per_node)
-        if every and codes == {code} and code > 0:
-            # an agreed stop (a NaN guard's): every rank of this node ended with it, none before the others
-            how = f"every rank stopped together (exit code {code}); the message is above"
-        elif code == PEER_LOST_EXIT_CODE:  # none of this launcher's ranks failed of its own
-            how = (f"rank {rank} lost contact with a rank that failed on another node; that node's output says "
-                   "why")
-        elif code >= 0:
-            how = f"rank {rank} failed first (exit code {code}); its own message is above"
-        else:
-            how = (f"rank {rank} failed first (signal {_signal_name(-code)}); a signal leaves no message: look for "
-                   "the system's out-of-memory killer or a scheduler that ended it")
+        how, code = failure_summary(failed.failures, args.nproc_per_node, PEER_LOST_EXIT_CODE)
         say_error_line(f"error: the run stopped: {how}.")
         return code if code > 0 else 1
     except RendezvousError as failed:  # the nodes never met: one missing, the endpoint unreachable or taken
@@ -61,6 +48,23 @@ def main(argv: list[str] | None = None) -> int:
                        "were ended.")
         return 128 + int(stopped.sigval)
     return 0
+
+
+def failure_summary(failures: dict, nproc_per_node, peer_lost: int) -> tuple[str, int]:
+    """(what ended the node's ranks, in words; the exit code to end with) from torchrun's failures by rank."""
+    rank, code = _cause(failures, peer_lost)
+    # torchrun may end a rank still shutting down with SIGTERM: not a failure of its own
+    codes = {failure.exitcode for failure in failures.values()} - {-signal.SIGTERM}
+    every = len(failures) > 1 and str(len(failures)) == str(nproc_per_node)
+    if every and codes == {code} and code > 0 and code != peer_lost:
+        # an agreed stop (a NaN guard's): every rank of this node ended with it, none before the others
+        return f"every rank stopped together (exit code {code}); the message is above", code
+    if code == peer_lost:  # none of this launcher's ranks failed of its own
+        return f"rank {rank} lost contact with a rank that failed on another node; that node's output says why", code
+    if code >= 0:
+        return f"rank {rank} failed first (exit code {code}); its own message is above", code
+    return (f"rank {rank} failed first (signal {_signal_name(-code)}); a signal leaves no message: look for the "
+            f"system's out-of-memory killer or a scheduler that ended it"), code
 
 
 def _cause(failures: dict, peer_lost: int) -> tuple[int, int]:

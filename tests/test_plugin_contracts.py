@@ -376,3 +376,18 @@ def test_a_plugin_file_named_as_an_installed_module_is_refused_before_it_replace
              f" already, and would replace it for every later import of '{module}'. Fix: rename the file "
              f"(e.g. {module}_plugin.py).")
     assert sys.modules[module] is before and "shadowing" not in registry.available("lr_schedule")
+
+
+def test_a_plugin_file_named_as_a_plain_folder_is_imported(tmp_path, capsys, monkeypatch):
+    """A folder without __init__.py (a corpus's data/) is importable as a namespace package, which a module file
+    of its name comes before: a plugin data.py was refused as replacing 'a built-in module'."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "plugins").mkdir()
+    path = tmp_path / "plugins" / "data.py"
+    path.write_text("from nsa_titan.registry import register\n\nregister('lr_schedule', 'from_data', lambda p: 1 - p)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with registry_restored():
+        code = cli.main(["train", f"--job.plugins={path}", *TINY, "--lr_scheduler.decay_type=from_data",
+                         "--print-config"])
+        assert code == 0, capsys.readouterr().err

@@ -215,7 +215,7 @@ def _module_shadowed_by(path: str) -> str | None:
     if module in _PLUGIN_MODULES and loaded is not None:
         return None  # another plugin file of that name, loaded by an earlier recipe: this one replaces it
     if loaded is not None:
-        where = getattr(loaded, "__file__", None)
+        where = getattr(loaded, "__file__", None) or ("built-in" if module in sys.builtin_module_names else None)
     else:
         try:
             spec = importlib.util.find_spec(module)
@@ -224,9 +224,11 @@ def _module_shadowed_by(path: str) -> str | None:
         if spec is None:
             return None
         where = spec.origin
-    if where and os.path.isfile(where) and os.path.samefile(where, path):
+    if not where:  # a plain folder of that name (a namespace package: a corpus's data/): a module file comes first
+        return None
+    if os.path.isfile(where) and os.path.samefile(where, path):
         return None  # the plugin itself, found on the path
-    return f"the module at {where}" if where and os.path.isabs(where) else "a built-in module"
+    return f"the module at {where}" if os.path.isabs(where) else "a built-in module"
 
 
 def _shadowed_problem(source: str, name: str, where: str) -> Problem:

@@ -1,0 +1,35 @@
+"""The launcher's last line after its ranks fail: whom to blame, from torchrun's failures (exit code or minus
+the signal, and a timestamp in whole seconds, by rank)."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from nsa_titan.launch import failure_summary
+from nsa_titan.parallel.distributed import PEER_LOST_EXIT_CODE
+
+
+def failures(*codes: int, at: int = 100) -> dict:
+    return {rank: SimpleNamespace(exitcode=code, timestamp=at) for rank, code in enumerate(codes)}
+
+
+@pytest.mark.parametrize("codes, nproc, said, code", [
+    # an agreed stop: every rank of the node ended with the NaN guard's code
+    ((3, 3), "2", "every rank stopped together (exit code 3); the message is above", 3),
+    # one still shutting down was ended by torchrun: the stop is still every rank's
+    ((3, -signal.SIGTERM), "2", "every rank stopped together (exit code 3); the message is above", 3),
+    # every rank lost a peer on another node: that node failed, not this one's ranks together
+    ((PEER_LOST_EXIT_CODE, PEER_LOST_EXIT_CODE), "2",
+     "rank 0 lost contact with a rank that failed on another node; that node's output says why", PEER_LOST_EXIT_CODE),
+    ((PEER_LOST_EXIT_CODE, 2), "2", "rank 1 failed first (exit code 2); its own message is above", 2),
+    ((-signal.SIGTERM, -signal.SIGKILL), "2", "rank 1 failed first (signal SIGKILL); a signal leaves no message", -9),
+    # not every rank of the node (or nproc_per_node not a count) failed
+    ((3, 3), "4", "rank 0 failed first (exit code 3); its own message is above", 3),
+    ((3, 3), "gpu", "rank 0 failed first (exit code 3); its own message is above", 3),
+])
+def test_the_launcher_blames_the_right_rank(codes, nproc, said, code):
+    how, returned = failure_summary(failures(*codes), nproc, PEER_LOST_EXIT_CODE)
+    assert how.startswith(said) and returned == code, how
