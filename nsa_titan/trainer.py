@@ -542,17 +542,17 @@ class Trainer:
         return logits, targets
 
     def _check_output(self, logits) -> None:
-        """The first forward's result keeps the model contract (a plugin's may not): a logits tensor over the
-        tokenizer's vocabulary that gradients reach. Each mistake was a traceback of its own, in the loss, the
-        backward or a CUDA index assertion."""
+        """The first forward's result keeps the model contract (a plugin's may not): a logits tensor over (at
+        least) the tokenizer's vocabulary that gradients reach. Each mistake was a traceback of its own, in the
+        loss, the backward or a CUDA index assertion."""
         vocab = self.tokenizer.vocab_size
         if not isinstance(logits, torch.Tensor):
             raise UserError(f"the model's forward returned a {type(logits).__name__}, not a logits tensor. Fix: a "
                             f"model's forward returns the logits [batch, tokens, vocab] alone")
-        if logits.dim() < 1 or logits.shape[-1] != vocab:
+        if logits.dim() < 1 or logits.shape[-1] < vocab:  # wider is a vocabulary padded for speed: never a target
             raise UserError(f"the model returned logits of shape {list(logits.shape)}, over "
-                            f"{logits.shape[-1] if logits.dim() else 0} tokens, but the tokenizer has {vocab}. Fix: "
-                            f"size the model's output by the vocab_size its builder is called with")
+                            f"{logits.shape[-1] if logits.dim() else 0} tokens, fewer than the tokenizer's {vocab}. "
+                            f"Fix: size the model's output by the vocab_size its builder is called with")
         if self.model.training and torch.is_grad_enabled() and not logits.requires_grad:
             raise UserError("the model returned logits no parameter's gradient reaches (computed under no_grad, "
                             "detached, or from no parameter). Fix: compute the logits from the model's parameters "

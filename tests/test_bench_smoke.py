@@ -332,7 +332,7 @@ Traceback (most recent call last):
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
 bench.context_parallel FAILED
-""" + "padding line of torchrun's report\\n" * 100
+""" + "padding line of torchrun's report\n" * 100
 
 
 def test_a_failed_launch_keeps_the_ranks_own_error_lines():

@@ -481,7 +481,7 @@ def test_a_bad_local_file_is_named(tmp_path, case, message):
             list(source.documents(shard, 4, "train", 0, 0, None))
 
 
-def test_nulls_in_the_text_column_are_no_documents(tmp_path):
+def test_nulls_in_the_text_column_are_no_documents(tmp_path, monkeypatch):
     """A first value that is null was 'split has no records'; a column of nulls says so."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -493,7 +493,12 @@ def test_nulls_in_the_text_column_are_no_documents(tmp_path):
     source.check()
     assert len(list(source.documents(0, 1, "train", 0, 0, None))) == 10
     pq.write_table(pa.table({"text": pa.array([None] * 5, pa.string())}), str(tmp_path / "a.parquet"))
-    with pytest.raises(UserError, match="field 'text' is null in all 5 records of split 'train', so it yields no"):
+    with pytest.raises(UserError, match="field 'text' is null in all 5 records of split 'train'. Fix: set text_field"):
+        HuggingFaceSource(source.args).check()
+    # A long stream of nulls (a remote one, say) is looked at no further than a bound.
+    monkeypatch.setattr("components.data.sources.huggingface._CHECKED_RECORDS", 3)
+    monkeypatch.setattr("components.data.sources.huggingface._READ_BATCH", 2)
+    with pytest.raises(UserError, match="field 'text' is null in the first 4 records of split 'train'"):
         HuggingFaceSource(source.args).check()
 
 

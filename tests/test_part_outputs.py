@@ -114,8 +114,8 @@ def _train(plugin, tmp_path, capsys, *flags) -> tuple[int, str]:
                                  "mix.bias; they would start as whatever memory held. Fix: set every parameter and "
                                  "buffer in init_weights()"),
     (["--model.mode=tuple"], "error: the model's forward returned a tuple, not a logits tensor."),
-    (["--model.mode=narrow"], "error: the model returned logits of shape [2, 64, 100], over 100 tokens, but the "
-                              "tokenizer has 258."),
+    (["--model.mode=narrow"], "error: the model returned logits of shape [2, 64, 100], over 100 tokens, fewer than "
+                              "the tokenizer's 258."),
     (["--model.mode=detached"], "error: the model returned logits no parameter's gradient reaches"),
     (["--data.source=part_outputs_odd", "--data.part_outputs_odd.mode=bare"],
      "error: the data source (Odd) yielded a str, not a (document, cursor) pair."),

@@ -321,6 +321,7 @@ register("optimizer", "true", sgd, args=args_saying(check=lambda: True))
 register("optimizer", "raises", sgd, args=args_saying(check=lambda: 1 / 0))
 register("optimizer", "one_problem", sgd, args=args_saying(check=lambda: problem("k", 1, "is one", "make it two")))
 register("optimizer", "one_note", sgd, args=args_saying(notes=lambda: "k is notable"))
+register("optimizer", "yielded", sgd, args=args_saying(notes=lambda: (f"k is note {i}" for i in (1, 2))))
 register("optimizer", "numbers", sgd, args=args_saying(notes=lambda: [3]))
 '''
 
@@ -351,6 +352,14 @@ def test_a_check_or_notes_that_breaks_its_contract_is_one_message_naming_the_par
                                                                                   fragment):
     """Was an AttributeError traceback ('str' object has no attribute 'under') for a check() giving texts."""
     _refused(capsys, [f"--job.plugins={checks_plugin}", *TINY, f"--optimizer.name={name}", "--print-config"], fragment)
+
+
+def test_notes_written_with_yield_are_each_a_note(checks_plugin, capsys):
+    """A generator is a list's items, as it was before the contract was checked."""
+    argv = [f"--job.plugins={checks_plugin}", *TINY, "--optimizer.name=yielded", "--print-config"]
+    assert cli.main(["train", *argv]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "# note: optimizer.yielded.k is note 1\n" in out and "# note: optimizer.yielded.k is note 2\n" in out, out
 
 
 def test_one_text_from_notes_is_one_note(checks_plugin, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from typing import Any
 
@@ -297,6 +298,8 @@ class RecipeBuilder:
         contract = _NOTES_CONTRACT if method == "notes" else _CHECK_CONTRACT
         try:
             said = getattr(obj, method)() or []
+            if isinstance(said, types.GeneratorType):  # a check written with yield: its items, as a list's
+                said = list(said)
         except Exception as exc:
             owner = self._owner(path)
             if owner is None or not owner.plugin:

@@ -217,6 +217,8 @@ def memory_fixes(recipe, world_size: int, shard: int, estimate) -> str:
     """The settings that would lower this recipe's estimate, only those it can still change: a recipe already
     checkpointing every block, at one row per rank, sharded over every rank, is told of context parallelism,
     which alone divides the tokens each rank holds."""
+    from nsa_titan import registry
+
     t, cp = recipe.training, recipe.parallelism.context_parallel_degree
     per_token = estimate.activations + estimate.logits + estimate.masks
     fixes = []
@@ -224,7 +226,8 @@ def memory_fixes(recipe, world_size: int, shard: int, estimate) -> str:
         fixes.append("set activation_checkpoint.mode = 'full'")
     if t.local_batch_size > 1:
         fixes.append("lower training.local_batch_size (raising the micro-batches a step takes)")
-    if t.seq_len % (4 * cp) == 0:  # a degree twice as large still splits each row into 2 x cp even chunks
+    can_split = registry.get("model", recipe.model.name).context_shard is not None  # a model part's hook
+    if can_split and t.seq_len % (4 * cp) == 0:  # twice the degree still splits a row into 2 x cp even chunks
         fixes.append(f"raise parallelism.context_parallel_degree (now {cp}) over more processes: it divides the "
                      f"tokens each holds")
     if shard < world_size or estimate.states > per_token:

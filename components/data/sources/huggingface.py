@@ -40,6 +40,7 @@ from components.problems import Problem, problem, raise_problems
 
 log = logging.getLogger(__name__)
 _READ_BATCH = 64
+_CHECKED_RECORDS = 10_000  # check() looks this far for a text: a stream of nulls is not read to its end
 _LOCAL_BUILDERS = ("parquet", "json", "csv", "text", "arrow")
 
 
@@ -277,23 +278,21 @@ class HuggingFaceSource:
                                 f"or globs of existing files (relative to the directory the run starts in)")
         splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
         for hf_split in splits:
-            records = 0
+            records, first = 0, None
             try:
-                for batch in self._texts(self._load(hf_split)):
+                for batch in self._texts(self._load(hf_split)):  # to the first text, within _CHECKED_RECORDS
                     records += len(batch)
                     first = next((t for t in batch if t is not None), None)
-                    if first is not None:
+                    if first is not None or records >= _CHECKED_RECORDS:
                         break
-                else:
-                    first = None
             except _ReadFailed as e:
                 raise UserError(f"{self._what()}: reading split {hf_split!r} failed ({e})") from e
             if first is None:
                 if not records:
                     raise UserError(f"{self._what()}: split {hf_split!r} has no records, so it yields no tokens")
-                raise UserError(f"{self._what()}: field {self.args.text_field!r} is null in all {records:,} records "
-                                f"of split {hf_split!r}, so it yields no tokens. Fix: set text_field to the column "
-                                f"holding the text")
+                which = "the first" if records >= _CHECKED_RECORDS else "all"
+                raise UserError(f"{self._what()}: field {self.args.text_field!r} is null in {which} {records:,} "
+                                f"records of split {hf_split!r}. Fix: set text_field to the column holding the text")
             if not isinstance(first, str):
                 raise UserError(
                     f"{self._what()}: field {self.args.text_field!r} holds {type(first).__name__} values, not text; "
