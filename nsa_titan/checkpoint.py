@@ -131,6 +131,25 @@ def weights_step_dir(path: str) -> str:
     return os.path.dirname(os.path.realpath(_weights_model_dir(path)))
 
 
+def check_weights_path(path: str) -> None:
+    """Refuse a checkpoint.initial_load_path that names no checkpoint step (before its model fields are compared:
+    a path that is no step has none recorded)."""
+    takes = ("Fix: point it at a step-N folder of an earlier run (its checkpoint/step-N), or at a folder "
+             "written by `nsa-titan export --format hf`")
+    if not os.path.exists(path):
+        raise UserError(f"checkpoint.initial_load_path = {path!r} does not exist, so it holds no checkpoint. {takes}.")
+    if os.path.isfile(path):
+        raise UserError(f"checkpoint.initial_load_path = {path!r} is a file; it takes a folder (an exported .pt "
+                        f"file is for sample, eval and plot). {takes}.")
+    steps = complete_steps(os.path.join(path, "checkpoint")) or complete_steps(path)
+    if steps:  # a run folder, or its checkpoint folder
+        newest = os.path.join(path, *([] if complete_steps(path) else ["checkpoint"]), f"step-{steps[-1]}")
+        raise UserError(f"checkpoint.initial_load_path = {path!r} holds the checkpoints of a run, not one of them. "
+                        f"Fix: name the step to start from, e.g. {newest!r}.")
+    if not os.path.isfile(os.path.join(_weights_model_dir(path), ".metadata")):
+        raise UserError(f"checkpoint.initial_load_path = {path!r} holds no checkpoint (no .metadata found). {takes}.")
+
+
 def data_mismatch_message(mismatch: DataStreamMismatch, path: str) -> str:
     """A resume refused because the checkpoint's data stream is not the recipe's, with both ways on."""
     return (f"{mismatch} (--checkpoint.data_mismatch=restart, resuming the model, optimizer and step), or take this "
@@ -554,23 +573,8 @@ class Checkpointer:
 
     def load_weights_only(self, model: nn.Module, path: str) -> None:
         """checkpoint.initial_load_path: the model weights of a checkpoint folder, nothing else."""
-        takes = ("Fix: point it at a step-N folder of an earlier run (its checkpoint/step-N), or at a folder "
-                 "written by `nsa-titan export --format hf`")
-        if not os.path.exists(path):
-            raise UserError(f"checkpoint.initial_load_path = {path!r} does not exist, so it holds no checkpoint. "
-                            f"{takes}.")
-        if os.path.isfile(path):
-            raise UserError(f"checkpoint.initial_load_path = {path!r} is a file; it takes a folder (an exported .pt "
-                            f"file is for sample, eval and plot). {takes}.")
-        steps = complete_steps(os.path.join(path, "checkpoint")) or complete_steps(path)
-        if steps:  # a run folder, or its checkpoint folder
-            newest = os.path.join(path, *([] if complete_steps(path) else ["checkpoint"]), f"step-{steps[-1]}")
-            raise UserError(f"checkpoint.initial_load_path = {path!r} holds the checkpoints of a run, not one of them. "
-                            f"Fix: name the step to start from, e.g. {newest!r}.")
+        check_weights_path(path)
         model_dir = _weights_model_dir(path)
-        if not os.path.isfile(os.path.join(model_dir, ".metadata")):
-            raise UserError(f"checkpoint.initial_load_path = {path!r} holds no checkpoint (no .metadata found). "
-                            f"{takes}.")
         step_dir = weights_step_dir(path)
         folder, name = os.path.split(step_dir)
 

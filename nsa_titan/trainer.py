@@ -20,7 +20,7 @@ from components.sequence_shard import SequenceShard
 
 from components.data import restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths, worker_died
 from nsa_titan import assemble, held_out, registry
-from nsa_titan.checkpoint import Checkpointer, RunState, complete_steps, weights_step_dir
+from nsa_titan.checkpoint import Checkpointer, RunState, check_weights_path, complete_steps, weights_step_dir
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.config.toml_io import tomllib
@@ -385,6 +385,7 @@ class Trainer:
             self._say(f"initial weights from the Hugging Face folder {ckpt.initial_load_path}")
             self._say_weight_source_changes(changes)
         elif ckpt.initial_load_path:
+            check_weights_path(ckpt.initial_load_path)  # a path that names no step has no model fields to compare
             changes = self._weight_source_changes(ckpt.initial_load_path)  # refused before anything loads
             self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
             self._say(f"initial weights from {ckpt.initial_load_path}")

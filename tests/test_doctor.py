@@ -588,3 +588,43 @@ def test_the_memory_fix_names_only_settings_that_would_lower_it():
     heavy = SimpleNamespace(states=20.0, activations=2.7, logits=13.0, masks=0.0)
     assert memory_fixes(debug, 1, 1, heavy).endswith(
         ", or shard the weights and optimizer state over more processes (parallelism.data_parallel_shard_degree)")
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory):
+    """A run of the tiny model with step 1 saved: weights to start another run from."""
+    from tests.launch import TINY
+
+    folder = tmp_path_factory.mktemp("weights") / "run"
+    assert cli.main(["train", DEBUG, *TINY, "--training.steps=1", "--checkpoint.enable=true",
+                     f"--job.dump_folder={folder}"]) == 0
+    return folder / "checkpoint" / "step-1"
+
+
+@pytest.mark.parametrize("checkpoints", ["true", "false"])
+def test_the_resume_check_reads_the_weights_a_first_start_takes(one_step_run, tmp_path, capsys, checkpoints):
+    """checkpoint.initial_load_path was 'ok' whatever it named: weights of another model shape, which training
+    then refused, or a path that names no step."""
+    from tests.launch import TINY
+
+    base = [DEBUG, *TINY, f"--checkpoint.enable={checkpoints}", f"--job.dump_folder={tmp_path / 'new'}"]
+    code, lines = _doctor(capsys, *base, f"--checkpoint.initial_load_path={one_step_run}")
+    assert lines["resume"][0] == "ok" and f"starts at step 0 from the weights of {one_step_run}" in lines["resume"][1]
+    code, lines = _doctor(capsys, *base, f"--checkpoint.initial_load_path={one_step_run}", "--model.dim=64")
+    assert code == 1 and lines["resume"][0] == "fail", lines["resume"]
+    assert "model.dim = 32 there, 64 here" in lines["resume"][1], lines["resume"]
+    missing = tmp_path / "no_such_step"
+    code, lines = _doctor(capsys, *base, f"--checkpoint.initial_load_path={missing}")
+    assert code == 1 and lines["resume"][0] == "fail" and "does not exist, so it holds no checkpoint" in \
+        lines["resume"][1] and "not recorded" not in lines["resume"][1], lines["resume"]
+
+
+def test_a_weights_path_that_names_no_step_is_refused_without_a_false_note(tmp_path, capsys):
+    """Training said the model fields of the weights 'are not recorded' before saying the path does not exist."""
+    from tests.launch import TINY
+
+    code = cli.main(["train", DEBUG, *TINY, "--training.steps=1", f"--job.dump_folder={tmp_path / 'run'}",
+                     f"--checkpoint.initial_load_path={tmp_path / 'nothing'}"])
+    said = capsys.readouterr()
+    assert code == 2 and "does not exist, so it holds no checkpoint" in said.err, said.err
+    assert "not recorded" not in said.out + said.err

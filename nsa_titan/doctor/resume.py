@@ -12,8 +12,9 @@ import os
 
 from components.data import DataStreamMismatch, loader_state_by_logical_shard, merge_shard_states
 from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import Checkpointer, data_mismatch_message, weights_step_dir
+from nsa_titan.checkpoint import Checkpointer, check_weights_path, data_mismatch_message, weights_step_dir
 from nsa_titan.doctor.checks import FAIL, OK, Check
+from nsa_titan.hf_folder import is_hf_folder
 from nsa_titan.weight_source import changes_note, step_field_changes
 
 
@@ -21,16 +22,19 @@ def check_resume(resolved, runtime, tokenizer) -> Check:
     """tokenizer: the data check's (None when that check failed: the data stream then goes unchecked)."""
     recipe = resolved.recipe
     ckpt = recipe.checkpoint
-    if not ckpt.enable:
-        return Check("resume", OK, "checkpoint.enable is false: the run starts at step 0 and saves nothing")
-    folder = os.path.join(recipe.job.dump_folder, ckpt.folder)
     notes: list[str] = []
+    if not ckpt.enable:
+        start = _initial_weights(resolved, notes) if ckpt.initial_load_path else "from scratch"
+        return Check("resume", OK, "; ".join([f"checkpoint.enable is false: the run starts at step 0 {start} and saves "
+                                              f"nothing", *notes]))
+    folder = os.path.join(recipe.job.dump_folder, ckpt.folder)
     reader = Checkpointer(folder, keep_latest_k=0, async_mode="disabled", rank=0, world_size=1, say=notes.append)
     branch = {"from_step": ckpt.load_step, "recipe": resolved.hash} if ckpt.load_step >= 0 else None
     step = reader.find_resume_step(ckpt.load_step, branch, quiet=True)
     if step is None:
-        start = (f"from the weights of {ckpt.initial_load_path}" if ckpt.initial_load_path else "from scratch")
-        return Check("resume", OK, f"no complete checkpoint in {folder}: the run starts at step 0 {start}")
+        start = _initial_weights(resolved, notes) if ckpt.initial_load_path else "from scratch"
+        return Check("resume", OK, "; ".join([f"no complete checkpoint in {folder}: the run starts at step 0 {start}",
+                                              *notes]))
     path = reader.step_dir(step)
     record = reader.check_step(step)
     changes = step_field_changes(weights_step_dir(path), recipe.job.dump_folder, resolved.toml,
@@ -42,6 +46,21 @@ def check_resume(resolved, runtime, tokenizer) -> Check:
         return stream
     said = [note for note in [changes_note(changes), *notes, stream] if note]  # allowed changes: said, not refused
     return Check("resume", OK, "; ".join([detail, *said]))
+
+
+def _initial_weights(resolved, notes: list[str]) -> str:
+    """Where a run's first start takes its weights from (checkpoint.initial_load_path), read as training reads it
+    before loading: a path that names no step, or model fields that would read the weights as another model, are
+    refused (UserError); allowed field changes are said."""
+    recipe = resolved.recipe
+    path = recipe.checkpoint.initial_load_path
+    if is_hf_folder(path):  # its fields are compared as its weights load
+        return f"from the weights of the Hugging Face folder {path}"
+    check_weights_path(path)
+    changes = step_field_changes(weights_step_dir(path), None, resolved.toml,
+                                 registry.get("model", recipe.model.name).args, path, notes.append, "initial")
+    notes[:0] = [note for note in [changes_note(changes)] if note]
+    return f"from the weights of {path}"
 
 
 def _data_stream_note(recipe, runtime, tokenizer, reader: Checkpointer, step: int, record: dict) -> str | Check:
