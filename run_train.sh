@@ -170,7 +170,7 @@ while [ "$ranks_seen" -eq 0 ] && kill -0 "$child" 2>/dev/null; do  # until the r
 done
 while :; do
   rc=0
-  wait "$child" || rc=$?
+  wait "$child" 2>/dev/null || rc=$?  # its end by a signal is said below, not as bash's "Killed" job line
   kill -0 "$child" 2>/dev/null || break  # returned for a signal: the launcher is still running
 done
 # A halt the run never read (it had already ended) must not stop the next run.

@@ -312,6 +312,7 @@ def test_a_second_stop_signal_to_run_train_sh_ends_every_process_at_once(tmp_pat
             os.remove(hold)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.count("error:") == 1 and "error: train interrupted at once: nothing was saved" in err, err[-3000:]
+    assert "Killed" not in err, err[-3000:]  # bash's job line for the launcher it ended
     assert left == "", left
     saved = tmp_path / "checkpoint"
     assert not saved.exists() or not any((saved / d / "COMPLETE").is_file() for d in os.listdir(saved))
