@@ -43,6 +43,9 @@ COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(0|[1-9]\d*)$")  # as step_dir names them: step-08 is no step folder
 # What a save writes into a step folder: a leftover with anything else is not removed as a partial save.
 STEP_ENTRIES = {"ranks", "model", "train_state.json", COMPLETE}
+# The files a save writes in a step's subfolders (DCP's shards and metadata, each rank's state), temporaries too.
+SAVE_SUBFOLDERS = {"model": re.compile(r"^(\.metadata|__\d+_\d+\.distcp)(\.tmp\w*)?$"),
+                   "ranks": re.compile(r"^rank-\d+\.pt(\.tmp\d+)?$")}
 PARTIAL_WRITE = re.compile(rf"^(train_state\.json|{COMPLETE})\.tmp\d+$")  # _write_atomically's, cut short
 
 
@@ -348,11 +351,11 @@ class Checkpointer:
                              f"(checkpoint.keep_latest_k): the steps saved since ended runs of steps skipped as "
                              f"NaN/Inf, and it is the newest checkpoint of a good step")
         for step in drop:
-            _remove_step(self.step_dir(step))
+            _remove_step(self.step_dir(step), self._new_aside_folder, self.say)
         newest = done[-1] if done else None
         for step in incomplete_steps(self.folder):
             if newest is not None and step < newest:
-                _remove_step(self.step_dir(step))
+                _remove_step(self.step_dir(step), self._new_aside_folder, self.say)
 
     def _is_good(self, step: int) -> bool:
         """Whether `step` was saved after a good step (checkpoints that predate the record count as good; one
@@ -723,8 +726,27 @@ def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
 
 def _holds_only_a_save(path: str) -> bool:
     """A step folder holding nothing but what a save writes (its files, or their temporaries cut short)."""
-    return os.path.isdir(path) and not os.path.islink(path) and all(
-        name in STEP_ENTRIES or PARTIAL_WRITE.match(name) for name in os.listdir(path))
+    return os.path.isdir(path) and not os.path.islink(path) and not _foreign_entries(path)
+
+
+def _foreign_entries(step_dir: str) -> list[str]:
+    """What a step folder holds that no save of this package wrote, as paths within it (a user's notes, an
+    evaluation's folder): never deleted with the step. A complete step's marker lists the files its save wrote;
+    a step without one (or saved before markers listed files) is judged by the names saves give their files."""
+    marker, problem = _read_marker(step_dir, None)
+    listed = (set(marker.get("files", {})) if problem is None and isinstance(marker, dict) else None) or None
+    foreign = []
+    for name in sorted(os.listdir(step_dir)):
+        full = os.path.join(step_dir, name)
+        if name in SAVE_SUBFOLDERS and os.path.isdir(full) and not os.path.islink(full):
+            for inner in sorted(os.listdir(full)):
+                written = (f"{name}/{inner}" in listed if listed is not None else SAVE_SUBFOLDERS[name].match(inner))
+                if not written or os.path.islink(os.path.join(full, inner)) or os.path.isdir(os.path.join(full, inner)):
+                    foreign.append(f"{name}/{inner}")
+        elif not ((name in STEP_ENTRIES or PARTIAL_WRITE.match(name)) and os.path.isfile(full)
+                  and not os.path.islink(full)):
+            foreign.append(name)
+    return foreign
 
 
 def _marker_being_written(path: str) -> bool:
@@ -733,11 +755,39 @@ def _marker_being_written(path: str) -> bool:
     return any(name.startswith(COMPLETE + ".tmp") for name in os.listdir(path))
 
 
-def _remove_step(step_dir: str) -> None:
+def _remove_step(step_dir: str, set_aside: Callable[[], str] | None = None,
+                 say: Callable[[str], None] | None = None) -> None:
     """Delete a step folder, its COMPLETE marker first: one cut short half-way is an incomplete save,
-    never a complete-looking checkpoint with files missing."""
+    never a complete-looking checkpoint with files missing. A link in its place is removed, not followed
+    (the folder it names may be another run's). With set_aside, what no save wrote is kept: the save's files
+    go and the folder, with the rest, moves into set_aside()'s folder."""
+    if os.path.islink(step_dir):
+        os.remove(step_dir)
+        return
+    if not os.path.isdir(step_dir):
+        return
+    foreign = _foreign_entries(step_dir) if set_aside is not None else []
     try:
         os.remove(os.path.join(step_dir, COMPLETE))
     except OSError:
         pass
-    shutil.rmtree(step_dir, ignore_errors=True)
+    if not foreign:
+        shutil.rmtree(step_dir, ignore_errors=True)
+        return
+    for name in os.listdir(step_dir):  # the save's own files; the folders keep what is foreign within them
+        full = os.path.join(step_dir, name)
+        if name in foreign:
+            continue
+        if name in SAVE_SUBFOLDERS and os.path.isdir(full):
+            for inner in os.listdir(full):
+                if f"{name}/{inner}" not in foreign:
+                    os.remove(os.path.join(full, inner))
+            if not os.listdir(full):
+                os.rmdir(full)
+        else:
+            os.remove(full)
+    aside = set_aside()
+    os.replace(step_dir, os.path.join(aside, os.path.basename(step_dir)))
+    if say is not None:
+        say(f"removed checkpoint {step_dir}, keeping what its save did not write ({', '.join(foreign[:3])}"
+            f"{' ...' if len(foreign) > 3 else ''}) in {aside}")

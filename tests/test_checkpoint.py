@@ -333,6 +333,32 @@ def test_keep_latest_k(tmp_path):
     assert sorted(os.listdir(ckpt_dir(folder))) == ["step-4", "step-5"]
 
 
+def test_pruning_keeps_what_a_save_did_not_write_and_follows_no_link(tmp_path, capsys):
+    """keep_latest_k deleted a user's notes and folders inside a pruned step (the README says only what a save
+    writes goes), and through a step that is a link to another run's, that run's COMPLETE marker (so its next
+    resume removed the step as cut short)."""
+    other = tmp_path / "other"
+    assert cli.main(["train", *BASE, "--training.steps=1", "--checkpoint.interval=1", f"--job.dump_folder={other}"]) == 0
+    folder = tmp_path / "run"
+    saves, theirs = folder / "checkpoint", other / "checkpoint"
+    argv = [*BASE, "--checkpoint.interval=1", "--checkpoint.keep_latest_k=2", f"--job.dump_folder={folder}"]
+    assert cli.main(["train", *argv, "--training.steps=2"]) == 0
+    (saves / "step-2" / "notes.txt").write_text("my notes")
+    (saves / "step-2" / "evals").mkdir()
+    (saves / "step-2" / "model" / "README").write_text("mine too")
+    shutil.rmtree(saves / "step-1")
+    os.symlink(theirs / "step-1", saves / "step-1")  # another run's step, linked in
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=4"]) == 0
+    assert complete_steps(saves) == [3, 4]
+    assert complete_steps(theirs) == [1]  # the link went, not what it named
+    aside = [d for d in os.listdir(saves) if d.startswith("abandoned-")]
+    assert len(aside) == 1 and sorted(os.listdir(saves)) == sorted(["step-3", "step-4", *aside])
+    kept = saves / aside[0] / "step-2"
+    assert sorted(os.listdir(kept)) == ["evals", "model", "notes.txt"] and os.listdir(kept / "model") == ["README"]
+    assert "keeping what its save did not write (evals, model/README, notes.txt)" in capsys.readouterr().out
+
+
 def test_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
     argv = [*BASE, "--training.steps=2", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv]) == 0
