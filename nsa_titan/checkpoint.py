@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import os
@@ -37,6 +38,7 @@ from components.data import DataStreamMismatch, worker_died
 from components.errors import UserError
 from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mismatches, tensor_shapes,
                                          truncated_shards)
+from nsa_titan.config.toml_io import tomllib
 from nsa_titan.run_folder import create_new
 
 COMPLETE = "COMPLETE"
@@ -132,6 +134,29 @@ def _weights_model_dir(path: str) -> str:
 def weights_step_dir(path: str) -> str:
     """The step folder of checkpoint.initial_load_path (given as step-N or step-N/model), links resolved."""
     return os.path.dirname(os.path.realpath(_weights_model_dir(path)))
+
+
+# Fields that do not change what a branch computes: where it runs, how long, what it logs and saves. A requeue of
+# the branch's command with them changed (a longer run, the folder given by another path) goes on with it.
+_BRANCH_FREE_FIELDS = (("job", "dump_folder"), ("job", "name"), ("training", "steps"), ("metrics", None),
+                       ("profiling", None), ("checkpoint", None))
+
+
+def run_branches(resolved) -> list[dict]:
+    """The branch a run from checkpoint.load_step records (the step and its recipe's hash, less the fields that
+    change nothing it computes), then the one earlier releases recorded for the same command (the whole
+    recipe's hash), which a requeue also continues; [] for a run that does not branch."""
+    load_step = resolved.recipe.checkpoint.load_step
+    if load_step < 0:
+        return []
+    table = tomllib.loads(resolved.toml)
+    for section, key in _BRANCH_FREE_FIELDS:
+        if key is None:
+            table.pop(section, None)
+        else:
+            table.get(section, {}).pop(key, None)
+    digest = hashlib.sha256(json.dumps(table, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return [{"from_step": load_step, "recipe": digest}, {"from_step": load_step, "recipe": resolved.hash}]
 
 
 def check_weights_path(path: str) -> None:
@@ -370,9 +395,9 @@ class Checkpointer:
         return next((step for step in reversed(complete_steps(self.folder)) if self._is_good(step)), None)
 
     # -- loading ---------------------------------------------------------------------------------
-    def agree_resume_step(self, load_step: int, branch: dict | None = None) -> int | None:
+    def agree_resume_step(self, load_step: int, branches: list[dict] = ()) -> int | None:
         """find_resume_step on rank 0, broadcast: every rank loads the same step (or none)."""
-        choice = [self.find_resume_step(load_step, branch) if self.rank == 0 else None]
+        choice = [self.find_resume_step(load_step, branches) if self.rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
@@ -407,19 +432,19 @@ class Checkpointer:
                 self.say(f"removed the saves of steps {cut_short}, which were cut short before they completed")
         _barrier()
 
-    def find_resume_step(self, load_step: int, branch: dict | None = None, quiet: bool = False) -> int | None:
+    def find_resume_step(self, load_step: int, branches: list[dict] = (), quiet: bool = False) -> int | None:
         """The step to resume from: load_step when given (it must exist), else the newest complete one.
 
-        A run started from load_step records `branch` in its checkpoints. When the newest complete
-        checkpoint carries the same branch (the same command run again: a requeued job), the branch's
-        own progress is resumed rather than set aside for load_step once more. quiet: say nothing (a
+        A run started from load_step records its branch (run_branches) in its checkpoints. When the newest
+        complete checkpoint carries one of `branches` (the same command run again: a requeued job), the
+        branch's own progress is resumed rather than set aside for load_step once more. quiet: say nothing (a
         question about what a resume would pick, not a resume)."""
         say = (lambda _: None) if quiet else self.say
         done = complete_steps(self.folder)
         partial = incomplete_steps(self.folder)
         if load_step >= 0:
             # Before load_step's own existence: retention (keep_latest_k) may have pruned it since.
-            if branch is not None and done and done[-1] > load_step and self._branch_of(done[-1]) == branch:
+            if branches and done and done[-1] > load_step and self._branch_of(done[-1]) in branches:
                 say(f"checkpoint.load_step = {load_step}: this command's run from step {load_step} already "
                     f"reached step {done[-1]}; resuming there")
                 return done[-1]

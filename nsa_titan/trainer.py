@@ -20,7 +20,8 @@ from components.sequence_shard import SequenceShard
 
 from components.data import restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths, worker_died
 from nsa_titan import assemble, held_out, registry
-from nsa_titan.checkpoint import Checkpointer, RunState, check_weights_path, complete_steps, weights_step_dir
+from nsa_titan.checkpoint import (Checkpointer, RunState, check_weights_path, complete_steps, run_branches,
+                                  weights_step_dir)
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.config.toml_io import tomllib
@@ -339,8 +340,8 @@ class Trainer:
             self._say_checkpoints_left_alone()
         if self.checkpointer is None:
             return
-        branch = self._branch()
-        step = self.checkpointer.agree_resume_step(ckpt.load_step, branch) if ckpt.enable else None
+        branches = run_branches(self.resolved)
+        step = self.checkpointer.agree_resume_step(ckpt.load_step, branches) if ckpt.enable else None
         if step is not None:
             # Refused before anything loads; the changes allowed are named by the recipe-change note below.
             self._weight_source_changes(self.checkpointer.step_dir(step), resumed=True)
@@ -354,7 +355,7 @@ class Trainer:
                 if note:
                     self._say(note)
                 raise
-            self.state.extra["branch"] = branch if step == ckpt.load_step else record.get("branch")
+            self.state.extra["branch"] = branches[0] if step == ckpt.load_step else record.get("branch")
             if "nan_guard" in record:  # absent from checkpoints written before the guard's counts were kept
                 self.nan_guard.load_state_dict(record["nan_guard"])
             self._elapsed_before = float(record.get("elapsed_s", 0.0))  # absent from older checkpoints
@@ -401,19 +402,14 @@ class Trainer:
                       f"replaces the checkpoints in {folder} (the newest: step {steps[-1]}). To go on from them, "
                       f"add --checkpoint.enable=true")
 
-    def _branch(self) -> dict | None:
-        """A run from an older step is a branch: its checkpoints name the step and the recipe, so the same
-        command run again (a requeued job) resumes the branch instead of starting it over."""
-        load_step = self.recipe.checkpoint.load_step
-        return {"from_step": load_step, "recipe": self.resolved.hash} if load_step >= 0 else None
-
     def _way_on(self) -> str:
         """What a rerun of the same command starts from, for a run that stops on a fault: the step its
         resume would pick (checkpoint.load_step and branches included), found without a word said."""
         if not self.recipe.checkpoint.enable:
             return "checkpoint.enable is false, so the same command starts the run over"
         try:
-            step = self.checkpointer.find_resume_step(self.recipe.checkpoint.load_step, self._branch(), quiet=True)
+            step = self.checkpointer.find_resume_step(self.recipe.checkpoint.load_step, run_branches(self.resolved),
+                                                      quiet=True)
         except UserError as exc:
             return f"the same command would not resume: {exc}"
         if step is None:

@@ -234,6 +234,13 @@ def test_a_requeued_branch_from_load_step_resumes_its_own_progress(run, capsys):
     assert branch() == 0
     assert "this command's run from step 2 already reached step 6; resuming there" in resumed_at(6)
     assert len(abandoned()) == 1  # nothing of the branch set aside
+    # Requeued for longer, logging otherwise, its folder named by another path: the branch goes on (these change
+    # nothing it computes; each set its 6 steps aside and trained them again).
+    relative = os.path.relpath(run)
+    assert branch("--training.steps=10", "--metrics.log_freq=3", f"--job.dump_folder={relative}") == 0
+    assert "this command's run from step 2 already reached step 8; resuming there" in capsys.readouterr().out
+    assert len(abandoned()) == 1
+    shutil.rmtree(step_dir(run, 10))
 
     assert branch("--optimizer.lr=0.0005") == 0  # another recipe: a new branch from step 2
     resumed_at(2)

@@ -13,7 +13,8 @@ import os
 from components.data import DataStreamMismatch, loader_state_by_logical_shard, merge_shard_states
 from components.errors import UserError
 from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import Checkpointer, check_weights_path, data_mismatch_message, weights_step_dir
+from nsa_titan.checkpoint import (Checkpointer, check_weights_path, data_mismatch_message, run_branches,
+                                  weights_step_dir)
 from nsa_titan.checkpoint_checks import shape_mismatches, tensor_shapes
 from nsa_titan.doctor.checks import FAIL, OK, Check
 from nsa_titan.hf_folder import is_hf_folder
@@ -31,8 +32,7 @@ def check_resume(resolved, runtime, tokenizer) -> Check:
                                               f"nothing", *notes]))
     folder = os.path.join(recipe.job.dump_folder, ckpt.folder)
     reader = Checkpointer(folder, keep_latest_k=0, async_mode="disabled", rank=0, world_size=1, say=notes.append)
-    branch = {"from_step": ckpt.load_step, "recipe": resolved.hash} if ckpt.load_step >= 0 else None
-    step = reader.find_resume_step(ckpt.load_step, branch, quiet=True)
+    step = reader.find_resume_step(ckpt.load_step, run_branches(resolved), quiet=True)
     if step is None:
         start = _initial_weights(resolved, tokenizer, notes) if ckpt.initial_load_path else "from scratch"
         return Check("resume", OK, "; ".join([f"no complete checkpoint in {folder}: the run starts at step 0 {start}",
