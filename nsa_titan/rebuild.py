@@ -12,7 +12,7 @@ from torch import nn
 
 from components.errors import UserError
 from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import complete_steps, read_model_weights
+from nsa_titan.checkpoint import COMPLETE, complete_steps, read_model_weights
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import RecipeError
@@ -79,7 +79,21 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
     model.to_empty(device="cpu")
     model.init_weights()  # buffers; every parameter is then overwritten from the checkpoint
     state = {"model": model.state_dict()}
-    read_model_weights(folder, step, state)  # a damaged or mismatched checkpoint gets resume's message
+    while True:
+        try:
+            read_model_weights(folder, step, state)  # a damaged or mismatched checkpoint gets resume's message
+            break
+        except UserError:
+            # The newest step, pruned while it was read by the run that goes on saving (its marker goes first):
+            # the run's newer step is read instead. A step named by load_step, or one still complete, failed.
+            newer = [s for s in complete_steps(folder) if s > step]
+            if recipe.checkpoint.load_step >= 0 or os.path.exists(os.path.join(folder, f"step-{step}", COMPLETE)) \
+                    or not newer:
+                raise
+            say_on_stderr(f"note: step {step} was removed while it was read (the run is still saving and pruning); "
+                          f"reading its newest step, {newer[-1]}")
+            step = newer[-1]
+            _check_model_fields(resolved, os.path.join(folder, f"step-{step}"))
     model.load_state_dict(state["model"], strict=True)
     return model.eval(), tokenizer, step
 

@@ -617,6 +617,30 @@ def _wait_for(condition, proc, timeout=240):
         time.sleep(0.2)
 
 
+def test_export_reads_the_newer_step_when_a_running_run_prunes_the_one_it_reads(tmp_path, capsys, monkeypatch):
+    """export beside a run that saves and prunes: the step it chose went while it read it, and it said the step's
+    COMPLETE was missing, 'no older complete step exists', though a newer one did."""
+    from nsa_titan import rebuild
+
+    folder = tmp_path / "run"
+    argv = [*BASE, "--training.steps=3", "--checkpoint.interval=1", f"--job.dump_folder={folder}"]
+    assert cli.main(["train", *argv]) == 0
+    shutil.move(os.path.join(ckpt_dir(folder), "step-3"), tmp_path / "later")  # not yet saved when export looks
+    read = rebuild.read_model_weights
+
+    def saved_and_pruned_meanwhile(where, step, state):
+        if step == 2:  # the run saves step 3 and prunes step 2, marker first
+            shutil.move(tmp_path / "later", os.path.join(ckpt_dir(folder), "step-3"))
+            os.remove(os.path.join(ckpt_dir(folder), "step-2", COMPLETE))
+        return read(where, step, state)
+
+    monkeypatch.setattr(rebuild, "read_model_weights", saved_and_pruned_meanwhile)
+    capsys.readouterr()
+    assert cli.main(["export", *argv, "--output", str(tmp_path / "model.pt")]) == 0
+    said = capsys.readouterr()
+    assert "note: step 2 was removed while it was read" in said.err and "exported step 3" in said.out, said
+
+
 def test_export_round_trip_gives_the_same_logits(tmp_path, capsys):
     from nsa_titan.export import load_exported
     from nsa_titan.config import resolve
