@@ -614,8 +614,9 @@ class Checkpointer:
 
         def mismatch(found: list[str]) -> UserError:
             return UserError(f"checkpoint.initial_load_path = {path!r} does not fit this model: {_first(found)}. Fix: "
-                             f"set the model fields to those of the run that wrote it (its recipe.toml, in "
-                             f"{os.path.dirname(folder)}), or start from a checkpoint of this model.")
+                             f"set the model fields and data.tokenizer (which sizes the vocabulary) to those of "
+                             f"the run that wrote it (its recipe.toml, in {os.path.dirname(folder)}), or start from "
+                             f"a checkpoint of this model.")
 
         # A step folder this package wrote counts only with its marker, as on resume (no marker: an interrupted save).
         if model_dir != path or os.path.isfile(os.path.join(step_dir, "train_state.json")):

@@ -342,6 +342,8 @@ class Trainer:
             return
         branches = run_branches(self.resolved)
         step = self.checkpointer.agree_resume_step(ckpt.load_step, branches) if ckpt.enable else None
+        if ckpt.enable and step is None:
+            self._say_other_checkpoint_folders()
         if step is not None:
             # Refused before anything loads; the changes allowed are named by the recipe-change note below.
             self._weight_source_changes(self.checkpointer.step_dir(step), resumed=True)
@@ -401,6 +403,17 @@ class Trainer:
             self._say(f"note: checkpoint.enable is false, so this run starts at step 0: it neither resumes nor "
                       f"replaces the checkpoints in {folder} (the newest: step {steps[-1]}). To go on from them, "
                       f"add --checkpoint.enable=true")
+
+    def _say_other_checkpoint_folders(self) -> None:
+        """A first start beside another folder of the run folder holding complete checkpoints (checkpoint.folder
+        changed since they were saved): they are not resumed, which the same command with the earlier name would."""
+        dump, own = self.recipe.job.dump_folder, os.path.normpath(self.recipe.checkpoint.folder)
+        for name in sorted(os.listdir(dump)) if os.path.isdir(dump) else ():
+            steps = complete_steps(os.path.join(dump, name)) if name != own else []
+            if steps:
+                self._say(f"note: this run starts at step 0: {os.path.join(dump, own)} holds no checkpoint, while "
+                          f"{os.path.join(dump, name)} holds this run folder's checkpoints (the newest: step "
+                          f"{steps[-1]}). To go on from them, add --checkpoint.folder={name}")
 
     def _way_on(self) -> str:
         """What a rerun of the same command starts from, for a run that stops on a fault: the step its

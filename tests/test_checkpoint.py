@@ -359,6 +359,18 @@ def test_pruning_keeps_what_a_save_did_not_write_and_follows_no_link(tmp_path, c
     assert "keeping what its save did not write (evals, model/README, notes.txt)" in capsys.readouterr().out
 
 
+def test_a_changed_checkpoint_folder_says_the_run_starts_over(tmp_path, capsys):
+    """checkpoint.folder changed beside a run's checkpoints: the run started at step 0 without a word."""
+    argv = [*BASE, "--training.steps=2", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--checkpoint.folder=ckpt2"]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: this run starts at step 0: {tmp_path / 'ckpt2'} holds no checkpoint, while "
+            f"{tmp_path / 'checkpoint'} holds this run folder's checkpoints (the newest: step 2). To go on from them, "
+            f"add --checkpoint.folder=checkpoint") in out, out
+
+
 def test_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
     argv = [*BASE, "--training.steps=2", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv]) == 0
