@@ -8,14 +8,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    if sys.version_info >= (3, 11):  # not nsa_titan.config's reader: that package imports torch
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
+    from nsa_titan.config.toml_io import tomllib  # the one reader (tomli on Python 3.10)
 
     processes_per_node = int((sys.argv[1:] if argv is None else argv)[0])
     recipe = tomllib.loads(sys.stdin.read())
-    if recipe["training"]["device"] != "cpu":  # torch's import costs seconds: only when a GPU may be asked for
+    if recipe["training"]["device"] != "cpu":  # a CPU run asks nothing of the node's devices
         from components.errors import UserError
         from nsa_titan.cli import INPUT_ERROR, say_error_line
         from nsa_titan.runtime import uses_cuda
