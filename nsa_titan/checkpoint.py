@@ -159,6 +159,14 @@ def run_branches(resolved) -> list[dict]:
     return [{"from_step": load_step, "recipe": digest}, {"from_step": load_step, "recipe": resolved.hash}]
 
 
+def initial_weights_mismatch(path: str, found: list[str]) -> UserError:
+    """checkpoint.initial_load_path's weights of another shape than this model's (shape_mismatches' `found`)."""
+    run = os.path.dirname(os.path.dirname(weights_step_dir(path)))
+    return UserError(f"checkpoint.initial_load_path = {path!r} does not fit this model: {_first(found)}. Fix: set the "
+                     f"model fields and data.tokenizer (which sizes the vocabulary) to those of the run that wrote it "
+                     f"(its recipe.toml, in {run}), or start from a checkpoint of this model.")
+
+
 def check_weights_path(path: str) -> None:
     """Refuse a checkpoint.initial_load_path that names no checkpoint step (before its model fields are compared:
     a path that is no step has none recorded)."""
@@ -612,12 +620,6 @@ class Checkpointer:
             return UserError(f"checkpoint.initial_load_path = {path!r} cannot be read: {file} {why}. Fix: point it "
                              f"at {where}, or restore the file.")
 
-        def mismatch(found: list[str]) -> UserError:
-            return UserError(f"checkpoint.initial_load_path = {path!r} does not fit this model: {_first(found)}. Fix: "
-                             f"set the model fields and data.tokenizer (which sizes the vocabulary) to those of "
-                             f"the run that wrote it (its recipe.toml, in {os.path.dirname(folder)}), or start from "
-                             f"a checkpoint of this model.")
-
         # A step folder this package wrote counts only with its marker, as on resume (no marker: an interrupted save).
         if model_dir != path or os.path.isfile(os.path.join(step_dir, "train_state.json")):
             step = STEP_DIR.match(name)
@@ -626,7 +628,8 @@ class Checkpointer:
                 raise unreadable(*found)
 
         state = {"model": get_model_state_dict(model)}
-        _read_tensors(model_dir, state, unreadable=unreadable, mismatch=mismatch)
+        _read_tensors(model_dir, state, unreadable=unreadable,
+                      mismatch=lambda found: initial_weights_mismatch(path, found))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 
 from components.data import DataStreamMismatch, loader_state_by_logical_shard, merge_shard_states
-from components.errors import UserError
 from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import (Checkpointer, check_weights_path, data_mismatch_message, run_branches,
-                                  weights_step_dir)
+from nsa_titan.checkpoint import (Checkpointer, check_weights_path, data_mismatch_message, initial_weights_mismatch,
+                                  run_branches, weights_step_dir)
 from nsa_titan.checkpoint_checks import shape_mismatches, tensor_shapes
 from nsa_titan.doctor.checks import FAIL, OK, Check
 from nsa_titan.hf_folder import is_hf_folder
@@ -62,13 +61,13 @@ def _initial_weights(resolved, tokenizer, notes: list[str]) -> str:
     if is_hf_folder(path):  # its fields are compared as its weights load
         return f"from the weights of the Hugging Face folder {path}"
     check_weights_path(path)
-    changes = step_field_changes(weights_step_dir(path), None, resolved.toml,
-                                 registry.get("model", recipe.model.name).args, path, notes.append, "initial")
+    step_dir = weights_step_dir(path)
+    changes = step_field_changes(step_dir, None, resolved.toml, registry.get("model", recipe.model.name).args, path,
+                                 notes.append, "initial")
     notes[:0] = [note for note in [changes_note(changes)] if note]
-    found = _model_shape_mismatches(recipe, tokenizer, os.path.join(weights_step_dir(path), "model"))
-    if found:
-        raise UserError(f"checkpoint.initial_load_path = {path!r} does not fit this model: {found[0]}. Fix: a model "
-                        f"of that checkpoint's shape (its vocabulary is the tokenizer's), or a checkpoint of this one")
+    found = _model_shape_mismatches(recipe, tokenizer, os.path.join(step_dir, "model"))
+    if found:  # the message training gives as it loads them
+        raise initial_weights_mismatch(path, found)
     return f"from the weights of {path}"
 
 
