@@ -677,12 +677,14 @@ class Trainer:
                                              batch.inputs.device)
 
     def _fixed_probe(self) -> Batch:
-        """Two rows of the first batch of this rank's training stream, read from a loader of its own at
-        the stream's start: the same rows in every run of the recipe, resumed or not, so telemetry and its
-        pictures follow one document through training."""
+        """The first two rows of the training stream as one data rank without loader workers reads it, from a
+        loader of its own: the same rows on every rank, at every world size, worker count and batch size,
+        resumed or not, so telemetry and its pictures follow one document through training (a rank's own
+        stream starts with other rows at each layout)."""
         if self._probe is None:
-            batch = self._next_batch(iter(self._loader("train")))
-            self._probe = Batch(*(None if x is None else x[:2].clone() for x in batch))
+            loader = assemble.build_loader(self.recipe, self.runtime, self.source, self.tokenizer, dp_rank=0,
+                                           dp_size=1, split="train", batch_size=2, num_workers=0)
+            self._probe = self._next_batch(iter(loader))
         return self._probe
 
     def telemetry(self) -> dict[str, float]:

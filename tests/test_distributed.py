@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses_and_norms, start_training,
+from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses_and_norms, metrics, start_training,
                           stop_all, train)
 
 pytestmark = pytest.mark.slow
@@ -100,6 +100,22 @@ def test_validation_on_a_rank_whose_shards_hold_no_held_out_document(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected, got = losses_and_norms(single), losses_and_norms(sharded)
     assert len(got[STEPS]) == 3 and got[STEPS] == pytest.approx(expected[STEPS], rel=RTOL), (got, expected)
+
+
+def test_telemetry_reads_the_same_rows_at_every_data_parallel_size(tmp_path):
+    """The telemetry probe is the stream's first two rows whatever the layout: two DDP replicas (rank 0 owning
+    logical shards 0 and 2) and one process with loader workers report one plain process's telemetry, so a
+    resume at another world size continues the curve."""
+    flags = ["--training.steps=1", "--metrics.telemetry_freq=1"]
+    runs = {"single": ([], 1), "ddp": (LAYOUTS["ddp"][1], 2), "workers": (["--data.num_workers=2"], 1)}
+    telemetry = {}
+    for name, (extra, nproc) in runs.items():
+        proc = train([*COMMON, *flags, *extra, f"--job.dump_folder={tmp_path / name}"], nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (telemetry[name],) = [r for r in metrics(tmp_path / name) if any(k.startswith("telemetry/") for k in r)]
+    assert len(telemetry["single"]) > 10
+    for name in ("ddp", "workers"):
+        assert telemetry[name] == pytest.approx(telemetry["single"], rel=RTOL, abs=1e-6), name
 
 
 @pytest.fixture(scope="module")
