@@ -556,6 +556,8 @@ class Checkpointer:
             problem = found and f"its held_out_set entry is {found}"
         if problem is None and not isinstance(record.get("wandb_run_id", ""), str):
             problem = f"its wandb_run_id is {record['wandb_run_id']!r}, not text"
+        if problem is None and not isinstance(record.get("tensorboard_folder", ""), str):
+            problem = f"its tensorboard_folder is {record['tensorboard_folder']!r}, not text"
         applied = record.get("applied_lr", 0.0)
         if problem is None and applied is not None and (isinstance(applied, bool) or
                                                         not isinstance(applied, (int, float))):

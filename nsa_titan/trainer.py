@@ -217,6 +217,12 @@ class Trainer:
         self._elapsed_before = 0.0
         # The last training record logged before the resumed checkpoint was saved: the metrics file must hold it.
         self._last_logged: dict | None = None
+        # The TensorBoard folder the resumed checkpoint's run logged into ("": none; None: not recorded, an older
+        # checkpoint or no resume). Each checkpoint records this run's, so a resume knows whether the events
+        # there hold the steps up to it.
+        self._saved_tensorboard: str | None = None
+        metrics = recipe.metrics
+        self.state.extra["tensorboard_folder"] = metrics.save_tb_folder if metrics.enable_tensorboard else ""
         self._applied_lr: float | None = None  # the learning rate of the last step taken, which a save records
         self._restore()
         # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
@@ -362,6 +368,7 @@ class Trainer:
                 self.nan_guard.load_state_dict(record["nan_guard"])
             self._elapsed_before = float(record.get("elapsed_s", 0.0))  # absent from older checkpoints
             self._last_logged = record.get("last_logged")  # absent from older checkpoints
+            self._saved_tensorboard = record.get("tensorboard_folder")  # absent from older checkpoints
             if "wandb_run_id" in record:  # the W&B run it logged into ("": none); absent from older checkpoints
                 self.state.extra["wandb_run_id"] = record["wandb_run_id"]
             self._abandon_after = step
@@ -477,8 +484,12 @@ class Trainer:
                       f"records may be another run's")
         if self.recipe.metrics.enable_tensorboard:
             folder = os.path.join(dump, self.recipe.metrics.save_tb_folder)
-            if history is not None and history.restored_from:  # the events hold the other run's steps as well:
-                self.tensorboard = TensorBoardLog(folder, 0)  # hide every earlier one, draw the records again
+            # The events hold another run's steps as well (records restored), or were not written up to the resumed
+            # step (the run that saved it logged elsewhere or without TensorBoard, so a branch it abandoned may
+            # still be drawn there): hide every earlier one, draw the records again.
+            other_events = start > 0 and self._saved_tensorboard not in (None, self.recipe.metrics.save_tb_folder)
+            if (history is not None and history.restored_from) or other_events:
+                self.tensorboard = TensorBoardLog(folder, 0)
                 for record in self.metrics.records():
                     self.tensorboard.write(record)
             else:

@@ -184,8 +184,10 @@ def unrelated_rank_file(path):
     lambda path: edit_json(path, "train_state.json", nan_guard=None) or "train_state.json",
     lambda path: edit_json(path, "train_state.json", held_out_set="all") or "train_state.json",
     lambda path: edit_json(path, "train_state.json", applied_lr="fast") or "train_state.json",
+    lambda path: edit_json(path, "train_state.json", tensorboard_folder=1) or "train_state.json",
 ], ids=["step not a number", "step of another folder", "unrelated rank file", "garbage marker",
-        "marker of another step", "NaN guard counts garbled", "held-out set garbled", "applied lr garbled"])
+        "marker of another step", "NaN guard counts garbled", "held-out set garbled", "applied lr garbled",
+        "tensorboard folder garbled"])
 def test_a_hand_edited_step_is_refused_for_the_older_one(run, capsys, edit):
     # As saved before COMPLETE recorded checksums (which would find any of these edits first, see below):
     # what each file holds is checked too.

@@ -307,6 +307,35 @@ def test_a_resume_logs_each_step_once(tmp_path, capsys):
         [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
 
 
+def test_tensorboard_switched_on_at_a_resume_draws_the_runs_own_curve(tmp_path):
+    """TensorBoard on for steps 1-4 (checkpoints 2 and 4), off for a branch from step 2 with another learning rate,
+    then on again to step 6: TensorBoard draws metrics.jsonl's curve, not the abandoned steps 3 and 4 its events
+    still held from the first session; a run whose TensorBoard starts at a resume draws the steps before it too."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    argv = ["train", *[f for f in BASE if f != "--checkpoint.enable=false"], "--checkpoint.enable=true",
+            "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"]
+    tb = "--metrics.enable_tensorboard=true"
+
+    def assert_tensorboard_draws_the_records():
+        records = [r for r in metrics(tmp_path) if "loss" in r]
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        assert [(e.step, e.value) for e in events.Scalars("loss")] == \
+            [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
+
+    assert cli.main([*argv, "--training.steps=4", tb]) == 0
+    assert cli.main([*argv, "--training.steps=4", "--checkpoint.load_step=2", "--optimizer.lr=1e-2"]) == 0
+    assert cli.main([*argv, "--training.steps=6", "--optimizer.lr=1e-2", tb]) == 0
+    assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert_tensorboard_draws_the_records()
+
+    shutil.rmtree(tmp_path)  # never on before the resume
+    assert cli.main([*argv, "--training.steps=2"]) == 0
+    assert cli.main([*argv, "--training.steps=4", tb]) == 0
+    assert_tensorboard_draws_the_records()
+
+
 def test_a_resume_brings_back_its_records_after_a_run_without_checkpoints_in_its_folder(tmp_path, capsys):
     """A run with checkpoint.enable = false started afresh in a run's folder sets the run's records aside and
     writes its own; the run resumed later gets its own records back in metrics.jsonl (the other run's go to a
