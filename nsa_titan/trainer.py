@@ -980,7 +980,9 @@ class Trainer:
             self.heartbeat.beat(state.step, force=state.step == t.steps)
             self.gc.after_step(state.step)
 
-            log_now = state.step % recipe.metrics.log_freq == 0 or state.step in (first_step + 1, t.steps)
+            # A stop agreed at this step makes it the run's last: its record is logged whatever log_freq says.
+            log_now = (state.step % recipe.metrics.log_freq == 0 or state.step in (first_step + 1, t.steps)
+                       or self._stop_agreed)
             if log_now:
                 now = time.perf_counter()
                 rate = window_tokens / max(now - window_start - aside_s, 1e-9)

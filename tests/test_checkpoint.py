@@ -530,6 +530,26 @@ def test_a_stop_asked_during_a_save_or_validation_ends_at_that_step(tmp_path, ca
     assert max(losses(folder)) == 4
 
 
+def test_the_step_a_halt_file_stops_at_is_logged(tmp_path, capsys, monkeypatch):
+    """The last step of a halted run is in metrics.jsonl although it is not a multiple of log_freq: a run's
+    final record must not be missing."""
+    from nsa_titan.trainer import Trainer
+
+    folder = tmp_path / "run"
+    real = Trainer.train_step
+
+    def halting(self, *args, **kwargs):
+        if self.state.step == 6:  # seen by step 7's agreement
+            open(os.path.join(folder, "HALT"), "w").close()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", halting)
+    assert cli.main(["train", *BASE, "--training.steps=20", "--checkpoint.interval=5", "--metrics.log_freq=5",
+                     f"--job.dump_folder={folder}"]) == 0
+    assert "stopping after step 7 (halt file" in capsys.readouterr().out
+    assert sorted(losses(folder)) == [1, 5, 7]
+
+
 def test_a_closed_terminal_stops_the_run_with_a_save(tmp_path):
     """The terminal a run prints to goes away (an ssh session closed): the kernel sends SIGHUP and every later
     write to it fails with EIO. The run stops after its step with a checkpoint and exits 0; its last lines,
