@@ -671,3 +671,23 @@ def test_shard_sizes_share_out_every_file_by_its_pieces(tmp_path):
                                                        for g in range(meta.num_row_groups))
     assert len(sizes) == 4 and min(sizes) > 0 and sum(sizes) == pytest.approx(total)
     assert max(sizes) < 1.5 * min(sizes)  # a few pieces per shard spread the files evenly
+
+
+def test_text_files_says_once_when_parquet_row_groups_dwarf_its_pieces(tmp_path):
+    """Each piece decodes its whole row group: a file written as one huge row group (pyarrow's default) is decoded
+    once per piece, which the source says through shard_notes (said once by the engine) with the fix; row groups
+    near a piece's size, and other kinds of files, say nothing."""
+    import math
+
+    from components.data.sources.file_corpus import MAX_PIECE_ROWS
+
+    texts = [f"t{i}" for i in range(9 * MAX_PIECE_ROWS)]
+    huge = write_parquet(str(tmp_path / "huge.parquet"), texts, row_group_size=len(texts))
+    fine = write_parquet(str(tmp_path / "fine.parquet"), texts, row_group_size=MAX_PIECE_ROWS)
+    (note,) = TextFilesSource(TextFilesArgs(paths=[huge])).shard_notes(4)
+    rows = math.ceil(len(texts) / 16)  # 4 pieces for each of 4 shards
+    assert f"{huge} has row groups of up to {len(texts):,} rows, and a piece a logical shard reads holds {rows:,}" \
+        in note and f"decoded about {math.ceil(len(texts) / rows)} times per epoch" in note
+    assert f"row_group_size={MAX_PIECE_ROWS}" in note
+    assert TextFilesSource(TextFilesArgs(paths=[fine])).shard_notes(4) == []
+    assert TextFilesSource(TextFilesArgs(paths=[write_jsonl(str(tmp_path / "a.jsonl"), texts)])).shard_notes(4) == []

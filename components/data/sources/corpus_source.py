@@ -26,6 +26,9 @@ class CorpusSource:
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
 
+    def shard_notes(self, num_shards: int) -> list[str]:
+        return self.corpus().row_group_notes(num_shards)
+
     def shard_sizes(self, num_shards: int) -> list[float]:
         """Each logical shard's share of the training split, in bytes (from the files' metadata)."""
         return self.corpus().shard_bytes("train", num_shards)

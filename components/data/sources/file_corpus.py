@@ -36,6 +36,9 @@ from components.data.sources.base import digest, order_rng, split_of
 MAX_PIECE_BYTES = 1 << 20
 MAX_PIECE_ROWS = 1024
 PIECES_PER_SHARD = 4
+# A row group this many times a piece's rows (and MAX_PIECE_ROWS) is worth a note: each of its pieces decodes
+# the whole group, so every row of it is decoded that many times per epoch.
+_NOTED_ROW_GROUP_FACTOR = 8
 _CHECK_RECORD_BUDGET = 1000
 
 
@@ -202,10 +205,9 @@ class FileCorpus:
             return cached
         meta = self.meta()
         jsonl_bytes = sum(m[1] for m in meta if m[0] == "jsonl")
-        parquet_rows = sum(sum(m[1]) for m in meta if m[0] == "parquet")
         target = PIECES_PER_SHARD * num_shards
         chunk = min(MAX_PIECE_BYTES, max(1, jsonl_bytes // target))
-        rows = min(MAX_PIECE_ROWS, max(1, math.ceil(parquet_rows / target)))
+        rows = self.piece_rows(num_shards)
         out: list[tuple[int, int, int, int]] = []
         for i, (f, m) in enumerate(zip(self.files, meta)):
             if f.kind == "whole":
@@ -218,6 +220,28 @@ class FileCorpus:
                     out.extend((i, g, a, min(a + rows, n)) for a in range(0, n, rows))
         self._pieces[(num_shards, split)] = out
         return out
+
+    def piece_rows(self, num_shards: int) -> int:
+        """The rows of a parquet piece over num_shards logical shards (a row group's last piece may hold fewer)."""
+        parquet_rows = sum(sum(m[1]) for m in self.meta() if m[0] == "parquet")
+        return min(MAX_PIECE_ROWS, max(1, math.ceil(parquet_rows / (PIECES_PER_SHARD * num_shards))))
+
+    def row_group_notes(self, num_shards: int) -> list[str]:
+        """A parquet file whose row groups are far larger than a piece is decoded many times over: each piece
+        reads its whole row group's column (Parquet cannot read part of one), so a file written with one huge row
+        group (pyarrow's default holds a million rows) feeds training at a fraction of the rate. Said once."""
+        rows = self.piece_rows(num_shards)
+        large = [(f, max(m[1])) for f, m in zip(self.files, self.meta()) if m[0] == "parquet" and m[1]
+                 and max(m[1]) >= _NOTED_ROW_GROUP_FACTOR * max(rows, MAX_PIECE_ROWS)]
+        if not large:
+            return []
+        f, most = max(large, key=lambda found: found[1])
+        others = f" (and {len(large) - 1} more file(s))" if len(large) > 1 else ""
+        return [f"{self.what}: {f.path}{others} has row groups of up to {most:,} rows, and a piece a logical shard "
+                f"reads holds {rows:,}: each piece decodes its whole row group, so every row is decoded about "
+                f"{math.ceil(most / rows)} times per epoch and reading may not keep up with training. Fix: rewrite "
+                f"the file with smaller row groups, e.g. pyarrow.parquet.write_table(table, path, "
+                f"row_group_size={MAX_PIECE_ROWS})"]
 
     def shard_bytes(self, split: str, num_shards: int) -> list[float]:
         """Each logical shard's share of the corpus in bytes, from the files' metadata (nothing is read): a
@@ -308,7 +332,7 @@ class FileCorpus:
         import pyarrow.parquet as pq
 
         # The whole row group's column is decoded: pieces cap at MAX_PIECE_ROWS, so row groups much
-        # larger than that are read several times (once per piece).
+        # larger than that are read several times (once per piece; row_group_notes says so).
         try:
             column = pq.ParquetFile(path).read_row_group(group, columns=[self.text_field]).column(0)
         except (OSError, ValueError, pa.ArrowException) as e:
