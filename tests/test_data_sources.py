@@ -691,3 +691,18 @@ def test_text_files_says_once_when_parquet_row_groups_dwarf_its_pieces(tmp_path)
     assert f"row_group_size={MAX_PIECE_ROWS}" in note
     assert TextFilesSource(TextFilesArgs(paths=[fine])).shard_notes(4) == []
     assert TextFilesSource(TextFilesArgs(paths=[write_jsonl(str(tmp_path / "a.jsonl"), texts)])).shard_notes(4) == []
+
+
+def test_text_files_says_once_when_a_whole_file_document_is_a_corpus(tmp_path):
+    """A .txt file is one document, read and tokenized whole by one logical shard at every epoch and resume: one
+    the size of a corpus is said once through shard_notes (from its size: nothing is read), with the fix."""
+    from components.data.sources.file_corpus import _NOTED_WHOLE_FILE_BYTES
+
+    big, small = tmp_path / "corpus.txt", tmp_path / "page.txt"
+    with open(big, "wb") as fh:
+        fh.truncate(_NOTED_WHOLE_FILE_BYTES)  # sparse: takes no disk
+    small.write_text("a page of text")
+    (note,) = TextFilesSource(TextFilesArgs(paths=[str(big), str(small)])).shard_notes(4)
+    assert f"{big} is one document of {_NOTED_WHOLE_FILE_BYTES / 2**20:,.0f} MiB" in note
+    assert "at every resume" in note and "a .jsonl file" in note
+    assert TextFilesSource(TextFilesArgs(paths=[str(small)])).shard_notes(4) == []

@@ -27,7 +27,8 @@ class CorpusSource:
         return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
 
     def shard_notes(self, num_shards: int) -> list[str]:
-        return self.corpus().row_group_notes(num_shards)
+        corpus = self.corpus()
+        return corpus.row_group_notes(num_shards) + corpus.whole_file_notes()
 
     def shard_sizes(self, num_shards: int) -> list[float]:
         """Each logical shard's share of the training split, in bytes (from the files' metadata)."""

@@ -39,6 +39,9 @@ PIECES_PER_SHARD = 4
 # A row group this many times a piece's rows (and MAX_PIECE_ROWS) is worth a note: each of its pieces decodes
 # the whole group, so every row of it is decoded that many times per epoch.
 _NOTED_ROW_GROUP_FACTOR = 8
+# A whole-file document this large is worth a note: it is read and tokenized at once (its tokens alone take 8
+# bytes each as int64), at every epoch and again at every resume.
+_NOTED_WHOLE_FILE_BYTES = 64 << 20
 _CHECK_RECORD_BUDGET = 1000
 
 
@@ -242,6 +245,20 @@ class FileCorpus:
                 f"{math.ceil(most / rows)} times per epoch and reading may not keep up with training. Fix: rewrite "
                 f"the file with smaller row groups, e.g. pyarrow.parquet.write_table(table, path, "
                 f"row_group_size={MAX_PIECE_ROWS})"]
+
+    def whole_file_notes(self) -> list[str]:
+        """A whole-file document (.txt, .md, ...) far larger than a document should be, such as a corpus kept in
+        one .txt file: it is one document, read and tokenized whole by one logical shard. Said once."""
+        large = [(f, m[1]) for f, m in zip(self.files, self.meta())
+                 if m[0] == "whole" and m[1] >= _NOTED_WHOLE_FILE_BYTES]
+        if not large:
+            return []
+        f, most = max(large, key=lambda found: found[1])
+        others = f" (and {len(large) - 1} more file(s))" if len(large) > 1 else ""
+        return [f"{self.what}: {f.path}{others} is one document of {most / 2**20:,.0f} MiB: one logical shard reads "
+                f"it, and reads and tokenizes it whole (memory many times its size) at every epoch and again at every "
+                f"resume. Fix: cut it into its documents, e.g. a .jsonl file with one {{\"text\": ...}} line per "
+                f"document"]
 
     def shard_bytes(self, split: str, num_shards: int) -> list[float]:
         """Each logical shard's share of the corpus in bytes, from the files' metadata (nothing is read): a
