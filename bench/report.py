@@ -35,7 +35,7 @@ def _verdict(met: bool) -> str:
 
 
 # Benchmarks that measure the CPU, or compile without a GPU: a result from a machine without one is what they are for.
-CPU_BENCHMARKS = ("data_resume", "nsa_reference_vs_sdpa_cpu", "kernel_resources")
+CPU_BENCHMARKS = ("data_resume", "data_throughput", "nsa_reference_vs_sdpa_cpu", "kernel_resources")
 
 
 def environment_line(env: dict, kind: str | None = None) -> str:
@@ -214,6 +214,18 @@ def data_resume_tables(report: dict) -> list[str]:
             f"{_s(first['count_cursor_replay'])} | {_s(report['seconds_to_reach_cursor_from_start'])} |"]
 
 
+def data_throughput_tables(report: dict) -> list[str]:
+    resume = report["resume"]
+    overrides = " ".join(report.get("overrides", [])) or "none"
+    return [f"A recipe's data in one reader ({report['recipe']}, overrides: {overrides}):", "",
+            "| source | tokenizer | rows x seq_len | logical shards | tokens/s | first batch s | resume after tokens | "
+            "resume s | same batch |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"| {report['source']} | {report['tokenizer']} | {report['rows_per_batch']} x {report['seq_len']} | "
+            f"{report['logical_shards']} | {report['tokens_per_second']:,} | {_s(report['seconds_to_first_batch'])} | "
+            f"{resume['after_tokens']:,} | {_s(resume['seconds_to_first_batch'])} | "
+            f"{'yes' if resume['same_batch'] else 'NO'} |"]
+
 def reference_tables(report: dict) -> list[str]:
     lines = [f"NSA reference vs dense causal SDPA on the CPU ({report.get('seq_len')} tokens, {report.get('heads')} "
              f"heads, D = {report.get('head_dim')}, {report.get('dtype')}, {report.get('threads')} threads; seconds, "
@@ -244,7 +256,8 @@ def kernel_tables(report: dict) -> list[str]:
 
 TABLES = {"attention": attention_tables, "attention_stages": stage_tables, "train_throughput": train_tables,
           "loss_memory": loss_tables, "context_parallel": context_parallel_tables, "data_resume": data_resume_tables,
-          "nsa_reference_vs_sdpa_cpu": reference_tables, "kernel_resources": kernel_tables}
+          "data_throughput": data_throughput_tables, "nsa_reference_vs_sdpa_cpu": reference_tables,
+          "kernel_resources": kernel_tables}
 
 
 def report_kind(report) -> str:

@@ -73,8 +73,8 @@ def test_the_command_reads_files_and_names_what_it_cannot_read(tmp_path, capsys)
     captured = capsys.readouterr()
     assert "## attention.json" in captured.out and "8.00x, met" in captured.out
     assert "other.json: ValueError: a 'nonesuch' report; this tool makes tables of attention, attention_stages, " \
-           "train_throughput, loss_memory, context_parallel, data_resume, nsa_reference_vs_sdpa_cpu, " \
-           "kernel_resources reports (read the others' JSON as it is)" in captured.err
+           "train_throughput, loss_memory, context_parallel, data_resume, data_throughput, " \
+           "nsa_reference_vs_sdpa_cpu, kernel_resources reports (read the others' JSON as it is)" in captured.err
     assert "unnamed.json: ValueError: no benchmark report (it names no 'benchmark')" in captured.err
     assert "missing.json: FileNotFoundError" in captured.err
 
@@ -127,6 +127,12 @@ def _every_kind() -> dict[str, dict]:
             "benchmark": "data_resume", "environment": CPU_ENV, "documents": 600, "row_group": 50, "shards": 2,
             "shuffle_buffer": 16, "resumed_after_documents": 240, "seconds_to_reach_cursor_from_start": 0.5,
             "seconds_to_first_document": {"stream_state_cursor": 0.031, "count_cursor_replay": 0.25}},
+        "data_throughput": {
+            "benchmark": "data_throughput", "environment": CPU_ENV, "recipe": "recipes/debug.toml", "overrides": [],
+            "source": "PythonStdlibSource", "tokenizer": "byte", "logical_shards": 64, "rows_per_batch": 8,
+            "seq_len": 256, "seconds_to_first_batch": 0.029, "batches_timed": 300, "tokens_timed": 614400,
+            "tokens_per_second": 6889576,
+            "resume": {"after_tokens": 616448, "seconds_to_first_batch": 0.003, "same_batch": True}},
         "nsa_reference_vs_sdpa_cpu": {
             "benchmark": "nsa_reference_vs_sdpa_cpu", "environment": CPU_ENV, "threads": 2, "batch": 1,
             "seq_len": 512, "heads": 2, "head_dim": 16, "dtype": "float32",
@@ -149,6 +155,8 @@ def test_every_kind_of_result_the_benchmarks_write_is_rendered():
     assert "| 2 | 128 | error: rank 1: the recipe has / a problem | | | |" in tables["context_parallel"]
     assert "| 2 | head-tail | 128 | reference | 1.000 / 3.000 | 1.50 |" in tables["context_parallel"]
     assert "| 600 | 50 | 2 | 16 | 240 | 0.031 | 0.250 | 0.500 |" in tables["data_resume"]
+    assert "| PythonStdlibSource | byte | 8 x 256 | 64 | 6,889,576 | 0.029 | 616,448 | 0.003 | yes |" \
+        in tables["data_throughput"]
     assert "| 1 | 0.400 | 0.200 | 2.00 | 1.200 | 0.600 | 2.00 | selection 0.050 |" \
         in tables["nsa_reference_vs_sdpa_cpu"]
     assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 |" in tables["kernel_resources"]

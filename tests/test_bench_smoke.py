@@ -230,6 +230,29 @@ def test_data_resume_bench_times_both_cursors(tmp_path):
     assert result["environment"]["torch"]
 
 
+def test_data_throughput_bench_times_the_recipes_data_and_an_exact_resume(tmp_path):
+    from bench import data_throughput
+
+    out = tmp_path / "data_throughput.json"
+    assert data_throughput.main(["recipes/debug.toml", "--batches", "5", "--override=--training.seq_len=32",
+                                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["source"], result["tokenizer"], result["rows_per_batch"], result["seq_len"]) == \
+        ("PythonStdlibSource", "byte", 8, 32)
+    assert result["tokens_timed"] == 5 * 8 * 32 and result["tokens_per_second"] > 0
+    assert result["resume"]["after_tokens"] == 6 * 8 * 32 and result["resume"]["same_batch"] is True
+    times = [result["seconds_to_first_batch"], result["resume"]["seconds_to_first_batch"]]
+    assert all(isinstance(t, float) and math.isfinite(t) and t >= 0 for t in times), result
+
+
+def test_data_throughput_bench_refuses_a_bad_recipe_in_one_message(tmp_path, capsys):
+    from bench import data_throughput
+
+    code = data_throughput.main(["recipes/debug.toml", "--override=--data.nope=1", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2 and "data.nope" in err and "Traceback" not in err, err
+    assert not (tmp_path / "x").exists()
+
 def test_loss_memory_bench_measures_both_ways_on_the_same_logits(tmp_path):
     from bench import loss_memory
 
