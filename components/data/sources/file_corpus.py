@@ -37,7 +37,7 @@ MAX_PIECE_BYTES = 1 << 20
 MAX_PIECE_ROWS = 1024
 PIECES_PER_SHARD = 4
 # A row group this many times a piece's rows (and MAX_PIECE_ROWS) is worth a note: each of its pieces decodes
-# the whole group, so every row of it is decoded that many times per epoch.
+# the group up to its own rows, so every row of it is decoded half that many times per epoch.
 _NOTED_ROW_GROUP_FACTOR = 8
 # A whole-file document this large is worth a note: it is read and tokenized at once (its tokens alone take 8
 # bytes each as int64), at every epoch and again at every resume.
@@ -231,8 +231,9 @@ class FileCorpus:
 
     def row_group_notes(self, num_shards: int) -> list[str]:
         """A parquet file whose row groups are far larger than a piece is decoded many times over: each piece
-        reads its whole row group's column (Parquet cannot read part of one), so a file written with one huge row
-        group (pyarrow's default holds a million rows) feeds training at a fraction of the rate. Said once."""
+        decodes its row group from the start to its own rows (Parquet cannot start inside one), so a file written
+        with one huge row group (pyarrow's default holds a million rows) feeds training at a fraction of the rate.
+        Said once."""
         rows = self.piece_rows(num_shards)
         large = [(f, max(m[1])) for f, m in zip(self.files, self.meta()) if m[0] == "parquet" and m[1]
                  and max(m[1]) >= _NOTED_ROW_GROUP_FACTOR * max(rows, MAX_PIECE_ROWS)]
@@ -241,10 +242,10 @@ class FileCorpus:
         f, most = max(large, key=lambda found: found[1])
         others = f" (and {len(large) - 1} more file(s))" if len(large) > 1 else ""
         return [f"{self.what}: {f.path}{others} has row groups of up to {most:,} rows, and a piece a logical shard "
-                f"reads holds {rows:,}: each piece decodes its whole row group, so every row is decoded about "
-                f"{math.ceil(most / rows)} times per epoch and reading may not keep up with training. Fix: rewrite "
-                f"the file with smaller row groups, e.g. pyarrow.parquet.write_table(table, path, "
-                f"row_group_size={MAX_PIECE_ROWS})"]
+                f"reads holds {rows:,}: each piece decodes its row group from the start to its own rows, so every "
+                f"row is decoded about {math.ceil(most / rows / 2)} times per epoch and reading may not keep up with "
+                f"training. Fix: rewrite the file with smaller row groups, e.g. pyarrow.parquet.write_table(table, "
+                f"path, row_group_size={MAX_PIECE_ROWS})"]
 
     def whole_file_notes(self) -> list[str]:
         """A whole-file document (.txt, .md, ...) far larger than a document should be, such as a corpus kept in
@@ -348,16 +349,20 @@ class FileCorpus:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        # The whole row group's column is decoded: pieces cap at MAX_PIECE_ROWS, so row groups much
-        # larger than that are read several times (once per piece; row_group_notes says so).
+        # A large row group is decoded in batches up to the piece's end, never past it (a whole row group, when
+        # pyarrow wrote one of a million rows, is gigabytes). Parquet cannot start inside a row group, so the rows
+        # before the piece are decoded too: row groups much larger than a piece are slow (row_group_notes says so).
         try:
-            column = pq.ParquetFile(path).read_row_group(group, columns=[self.text_field]).column(0)
+            parquet = pq.ParquetFile(path)
+            if parquet.metadata.row_group(group).num_rows <= _NOTED_ROW_GROUP_FACTOR * MAX_PIECE_ROWS:
+                rows = parquet.read_row_group(group, columns=[self.text_field]).column(0).slice(start, end - start)
+            else:
+                rows = self._parquet_rows_in_batches(parquet, group, start, end)
         except (OSError, ValueError, pa.ArrowException) as e:
             raise UserError(
                 f"{self.what}: cannot read row group {group} of {path} ({type(e).__name__}: {e}); "
                 "replace or remove the file"
             ) from e
-        rows = column.slice(start, end - start)
         try:
             values = rows.to_pylist()
         except UnicodeDecodeError:  # Arrow does not check that a string column holds UTF-8
@@ -369,6 +374,20 @@ class FileCorpus:
                     "set text_field to a text column"
                 )
         return values
+
+    def _parquet_rows_in_batches(self, parquet, group: int, start: int, end: int):
+        """Rows [start, end) of a row group's text column, decoded a batch at a time up to `end`."""
+        import pyarrow as pa
+
+        parts, seen = [], 0
+        for batch in parquet.iter_batches(batch_size=MAX_PIECE_ROWS, row_groups=[group], columns=[self.text_field]):
+            low, high = max(start, seen), min(end, seen + batch.num_rows)
+            if high > low:
+                parts.append(batch.column(0).slice(low - seen, high - low))
+            seen += batch.num_rows
+            if seen >= end:
+                break
+        return pa.chunked_array(parts, type=parquet.schema_arrow.field(self.text_field).type)
 
     def _decode_rows(self, rows, path: str, group: int, start: int) -> list:
         """A parquet text column's rows decoded as invalid_utf8 says, a bad row named with its place."""
