@@ -82,7 +82,10 @@ def main(argv=None) -> int:
     from nsa_titan.config import RecipeError, resolve
 
     try:
-        recipe = resolve([args.recipe, *args.override]).recipe
+        resolved = resolve([args.recipe, *args.override])
+        for note in resolved.notes:  # what the recipe sets that this run does not use, as training says it
+            print(f"note: {note}", file=sys.stderr)
+        recipe = resolved.recipe
         build, source, tokenizer = loader_factory(recipe)
         measured = measure(build, args.batches)
     except RecipeError as exc:

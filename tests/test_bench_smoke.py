@@ -245,6 +245,19 @@ def test_data_throughput_bench_times_the_recipes_data_and_an_exact_resume(tmp_pa
     assert all(isinstance(t, float) and math.isfinite(t) and t >= 0 for t in times), result
 
 
+def test_data_throughput_bench_says_what_the_recipe_sets_and_it_does_not_use(tmp_path, capsys):
+    """The production recipe over local files: its streamed source's table goes unused, said as training says it."""
+    from bench import data_throughput
+    from tests.test_data_helpers import unique_texts, write_jsonl
+
+    corpus = write_jsonl(str(tmp_path / "c.jsonl"), unique_texts(50))
+    assert data_throughput.main(["recipes/nsa_125m.toml", "--batches", "1", "--override=--data.source=text_files",
+                                 f"--override=--data.text_files.paths=['{corpus}']", "--override=--data.tokenizer=byte",
+                                 "--override=--training.seq_len=64", "--out", str(tmp_path / "r.json")]) == 0
+    err = capsys.readouterr().err
+    assert "note: [data.huggingface] from recipes/presets/fineweb_edu.toml is not used" in err, err
+    assert json.loads((tmp_path / "r.json").read_text())["source"] == "TextFilesSource"
+
 def test_data_throughput_bench_refuses_a_bad_recipe_in_one_message(tmp_path, capsys):
     from bench import data_throughput
 
