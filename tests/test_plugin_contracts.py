@@ -217,6 +217,9 @@ def test_sample_and_eval_of_a_model_that_cannot_decode_say_so(plugin, tmp_path, 
         err = capsys.readouterr().err
         assert "Traceback" not in err and "Plain cannot generate text: decoding needs the model's new_kv_cache, " \
                "forward_step, args.max_seq_len" in err, err
+        # eval's way round it: the probe is the one part that decodes
+        assert ("Or add --trials 0" in err) == (argv[0] == "eval"), err
+    assert cli.main(["eval", exported, "--out", str(tmp_path / "eval"), "--trials", "0", "--batches", "1"]) == 0
 
 
 def test_switching_the_model_leaves_the_other_models_arguments_named_as_its(plugin, tmp_path, capsys):
