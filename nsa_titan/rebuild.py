@@ -17,6 +17,7 @@ from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import RecipeError
 from nsa_titan.config.resolve import TOKENIZER_ARGS, run_identity_notes, unread_flags_note
+from nsa_titan.config.toml_io import origins
 
 
 def say_on_stderr(text: str) -> None:
@@ -118,7 +119,7 @@ def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict
     weights, in eval mode on `device`, computing as it can there (runnable_args; `say` gets the note).
     `source` names where they came from in a mismatch's message."""
     part = registry.get("model", model_name)
-    args = runnable_args(part, model_arguments(part, model_args), device, say)
+    args = runnable_args(part, model_arguments(part, model_args, source), device, say)
     with torch.device("meta"):
         model = registry.call(part, args, vocab_size)
     model.to_empty(device=device)
@@ -133,10 +134,11 @@ def rebuild_model(model_name: str, model_args: dict, vocab_size: int, state_dict
     return model.eval()
 
 
-def model_arguments(part, model_args: dict):
-    """A model part's argument dataclass from saved values, validated as a recipe's would be."""
+def model_arguments(part, model_args: dict, where: str = "the saved model arguments"):
+    """A model part's argument dataclass from saved values, validated as a recipe's would be; a problem names
+    `where` they were saved."""
     problems = []
-    args = RecipeBuilder({}, problems).build(part.args, model_args, "model")
+    args = RecipeBuilder(origins(model_args, where, "model."), problems).build(part.args, model_args, "model")
     if problems:
         raise RecipeError(problems)
     return args

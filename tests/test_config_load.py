@@ -126,6 +126,20 @@ def test_a_saved_recipe_that_a_newer_rule_refuses_still_reads(tmp_path, capsys):
     assert "note: model.pt: the saved recipe no longer passes a check: " in capsys.readouterr().err
 
 
+def test_a_saved_recipes_problems_name_where_it_was_saved_not_the_defaults():
+    """A field of a saved recipe (an export's, a run's) or of saved model arguments that no longer reads is
+    named as theirs: it was put down to 'defaults', which no one wrote."""
+    from nsa_titan.rebuild import model_arguments
+
+    text = resolve([os.path.join(REPO_ROOT, "recipes", "debug.toml")]).toml
+    with pytest.raises(RecipeError) as saved:
+        resolve_text(text.replace('backend = "reference"', 'backend = "mine"'))
+    with pytest.raises(RecipeError) as arguments:
+        model_arguments(registry.get("model", "transformer"), {"nsa": {"backend": "mine"}}, "out/hf/config.json")
+    for caught, where in ((saved, "saved recipe"), (arguments, "out/hf/config.json")):
+        assert f"  - {where}: model.nsa.backend = 'mine': must be one of" in caught.value.render()
+
+
 def test_a_parts_table_in_the_same_layer_as_another_choice_is_an_error(tmp_path):
     (tmp_path / "r.toml").write_text('[data]\nsource = "synthetic"\n[data.text_files]\npaths = ["a.txt"]\n')
     with pytest.raises(RecipeError, match="would be ignored"):

@@ -16,7 +16,7 @@ from nsa_titan.config.overrides import ACTIONS, CliText, CommandLine, apply_over
 from nsa_titan.config.render import recipe_to_table
 from nsa_titan.config.rules import check_rules
 from nsa_titan.config.schema import Recipe
-from nsa_titan.config.toml_io import dumps, load_composed, shown_path, tomllib
+from nsa_titan.config.toml_io import dumps, load_composed, origins, shown_path, tomllib
 
 
 @dataclass
@@ -120,7 +120,7 @@ def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError([Problem("saved recipe", "recipe", None, f"is not valid TOML: {exc}",
                                    "export or train again to write a fresh one")]) from None
-    origin = {key: "saved recipe" for key in table}
+    origin = origins(table, "saved recipe")
     return _finish(table, origin, problems, world_size, None, CommandLine(None, [], set()), saved=True)
 
 

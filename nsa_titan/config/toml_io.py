@@ -99,6 +99,15 @@ def _merge(into: dict, table: dict, origin: dict[str, str], source: str, prefix:
             _record(origin, path, value, source)
 
 
+def origins(table: dict, source: str, prefix: str = "") -> dict[str, str]:
+    """Every field of a table read whole from one `source` (a saved recipe, say), by its dotted path under
+    `prefix`: what a problem names as where the field was set."""
+    origin: dict[str, str] = {}
+    for key, value in table.items():
+        _record(origin, f"{prefix}{key}", value, source)
+    return origin
+
+
 def _record(origin: dict[str, str], path: str, value: Any, source: str) -> None:
     for stale in [k for k in origin if k == path or k.startswith(path + ".")]:
         del origin[stale]
