@@ -25,6 +25,7 @@ from components.errors import UserError
 from nsa_titan import registry
 from nsa_titan.command_options import check_output, new_name_beside, with_umask_permissions
 from nsa_titan.config import ResolvedRecipe
+from nsa_titan.config.errors import RecipeError
 from nsa_titan.observe.progress import progress
 from nsa_titan.run_folder import flat_fields
 from nsa_titan.weight_source import model_field_changes
@@ -230,10 +231,20 @@ def read_hf_folder(path: str) -> HFFolder:
     if recipe_toml is not None and model_name not in registry.available("model"):
         import_plugins_of(recipe_toml)  # a plugin registers the model
     part = registry.get("model", model_name)
+    where = os.path.join(path, CONFIG)
+    try:
+        args = model_arguments(part, model_args, where)
+    except RecipeError:
+        if recipe_toml is None:
+            raise
+        # A built-in model whose arguments name a plugin's part (an attention backend): the folder's plugins
+        # are imported only when needed, so a folder of a run with, say, a plugin data source reads without it.
+        import_plugins_of(recipe_toml)
+        args = model_arguments(part, model_args, where)
     # The package's models hold float32 weights, whatever the folder stores.
     tensors = {name: x.float() if x.is_floating_point() else x for name, x in tensors.items()}
     try:
-        state = _hf_format(part, model_arguments(part, model_args), vocab_size).from_hf(tensors)
+        state = _hf_format(part, args, vocab_size).from_hf(tensors)
     except (KeyError, ValueError, RuntimeError) as exc:  # tensors missing, or of other shapes than config.json says
         raise UserError(f"the weights in {path} do not fit the model {CONFIG} describes "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r}). Fix: export "

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import sysconfig
 
 import pytest
@@ -585,6 +586,35 @@ def test_export_of_an_exported_model_names_the_recipe_it_needs(exported, tmp_pat
     dump = next(a for a in overrides if a.startswith("--job.dump_folder=")).split("=", 1)[1]
     rest = [a for a in overrides if not a.startswith("--job.dump_folder=")]
     assert cli.main(["export", "--job.dump_folder", dump, recipe, *rest, "--output", str(tmp_path / "m.pt")]) == 0
+
+
+def test_a_folder_of_a_run_on_a_plugins_attention_backend_reads_with_its_plugin(tmp_path, capsys):
+    """The built-in transformer on a plugin's NSA backend: sample of its folder in a fresh process imports the
+    plugin its recipe names, as for an exported file (it refused the backend as not one of the built-in ones)."""
+    from components.nsa import unregister_backend
+
+    plugin = tmp_path / "folder_backend.py"
+    plugin.write_text("from components.nsa import nsa_attention\nfrom nsa_titan.registry import register\n\n"
+                      "register('attention_backend', 'passing', lambda *args, **hyper: nsa_attention(*args, "
+                      "backend='reference', **hyper))\n")
+    argv = [DEBUG, *TINY, "--training.steps=1", f"--job.plugins={plugin}", "--model.nsa.backend=passing",
+            "--checkpoint.enable=true", f"--job.dump_folder={tmp_path / 'run'}"]
+    sample = ["sample", str(tmp_path / "hf"), "--prompt", "def ", "--max-new-tokens", "4", "--temperature", "0"]
+    try:
+        assert cli.main(["train", *argv]) == 0
+        assert cli.main(["export", *argv, "--format", "hf", "--output", str(tmp_path / "hf")]) == 0
+        assert cli.main(["export", *argv, "--output", str(tmp_path / "model.pt")]) == 0
+        printed = []
+        for model in (str(tmp_path / "model.pt"), str(tmp_path / "hf")):
+            unregister_backend("passing")  # as a fresh process finds the registry
+            sys.modules.pop("folder_backend", None)
+            capsys.readouterr()
+            assert cli.main([sample[0], model, *sample[2:]]) == 0, capsys.readouterr().err
+            printed.append(capsys.readouterr().out)
+        assert printed[0] == printed[1] and printed[0].startswith("def ")
+    finally:
+        unregister_backend("passing")
+        sys.modules.pop("folder_backend", None)
 
 
 def test_a_folder_saved_again_by_transformers_reads_sharded_or_whole(exported, tmp_path, capsys):
