@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -189,6 +190,22 @@ def test_eval_says_where_its_recipe_differs_from_the_runs(checkpointed_run, tmp_
     said = capsys.readouterr().out
     assert code == 0 and "note: the recipe differs from the run's recipe.toml" in said
     assert "training.steps: 2 -> 9" in said, said
+
+
+def test_a_held_out_set_short_of_the_rows_asked_for_is_said(checkpointed_run, tmp_path, capsys):
+    """--batches beyond what the shards hold out measures the rows there are and says how many of those asked for,
+    as training says it of validation.steps (it was silent); a set that fills its rows says nothing."""
+    for documents, short in ((256, False), (2, True)):  # two held-out documents: two of the four shards hold none
+        out = tmp_path / str(documents)
+        assert cli.main(["eval", *checkpointed_run, f"--data.synthetic.validation_documents={documents}", "--out",
+                         str(out), "--batches", "4", "--trials", "0"]) == 0
+        err = capsys.readouterr().err
+        found = re.search(r"note: the held-out set holds (\d+) of the 32 rows --batches asks for", err)
+        assert (found is not None) == short, err
+    rows = int(found.group(1))
+    tokens = sum(json.loads((out / "eval.json").read_text())["position_loss"]["tokens"])
+    assert rows == 16 and 16 * 64 > tokens > 15 * 64, tokens  # the two shards' 8 rows each, less ends of text
+    assert "Fix: ask for fewer (--batches 2 at most)" in err
 
 
 @pytest.mark.parametrize("extra, message", [
