@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import zipfile
 from typing import Callable
 
@@ -19,9 +20,11 @@ from torch import nn
 from components.errors import UserError
 from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan import registry
+from nsa_titan.checkpoint import complete_steps
 from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
+from nsa_titan.run_folder import RECIPE_FILE
 
 __all__ = ["FORMAT", "ExportedRun", "export_checkpoint", "load_checkpoint_model", "load_exported", "load_exported_run"]
 
@@ -77,6 +80,11 @@ def load_exported(path: str, device: str | torch.device = "cpu",
     there (`say` gets the note when that differs from training); returns (model in eval mode, its
     metadata: model_name, model_args, vocab_size, step, recipe_toml)."""
     if os.path.isdir(path):
+        from nsa_titan.hf_folder import is_hf_folder
+
+        refusal = None if is_hf_folder(path) else _run_folder_refusal(path)
+        if refusal is not None:
+            raise refusal
         return _load_hf_folder(path, device, say)
     if path.endswith(".toml"):
         raise UserError(f"{path!r} is a recipe, not an exported model. Fix: run `nsa-titan export {path} --output "
@@ -120,6 +128,28 @@ def load_exported_run(path: str, device: str | torch.device = "cpu",
     if meta.get("format") == "hf":
         name, args = tokenizer_in_folder(name, args, path)
     return ExportedRun(model, meta, recipe, registry.build("tokenizer", name, args))
+
+
+def _run_folder_refusal(path: str) -> UserError | None:
+    """A training run's folder, its checkpoint folder or one of its step folders where an exported model goes:
+    the way from it to one (they were told only that the folder is no Hugging Face folder)."""
+    folder = os.path.abspath(path)
+    step = None
+    if re.fullmatch(r"step-\d+", os.path.basename(folder)) and os.path.isfile(os.path.join(folder, "train_state.json")):
+        step, folder = int(os.path.basename(folder)[len("step-"):]), os.path.dirname(folder)
+    if complete_steps(folder) or step is not None:  # a checkpoint folder: its run holds it
+        folder = os.path.dirname(folder)
+    recipe = os.path.join(folder, RECIPE_FILE)
+    if not os.path.isfile(recipe):
+        return None
+    if step is not None:
+        what = f"checkpoint step {step} of the run in {folder!r}"
+    else:
+        what = "a training run's folder" if folder == os.path.abspath(path) else f"the checkpoint folder of {folder!r}"
+    load_step = f" --checkpoint.load_step={step}" if step is not None else ""
+    return UserError(f"{path!r} is {what}, not an exported model. Fix: export it first, `nsa-titan export {recipe}"
+                     f"{load_step} --output model.pt`, and give model.pt here (eval and plot also read it through "
+                     f"the run's recipe: `nsa-titan eval {recipe}{load_step} --out DIR`).")
 
 
 # What an export file must hold, by type (step is an int, or None for weights of no checkpoint step).

@@ -44,6 +44,28 @@ def test_sample_of_a_recipe_says_export_first(capsys):
     refused(capsys, ["sample", DEBUG], "is a recipe, not an exported model", "nsa-titan export")
 
 
+@pytest.mark.parametrize("command, extra", [("sample", []), ("plot", ["--text", "hi", "--out", "OUT"]),
+                                            ("eval", ["--out", "OUT"])])
+def test_a_run_folder_given_for_an_exported_model_names_the_export_that_makes_one(run, tmp_path, capsys, command,
+                                                                                 extra):
+    """The run's folder, its checkpoint folder or a step folder where an exported model goes: the export command
+    that makes one from it, which works as given (it said only that the folder is no Hugging Face folder)."""
+    argv, _, _ = run
+    folder = next(a for a in argv if a.startswith("--job.dump_folder=")).split("=", 1)[1]
+    recipe = os.path.join(folder, "recipe.toml")
+    extra = [str(tmp_path / "out") if x == "OUT" else x for x in extra]
+    for given, what, load_step in ((folder, "is a training run's folder", ""),
+                                   (os.path.join(folder, "checkpoint"), f"is the checkpoint folder of {folder!r}", ""),
+                                   (os.path.join(folder, "checkpoint", "step-1"),
+                                    f"is checkpoint step 1 of the run in {folder!r}", " --checkpoint.load_step=1")):
+        err = refused(capsys, [command, given, *extra], f"{given!r} {what}, not an exported model",
+                      f"Fix: export it first, `nsa-titan export {recipe}{load_step} --output model.pt`")
+        assert f"`nsa-titan eval {recipe}{load_step} --out DIR`" in err
+    export = f"export {recipe}{load_step} --output {tmp_path / 'model.pt'}".split()
+    assert cli.main(export) == 0
+    assert cli.main(["sample", str(tmp_path / "model.pt"), "--max-new-tokens", "2"]) == 0
+
+
 def test_run_train_sh_passes_other_commands_their_arguments_as_given(tmp_path):
     """Only train defaults to the debug recipe: sample, eval and plot get no recipe slipped in front. (Each
     call first checks the environment, importing every package: the time limits only catch a hang.)"""
