@@ -131,6 +131,26 @@ def test_generate_rejects_bad_input():
         generate(model, too_long, model.args.max_seq_len)
 
 
+def test_a_decoding_step_that_breaks_its_contract_is_refused():
+    """forward_step must give the logits of every token it is given, [B, Tnew, V]: a model's last position only
+    ([B, V]) was read as one number per row, and decoding went on with token 0 in silence."""
+    class LastOnly(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.args = model, model.args
+
+        def new_kv_cache(self, batch_size, capacity=None):
+            return self.inner.new_kv_cache(batch_size, capacity)
+
+        def forward_step(self, tokens, cache):
+            return self.inner.forward_step(tokens, cache)[:, -1]
+
+    model = LastOnly(_model("dense", n_layers=1))
+    with pytest.raises(UserError, match=rf"LastOnly.forward_step returned shape \[1, {VOCAB}\] for tokens of shape "
+                                        r"\[1, 3\]; decoding needs their logits \[batch, tokens, vocab\]"):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, temperature=0)
+
+
 def test_generation_stops_once_every_row_has_produced_the_stop_token():
     model = _model("nsa")
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))

@@ -39,6 +39,19 @@ def check_decodes(model) -> None:
                         f"decoding path like the transformer's; sample and eval's passkey probe decode")
 
 
+def _last_logits(model, tokens: torch.Tensor, cache) -> torch.Tensor:
+    """The logits [B, V] of the last of `tokens` [B, Tnew] from forward_step, held to its contract: logits
+    [B, Tnew, V]. (A plugin model's [B, V] went on as one number per row, decoding token 0 in silence.)"""
+    logits = model.forward_step(tokens, cache)
+    if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == tokens.shape):
+        got = f"shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
+        raise UserError(f"{type(model).__name__}.forward_step returned {got} for tokens of shape "
+                        f"{list(tokens.shape)}; decoding needs their logits [batch, tokens, vocab], as "
+                        f"components/models/transformer.py's Transformer.forward_step returns. Fix: return the "
+                        f"logits of every token it is given")
+    return logits[:, -1]
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -90,7 +103,7 @@ def generate(
     if max_new_tokens == 0:
         return out
     cache = model.new_kv_cache(B, capacity=total)
-    logits = model.forward_step(prompt, cache)[:, -1]
+    logits = _last_logits(model, prompt, cache)
     ended = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(T0, total):
         out[:, t] = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
@@ -99,5 +112,5 @@ def generate(
             if bool(ended.all()):
                 return out[:, :t + 1]
         if t + 1 < total:
-            logits = model.forward_step(out[:, t:t + 1], cache)[:, -1]
+            logits = _last_logits(model, out[:, t:t + 1], cache)
     return out
