@@ -12,7 +12,7 @@ from torch import nn
 
 from components.errors import UserError
 from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import COMPLETE, complete_steps, read_model_weights
+from nsa_titan.checkpoint import COMPLETE, complete_steps, incomplete_steps, read_model_weights
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import RecipeError
@@ -74,6 +74,11 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
     if step not in steps:
         raise UserError(f"no complete checkpoint at step {step} in {folder}. Fix: choose one of the complete steps "
                         f"({', '.join(map(str, steps))}) with --checkpoint.load_step, or -1 for the newest.")
+    cut = [s for s in incomplete_steps(folder) if s > steps[-1]] if recipe.checkpoint.load_step < 0 else []
+    if cut:  # read the newest complete step, as a resume would, but not in silence
+        say_on_stderr(f"note: reading step {step}, the newest complete one: {', '.join(f'step-{s}' for s in cut)} in "
+                      f"{folder} {'has' if len(cut) == 1 else 'have'} no {COMPLETE} marker (a save under way, or "
+                      f"one cut short)")
     _check_model_fields(resolved, os.path.join(folder, f"step-{step}"))
     tokenizer = assemble.build_tokenizer(recipe)
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)

@@ -673,6 +673,24 @@ def test_export_reads_the_newer_step_when_a_running_run_prunes_the_one_it_reads(
     assert "note: step 2 was removed while it was read" in said.err and "exported step 3" in said.out, said
 
 
+def test_export_beside_a_save_under_way_names_the_step_it_reads_instead(tmp_path, capsys):
+    """A newer step without its COMPLETE marker (a save under way, or one cut short): export reads the newest
+    complete step, as a resume would, and says so (it did so in silence); a step named by load_step is read as
+    it is, without the note."""
+    folder = tmp_path / "run"
+    argv = [*BASE, "--training.steps=2", "--checkpoint.interval=1", f"--job.dump_folder={folder}"]
+    assert cli.main(["train", *argv]) == 0
+    os.remove(os.path.join(ckpt_dir(folder), "step-2", COMPLETE))
+    capsys.readouterr()
+    assert cli.main(["export", *argv, "--output", str(tmp_path / "model.pt")]) == 0
+    said = capsys.readouterr()
+    assert "exported step 1" in said.out, said
+    assert (f"note: reading step 1, the newest complete one: step-2 in {ckpt_dir(folder)} has no COMPLETE marker "
+            f"(a save under way, or one cut short)") in said.err, said.err
+    assert cli.main(["export", *argv, "--checkpoint.load_step=1", "--output", str(tmp_path / "one.pt")]) == 0
+    assert "newest complete one" not in capsys.readouterr().err
+
+
 def test_export_round_trip_gives_the_same_logits(tmp_path, capsys):
     from nsa_titan.export import load_exported
     from nsa_titan.config import resolve
