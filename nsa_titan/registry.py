@@ -79,6 +79,7 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
     """
     if kind not in KINDS:
         raise ValueError(f"unknown part kind {kind!r}; kinds are {', '.join(KINDS)}")
+    _check_hooks(kind, name, model_hooks)
     # The built-in parts first: a plugin's name clashes with them now (or replaces them), not later.
     ensure_builtins()
     if args is not None and not dataclasses.is_dataclass(args):
@@ -96,6 +97,25 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
     part = Part(kind, name, build, args, doc, **model_hooks, plugin=not _registering_builtins)
     _PARTS[kind][name] = part
     return part
+
+
+# The model hooks register() takes: Part's fields less what every part has.
+MODEL_HOOKS = tuple(f.name for f in dataclasses.fields(Part) if f.name not in ("kind", "name", "build", "args", "doc",
+                                                                                  "plugin"))
+
+
+def _check_hooks(kind: str, name: str, hooks: dict[str, Any]) -> None:
+    """Refuse a hook no one would call: a misspelled one, or one given to a part that is not a model (it got
+    Part's TypeError, or was kept in silence)."""
+    from components.problems import suggest
+
+    for hook in hooks:
+        if hook not in MODEL_HOOKS:
+            raise ValueError(f"{kind} {name!r}: {hook!r} is not a model hook{suggest(hook, list(MODEL_HOOKS))}; the "
+                             f"hooks are {', '.join(MODEL_HOOKS)} (components/model_hooks.py)")
+    if hooks and kind != "model":
+        raise ValueError(f"{kind} {name!r}: hooks ({', '.join(hooks)}) are for models; nothing calls them for a "
+                         f"{kind}")
 
 
 # What an argument dataclass's field may be declared as: what the recipe reads, --help shows and a run saves.

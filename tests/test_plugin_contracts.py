@@ -3,6 +3,8 @@ and what its kind's builder is called with, with exit 2 and no traceback; a plug
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nsa_titan import cli, registry
@@ -199,6 +201,19 @@ def test_register_refuses_arguments_nothing_would_read(kind, args, message):
     args = args or dataclasses.make_dataclass("Some", [("a", int, dataclasses.field(default=1))])
     with pytest.raises(ValueError, match=message):
         registry.register(kind, "x", lambda *a: None, args=args)
+    assert "x" not in registry.available(kind)
+
+
+@pytest.mark.parametrize("kind, hooks, message", [
+    # was Part's "__init__() got an unexpected keyword argument 'parallel_plans'"
+    ("model", {"parallel_plans": print}, "model 'x': 'parallel_plans' is not a model hook (did you mean "
+                                         "'parallel_plan'?); the hooks are flops_per_token, telemetry,"),
+    # was kept, and never called
+    ("lr_schedule", {"describe": print}, "lr_schedule 'x': hooks (describe) are for models; nothing calls them"),
+])
+def test_register_refuses_hooks_nothing_would_call(kind, hooks, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        registry.register(kind, "x", lambda *a: None, **hooks)
     assert "x" not in registry.available(kind)
 
 
