@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import inspect
 import math
 import numbers
@@ -19,6 +20,8 @@ import traceback
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import torch
 
 from components import nsa
 from components.errors import UserError
@@ -94,6 +97,8 @@ def register(kind: str, name: str, build: Callable[..., Any], *, args: type | No
         return _backend_part(name)
     if name in _PARTS[kind] and not replace:
         raise ValueError(f"{kind} {name!r} is already registered; pass replace=True to override it")
+    if not _registering_builtins:
+        model_hooks = {hook: _plugin_hook(name, hook, fn) if callable(fn) else fn for hook, fn in model_hooks.items()}
     part = Part(kind, name, build, args, doc, **model_hooks, plugin=not _registering_builtins)
     _PARTS[kind][name] = part
     return part
@@ -116,6 +121,36 @@ def _check_hooks(kind: str, name: str, hooks: dict[str, Any]) -> None:
     if hooks and kind != "model":
         raise ValueError(f"{kind} {name!r}: hooks ({', '.join(hooks)}) are for models; nothing calls them for a "
                          f"{kind}")
+
+
+def _plugin_hook(model: str, hook: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A plugin model's hook whose failure is one UserError naming the model, the hook and the plugin's line (it
+    was a traceback from inside the engine: a hook declared with other parameters than the engine passes, say).
+    A device out of memory or a full disk stays what it is, for the command's own message."""
+    from components import model_hooks
+
+    record = {"parallel_plan": model_hooks.ParallelPlan, "activation_memory": model_hooks.ActivationMemory,
+              "self_check": model_hooks.SelfCheck, "hf_format": model_hooks.HFFormat}.get(hook)
+    fix = "Fix: components/model_hooks.py says how each hook is called and what it returns"
+
+    @functools.wraps(fn)  # the engine reads a hook's parameters (inspect.signature follows __wrapped__)
+    def called(*args: Any, **kwargs: Any) -> Any:
+        try:
+            given = fn(*args, **kwargs)
+        except (UserError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+            where = f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else "in the call: its parameters"
+            raise UserError(f"model {model!r} (a plugin's): its {hook} hook failed: {type(exc).__name__}: {exc} "
+                            f"({where}). {fix}") from None
+        if record is not None and not isinstance(given, record):
+            raise UserError(f"model {model!r} (a plugin's): its {hook} hook returned a {type(given).__name__}, not "
+                            f"the {record.__name__} the engine reads. {fix}")
+        return given
+    return called
 
 
 # What an argument dataclass's field may be declared as: what the recipe reads, --help shows and a run saves.

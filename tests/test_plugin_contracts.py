@@ -60,6 +60,8 @@ register("model", "one_argument", lambda args: Bigram(args, 258), args=Args)
 register("model", "broken", broken, args=Args)
 register("model", "short", Short, args=Args)
 register("model", "plain", Plain, args=Args)
+register("model", "flops_of_args", Plain, args=Args, flops_per_token=lambda args: 1.0)
+register("model", "no_plan", Plain, args=Args, parallel_plan=lambda model: None)
 register("optimizer", "no_betas", lambda model, lr: torch.optim.SGD(model.parameters(), lr=lr))
 register("optimizer", "not_one", lambda model, **kw: object())
 register("optimizer", "first_only", lambda model, lr, **kw: torch.optim.SGD(list(model.parameters())[:1], lr=lr))
@@ -121,6 +123,12 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
     (["--model.name=broken"], ["model 'broken' (a plugin's) failed to build: KeyError: 'no such key' (",
                                f"contract_plugin.py, line {BROKEN_LINE})"]),
     (["--model.name=short"], ["the model returned logits of shape [2, 63, 258] for targets of shape [2, 64]"]),
+    # A hook called with other arguments than it declares, or returning another record: tracebacks from the engine.
+    (["--model.name=flops_of_args"],
+     ["model 'flops_of_args' (a plugin's): its flops_per_token hook failed: TypeError: <lambda>() takes 1 positional "
+      "argument but 3 were given (in the call: its parameters). Fix: components/model_hooks.py says how each hook"]),
+    (["--model.name=no_plan"], ["model 'no_plan' (a plugin's): its parallel_plan hook returned a NoneType, not the "
+                                "ParallelPlan the engine reads. Fix: components/model_hooks.py"]),
     (["--model.name=short", "--optimizer.name=no_betas"],
      ["optimizer 'no_betas' (a plugin's) failed to build: TypeError:", "Fix: optimizer builders registered "
       "without args= are called as build(model, lr=, betas=, eps=, weight_decay=) -> a torch.optim.Optimizer"]),

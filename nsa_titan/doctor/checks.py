@@ -263,6 +263,9 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
         activation = part.activation_memory(recipe.model.args, MemoryLayout(cp, compiled, runtime.device.type,
                                                                             t.local_batch_size * t.seq_len // cp,
                                                                             compute_bytes))
+    except UserError as e:  # a plugin's hook, said by the registry with the hook's line
+        return Check("memory estimate", FAIL, f"{e}; activation_memory is called as (args, layout), layout a "
+                                              "components.model_hooks.MemoryLayout")
     except Exception as e:  # a plugin's hook
         return Check("memory estimate", FAIL, f"model {recipe.model.name!r}'s activation_memory hook failed "
                                               f"({type(e).__name__}: {e}). It is called as (args, layout), layout a "
