@@ -242,6 +242,13 @@ def sample(argv: list[str]) -> int:
     # A document as training saw it: BOS first when data.add_bos is set, else it follows the previous
     # document's end of text (so an empty prompt starts there, not at a BOS the model never saw).
     text_ids = tokenizer.encode(prompt) if prompt else []
+    if prompt and not text_ids:  # it would sample from an empty prompt, as if none were given
+        return _fail(f"error: tokenizer {tokenizer.name!r} reads no token from --prompt {prompt!r}: it drops what its "
+                     f"vocabulary lacks. Fix: write the prompt in text the tokenizer knows, or leave --prompt out to "
+                     f"start a document from nothing.")
+    if prompt and tokenizer.decode(text_ids) != prompt:  # what the model is given is not what was asked
+        say_on_stderr(f"note: tokenizer {tokenizer.name!r} reads --prompt as {tokenizer.decode(text_ids)!r}: the "
+                      f"model continues that")
     start = [document_prefix_id(tokenizer, recipe.data.add_bos)] if recipe.data.add_bos or not text_ids else []
     ids = start + text_ids
     new_tokens = numbers["--max-new-tokens"]

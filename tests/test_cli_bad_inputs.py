@@ -199,6 +199,31 @@ def test_sample_starts_a_document_as_training_did_and_stops_at_its_end(run, caps
     assert capsys.readouterr().out.split("\n") == ["hi", "[end of text]", "abhi", "[end of text]", ""]
 
 
+def test_sample_says_what_a_tokenizer_that_drops_text_reads_of_the_prompt(run, capsys, monkeypatch):
+    """A tokenizer without the prompt's characters (a Hugging Face BPE with no unknown token drops them): the model
+    is given what it reads, said in a note; a prompt it reads nothing of is refused. It sampled from an empty
+    prompt in silence, as if none were given."""
+    from components.data.tokenizers import ByteTokenizer
+
+    prompts = []
+
+    def fake_generate(model, prompt, new_tokens, **kw):
+        prompts.append(prompt[0].tolist())
+        return prompt
+
+    monkeypatch.setattr("components.models.generate", fake_generate)
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, text: [b for b in text.encode() if b < 128])
+    _, exported, _ = run
+    assert cli.main(["sample", exported, "--prompt", "ab", "--max-new-tokens", "1"]) == 0
+    assert "note:" not in capsys.readouterr().err  # read whole
+    assert cli.main(["sample", exported, "--prompt", "日本 ab", "--max-new-tokens", "1"]) == 0
+    assert prompts == [[97, 98], [32, 97, 98]]
+    assert "note: tokenizer 'byte' reads --prompt as ' ab': the model continues that" in capsys.readouterr().err
+    refused(capsys, ["sample", exported, "--prompt", "日本", "--max-new-tokens", "1"],
+            "tokenizer 'byte' reads no token from --prompt '日本': it drops what its vocabulary lacks. Fix:")
+    assert len(prompts) == 2
+
+
 def test_sample_asks_by_default_for_what_max_seq_len_leaves(run, capsys, monkeypatch):
     """This model holds 128 tokens: the default 200 new tokens becomes 127 after a one-token prompt, said in a
     note; asked for explicitly, 200 is still refused."""
