@@ -87,6 +87,24 @@ def test_the_plotted_text_is_a_document_as_the_run_trained_on(monkeypatch, add_b
     assert walked == [([tokenizer.bos_id] if add_bos else []) + tokenizer.encode("hi")]
 
 
+def test_a_text_the_tokenizer_reads_nothing_of_is_not_called_empty(monkeypatch):
+    """A tokenizer that drops what its vocabulary lacks may read no token from a text: said so, where it was told
+    the text was empty."""
+    from types import SimpleNamespace
+
+    from components.data import ByteTokenizer
+
+    monkeypatch.setattr(plots.registry, "get", lambda kind, name: SimpleNamespace(attention_maps=lambda *a: {}))
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, text: [b for b in text.encode() if b < 128])
+    section = SimpleNamespace(name="transformer", args=SimpleNamespace(max_seq_len=64))
+    for text, message in (("日本", "tokenizer 'byte' reads no token from the text. Fix: pass some text the "
+                                   "tokenizer knows with --text or --text-file."),
+                          ("", "the text to plot is empty. Fix: pass some text with --text or --text-file.")):
+        with pytest.raises(UserError) as caught:
+            plots.plot_model(None, section, ByteTokenizer(), text, 0, "unused")
+        assert str(caught.value) == message
+
+
 def test_without_matplotlib_the_plot_command_says_how_to_install_it(hide_package):
     hide_package("matplotlib")
     with pytest.raises(UserError, match=r"pip install -e '\.\[plots\]' in the nsa_titan checkout"):

@@ -213,8 +213,10 @@ def plot_model(model: nn.Module, model_section, tokenizer, text: str, layer: int
         raise UserError(f"model {model_section.name!r} registers no attention_maps hook, so there is nothing to "
                         "plot. Fix: plot a model whose part provides one (the built-in transformer does).")
     ids = tokenizer.encode(text)
-    if not ids:
-        raise UserError("the text to plot is empty. Fix: pass some text with --text or --text-file.")
+    if not ids:  # an empty text, or one the tokenizer drops whole (what its vocabulary lacks)
+        what = "the text to plot is empty" if not text else f"tokenizer {tokenizer.name!r} reads no token from the text"
+        raise UserError(f"{what}. Fix: pass some text {'the tokenizer knows ' if text else ''}with --text or "
+                        f"--text-file.")
     ids = [tokenizer.bos_id] + ids if add_bos else ids
     limit = getattr(model_section.args, "max_seq_len", None) or len(ids)
     note = f"{len(ids)} tokens"
