@@ -160,6 +160,10 @@ def test_eval_runs_tasks_beside_its_own_probes(setup, tmp_path):
     (["--tasks", "toy_choice,toy_lost"], "lm-eval cannot load the task(s) toy_choice, toy_lost"),
     (["--task-dir", "/nonexistent"], "--task-dir '/nonexistent' is not a folder"),
     (["--limit", "3"], "--task-dir and --limit apply to lm-eval tasks"),
+    # a task file that is not YAML, which the harness skips without a word: it said only 'knows no task'
+    (["--tasks", "toy_broken"], "lm-eval knows no task 'toy_broken', built in or in TASKS: the harness skipped the "
+                                "task files there that are not YAML, TASKS/toy_broken.yaml (mapping values are not "
+                                "allowed here"),
 ])
 def test_bad_task_options(setup, tmp_path, capsys, monkeypatch, extra, message):
     """Refused before the model is loaded (and hours of held-out loss and passkey run)."""
@@ -177,6 +181,12 @@ def test_bad_task_options(setup, tmp_path, capsys, monkeypatch, extra, message):
         spec["task"], spec["dataset_kwargs"]["data_files"]["test"] = "toy_lost", str(tmp_path / "gone.jsonl")
         json.dump(spec, open(task_dir / "toy_lost.yaml", "w"))
         extra = [*extra, "--task-dir", str(task_dir)]
+    if "toy_broken" in extra:
+        task_dir = tmp_path / "tasks"
+        shutil.copytree(root / "tasks", task_dir)
+        (task_dir / "toy_broken.yaml").write_text("task: toy_broken\ndataset_path: json\n  output_type: [\n")
+        extra = [*extra, "--task-dir", str(task_dir)]
+        message = message.replace("TASKS", str(task_dir))
     assert cli.main(["eval", *argv, "--out", str(tmp_path / "out"), "--batches", "1", "--trials", "1",
                      "--depths", "0", *extra]) == 2
     err = capsys.readouterr().err

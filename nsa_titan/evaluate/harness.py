@@ -16,6 +16,8 @@ none of its logits), and decodes greedily with the KV cache.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -153,10 +155,37 @@ def task_manager(tasks: list[str], task_dir: str | None):
     manager = TaskManager(include_path=task_dir) if task_dir else TaskManager()
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        where = f" or in {task_dir}" if task_dir else ""
+        where = f", built in or in {task_dir}" if task_dir else ""
+        broken = _unreadable_task_files(task_dir) if task_dir else []
+        if broken:  # the harness skips a task file it cannot read without a word: the task in it is missing
+            raise UserError(f"lm-eval knows no task {', '.join(map(repr, unknown))}{where}: the harness skipped the "
+                            f"task files there that are not YAML, {'; '.join(broken)}. Fix: mend them.")
         raise UserError(f"lm-eval knows no task {', '.join(map(repr, unknown))}{where}. Fix: name tasks from "
                         f"`lm_eval ls tasks`, or give --task-dir with your task YAML files.")
     return manager
+
+
+def _unreadable_task_files(task_dir: str) -> list[str]:
+    """'FILE (why)' for each .yaml file under task_dir that does not parse as YAML (the harness's own tags, such
+    as !function, are read as anything)."""
+    import yaml
+
+    class Tolerant(yaml.SafeLoader):
+        pass
+
+    Tolerant.add_multi_constructor("", lambda loader, tag, node: None)
+    found = []
+    for root, _, files in sorted(os.walk(task_dir)):
+        for name in sorted(files):
+            if not name.endswith((".yaml", ".yml")):
+                continue
+            path = os.path.join(root, name)
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    yaml.load(fh, Loader=Tolerant)  # noqa: S506 (a safe loader that tolerates unknown tags)
+            except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+                found.append(f"{path} ({' '.join(str(exc).split())})")
+    return found
 
 
 def check_tasks_load(tasks: list[str], manager) -> None:
