@@ -329,8 +329,21 @@ def test_layout_errors(tmp_path):
         byte_loader(source, dp_world_size=2, dp_rank=0, num_workers=5)
     with pytest.raises(UserError, match="split 'test'"):
         byte_loader(source, split="test")
-    with pytest.raises(UserError, match="validation_fraction = 0"):
+    with pytest.raises(UserError, match=r"the data source \(TextFilesSource\) holds out no validation documents \(a "
+                                        r"built-in source with validation_fraction = 0; .*\)\. Fix: set the source's "
+                                        r"validation_fraction above 0"):
         byte_loader(source, split="validation")
+
+    class NoHeldOut:  # a plugin's source that holds none out by construction: it has no validation_fraction
+        def __getattr__(self, name):
+            return getattr(source, name)
+
+        def has_split(self, split):
+            return split == "train"
+
+    with pytest.raises(UserError, match=r"the data source \(NoHeldOut\) holds out no validation documents \(.*a "
+                                        r"plugin's whose has_split\('validation'\) is False\)"):
+        byte_loader(NoHeldOut(), split="validation")
     with pytest.raises(UserError, match="seq_len"):
         byte_loader(source, seq_len=0)
 

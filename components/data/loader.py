@@ -152,10 +152,10 @@ def build_dataloader(
     validate_layout(dp_rank, dp_world_size, logical_shards, num_workers)
     has_split = getattr(source, "has_split", None)
     if has_split is not None and not has_split(split):
-        raise UserError(
-            f"the data source holds out no {split} documents (validation_fraction = 0); set "
-            "validation_fraction > 0 or turn validation off"
-        )
+        raise UserError(f"the data source ({type(source).__name__}) holds out no {split} documents (a built-in source "
+                        f"with validation_fraction = 0; a plugin's whose has_split({split!r}) is False). Fix: set the "
+                        f"source's validation_fraction above 0 (or its validation_split), or turn validation off "
+                        f"(validation.enable = false)")
     if check_source:
         source.check()
     check_tokenizer = getattr(source, "check_tokenizer", None)
