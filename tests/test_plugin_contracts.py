@@ -73,6 +73,21 @@ class NoArgs:
 register("data_source", "no_args", NoArgs)
 register("tokenizer", "no_args", NoArgs)
 register("data_source", "a_list", lambda args: ["hello"] * 50, args=Args)
+
+
+class FailsMidway:
+    def check(self):
+        pass
+
+    def fingerprint(self):
+        return "fails_midway"
+
+    def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        yield "hi", 0  # shorter than a row: the next document is read
+        raise KeyError("row 1 has no text")
+
+
+register("data_source", "fails_midway", FailsMidway)
 register("optimizer", "adamw", lambda model, **kw: torch.optim.SGD(model.parameters(), lr=kw["lr"]), replace=True)
 register("lr_schedule", "rising", lambda progress: 1 + 4 * progress)
 register("lr_schedule", "nan", lambda progress: float("nan"))
@@ -84,6 +99,7 @@ register("lr_schedule", "tensor", lambda progress: torch.tensor(1 - progress))
 register("lr_schedule", "boolean", lambda progress: progress < 1)
 '''
 BROKEN_LINE = PLUGIN.splitlines().index('    return {}["no such key"]') + 1
+FAILING_LINE = PLUGIN.splitlines().index('        raise KeyError("row 1 has no text")') + 1
 RECIPE = """
 [model]
 name = "no_init"
@@ -151,6 +167,10 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
      ["Fix: data_source builders registered with args= are called as build(args) -> a source with"]),
     (["--model.name=short", "--data.source=a_list"],
      ["data_source 'a_list' (a plugin's) built a list without check, fingerprint, documents"]),
+    # An error raised while it reads: a traceback from the loader.
+    (["--model.name=plain", "--data.source=fails_midway"],
+     ["the data source (FailsMidway) failed reading logical shard 0 (train split, epoch 0): KeyError: 'row 1 has no "
+      "text' (", f"contract_plugin.py, line {FAILING_LINE}). Fix: mend the data it reads, or the source there"]),
     # A schedule is tried over its range when the recipe is checked: a factor beyond the peak or not finite would train.
     (["--model.name=plain", "--lr_scheduler.decay_type=rising"],
      ["lr_scheduler.decay_type = 'rising': names a plugin's shape that gives 1.04 at progress 0.01, where the "

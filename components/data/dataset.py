@@ -10,7 +10,9 @@ before every document of those shards came once.
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+import traceback
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -157,9 +159,9 @@ class PackedShardsDataset(IterableDataset):
         def open_documents(epoch: int, cursor: Any):
             args = (shard, self.logical_shards, self.split, self.seed, epoch, cursor)
             if getattr(self.source, "prepares_documents", False):  # it skips and counts kept documents itself
-                yield from self.source.documents(*args, prepare=self._prepare)
+                yield from _read_plainly(self.source, args, prepare=self._prepare)
                 return
-            for item in self.source.documents(*args):
+            for item in _read_plainly(self.source, args):
                 if not (isinstance(item, (tuple, list)) and len(item) == 2):
                     raise UserError(f"the data source ({type(self.source).__name__}) yielded a "
                                     f"{type(item).__name__}, not a (document, cursor) pair. Fix: documents() yields "
@@ -197,6 +199,33 @@ class PackedShardsDataset(IterableDataset):
             tokens = torch.from_numpy(window[0])
             yield {"input": tokens[:-1], "target": tokens[1:],
                    "document_starts": row_document_starts(window[1], self.seq_len)}
+
+
+def _read_plainly(source, args: tuple, **kwargs) -> Iterator:
+    """source.documents(*args, **kwargs), an error raised in it (a plugin's source, say) one UserError naming the
+    source, the shard it read and the line in the source's file: it was a traceback from the loader."""
+    try:
+        items = iter(source.documents(*args, **kwargs))
+        while True:
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            yield item
+    except (UserError, MemoryError):
+        raise
+    except Exception as exc:
+        try:
+            own = inspect.getsourcefile(type(source))
+        except TypeError:
+            own = None
+        frames = traceback.extract_tb(exc.__traceback__)[1:]  # less this function's own frame
+        inside = [f for f in frames if f.filename == own] or frames
+        where = f" ({inside[-1].filename}, line {inside[-1].lineno})" if inside else ""
+        shard, _, split, _, epoch, _ = args
+        raise UserError(f"the data source ({type(source).__name__}) failed reading logical shard {shard} ({split} "
+                        f"split, epoch {epoch}): {type(exc).__name__}: {exc}{where}. Fix: mend the data it reads, or "
+                        f"the source there; a rerun resumes from the last checkpoint") from None
 
 
 def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logical_shards: int,
