@@ -88,6 +88,19 @@ class FailsMidway:
 
 
 register("data_source", "fails_midway", FailsMidway)
+
+
+class Picky:
+    name, vocab_size, bos_id, eos_id = "picky", 258, 256, 257
+
+    def encode(self, text):
+        raise ValueError("cannot encode this")
+
+    def decode(self, ids):
+        return ""
+
+
+register("tokenizer", "picky", Picky)
 register("optimizer", "adamw", lambda model, **kw: torch.optim.SGD(model.parameters(), lr=kw["lr"]), replace=True)
 register("lr_schedule", "rising", lambda progress: 1 + 4 * progress)
 register("lr_schedule", "nan", lambda progress: float("nan"))
@@ -100,6 +113,7 @@ register("lr_schedule", "boolean", lambda progress: progress < 1)
 '''
 BROKEN_LINE = PLUGIN.splitlines().index('    return {}["no such key"]') + 1
 FAILING_LINE = PLUGIN.splitlines().index('        raise KeyError("row 1 has no text")') + 1
+PICKY_LINE = PLUGIN.splitlines().index('        raise ValueError("cannot encode this")') + 1
 RECIPE = """
 [model]
 name = "no_init"
@@ -171,6 +185,9 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
     (["--model.name=plain", "--data.source=fails_midway"],
      ["the data source (FailsMidway) failed reading logical shard 0 (train split, epoch 0): KeyError: 'row 1 has no "
       "text' (", f"contract_plugin.py, line {FAILING_LINE}). Fix: mend the data it reads, or the source there"]),
+    (["--model.name=plain", "--data.tokenizer=picky"],
+     ["the tokenizer (Picky) failed encoding a document: ValueError: cannot encode this (",
+      f"contract_plugin.py, line {PICKY_LINE}). Fix: mend the tokenizer there, or the data it cannot encode"]),
     # A schedule is tried over its range when the recipe is checked: a factor beyond the peak or not finite would train.
     (["--model.name=plain", "--lr_scheduler.decay_type=rising"],
      ["lr_scheduler.decay_type = 'rising': names a plugin's shape that gives 1.04 at progress 0.01, where the "

@@ -133,7 +133,15 @@ class PackedShardsDataset(IterableDataset):
     def _prepare(self, doc) -> Any:
         """A source document as the stream's tokens, or None when it is too short to keep."""
         if isinstance(doc, str):
-            ids, made_by = encode_array(self.tokenizer, doc), f"the tokenizer ({type(self.tokenizer).__name__})"
+            made_by = f"the tokenizer ({type(self.tokenizer).__name__})"
+            try:
+                ids = encode_array(self.tokenizer, doc)
+            except (UserError, MemoryError):
+                raise
+            except Exception as exc:  # a plugin's tokenizer, say: it was a traceback from the loader
+                raise UserError(f"{made_by} failed encoding a document: {type(exc).__name__}: {exc}"
+                                f"{_raised_at(exc, self.tokenizer)}. Fix: mend the tokenizer there, or the data it "
+                                f"cannot encode") from None
         else:
             ids, made_by = doc, f"the data source ({type(self.source).__name__})"
         self._check_ids(ids, made_by)
@@ -215,17 +223,21 @@ def _read_plainly(source, args: tuple, **kwargs) -> Iterator:
     except (UserError, MemoryError):
         raise
     except Exception as exc:
-        try:
-            own = inspect.getsourcefile(type(source))
-        except TypeError:
-            own = None
-        frames = traceback.extract_tb(exc.__traceback__)[1:]  # less this function's own frame
-        inside = [f for f in frames if f.filename == own] or frames
-        where = f" ({inside[-1].filename}, line {inside[-1].lineno})" if inside else ""
         shard, _, split, _, epoch, _ = args
         raise UserError(f"the data source ({type(source).__name__}) failed reading logical shard {shard} ({split} "
-                        f"split, epoch {epoch}): {type(exc).__name__}: {exc}{where}. Fix: mend the data it reads, or "
-                        f"the source there; a rerun resumes from the last checkpoint") from None
+                        f"split, epoch {epoch}): {type(exc).__name__}: {exc}{_raised_at(exc, source)}. Fix: mend the "
+                        f"data it reads, or the source there; a rerun resumes from the last checkpoint") from None
+
+
+def _raised_at(exc: Exception, part) -> str:
+    """' (FILE, line N)' where `exc` was raised: the deepest line in `part`'s own file, else the deepest of all."""
+    try:
+        own = inspect.getsourcefile(type(part))
+    except TypeError:  # a built-in or C type
+        own = None
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    inside = [f for f in frames if f.filename == own] or frames
+    return f" ({inside[-1].filename}, line {inside[-1].lineno})" if inside else ""
 
 
 def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logical_shards: int,
