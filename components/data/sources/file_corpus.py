@@ -239,8 +239,7 @@ class FileCorpus:
                  and max(m[1]) >= _NOTED_ROW_GROUP_FACTOR * max(rows, MAX_PIECE_ROWS)]
         if not large:
             return []
-        f, most = max(large, key=lambda found: found[1])
-        others = f" (and {len(large) - 1} more file(s))" if len(large) > 1 else ""
+        f, most, others = _largest(large)
         return [f"{self.what}: {f.path}{others} has row groups of up to {most:,} rows, and a piece a logical shard "
                 f"reads holds {rows:,}: each piece decodes its row group from the start to its own rows, so every "
                 f"row is decoded about {math.ceil(most / rows / 2)} times per epoch and reading may not keep up with "
@@ -254,8 +253,7 @@ class FileCorpus:
                  if m[0] == "whole" and m[1] >= _NOTED_WHOLE_FILE_BYTES]
         if not large:
             return []
-        f, most = max(large, key=lambda found: found[1])
-        others = f" (and {len(large) - 1} more file(s))" if len(large) > 1 else ""
+        f, most, others = _largest(large)
         return [f"{self.what}: {f.path}{others} is one document of {most / 2**20:,.0f} MiB: one logical shard reads "
                 f"it, and reads and tokenizes it whole (memory many times its size) at every epoch and again at every "
                 f"resume. Fix: cut it into its documents, e.g. a .jsonl file with one {{\"text\": ...}} line per "
@@ -548,3 +546,9 @@ def _is_text(kind) -> bool:
 
     return (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
             or getattr(pa.types, "is_string_view", lambda _: False)(kind))
+
+
+def _largest(found: list[tuple[CorpusFile, int]]) -> tuple[CorpusFile, int, str]:
+    """The (file, size) of the largest, its size, and ' (and N more file(s))' naming the others for a note."""
+    f, most = max(found, key=lambda pair: pair[1])
+    return f, most, f" (and {len(found) - 1} more file(s))" if len(found) > 1 else ""
