@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     from nsa_titan.cli import say_error_line
-    from nsa_titan.parallel.distributed import PEER_LOST_EXIT_CODE
+    from nsa_titan.parallel.distributed import NUMERICAL_FAULT_EXIT, PEER_LOST_EXIT_CODE
 
     # Its log lines for a failed rank ("failed (exitcode: 2) local_rank: 1 ...") and for the ranks it then ends
     # ("Sending process 123 closing signal SIGTERM") say what the line below says; its other lines (a worker
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as failed:
-        how, code = failure_summary(failed.failures, args.nproc_per_node, PEER_LOST_EXIT_CODE)
+        how, code = failure_summary(failed.failures, args.nproc_per_node, PEER_LOST_EXIT_CODE, NUMERICAL_FAULT_EXIT)
         say_error_line(f"error: the run stopped: {how}.")
         return code if code > 0 else 1
     except RendezvousError as failed:  # the nodes never met: one missing, the endpoint unreachable or taken
@@ -50,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def failure_summary(failures: dict, nproc_per_node, peer_lost: int) -> tuple[str, int]:
-    """(what ended the node's ranks, in words; the exit code to end with) from torchrun's failures by rank."""
+def failure_summary(failures: dict, nproc_per_node, peer_lost: int, agreed: int) -> tuple[str, int]:
+    """(what ended the node's ranks, in words; the exit code to end with) from torchrun's failures by rank.
+    agreed: the exit code of the stop every rank decides together (the NaN guard's)."""
     rank, code = _cause(failures, peer_lost)
-    # torchrun may end a rank still shutting down with SIGTERM: not a failure of its own
-    codes = {failure.exitcode for failure in failures.values()} - {-signal.SIGTERM}
+    codes = {failure.exitcode for failure in failures.values()}
+    if code == agreed:  # torchrun may end a rank still shutting down from it with SIGTERM: no failure of its own
+        codes -= {-signal.SIGTERM}  # (after any other failure, a SIGTERM'd rank was stopped, not stopping)
     every = len(failures) > 1 and str(len(failures)) == str(nproc_per_node)
     if every and codes == {code} and code > 0 and code != peer_lost:
         # an agreed stop (a NaN guard's): every rank of this node ended with it, none before the others

@@ -41,8 +41,8 @@ from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
 from nsa_titan.parallel.compile import compile_blocks, compile_counters, graph_break_message
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
-from nsa_titan.parallel.distributed import (all_reduce_mean, any_rank, build_mesh, describe_data_parallel,
-                                            init_process_group)
+from nsa_titan.parallel.distributed import (NUMERICAL_FAULT_EXIT, all_reduce_mean, any_rank, build_mesh,
+                                            describe_data_parallel, init_process_group)
 from nsa_titan.parallel.grad_clip import clip_grad_norm
 from nsa_titan.parallel.start_agreement import refuse_other_recipes, refuse_unshared_folder
 from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, recipe_change_note,
@@ -51,7 +51,6 @@ from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 from nsa_titan.weight_source import changes_note, step_field_changes
 
-NUMERICAL_FAULT_EXIT = 3
 OUT_OF_MEMORY_EXIT = 4
 # Validation batches kept in host memory between evaluations when they fit (2 int32 tensors and a bool
 # one per batch).

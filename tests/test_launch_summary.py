@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from nsa_titan.launch import failure_summary
-from nsa_titan.parallel.distributed import PEER_LOST_EXIT_CODE
+from nsa_titan.parallel.distributed import NUMERICAL_FAULT_EXIT, PEER_LOST_EXIT_CODE
 
 
 def failures(*codes: int, at: int = 100) -> dict:
@@ -29,7 +29,10 @@ def failures(*codes: int, at: int = 100) -> dict:
     # not every rank of the node (or nproc_per_node not a count) failed
     ((3, 3), "4", "rank 0 failed first (exit code 3); its own message is above", 3),
     ((3, 3), "gpu", "rank 0 failed first (exit code 3); its own message is above", 3),
+    # one rank's own failure (bad input, a traceback), the other stopped by torchrun: no stop together
+    ((2, -signal.SIGTERM), "2", "rank 0 failed first (exit code 2); its own message is above", 2),
+    ((-signal.SIGTERM, 1), "2", "rank 1 failed first (exit code 1); its own message is above", 1),
 ])
 def test_the_launcher_blames_the_right_rank(codes, nproc, said, code):
-    how, returned = failure_summary(failures(*codes), nproc, PEER_LOST_EXIT_CODE)
+    how, returned = failure_summary(failures(*codes), nproc, PEER_LOST_EXIT_CODE, NUMERICAL_FAULT_EXIT)
     assert how.startswith(said) and returned == code, how

@@ -94,6 +94,8 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 _BACKENDS = ("gloo", "NCCL", "nccl", "ProcessGroup")
 # The exit code of a rank that stopped only because it lost a peer: the launcher looks past it for the cause.
 PEER_LOST_EXIT_CODE = 5  # beside 2 (bad input), 3 (NaN stop), 4 (out of memory), 124 (hang)
+# The NaN guard's stop: the one fault every rank decides together, at the same step.
+NUMERICAL_FAULT_EXIT = 3
 
 
 def lost_a_peer(exc: BaseException) -> str | None:
