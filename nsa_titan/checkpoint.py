@@ -186,6 +186,26 @@ def check_weights_path(path: str) -> None:
         raise UserError(f"checkpoint.initial_load_path = {path!r} holds no checkpoint (no .metadata found). {takes}.")
 
 
+def check_weights_files(path: str) -> None:
+    """Refuse checkpoint.initial_load_path's step folder when a save of this package wrote it but it is not as
+    saved: no COMPLETE marker (an interrupted save, as on resume), or a model file that differs from its record."""
+    model_dir, step_dir = _weights_model_dir(path), weights_step_dir(path)
+    if model_dir != path or os.path.isfile(os.path.join(step_dir, "train_state.json")):
+        step = STEP_DIR.match(os.path.basename(step_dir))
+        found = _step_folder_finding(step_dir, int(step.group(1)) if step else None, "model")
+        if found:
+            raise _unreadable_weights(path, *found)
+
+
+def _unreadable_weights(path: str, file: str, why: str) -> UserError:
+    """checkpoint.initial_load_path's `file` that cannot be read as saved, with the run's other steps to use."""
+    folder, name = os.path.split(weights_step_dir(path))
+    others = [f"step-{s}" for s in complete_steps(folder) if f"step-{s}" != name]
+    where = f"another complete one of that run ({', '.join(others)})" if others else "a complete step-N folder"
+    return UserError(f"checkpoint.initial_load_path = {path!r} cannot be read: {file} {why}. Fix: point it at "
+                     f"{where}, or restore the file.")
+
+
 def data_mismatch_message(mismatch: DataStreamMismatch, path: str) -> str:
     """A resume refused because the checkpoint's data stream is not the recipe's, with both ways on."""
     return (f"{mismatch} (--checkpoint.data_mismatch=restart, resuming the model, optimizer and step), or take this "
@@ -612,25 +632,9 @@ class Checkpointer:
     def load_weights_only(self, model: nn.Module, path: str) -> None:
         """checkpoint.initial_load_path: the model weights of a checkpoint folder, nothing else."""
         check_weights_path(path)
-        model_dir = _weights_model_dir(path)
-        step_dir = weights_step_dir(path)
-        folder, name = os.path.split(step_dir)
-
-        def unreadable(file: str, why: str) -> UserError:
-            others = [f"step-{s}" for s in complete_steps(folder) if f"step-{s}" != name]
-            where = f"another complete one of that run ({', '.join(others)})" if others else "a complete step-N folder"
-            return UserError(f"checkpoint.initial_load_path = {path!r} cannot be read: {file} {why}. Fix: point it "
-                             f"at {where}, or restore the file.")
-
-        # A step folder this package wrote counts only with its marker, as on resume (no marker: an interrupted save).
-        if model_dir != path or os.path.isfile(os.path.join(step_dir, "train_state.json")):
-            step = STEP_DIR.match(name)
-            found = _step_folder_finding(step_dir, int(step.group(1)) if step else None, "model")
-            if found:
-                raise unreadable(*found)
-
+        check_weights_files(path)
         state = {"model": get_model_state_dict(model)}
-        _read_tensors(model_dir, state, unreadable=unreadable,
+        _read_tensors(_weights_model_dir(path), state, unreadable=lambda *found: _unreadable_weights(path, *found),
                       mismatch=lambda found: initial_weights_mismatch(path, found))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 
 import pytest
 import torch
@@ -617,6 +618,19 @@ def test_the_resume_check_reads_the_weights_a_first_start_takes(one_step_run, tm
     code, lines = _doctor(capsys, *base, f"--checkpoint.initial_load_path={missing}")
     assert code == 1 and lines["resume"][0] == "fail" and "does not exist, so it holds no checkpoint" in \
         lines["resume"][1] and "not recorded" not in lines["resume"][1], lines["resume"]
+
+
+def test_the_resume_check_refuses_weights_of_an_interrupted_save(one_step_run, tmp_path, capsys):
+    """A step folder without its COMPLETE marker (a save cut short) was 'ok' in doctor, and training refused it."""
+    from tests.launch import TINY
+
+    cut_short = tmp_path / "other" / "checkpoint" / "step-1"
+    shutil.copytree(one_step_run, cut_short)
+    (cut_short / "COMPLETE").unlink()
+    code, lines = _doctor(capsys, DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'new'}",
+                          f"--checkpoint.initial_load_path={cut_short}")
+    assert code == 1 and lines["resume"][0] == "fail", lines["resume"]
+    assert f"{cut_short / 'COMPLETE'} is missing (the save was interrupted" in lines["resume"][1], lines["resume"]
 
 
 def test_a_weights_path_that_names_no_step_is_refused_without_a_false_note(tmp_path, capsys):

@@ -12,8 +12,8 @@ import os
 
 from components.data import DataStreamMismatch, loader_state_by_logical_shard, merge_shard_states
 from nsa_titan import assemble, registry
-from nsa_titan.checkpoint import (Checkpointer, check_weights_path, data_mismatch_message, initial_weights_mismatch,
-                                  run_branches, weights_step_dir)
+from nsa_titan.checkpoint import (Checkpointer, check_weights_files, check_weights_path, data_mismatch_message,
+                                  initial_weights_mismatch, run_branches, weights_step_dir)
 from nsa_titan.checkpoint_checks import shape_mismatches, tensor_shapes
 from nsa_titan.doctor.checks import FAIL, OK, Check
 from nsa_titan.hf_folder import is_hf_folder
@@ -64,6 +64,7 @@ def _initial_weights(resolved, tokenizer, notes: list[str]) -> str:
     step_dir = weights_step_dir(path)
     changes = step_field_changes(step_dir, None, resolved.toml, registry.get("model", recipe.model.name).args, path,
                                  notes.append, "initial")
+    check_weights_files(path)  # an interrupted save, a damaged file: refused by training before it loads
     notes[:0] = [note for note in [changes_note(changes)] if note]
     found = _model_shape_mismatches(recipe, tokenizer, os.path.join(step_dir, "model"))
     if found:  # the message training gives as it loads them
