@@ -362,7 +362,10 @@ class Trainer:
                 if note:
                     self._say(note)
                 raise
-            self.state.extra["branch"] = branches[0] if step == ckpt.load_step else record.get("branch")
+            # This command's branch, begun here or resumed (named as an earlier release did, it takes today's name,
+            # which a requeue that changes only what the branch's name leaves out still continues).
+            own = step == ckpt.load_step or record.get("branch") in branches
+            self.state.extra["branch"] = branches[0] if own else record.get("branch")
             if "nan_guard" in record:  # absent from checkpoints written before the guard's counts were kept
                 self.nan_guard.load_state_dict(record["nan_guard"])
             self._elapsed_before = float(record.get("elapsed_s", 0.0))  # absent from older checkpoints

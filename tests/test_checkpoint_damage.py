@@ -253,6 +253,29 @@ def test_a_requeued_branch_from_load_step_resumes_its_own_progress(run, capsys):
     resumed_at(6)
 
 
+def test_a_branch_recorded_with_the_whole_recipe_hash_goes_on_when_requeued_for_longer(run, capsys):
+    """A branch whose checkpoints name it by the whole recipe's hash (as saved before the hash left out the fields
+    that change nothing it computes) went on when requeued unchanged, but its next saves kept that hash: requeued
+    for longer after that, its progress was set aside and trained again from load_step."""
+    from nsa_titan.checkpoint import run_branches
+    from nsa_titan.config import resolve
+
+    argv = [*BASE, "--training.steps=8", "--checkpoint.interval=2", "--checkpoint.load_step=2",
+            "--checkpoint.keep_latest_k=0", f"--job.dump_folder={run}"]
+    assert cli.main(["train", *argv]) == 0
+    whole = run_branches(resolve(argv, world_size=1, training=True))[1]
+    for step in (4, 6, 8):  # the branch as an earlier release recorded it
+        edit_json(step_dir(run, step), "train_state.json", branch=whole)
+        forget_checksums(step_dir(run, step))
+    shutil.rmtree(step_dir(run, 8))  # preempted after its step-6 save
+    assert cli.main(["train", *argv]) == 0
+    assert "already reached step 6; resuming there" in capsys.readouterr().out
+    assert cli.main(["train", *argv, "--training.steps=10"]) == 0
+    out = capsys.readouterr().out
+    assert "this command's run from step 2 already reached step 8; resuming there" in out, out[-2000:]
+    assert len([name for name in os.listdir(run / "checkpoint") if name.startswith("abandoned-")]) == 1
+
+
 @pytest.mark.parametrize("model, failure, code, message", [
     (["--job.plugins=tests.plugins.oom_at_step", "--model.name=oom_at_step", "--model.oom_at_step=1000"],
      ["--model.oom_at_step=1"], 4, "out of device memory in step 3"),
