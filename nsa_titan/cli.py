@@ -86,7 +86,8 @@ def train(argv: list[str]) -> int:
         check_launched(world_size)
     resolved = resolve(argv, world_size=world_size, actions=("print_config",), training=True)
     if "print_config" in resolved.command_line.actions:
-        notes = "".join(f"# note: {note}\n" for note in resolved.notes)
+        # Every line of a note a comment (a plugin's may hold several): the output stays a recipe TOML reads.
+        notes = "".join("# note: " + note.replace("\n", "\n#   ") + "\n" for note in resolved.notes)
         print(f"# resolved recipe, hash {resolved.hash}\n{notes}{resolved.toml}", end="")
         return 0
     if rank == 0:

@@ -386,6 +386,7 @@ register("optimizer", "one_problem", sgd, args=args_saying(check=lambda: problem
 register("optimizer", "one_note", sgd, args=args_saying(notes=lambda: "k is notable"))
 register("optimizer", "yielded", sgd, args=args_saying(notes=lambda: (f"k is note {i}" for i in (1, 2))))
 register("optimizer", "numbers", sgd, args=args_saying(notes=lambda: [3]))
+register("optimizer", "two_lines", sgd, args=args_saying(notes=lambda: ["k is notable\\nover two lines"]))
 '''
 
 
@@ -431,6 +432,17 @@ def test_one_text_from_notes_is_one_note(checks_plugin, capsys):
     assert cli.main(["train", *argv]) == 0
     out = capsys.readouterr().out
     assert "# note: optimizer.one_note.k is notable\n" in out and "# note: optimizer.one_note.k\n" not in out, out
+
+
+def test_a_note_of_two_lines_leaves_the_printed_recipe_readable(checks_plugin, capsys):
+    """Its second line was no comment: the launcher's read of --print-config's recipe was a TOML traceback."""
+    from nsa_titan.config.toml_io import tomllib
+
+    argv = [f"--job.plugins={checks_plugin}", *TINY, "--optimizer.name=two_lines", "--print-config"]
+    assert cli.main(["train", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "# note: optimizer.two_lines.k is notable\n#   over two lines\n" in out, out
+    assert tomllib.loads(out)["optimizer"]["name"] == "two_lines"
 
 
 @pytest.mark.parametrize("module", ["json", "sys"])
