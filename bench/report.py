@@ -34,8 +34,9 @@ def _verdict(met: bool) -> str:
     return "met" if met else "MISSED"
 
 
-# Benchmarks that measure the CPU, or compile without a GPU: a result from a machine without one is what they are for.
-CPU_BENCHMARKS = ("data_resume", "data_throughput", "nsa_reference_vs_sdpa_cpu", "kernel_resources")
+# Benchmarks that measure the CPU, or compile without a GPU: a result from a machine without one is what they are for
+# (loss_memory measures either: the process's peak resident set on the CPU).
+CPU_BENCHMARKS = ("data_resume", "data_throughput", "nsa_reference_vs_sdpa_cpu", "kernel_resources", "loss_memory")
 
 
 def environment_line(env: dict, kind: str | None = None) -> str:

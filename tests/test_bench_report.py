@@ -174,6 +174,7 @@ def test_a_gpu_benchmark_run_on_the_cpu_or_interpreted_is_marked_as_a_smoke_run(
     assert "Triton 3.9.0 (interpreted: TRITON_INTERPRET=1)" in interpreted
     # the CPU benchmarks measure the CPU: no mark; a GPU result names its CUDA
     assert "smoke" not in report.render(_every_kind()["data_resume"]).splitlines()[0]
+    assert "smoke" not in report.environment_line(CPU_ENV, "loss_memory")  # the README's CPU measurement
     assert "smoke" not in report.environment_line(ENV, "attention") and "CUDA 12.8" in report.environment_line(ENV)
 
 
