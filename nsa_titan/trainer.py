@@ -418,7 +418,10 @@ class Trainer:
         changed since they were saved): they are not resumed, which the same command with the earlier name would."""
         dump, own = self.recipe.job.dump_folder, os.path.normpath(self.recipe.checkpoint.folder)
         for name in sorted(os.listdir(dump)) if os.path.isdir(dump) else ():
-            steps = complete_steps(os.path.join(dump, name)) if name != own else []
+            try:
+                steps = complete_steps(os.path.join(dump, name)) if name != own else []
+            except (OSError, UserError):  # a folder this user cannot read (a volume's lost+found): no run's
+                continue
             if steps:
                 self._say(f"note: this run starts at step 0: {os.path.join(dump, own)} holds no checkpoint, while "
                           f"{os.path.join(dump, name)} holds this run folder's checkpoints (the newest: step "

@@ -371,6 +371,22 @@ def test_a_changed_checkpoint_folder_says_the_run_starts_over(tmp_path, capsys):
             f"add --checkpoint.folder=checkpoint") in out, out
 
 
+def test_a_first_start_beside_a_folder_it_cannot_read_trains(tmp_path, capsys, monkeypatch):
+    """A run folder holding a folder this user cannot list (a volume's lost+found, the run folder being the volume's
+    root): the first start's look for other checkpoint folders was a PermissionError traceback."""
+    (tmp_path / "lost+found").mkdir()
+    listdir = os.listdir
+
+    def refusing(path="."):  # as a user's listing of root's folder is (root itself may read it)
+        if str(path).endswith("lost+found"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", refusing)
+    assert cli.main(["train", *BASE, "--training.steps=1", f"--job.dump_folder={tmp_path}"]) == 0
+    assert complete_steps(tmp_path / "checkpoint") == [1]
+
+
 def test_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
     argv = [*BASE, "--training.steps=2", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv]) == 0
