@@ -210,17 +210,7 @@ class HFFolder:
 def read_hf_folder(path: str) -> HFFolder:
     """The model a Hugging Face folder holds, in the package's terms; UserError if it is not one of ours."""
     fix = "Fix: give a folder written by `nsa-titan export RECIPE --format hf --output DIR` (or saved from it)."
-    if not is_hf_folder(path):
-        raise UserError(f"{path!r} is not a Hugging Face model folder (it needs {CONFIG} and {WEIGHTS}, or "
-                        f"{WEIGHTS_INDEX} and its files). {fix}")
-    try:
-        with open(os.path.join(path, CONFIG), encoding="utf-8") as fh:
-            config = json.load(fh)
-        ours = config["nsa_titan"]
-        model_name, model_args, vocab_size = ours["model"], ours["model_args"], int(config["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{os.path.join(path, CONFIG)} does not describe an nsa_titan model ({type(exc).__name__}: "
-                        f"{exc}). {fix}") from None
+    model_name, model_args, vocab_size, ours = _read_config(path, fix)
     _require("safetensors")
     tensors = _read_weights(path, fix)
     from nsa_titan.config.resolve import import_plugins_of
@@ -252,6 +242,40 @@ def read_hf_folder(path: str) -> HFFolder:
     return HFFolder(model_name, model_args, vocab_size, state, ours.get("step"), recipe_toml)
 
 
+def _read_config(path: str, fix: str) -> tuple[str, dict, int, dict]:
+    """(model name, model arguments, vocabulary size, the package's own entry) from a folder's config.json."""
+    if not is_hf_folder(path):
+        raise UserError(f"{path!r} is not a Hugging Face model folder (it needs {CONFIG} and {WEIGHTS}, or "
+                        f"{WEIGHTS_INDEX} and its files). {fix}")
+    try:
+        with open(os.path.join(path, CONFIG), encoding="utf-8") as fh:
+            config = json.load(fh)
+        ours = config["nsa_titan"]
+        return ours["model"], ours["model_args"], int(config["vocab_size"]), ours
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{os.path.join(path, CONFIG)} does not describe an nsa_titan model ({type(exc).__name__}: "
+                        f"{exc}). {fix}") from None
+
+
+def hf_weight_changes(path: str, model_name: str, model_args, vocab_size: int,
+                      theirs: tuple[str, dict, int] | None = None) -> list[str]:
+    """checkpoint.initial_load_path = a Hugging Face folder, judged by its config.json (`theirs`: its model name,
+    arguments and vocabulary size, read here when not given; no weight is read): UserError for another model, else
+    the fields that may differ and do ('model.FIELD: theirs -> ours')."""
+    if theirs is None:
+        theirs = _read_config(path, "Fix: give a folder written by `nsa-titan export RECIPE --format hf --output "
+                                    "DIR` (or saved from it).")[:3]
+    their_name, their_args, their_vocab = theirs
+    if (their_name, their_vocab) != (model_name, vocab_size):
+        raise UserError(f"checkpoint.initial_load_path = {path!r} holds another model: model {their_name!r} "
+                        f"over {their_vocab} tokens there, {model_name!r} over {vocab_size} here. Fix: set "
+                        f"model.name and the tokenizer to the folder's (its {RECIPE} has them), or start from a "
+                        f"folder of this model.")
+    ours = flat_fields({"model": dataclasses.asdict(model_args)})
+    return model_field_changes(flat_fields({"model": their_args}), ours, registry.get("model", model_name).args, path,
+                               os.path.join(path, CONFIG))
+
+
 def load_hf_weights(model: torch.nn.Module, path: str, model_name: str, model_args, vocab_size: int) -> list[str]:
     """checkpoint.initial_load_path = a Hugging Face folder: its weights into this run's model (sharded
     or not), after checking that the folder holds this model. Fields that keep the weights' meaning
@@ -260,14 +284,7 @@ def load_hf_weights(model: torch.nn.Module, path: str, model_name: str, model_ar
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     folder = read_hf_folder(path)
-    if (folder.model_name, folder.vocab_size) != (model_name, vocab_size):
-        raise UserError(f"checkpoint.initial_load_path = {path!r} holds another model: model {folder.model_name!r} "
-                        f"over {folder.vocab_size} tokens there, {model_name!r} over {vocab_size} here. Fix: set "
-                        f"model.name and the tokenizer to the folder's (its {RECIPE} has them), or start from a "
-                        f"folder of this model.")
-    ours = flat_fields({"model": dataclasses.asdict(model_args)})
-    theirs = flat_fields({"model": folder.model_args})
-    changes = model_field_changes(theirs, ours, registry.get("model", model_name).args, path,
-                                  os.path.join(path, CONFIG))
+    changes = hf_weight_changes(path, model_name, model_args, vocab_size,
+                                (folder.model_name, folder.model_args, folder.vocab_size))
     set_model_state_dict(model, folder.state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
     return changes

@@ -633,6 +633,22 @@ def test_the_resume_check_refuses_weights_of_an_interrupted_save(one_step_run, t
     assert f"{cut_short / 'COMPLETE'} is missing (the save was interrupted" in lines["resume"][1], lines["resume"]
 
 
+def test_the_resume_check_reads_a_hugging_face_folders_model_fields(one_step_run, tmp_path, capsys):
+    """A Hugging Face folder of another model shape was 'ok' in doctor, and training refused it."""
+    from tests.launch import TINY
+
+    folder = tmp_path / "hf"
+    assert cli.main(["export", str(one_step_run.parent.parent / "recipe.toml"), "--format", "hf", "--output",
+                     str(folder)]) == 0
+    capsys.readouterr()
+    base = [DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'new'}", f"--checkpoint.initial_load_path={folder}"]
+    code, lines = _doctor(capsys, *base)
+    assert lines["resume"][0] == "ok" and "from the weights of the Hugging Face folder" in lines["resume"][1], lines
+    code, lines = _doctor(capsys, *base, "--model.dim=64")
+    assert code == 1 and lines["resume"][0] == "fail", lines["resume"]
+    assert "model.dim = 32 there, 64 here" in lines["resume"][1], lines["resume"]
+
+
 def test_a_weights_path_that_names_no_step_is_refused_without_a_false_note(tmp_path, capsys):
     """Training said the model fields of the weights 'are not recorded' before saying the path does not exist."""
     from tests.launch import TINY

@@ -16,7 +16,7 @@ from nsa_titan.checkpoint import (Checkpointer, check_weights_files, check_weigh
                                   initial_weights_mismatch, run_branches, weights_step_dir)
 from nsa_titan.checkpoint_checks import shape_mismatches, tensor_shapes
 from nsa_titan.doctor.checks import FAIL, OK, Check
-from nsa_titan.hf_folder import is_hf_folder
+from nsa_titan.hf_folder import hf_weight_changes, is_hf_folder
 from nsa_titan.weight_source import changes_note, step_field_changes
 
 
@@ -58,7 +58,10 @@ def _initial_weights(resolved, tokenizer, notes: list[str]) -> str:
     refused (UserError); allowed field changes are said."""
     recipe = resolved.recipe
     path = recipe.checkpoint.initial_load_path
-    if is_hf_folder(path):  # its fields are compared as its weights load
+    if is_hf_folder(path):  # judged by its config.json, as training does before it reads the weights
+        if tokenizer is not None:  # (the vocabulary unknown: the data check failed, and says why)
+            changes = hf_weight_changes(path, recipe.model.name, recipe.model.args, tokenizer.vocab_size)
+            notes[:0] = [note for note in [changes_note(changes)] if note]
         return f"from the weights of the Hugging Face folder {path}"
     check_weights_path(path)
     step_dir = weights_step_dir(path)
