@@ -102,6 +102,13 @@ def test_initial_load_path_into_another_shape_names_the_tensors(run, tmp_path, c
     assert ("does not fit this model" in said.err and "model.tok_embeddings.weight is [258, 32] in the checkpoint but "
             "[258, 64] here" in said.err), said.err
     assert f"note: the model fields that trained the weights in {moved} are not recorded" in said.out, said.out
+    assert "(its recipe.toml, in its run folder)" in said.err, said.err  # none lies above the moved step
+    nested = tmp_path / "nested" / "ckpt" / "deep" / "step-4"  # a checkpoint.folder of several levels
+    shutil.copytree(moved, nested)
+    shutil.copy(os.path.join(run, "recipe.toml"), tmp_path / "nested" / "recipe.toml")
+    code = train(tmp_path / "new", "--model.dim=64", f"--checkpoint.initial_load_path={nested}")
+    said = capsys.readouterr()
+    assert code == 2 and f"({tmp_path / 'nested' / 'recipe.toml'})" in said.err, said.err
 
 
 def test_initial_load_path_that_is_not_a_step_folder_names_what_it_takes(run, tmp_path, capsys):
