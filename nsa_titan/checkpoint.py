@@ -136,27 +136,43 @@ def weights_step_dir(path: str) -> str:
     return os.path.dirname(os.path.realpath(_weights_model_dir(path)))
 
 
-# Fields that do not change what a branch computes: where it runs, how long, what it logs and saves. A requeue of
-# the branch's command with them changed (a longer run, the folder given by another path) goes on with it.
-_BRANCH_FREE_FIELDS = (("job", "dump_folder"), ("job", "name"), ("training", "steps"), ("metrics", None),
-                       ("profiling", None), ("checkpoint", None))
+# Fields that do not change what a branch computes: where it runs, how long, what it logs, checks and saves, and how
+# its steps are executed. A requeue of the branch's command with them changed (a longer run, the folder given by
+# another path, compile or activation checkpointing switched on another machine) goes on with it. Earlier releases
+# left out only the first six: the branches they recorded are continued too.
+_EARLIER_BRANCH_FREE_FIELDS = (("job", "dump_folder"), ("job", "name"), ("training", "steps"), ("metrics", None),
+                               ("profiling", None), ("checkpoint", None))
+_BRANCH_FREE_FIELDS = _EARLIER_BRANCH_FREE_FIELDS + (
+    ("validation", None), ("compile", None), ("activation_checkpoint", None), ("training", "gc_freq"),
+    ("data", "prefetch_factor"), ("data", "pin_memory"), ("fault", "step_timeout_seconds"),
+    ("fault", "first_step_timeout_seconds"), ("parallelism", "init_timeout_seconds"),
+    ("parallelism", "fsdp_reshard_after_forward"), ("parallelism", "fsdp_single_process"))
+# The layout, free as well where training.global_batch_size fixes the batch (a requeue on another number of
+# processes); with -1 the local batch and the data-parallel degrees set the global batch, so they stay.
+_LAYOUT_FIELDS = (("parallelism", None), ("training", "local_batch_size"))
 
 
-def run_branches(resolved) -> list[dict]:
-    """The branch a run from checkpoint.load_step records (the step and its recipe's hash, less the fields that
-    change nothing it computes), then the one earlier releases recorded for the same command (the whole
-    recipe's hash), which a requeue also continues; [] for a run that does not branch."""
-    load_step = resolved.recipe.checkpoint.load_step
-    if load_step < 0:
-        return []
-    table = tomllib.loads(resolved.toml)
-    for section, key in _BRANCH_FREE_FIELDS:
+def _recipe_digest(toml: str, free: tuple) -> str:
+    table = tomllib.loads(toml)
+    for section, key in free:
         if key is None:
             table.pop(section, None)
         else:
             table.get(section, {}).pop(key, None)
-    digest = hashlib.sha256(json.dumps(table, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return [{"from_step": load_step, "recipe": digest}, {"from_step": load_step, "recipe": resolved.hash}]
+    return hashlib.sha256(json.dumps(table, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def run_branches(resolved) -> list[dict]:
+    """The branch a run from checkpoint.load_step records (the step and its recipe's hash, less the fields that
+    change nothing it computes), then those earlier releases recorded for the same command (by fewer free fields,
+    and by the whole recipe's hash), which a requeue also continues; [] for a run that does not branch."""
+    load_step = resolved.recipe.checkpoint.load_step
+    if load_step < 0:
+        return []
+    free = _BRANCH_FREE_FIELDS + (_LAYOUT_FIELDS if resolved.recipe.training.global_batch_size != -1 else ())
+    digests = [_recipe_digest(resolved.toml, free), _recipe_digest(resolved.toml, _EARLIER_BRANCH_FREE_FIELDS),
+               resolved.hash]
+    return [{"from_step": load_step, "recipe": digest} for digest in dict.fromkeys(digests)]
 
 
 def initial_weights_mismatch(path: str, found: list[str]) -> UserError:

@@ -270,7 +270,7 @@ def test_a_branch_recorded_with_the_whole_recipe_hash_goes_on_when_requeued_for_
     argv = [*BASE, "--training.steps=8", "--checkpoint.interval=2", "--checkpoint.load_step=2",
             "--checkpoint.keep_latest_k=0", f"--job.dump_folder={run}"]
     assert cli.main(["train", *argv]) == 0
-    whole = run_branches(resolve(argv, world_size=1, training=True))[1]
+    whole = run_branches(resolve(argv, world_size=1, training=True))[-1]
     for step in (4, 6, 8):  # the branch as an earlier release recorded it
         edit_json(step_dir(run, step), "train_state.json", branch=whole)
         forget_checksums(step_dir(run, step))
@@ -281,6 +281,23 @@ def test_a_branch_recorded_with_the_whole_recipe_hash_goes_on_when_requeued_for_
     out = capsys.readouterr().out
     assert "this command's run from step 2 already reached step 8; resuming there" in out, out[-2000:]
     assert len([name for name in os.listdir(run / "checkpoint") if name.startswith("abandoned-")]) == 1
+
+
+def test_a_branch_requeued_at_another_layout_resumes_its_own_progress(run, capsys):
+    """A requeue of a branch on another machine changes how its steps run, not what they compute: with the global
+    batch fixed, another micro-batch size (as another number of processes needs), activation checkpointing switched
+    on and another collector period continue the branch rather than set its progress aside and train it again from
+    load_step."""
+    def branch(*extra):
+        return cli.main(["train", *BASE, "--training.steps=8", "--checkpoint.interval=2", "--checkpoint.load_step=2",
+                         "--checkpoint.keep_latest_k=0", f"--job.dump_folder={run}", *extra])
+
+    assert branch("--training.steps=6") == 0
+    capsys.readouterr()
+    assert branch("--training.local_batch_size=1", "--activation_checkpoint.mode=full", "--training.gc_freq=7") == 0
+    out = capsys.readouterr().out
+    assert "this command's run from step 2 already reached step 6; resuming there" in out, out[-2000:]
+    assert len([name for name in os.listdir(run / "checkpoint") if name.startswith("abandoned-")]) == 1  # step 4
 
 
 @pytest.mark.parametrize("model, failure, code, message", [
