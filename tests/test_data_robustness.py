@@ -120,6 +120,41 @@ def test_tiktoken_decodes_ids_that_name_no_token():
     assert tok.decode(tok.encode("hi") + [100256] + tok.encode(" there")) == "hi<|100256|> there"
 
 
+class _Fixed(ByteTokenizer):
+    """A tokenizer whose encode() gives the same ids for every text, without the byte tokenizer's fast path."""
+    encode_array = None
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def encode(self, text):
+        return list(self.ids)
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([1.7, 2.2], r"the tokenizer \(_Fixed\) encoded a document as float64 values \(the first: 1\.7\), not integer "
+                 r"token ids\. Fix: its encode\(\) returns a list of int token ids"),
+    ([True, False], r"the tokenizer \(_Fixed\) encoded a document as bool values \(the first: True\)"),
+    ([2 ** 70], r"the tokenizer \(_Fixed\) encoded a document as object values"),
+    ([2 ** 63], r"the tokenizer \(_Fixed\) gave token id 9223372036854775808, outside the tokenizer's vocabulary"),
+    ([5, -1], r"the tokenizer \(_Fixed\) gave token id -1, outside"),
+])
+def test_a_tokenizer_whose_ids_are_no_token_ids_is_named_not_cast(tmp_path, ids, message):
+    """np.asarray(..., dtype=int64) made 1.7 the id 1, True the id 1 and 2 ** 63 a negative id."""
+    source = TextFilesSource(TextFilesArgs(paths=[write_jsonl(str(tmp_path / "a.jsonl"), unique_texts(4))],
+                                           validation_fraction=0.0))
+    loader = build_dataloader(source, _Fixed(ids), seq_len=16, batch_size=2, logical_shards=1)
+    with pytest.raises(UserError, match=message):
+        next(iter(loader))
+
+
+def test_a_tokenizer_that_encodes_a_text_as_no_ids_keeps_training(tmp_path):
+    source = TextFilesSource(TextFilesArgs(paths=[write_jsonl(str(tmp_path / "a.jsonl"), unique_texts(4))],
+                                           validation_fraction=0.0))
+    batch = next(iter(build_dataloader(source, _Fixed([]), seq_len=4, batch_size=1, logical_shards=1)))
+    assert batch["input"].tolist() == [[257, 257, 257, 257]]
+
+
 def test_a_worker_with_empty_shards_leaves_the_rest_of_the_rank_running(tmp_path):
     path = str(tmp_path / "one.jsonl")
     document = "a single document long enough to fill several windows " * 4

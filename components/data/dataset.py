@@ -144,13 +144,17 @@ class PackedShardsDataset(IterableDataset):
                                 f"cannot encode") from None
         else:
             ids, made_by = doc, f"the data source ({type(self.source).__name__})"
-        self._check_ids(ids, made_by)
+        self._check_ids(ids, made_by, encoded=isinstance(doc, str))
         tokens = document_tokens(ids, self.bos_id, self.tokenizer.eos_id)
         return tokens if len(tokens) >= self.min_document_tokens else None
 
-    def _check_ids(self, ids, made_by: str) -> None:
+    def _check_ids(self, ids, made_by: str, encoded: bool) -> None:
         """A document's token ids are whole numbers the model's embedding holds: a plugin's source or tokenizer
         that breaks this trained on float ids cast to 0, or died in an index error deep in the model."""
+        if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind not in "iu" and encoded:
+            first = f" (the first: {ids[:1].tolist()[0]!r})" if ids.size else ""
+            raise UserError(f"{made_by} encoded a document as {ids.dtype} values{first}, not integer token ids. Fix: "
+                            f"its encode() returns a list of int token ids, below its vocab_size")
         if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
             what = (f"an array of {ids.dtype} with shape {list(ids.shape)}" if isinstance(ids, np.ndarray) else
                     f"a {type(ids).__name__}")

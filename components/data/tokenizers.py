@@ -240,11 +240,15 @@ def build_tiktoken_tokenizer(args: TiktokenArgs) -> TiktokenTokenizer:
 
 
 def encode_array(tokenizer, text: str) -> np.ndarray:
-    """Token ids of `text` as int64, through the tokenizer's fast path when it has one."""
+    """Token ids of `text` as int64, through the tokenizer's fast path when it has one. Ids of another kind (float,
+    bool, beyond int64) are returned as they are, for the caller to refuse: a cast would make them other ids."""
     fast = getattr(tokenizer, "encode_array", None)
     if fast is not None:
         return fast(text)
-    return np.asarray(tokenizer.encode(text), dtype=np.int64)
+    ids = np.asarray(tokenizer.encode(text))
+    if ids.dtype.kind == "i" or ids.size == 0:  # an empty list reads as float64
+        return ids.astype(np.int64, copy=False)
+    return ids
 
 
 # name -> (argument dataclass or None, factory); a factory takes the arguments when there are any.
