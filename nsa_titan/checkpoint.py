@@ -48,6 +48,7 @@ STEP_ENTRIES = {"ranks", "model", "train_state.json", COMPLETE}
 # The files a save writes in a step's subfolders (DCP's shards and metadata, each rank's state), temporaries too.
 SAVE_SUBFOLDERS = {"model": re.compile(r"^(\.metadata|__\d+_\d+\.distcp)(\.tmp\w*)?$"),
                    "ranks": re.compile(r"^rank-\d+\.pt(\.tmp\d+)?$")}
+SAVE_FILES = STEP_ENTRIES - set(SAVE_SUBFOLDERS)  # a file named 'model' or 'ranks' is none of the save's
 PARTIAL_WRITE = re.compile(rf"^(train_state\.json|{COMPLETE})\.tmp\d+$")  # _write_atomically's, cut short
 
 
@@ -807,7 +808,7 @@ def _foreign_entries(step_dir: str) -> list[str]:
                 written = (f"{name}/{inner}" in listed if listed is not None else SAVE_SUBFOLDERS[name].match(inner))
                 if not written or os.path.islink(os.path.join(full, inner)) or os.path.isdir(os.path.join(full, inner)):
                     foreign.append(f"{name}/{inner}")
-        elif not ((name in STEP_ENTRIES or PARTIAL_WRITE.match(name)) and os.path.isfile(full)
+        elif not ((name in SAVE_FILES or PARTIAL_WRITE.match(name)) and os.path.isfile(full)
                   and not os.path.islink(full)):
             foreign.append(name)
     return foreign

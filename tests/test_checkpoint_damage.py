@@ -485,6 +485,24 @@ def test_pruning_removes_the_marker_first(tmp_path, monkeypatch):
     assert seen == [False]
 
 
+@pytest.mark.parametrize("name, other", [("ranks", "model"), ("model", "ranks")])
+def test_a_file_named_as_a_save_folder_is_the_users_and_kept_when_the_step_goes(tmp_path, name, other):
+    """A file (not folder) named 'model' or 'ranks' in a step folder counted as the save's and was deleted."""
+    from nsa_titan import checkpoint
+
+    step = tmp_path / "step-2"
+    (step / other).mkdir(parents=True)
+    (step / other / ("__0_0.distcp" if other == "model" else "rank-0.pt")).write_bytes(b"saved")
+    (step / "train_state.json").write_text("{}")
+    (step / name).write_text("my notes")
+    assert checkpoint._foreign_entries(str(step)) == [name] and not checkpoint._holds_only_a_save(str(step))
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    checkpoint._remove_step(str(step), set_aside=lambda: str(aside))
+    assert not step.exists() and os.listdir(aside / "step-2") == [name]
+    assert (aside / "step-2" / name).read_text() == "my notes"
+
+
 @pytest.mark.parametrize("async_mode, errno_of, reason, remedy", [
     ("disabled", 28, "No space left on device", "Fix: free space on that file system"),
     ("async", 28, "No space left on device", "Fix: free space on that file system"),
