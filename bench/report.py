@@ -269,6 +269,8 @@ def report_kind(report) -> str:
     kind = report.get("benchmark")
     if kind is None and "seconds_to_first_document" in report:
         return "data_resume"  # written before data_resume named itself
+    if kind is None and {"rows", "failures"} <= set(report):
+        return "kernel_resources"  # written before kernel_resources named itself (rows and failures only)
     if kind not in TABLES:
         what = "no benchmark report (it names no 'benchmark')" if kind is None else f"a {kind!r} report"
         raise ValueError(f"{what}; this tool makes tables of {', '.join(TABLES)} reports (read the others' JSON "
@@ -278,7 +280,10 @@ def report_kind(report) -> str:
 
 def render(report: dict) -> str:
     kind = report_kind(report)
-    return "\n".join([environment_line(report.get("environment", {}), kind), "", *TABLES[kind](report)])
+    env = report.get("environment")
+    where = (environment_line(env, kind) if env is not None else
+             "The machine, versions and commit were not recorded (a result of an older release).")
+    return "\n".join([where, "", *TABLES[kind](report)])
 
 
 def main(argv=None) -> int:

@@ -166,6 +166,19 @@ def test_every_kind_of_result_the_benchmarks_write_is_rendered():
     assert "| 600 | 50 | 2 |" in report.render(unnamed)
 
 
+def test_a_kernel_resources_result_of_an_older_release_is_rendered(tmp_path, capsys):
+    """Written before kernel_resources named itself (rows and failures, nothing else): 'no benchmark report', exit 1."""
+    old = {k: v for k, v in _every_kind()["kernel_resources"].items() if k in ("rows", "failures")}
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(old))
+    assert report.main([str(path)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "The machine, versions and commit were not recorded (a result of an older release)." in out
+    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 |" in out
+    path.write_text(json.dumps({"rows": [], "failures": []}))
+    assert report.main([str(path)]) == 0 and "NSA Triton kernels compiled offline" in capsys.readouterr().out
+
+
 def test_a_gpu_benchmark_run_on_the_cpu_or_interpreted_is_marked_as_a_smoke_run():
     train = {"benchmark": "train_throughput", "environment": CPU_ENV, "results": []}
     line = report.render(train).splitlines()[0]
