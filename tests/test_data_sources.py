@@ -495,11 +495,20 @@ def test_nulls_in_the_text_column_are_no_documents(tmp_path, monkeypatch):
     pq.write_table(pa.table({"text": pa.array([None] * 5, pa.string())}), str(tmp_path / "a.parquet"))
     with pytest.raises(UserError, match="field 'text' is null in all 5 records of split 'train'. Fix: set text_field"):
         HuggingFaceSource(source.args).check()
-    # A long stream of nulls (a remote one, say) is looked at no further than a bound.
+    # A long stream of nulls (a remote one, say) is looked at no further than a bound; texts after it were
+    # refused as a column of nulls. They are read (nulls are skipped), with a note of what the check did not see.
     monkeypatch.setattr("components.data.sources.huggingface._CHECKED_RECORDS", 3)
     monkeypatch.setattr("components.data.sources.huggingface._READ_BATCH", 2)
-    with pytest.raises(UserError, match="field 'text' is null in the first 4 records of split 'train'"):
-        HuggingFaceSource(source.args).check()
+    pq.write_table(pa.table({"text": pa.array([None] * 5 + unique_texts(3, seed=4), pa.string())}),
+                   str(tmp_path / "a.parquet"))
+    late = HuggingFaceSource(source.args)
+    assert late.shard_notes(1) == []
+    late.check()
+    assert late.shard_notes(1) == [
+        "data source huggingface (parquet): field 'text' is null in the first 4 records of split 'train', as far as "
+        "the check looks; reading on (null texts are skipped). If that column is not the text, stop the run and set "
+        "text_field to the one holding it"]
+    assert sorted(text for text, _ in late.documents(0, 1, "train", 0, 0, None)) == unique_texts(3, seed=4)
 
 
 def test_huggingface_errors(hf_parquet, monkeypatch):

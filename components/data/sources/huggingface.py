@@ -112,10 +112,11 @@ class HuggingFaceSource:
     def __init__(self, args: HuggingFaceArgs | None = None):
         self.args = args or HuggingFaceArgs()
         self._loaded: dict[str, object] = {}
+        self._null_heads: dict[str, int] = {}  # split -> records check() found only nulls in, as far as it looked
 
     def __getstate__(self):
         # Workers started by fork inherit the loaded streams; other start methods reload them.
-        return {"args": self.args, "_loaded": {}}
+        return {"args": self.args, "_loaded": {}, "_null_heads": dict(self._null_heads)}
 
     def has_split(self, split: str) -> bool:
         return split == "train" or bool(self.args.validation_split) or self.args.validation_fraction > 0
@@ -189,7 +190,10 @@ class HuggingFaceSource:
 
     def shard_notes(self, num_shards: int) -> list[str]:
         splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
-        notes = []
+        notes = [f"{self._what()}: field {self.args.text_field!r} is null in the first {records:,} records of split "
+                 f"{hf_split!r}, as far as the check looks; reading on (null texts are skipped). If that column is "
+                 f"not the text, stop the run and set text_field to the one holding it"
+                 for hf_split, records in self._null_heads.items()]
         for hf_split in dict.fromkeys(splits):
             sources = self._resharded(num_shards, hf_split).num_shards
             if sources < num_shards:
@@ -290,8 +294,10 @@ class HuggingFaceSource:
             if first is None:
                 if not records:
                     raise UserError(f"{self._what()}: split {hf_split!r} has no records, so it yields no tokens")
-                which = "the first" if records >= _CHECKED_RECORDS else "all"
-                raise UserError(f"{self._what()}: field {self.args.text_field!r} is null in {which} {records:,} "
+                if records >= _CHECKED_RECORDS:  # texts may follow: reading skips nulls, and shard_notes says it
+                    self._null_heads[hf_split] = records
+                    continue
+                raise UserError(f"{self._what()}: field {self.args.text_field!r} is null in all {records:,} "
                                 f"records of split {hf_split!r}. Fix: set text_field to the column holding the text")
             if not isinstance(first, str):
                 raise UserError(
