@@ -740,3 +740,34 @@ def test_a_parquet_piece_decodes_its_rows_not_its_whole_row_group(tmp_path):
     assert pool.max_memory() < group_bytes / 3, (pool.max_memory(), group_bytes)
     for piece in (pieces[6], pieces[-1]):  # rows 960 to 1120 span two batches of 1024; the group's last rows
         assert corpus.read_piece(piece, "train") == texts[piece[2]:piece[3]]
+
+
+def test_a_parquet_files_footer_is_parsed_once_not_at_every_piece(tmp_path, monkeypatch):
+    """Every piece parsed its file's footer again: milliseconds each for a file of thousands of row groups, more
+    than reading a small piece. A few files' footers are kept (a corpus of many files' would fill memory), none is
+    pickled to loader workers, and the documents read are the same."""
+    import pickle
+
+    import pyarrow.parquet as pq
+
+    from components.data.sources import file_corpus
+
+    texts = unique_texts(60, seed=5)
+    for i in range(file_corpus._KEPT_FOOTERS + 2):
+        write_parquet(str(tmp_path / f"{i:02d}.parquet"), texts if i == 0 else texts[:2], row_group_size=3)
+    corpus = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0)).corpus()
+    corpus.meta()
+    parsed, opened = [], pq.ParquetFile
+
+    def opening(path, *args, metadata=None, **kwargs):
+        parsed.extend([os.path.basename(path)] if metadata is None else [])
+        return opened(path, *args, metadata=metadata, **kwargs)
+
+    monkeypatch.setattr(pq, "ParquetFile", opening)
+    first = corpus.files[0]
+    pieces = [p for p in corpus.pieces("train", 1) if corpus.files[p[0]] is first]
+    assert len(pieces) == 20 and [d for p in pieces for d in corpus.read_piece(p, "train")] == texts
+    assert parsed == ["00.parquet"]
+    assert sorted(member_documents(corpus, "train")) == sorted(texts + texts[:2] * (file_corpus._KEPT_FOOTERS + 1))
+    assert len(corpus._footers) == file_corpus._KEPT_FOOTERS
+    assert pickle.loads(pickle.dumps(corpus))._footers == {}

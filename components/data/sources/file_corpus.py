@@ -43,6 +43,10 @@ _NOTED_ROW_GROUP_FACTOR = 8
 # bytes each as int64), at every epoch and again at every resume.
 _NOTED_WHOLE_FILE_BYTES = 64 << 20
 _CHECK_RECORD_BUDGET = 1000
+# The parquet footers a corpus keeps parsed (per process): a piece's read would otherwise parse its file's footer
+# again (milliseconds for a file of thousands of row groups, more than reading a small piece), while keeping every
+# file's would hold a corpus of many files' metadata in memory.
+_KEPT_FOOTERS = 8
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,10 @@ class FileCorpus:
         self.what = what
         self._meta: list[tuple] | None = None
         self._pieces: dict[tuple[int, str], list[tuple[int, int, int, int]]] = {}
+        self._footers: dict[str, object] = {}  # path -> pyarrow FileMetaData, the newest last
+
+    def __getstate__(self):
+        return {**self.__dict__, "_footers": {}}  # parsed metadata is this process's cache, not the corpus
 
     # ----- metadata and pieces -------------------------------------------------------------
     def meta(self) -> list[tuple]:
@@ -345,13 +353,12 @@ class FileCorpus:
 
     def _parquet_texts(self, path: str, group: int, start: int, end: int) -> list:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         # A large row group is decoded in batches up to the piece's end, never past it (a whole row group, when
         # pyarrow wrote one of a million rows, is gigabytes). Parquet cannot start inside a row group, so the rows
         # before the piece are decoded too: row groups much larger than a piece are slow (row_group_notes says so).
         try:
-            parquet = pq.ParquetFile(path)
+            parquet = self._parquet_file(path)
             if parquet.metadata.row_group(group).num_rows <= _NOTED_ROW_GROUP_FACTOR * MAX_PIECE_ROWS:
                 rows = parquet.read_row_group(group, columns=[self.text_field]).column(0).slice(start, end - start)
             else:
@@ -372,6 +379,18 @@ class FileCorpus:
                     "set text_field to a text column"
                 )
         return values
+
+    def _parquet_file(self, path: str):
+        """The parquet file at `path`, opened with its footer parsed once for the last few files read (no handle
+        is kept: a loader worker forked from this process opens its own)."""
+        import pyarrow.parquet as pq
+
+        footer = self._footers.pop(path, None)
+        parquet = pq.ParquetFile(path, metadata=footer)
+        self._footers[path] = parquet.metadata
+        while len(self._footers) > _KEPT_FOOTERS:
+            del self._footers[next(iter(self._footers))]
+        return parquet
 
     def _parquet_rows_in_batches(self, parquet, group: int, start: int, end: int):
         """Rows [start, end) of a row group's text column, decoded a batch at a time up to `end`."""
