@@ -204,7 +204,7 @@ DEFAULT_NEW_TOKENS = 200
 def sample(argv: list[str]) -> int:
     import torch
 
-    from components.data import document_prefix_id
+    from components.data import decode_text, document_prefix_id
     from components.models import generate
     from nsa_titan.export import load_exported_run
     from nsa_titan.rebuild import say_on_stderr
@@ -247,9 +247,9 @@ def sample(argv: list[str]) -> int:
         return _fail(f"error: tokenizer {tokenizer.name!r} reads no token from --prompt {prompt!r}: it drops what its "
                      f"vocabulary lacks. Fix: write the prompt in text the tokenizer knows, or leave --prompt out to "
                      f"start a document from nothing.")
-    if prompt and tokenizer.decode(text_ids) != prompt:  # what the model is given is not what was asked
-        say_on_stderr(f"note: tokenizer {tokenizer.name!r} reads --prompt as {tokenizer.decode(text_ids)!r}: the "
-                      f"model continues that")
+    read = decode_text(tokenizer, text_ids) if prompt else ""
+    if read != prompt:  # what the model is given is not what was asked
+        say_on_stderr(f"note: tokenizer {tokenizer.name!r} reads --prompt as {read!r}: the model continues that")
     start = [document_prefix_id(tokenizer, recipe.data.add_bos)] if recipe.data.add_bos or not text_ids else []
     ids = start + text_ids
     new_tokens = numbers["--max-new-tokens"]
@@ -266,7 +266,7 @@ def sample(argv: list[str]) -> int:
                        stop_id=tokenizer.eos_id)
     new = out[0, len(ids):].tolist()
     ended = tokenizer.eos_id in new  # the document ends there: what follows would be another one
-    print(tokenizer.decode(text_ids + (new[:new.index(tokenizer.eos_id)] if ended else new))
+    print(decode_text(tokenizer, text_ids + (new[:new.index(tokenizer.eos_id)] if ended else new))
           + ("\n[end of text]" if ended else ""))
     return 0
 

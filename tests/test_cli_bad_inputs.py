@@ -224,6 +224,24 @@ def test_sample_says_what_a_tokenizer_that_drops_text_reads_of_the_prompt(run, c
     assert len(prompts) == 2
 
 
+def test_a_tokenizer_whose_decode_raises_is_named_at_its_line(run, capsys, monkeypatch):
+    """A plugin's decode() that fails on what the model drew (bytes that are no UTF-8 text, say): one message naming
+    the tokenizer and its line, as its encode() failing in the data stream is; sample ended in a traceback."""
+    import inspect
+
+    from components.data.tokenizers import ByteTokenizer
+
+    def strict_decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode() + "\xff".encode("latin-1").decode()
+
+    monkeypatch.setattr(ByteTokenizer, "decode", strict_decode)
+    _, exported, _ = run
+    line = inspect.getsourcelines(strict_decode)[1] + 1
+    refused(capsys, ["sample", exported, "--prompt", "ab", "--max-new-tokens", "1"],
+            "the tokenizer (ByteTokenizer) failed decoding 2 token ids: UnicodeDecodeError: 'utf-8' codec can't "
+            f"decode byte 0xff in position 0: invalid start byte ({__file__}, line {line}). Fix: mend its decode()")
+
+
 def test_sample_asks_by_default_for_what_max_seq_len_leaves(run, capsys, monkeypatch):
     """This model holds 128 tokens: the default 200 new tokens becomes 127 after a one-token prompt, said in a
     note; asked for explicitly, 200 is still refused."""

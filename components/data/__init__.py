@@ -10,6 +10,7 @@ from components.data.sharding import (
 )
 from components.data.sources import SOURCES
 from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_source
+from components.data.tokenizer_calls import decode_text
 from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
                                         document_prefix_id)
 from components.data.workers import (restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
@@ -27,6 +28,7 @@ __all__ = [
     "TiktokenArgs",
     "TiktokenTokenizer",
     "build_dataloader",
+    "decode_text",
     "document_prefix_id",
     "loader_state_by_logical_shard",
     "merge_shard_states",

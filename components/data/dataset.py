@@ -140,7 +140,7 @@ class PackedShardsDataset(IterableDataset):
                 raise
             except Exception as exc:  # a plugin's tokenizer, say: it was a traceback from the loader
                 raise UserError(f"{made_by} failed encoding a document: {type(exc).__name__}: {exc}"
-                                f"{_raised_at(exc, self.tokenizer)}. Fix: mend the tokenizer there, or the data it "
+                                f"{raised_at(exc, self.tokenizer)}. Fix: mend the tokenizer there, or the data it "
                                 f"cannot encode") from None
         else:
             ids, made_by = doc, f"the data source ({type(self.source).__name__})"
@@ -229,11 +229,11 @@ def _read_plainly(source, args: tuple, **kwargs) -> Iterator:
     except Exception as exc:
         shard, _, split, _, epoch, _ = args
         raise UserError(f"the data source ({type(source).__name__}) failed reading logical shard {shard} ({split} "
-                        f"split, epoch {epoch}): {type(exc).__name__}: {exc}{_raised_at(exc, source)}. Fix: mend the "
+                        f"split, epoch {epoch}): {type(exc).__name__}: {exc}{raised_at(exc, source)}. Fix: mend the "
                         f"data it reads, or the source there; a rerun resumes from the last checkpoint") from None
 
 
-def _raised_at(exc: Exception, part) -> str:
+def raised_at(exc: Exception, part) -> str:
     """' (FILE, line N)' where `exc` was raised: the deepest line in `part`'s own file, else the deepest of all."""
     try:
         own = inspect.getsourcefile(type(part))

@@ -75,7 +75,9 @@ def lm_class():
             return bos + self.tokenizer_.encode(string)
 
         def tok_decode(self, tokens) -> str:
-            return self.tokenizer_.decode(tokens)
+            from components.data import decode_text
+
+            return decode_text(self.tokenizer_, tokens)
 
         @torch.no_grad()
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):

@@ -13,6 +13,8 @@ import random
 
 import torch
 
+from components.data import decode_text
+
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = " The pass key is {key}. Remember it."
 QUESTION = " What is the pass key? The pass key is"
@@ -58,6 +60,6 @@ def passkey_accuracy(model, tokenizer, generate, lengths: list[int], depths: lis
             key = str(rng.randint(10000, 99999))
             ids = prompt(tokenizer, length, depth, key, add_bos)
             out = generate(model, torch.tensor([ids], device=device), answer_tokens(tokenizer), temperature=0.0)
-            correct[(length, depth)] += int(tokenizer.decode(out[0, len(ids):].tolist()).strip().startswith(key))
+            correct[(length, depth)] += int(decode_text(tokenizer, out[0, len(ids):].tolist()).strip().startswith(key))
     return {"lengths": lengths, "depths": depths, "trials": trials,
             "accuracy": [[correct[(length, depth)] / trials for depth in depths] for length in lengths]}
