@@ -69,12 +69,13 @@ def rank_has_rows(recipe, runtime, source, tokenizer, dp_rank: int, dp_size: int
     return next(iter(rows), None) is not None
 
 
-def empty_set_error(recipe, rows: int | None = None) -> NoDocuments:
-    """The refusal of a held-out set of `rows` rows (the run's, by default) that no rank holds a row of."""
+def empty_set_error(recipe, rows: int | None = None, without: str | None = None) -> NoDocuments:
+    """The refusal of a held-out set of `rows` rows (the run's, by default) that no rank holds a row of;
+    without: the fix that needs no held-out data, when it is not training's (validation.enable = false)."""
     data = recipe.data
     rows = held_out_rows(recipe) if rows is None else rows
     return no_documents_error("validation", shards_read(rows, data.logical_shards), None, data.logical_shards,
-                              data.min_document_tokens)
+                              data.min_document_tokens, without)
 
 
 def batches_per_rank(rows: int, logical_shards: int, dp_size: int, batch_size: int) -> int:

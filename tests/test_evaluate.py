@@ -208,6 +208,16 @@ def test_a_held_out_set_short_of_the_rows_asked_for_is_said(checkpointed_run, tm
     assert "Fix: ask for fewer (--batches 2 at most)" in err
 
 
+def test_a_held_out_set_of_no_rows_names_fixes_that_eval_can_use(checkpointed_run, tmp_path, capsys):
+    """It said 'or train without validation (validation.enable = false)', which eval does not read."""
+    assert cli.main(["eval", *checkpointed_run, "--data.min_document_tokens=100000000", "--out", str(tmp_path),
+                     "--trials", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "so there is no held-out data to validate on. Fix: raise the data source's validation_fraction" in err, err
+    assert ("or evaluate with the data settings of the run's own recipe.toml (the set its validation loss was logged "
+            "on), or lower data.min_document_tokens.") in err and "validation.enable" not in err, err
+
+
 @pytest.mark.parametrize("extra, message", [
     ([], "eval needs --out DIR"),
     (["--out", "X", "--depths", "0,2"], "--depths must lie in"),

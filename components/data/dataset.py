@@ -245,9 +245,11 @@ def raised_at(exc: Exception, part) -> str:
 
 
 def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logical_shards: int,
-                       min_document_tokens: int) -> NoDocuments:
+                       min_document_tokens: int,
+                       without: str | None = None) -> NoDocuments:
     """The stream of a rank whose logical shards hold no document (it would wait forever for one); dp_rank
-    None: shards read by no one rank (every rank's share of the held-out set)."""
+    None: shards read by no one rank (every rank's share of the held-out set). without: the fix of a held-out
+    set that needs no data, when not training's (validation.enable = false)."""
     shards = sorted(shards)
     which = (f"all {logical_shards} logical shards" if len(shards) == logical_shards else
              f"logical shards {shards}" if len(shards) <= 8 else
@@ -256,7 +258,7 @@ def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logic
     if split == "validation":
         what = "there is no held-out data to validate on"
         fix = ("raise the data source's validation_fraction (or its validation_split), add data, lower "
-               "data.logical_shards, or train without validation (validation.enable = false)")
+               f"data.logical_shards, or {without or 'train without validation (validation.enable = false)'}")
     else:
         what = "this rank has nothing to train on"
         fix = "add data, or lower data.logical_shards or data.num_workers"

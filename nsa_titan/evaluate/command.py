@@ -136,7 +136,9 @@ def run_command(argv: list[str]) -> int:
         every_row = held_out_set.rank_rows(recipe, runtime, assemble.build_source(recipe), tokenizer, 0, 1, rows)
         held_out = list(held_out_set.held_out_batches(every_row, t.local_batch_size, t.seq_len, None))
         if not held_out:
-            raise held_out_set.empty_set_error(recipe, rows)
+            # eval always reads the held-out set: the way out is the data its run validated on
+            raise held_out_set.empty_set_error(recipe, rows, "evaluate with the data settings of the run's own "
+                                               "recipe.toml (the set its validation loss was logged on)")
     except UserError as exc:
         if argv[0].endswith(".toml"):
             raise
