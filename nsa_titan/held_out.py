@@ -78,6 +78,18 @@ def empty_set_error(recipe, rows: int | None = None, without: str | None = None)
                               data.min_document_tokens, without)
 
 
+def short_set_note(recipe, found: int) -> str | None:
+    """What a held-out set of `found` real rows that its shards cannot fill (few held-out documents, most shards
+    holding none) means for the validation loss; None when it holds the rows validation.steps asks for."""
+    rows, seq_len = held_out_rows(recipe), recipe.training.seq_len
+    if found >= rows:
+        return None
+    return (f"the held-out set holds {found} of the {rows} rows validation.steps asks for: the logical shards' "
+            f"held-out documents do not fill their share, so the validation loss covers {found * seq_len:,} tokens. "
+            f"Fix: hold out more documents (the source's validation_fraction or split), or lower validation.steps "
+            f"to fit them.")
+
+
 def batches_per_rank(rows: int, logical_shards: int, dp_size: int, batch_size: int) -> int:
     """Batches every rank runs: the most any rank's share of the rows needs."""
     largest = max(sum(quotas_of_rank(rows, logical_shards, r, dp_size).values()) for r in range(dp_size))

@@ -653,13 +653,9 @@ class Trainer:
     def _say_short_held_out_set(self, tokens: float) -> None:
         """A held-out set its shards cannot fill (few held-out documents, most shards holding none) gives a loss
         over far fewer tokens than validation.steps asks for: said once. (A real row's targets all count.)"""
-        rows, seq_len = held_out.held_out_rows(self.recipe), self.recipe.training.seq_len
-        found = round(tokens / seq_len)
-        if found < rows:
-            self._say(f"note: the held-out set holds {found} of the {rows} rows validation.steps asks for: the "
-                      f"logical shards' held-out documents do not fill their share, so the validation loss covers "
-                      f"{found * seq_len:,} tokens. Fix: hold out more documents (the source's validation_fraction "
-                      f"or split), or lower validation.steps to fit them.")
+        note = held_out.short_set_note(self.recipe, round(tokens / self.recipe.training.seq_len))
+        if note:
+            self._say(f"note: {note}")
 
     def _validation_batches(self):
         """The held-out batches, read once and then kept in host memory (int32) when they fit in
