@@ -162,6 +162,18 @@ def test_trials_0_skips_the_passkey_probe(checkpointed_run, tmp_path, capsys):
     assert sorted(os.listdir(out)) == ["eval.json", "position_loss.png"]
 
 
+def test_a_tokenizer_without_digits_is_refused_the_passkey_probe(checkpointed_run, tmp_path, capsys, monkeypatch):
+    """No continuation it decodes can spell a key: the probe reported 0% as if it measured the model."""
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, text: [b for b in text.encode() if not 48 <= b <= 57])
+    out = tmp_path / "eval"
+    assert cli.main(["eval", *checkpointed_run, "--out", str(out), "--batches", "1", "--trials", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: tokenizer 'byte' cannot write a passkey: it reads the digits ' 0123456789' as ' ', so every " \
+           "trial would fail whatever the model reads of its context. Fix: add --trials 0" in err, err
+    assert not out.exists()
+    assert cli.main(["eval", *checkpointed_run, "--out", str(out), "--batches", "1", "--trials", "0"]) == 0
+
+
 def test_a_failed_write_leaves_the_earlier_results(checkpointed_run, tmp_path, capsys, monkeypatch):
     """--overwrite removes the earlier results only once the new ones are written: a full disk midway
     leaves them as they were, in one message."""

@@ -21,7 +21,7 @@ from nsa_titan import held_out as held_out_set
 from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
                                        take_option, write_results)
 from nsa_titan.config import resolve
-from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length
+from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length, unwritable_keys
 from nsa_titan.evaluate.position_loss import loss_by_position
 from nsa_titan.evaluate.plots import passkey_figure, position_loss_figure
 from nsa_titan.observe.plots import figure_writer, pyplot
@@ -212,6 +212,11 @@ def _passkey_lengths(model, tokenizer, recipe, lengths: list[int] | None) -> lis
     except UserError as exc:  # the held-out loss needs no decoding: eval still runs without the probe
         raise UserError(f"{exc}. Or add --trials 0: eval then skips the passkey probe, the one part that "
                         f"decodes.") from None
+    read = unwritable_keys(tokenizer)
+    if read is not None:
+        raise UserError(f"tokenizer {tokenizer.name!r} cannot write a passkey: it reads the digits ' 0123456789' as "
+                        f"{read!r}, so every trial would fail whatever the model reads of its context. Fix: add "
+                        f"--trials 0 to skip the passkey probe, or evaluate a model whose tokenizer has the digits.")
     max_seq_len = recipe.model.args.max_seq_len
     limit = max_seq_len - answer_tokens(tokenizer)
     shortest = shortest_length(tokenizer, recipe.data.add_bos)

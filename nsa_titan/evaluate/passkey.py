@@ -41,6 +41,15 @@ def prompt(tokenizer, length: int, depth: float, key: str, add_bos: bool = False
     return start + filler[:cut] + needle + filler[cut:] + question
 
 
+def unwritable_keys(tokenizer) -> str | None:
+    """What the tokenizer makes of the digits a key is written in, when it loses some (a vocabulary without them
+    drops them): no continuation can then spell the key, and every trial fails whatever the model reads.
+    None when it writes them all."""
+    digits = " 0123456789"
+    read = decode_text(tokenizer, list(tokenizer.encode(digits)))
+    return None if digits.strip() in read else read
+
+
 def answer_tokens(tokenizer) -> int:
     """Tokens generated per trial: room for a 5-digit key however the tokenizer splits it."""
     return len(tokenizer.encode(" 99999")) + 2
