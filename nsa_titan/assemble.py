@@ -89,6 +89,15 @@ def tokenizer_notes(tokenizer) -> list[str]:
     return list(getattr(tokenizer, "notes", ()))
 
 
+def lost_text_note(recipe: Recipe, source, tokenizer) -> str | None:
+    """A note when the tokenizer loses a sizeable share of the first training documents' text (lost_text.py)."""
+    from components.data import first_texts, lost_text_note as note_of
+
+    if getattr(tokenizer, "keeps_all_text", False):
+        return None
+    return note_of(tokenizer, first_texts(source, recipe.data.logical_shards, recipe.job.seed))
+
+
 def build_model_on_meta(recipe: Recipe, vocab_size: int) -> nn.Module:
     """The model's structure without memory; parallelism is applied before weights exist."""
     part = registry.get("model", recipe.model.name)

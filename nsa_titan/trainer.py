@@ -172,6 +172,9 @@ class Trainer:
             warn(balance)
         for note in assemble.tokenizer_notes(self.tokenizer):
             self._say(f"note: {note}")
+        lost = assemble.lost_text_note(recipe, self.source, self.tokenizer) if runtime.is_main else None
+        if lost:
+            self._say(f"note: {lost}")
         self._build_model()
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)

@@ -180,3 +180,48 @@ def test_a_run_is_told_the_end_of_document_token_it_guessed(trained, tmp_path, c
     assert cli.main(["train", *argv]) == 0
     out = capsys.readouterr().out
     assert out.count("note: tokenizer hf_tokenizer: documents end with '<|endoftext|>' (the first of the usual") == 1
+
+
+def _ascii_bpe(folder, *normalizer) -> str:
+    """A BPE with no unknown token and no byte fallback, trained on a few ASCII lines: encode() drops every
+    character it has no token for."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if normalizer:
+        tok.normalizer = normalizers.Sequence(list(normalizer))
+    lines = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1"] * 20
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=100, special_tokens=["<|endoftext|>"]))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def test_a_tokenizer_that_drops_the_datas_text_is_said_at_start_up(tmp_path, capsys):
+    """Training and doctor said nothing while a third of the text never reached the model."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Grüße aus Köln — 日本語 and the quick fox\n" * 50)
+    argv = [DEBUG, *TINY, "--training.steps=1", "--data.tokenizer=hf_tokenizer", "--data.source=text_files",
+            f"--data.text_files.paths={corpus}", f"--data.hf_tokenizer.path={_ascii_bpe(tmp_path / 'ascii')}"]
+    note = "loses 32% of the characters of the first 1 training document (encoded and decoded again; 'Grüße' reads " \
+           "back as 'r e'): it drops or replaces what its vocabulary lacks, so the model never sees that text. Fix: " \
+           "a tokenizer that covers the data"
+    assert cli.main(["train", *argv, f"--job.dump_folder={tmp_path / 'run'}"]) == 0
+    assert capsys.readouterr().out.count(note) == 1
+    assert cli.main(["doctor", *argv, f"--job.dump_folder={tmp_path / 'other'}"]) == 0
+    data = next(line for line in capsys.readouterr().out.splitlines() if " data (" in line)
+    assert data.startswith("warn ") and note in data, data
+
+
+def test_a_normalising_or_whole_tokenizer_loses_no_text(trained, tmp_path):
+    """Lowercasing and NFKC change the text, not what it says; a byte-level BPE reads any text back whole."""
+    from tokenizers import normalizers
+
+    from components.data import lost_text_note
+
+    lowercasing = HFTokenizer(HFTokenizerArgs(path=_ascii_bpe(tmp_path / "lower", normalizers.NFKC(),
+                                                              normalizers.Lowercase())))
+    assert lost_text_note(lowercasing, ["THE QUICK ﬁx: DEF F(X): RETURN X + 1"]) is None
+    assert lost_text_note(HFTokenizer(HFTokenizerArgs(path=str(trained))), SAMPLES) is None
+    assert "loses 21% of the characters" in lost_text_note(lowercasing, ["THE QUICK ﬁx 日本語"])  # 3 of 14

@@ -10,6 +10,7 @@ from components.data.sharding import (
 )
 from components.data.sources import SOURCES
 from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_source
+from components.data.lost_text import first_texts, lost_text_note
 from components.data.tokenizer_calls import decode_text
 from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
                                         document_prefix_id)
@@ -29,6 +30,8 @@ __all__ = [
     "TiktokenTokenizer",
     "build_dataloader",
     "decode_text",
+    "first_texts",
+    "lost_text_note",
     "document_prefix_id",
     "loader_state_by_logical_shard",
     "merge_shard_states",

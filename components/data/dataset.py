@@ -134,14 +134,7 @@ class PackedShardsDataset(IterableDataset):
         """A source document as the stream's tokens, or None when it is too short to keep."""
         if isinstance(doc, str):
             made_by = f"the tokenizer ({type(self.tokenizer).__name__})"
-            try:
-                ids = encode_array(self.tokenizer, doc)
-            except (UserError, MemoryError):
-                raise
-            except Exception as exc:  # a plugin's tokenizer, say: it was a traceback from the loader
-                raise UserError(f"{made_by} failed encoding a document: {type(exc).__name__}: {exc}"
-                                f"{raised_at(exc, self.tokenizer)}. Fix: mend the tokenizer there, or the data it "
-                                f"cannot encode") from None
+            ids = encode_document(self.tokenizer, doc)
         else:
             ids, made_by = doc, f"the data source ({type(self.source).__name__})"
         self._check_ids(ids, made_by, encoded=isinstance(doc, str))
@@ -171,9 +164,9 @@ class PackedShardsDataset(IterableDataset):
         def open_documents(epoch: int, cursor: Any):
             args = (shard, self.logical_shards, self.split, self.seed, epoch, cursor)
             if getattr(self.source, "prepares_documents", False):  # it skips and counts kept documents itself
-                yield from _read_plainly(self.source, args, prepare=self._prepare)
+                yield from read_plainly(self.source, args, prepare=self._prepare)
                 return
-            for item in _read_plainly(self.source, args):
+            for item in read_plainly(self.source, args):
                 if not (isinstance(item, (tuple, list)) and len(item) == 2):
                     raise UserError(f"the data source ({type(self.source).__name__}) yielded a "
                                     f"{type(item).__name__}, not a (document, cursor) pair. Fix: documents() yields "
@@ -213,7 +206,20 @@ class PackedShardsDataset(IterableDataset):
                    "document_starts": row_document_starts(window[1], self.seq_len)}
 
 
-def _read_plainly(source, args: tuple, **kwargs) -> Iterator:
+def encode_document(tokenizer, text: str) -> np.ndarray:
+    """encode_array(tokenizer, text); an error raised in it (a plugin's tokenizer, say: it was a traceback from the
+    loader) one UserError naming the tokenizer and its line."""
+    try:
+        return encode_array(tokenizer, text)
+    except (UserError, MemoryError):
+        raise
+    except Exception as exc:
+        raise UserError(f"the tokenizer ({type(tokenizer).__name__}) failed encoding a document: "
+                        f"{type(exc).__name__}: {exc}{raised_at(exc, tokenizer)}. Fix: mend the tokenizer there, or "
+                        f"the data it cannot encode") from None
+
+
+def read_plainly(source, args: tuple, **kwargs) -> Iterator:
     """source.documents(*args, **kwargs), an error raised in it (a plugin's source, say) one UserError naming the
     source, the shard it read and the line in the source's file: it was a traceback from the loader."""
     try:

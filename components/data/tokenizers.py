@@ -53,6 +53,7 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    keeps_all_text = True  # every text is its bytes: lost_text.py need not read the data back
 
     def encode(self, text: str) -> list[int]:
         return list(_utf8(text))

@@ -125,7 +125,8 @@ def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | No
         balance = assemble.reader_balance_note(recipe, source, dp_size)
         notes += [balance] if balance else []
         short = _short_held_out_set(recipe, runtime, source, tokenizer)
-        notes += [short] if short else []
+        lost = assemble.lost_text_note(recipe, source, tokenizer)
+        notes += [note for note in (short, lost) if note]
     except UserError as exc:
         return Check(name, FAIL, str(exc)), tokenizer
     inputs = batch["input"]
