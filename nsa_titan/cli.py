@@ -204,7 +204,7 @@ DEFAULT_NEW_TOKENS = 200
 def sample(argv: list[str]) -> int:
     import torch
 
-    from components.data import decode_text, document_prefix_id
+    from components.data import decode_text, document_prefix_id, encode_text
     from components.models import generate
     from nsa_titan.export import load_exported_run
     from nsa_titan.rebuild import say_on_stderr
@@ -242,7 +242,7 @@ def sample(argv: list[str]) -> int:
     model, recipe, tokenizer = run.model, run.recipe, run.tokenizer
     # A document as training saw it: BOS first when data.add_bos is set, else it follows the previous
     # document's end of text (so an empty prompt starts there, not at a BOS the model never saw).
-    text_ids = tokenizer.encode(prompt) if prompt else []
+    text_ids = encode_text(tokenizer, prompt, "--prompt") if prompt else []
     if prompt and not text_ids:  # it would sample from an empty prompt, as if none were given
         return _fail(f"error: tokenizer {tokenizer.name!r} reads no token from --prompt {prompt!r}: it drops what its "
                      f"vocabulary lacks. Fix: write the prompt in text the tokenizer knows, or leave --prompt out to "

@@ -242,6 +242,28 @@ def test_a_tokenizer_whose_decode_raises_is_named_at_its_line(run, capsys, monke
             f"decode byte 0xff in position 0: invalid start byte ({__file__}, line {line}). Fix: mend its decode()")
 
 
+@pytest.mark.parametrize("command, given, what", [("sample", "--prompt", "--prompt"),
+                                                 ("plot", "--text", "the text to plot")])
+def test_a_tokenizer_whose_encode_raises_on_the_text_given_is_named_at_its_line(run, tmp_path, capsys, monkeypatch,
+                                                                                 command, given, what):
+    """A plugin's encode() that fails on text unlike the training data's: it was a traceback."""
+    import inspect
+
+    from components.data.tokenizers import ByteTokenizer
+
+    def ascii_only(self, text):
+        return list(text.encode("ascii"))
+
+    monkeypatch.setattr(ByteTokenizer, "encode", ascii_only)
+    _, exported, _ = run
+    extra = ["--out", str(tmp_path / "out")] if command == "plot" else []
+    line = inspect.getsourcelines(ascii_only)[1] + 1
+    refused(capsys, [command, exported, given, "é", *extra],
+            f"the tokenizer (ByteTokenizer) failed encoding {what}: UnicodeEncodeError: 'ascii' codec can't encode "
+            f"character '\\xe9' in position 0: ordinal not in range(128) ({__file__}, line {line}). Fix: mend its "
+            f"encode() there, or give text it can encode")
+
+
 def test_sample_asks_by_default_for_what_max_seq_len_leaves(run, capsys, monkeypatch):
     """This model holds 128 tokens: the default 200 new tokens becomes 127 after a one-token prompt, said in a
     note; asked for explicitly, 200 is still refused."""

@@ -11,7 +11,7 @@ from components.data.sharding import (
 from components.data.sources import SOURCES
 from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_source
 from components.data.lost_text import first_texts, lost_text_note
-from components.data.tokenizer_calls import decode_text
+from components.data.tokenizer_calls import decode_text, encode_text
 from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
                                         document_prefix_id)
 from components.data.workers import (restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
@@ -30,6 +30,7 @@ __all__ = [
     "TiktokenTokenizer",
     "build_dataloader",
     "decode_text",
+    "encode_text",
     "first_texts",
     "lost_text_note",
     "document_prefix_id",

@@ -71,8 +71,10 @@ def lm_class():
 
         def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
             """As the exported Hugging Face tokenizer encodes: the BOS training put first, unless told not to."""
+            from components.data import encode_text
+
             bos = [self.tokenizer_.bos_id] if self.add_bos and add_special_tokens is not False else []
-            return bos + self.tokenizer_.encode(string)
+            return bos + encode_text(self.tokenizer_, string, "a task's text")
 
         def tok_decode(self, tokens) -> str:
             from components.data import decode_text

@@ -212,7 +212,9 @@ def plot_model(model: nn.Module, model_section, tokenizer, text: str, layer: int
     if hook is None:
         raise UserError(f"model {model_section.name!r} registers no attention_maps hook, so there is nothing to "
                         "plot. Fix: plot a model whose part provides one (the built-in transformer does).")
-    ids = tokenizer.encode(text)
+    from components.data import encode_text
+
+    ids = encode_text(tokenizer, text, "the text to plot")
     if not ids:  # an empty text, or one the tokenizer drops whole (what its vocabulary lacks)
         what = "the text to plot is empty" if not text else f"tokenizer {tokenizer.name!r} reads no token from the text"
         raise UserError(f"{what}. Fix: pass some text {'the tokenizer knows ' if text else ''}with --text or "
