@@ -125,24 +125,6 @@ def test_the_data_check_asks_every_rank_and_the_held_out_set_as_training_does(tm
            "validate on" in lines["data"][1], lines["data"]
 
 
-@pytest.mark.parametrize("held_out_documents, short", [(2, True), (200, False)])
-def test_a_held_out_set_its_shards_cannot_fill_is_a_warning(tmp_path, capsys, held_out_documents, short):
-    """Training's note of the run in test_held_out (two held-out documents fill 4 of the 8 rows over four logical
-    shards), said before the run: doctor said ok."""
-    from tests.launch import TINY
-
-    code, lines = _doctor(capsys, DEBUG, *TINY, "--validation.enable=true", "--validation.steps=2",
-                          "--training.local_batch_size=4", "--training.global_batch_size=4", "--data.source=synthetic",
-                          f"--data.synthetic.validation_documents={held_out_documents}",
-                          "--data.synthetic.min_length=3", "--data.synthetic.max_length=30",
-                          f"--job.dump_folder={tmp_path}")
-    assert code == 0 and lines["data"][0] == ("warn" if short else "ok"), lines["data"]
-    if short:
-        assert "; the held-out set holds 4 of the 8 rows validation.steps asks for: the logical shards' held-out " \
-               "documents do not fill their share, so the validation loss covers 256 tokens. Fix: hold out more " \
-               "documents" in lines["data"][1], lines["data"]
-
-
 def _uneven_corpus(folder):
     """Five one-document files: logical shard 0 of 2 holds a.txt, big.txt and d.txt (22 kB), shard 1 b.txt and
     c.txt (2 kB)."""

@@ -124,9 +124,8 @@ def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | No
         notes = assemble.source_notes(recipe, source)
         balance = assemble.reader_balance_note(recipe, source, dp_size)
         notes += [balance] if balance else []
-        short = _short_held_out_set(recipe, runtime, source, tokenizer)
         lost = assemble.lost_text_note(recipe, source, tokenizer)
-        notes += [note for note in (short, lost) if note]
+        notes += [lost] if lost else []
     except UserError as exc:
         return Check(name, FAIL, str(exc)), tokenizer
     inputs = batch["input"]
@@ -154,17 +153,6 @@ def _every_rank_has_rows(recipe, runtime, source, tokenizer, dp_size: int) -> No
     if recipe.validation.enable and not any(held_out.rank_has_rows(recipe, runtime, source, tokenizer, rank, dp_size)
                                             for rank in range(dp_size)):
         raise held_out.empty_set_error(recipe)
-
-
-def _short_held_out_set(recipe, runtime, source, tokenizer) -> str | None:
-    """Training's note of a held-out set its shards cannot fill, from the set read here whole (its rows do not
-    depend on the layout): training says it at the first validation, when the run is under way."""
-    from nsa_titan import held_out
-
-    if not recipe.validation.enable:
-        return None
-    rows = held_out.rank_rows(recipe, runtime, source, tokenizer, 0, 1, held_out.held_out_rows(recipe), workers=False)
-    return held_out.short_set_note(recipe, sum(1 for _ in rows))
 
 
 def _data_parallel_size(recipe, world_size: int) -> int:
