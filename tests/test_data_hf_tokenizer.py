@@ -225,3 +225,18 @@ def test_a_normalising_or_whole_tokenizer_loses_no_text(trained, tmp_path):
     assert lost_text_note(lowercasing, ["THE QUICK ﬁx: DEF F(X): RETURN X + 1"]) is None
     assert lost_text_note(HFTokenizer(HFTokenizerArgs(path=str(trained))), SAMPLES) is None
     assert "loses 21% of the characters" in lost_text_note(lowercasing, ["THE QUICK ﬁx 日本語"])  # 3 of 14
+
+
+def test_the_lost_text_check_reads_a_source_that_prepares_its_documents():
+    """A source with prepares_documents (documents() takes the loader's `prepare`, a required argument of a
+    plugin's) is read as it comes, not refused for a missing argument."""
+    from components.data import first_texts
+
+    class Preparing:
+        prepares_documents = True
+
+        def documents(self, shard, num_shards, split, seed, epoch, cursor, *, prepare):
+            for j in range(3):
+                yield prepare(f"document {shard}/{j}"), j + 1
+
+    assert first_texts(Preparing(), 2, 0) == [f"document {s}/{j}" for s in range(2) for j in range(3)]

@@ -22,8 +22,10 @@ def first_texts(source, num_shards: int, seed: int) -> list[str]:
     """The first SAMPLE_DOCUMENTS text documents of the training split, from logical shard 0 on, as epoch 0
     reads them (documents of token ids are no text to compare)."""
     texts: list[str] = []
+    # A source that prepares documents itself (a mixture) takes `prepare`: here the documents as they come.
+    kwargs = {"prepare": lambda document: document} if getattr(source, "prepares_documents", False) else {}
     for shard in range(min(num_shards, SAMPLE_DOCUMENTS)):
-        for item in read_plainly(source, (shard, num_shards, "train", seed, 0, None)):
+        for item in read_plainly(source, (shard, num_shards, "train", seed, 0, None), **kwargs):
             if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
                 break  # token ids hold no text to compare; what is no (document, cursor) pair the loader refuses
             texts.append(item[0][:SAMPLE_CHARACTERS])
