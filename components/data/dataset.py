@@ -10,8 +10,6 @@ before every document of those shards came once.
 
 from __future__ import annotations
 
-import inspect
-import traceback
 from typing import Any, Iterator
 
 import numpy as np
@@ -20,6 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from components.errors import UserError
 from components.data.packing import ShardPacker, document_tokens, fresh_shard_state
+from components.data.part_failures import failures_named
 from components.data.sharding import next_shard, shards_of_worker
 from components.data.tokenizers import encode_array
 
@@ -207,47 +206,19 @@ class PackedShardsDataset(IterableDataset):
 
 
 def encode_document(tokenizer, text: str) -> np.ndarray:
-    """encode_array(tokenizer, text); an error raised in it (a plugin's tokenizer, say: it was a traceback from the
-    loader) one UserError naming the tokenizer and its line."""
-    try:
+    """encode_array(tokenizer, text); what a plugin's tokenizer raises there one message naming it and its line."""
+    with failures_named(tokenizer, "tokenizer", "encoding a document",
+                        "mend the tokenizer there, or the data it cannot encode"):
         return encode_array(tokenizer, text)
-    except (UserError, MemoryError):
-        raise
-    except Exception as exc:
-        raise UserError(f"the tokenizer ({type(tokenizer).__name__}) failed encoding a document: "
-                        f"{type(exc).__name__}: {exc}{raised_at(exc, tokenizer)}. Fix: mend the tokenizer there, or "
-                        f"the data it cannot encode") from None
 
 
 def read_plainly(source, args: tuple, **kwargs) -> Iterator:
-    """source.documents(*args, **kwargs), an error raised in it (a plugin's source, say) one UserError naming the
-    source, the shard it read and the line in the source's file: it was a traceback from the loader."""
-    try:
-        items = iter(source.documents(*args, **kwargs))
-        while True:
-            try:
-                item = next(items)
-            except StopIteration:
-                return
-            yield item
-    except (UserError, MemoryError):
-        raise
-    except Exception as exc:
-        shard, _, split, _, epoch, _ = args
-        raise UserError(f"the data source ({type(source).__name__}) failed reading logical shard {shard} ({split} "
-                        f"split, epoch {epoch}): {type(exc).__name__}: {exc}{raised_at(exc, source)}. Fix: mend the "
-                        f"data it reads, or the source there; a rerun resumes from the last checkpoint") from None
-
-
-def raised_at(exc: Exception, part) -> str:
-    """' (FILE, line N)' where `exc` was raised: the deepest line in `part`'s own file, else the deepest of all."""
-    try:
-        own = inspect.getsourcefile(type(part))
-    except TypeError:  # a built-in or C type
-        own = None
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
-    inside = [f for f in frames if f.filename == own] or frames
-    return f" ({inside[-1].filename}, line {inside[-1].lineno})" if inside else ""
+    """source.documents(*args, **kwargs); what a plugin's source raises there one message naming the source, the
+    shard it read and the line in the source's file."""
+    shard, _, split, _, epoch, _ = args
+    with failures_named(source, "data source", f"reading logical shard {shard} ({split} split, epoch {epoch})",
+                        "mend the data it reads, or the source there; a rerun resumes from the last checkpoint"):
+        yield from source.documents(*args, **kwargs)
 
 
 def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logical_shards: int,

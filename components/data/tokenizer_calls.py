@@ -3,29 +3,18 @@ harness): what a plugin's tokenizer raises there is one message naming it and it
 
 from __future__ import annotations
 
-from components.data.dataset import raised_at
-from components.errors import UserError, first_line
+from components.data.part_failures import failures_named
 
 
 def decode_text(tokenizer, ids: list[int]) -> str:
-    try:
+    with failures_named(tokenizer, "tokenizer", f"decoding {len(ids)} token ids",
+                        "mend its decode() there: any ids below its vocab_size, in any order, are some text (bytes "
+                        "that are no UTF-8 text decode with errors='replace', say)"):
         return tokenizer.decode(ids)
-    except (UserError, MemoryError):
-        raise
-    except Exception as exc:
-        raise UserError(f"the tokenizer ({type(tokenizer).__name__}) failed decoding {len(ids)} token ids: "
-                        f"{type(exc).__name__}: {first_line(exc)}{raised_at(exc, tokenizer)}. Fix: mend its decode() "
-                        f"there: any ids below its vocab_size, in any order, are some text (bytes that are no UTF-8 "
-                        f"text decode with errors='replace', say)") from None
 
 
 def encode_text(tokenizer, text: str, what: str) -> list[int]:
     """tokenizer.encode(text) of the text a command was given (`what`: '--prompt', say)."""
-    try:
+    with failures_named(tokenizer, "tokenizer", f"encoding {what}", "mend its encode() there, or give text it can "
+                        "encode"):
         return tokenizer.encode(text)
-    except (UserError, MemoryError):
-        raise
-    except Exception as exc:
-        raise UserError(f"the tokenizer ({type(tokenizer).__name__}) failed encoding {what}: {type(exc).__name__}: "
-                        f"{first_line(exc)}{raised_at(exc, tokenizer)}. Fix: mend its encode() there, or give text "
-                        f"it can encode") from None
