@@ -18,7 +18,8 @@ import torch
 from components.errors import UserError
 from components.sequence_shard import SequenceShard
 
-from components.data import restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths, worker_died
+from components.data import (death_hidden_in, restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
+                             worker_died)
 from nsa_titan import assemble, held_out, registry
 from nsa_titan.checkpoint import (Checkpointer, RunState, check_weights_path, complete_steps, run_branches,
                                   weights_step_dir)
@@ -1058,8 +1059,14 @@ class Trainer:
         state.extra["elapsed_s"] = self._elapsed_before + time.perf_counter() - run_start
         # A step that ends a run of skipped (NaN/Inf) steps is saved (a resume goes on past its batches), but
         # retention keeps the newest checkpoint of a good step beside it, which a run that then stops needs.
-        self.checkpointer.save(state, data_layout=self._data_layout(), wait=wait,
-                               good=self.nan_guard.consecutive_bad == 0)
+        try:
+            self.checkpointer.save(state, data_layout=self._data_layout(), wait=wait,
+                                   good=self.nan_guard.consecutive_bad == 0)
+        except UserError as exc:  # a loader worker's death raised inside the writer reads as a failed write
+            death = death_hidden_in(exc, self.train_loader)
+            if death is not None:
+                raise death from None
+            raise
         self.watchdog.beat(state.step)
 
     def _stop_asked_meanwhile(self) -> bool:

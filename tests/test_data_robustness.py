@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -391,3 +392,37 @@ def test_a_killed_loader_worker_ends_the_run_with_one_message_and_the_way_on(tmp
     assert "ended by SIGKILL, most often the host's out-of-memory killer" in said[0], said[0]
     assert "the same command then resumes from" in said[0], said[0]
     assert "Fix: lower data.num_workers or data.prefetch_factor" in said[0]
+
+
+def test_a_worker_killed_during_a_save_is_said_as_its_death_not_as_a_failed_write(tmp_path, capsys, monkeypatch):
+    """torch's SIGCHLD handler raised the death inside the checkpoint writer, whose zip writer then failed with
+    'unexpected pos' (seen in CI): the run blamed the disk ('free space', exit 2). It is the worker's death, said as
+    any other (exit 4, the out-of-memory killer's most often), and the checkpoint before it is the way on."""
+    from components.errors import UserError
+    from nsa_titan import cli
+    from nsa_titan.checkpoint import Checkpointer
+    from tests.launch import DEBUG, TINY
+
+    real = Checkpointer.save
+
+    def killed_in_the_writer(self, state, **kwargs):
+        if state.step < 4:
+            return real(self, state, **kwargs)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the writer, not the handler, meets it
+        (worker,) = multiprocessing.active_children()
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=30)
+        raise UserError(f"cannot save the checkpoint of step {state.step} in {tmp_path} ([enforce fail at "
+                        "inline_container.cc:672] . unexpected pos 704 vs 598; 51.6 GiB free there)")
+
+    monkeypatch.setattr(Checkpointer, "save", killed_in_the_writer)
+    argv = [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1", "--checkpoint.enable=true",
+            "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"]
+    try:
+        assert cli.main(["train", *argv]) == 4
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # as it was, whatever happened
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and "a data loader worker died after step 4" in said[0], err
+    assert "ended by SIGKILL" in said[0] and "resumes from" in said[0] and "free space" not in err, err

@@ -14,8 +14,8 @@ from components.data.lost_text import first_texts, lost_text_note
 from components.data.tokenizer_calls import decode_text, encode_text
 from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
                                         document_prefix_id)
-from components.data.workers import (restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
-                                     worker_died)
+from components.data.workers import (death_hidden_in, restore_worker_deaths, signal_that_ended,
+                                     stop_hearing_worker_deaths, worker_died)
 
 __all__ = [
     "DataStreamMismatch",
@@ -40,6 +40,7 @@ __all__ = [
     "shards_of_rank",
     "shards_of_worker",
     "restore_worker_deaths",
+    "death_hidden_in",
     "signal_that_ended",
     "stop_hearing_worker_deaths",
     "stream_id",
