@@ -39,7 +39,7 @@ from components.errors import UserError
 from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mismatches, tensor_shapes,
                                          truncated_shards)
 from nsa_titan.config.toml_io import tomllib
-from nsa_titan.run_folder import create_new
+from nsa_titan.run_folder import create_new, recipe_above
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(0|[1-9]\d*)$")  # as step_dir names them: step-08 is no step folder
@@ -178,23 +178,10 @@ def run_branches(resolved) -> list[dict]:
 
 def initial_weights_mismatch(path: str, found: list[str]) -> UserError:
     """checkpoint.initial_load_path's weights of another shape than this model's (shape_mismatches' `found`)."""
-    recipe = _recipe_above(weights_step_dir(path))
+    recipe = recipe_above(weights_step_dir(path))
     return UserError(f"checkpoint.initial_load_path = {path!r} does not fit this model: {_first(found)}. Fix: set the "
                      f"model fields and data.tokenizer (which sizes the vocabulary) to those of the run that wrote it "
                      f"({recipe or 'its recipe.toml, in its run folder'}), or start from a checkpoint of this model.")
-
-
-def _recipe_above(step_dir: str) -> str | None:
-    """The recipe.toml of the run a step folder belongs to: in the nearest folder above it that holds one (a
-    checkpoint.folder may lie several levels below the run's folder)."""
-    folder = os.path.dirname(os.path.abspath(step_dir))
-    for _ in range(8):
-        if os.path.isfile(os.path.join(folder, "recipe.toml")):
-            return os.path.join(folder, "recipe.toml")
-        folder, above = os.path.dirname(folder), folder
-        if folder == above:
-            break
-    return None
 
 
 def check_weights_path(path: str) -> None:

@@ -17,6 +17,19 @@ RECIPE_FILE = "recipe.toml"
 LOCK_FILE = ".run.lock"
 
 
+def recipe_above(path: str) -> str | None:
+    """The recipe file of the run a folder inside it (a checkpoint step, say) belongs to: in the nearest folder above
+    `path` that holds one (a checkpoint.folder may lie several levels below the run's folder)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    for _ in range(8):
+        if os.path.isfile(os.path.join(folder, RECIPE_FILE)):
+            return os.path.join(folder, RECIPE_FILE)
+        folder, below = os.path.dirname(folder), folder
+        if folder == below:
+            break
+    return None
+
+
 def create_new(path: str, make: Callable[[str], None]) -> str:
     """make(path), or make(stem-2.ext), make(stem-3.ext), ... while the name is taken (make must raise
     FileExistsError then); returns the name made. For what is set aside within one second of another."""
