@@ -314,7 +314,6 @@ def test_a_worker_killed_while_it_hands_over_a_batch_ends_the_run_with_one_messa
     code, as for any killed worker (CI met this as a traceback)."""
     from torchdata.stateful_dataloader import stateful_dataloader
 
-    from nsa_titan import cli
     from nsa_titan.observe.watchdog import Watchdog
     from tests.launch import DEBUG, TINY
 
@@ -338,14 +337,24 @@ def test_a_worker_killed_while_it_hands_over_a_batch_ends_the_run_with_one_messa
     monkeypatch.setattr(stateful_dataloader._StatefulMultiProcessingDataLoaderIter, "_try_get_data",
                         killed_during_hand_over)
     monkeypatch.setattr(Watchdog, "stop", stop_then_hear_the_death)
-    argv = [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1", f"--job.dump_folder={tmp_path}"]
+    said, err = _one_worker_death_line(capsys, [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1",
+                                                f"--job.dump_folder={tmp_path}"])
+    assert "a data loader worker died after step" in said and "ended by SIGKILL" in said, err
+
+
+def _one_worker_death_line(capsys, argv: list[str]) -> tuple[str, str]:
+    """Train in this process to a worker's death, SIGCHLD unblocked after whatever happened: the run's one error
+    line (exit 4, the out-of-memory killer's) and all it wrote to stderr."""
+    from nsa_titan import cli
+
     try:
         assert cli.main(["train", *argv]) == 4
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # as it was, whatever happened
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(said) == 1 and "a data loader worker died after step" in said[0] and "ended by SIGKILL" in said[0], err
+    assert len(said) == 1, err
+    return said[0], err
 
 
 def test_a_run_that_ends_gives_back_torchs_worker_death_handler_once_its_workers_are_shut_down(tmp_path):
@@ -399,7 +408,6 @@ def test_a_worker_killed_during_a_save_is_said_as_its_death_not_as_a_failed_writ
     'unexpected pos' (seen in CI): the run blamed the disk ('free space', exit 2). It is the worker's death, said as
     any other (exit 4, the out-of-memory killer's most often), and the checkpoint before it is the way on."""
     from components.errors import UserError
-    from nsa_titan import cli
     from nsa_titan.checkpoint import Checkpointer
     from tests.launch import DEBUG, TINY
 
@@ -416,13 +424,8 @@ def test_a_worker_killed_during_a_save_is_said_as_its_death_not_as_a_failed_writ
                         "inline_container.cc:672] . unexpected pos 704 vs 598; 51.6 GiB free there)")
 
     monkeypatch.setattr(Checkpointer, "save", killed_in_the_writer)
-    argv = [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1", "--checkpoint.enable=true",
-            "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"]
-    try:
-        assert cli.main(["train", *argv]) == 4
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # as it was, whatever happened
-    err = capsys.readouterr().err
-    said = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(said) == 1 and "a data loader worker died after step 4" in said[0], err
-    assert "ended by SIGKILL" in said[0] and "resumes from" in said[0] and "free space" not in err, err
+    said, err = _one_worker_death_line(capsys, [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1",
+                                                "--checkpoint.enable=true", "--checkpoint.interval=2",
+                                                f"--job.dump_folder={tmp_path}"])
+    assert "a data loader worker died after step 4" in said, err
+    assert "ended by SIGKILL" in said and "resumes from" in said and "free space" not in err, err
