@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import zipfile
 from typing import Callable
 
@@ -20,7 +19,7 @@ from torch import nn
 from components.errors import UserError
 from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan import registry
-from nsa_titan.checkpoint import complete_steps
+from nsa_titan.checkpoint import STEP_DIR, complete_steps
 from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
@@ -135,8 +134,9 @@ def _run_folder_refusal(path: str) -> UserError | None:
     the way from it to one (they were told only that the folder is no Hugging Face folder)."""
     folder = os.path.abspath(path)
     step = None
-    if re.fullmatch(r"step-\d+", os.path.basename(folder)) and os.path.isfile(os.path.join(folder, "train_state.json")):
-        step, folder = int(os.path.basename(folder)[len("step-"):]), os.path.dirname(folder)
+    named = STEP_DIR.match(os.path.basename(folder))
+    if named and os.path.isfile(os.path.join(folder, "train_state.json")):
+        step, folder = int(named.group(1)), os.path.dirname(folder)
     if complete_steps(folder) or step is not None:  # a checkpoint folder: its run holds it
         folder = os.path.dirname(folder)
     recipe = os.path.join(folder, RECIPE_FILE)
