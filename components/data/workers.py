@@ -24,7 +24,7 @@ def death_hidden_in(exc: BaseException, loader: object) -> RuntimeError | None:
     """torch's word of a dead worker of `loader`, where `exc` is what a call made of it: its SIGCHLD handler raised
     the death inside a save's writer, which reported a failed write instead (a zip writer's 'unexpected pos').
     None when no worker of `loader` is dead (the error is its own)."""
-    dead = [worker for worker in _workers_near(exc, loader) if getattr(worker, "exitcode", None) is not None]
+    dead = _dead_workers(exc, loader)
     if not dead:
         return None
     pids = ", ".join(str(worker.pid) for worker in dead)
