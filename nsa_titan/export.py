@@ -23,7 +23,7 @@ from nsa_titan.checkpoint import STEP_DIR, complete_steps
 from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
-from nsa_titan.run_folder import RECIPE_FILE
+from nsa_titan.run_folder import RECIPE_FILE, recipe_above
 
 __all__ = ["FORMAT", "ExportedRun", "export_checkpoint", "load_checkpoint_model", "load_exported", "load_exported_run"]
 
@@ -132,20 +132,22 @@ def load_exported_run(path: str, device: str | torch.device = "cpu",
 def _run_folder_refusal(path: str) -> UserError | None:
     """A training run's folder, its checkpoint folder or one of its step folders where an exported model goes:
     the way from it to one (they were told only that the folder is no Hugging Face folder)."""
-    folder = os.path.abspath(path)
-    step = None
-    named = STEP_DIR.match(os.path.basename(folder))
-    if named and os.path.isfile(os.path.join(folder, "train_state.json")):
-        step, folder = int(named.group(1)), os.path.dirname(folder)
-    if complete_steps(folder) or step is not None:  # a checkpoint folder: its run holds it
-        folder = os.path.dirname(folder)
-    recipe = os.path.join(folder, RECIPE_FILE)
-    if not os.path.isfile(recipe):
+    given = os.path.abspath(path)
+    named = STEP_DIR.match(os.path.basename(given))
+    step = int(named.group(1)) if named and os.path.isfile(os.path.join(given, "train_state.json")) else None
+    if step is None and os.path.isfile(os.path.join(given, RECIPE_FILE)):
+        recipe = os.path.join(given, RECIPE_FILE)
+    elif step is not None or complete_steps(given):  # a checkpoint folder (or a step's): its run holds it
+        recipe = recipe_above(given)
+    else:
+        recipe = None
+    if recipe is None:
         return None
+    folder = os.path.dirname(recipe)
     if step is not None:
         what = f"checkpoint step {step} of the run in {folder!r}"
     else:
-        what = "a training run's folder" if folder == os.path.abspath(path) else f"the checkpoint folder of {folder!r}"
+        what = "a training run's folder" if folder == given else f"the checkpoint folder of {folder!r}"
     load_step = f" --checkpoint.load_step={step}" if step is not None else ""
     return UserError(f"{path!r} is {what}, not an exported model. Fix: export it first, `nsa-titan export {recipe}"
                      f"{load_step} --output model.pt`, and give model.pt here (eval and plot also read it through "

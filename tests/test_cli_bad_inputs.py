@@ -4,6 +4,7 @@ message naming the problem and the fix, no traceback, nothing overwritten and no
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -64,6 +65,19 @@ def test_a_run_folder_given_for_an_exported_model_names_the_export_that_makes_on
     export = f"export {recipe}{load_step} --output {tmp_path / 'model.pt'}".split()
     assert cli.main(export) == 0
     assert cli.main(["sample", str(tmp_path / "model.pt"), "--max-new-tokens", "2"]) == 0
+
+
+def test_a_step_folder_of_a_nested_checkpoint_folder_names_its_run(run, tmp_path, capsys):
+    """checkpoint.folder may lie several levels below the run's folder: its step folder is still named as the run's
+    (it was taken for a folder of unknown kind, 'not a Hugging Face folder')."""
+    argv, _, _ = run
+    folder = next(a for a in argv if a.startswith("--job.dump_folder=")).split("=", 1)[1]
+    nested = tmp_path / "run"
+    shutil.copytree(os.path.join(folder, "checkpoint"), nested / "checkpoints" / "nsa")
+    shutil.copy(os.path.join(folder, "recipe.toml"), nested / "recipe.toml")
+    step = str(nested / "checkpoints" / "nsa" / "step-1")
+    refused(capsys, ["sample", step], f"{step!r} is checkpoint step 1 of the run in {str(nested)!r}",
+            f"`nsa-titan export {nested / 'recipe.toml'} --checkpoint.load_step=1 --output model.pt`")
 
 
 def test_run_train_sh_passes_other_commands_their_arguments_as_given(tmp_path):
