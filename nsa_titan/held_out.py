@@ -78,16 +78,19 @@ def empty_set_error(recipe, rows: int | None = None, without: str | None = None)
                               data.min_document_tokens, without)
 
 
-def short_set_note(recipe, found: int) -> str | None:
+def short_set_note(recipe, found: int, batches: int | None = None, asked: str = "validation.steps",
+                   fewer: str = "validation.steps") -> str | None:
     """What a held-out set of `found` real rows that its shards cannot fill (few held-out documents, most shards
-    holding none) means for the validation loss; None when it holds the rows validation.steps asks for."""
-    rows, seq_len = held_out_rows(recipe), recipe.training.seq_len
+    holding none) means for its loss; None when it holds the rows asked for: `batches` batches (validation.steps
+    by default), which `asked` names, and `fewer` is the setting that asks for fewer."""
+    per_batch, seq_len = rows_per_batch(recipe), recipe.training.seq_len
+    rows = per_batch * (recipe.validation.steps if batches is None else batches)
     if found >= rows:
         return None
-    return (f"the held-out set holds {found} of the {rows} rows validation.steps asks for: the logical shards' "
-            f"held-out documents do not fill their share, so the validation loss covers {found * seq_len:,} tokens. "
-            f"Fix: hold out more documents (the source's validation_fraction or split), or lower validation.steps "
-            f"to fit them.")
+    return (f"the held-out set holds {found} of the {rows} rows {asked} asks for: the logical shards' held-out "
+            f"documents do not fill their share, so the loss covers {found} rows of {seq_len} tokens. Fix: ask for "
+            f"fewer ({fewer} {max(1, found // per_batch)} at most), or hold out more documents (the source's "
+            f"validation_fraction or split).")
 
 
 def batches_per_rank(rows: int, logical_shards: int, dp_size: int, batch_size: int) -> int:

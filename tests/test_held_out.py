@@ -110,6 +110,7 @@ def test_a_held_out_set_its_shards_cannot_fill_is_told_once(tmp_path, capsys, he
     said = capsys.readouterr().out
     note = "note: the held-out set holds 4 of the 8 rows validation.steps asks for"
     if short:
-        assert said.count(note) == 1 and "the validation loss covers 256 tokens" in said, said
+        assert said.count(note) == 1 and "the loss covers 4 rows of 64 tokens" in said, said
+        assert "Fix: ask for fewer (validation.steps 1 at most)" in said, said
     else:
         assert "the held-out set holds" not in said, said

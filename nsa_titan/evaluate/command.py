@@ -149,7 +149,7 @@ def run_command(argv: list[str]) -> int:
                         f"that recipe names it, or evaluate the run's checkpoint from its recipe with the data "
                         f"settings changed, e.g. `nsa-titan eval RECIPE.toml --data.{recipe.data.source}.FIELD=... "
                         f"--out {out}`.") from None
-    _say_short_set(held_out, rows, held_out_set.rows_per_batch(recipe), batches is not None)
+    _say_short_set(recipe, held_out, batches[0] if batches else None)
     positions = loss_by_position(model, documents_of, held_out, recipe.training.seq_len, progress("held-out loss"),
                                  tokenizer.eos_id, tokenizer.bos_id if recipe.data.add_bos else None)
 
@@ -189,18 +189,16 @@ def run_command(argv: list[str]) -> int:
     return 0
 
 
-def _say_short_set(held_out: list[dict], rows: int, per_batch: int, batches_given: bool) -> None:
+def _say_short_set(recipe, held_out: list[dict], batches: int | None) -> None:
     """A held-out set its shards cannot fill gives the numbers of fewer rows than asked for: said, as training
     says it, so results of sets of other sizes are not compared unawares."""
     from nsa_titan.rebuild import say_on_stderr
 
     found = sum(int(batch["input"].shape[0]) for batch in held_out)
-    if found < rows:
-        asked = "--batches" if batches_given else "validation.steps (eval's default --batches)"
-        say_on_stderr(f"note: the held-out set holds {found} of the {rows} rows {asked} asks for: the logical "
-                      f"shards' held-out documents do not fill their share. Fix: ask for fewer (--batches "
-                      f"{max(1, found // per_batch)} at most), or hold out more documents (the source's "
-                      f"validation_fraction or split) and evaluate the run's checkpoint.")
+    asked = "--batches" if batches is not None else "validation.steps (eval's default --batches)"
+    note = held_out_set.short_set_note(recipe, found, batches, asked, "--batches")
+    if note:
+        say_on_stderr(f"note: {note}")
 
 
 def _passkey_lengths(model, tokenizer, recipe, lengths: list[int] | None) -> list[int]:
