@@ -227,6 +227,7 @@ class Trainer:
         metrics = recipe.metrics
         self.state.extra["tensorboard_folder"] = metrics.save_tb_folder if metrics.enable_tensorboard else ""
         self._applied_lr: float | None = None  # the learning rate of the last step taken, which a save records
+        self._data_restarted = False  # whether a resume started the recipe's data afresh (data_mismatch = restart)
         self._restore()
         # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
         # replaced) waits for this run's first step to succeed (_begin): a start that fails, at start-up or
@@ -390,6 +391,7 @@ class Trainer:
             if note:
                 self._say(note)
             self._say_derived_batch_change(record, step)
+            self._say_data_order_change(record, step)
             self._say_held_out_change(record, step)
             self._say_schedule_jump(*saved_rates, step)
             if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only
@@ -529,6 +531,7 @@ class Trainer:
         """checkpoint.data_mismatch = restart: the recipe's data from its beginning."""
         self._say("note: the checkpoint's data stream is not this recipe's (checkpoint.data_mismatch = 'restart'): "
                   "the new data starts from its beginning; model, optimizer, LR schedule and step resume")
+        self._data_restarted = True
         return self._loader("train")
 
     def _data_layout(self) -> dict:
@@ -848,6 +851,31 @@ class Trainer:
         self._say(f"the global batch is {self.global_batch} sequences a step here and was {saved} in the run that "
                   f"saved step {step} ({record['world_size']} process(es)): training.global_batch_size = -1 follows "
                   f"the world size. {keep}")
+
+    def _say_data_order_change(self, record: dict, step: int) -> None:
+        """A resume at another data layout continues every logical shard where it stopped, but a loader with two or
+        more workers takes each batch from one worker's shards: another worker count (or, with workers, another
+        data-parallel size) draws other rows into each step than the saved run would have. Fewer than two workers
+        give the same batches at every data-parallel size (a fixed global batch), so nothing is said there."""
+        saved, here = record.get("data_layout"), self._data_layout()
+        if not isinstance(saved, dict) or self._data_restarted:
+            return
+
+        def order(layout: dict):
+            workers = layout.get("num_workers", 0)
+            return None if workers < 2 else (layout.get("world_size"), workers)
+
+        if order(saved) == order(here):
+            return
+        keep = f"--data.num_workers={saved.get('num_workers')}"
+        if order(saved) is not None and saved.get("world_size") != here["world_size"]:
+            keep += f" on {saved.get('world_size')} data-parallel rank(s)"
+        self._say(f"note: the batches come in another order from here than the run that saved step {step} would have "
+                  f"drawn them: it read with data.num_workers = {saved.get('num_workers')} on "
+                  f"{saved.get('world_size')} data-parallel rank(s), this run with {here['num_workers']} on "
+                  f"{here['world_size']} (with 2 or more loader workers each batch comes from one worker's logical "
+                  f"shards). Every shard continues where it stopped, no document repeated or skipped. To continue "
+                  f"exactly, resume with {keep}.")
 
     def _say_held_out_change(self, record: dict, step: int) -> None:
         """A resume whose held-out set has another size validates on other rows: its losses do not continue the

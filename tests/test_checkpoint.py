@@ -121,6 +121,22 @@ def test_a_resume_whose_held_out_set_has_another_size_says_so(tmp_path, capsys):
     assert "the held-out set is 2 rows of 128 tokens here" in capsys.readouterr().out
 
 
+def test_a_resume_with_another_worker_count_says_the_batches_come_in_another_order(tmp_path, capsys):
+    """Two loader workers take each batch from one worker's shards, so a resume with one worker continues every shard
+    but draws other rows into each step; it was named only as a recipe change. Zero and one worker give the same
+    batches: nothing to say between them."""
+    argv = [*BASE, f"--job.dump_folder={tmp_path}", "--checkpoint.interval=1"]
+    assert cli.main(["train", *argv, "--training.steps=1", "--data.num_workers=2"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=2", "--data.num_workers=1"]) == 0
+    said = capsys.readouterr().out
+    assert ("note: the batches come in another order from here than the run that saved step 1 would have drawn them: "
+            "it read with data.num_workers = 2 on 1 data-parallel rank(s), this run with 1 on 1") in said, said
+    assert "To continue exactly, resume with --data.num_workers=2." in said, said
+    assert cli.main(["train", *argv, "--training.steps=3", "--data.num_workers=0"]) == 0
+    assert "another order" not in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_a_resume_on_fewer_processes_names_the_smaller_derived_batch(tmp_path, capsys):
     """global_batch_size = -1 means local x data-parallel size: two processes saved batches of 4, one resumes
