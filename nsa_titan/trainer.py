@@ -980,6 +980,36 @@ class Trainer:
         # first step, which holds compilation and warm-up (it counts those phases: they come again).
         window_start, window_tokens, aside_s = run_start, 0, 0.0
         first_step_end: float | None = None
+
+        def step_record(now: float) -> dict:
+            """The record of the step just taken, timed at `now`, its end (a record logged after the step's save or
+            validation keeps the step's own times). Every rank calls it: the loss is averaged over the ranks."""
+            rate = window_tokens / max(now - window_start - aside_s, 1e-9)
+            done = state.step - first_step
+            pace = (now - first_step_end) / (done - 1) if done > 1 else now - run_start
+            record = {
+                "step": state.step,
+                "loss": all_reduce_mean(loss).item(),
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens_per_second": rate,
+                "tokens_per_second_per_device": rate / self.runtime.world_size,
+                "tokens_seen": state.tokens_seen,
+                "step_time_s": now - step_start - profiled_s,
+                "data_wait_s": data_wait,
+                "elapsed_s": self._elapsed_before + now - run_start,
+                "eta_s": pace * (t.steps - state.step),
+                "skipped_steps": self.nan_guard.total_bad,
+            }
+            if self.peak_flops and self.flops_per_token:
+                record["mfu_percent"] = mfu_percent(record["tokens_per_second_per_device"],
+                                                    self.flops_per_token, self.peak_flops)
+            if recipe.compile.enable:
+                record.update(compile_counters())
+            if self.runtime.device.type == "cuda":
+                record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
+            return record
+
         while state.step < t.steps:
             step_start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
@@ -1016,34 +1046,10 @@ class Trainer:
             # A stop agreed at this step makes it the run's last: its record is logged whatever log_freq says.
             log_now = (state.step % recipe.metrics.log_freq == 0 or state.step in (first_step + 1, t.steps)
                        or self._stop_agreed)
+            step_end = time.perf_counter()
             if log_now:
-                now = time.perf_counter()
-                rate = window_tokens / max(now - window_start - aside_s, 1e-9)
-                done = state.step - first_step
-                pace = (now - first_step_end) / (done - 1) if done > 1 else now - run_start
-                record = {
-                    "step": state.step,
-                    "loss": all_reduce_mean(loss).item(),
-                    "lr": lr,
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_second": rate,
-                    "tokens_per_second_per_device": rate / self.runtime.world_size,
-                    "tokens_seen": state.tokens_seen,
-                    "step_time_s": now - step_start - profiled_s,
-                    "data_wait_s": data_wait,
-                    "elapsed_s": self._elapsed_before + now - run_start,
-                    "eta_s": pace * (t.steps - state.step),
-                    "skipped_steps": self.nan_guard.total_bad,
-                }
-                if self.peak_flops and self.flops_per_token:
-                    record["mfu_percent"] = mfu_percent(record["tokens_per_second_per_device"],
-                                                        self.flops_per_token, self.peak_flops)
-                if recipe.compile.enable:
-                    record.update(compile_counters())
-                if self.runtime.device.type == "cuda":
-                    record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
-                self._log(record)
-                window_start, window_tokens, aside_s = now, 0, 0.0
+                self._log(step_record(step_end))
+                window_start, window_tokens, aside_s = step_end, 0, 0.0
             phase = time.perf_counter()
             self._handle_halt_file()
             stopping = self._stop_agreed and state.step < t.steps
@@ -1061,6 +1067,8 @@ class Trainer:
                 # A preemption's SIGTERM often lands in a save, which can take minutes: this step is the last
                 # one, rather than one more step and one more save eating into the grace period.
                 stopping = True
+                if not log_now:  # the run's last step, logged once (a resume goes on from the next)
+                    self._log(step_record(step_end))
                 if saved:  # a background save completes before the stop line names it
                     self.checkpointer.finish_pending()
                 elif saving:

@@ -545,21 +545,26 @@ def _signal_after(monkeypatch, during: str, step: int, signum: int) -> None:
 def test_a_stop_asked_during_a_save_or_validation_ends_at_that_step(tmp_path, capsys, monkeypatch, during, signum):
     """A SIGTERM that lands in step 4's save (or its validation, a step that does not save) stops the run at
     step 4, saved, instead of after one more step and one more save. A hang-up (the terminal closed) is a stop
-    request too."""
+    request too. Step 4, the run's last, is logged although log_freq skips it (the file ended at step 1), and
+    once: the resume goes on from step 5."""
     _signal_after(monkeypatch, during, 4, signum)
     folder = tmp_path / "run"
     interval = "2" if during == "save" else "3"
+    argv = ["train", *BASE, f"--checkpoint.interval={interval}", "--validation.enable=true", "--validation.freq=2",
+            "--validation.steps=1", "--metrics.log_freq=5", f"--job.dump_folder={folder}"]
     previous = signal.signal(signum, signal.SIG_DFL)  # as a terminal's program has it (pytest run under nohup not)
     try:
-        assert cli.main(["train", *BASE, "--training.steps=10", f"--checkpoint.interval={interval}",
-                         "--validation.enable=true", "--validation.freq=2", "--validation.steps=1",
-                         f"--job.dump_folder={folder}"]) == 0
+        assert cli.main([*argv, "--training.steps=10"]) == 0
     finally:
         signal.signal(signum, previous)
     out = capsys.readouterr().out
     assert f"stopping after step 4 ({signal.Signals(signum).name}); the checkpoint above resumes it" in out, out
     assert complete_steps(ckpt_dir(folder)) == ([2, 4] if during == "save" else [3, 4])
-    assert max(losses(folder)) == 4
+    assert sorted(losses(folder)) == [1, 4] and "step  4/10 | loss" in out, out
+    monkeypatch.undo()
+    assert cli.main([*argv, "--training.steps=5"]) == 0
+    steps = [r["step"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 4, 5]
 
 
 def test_the_step_a_halt_file_stops_at_is_logged(tmp_path, capsys, monkeypatch):
