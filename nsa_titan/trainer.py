@@ -975,9 +975,9 @@ class Trainer:
         self.gc = ScheduledGC(t.gc_freq)
         run_start = time.perf_counter()
         first_step = state.step
-        # Throughput counts training only: the seconds spent saving, validating, probing telemetry or
-        # writing a profiler trace in a window are set aside (`aside_s`). The ETA's pace starts after the
-        # first step, which holds compilation and warm-up (it counts those phases: they come again).
+        # Throughput counts training only: the seconds spent saving, validating, probing telemetry, writing
+        # a profiler trace or a logged record in a window are set aside (`aside_s`). The ETA's pace starts
+        # after the first step, which holds compilation and warm-up (it counts those phases: they come again).
         window_start, window_tokens, aside_s = run_start, 0, 0.0
         first_step_end: float | None = None
 
@@ -1048,8 +1048,12 @@ class Trainer:
                        or self._stop_agreed)
             step_end = time.perf_counter()
             if log_now:
-                self._log(step_record(step_end))
-                window_start, window_tokens, aside_s = step_end, 0, 0.0
+                record = step_record(step_end)  # reads the step's results: the device's work on it is counted
+                written = time.perf_counter()
+                self._log(record)
+                # Writing the record (console, metrics file, TensorBoard, W&B) is no training: set aside, or every
+                # window would hold one, which at log_freq = 1 is each step's
+                window_start, window_tokens, aside_s = step_end, 0, time.perf_counter() - written
             phase = time.perf_counter()
             self._handle_halt_file()
             stopping = self._stop_agreed and state.step < t.steps

@@ -71,23 +71,23 @@ def test_metrics_schema_mfu_tensorboard_telemetry_and_manifest(tmp_path):
     assert os.path.exists(out / "heartbeat" / "rank-0.json")
 
 
+class JumpingClock:
+    """The trainer's `time`, with `offset` seconds added to perf_counter (a test jumps it inside a phase)."""
+    offset = 0.0
+
+    def perf_counter(self):
+        return time.perf_counter() + self.offset
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
 def test_throughput_counts_training_only_and_the_eta_skips_the_first_step(tmp_path, monkeypatch):
     """A clock that jumps 1000 s in the first step (compilation) and 100 s in each validation: tokens/s of
     the window after a validation is not diluted by it, and the ETA's pace leaves the first step out."""
-    import time as real_time
-
     from nsa_titan import trainer as trainer_module
 
-    class Clock:
-        offset = 0.0
-
-        def perf_counter(self):
-            return real_time.perf_counter() + self.offset
-
-        def __getattr__(self, name):
-            return getattr(real_time, name)
-
-    clock = Clock()
+    clock = JumpingClock()
     monkeypatch.setattr(trainer_module, "time", clock)
     step, validate = trainer_module.Trainer.train_step, trainer_module.Trainer.validate
     calls = []
@@ -111,6 +111,29 @@ def test_throughput_counts_training_only_and_the_eta_skips_the_first_step(tmp_pa
     assert records[4]["tokens_per_second"] > window_tokens / 10  # the 100 s validation after step 2 set aside
     assert records[4]["eta_s"] < 200  # pace from steps 2-4 (with one validation), not the 1000 s first step
     assert records[1]["eta_s"] > 1000  # one step done: its pace is all there is
+
+
+def test_throughput_leaves_out_the_writing_of_each_record(tmp_path, monkeypatch):
+    """Writing a record (console, metrics file, TensorBoard) fell in the next window: at log_freq = 1 every
+    step's tokens/s held one, a few percent lower than at a larger log_freq. A write that takes 100 s leaves
+    the tokens/s of the steps after it as they are."""
+    from nsa_titan import trainer as trainer_module
+
+    clock = JumpingClock()
+    monkeypatch.setattr(trainer_module, "time", clock)
+    log = trainer_module.Trainer._log
+
+    def slow_log(self, record, console=True):
+        log(self, record, console)
+        clock.offset += 100.0
+
+    monkeypatch.setattr(trainer_module.Trainer, "_log", slow_log)
+    out = tmp_path / "run"
+    assert cli.main(["train", *BASE, "--training.steps=3", f"--job.dump_folder={out}"]) == 0
+    records = [r for r in metrics(out) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records[1:]:  # the steps after a record's write
+        assert r["tokens_per_second"] > 2 * 64 / 10, r  # one step of 2 rows of 64 tokens, in under 10 s
 
 
 def test_telemetry_on_dense_model_is_a_recipe_error(tmp_path, capsys):
