@@ -107,6 +107,27 @@ def complete_steps(folder: str) -> list[int]:
     return sorted(steps)
 
 
+def saved_data_layout(folder: str, load_step: int = -1) -> tuple[int, dict] | None:
+    """(step, data layout) of the checkpoint a resume from `folder` reads first (load_step, else the newest complete
+    step): the layout it was saved with ({"world_size": its data-parallel size, "num_workers", "logical_shards"}),
+    for a message on a layout that cannot continue it. None without one, or where it cannot be read (the resume
+    itself names that)."""
+    try:
+        steps = complete_steps(folder)
+    except UserError:
+        return None
+    step = load_step if load_step in steps else (steps[-1] if steps and load_step < 0 else None)
+    if step is None:
+        return None
+    try:
+        with open(os.path.join(folder, f"step-{step}", "train_state.json"), encoding="utf-8") as fh:
+            layout = json.load(fh).get("data_layout")
+    except (OSError, ValueError, AttributeError):
+        return None
+    wanted = ("world_size", "logical_shards")
+    return (step, layout) if isinstance(layout, dict) and all(isinstance(layout.get(k), int) for k in wanted) else None
+
+
 def _marker_exists(step_dir: str) -> bool:
     """Whether the folder holds a COMPLETE marker. One that cannot be looked at (no permission) is an
     error, not a missing marker: that would silently resume an older step, or start afresh."""

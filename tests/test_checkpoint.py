@@ -159,6 +159,25 @@ def test_a_resume_on_fewer_processes_names_the_smaller_derived_batch(tmp_path, c
     assert "resume with --training.global_batch_size=2 --training.local_batch_size=1" in proc.stdout
 
 
+def test_a_resume_whose_data_parallel_size_does_not_divide_the_logical_shards_names_the_checkpoints_layout(tmp_path):
+    """The fix offered was 'use a multiple of 2' logical shards, which the checkpoint's data then refuses: a resume
+    names the checkpoint's layout and the data-parallel sizes that continue it."""
+    from nsa_titan.config import RecipeError
+
+    argv = [*BASE, "--training.global_batch_size=-1", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv, "--training.steps=1", "--data.logical_shards=3"]) == 0
+    for shards, resume in ((3, "resume on"), (5, "resume with data.logical_shards = 3 on")):
+        with pytest.raises(RecipeError) as info:
+            resolve([*argv, "--training.steps=2", f"--data.logical_shards={shards}"], world_size=2, training=True)
+        said = info.value.render()
+        assert (f"is not divisible by the data-parallel size 2, so ranks cannot own equal shards; the checkpoint this "
+                f"run resumes (step 1 in {tmp_path}/checkpoint) was saved over 3 logical shards by 1 data-parallel "
+                f"rank(s), and its data continues only over those 3") in said, said
+        assert (f"Fix: {resume} a data-parallel size (processes / context_parallel_degree) that divides 3 (1 or 3), "
+                f"or start the data afresh over a multiple of 2 logical shards with --checkpoint.data_mismatch=restart"
+                ) in said, said
+
+
 def test_partial_checkpoint_is_skipped_and_corrupt_one_refused(tmp_path, capsys):
     folder = tmp_path / "run"
     argv = [*BASE, "--training.steps=2", "--checkpoint.interval=1", f"--job.dump_folder={folder}"]

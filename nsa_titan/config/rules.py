@@ -25,6 +25,17 @@ def _divisors_text(n: int) -> str:
     return ", ".join(map(str, found[:-1])) + f" or {found[-1]}" if len(found) > 1 else str(found[0])
 
 
+def _resumed_data_layout(recipe: Recipe) -> tuple[int, str, dict] | None:
+    """(step, checkpoint folder, saved data layout) of the checkpoint a training run of `recipe` resumes, or None."""
+    from nsa_titan.checkpoint import saved_data_layout
+
+    if not recipe.checkpoint.enable:
+        return None
+    folder = os.path.join(recipe.job.dump_folder, recipe.checkpoint.folder)
+    found = saved_data_layout(folder, recipe.checkpoint.load_step)
+    return None if found is None else (found[0], folder, found[1])
+
+
 def _flagged(source_of, path: str) -> bool:
     """Whether a flag on the command line set the field (source_of names a flag first)."""
     return source_of(path).startswith("flag")
@@ -140,10 +151,23 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
             f"is not a multiple of local_batch_size x data-parallel size = {t.local_batch_size} x {dp} = {per_step}",
             f"use a multiple of {per_step} (e.g. {per_step * max(1, round(t.global_batch_size / per_step))}) or -1")
     if dp is not None and recipe.data.logical_shards % dp:
-        add("data.logical_shards", recipe.data.logical_shards,
-            f"is not divisible by the data-parallel size {dp}, so ranks cannot own equal shards",
-            f"use a multiple of {dp}, e.g. {dp * max(1, recipe.data.logical_shards // dp)}, or a data-parallel size "
-            f"that divides {recipe.data.logical_shards} ({_divisors_text(recipe.data.logical_shards)})")
+        shards = recipe.data.logical_shards
+        resumed = _resumed_data_layout(recipe) if training else None
+        if resumed is None:
+            add("data.logical_shards", shards, f"is not divisible by the data-parallel size {dp}, so ranks cannot own "
+                f"equal shards", f"use a multiple of {dp}, e.g. {dp * max(1, shards // dp)}, or a data-parallel size "
+                f"that divides {shards} ({_divisors_text(shards)})")
+        else:  # a resume: the checkpoint's data goes on only over the logical shards it was saved with
+            step, folder, saved = resumed
+            kept = saved["logical_shards"]
+            add("data.logical_shards", shards,
+                f"is not divisible by the data-parallel size {dp}, so ranks cannot own equal shards; the checkpoint "
+                f"this run resumes (step {step} in {folder}) was saved over {kept} logical shards by "
+                f"{saved['world_size']} data-parallel rank(s), and its data continues only over those {kept}",
+                f"resume{'' if kept == shards else f' with data.logical_shards = {kept}'} on a data-parallel size "
+                f"(processes / context_parallel_degree) that divides {kept} ({_divisors_text(kept)}), or start the "
+                f"data afresh over a multiple of {dp} logical shards with --checkpoint.data_mismatch=restart (the "
+                f"model, optimizer and step resume)")
 
     if recipe.metrics.telemetry_freq > 0:
         part = registry.get("model", recipe.model.name)
