@@ -22,6 +22,7 @@ import torch
 
 from components.data import document_prefix_id
 from components.errors import UserError
+from components.install_hint import install_extra
 from nsa_titan import registry
 from nsa_titan.command_options import check_output, new_name_beside, with_umask_permissions
 from nsa_titan.config import ResolvedRecipe
@@ -40,8 +41,7 @@ def _require(module: str):
     try:
         return __import__(module)
     except ImportError:
-        raise UserError(f"the Hugging Face format needs the {module} package. Fix: pip install "
-                        f"-e '.[hf]' in the nsa_titan checkout.") from None
+        raise UserError(f"the Hugging Face format needs the {module} package. Fix: {install_extra('hf')}.") from None
 
 
 def _hf_format(part, args, vocab_size: int):

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from components.errors import UserError
+from components.install_hint import install_extra
 from components.sequence_shard import SequenceShard
 
 from components.data import (death_hidden_in, restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
@@ -71,8 +72,8 @@ def _require_matplotlib() -> None:
         pyplot()
     except UserError:
         raise UserError("TensorBoard gets the telemetry steps' attention pictures, drawn with matplotlib, which is "
-                        "not installed. Fix: pip install -e '.[plots]' in the nsa_titan checkout, or set "
-                        "--metrics.telemetry_freq=0 or --metrics.enable_tensorboard=false.") from None
+                        f"not installed. Fix: {install_extra('plots')}, or set --metrics.telemetry_freq=0 or "
+                        "--metrics.enable_tensorboard=false.") from None
 
 
 def _is_allocation_failure(exc: BaseException) -> bool:

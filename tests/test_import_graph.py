@@ -111,7 +111,8 @@ def test_components_never_import_the_engine():
 # What the engine may read of components: the records and helpers every part shares, the part packages
 # it registers, and sampling. The attention math and the transformer's insides stay behind the hooks.
 ENGINE_MAY_IMPORT = {
-    "components.errors", "components.problems", "components.model_hooks", "components.sequence_shard",
+    "components.errors", "components.install_hint", "components.problems", "components.model_hooks",
+    "components.sequence_shard",
     "components.optim", "components.data", "components.data.hf_files", "components.models",
     "components.models.generate",
     "components.nsa",  # only the backend table, for the registry's attention_backend kind

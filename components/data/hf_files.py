@@ -17,6 +17,7 @@ import os
 import re
 
 from components.errors import UserError
+from components.install_hint import install_extra
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -72,8 +73,8 @@ def hf_tokenizer_json(tokenizer) -> tuple[str, str, str]:
     try:
         import tokenizers  # noqa: F401
     except ImportError:
-        raise UserError("writing Hugging Face tokenizer files needs the tokenizers package. Fix: pip install "
-                        "-e '.[hf]' in the nsa_titan checkout.") from None
+        raise UserError(f"writing Hugging Face tokenizer files needs the tokenizers package. Fix: "
+                        f"{install_extra('hf')}.") from None
     if isinstance(tokenizer, HFTokenizer):
         from components.data.hf_tokenizer import _tokenizer_file
 

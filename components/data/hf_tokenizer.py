@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from components.errors import UserError
+from components.install_hint import install_extra
 
 # Tried in order when neither the recipe nor tokenizer_config.json names the end-of-document token.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -69,8 +70,8 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise UserError("tokenizer hf_tokenizer needs the tokenizers package. Fix: pip install "
-                            "-e '.[hf]' in the nsa_titan checkout (or pip install tokenizers).") from None
+            raise UserError(f"tokenizer hf_tokenizer needs the tokenizers package. Fix: {install_extra('hf')} (or "
+                            "pip install tokenizers).") from None
         file = _tokenizer_file(args.path)
         try:
             self._tok = Tokenizer.from_file(file)

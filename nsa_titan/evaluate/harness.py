@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from components.errors import UserError, first_line
+from components.install_hint import install_extra
 
 MODEL_NAME = "nsa_titan"
 _REGISTERED: dict = {}
@@ -31,8 +32,8 @@ def require_lm_eval():
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise UserError("--tasks runs lm-evaluation-harness, which is not installed. Fix: pip install "
-                        "-e '.[lm_eval]' in the nsa_titan checkout (or pip install lm_eval).") from None
+        raise UserError(f"--tasks runs lm-evaluation-harness, which is not installed. Fix: {install_extra('lm_eval')} "
+                        "(or pip install lm_eval).") from None
 
 
 def lm_class():

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from components.errors import UserError
+from components.install_hint import install_extra
 from components.model_hooks import AttentionMap
 from nsa_titan import registry
 from nsa_titan.command_options import write_results
@@ -43,8 +44,8 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise UserError("plots need matplotlib, which is not installed. Fix: pip install -e '.[plots]' in the "
-                        "nsa_titan checkout (or pip install matplotlib).") from None
+        raise UserError(f"plots need matplotlib, which is not installed. Fix: {install_extra('plots')} (or pip "
+                        "install matplotlib).") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
