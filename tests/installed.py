@@ -21,8 +21,22 @@ def install_copy(site) -> str:
     return str(site)
 
 
+def _run(site: str, cwd, command: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=site, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
 def run_installed(site: str, cwd, code: str) -> subprocess.CompletedProcess:
     """`python -c code` in `cwd`, importing the package from `site` alone."""
-    env = dict(os.environ, PYTHONPATH=site, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return _run(site, cwd, ["-c", code])
+
+
+def run_console_script(site: str, cwd, args: list[str]) -> subprocess.CompletedProcess:
+    """`nsa-titan ARGS` in `cwd` as pip's console script runs it: a script in a bin folder, which Python puts
+    first on the import path (not the working directory, as `python -c` and `python -m` do)."""
+    script = os.path.join(site, "bin", "nsa-titan")
+    if not os.path.isfile(script):
+        os.makedirs(os.path.dirname(script), exist_ok=True)
+        with open(script, "w", encoding="utf-8") as fh:
+            fh.write("import sys\nfrom nsa_titan.__main__ import main\nsys.exit(main())\n")
+    return _run(site, cwd, [script, *args])

@@ -188,7 +188,8 @@ def _plugin_import_problem(source: str, name: str, exc: Exception) -> Problem:
         str(exc).startswith("no file ") or (exc.name is not None and (name + ".").startswith(exc.name + ".")))
     if missing:
         return Problem(source, "job.plugins", name, f"could not be imported ({type(exc).__name__}: {exc})",
-                       "give an importable module name (on PYTHONPATH) or a path to a .py file")
+                       "give an importable module name (on PYTHONPATH or in the directory the run starts in) or "
+                       "a path to a .py file")
     if isinstance(exc, SyntaxError):
         where = f"{exc.filename}, line {exc.lineno}"
     else:
@@ -238,6 +239,15 @@ def _shadowed_problem(source: str, name: str, where: str) -> Problem:
                    f"rename the file (e.g. {module}_plugin.py)")
 
 
+def _search_working_directory() -> None:
+    """A plugin module in the directory the run starts in imports however the run was started: `python -m`,
+    run_train.sh and torchrun's ranks have that directory on the import path, the `nsa-titan` console script
+    its own bin folder instead. Put last, it shadows no installed package."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.append(here)
+
+
 def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]) -> None:
     plugins = table.get("job", {}).get("plugins", []) if isinstance(table.get("job"), dict) else []
     if isinstance(plugins, CliText):  # a flag's text: read as any list flag is (comma-separated, or a TOML list)
@@ -273,6 +283,7 @@ def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]
                     del sys.modules[spec.name]  # a failed import is not taken for a done one next time
                     raise
             else:
+                _search_working_directory()
                 importlib.import_module(name)
         except Exception as exc:  # a plugin may fail in any way; report it as a recipe problem
             problems.append(_plugin_import_problem(source, name, exc))
