@@ -16,6 +16,7 @@ try:
     from components.problems import suggest
     from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
                                            take_option)
+    from nsa_titan.checkout_hints import shipped_recipes
     from nsa_titan.config import RecipeError, resolve
     from nsa_titan.full_disk import full_disk_message, space_error
     from nsa_titan.start_up import INTERRUPTED
@@ -368,8 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"error: {command!r} is a file, not a command. Fix: `nsa-titan train {command}` trains "
                          f"from a recipe; the commands are {', '.join(handlers)}.")
         if any(ch in command for ch in "./" + os.sep):  # no command has these: a recipe path that is not there
-            return _fail(f"error: recipe file {command!r} not found. Fix: check the path (the shipped recipes "
-                         f"are in recipes/, e.g. recipes/debug.toml).")
+            return _fail(f"error: recipe file {command!r} not found. Fix: check the path ({shipped_recipes()}).")
         return _fail(f"error: unknown command {command!r}{suggest(command, list(handlers))}. Fix: use one of "
                      f"{', '.join(handlers)} (`nsa-titan --help` describes them).")
     if command not in ("train", "inspect", "doctor") and ("--help" in rest or "-h" in rest):

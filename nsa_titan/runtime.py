@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from components.errors import UserError
+from nsa_titan.checkout_hints import launch_several
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,12 @@ def launch_world() -> tuple[int, int, int]:
         if not (text.strip().isdigit() and int(text) >= low):
             raise UserError(f"the environment variable {name} = {text!r} is not a whole number >= {low}; the "
                             f"launcher (torchrun, run_train.sh) sets it. Fix: unset it to run one process, or "
-                            f"launch through ./run_train.sh.")
+                            f"launch several with {launch_several()}.")
         values.append(int(text))
     rank, local_rank, world_size = values
     if rank >= world_size:
         raise UserError(f"RANK = {rank} is not below WORLD_SIZE = {world_size} in the environment. Fix: unset both "
-                        f"to run one process, or launch through ./run_train.sh.")
+                        f"to run one process, or launch several with {launch_several()}.")
     return rank, local_rank, world_size
 
 
@@ -53,7 +54,7 @@ def check_launched(world_size: int) -> None:
     if world_size > 1 and missing:  # a WORLD_SIZE left in the shell
         raise UserError(f"WORLD_SIZE = {world_size} is set in the environment but {', '.join(missing)} "
                         f"{'is' if len(missing) == 1 else 'are'} not, so no launcher started this process. Fix: "
-                        f"unset WORLD_SIZE to run one process, or launch several with NGPU=N ./run_train.sh.")
+                        f"unset WORLD_SIZE to run one process, or launch several with {launch_several()}.")
 
 
 def uses_cuda(device_choice: str, processes_per_node: int) -> bool:

@@ -3,6 +3,8 @@ exists there."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.installed import install_copy, run_console_script, run_installed
@@ -47,3 +49,32 @@ def test_the_console_script_imports_a_plugin_module_from_the_working_directory(s
                                                 "--lr_scheduler.decay_type=half", "--print-config"])
     assert done.returncode == 0, done.stderr
     assert 'plugins = ["half_schedule"]' in done.stdout and 'decay_type = "half"' in done.stdout, done.stdout
+
+
+def test_an_installed_copy_names_no_checkout_file_in_its_fixes(site, tmp_path):
+    """A missing recipe, a stray WORLD_SIZE and `train --help`: it pointed at recipes/ and ./run_train.sh, which a
+    wheel does not install."""
+    code = ("import os\n"
+            "from nsa_titan import cli\n"
+            "cli.main(['train', 'missing.toml'])\n"
+            "os.environ['WORLD_SIZE'] = '2'\n"
+            "cli.main(['train', 'missing.toml'])\n"
+            "cli.main(['train', '--help'])\n")
+    done = run_installed(site, tmp_path, code)
+    assert done.returncode == 0, done.stderr
+    assert "an installed nsa_titan holds no recipe files: write one (`nsa-titan train --help` lists every field)" \
+        in done.stderr, done.stderr
+    assert "launch several with python -m nsa_titan.launch --standalone --nproc_per_node=N -m nsa_titan.cli train " \
+           "RECIPE.toml." in done.stderr, done.stderr
+    assert "usage: nsa-titan train RECIPE.toml" in done.stdout and "run_train.sh" not in done.stdout, done.stdout
+
+
+def test_a_checkout_run_from_elsewhere_names_its_recipes_folder(tmp_path, monkeypatch, capsys):
+    from nsa_titan import cli
+    from tests.conftest import REPO_ROOT
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "missing.toml"]) == 2
+    err = capsys.readouterr().err
+    assert f"the shipped recipes are in {os.path.join(REPO_ROOT, 'recipes')}{os.sep} (e.g. " \
+           f"{os.path.join(REPO_ROOT, 'recipes', 'debug.toml')})" in err, err

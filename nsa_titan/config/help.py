@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from components.install_hint import from_checkout
 from components.problems import choices_of
 from nsa_titan import registry
 from nsa_titan.config.fields import default_of, doc_of, is_dataclass_type, named_tables_of, resolved_types, type_name
 from nsa_titan.config.schema import Recipe
 from nsa_titan.config.toml_io import toml_value
 
-USAGE = """usage: nsa-titan train [RECIPE.toml] [--section.field=VALUE | --section.field VALUE ...]
-       ./run_train.sh [RECIPE.toml] [overrides...]
-
+USAGE = """usage: nsa-titan train RECIPE.toml [--section.field=VALUE | --section.field VALUE ...]
+{launcher}
 Overrides take precedence over the recipe, which takes precedence over the files it extends,
 which take precedence over the defaults below. Booleans take =true / =false; lists are
 comma-separated (--optimizer.betas=0.9,0.95) or TOML lists (--optimizer.betas='[0.9, 0.95]').
@@ -21,7 +21,9 @@ comma-separated (--optimizer.betas=0.9,0.95) or TOML lists (--optimizer.betas='[
 
 
 def help_text() -> str:
-    lines = [USAGE, "Recipe fields:"]
+    # run_train.sh is the checkout's (an installed copy has none); it names the debug recipe when given none.
+    launcher = "       ./run_train.sh [RECIPE.toml] [overrides...]\n" if from_checkout() else ""
+    lines = [USAGE.format(launcher=launcher), "Recipe fields:"]
     _describe(Recipe, "", lines)
     return "\n".join(lines) + "\n"
 

@@ -13,6 +13,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from nsa_titan.checkout_hints import shipped_recipes
 from nsa_titan.config.errors import Problem
 
 EXTENDS_KEY = "extends"
@@ -70,8 +71,7 @@ def read_toml(path: str, problems: list[Problem], where: str, extended_by: str |
         else:
             why = "file not found"
         if extended_by is None:
-            problems.append(Problem(where, "recipe", path, why,
-                                    "check the path; the shipped recipes are in recipes/ (e.g. recipes/debug.toml)"))
+            problems.append(Problem(where, "recipe", path, why, f"check the path; {shipped_recipes()}"))
         else:  # an extends entry is read relative to the file that names it
             problems.append(Problem(where, EXTENDS_KEY, path, why,
                                     f"an extends entry is a path relative to {shown_path(extended_by)}'s folder "

@@ -1,0 +1,32 @@
+"""Fixes that name a launcher or the shipped recipes, worded for how the package was installed: a source checkout
+has run_train.sh and recipes/ beside the packages; an installed copy (a wheel) has neither."""
+
+from __future__ import annotations
+
+import os
+
+from components.install_hint import PACKAGES_ROOT, from_checkout
+
+
+def _shown(path: str) -> str:
+    """Relative to the working directory when inside it, else absolute: a path the user can paste as it is."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def shipped_recipes() -> str:
+    """Where the shipped recipes are, for a fix that names a recipe path that is not there."""
+    if from_checkout():
+        folder = os.path.join(PACKAGES_ROOT, "recipes")
+        example = _shown(os.path.join(folder, "debug.toml"))
+        return f"the shipped recipes are in {_shown(folder)}{os.sep} (e.g. {example})"
+    return ("an installed nsa_titan holds no recipe files: write one (`nsa-titan train --help` lists every field) or "
+            "copy one from the recipes/ folder of nsa_titan's source")
+
+
+def launch_several(count: str = "N") -> str:
+    """The command that starts `count` training processes on this node."""
+    if from_checkout():
+        script = _shown(os.path.join(PACKAGES_ROOT, "run_train.sh"))
+        return f"NGPU={count} {script if os.path.isabs(script) else os.path.join('.', script)} RECIPE.toml"
+    return f"python -m nsa_titan.launch --standalone --nproc_per_node={count} -m nsa_titan.cli train RECIPE.toml"
