@@ -8,16 +8,24 @@ import shutil
 import subprocess
 import sys
 
+from nsa_titan.config.toml_io import tomllib
 from tests.conftest import REPO_ROOT
 
 PACKAGES = ("nsa_titan", "components")  # pyproject.toml's [tool.setuptools.packages.find] include
+with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as _fh:
+    PROJECT = tomllib.load(_fh)["project"]  # the distribution's name and version
 
 
 def install_copy(site) -> str:
-    """Copy the packages' modules into the folder `site` (as site-packages); return its path."""
+    """Copy the packages' modules, and the distribution's name and version, into the folder `site` (as
+    site-packages); return its path."""
     for package in PACKAGES:
         shutil.copytree(os.path.join(REPO_ROOT, package), os.path.join(site, package),
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    info = os.path.join(site, f"{PROJECT['name']}-{PROJECT['version']}.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as fh:
+        fh.write(f"Metadata-Version: 2.1\nName: {PROJECT['name']}\nVersion: {PROJECT['version']}\n")
     return str(site)
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.installed import install_copy, run_console_script, run_installed
+from tests.installed import PROJECT, install_copy, run_console_script, run_installed
 from tests.launch import DEBUG
 
 
@@ -78,3 +78,13 @@ def test_a_checkout_run_from_elsewhere_names_its_recipes_folder(tmp_path, monkey
     err = capsys.readouterr().err
     assert f"the shipped recipes are in {os.path.join(REPO_ROOT, 'recipes')}{os.sep} (e.g. " \
            f"{os.path.join(REPO_ROOT, 'recipes', 'debug.toml')})" in err, err
+
+
+def test_an_installed_copys_runs_record_its_version(site, tmp_path):
+    """Its manifest names no git commit (there is no checkout): the version is what names the code."""
+    done = run_installed(site, tmp_path, "from nsa_titan.observe.manifest import git_state, package_versions\n"
+                                         "import nsa_titan, os\n"
+                                         "print(git_state(os.path.dirname(os.path.dirname(nsa_titan.__file__))))\n"
+                                         "print(package_versions()['nsa_titan'])\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["{'commit': 'unknown', 'dirty': None}", PROJECT["version"]], done.stdout

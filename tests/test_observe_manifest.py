@@ -40,7 +40,7 @@ def test_manifest_contents(tmp_path):
     assert manifest["git"]["commit"] == _independent_commit()
     versions = manifest["versions"]
     assert versions["torch"] == torch.__version__ and versions["python"] == platform.python_version()
-    assert set(versions) == {"torch", "triton", "torchdata", "tiktoken", "datasets", "numpy", "python"}
+    assert set(versions) == {"nsa_titan", "torch", "triton", "torchdata", "tiktoken", "datasets", "numpy", "python"}
     assert manifest["cuda"] == torch.version.cuda
     assert len(manifest["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     assert manifest["hostname"] and manifest["start_time"]

@@ -18,7 +18,8 @@ from importlib import metadata
 
 import torch
 
-PACKAGES = ("torch", "triton", "torchdata", "tiktoken", "datasets", "numpy")
+# nsa_titan's own: an installed copy has no git commit to name the code by.
+PACKAGES = ("nsa_titan", "torch", "triton", "torchdata", "tiktoken", "datasets", "numpy")
 MANIFEST_FILE = "manifest.json"
 
 
