@@ -1,5 +1,7 @@
 """The one exception type for problems with what the user asked for."""
 
+import os
+
 
 class UserError(Exception):
     """Bad input (a path, a file, a value): the message names the problem and the fix.
@@ -14,3 +16,11 @@ def first_line(error: BaseException) -> str:
     error, whose full text may span many lines."""
     text = str(error).strip()
     return text.splitlines()[0] if text else ""
+
+
+def read_from(path: str) -> str:
+    """'' for an absolute path; for a relative one, where it was read from: every path in a recipe but extends is
+    relative to the directory the run starts in (not the recipe's folder), which a message must say to be fixed."""
+    if os.path.isabs(os.path.expanduser(path)):
+        return ""
+    return f" (relative to the directory the run starts in, {os.getcwd()})"

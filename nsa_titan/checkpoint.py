@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from components.data import DataStreamMismatch, worker_died
-from components.errors import UserError
+from components.errors import UserError, read_from
 from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mismatches, tensor_shapes,
                                          truncated_shards)
 from nsa_titan.config.toml_io import tomllib
@@ -211,7 +211,8 @@ def check_weights_path(path: str) -> None:
     takes = ("Fix: point it at a step-N folder of an earlier run (its checkpoint/step-N), or at a folder "
              "written by `nsa-titan export --format hf`")
     if not os.path.exists(path):
-        raise UserError(f"checkpoint.initial_load_path = {path!r} does not exist, so it holds no checkpoint. {takes}.")
+        raise UserError(f"checkpoint.initial_load_path = {path!r} does not exist{read_from(path)}, so it holds no "
+                        f"checkpoint. {takes}.")
     if os.path.isfile(path):
         raise UserError(f"checkpoint.initial_load_path = {path!r} is a file; it takes a folder (an exported .pt "
                         f"file is for sample, eval and plot). {takes}.")

@@ -124,6 +124,24 @@ def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):
     assert sorted(docs) == sorted(texts)
 
 
+def test_a_missing_relative_data_path_names_the_directory_it_was_read_from(tmp_path, monkeypatch):
+    """Relative to where the run starts, not to the recipe's folder (as extends is): the message said only that
+    'corpus/a.txt' does not exist, though it did, beside the recipe named from another directory."""
+    monkeypatch.chdir(tmp_path)
+    where = f"(relative to the directory the run starts in, {os.getcwd()})"
+    for paths, fragment in ((["corpus/a.txt"], "the path 'corpus/a.txt' does not exist "),
+                            (["corpus/*.txt"], "the pattern 'corpus/*.txt' matches no file ")):
+        with pytest.raises(UserError) as caught:
+            TextFilesSource(TextFilesArgs(paths=paths)).check()
+        assert fragment + where in str(caught.value)
+    with pytest.raises(UserError) as caught:
+        TiktokenTokenizer(TiktokenArgs(encoding="bpe/my.tiktoken"))
+    assert f"'bpe/my.tiktoken' does not exist {where}" in str(caught.value)
+    with pytest.raises(UserError) as caught:
+        TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "a.txt")])).check()
+    assert "relative to" not in str(caught.value)
+
+
 def test_text_files_errors(tmp_path):
     def check(paths, **kw):
         TextFilesSource(TextFilesArgs(paths=paths, **kw)).check()

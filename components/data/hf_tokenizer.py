@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from components.errors import UserError
+from components.errors import UserError, read_from
 from components.install_hint import install_extra
 
 # Tried in order when neither the recipe nor tokenizer_config.json names the end-of-document token.
@@ -39,8 +39,8 @@ def _tokenizer_file(path: str) -> str:
                         "file or to a folder holding one.")
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise UserError(f"tokenizer hf_tokenizer: {file!r} does not exist. Fix: point data.hf_tokenizer.path at a "
-                        f"tokenizer.json file or a folder holding one.")
+        raise UserError(f"tokenizer hf_tokenizer: {file!r} does not exist{read_from(file)}. Fix: point "
+                        f"data.hf_tokenizer.path at a tokenizer.json file or a folder holding one.")
     return file
 
 

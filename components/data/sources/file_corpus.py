@@ -30,7 +30,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from components.errors import UserError
+from components.errors import UserError, read_from
 from components.data.sources.base import digest, order_rng, split_of
 
 MAX_PIECE_BYTES = 1 << 20
@@ -115,7 +115,8 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
             matches = sorted({os.path.abspath(f) for m in glob.glob(path, recursive=True)  # '**' repeats folders
                               for f in (_files_in(m) if os.path.isdir(m) else [m] if os.path.isfile(m) else [])})
             if not matches:
-                raise UserError(f"{what}: the pattern {entry!r} matches no file; fix the pattern or the folder")
+                raise UserError(f"{what}: the pattern {entry!r} matches no file{read_from(entry)}; fix the pattern "
+                                f"or the folder")
             _refuse_unsupported(matches, entry, what)
             found.update(matches)
         elif os.path.isdir(path):
@@ -131,7 +132,7 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
                 )
             found.add(os.path.abspath(path))
         else:
-            raise UserError(f"{what}: the path {entry!r} does not exist; fix the path or remove it")
+            raise UserError(f"{what}: the path {entry!r} does not exist{read_from(entry)}; fix the path or remove it")
     return sorted(found)
 
 
