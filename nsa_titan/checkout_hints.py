@@ -30,3 +30,7 @@ def launch_several(count: str = "N") -> str:
         script = _shown(os.path.join(PACKAGES_ROOT, "run_train.sh"))
         return f"NGPU={count} {script if os.path.isabs(script) else os.path.join('.', script)} RECIPE.toml"
     return f"python -m nsa_titan.launch --standalone --nproc_per_node={count} -m nsa_titan.cli train RECIPE.toml"
+
+
+def no_recipe(command: str) -> str:
+    return f"no recipe given. Fix: name one, `nsa-titan {command} RECIPE.toml`; {shipped_recipes()}."

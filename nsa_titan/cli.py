@@ -16,7 +16,7 @@ try:
     from components.problems import suggest
     from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
                                            take_option)
-    from nsa_titan.checkout_hints import shipped_recipes
+    from nsa_titan.checkout_hints import no_recipe, shipped_recipes
     from nsa_titan.config import RecipeError, resolve
     from nsa_titan.full_disk import full_disk_message, space_error
     from nsa_titan.start_up import INTERRUPTED
@@ -91,11 +91,11 @@ def train(argv: list[str]) -> int:
         notes = "".join("# note: " + note.replace("\n", "\n#   ") + "\n" for note in resolved.notes)
         print(f"# resolved recipe, hash {resolved.hash}\n{notes}{resolved.toml}", end="")
         return 0
+    if resolved.path is None:  # before the notes, which are about the defaults, not a recipe of the user's
+        return _fail(f"error: {no_recipe('train')}")
     if rank == 0:
         for note in resolved.notes:
             print(f"note: {note}", flush=True)
-    if resolved.path is None:
-        return _fail("error: no recipe given. Fix: name one, e.g. `nsa-titan train recipes/debug.toml`.")
 
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer

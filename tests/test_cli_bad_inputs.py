@@ -41,6 +41,17 @@ def refused(capsys, args: list[str], *fragments: str) -> str:
     return err
 
 
+@pytest.mark.parametrize("command", ["train", "doctor", "inspect"])
+def test_no_recipe_is_said_alone_with_where_the_shipped_recipes_are(capsys, monkeypatch, command):
+    """train printed notes about the defaults' NSA settings first, as if a recipe had been read."""
+    monkeypatch.chdir(REPO_ROOT)
+    assert cli.main([command]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and said.err == (f"error: no recipe given. Fix: name one, `nsa-titan {command} "
+                                           f"RECIPE.toml`; the shipped recipes are in recipes/ (e.g. "
+                                           f"recipes/debug.toml).\n")
+
+
 def test_sample_of_a_recipe_says_export_first(capsys):
     refused(capsys, ["sample", DEBUG], "is a recipe, not an exported model", "nsa-titan export")
 

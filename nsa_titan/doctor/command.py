@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from components.errors import UserError
+from nsa_titan.checkout_hints import no_recipe
 from nsa_titan.command_options import refuse_unknown_options, take_option
 from nsa_titan.doctor.checks import FAIL, OK, WARN, Check
 
@@ -62,7 +63,7 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
         recipe_check, resolved = Check("recipe", FAIL, said), None
     else:
         if resolved.path is None:
-            raise UserError("no recipe given. Fix: name one, e.g. `nsa-titan doctor recipes/debug.toml`.")
+            raise UserError(no_recipe("doctor"))
         recipe_check = Check("recipe", OK, f"{resolved.path} validates for {world_size} process(es) "
                                            f"(hash {resolved.hash})")
     results = _Reported()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from components.errors import UserError
+from nsa_titan.checkout_hints import no_recipe
 from nsa_titan.command_options import refuse_unknown_options, take_flag, take_option
 
 USAGE = ("nsa-titan inspect RECIPE.toml [--section.field=VALUE ...] [--seq-lens 64,96] [--fail-on-break]\n"
@@ -51,7 +52,7 @@ def run_command(argv: list[str]) -> int:
                         f"graphs then hold no exchange between processes).")
     resolved = resolve(argv, world_size=launch_world()[2])
     if resolved.path is None:
-        raise UserError("no recipe given. Fix: name one, e.g. `nsa-titan inspect recipes/debug.toml`.")
+        raise UserError(no_recipe("inspect"))
 
     result = inspect_recipe(resolved, seq_lens)
     text = render(result, resolved.path)
