@@ -236,6 +236,15 @@ def test_a_plugin_that_fails_while_imported_is_named_at_its_line(tmp_path, capsy
     assert "importable module name" not in err
 
 
+def test_a_missing_plugin_file_names_the_directory_it_was_looked_for_in(tmp_path, monkeypatch, capsys):
+    """Relative to where the run starts, as data paths are, not to the recipe's folder: the message said only
+    'no file parts.py'."""
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, ["--job.plugins=parts.py", *TINY, f"--job.dump_folder={tmp_path / 'run'}"],
+             f"job.plugins = 'parts.py': could not be imported (ModuleNotFoundError: no file parts.py (relative to "
+             f"the directory the run starts in, {tmp_path})). Fix: give an importable module name")
+
+
 @pytest.mark.parametrize("kind, args, message", [
     ("model", type("NotADataclass", (), {}), "model 'x': args must be a dataclass type"),
     ("lr_schedule", None, "lr_schedule 'x': a lr_schedule takes no args"),

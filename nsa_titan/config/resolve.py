@@ -10,6 +10,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 
+from components.errors import read_from
 from nsa_titan.config.build import RecipeBuilder, coerce
 from nsa_titan.config.errors import NO_LONGER_PASSES, Problem, RecipeError
 from nsa_titan.config.overrides import ACTIONS, CliText, CommandLine, apply_overrides, parse_args
@@ -264,7 +265,7 @@ def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]
         try:
             if name.endswith(".py"):
                 if not os.path.isfile(name):
-                    raise ModuleNotFoundError(f"no file {name}")
+                    raise ModuleNotFoundError(f"no file {name}{read_from(name)}")
                 loaded = sys.modules.get(os.path.basename(name)[:-3])
                 if loaded is not None and os.path.isfile(getattr(loaded, "__file__", None) or "") and \
                         os.path.samefile(loaded.__file__, name):
