@@ -34,3 +34,20 @@ def launch_several(count: str = "N") -> str:
 
 def no_recipe(command: str) -> str:
     return f"no recipe given. Fix: name one, `nsa-titan {command} RECIPE.toml`; {shipped_recipes()}."
+
+
+def launch_size() -> str:
+    """How a launch sets its process count, for layout fixes."""
+    return "(NGPU x NNODES)" if from_checkout() else "(--nproc_per_node x --nnodes)"
+
+
+def per_node() -> str:
+    """How a launch sets its processes per node."""
+    return "NGPU" if from_checkout() else "--nproc_per_node"
+
+
+def node_meeting() -> str:
+    """What every node of a multi-node launch must be started with."""
+    if from_checkout():
+        return "start every node (NNODES of them) with the same RDZV_ENDPOINT"
+    return "start every node (--nnodes of them) with the same --rdzv_endpoint"

@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
+    from nsa_titan.checkout_hints import node_meeting
     from nsa_titan.cli import say_error_line
     from nsa_titan.parallel.distributed import NUMERICAL_FAULT_EXIT, PEER_LOST_EXIT_CODE
 
@@ -39,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except RendezvousError as failed:  # the nodes never met: one missing, the endpoint unreachable or taken
         endpoint = getattr(args, "rdzv_endpoint", "") or "the rendezvous endpoint"
         say_error_line(f"error: the nodes did not meet at {endpoint} ({type(failed).__name__}: "
-                       f"{str(failed).strip().splitlines()[0] if str(failed).strip() else 'no detail'}). Fix: start "
-                       f"every node (NNODES of them) with the same RDZV_ENDPOINT, the host:port of node 0, reachable "
+                       f"{str(failed).strip().splitlines()[0] if str(failed).strip() else 'no detail'}). Fix: "
+                       f"{node_meeting()}, the host:port of node 0, reachable "
                        f"from each and not used by another program.")
         return 1
     except SignalException as stopped:  # the launcher itself was told to stop (a second Ctrl-C, a scheduler)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from components.errors import UserError
-from nsa_titan.checkout_hints import launch_several
+from nsa_titan.checkout_hints import launch_several, per_node
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def uses_cuda(device_choice: str, processes_per_node: int) -> bool:
     if use_cuda and processes_per_node > torch.cuda.device_count():
         raise UserError(f"{processes_per_node} processes on this node but {torch.cuda.device_count()} GPU(s) "
                         f"visible: local rank {torch.cuda.device_count()} would have no GPU of its own. Fix: launch "
-                        f"at most that many processes per node (NGPU), or make more GPUs visible "
+                        f"at most that many processes per node ({per_node()}), or make more GPUs visible "
                         f"(CUDA_VISIBLE_DEVICES).")
     return use_cuda
 

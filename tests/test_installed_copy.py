@@ -88,3 +88,17 @@ def test_an_installed_copys_runs_record_its_version(site, tmp_path):
                                          "print(package_versions()['nsa_titan'])\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["{'commit': 'unknown', 'dirty': None}", PROJECT["version"]], done.stdout
+
+
+def test_an_installed_copys_layout_fixes_name_the_launchers_own_options(site, tmp_path):
+    """NGPU, NNODES and RDZV_ENDPOINT are run_train.sh's variables; python -m nsa_titan.launch takes torchrun's."""
+    code = ("import os, sys\n"
+            "from nsa_titan.checkout_hints import node_meeting\n"
+            "from nsa_titan import cli\n"
+            "os.environ['WORLD_SIZE'] = '3'\n"
+            f"cli.main(['train', {DEBUG!r}, '--parallelism.data_parallel_shard_degree=2', '--print-config'])\n"
+            "print(node_meeting())\n")
+    done = run_installed(site, tmp_path, code)
+    assert done.returncode == 0, done.stderr
+    assert "equal the number of processes (--nproc_per_node x --nnodes), or set one" in done.stderr, done.stderr
+    assert done.stdout == "start every node (--nnodes of them) with the same --rdzv_endpoint\n"

@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from nsa_titan import registry
+from nsa_titan.checkout_hints import launch_size
 from nsa_titan.config.errors import Problem
 from nsa_titan.config.fields import default_of
 from nsa_titan.config.schema import CUDA_GRAPH_MODES, Recipe
@@ -74,7 +75,7 @@ class LayoutError(ValueError):
 
 # How a launch sets its process count, in layout fixes; a command that checks a recipe for a size it is told
 # (doctor's --world-size) names its own option instead.
-LAUNCH_SIZE = "(NGPU x NNODES)"
+LAUNCH_SIZE = launch_size()
 
 
 def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
@@ -122,8 +123,8 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         degrees = (1, 1) if world_size is None else data_parallel_degrees(recipe, world_size)
     except LayoutError as exc:
         add(exc.field, getattr(recipe.parallelism, exc.field.split(".")[1]), str(exc),
-            exc.fix or "make replicate x shard x context_parallel_degree equal the number of processes (NGPU x "
-                       "NNODES), or set one of replicate and shard to -1")
+            exc.fix or f"make replicate x shard x context_parallel_degree equal the number of processes "
+                       f"{LAUNCH_SIZE}, or set one of replicate and shard to -1")
         dp, degrees = None, None  # unknown: the checks that need it wait for a layout that resolves
     else:
         for name, value in zip(("data_parallel_replicate_degree", "data_parallel_shard_degree"), degrees):
