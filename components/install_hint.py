@@ -10,7 +10,9 @@ PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def from_checkout() -> bool:
-    return os.path.isfile(os.path.join(PACKAGES_ROOT, "pyproject.toml"))
+    """Whether the packages run from the source checkout (its pyproject.toml and run_train.sh beside them), not
+    from an installed copy, whose folder may hold anything else (a --target folder inside a project)."""
+    return all(os.path.isfile(os.path.join(PACKAGES_ROOT, name)) for name in ("pyproject.toml", "run_train.sh"))
 
 
 def install_extra(extra: str) -> str:

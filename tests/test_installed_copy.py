@@ -102,3 +102,13 @@ def test_an_installed_copys_layout_fixes_name_the_launchers_own_options(site, tm
     assert done.returncode == 0, done.stderr
     assert "equal the number of processes (--nproc_per_node x --nnodes), or set one" in done.stderr, done.stderr
     assert done.stdout == "start every node (--nnodes of them) with the same --rdzv_endpoint\n"
+
+
+def test_a_copy_installed_into_a_project_folder_is_not_taken_for_the_checkout(tmp_path):
+    """pip install --target into a folder that holds the user's own pyproject.toml: still an installed copy."""
+    project = install_copy(tmp_path / "project")
+    (tmp_path / "project" / "pyproject.toml").write_text('[project]\nname = "my_project"\n')
+    done = run_installed(project, tmp_path, "from components.install_hint import install_extra\n"
+                                            "print(install_extra('hf'))\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "pip install 'nsa_titan[hf]'\n"
