@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from components.errors import UserError
+from components.errors import UserError, read_from
 from nsa_titan import assemble, registry
 from nsa_titan.checkpoint import COMPLETE, complete_steps, incomplete_steps, read_model_weights
 from nsa_titan.config import ResolvedRecipe
@@ -69,8 +69,8 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
     steps = complete_steps(folder)
     step = recipe.checkpoint.load_step if recipe.checkpoint.load_step >= 0 else (steps[-1] if steps else None)
     if not steps:
-        raise UserError(f"no complete checkpoint in {folder}. Fix: train with checkpoint.enable = true first (or "
-                        f"name the run's folder with --job.dump_folder).")
+        raise UserError(f"no complete checkpoint in {folder}{read_from(folder)}. Fix: train with checkpoint.enable = "
+                        f"true first (or name the run's folder with --job.dump_folder).")
     if step not in steps:
         raise UserError(f"no complete checkpoint at step {step} in {folder}. Fix: choose one of the complete steps "
                         f"({', '.join(map(str, steps))}) with --checkpoint.load_step, or -1 for the newest.")

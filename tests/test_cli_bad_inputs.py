@@ -496,6 +496,18 @@ def test_the_help_of_a_command_says_whether_it_takes_overrides(capsys):
         assert "with a recipe, its fields and overrides" in capsys.readouterr().out, command
 
 
+@pytest.mark.parametrize("command, extra", [("export", ["--output", "model.pt"]), ("eval", ["--out", "eval"]),
+                                            ("plot", ["--text", "hi", "--out", "plots"])])
+def test_a_run_folder_not_found_names_the_directory_it_was_looked_for_in(tmp_path, capsys, monkeypatch, command,
+                                                                         extra):
+    """The recipe's ./outputs/debug is read from where the command starts, not beside the recipe: a command run
+    from another directory than the training's said only that ./outputs/debug/checkpoint holds no checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, [command, DEBUG, *extra], "error: no complete checkpoint in ./outputs/debug/checkpoint (relative "
+            f"to the directory the run starts in, {tmp_path}). Fix: train with checkpoint.enable = true first")
+    assert os.listdir(tmp_path) == []
+
+
 def test_commands_reading_a_run_say_when_its_folder_is_not_the_extended_recipes(tmp_path, capsys, monkeypatch):
     """my_exp.toml extends a recipe naming its own run: export reads ./outputs/my_exp and says why it is not
     the extended recipe's folder (where checkpoints an earlier rule put may lie)."""
