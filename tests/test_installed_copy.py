@@ -7,6 +7,9 @@ import os
 
 import pytest
 
+from components.install_hint import install_extra
+from nsa_titan import cli
+from tests.conftest import REPO_ROOT
 from tests.installed import PROJECT, install_copy, run_console_script, run_installed
 from tests.launch import DEBUG
 
@@ -17,13 +20,11 @@ def site(tmp_path_factory):
 
 
 def test_a_checkout_names_its_editable_install():
-    from components.install_hint import install_extra
-
     assert install_extra("plots") == "pip install -e '.[plots]' in the nsa_titan checkout"
 
 
 def test_an_installed_copy_without_matplotlib_says_how_to_install_the_plots_extra(site, tmp_path):
-    code = ("import builtins, sys\n"
+    code = ("import builtins\n"
             "real = builtins.__import__\n"
             "def hidden(name, *a, **k):\n"
             "    if name.split('.')[0] == 'matplotlib':\n"
@@ -70,9 +71,6 @@ def test_an_installed_copy_names_no_checkout_file_in_its_fixes(site, tmp_path):
 
 
 def test_a_checkout_run_from_elsewhere_names_its_recipes_folder(tmp_path, monkeypatch, capsys):
-    from nsa_titan import cli
-    from tests.conftest import REPO_ROOT
-
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "missing.toml"]) == 2
     err = capsys.readouterr().err
