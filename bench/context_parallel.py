@@ -35,9 +35,9 @@ import torch
 
 from bench.arguments import VOCAB_SIZE_RANGE, non_negative_int, positive_int, recipe_problems, refuse_overrides
 from bench.arguments import vocab_size as vocab_size_type
-from bench.environment import describe_environment, write_report
+from bench.environment import describe_environment, shipped_recipe, write_report
 
-DEFAULT_RECIPE = "recipes/nsa_125m.toml"
+DEFAULT_RECIPE = "nsa_125m.toml"  # the checkout's recipes/
 LAUNCH_TIMEOUT_SECONDS = 1800  # one cp size's launch: a hung rank is recorded, not waited on for ever
 
 
@@ -243,7 +243,7 @@ def check_arguments(args, overrides: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--recipe", default=shipped_recipe(DEFAULT_RECIPE))
     parser.add_argument("--cp", nargs="+", type=positive_int, default=[1, 2, 4])
     parser.add_argument("--seq-len", type=positive_int, default=32768)
     parser.add_argument("--steps", type=positive_int, default=3)

@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.arguments import positive_int  # noqa: E402
-from bench.environment import describe_environment, write_report  # noqa: E402
+from bench.environment import describe_environment, shipped_recipe, write_report  # noqa: E402
 
 
 def loader_factory(recipe):
@@ -71,7 +71,7 @@ def measure(build, batches: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", nargs="?", default="recipes/debug.toml")
+    parser.add_argument("recipe", nargs="?", default=shipped_recipe("debug.toml"))
     parser.add_argument("--batches", type=positive_int, default=200, help="batches timed after the first")
     parser.add_argument("--override", action="append", default=[], metavar="--SECTION.FIELD=VALUE",
                         help="a recipe override, as the train command takes it (repeatable)")

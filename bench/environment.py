@@ -11,6 +11,16 @@ import subprocess
 import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CHECKOUT = os.path.dirname(os.path.dirname(RESULTS_DIR))
+
+
+def shipped_recipe(name: str) -> str:
+    """The checkout's recipes/NAME, a benchmark's default wherever it runs (as its results go to the checkout's
+    bench/results): relative to the working directory inside the checkout, as results have recorded it, else
+    absolute."""
+    path = os.path.join(CHECKOUT, "recipes", name)
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def git_commit() -> tuple[str, list[str]]:

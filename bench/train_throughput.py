@@ -38,7 +38,7 @@ from bench.arguments import vocab_size as vocab_size_type
 from bench.environment import describe_environment, write_report
 from nsa_titan.trainer import OUT_OF_MEMORY_EXIT, TrainingFault
 
-DEFAULT_RECIPES = ["recipes/nsa_125m.toml", "recipes/dense_125m.toml"]
+DEFAULT_RECIPES = ["nsa_125m.toml", "dense_125m.toml"]  # the checkout's recipes/
 
 
 def write_standin_bpe(path: str, vocab_size: int) -> None:
@@ -201,7 +201,7 @@ def fit_case(recipe: str, seq_len: int, args, batch: int, extra: list[str]) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
+    parser.add_argument("--recipes", nargs="+", default=[environment.shipped_recipe(r) for r in DEFAULT_RECIPES])
     parser.add_argument("--seq-lens", nargs="+", type=positive_int, default=[2048, 32768])
     parser.add_argument("--tokens-per-step", type=positive_int, default=65536,
                         help="rows a step = this / seq_len: a multiple of every --seq-lens")

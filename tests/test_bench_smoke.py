@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench import train_throughput
+from tests.conftest import REPO_ROOT
 
 
 def _debug_model_parameters(vocab_size: int) -> int:
@@ -243,6 +244,16 @@ def test_data_throughput_bench_times_the_recipes_data_and_an_exact_resume(tmp_pa
     assert result["resume"]["after_tokens"] == 6 * 8 * 32 and result["resume"]["same_batch"] is True
     times = [result["seconds_to_first_batch"], result["resume"]["seconds_to_first_batch"]]
     assert all(isinstance(t, float) and math.isfinite(t) and t >= 0 for t in times), result
+
+
+def test_data_throughput_bench_reads_the_checkouts_recipe_from_any_directory(tmp_path, monkeypatch):
+    """Its default recipe was read from the working directory (file not found) while results go to the checkout."""
+    from bench import data_throughput
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "data_throughput.json"
+    assert data_throughput.main(["--batches", "1", "--override=--training.seq_len=32", "--out", str(out)]) == 0
+    assert os.path.samefile(json.loads(out.read_text())["recipe"], os.path.join(REPO_ROOT, "recipes", "debug.toml"))
 
 
 def test_data_throughput_bench_says_what_the_recipe_sets_and_it_does_not_use(tmp_path, capsys):
