@@ -138,6 +138,9 @@ def test_a_missing_relative_data_path_names_the_directory_it_was_read_from(tmp_p
         TiktokenTokenizer(TiktokenArgs(encoding="bpe/my.tiktoken"))
     assert f"'bpe/my.tiktoken' does not exist {where}" in str(caught.value)
     with pytest.raises(UserError) as caught:
+        HuggingFaceSource(HuggingFaceArgs(path="parquet", name="", data_files=["corpus/*.parquet"])).check()
+    assert f"data_files pattern 'corpus/*.parquet' matches no file {where}" in str(caught.value)
+    with pytest.raises(UserError) as caught:
         TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "a.txt")])).check()
     assert "relative to" not in str(caught.value)
 

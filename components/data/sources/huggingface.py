@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from components.data.workers import worker_died
-from components.errors import UserError, first_line
+from components.errors import UserError, first_line, read_from
 from components.data.sources.base import order_rng, split_of
 from components.problems import Problem, problem, raise_problems
 
@@ -278,8 +278,8 @@ class HuggingFaceSource:
         a = self.args
         for pattern in a.data_files if a.path in _LOCAL_BUILDERS else ():
             if "://" not in pattern and not glob.glob(os.path.expanduser(pattern), recursive=True):
-                raise UserError(f"{self._what()}: data_files pattern {pattern!r} matches no file. Fix: give paths "
-                                f"or globs of existing files (relative to the directory the run starts in)")
+                raise UserError(f"{self._what()}: data_files pattern {pattern!r} matches no file{read_from(pattern)}. "
+                                f"Fix: give paths or globs of existing files")
         splits = [self.args.split] + ([self.args.validation_split] if self.args.validation_split else [])
         for hf_split in splits:
             records, first = 0, None
