@@ -77,7 +77,7 @@ OWNED_FIELDS = {"training.steps": "--steps", "training.seq_len": "--seq-lens",
                 "training.local_batch_size": "--tokens-per-step", "training.global_batch_size": "--tokens-per-step",
                 "data.source": "", "data.tokenizer": "", "data.tiktoken.encoding": "--vocab-size",
                 "data.synthetic.vocab_size": "--vocab-size", "checkpoint.enable": "", "validation.enable": "",
-                "metrics.log_freq": "", "job.dump_folder": "--out"}
+                "metrics.log_freq": "", "job.dump_folder": ""}  # each case trains in a temporary folder
 ROW_FIELDS = {"data.synthetic.min_length": "--documents", "data.synthetic.max_length": "--documents"}
 
 

@@ -312,6 +312,8 @@ _TRAIN_SMOKE = ["--allow-cpu", "--recipes", "recipes/debug.toml", "--seq-lens", 
 @pytest.mark.parametrize("extra, message", [
     (["--override=--training.steps=9"], "sets training.steps, which this benchmark sets itself"),
     (["--override=--data.synthetic.vocab_size=7"], "Fix: use --vocab-size"),
+    (["--override=--job.dump_folder=elsewhere"], "sets job.dump_folder, which this benchmark sets itself (and records "
+                                                 "as set). Fix: drop it."),
     (["--warmup", "3"], "--warmup 3 leaves no step to time out of --steps 3"),
     (["--tokens-per-step", "32"], "--tokens-per-step 32 is not a whole number of rows of 64 tokens"),
     (["--tokens-per-step", "96"], "e.g. --tokens-per-step 64"),
