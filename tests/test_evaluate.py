@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from components.data import ByteTokenizer
+from components.errors import UserError
 from nsa_titan import cli
 from nsa_titan.evaluate.passkey import NEEDLE, passkey_accuracy, prompt, shortest_length
 from nsa_titan.evaluate.position_loss import context_positions, loss_by_position
@@ -245,6 +246,21 @@ def test_eval_bad_options(checkpointed_run, tmp_path, capsys, extra, message):
     extra = [str(tmp_path) if x == "X" else x for x in extra]
     assert cli.main(["eval", *checkpointed_run, *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, default, one", [("--batches", None, True), ("--limit", None, True),
+                                                ("--trials", "5", True), ("--lengths", None, False),
+                                                ("--depths", "0,0.25,0.5,0.75,1", False)])
+def test_an_unreadable_number_names_an_example_the_option_takes(name, default, one):
+    """--batches x said 'Fix: e.g. --batches=64,128', which --batches (one value) refuses in turn."""
+    from nsa_titan.evaluate.command import _numbers
+
+    kind = float if name == "--depths" else int
+    with pytest.raises(UserError) as refused:
+        _numbers([name, "x"], name, kind, default, one)
+    example = re.search(r"Fix: e\.g\. (\S+)\.$", str(refused.value)).group(1)
+    assert example.startswith(f"{name}=")
+    assert _numbers([example], name, kind, default, one)  # the example is taken as it is written
 
 
 def test_a_triton_trained_model_is_read_on_the_cpu_with_the_reference_backend(monkeypatch):

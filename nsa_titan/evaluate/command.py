@@ -40,6 +40,9 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
     try:
         values = [kind(x) for x in text.split(",")]  # an empty entry ('0.5,,') is a mistake, not skipped
     except ValueError:
+        if one:  # an option of one value: its example is one value too
+            what = "a whole number" if kind is int else "a number"
+            raise UserError(f"{name} = {text!r} is not {what}. Fix: e.g. {name}={default or 1}.") from None
         raise UserError(f"{name} = {text!r} is not a comma-separated list of {kind.__name__}s. Fix: e.g. "
                         f"{name}={default or '64,128'}.") from None
     if not values:
