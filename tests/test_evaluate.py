@@ -231,6 +231,19 @@ def test_a_held_out_set_of_no_rows_names_fixes_that_eval_can_use(checkpointed_ru
             "on), or lower data.min_document_tokens.") in err and "validation.enable" not in err, err
 
 
+def test_a_source_holding_out_nothing_names_a_fix_eval_can_use(checkpointed_run, tmp_path, capsys):
+    """It said 'or turn validation off (validation.enable = false)': eval reads the held-out set whatever that says."""
+    argv = [arg for arg in checkpointed_run if not arg.startswith("--data.synthetic.")]
+    argv.append("--data.source=python_stdlib")
+    assert cli.main(["eval", *argv, "--data.python_stdlib.validation_fraction=0", "--out", str(tmp_path / "none"),
+                     "--trials", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "holds out no validation documents" in err and "Fix: set the source's validation_fraction above 0" in err
+    assert "validation.enable" not in err, err
+    assert cli.main(["eval", *argv, "--data.python_stdlib.validation_fraction=0.01", "--out", str(tmp_path / "some"),
+                     "--batches", "1", "--trials", "0"]) == 0  # the fix it names
+
+
 @pytest.mark.parametrize("extra, message", [
     ([], "eval needs --out DIR"),
     (["--out", "X", "--depths", "0,2"], "--depths must lie in"),

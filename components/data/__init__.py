@@ -1,7 +1,7 @@
 """Data: sources, tokenizers, packing and the resumable per-rank sharded loader."""
 
 from components.data.dataset import DataStreamMismatch, NoDocuments, no_documents_error
-from components.data.loader import build_dataloader, stream_id
+from components.data.loader import build_dataloader, holds_split, no_split_error, stream_id
 from components.data.sharding import (
     loader_state_by_logical_shard,
     merge_shard_states,
@@ -32,11 +32,13 @@ __all__ = [
     "decode_text",
     "encode_text",
     "first_texts",
+    "holds_split",
     "lost_text_note",
     "document_prefix_id",
     "loader_state_by_logical_shard",
     "merge_shard_states",
     "no_documents_error",
+    "no_split_error",
     "shards_of_rank",
     "shards_of_worker",
     "restore_worker_deaths",

@@ -116,6 +116,21 @@ def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, 
     )
 
 
+def holds_split(source, split: str) -> bool:
+    """False when the source says the split is empty by construction (its optional has_split)."""
+    has_split = getattr(source, "has_split", None)
+    return has_split is None or bool(has_split(split))
+
+
+def no_split_error(source, split: str, without: str | None = "turn validation off (validation.enable = false)"):
+    """The refusal of a split the source holds out nothing for; without: the way on that needs no such data, when
+    the caller has one (eval reads the held-out set whatever validation.enable says: None)."""
+    other = f", or {without}" if without else ""
+    return UserError(f"the data source ({type(source).__name__}) holds out no {split} documents (a built-in source "
+                     f"with validation_fraction = 0; a plugin's whose has_split({split!r}) is False). Fix: set the "
+                     f"source's validation_fraction above 0 (or its validation_split){other}")
+
+
 def build_dataloader(
     source,
     tokenizer,
@@ -150,12 +165,8 @@ def build_dataloader(
     if seed < 0:
         raise UserError(f"data seed must be >= 0 (got {seed})")
     validate_layout(dp_rank, dp_world_size, logical_shards, num_workers)
-    has_split = getattr(source, "has_split", None)
-    if has_split is not None and not has_split(split):
-        raise UserError(f"the data source ({type(source).__name__}) holds out no {split} documents (a built-in source "
-                        f"with validation_fraction = 0; a plugin's whose has_split({split!r}) is False). Fix: set the "
-                        f"source's validation_fraction above 0 (or its validation_split), or turn validation off "
-                        f"(validation.enable = false)")
+    if not holds_split(source, split):
+        raise no_split_error(source, split)
     if check_source:
         source.check()
     check_tokenizer = getattr(source, "check_tokenizer", None)

@@ -15,6 +15,7 @@ import json
 import os
 
 
+from components.data import holds_split, no_split_error
 from components.errors import UserError
 from nsa_titan import assemble, registry
 from nsa_titan import held_out as held_out_set
@@ -136,7 +137,10 @@ def run_command(argv: list[str]) -> int:
     t = recipe.training
     rows = held_out_set.rows_per_batch(recipe) * (batches[0] if batches else recipe.validation.steps)
     try:
-        every_row = held_out_set.rank_rows(recipe, runtime, assemble.build_source(recipe), tokenizer, 0, 1, rows)
+        source = assemble.build_source(recipe)
+        if not holds_split(source, "validation"):  # its way on is not training's: eval reads the set either way
+            raise no_split_error(source, "validation", without=None)
+        every_row = held_out_set.rank_rows(recipe, runtime, source, tokenizer, 0, 1, rows)
         held_out = list(held_out_set.held_out_batches(every_row, t.local_batch_size, t.seq_len, None))
         if not held_out:
             # eval always reads the held-out set: the way out is the data its run validated on
