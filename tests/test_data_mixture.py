@@ -240,6 +240,37 @@ def test_a_source_that_fails_its_check_is_named_by_its_mixture_entry(tmp_path):
         source.check()
 
 
+def test_a_mixed_sources_fixes_name_the_fields_of_its_own_table(tmp_path):
+    """They named data.text_files.invalid_utf8 and data.synthetic.vocab_size, which a mixture's recipe refuses (its
+    source sets no [data.text_files]); each now names the field in its [data.mixture.sources.NAME], as on its own
+    the source still names its [data.<source>]."""
+    from components.data import SOURCES, ByteTokenizer
+    from components.data.sources import SyntheticArgs, TextFilesArgs
+
+    odd = tmp_path / "odd.txt"
+    odd.write_bytes(b"latin-1 byte \xe9 here")
+    entries = {"code": MixtureEntry(1.0, "text_files", TextFilesArgs(paths=[str(odd)])),
+               "noise": MixtureEntry(1.0, "synthetic", SyntheticArgs(vocab_size=300))}
+    source = build_mixture_source(MixtureArgs(entries), lambda name, args: SOURCES[name][1](args))
+    with pytest.raises(UserError, match=r"from data\.mixture\.sources\.code\.paths, or set "
+                                        r"data\.mixture\.sources\.code\.invalid_utf8 = 'replace'"):
+        source.check()
+    with pytest.raises(UserError, match=r"Fix: set data\.mixture\.sources\.noise\.vocab_size <= 256"):
+        source.check_tokenizer(ByteTokenizer())
+    with pytest.raises(UserError, match=r"Fix: set data\.synthetic\.vocab_size <= 256"):
+        SOURCES["synthetic"][1](SyntheticArgs(vocab_size=300)).check_tokenizer(ByteTokenizer())
+
+    recipe = tmp_path / "mixed.toml"
+    recipe.write_text(f'extends = "{DEBUG}"\n[data]\nsource = "mixture"\n'
+                      f'[data.mixture.sources.code]\nweight = 1.0\nsource = "text_files"\npaths = ["{odd}"]\n'
+                      f'[data.mixture.sources.noise]\nweight = 1.0\nsource = "synthetic"\nvocab_size = 300\n')
+    fixed = resolve([str(recipe), "--data.mixture.sources.code.invalid_utf8=replace",
+                     "--data.mixture.sources.noise.vocab_size=256"], world_size=1).recipe  # the fixes named
+    mixed = build_mixture_source(fixed.data.source_args, lambda name, args: SOURCES[name][1](args))
+    mixed.check()
+    mixed.check_tokenizer(ByteTokenizer())
+
+
 MIXED = """extends = "{debug}"
 [data]
 source = "mixture"

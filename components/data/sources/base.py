@@ -7,6 +7,8 @@ A source is a picklable object with:
   - optionally `has_split(split)`: False when the split is empty by construction (e.g. no
     validation held out), so the loader can refuse it before training;
   - optionally `check_tokenizer(tokenizer)`: raises UserError when the source cannot feed it;
+  - optionally `table`: the recipe table of its arguments ("data.<name>"), which its fixes name; a mixture sets
+    it to the source's own table, [data.mixture.sources.NAME];
   - optionally `shard_notes(num_shards)`: what a run over that many logical shards should be told once (say,
     shards that each read the whole stream), as sentences; the engine says them on the first rank, not in
     every loader worker;

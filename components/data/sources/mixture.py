@@ -200,5 +200,8 @@ def build_mixture_source(args: MixtureArgs, build_source: Callable[[str, Any], A
     raise_problems("data source mixture", args.check())
     names = sorted(args.sources)  # the tables' order (which extends may change) is not the stream's
     entries = [args.sources[n] for n in names]
-    return MixtureSource(names, [e.weight for e in entries], [build_source(e.source, e.args) for e in entries],
-                         args.by)
+    sources = [build_source(e.source, e.args) for e in entries]
+    for name, source in zip(names, sources):
+        if hasattr(source, "table"):  # its fixes name its fields where this recipe sets them
+            source.table = f"data.mixture.sources.{name}"
+    return MixtureSource(names, [e.weight for e in entries], sources, args.by)

@@ -39,6 +39,8 @@ class SyntheticArgs:
 class SyntheticSource:
     """Document i of a split belongs to logical shard i % num_shards."""
 
+    table = "data.synthetic"  # where a recipe sets the arguments, which the fixes name (a mixture's: its own table)
+
     def __init__(self, args: SyntheticArgs | None = None):
         self.args = args or SyntheticArgs()
 
@@ -50,7 +52,7 @@ class SyntheticSource:
         if self.args.vocab_size > limit:
             raise UserError(
                 f"data source synthetic: vocab_size {self.args.vocab_size} reaches the special ids of "
-                f"tokenizer {tokenizer.name} (ordinary ids are below {limit}). Fix: set data.synthetic.vocab_size "
+                f"tokenizer {tokenizer.name} (ordinary ids are below {limit}). Fix: set {self.table}.vocab_size "
                 f"<= {limit}, or use a tokenizer with a larger vocabulary"
             )
 

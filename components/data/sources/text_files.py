@@ -38,13 +38,14 @@ class TextFilesArgs:
 
 class TextFilesSource(CorpusSource):
     args: TextFilesArgs
+    table = "data.text_files"  # where a recipe sets the arguments, which the fixes name (a mixture's: its own table)
 
     def _build_corpus(self) -> FileCorpus:
         files = corpus_files(expand_paths(list(self.args.paths), "data source text_files"))
         return FileCorpus(
             files, self.args.text_field, self.args.validation_fraction, "data source text_files",
-            self.args.invalid_utf8, " from data.text_files.paths, or set data.text_files.invalid_utf8 = "
-            "'replace' to read such bytes as U+FFFD",
+            self.args.invalid_utf8, f" from {self.table}.paths, or set {self.table}.invalid_utf8 = 'replace' to "
+            "read such bytes as U+FFFD",
         )
 
     def check(self) -> None:
