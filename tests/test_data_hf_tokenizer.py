@@ -15,6 +15,7 @@ from components.data import TOKENIZERS
 from components.data.hf_tokenizer import HFTokenizer, HFTokenizerArgs
 from components.errors import UserError
 from nsa_titan import cli
+from nsa_titan.config import RecipeError, resolve
 from tests.launch import DEBUG, TINY, metrics
 
 SAMPLES = ["", "def f(x):\n    return x", "naïve café — 日本語 🙂", "a <|endoftext|> b", "tabs\tand  spaces "]
@@ -96,8 +97,16 @@ def test_a_tokenizer_config_that_cannot_be_read_is_an_error_not_a_guess(trained,
     with pytest.raises(UserError, match="cannot read .*tokenizer_config.json.*set data.hf_tokenizer.eos_token and "
                                         "data.hf_tokenizer.bos_token to the tokens to use"):
         HFTokenizer(HFTokenizerArgs(path=str(folder)))
-    with pytest.raises(UserError, match=r"set data.hf_tokenizer.bos_token to the token to use\.$"):
+    # A recipe names bos_token only with data.add_bos (else it is refused as unused): so the fix says.
+    with pytest.raises(UserError, match=r"set data.hf_tokenizer.bos_token to the token to use \(a recipe takes "
+                                        r"bos_token only with data.add_bos = true; without it, repair or remove the "
+                                        r"file\)\.$"):
         HFTokenizer(HFTokenizerArgs(path=str(folder), eos_token="<|endoftext|>"))
+    flags = ["--data.tokenizer=hf_tokenizer", f"--data.hf_tokenizer.path={folder}",
+             "--data.hf_tokenizer.eos_token=<|endoftext|>", "--data.hf_tokenizer.bos_token=<s>"]
+    with pytest.raises(RecipeError, match="only names the token data.add_bos puts before each document"):
+        resolve([DEBUG, *flags], world_size=1)
+    resolve([DEBUG, *flags, "--data.add_bos=true"], world_size=1)
     named = HFTokenizer(HFTokenizerArgs(path=str(folder), eos_token="<|endoftext|>", bos_token="<s>"))
     assert named.eos_id == 0 and named.notes == []
     (folder / "tokenizer_config.json").unlink()  # no config at all: the usual end-of-document names are tried

@@ -58,8 +58,11 @@ def _config_tokens(file: str, unset: list[str]) -> dict[str, str]:
             raise ValueError(f"it holds {type(table).__name__}, not a JSON object")
     except (OSError, ValueError) as exc:  # ValueError covers bad JSON and bad UTF-8
         fields = " and ".join(f"data.hf_tokenizer.{key}" for key in unset)
+        # The recipe refuses a bos_token that data.add_bos does not use: without it, naming the tokens is no way out.
+        only = (" (a recipe takes bos_token only with data.add_bos = true; without it, repair or remove the file)"
+                if "bos_token" in unset else "")
         raise UserError(f"tokenizer hf_tokenizer: cannot read {config!r} ({exc}). Fix: repair or remove it, or set "
-                        f"{fields} to the token{'s' if len(unset) > 1 else ''} to use.") from None
+                        f"{fields} to the token{'s' if len(unset) > 1 else ''} to use{only}.") from None
     values = {key: table.get(key) or "" for key in unset}
     return {key: v.get("content", "") if isinstance(v, dict) else str(v) for key, v in values.items()}
 
