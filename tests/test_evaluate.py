@@ -231,6 +231,19 @@ def test_a_held_out_set_of_no_rows_names_fixes_that_eval_can_use(checkpointed_ru
             "on), or lower data.min_document_tokens.") in err and "validation.enable" not in err, err
 
 
+def test_eval_reads_checkpoint_load_step_whatever_checkpoint_enable_says(checkpointed_run, tmp_path, capsys):
+    """A run folder keeps its checkpoints when a later run there turned checkpoints off, and its recipe.toml then
+    says checkpoint.enable = false: --checkpoint.load_step, which export's own refusal of a step folder names, was
+    refused as ignored ('add --checkpoint.enable=true', a flag eval then said it did not read). Training, which does
+    ignore it, still refuses it."""
+    argv = [*checkpointed_run, "--checkpoint.enable=false", "--checkpoint.load_step=2"]
+    assert cli.main(["eval", *argv, "--out", str(tmp_path), "--batches", "1", "--trials", "0"]) == 0
+    assert "evaluated checkpoint step 2 of" in capsys.readouterr().out
+    assert cli.main(["train", *argv, "--print-config"]) == 2
+    assert "checkpoint.load_step = 2: is set on the command line but checkpoint.enable is false" in \
+        capsys.readouterr().err
+
+
 def test_a_source_holding_out_nothing_names_a_fix_eval_can_use(checkpointed_run, tmp_path, capsys):
     """It said 'or turn validation off (validation.enable = false)': eval reads the held-out set whatever that says."""
     argv = [arg for arg in checkpointed_run if not arg.startswith("--data.synthetic.")]

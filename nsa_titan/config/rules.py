@@ -215,8 +215,9 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add("checkpoint.keep_latest_k", 1, "keeping one checkpoint loses it while the next one is written",
             "use 2 or more, or 0 to keep all")
     # A flag for a feature the recipe switched off does nothing: say so (a recipe file may keep such
-    # settings for when the feature is on). Fields another command reads either way (checkpoint.folder
-    # for export and eval, validation.steps for eval, compile.* for inspect) are listed only for training.
+    # settings for when the feature is on). Fields another command reads either way (checkpoint.folder and
+    # load_step for export, eval and plot, validation.steps for eval, compile.* for inspect) are listed only for
+    # training.
     refused_sections = set()
     for section, switch, names in _SWITCHED_FIELDS + (_SWITCHED_FIELDS_READ_ELSEWHERE if training else ()):
         table = getattr(recipe, section)
@@ -368,16 +369,18 @@ def _part_arg_set(args, path: str, name: str, source_of) -> bool:
 
 # (section, its switch, the fields only that switch uses)
 _SWITCHED_FIELDS = (
-    ("checkpoint", "enable", ("load_step", "interval", "keep_latest_k", "async_mode", "data_mismatch")),
+    ("checkpoint", "enable", ("interval", "keep_latest_k", "async_mode", "data_mismatch")),
     ("validation", "enable", ("freq",)),
     ("profiling", "enable", ("start_step", "steps", "folder")),
     ("metrics", "enable_tensorboard", ("save_tb_folder",)),
     ("metrics", "enable_wandb", ("wandb_project", "wandb_mode")),
 )
-# Read by another command whatever the switch says: inspect compiles, eval validates.
+# Read by another command whatever the switch says: inspect compiles, eval validates, export, eval and plot read
+# the run's checkpoints (a run folder keeps them when a later run there turned checkpoints off).
 _SWITCHED_FIELDS_READ_ELSEWHERE = (
     ("compile", "enable", ("backend", "fullgraph", "mode")),
     ("validation", "enable", ("steps",)),
+    ("checkpoint", "enable", ("load_step",)),
 )
 
 
