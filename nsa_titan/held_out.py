@@ -87,10 +87,11 @@ def short_set_note(recipe, found: int, batches: int | None = None, asked: str = 
     rows = per_batch * (recipe.validation.steps if batches is None else batches)
     if found >= rows:
         return None
+    fits = found // per_batch  # 0: not one batch is filled, so asking for fewer cannot fill the set
+    ask_fewer = f"ask for fewer ({fewer} {fits} at most), or " if fits else ""
     return (f"the held-out set holds {found} of the {rows} rows {asked} asks for: the logical shards' held-out "
-            f"documents do not fill their share, so the loss covers {found} rows of {seq_len} tokens. Fix: ask for "
-            f"fewer ({fewer} {max(1, found // per_batch)} at most), or hold out more documents (the source's "
-            f"validation_fraction or split).")
+            f"documents do not fill their share, so the loss covers {found} rows of {seq_len} tokens. Fix: "
+            f"{ask_fewer}hold out more documents (the source's validation_fraction or split).")
 
 
 def batches_per_rank(rows: int, logical_shards: int, dp_size: int, batch_size: int) -> int:

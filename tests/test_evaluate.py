@@ -219,6 +219,12 @@ def test_a_held_out_set_short_of_the_rows_asked_for_is_said(checkpointed_run, tm
     tokens = sum(json.loads((out / "eval.json").read_text())["position_loss"]["tokens"])
     assert rows == 16 and 16 * 64 > tokens > 15 * 64, tokens  # the two shards' 8 rows each, less ends of text
     assert "Fix: ask for fewer (--batches 2 at most)" in err
+    # Not one batch filled: fewer batches cannot help (it said 'ask for fewer (--batches 1 at most)' at --batches 1).
+    assert cli.main(["eval", *checkpointed_run, "--data.synthetic.validation_documents=2", "--out", str(tmp_path / "1"),
+                     "--batches", "1", "--trials", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "holds 4 of the 8 rows --batches asks for" in err and "ask for fewer" not in err, err
+    assert "Fix: hold out more documents (the source's validation_fraction or split)" in err, err
 
 
 def test_a_held_out_set_of_no_rows_names_fixes_that_eval_can_use(checkpointed_run, tmp_path, capsys):

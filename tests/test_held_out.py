@@ -95,22 +95,26 @@ def test_the_set_follows_the_global_batch_or_with_minus_one_the_local_batch():
     assert held_out.held_out_rows(recipe(-1, 8)) == 24
 
 
-@pytest.mark.parametrize("held_out_documents, short", [(2, True), (200, False)])
-def test_a_held_out_set_its_shards_cannot_fill_is_told_once(tmp_path, capsys, held_out_documents, short):
+@pytest.mark.parametrize("held_out_documents, steps, note, fix", [
+    (2, 2, "holds 4 of the 8 rows", "Fix: ask for fewer (validation.steps 1 at most), or hold out more documents "
+                                    "(the source's validation_fraction or split)."),
+    # Not one batch filled: a lower validation.steps (it said 'lower validation.steps to fit them' at 1) cannot help.
+    (2, 1, "holds 2 of the 4 rows", "Fix: hold out more documents (the source's validation_fraction or split)."),
+    (200, 2, None, None)])
+def test_a_held_out_set_its_shards_cannot_fill_is_told_once(tmp_path, capsys, held_out_documents, steps, note, fix):
     """Two held-out documents over four logical shards fill 4 of the 8 rows asked for: the loss covered half
     the set in silence. A full set says nothing."""
     from nsa_titan import cli
     from tests.launch import DEBUG, TINY
 
     argv = ["train", DEBUG, *TINY, "--training.steps=2", "--validation.enable=true", "--validation.freq=1",
-            "--validation.steps=2", "--training.local_batch_size=4", "--training.global_batch_size=4",
+            f"--validation.steps={steps}", "--training.local_batch_size=4", "--training.global_batch_size=4",
             "--data.source=synthetic", f"--data.synthetic.validation_documents={held_out_documents}",
             "--data.synthetic.min_length=3", "--data.synthetic.max_length=30", f"--job.dump_folder={tmp_path}"]
     assert cli.main(argv) == 0
     said = capsys.readouterr().out
-    note = "note: the held-out set holds 4 of the 8 rows validation.steps asks for"
-    if short:
-        assert said.count(note) == 1 and "the loss covers 4 rows of 64 tokens" in said, said
-        assert "Fix: ask for fewer (validation.steps 1 at most)" in said, said
+    if note:
+        note = f"note: the held-out set {note} validation.steps asks for"
+        assert said.count(note) == 1 and f"the loss covers {steps * 2} rows of 64 tokens. {fix}" in said, said
     else:
         assert "the held-out set holds" not in said, said
