@@ -55,7 +55,12 @@ def run_cli(capsys, args: list[str]) -> tuple[int, str]:
 
 # (name, recipe text appended to BASE (None: BASE alone), overrides, expected fragments of the message)
 CASES = [
-    ("unknown section", "[trainig]\nsteps = 3\n", [], ["trainig", "is not a recipe field", "did you mean 'training'"]),
+    ("unknown section", "[trainig]\nsteps = 3\n", [], ["trainig", "is not a recipe field", "did you mean 'training'",
+                                                      "Fix: remove it, or correct the section's name"]),
+    # It said 'see `nsa-titan train --help` for the fields of [top level]', which has none.
+    ("a field without its section", "", ["--steps=3", "--lr=0.01"],
+     ["steps: is not a recipe field. Fix: name it with its section: profiling.steps or training.steps or "
+      "validation.steps.", "lr: is not a recipe field. Fix: name it with its section: optimizer.lr."]),
     ("unknown key", "[metrics]\nlog_frq = 3\n", [], ["metrics.log_frq", "did you mean 'log_freq'"]),
     ("string for int", "[checkpoint]\ninterval = \"ten\"\n", [], ["checkpoint.interval", "expected a whole number", "'ten'"]),
     ("float for int", "[metrics]\nlog_freq = 1.5\n", [], ["metrics.log_freq", "expected a whole number"]),

@@ -248,8 +248,14 @@ class RecipeBuilder:
                              f"{self.source_of(chose)})", f"remove it from {self.source_of(full)}, or choose "
                              f"{owner!r} again")
                 continue
-            self.problem(full, None, "is not a recipe field" + suggest(key, sorted(known)),
-                         f"remove it, or see `nsa-titan train --help` for the fields of [{path or 'top level'}]")
+            section = isinstance(table[key], dict)  # at the top level: a misspelled section, [jobb]
+            homes = [] if path or section else _fields_named(key)  # a field given without its section (--steps)
+            fix = (f"remove it, or see `nsa-titan train --help` for the fields of [{path}]" if path else
+                   "remove it, or correct the section's name (`nsa-titan train --help` lists the sections)" if section
+                   else f"name it with its section: {' or '.join(homes)}" if homes else
+                   "remove it, or name a field with its section, e.g. training.steps (`nsa-titan train --help` "
+                   "lists them)")
+            self.problem(full, None, "is not a recipe field" + ("" if homes else suggest(key, sorted(known))), fix)
 
     def _other_part_taking(self, path: str, key: str) -> str | None:
         """Another registered part (a built-in first) whose inline arguments at `path` include `key`, or None."""
@@ -420,6 +426,16 @@ def _kind(value: Any) -> str:
 def _layer(source: str) -> str:
     """Every command-line flag is one layer; every file is its own."""
     return "flags" if source.startswith("flag ") else source
+
+
+def _fields_named(name: str) -> list[str]:
+    """The recipe fields (parts' arguments included) whose own name is `name`, with their sections, as --help
+    lists them."""
+    import re
+
+    from nsa_titan.config.help import help_text
+
+    return sorted(set(re.findall(rf"^  --([a-z_.A-Z0-9]+\.{re.escape(name)}):", help_text(), re.M)))
 
 
 def _join(path: str, key: str) -> str:
