@@ -142,7 +142,9 @@ CASES = [
     ("min lr at its default value with constant", "", ["--lr_scheduler.decay_type=constant",
                                                        "--lr_scheduler.min_lr_factor=0.1"],
      ["flag '--lr_scheduler.min_lr_factor=0.1'", "no effect with decay_type = 'constant'"]),
-    ("decay of no steps", "", ["--lr_scheduler.decay_steps=0"], ["lr_scheduler.decay_steps", "a decay of no steps"]),
+    ("decay of no steps", "", ["--lr_scheduler.decay_steps=0"], ["lr_scheduler.decay_steps", "a decay of no steps",
+                                                                 "or, for no decay, decay_type = 'constant' without "
+                                                                 "decay_steps"]),
     ("unknown schedule", "[lr_scheduler]\ndecay_type = \"cosin\"\n", [], ["lr_scheduler.decay_type", "did you mean 'cosine'"]),
     ("prefetch without workers", "[data]\nprefetch_factor = 4\n", [], ["data.prefetch_factor", "without worker processes"]),
     ("selective_every without selective", "[activation_checkpoint]\nselective_every = 3\n", [],

@@ -398,7 +398,8 @@ def _check_lr_schedule(recipe: Recipe, add, notes: list[str], source_of) -> None
                                       "remove it, or choose a decaying shape such as decay_type = 'cosine'")
     elif sched.decay_steps == 0:
         add("lr_scheduler.decay_steps", 0, "is a decay of no steps",
-            "use -1 to decay over every step after warmup, or decay_type = 'constant' for no decay")
+            "use -1 to decay over every step after warmup, or, for no decay, decay_type = 'constant' without "
+            "decay_steps (which a constant rate refuses)")
     elif sched.decay_steps > 0 and sched.decay_steps > steps - sched.warmup_steps and steps > sched.warmup_steps:
         # Like a long warmup: a shortened trial run is still a run; its decay starts after warmup.
         notes.append(f"lr_scheduler.decay_steps = {sched.decay_steps} from {source_of('lr_scheduler.decay_steps')} "
