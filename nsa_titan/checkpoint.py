@@ -341,14 +341,13 @@ class Checkpointer:
             kept = (f"the last complete checkpoint (step {done[-1]}) is kept" if done else
                     "no checkpoint is complete yet")
             errno_of = getattr(cause, "errno", None)
-            if errno_of in (errno.EACCES, errno.EPERM, errno.EROFS):
-                remedy = "make that folder writable by this user (or point checkpoint.folder or --job.dump_folder " \
-                         "elsewhere)"
-            else:
-                remedy = "free space on that file system (or point checkpoint.folder or --job.dump_folder elsewhere)"
+            # checkpoint.folder lies inside job.dump_folder (on its file system), and another folder of either
+            # holds no checkpoint to resume: the way on is the same folder, mended.
+            remedy = ("make that folder writable by this user" if errno_of in (errno.EACCES, errno.EPERM, errno.EROFS)
+                      else "free space on that file system")
             raise UserError(f"cannot save the checkpoint of step {step} in {path} ({why}{free}). The partial save "
-                            f"is removed and {kept}. Fix: {remedy}, then run the same command again to resume."
-                            ) from None
+                            f"is removed and {kept}. Fix: {remedy}, then run the same command again to resume (another "
+                            f"--job.dump_folder would start the run afresh).") from None
 
     def _clear_leftover(self, path: str) -> None:
         """What is already at this step's path: a partial save (a crash at this very step) is removed;
