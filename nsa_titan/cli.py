@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import sys
 import warnings
 
@@ -305,8 +306,11 @@ def plot(argv: list[str]) -> int:
         except OSError as exc:
             return _fail(f"error: cannot read --text-file {text_file!r} ({exc.strerror}). Fix: give a readable file.")
         except UnicodeDecodeError as exc:  # as training refuses such a file: no silently replaced characters
+            # iconv without -f reads the locale's encoding, UTF-8 most often: the encoding to convert from is named
+            converted = shlex.quote(text_file + ".utf8")
             return _fail(f"error: --text-file {text_file!r} is not UTF-8 text (byte {exc.start}: {exc.reason}). Fix: "
-                         f"convert it to UTF-8, e.g. iconv -t UTF-8.")
+                         f"convert it to UTF-8 from the encoding it is in, e.g. for Latin-1 text `iconv -f latin1 -t "
+                         f"utf-8 {shlex.quote(text_file)} > {converted}`, and give {converted}.")
     if from_recipe:
         from nsa_titan.export import load_checkpoint_model
         from nsa_titan.rebuild import say_on_stderr, say_unread_flags

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
+import subprocess
 
 import matplotlib.image
 import numpy as np
@@ -181,7 +184,15 @@ def test_plot_command_errors(exported, tmp_path, capsys):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\u00e9".encode("latin-1"))
     assert main(["plot", str(exported), "--text-file", str(latin1), "--out", str(tmp_path)]) == 2
-    assert "is not UTF-8 text (byte 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text (byte 3" in err
+    # The conversion it names works (it said `iconv -t UTF-8`, which reads the locale's UTF-8 and stops at byte 3).
+    command = re.search(r"`(iconv [^`]+)`", err).group(1)
+    if shutil.which("iconv"):
+        subprocess.run(command, shell=True, check=True, cwd=tmp_path)
+        assert (tmp_path / "latin1.txt.utf8").read_text(encoding="utf-8") == "caf\u00e9"
+        assert main(["plot", str(exported), "--text-file", str(tmp_path / "latin1.txt.utf8"), "--out",
+                     str(tmp_path / "converted")]) == 0
     assert main(["plot", str(tmp_path / "nothing.pt"), "--text", "a", "--out", str(tmp_path)]) == 2
     assert "cannot read exported model" in capsys.readouterr().err
     assert main(["plot", str(exported), "--text", "a", "--layr", "1", "--out", str(tmp_path)]) == 2
