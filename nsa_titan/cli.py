@@ -168,9 +168,9 @@ def export(argv: list[str]) -> int:
     if dtype is not None and form != "hf":
         return _fail("error: --dtype applies to --format hf (the pt file keeps the training weights as they are). "
                      "Fix: add --format hf, or drop --dtype.")
-    if not output:
-        example = "--format hf --output outputs/debug/hf" if form == "hf" else "--output outputs/debug/model.pt"
-        return _fail(f"error: export needs --output. Fix: e.g. `nsa-titan export recipes/debug.toml {example}`.")
+    if not output:  # the fix keeps the command as given (an example of another recipe would export another run)
+        example = "--output DIR (e.g. --output model_hf)" if form == "hf" else "--output FILE (e.g. --output model.pt)"
+        return _fail(f"error: export needs --output. Fix: add {example} to the command.")
     from nsa_titan.config.overrides import parse_args
     from nsa_titan.hf_folder import is_hf_folder
 

@@ -377,6 +377,16 @@ def test_an_unknown_export_option_is_named_before_a_missing_output(capsys):
     assert "has no option" not in err
 
 
+@pytest.mark.parametrize("extra, fix", [([], "Fix: add --output FILE (e.g. --output model.pt) to the command."),
+                                        (["--format", "hf"], "Fix: add --output DIR (e.g. --output model_hf) to the "
+                                                             "command.")])
+def test_an_export_without_output_keeps_the_command_in_its_fix(capsys, extra, fix):
+    """It said 'e.g. nsa-titan export recipes/debug.toml --output outputs/debug/model.pt' whatever recipe was given:
+    followed, it exported the debug run into the debug run's folder."""
+    err = refused(capsys, ["export", DEBUG, "--job.dump_folder=/elsewhere/run", *extra], "export needs --output", fix)
+    assert "recipes/debug.toml" not in err and "outputs/debug" not in err, err
+
+
 def test_an_export_without_a_recipe_names_one(tmp_path, capsys, monkeypatch):
     """The bare defaults name no run: in a folder holding outputs/debug, they found its checkpoint and
     complained that it did not fit their model."""
