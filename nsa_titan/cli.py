@@ -292,7 +292,8 @@ def plot(argv: list[str]) -> int:
     if (text is None) == (text_file is None):
         return _fail(f"error: plot needs exactly one of --text TEXT or --text-file FILE. Fix: {usage}.")
     if not out:
-        return _fail(f"error: plot needs --out DIR for the pictures. Fix: {usage}.")
+        return _fail("error: plot needs --out DIR for the pictures. Fix: add --out DIR (e.g. --out plots) to the "
+                     "command.")
     check_output("--out", out, folder=True)
     refuse_earlier_results(out, "plot", PLOT_FILES, overwrite)
     try:

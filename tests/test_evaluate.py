@@ -264,7 +264,8 @@ def test_a_source_holding_out_nothing_names_a_fix_eval_can_use(checkpointed_run,
 
 
 @pytest.mark.parametrize("extra, message", [
-    ([], "eval needs --out DIR"),
+    # It gave `nsa-titan eval recipes/debug.toml --out outputs/debug/eval` whatever was evaluated.
+    ([], "eval needs --out DIR for its results. Fix: add --out DIR (e.g. --out eval) to the command."),
     (["--out", "X", "--depths", "0,2"], "--depths must lie in"),
     (["--out", "X", "--lengths", "abc"], "is not a comma-separated list of ints"),
     (["--out", "X", "--depths", "0.5,,"], "--depths = '0.5,,' is not a comma-separated list of floats"),

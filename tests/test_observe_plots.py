@@ -179,6 +179,9 @@ def test_plot_command_errors(exported, tmp_path, capsys):
     assert "--layer 7 is not a sparse attention layer" in capsys.readouterr().err
     assert main(["plot", str(exported), "--out", str(tmp_path)]) == 2
     assert "exactly one of --text" in capsys.readouterr().err
+    assert main(["plot", str(exported), "--text", "abc"]) == 2  # it gave another model's command as the fix
+    assert "plot needs --out DIR for the pictures. Fix: add --out DIR (e.g. --out plots) to the command." in \
+        capsys.readouterr().err
     assert main(["plot", str(exported), "--text-file", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2
     assert "cannot read --text-file" in capsys.readouterr().err
     latin1 = tmp_path / "latin1.txt"

@@ -80,7 +80,7 @@ def run_command(argv: list[str]) -> int:
     depths_given = any(arg == "--depths" or arg.startswith("--depths=") for arg in argv)
     out = take_option(argv, "--out")
     if not out:
-        raise UserError(f"eval needs --out DIR for its results. Fix: {USAGE}.")
+        raise UserError("eval needs --out DIR for its results. Fix: add --out DIR (e.g. --out eval) to the command.")
     check_output("--out", out, folder=True)
     overwrite = take_flag(argv, "--overwrite")
     batches = _numbers(argv, "--batches", int, None, one=True)
