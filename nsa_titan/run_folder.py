@@ -59,10 +59,12 @@ def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> boo
         path = os.path.join(folder, name)
         try:
             os.makedirs(path, exist_ok=True)
-        except OSError as exc:
+        except OSError as exc:  # the recipe refuses an absolute path here: the run's folders lie inside its own
+            in_way = ", or move away the file in its way" if isinstance(exc, (FileExistsError, NotADirectoryError)) \
+                else ""
             raise UserError(f"cannot create the folder {path!r} ({field} = {name!r}): {exc.strerror}. Fix: choose a "
-                            f"writable folder with --{field}=NAME (inside job.dump_folder, or an absolute "
-                            f"path).") from None
+                            f"writable folder with --{field}=NAME (a relative path inside job.dump_folder){in_way}."
+                            ) from None
     return made
 
 
