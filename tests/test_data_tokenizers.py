@@ -114,10 +114,32 @@ def test_tiktoken_download_without_network_names_the_host_in_one_line(monkeypatc
     with pytest.raises(UserError) as e:
         TiktokenTokenizer(TiktokenArgs(encoding="gpt2"))
     assert str(e.value).startswith("tokenizer tiktoken: cannot load encoding 'gpt2' (it downloads the encoding from "
-                                   "openaipublic.blob.core.windows.net, which cannot be reached from here). Fix: put "
-                                   "its encoding file, downloaded elsewhere, in the directory named by "
-                                   "TIKTOKEN_CACHE_DIR"), str(e.value)
+                                   "openaipublic.blob.core.windows.net, which cannot be reached from here). Fix: on a "
+                                   "machine with network run TIKTOKEN_CACHE_DIR=DIR python -c \"import tiktoken; "
+                                   "tiktoken.get_encoding('gpt2')\", copy DIR here"), str(e.value)
     assert "HTTPSConnectionPool" not in str(e.value)
+    # A file by path is split with cl100k's pattern: no stand-in for gpt2's, so not offered.
+    assert "path" not in str(e.value)
+
+
+def test_a_named_encodings_own_file_with_another_pattern_is_refused_by_path(tmp_path, monkeypatch):
+    """r50k_base.tiktoken (gpt2's ranks) read by path would be split with cl100k's pattern: another tokenizer."""
+    import hashlib
+    import inspect
+
+    import tiktoken_ext.openai_public
+
+    from components.data import tokenizers
+
+    published = inspect.getsource(tiktoken_ext.openai_public)
+    assert all(digest in published for digest in tokenizers.OTHER_PATTERN_FILES)
+    path = tmp_path / "r50k_base.tiktoken"
+    path.write_bytes(b"\n".join(_byte_ranks()) + b"\n")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    monkeypatch.setitem(tokenizers.OTHER_PATTERN_FILES, digest, ("r50k_base", "gpt2"))
+    with pytest.raises(UserError, match=r"is the encoding file of r50k_base and gpt2, .* Fix: set encoding = "
+                                        r"'r50k_base' \(its name, not its file\)"):
+        TiktokenTokenizer(TiktokenArgs(encoding=str(path)))
 
 
 def test_tiktoken_missing_or_broken_file_is_user_error(tmp_path):

