@@ -46,6 +46,27 @@ def test_invalid_utf8_stops_the_data_naming_the_file_unless_the_recipe_says_repl
         assert f"{document}<|endoftext|>" in text, text
 
 
+def test_a_bad_files_fix_says_what_a_resume_without_it_needs(tmp_path):
+    """'remove it from data.text_files.paths' read as if the run then resumed; the corpus without the file is
+    another stream, which a resume refuses unless told to restart the data: the fix says so."""
+    good, bad = tmp_path / "a.txt", tmp_path / "c.jsonl"
+    good.write_text("a document of its own\n")
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "bad \xff byte"}\n')
+    both = TextFilesSource(TextFilesArgs(paths=[str(good), str(bad)], validation_fraction=0.0))
+    with pytest.raises(UserError, match=r"remove it from data\.text_files\.paths \(either way the corpus is then "
+                                        r"another data stream: a run that saved checkpoints resumes only with "
+                                        r"--checkpoint\.data_mismatch=restart"):
+        both.scan()  # doctor reads every record, as training will
+    assert TextFilesSource(TextFilesArgs(paths=[str(good)], validation_fraction=0.0)).fingerprint() != \
+        both.fingerprint()
+    both.corpus()  # listed, so the file's damage after this is found while reading
+    bad.write_bytes(b'{"text": "fine"}\nnot json at all\n')
+    with pytest.raises(UserError, match=r"line 2 is not valid JSON .*fix or remove that line \(the file's size "
+                                        r"changes, so the corpus is then another data stream: .*"
+                                        r"--checkpoint\.data_mismatch=restart"):
+        list(both.documents(0, 1, "train", 0, 0, None))
+
+
 def test_a_parquet_column_of_invalid_utf8_is_named_or_replaced_as_the_recipe_says(tmp_path):
     """Arrow lets a string column hold any bytes; reading its rows raised Python's UnicodeDecodeError."""
     import pyarrow as pa

@@ -451,8 +451,10 @@ def test_a_damaged_local_file_fails_at_once(tmp_path, monkeypatch):
     pauses = []
     monkeypatch.setattr("components.data.sources.huggingface.time.sleep", pauses.append)
     with pytest.raises(UserError, match=r"reading the data files failed \(.*\), so one of them .*\*\.parquet.* is "
-                                        r"damaged, unreadable, or not of builder 'parquet'.s format.*Fix: replace or "
-                                        r"remove that file") as raised:
+                                        r"damaged, unreadable, or not of builder 'parquet'.s format.*Fix: find it .* "
+                                        r"replace it with a sound copy.*or remove it from data_files \(a glob: list "
+                                        r"the others; the corpus is then another data stream.*"
+                                        r"--checkpoint\.data_mismatch=restart") as raised:
         list(source.documents(0, 1, "train", 0, 0, None))
     assert pauses == [] and "network" not in str(raised.value)
 
@@ -481,14 +483,19 @@ def _bad_local_files(folder, case: str) -> tuple[str, list[str]]:
     return "json", [str(folder / "empty.jsonl")]
 
 
+# Removing a file from data_files makes another stream, which a resume refuses unless told to restart the data.
+_REMOVED = (r" \(a glob: list the other files instead\), then run again; the corpus is then another data stream: a run "
+            r"that saved checkpoints resumes only with --checkpoint\.data_mismatch=restart")
+
+
 @pytest.mark.parametrize("case, message", [
     ("truncated parquet", r"reading the data files failed: .*1\.parquet cannot be read as parquet \(ArrowInvalid: "
-                          r"Parquet magic bytes not found.*Fix: remove it from data_files"),
+                          r"Parquet magic bytes not found.*Fix: remove it from data_files" + _REMOVED),
     ("empty parquet", r"reading the data files failed: .*3\.parquet holds no rows, which datasets' parquet reader "
-                      r"cannot stream\. Fix: remove it from data_files"),
+                      r"cannot stream\. Fix: remove it from data_files" + _REMOVED),
     ("a number among the texts", r"field 'text' holds a value of type int \(12345\) among its texts\. Fix: give "
                                  r"text_field a column of strings"),
-    ("empty jsonl", r"cannot open split 'train': .*empty\.jsonl is empty\. Fix: remove it from data_files"),
+    ("empty jsonl", r"cannot open split 'train': .*empty\.jsonl is empty\. Fix: remove it from data_files" + _REMOVED),
 ])
 def test_a_bad_local_file_is_named(tmp_path, case, message):
     """Each was a traceback (pyarrow's ArrowInvalid while the files were split into row groups, an AttributeError

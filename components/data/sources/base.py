@@ -40,6 +40,11 @@ import numpy as np
 Document = Union[str, np.ndarray]
 SPLITS = ("train", "validation")
 
+# What a fix that changes a corpus's files (which, or their sizes) means for a run that saved checkpoints: its data
+# position belongs to the corpus that was, so a resume is refused until told to start the data afresh.
+ANOTHER_STREAM = ("the corpus is then another data stream: a run that saved checkpoints resumes only with "
+                  "--checkpoint.data_mismatch=restart, its data read from the beginning")
+
 
 class DocumentSource(Protocol):
     def check(self) -> None: ...

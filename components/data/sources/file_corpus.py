@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 
 from components.errors import UserError, read_from
-from components.data.sources.base import digest, order_rng, split_of
+from components.data.sources.base import ANOTHER_STREAM, digest, order_rng, split_of
 
 MAX_PIECE_BYTES = 1 << 20
 MAX_PIECE_ROWS = 1024
@@ -195,7 +195,8 @@ class FileCorpus:
             md, schema = parquet.metadata, parquet.schema_arrow
         except (OSError, ValueError, pa.ArrowException) as e:
             raise UserError(
-                f"{self.what}: cannot read {f.path} ({type(e).__name__}: {e}); replace or remove the file"
+                f"{self.what}: cannot read {f.path} ({type(e).__name__}: {e}); replace it with a sound copy, or "
+                f"remove it ({ANOTHER_STREAM})"
             ) from e
         names = schema.names  # the top-level columns (the Parquet schema's names are its leaves: a struct's fields)
         if self.text_field not in names:
@@ -295,7 +296,8 @@ class FileCorpus:
             return UserError(f"{self.what}: {path} is gone (it was there when the run started). Fix: restore it; a "
                              "corpus without it is another data stream, which a resume starts from its beginning "
                              "(checkpoint.data_mismatch = 'restart')")
-        return UserError(f"{self.what}: cannot read {path} ({error}); fix its permissions or remove it")
+        return UserError(f"{self.what}: cannot read {path} ({error}); fix its permissions, or remove it "
+                         f"({ANOTHER_STREAM})")
 
     def _text_of(self, record, path: str, offset: int) -> str:
         if isinstance(record, dict) and isinstance(record.get(self.text_field), str):
@@ -348,7 +350,7 @@ class FileCorpus:
                 except ValueError as e:
                     raise UserError(
                         f"{self.what}: {path} line {_line_number(path, offset)} is not valid JSON ({e}); "
-                        "fix or remove that line"
+                        f"fix or remove that line (the file's size changes, so {ANOTHER_STREAM})"
                     ) from e
                 yield self._text_of(record, path, offset), offset
 
@@ -367,7 +369,7 @@ class FileCorpus:
         except (OSError, ValueError, pa.ArrowException) as e:
             raise UserError(
                 f"{self.what}: cannot read row group {group} of {path} ({type(e).__name__}: {e}); "
-                "replace or remove the file"
+                f"replace it with a sound copy, or remove it ({ANOTHER_STREAM})"
             ) from e
         try:
             values = rows.to_pylist()

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from components.data.workers import worker_died
 from components.errors import UserError, first_line, read_from
-from components.data.sources.base import order_rng, split_of
+from components.data.sources.base import ANOTHER_STREAM, order_rng, split_of
 from components.problems import Problem, problem, raise_problems
 
 log = logging.getLogger(__name__)
@@ -241,9 +241,10 @@ class HuggingFaceSource:
         return UserError(
             f"{self._what()}: reading the data files failed ({type(e).__name__}: {first_line(e)}), so one of them "
             f"(data_files = {list(self.args.data_files)}) is damaged, unreadable, or not of builder "
-            f"{self.args.path!r}'s format (or not the others' columns). Fix: replace or remove that file "
-            "(pyarrow.parquet.read_table(path) names a damaged parquet file), then run again: training "
-            "resumes from the last checkpoint")
+            f"{self.args.path!r}'s format (or not the others' columns). Fix: find it "
+            "(pyarrow.parquet.read_table(path) names a damaged parquet file) and replace it with a sound copy, then "
+            "run again: training resumes from the last checkpoint; or remove it from data_files (a glob: list the "
+            f"others; {ANOTHER_STREAM})")
 
     def _local_file_problem(self) -> str | None:
         """The first local data file that is empty or (parquet) not readable, with its fix; None when each opens."""
@@ -253,8 +254,9 @@ class HuggingFaceSource:
             if "://" in pattern:
                 continue
             for path in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
-                fix = ("Fix: remove it from data_files (a glob: move it out of the folder), then run again "
-                       "(a run resumes from its last checkpoint)")
+                # A glob's files are not part of the stream's id: moving one out would go unseen by a resume.
+                fix = ("Fix: remove it from data_files (a glob: list the other files instead), then run again; "
+                       f"{ANOTHER_STREAM}")
                 try:
                     if os.path.getsize(path) == 0:
                         return f"{path} is empty. {fix}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from components.data.sources.base import ANOTHER_STREAM
 from components.data.sources.corpus_source import CorpusSource
 from components.data.sources.file_corpus import FileCorpus, corpus_files, expand_paths
 from components.problems import Problem, problem, raise_problems
@@ -44,8 +45,8 @@ class TextFilesSource(CorpusSource):
         files = corpus_files(expand_paths(list(self.args.paths), "data source text_files"))
         return FileCorpus(
             files, self.args.text_field, self.args.validation_fraction, "data source text_files",
-            self.args.invalid_utf8, f" from {self.table}.paths, or set {self.table}.invalid_utf8 = 'replace' to "
-            "read such bytes as U+FFFD",
+            self.args.invalid_utf8, f" from {self.table}.paths (either way {ANOTHER_STREAM}), or set "
+            f"{self.table}.invalid_utf8 = 'replace' to read such bytes as U+FFFD (the same stream)",
         )
 
     def check(self) -> None:
