@@ -361,6 +361,19 @@ def test_a_flag_given_twice_takes_the_last_and_says_so():
         "training.steps is set twice on the command line: '--training.steps 5' replaces '--training.steps=3'"]
 
 
+def test_a_flag_a_switch_flag_turns_off_is_told_to_go_not_to_turn_the_switch_back_on():
+    """Told 'add --metrics.enable_wandb=true' after a fix's --metrics.enable_wandb=false, the user went round in a
+    loop; the fix now follows the switch the command line chose."""
+    from nsa_titan.config.errors import RecipeError
+
+    with pytest.raises(RecipeError) as raised:
+        resolve(["--metrics.enable_wandb=true", "--metrics.wandb_mode=offline", "--metrics.enable_wandb=false"])
+    assert "Fix: remove this flag (flag '--metrics.enable_wandb=false' turns it off)" in str(raised.value)
+    assert "add --metrics.enable_wandb=true" not in str(raised.value)
+    followed = resolve(["--metrics.enable_wandb=true", "--metrics.enable_wandb=false"])
+    assert followed.recipe.metrics.enable_wandb is False
+
+
 @pytest.mark.parametrize("name, refused", [("../elsewhere", True), (".", True), ("/abs", True),
                                            ("ablations/w64", False)])
 def test_a_run_name_that_names_a_folder_outside_outputs_is_refused(tmp_path, name, refused):

@@ -558,6 +558,15 @@ def test_wandb_missing_is_one_clear_error(tmp_path, hide_package):
     from nsa_titan.observe.metrics_log import WandbLog
 
     hide_package("wandb")
-    with pytest.raises(UserError, match="pip install wandb, or set --metrics.enable_wandb=false"):
+    with pytest.raises(UserError, match="pip install wandb, or set --metrics.enable_wandb=false \\(in place of any "
+                                        "--metrics.enable_wandb=true, and without --metrics.wandb_project or "
+                                        "--metrics.wandb_mode\\)"):
         WandbLog(str(tmp_path), run_id="abc", project="p", name="n", mode="offline", config={})
     assert not (tmp_path / "wandb_run_id").exists()
+    # Why the fix says so: W&B's fields as flags beside it are refused.
+    from nsa_titan.config import resolve
+    from nsa_titan.config.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="metrics.wandb_mode = 'offline': is set on the command line but "
+                                          "metrics.enable_wandb is false"):
+        resolve(["--metrics.enable_wandb=false", "--metrics.wandb_mode=offline"])

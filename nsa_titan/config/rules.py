@@ -223,11 +223,14 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         table = getattr(recipe, section)
         if getattr(table, switch):
             continue
+        # A switch a flag turned off is the user's choice: adding the opposite flag would set it twice.
+        fix = (f"remove this flag ({source_of(f'{section}.{switch}')} turns it off), or turn it on there instead"
+               if _flagged(source_of, f"{section}.{switch}") else f"add --{section}.{switch}=true")
         for name in names:  # a flag counts as set even at the default value: it was asked for
             if _flagged(source_of, f"{section}.{name}"):
                 refused_sections.add(section)
                 add(f"{section}.{name}", getattr(table, name), f"is set on the command line but {section}.{switch} "
-                    "is false, so it would be ignored", f"add --{section}.{switch}=true")
+                    "is false, so it would be ignored", fix)
     if recipe.lr_scheduler.warmup_steps > t.steps:
         # A run shortened to try something (--training.steps=3) is still a run: it ends mid-warmup.
         notes.append(f"lr_scheduler.warmup_steps = {recipe.lr_scheduler.warmup_steps} from "

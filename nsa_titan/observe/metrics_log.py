@@ -195,6 +195,11 @@ def _numbers(record: dict[str, Any]) -> dict[str, float]:
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
+# W&B's own fields given as flags are refused once W&B is off (they would do nothing): a fix turning it off says so.
+_WITHOUT_WANDB_FLAGS = (" (in place of any --metrics.enable_wandb=true, and without --metrics.wandb_project or "
+                        "--metrics.wandb_mode)")
+
+
 class WandbLog:
     """A W&B run in dump_folder/wandb, with the id `run_id` (the trainer's choice: a resumed run's own, recorded
     in its checkpoint, or a new one for a run from step 0); the id is also written to dump_folder/wandb_run_id."""
@@ -204,14 +209,15 @@ class WandbLog:
             import wandb
         except ImportError:
             raise UserError("metrics.enable_wandb needs the wandb package. Fix: pip install wandb, or set "
-                            "--metrics.enable_wandb=false.") from None
+                            f"--metrics.enable_wandb=false{_WITHOUT_WANDB_FLAGS}.") from None
         try:
             self._run = wandb.init(project=project, name=name, id=run_id, resume="allow", mode=mode,
                                    dir=dump_folder, config=config)
         except wandb.Error as exc:  # no API key, no network, a refused project: wandb says which
             raise UserError(f"W&B could not start the run ({type(exc).__name__}: {str(exc).strip().splitlines()[0]}). "
                             f"Fix: `wandb login` (or set WANDB_API_KEY), or --metrics.wandb_mode=offline to log in "
-                            f"the dump folder and `wandb sync` it later, or --metrics.enable_wandb=false.") from None
+                            f"the dump folder and `wandb sync` it later, or --metrics.enable_wandb=false"
+                            f"{_WITHOUT_WANDB_FLAGS}.") from None
         with open(os.path.join(dump_folder, "wandb_run_id"), "w", encoding="utf-8") as fh:
             fh.write(run_id + "\n")
 

@@ -45,7 +45,8 @@ def graph_break_message(exc: BaseException) -> str | None:
         return None
     if isinstance(exc.__cause__, dynamo_errors.ObservedException):  # the traced code raises: not a break
         return (f"torch.compile met an error that a compiled block's own code raises ({exc.__cause__}). Fix: run "
-                f"with --compile.enable=false once to see it raised where it is, and mend what it names")
+                f"with --compile.enable=false (without other --compile.* flags, which compile off refuses) once to "
+                f"see it raised where it is, and mend what it names")
     lines = [line.strip() for line in str(exc).strip().splitlines()]
     reason = lines[0] if lines else type(exc).__name__
     hint = next((line for line in lines if line.startswith("Hint:")), "").rstrip(".")
