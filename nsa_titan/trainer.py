@@ -916,9 +916,13 @@ class Trainer:
         t, ac = self.recipe.training, self.recipe.activation_checkpoint
         fixes = []
         if t.local_batch_size > 1:
-            fixes.append(f"lower training.local_batch_size (now {t.local_batch_size}; keep "
-                         f"--training.global_batch_size={self.global_batch} to keep the tokens per step, in more "
-                         f"micro-batches)")
+            # The global batch must stay a multiple of local x data-parallel size: offer the largest such local size.
+            rows = self.global_batch // self.dp_size
+            lower = max(d for d in range(1, t.local_batch_size) if rows % d == 0)
+            fixes.append(f"lower training.local_batch_size (now {t.local_batch_size}), e.g. "
+                         f"--training.local_batch_size={lower} --training.global_batch_size={self.global_batch} to "
+                         f"keep the tokens per step, in {rows // lower} micro-batches (a local batch size must divide "
+                         f"the {rows} rows a data-parallel rank takes per step)")
         if ac.mode != "full":
             fixes.append(f"set activation_checkpoint.mode = 'full' (now '{ac.mode}')")
         if what.startswith("validation"):

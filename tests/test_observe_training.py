@@ -206,8 +206,27 @@ def test_out_of_memory_is_one_message_naming_the_fix_and_keeps_the_checkpoint(tm
     assert "out of device memory in step 5" in error and "Tried to allocate 12.27 GiB" in error
     assert "PYTORCH_CUDA_ALLOC_CONF" not in error  # no environment variable is the fix
     assert "last complete checkpoint (step 4) is kept" in error
-    assert "lower training.local_batch_size (now 2; keep --training.global_batch_size=2" in error
+    assert "lower training.local_batch_size (now 2), e.g. --training.local_batch_size=1 --training.global_batch_size=2" \
+        in error
     assert complete_steps(str(out / "checkpoint"))[-1] == 4
+
+
+@pytest.mark.parametrize("local, global_batch, dp", [(6, 12, 2), (8, 8, 1), (5, 20, 2)])
+def test_out_of_memory_suggests_a_local_batch_size_the_global_batch_takes(local, global_batch, dp):
+    """'lower training.local_batch_size; keep --training.global_batch_size=G' let a user pick a size G is no
+    multiple of (times the data-parallel size), which the recipe then refused: the fix names one that fits."""
+    from types import SimpleNamespace
+
+    from nsa_titan.trainer import Trainer
+
+    argv = [DEBUG, f"--training.local_batch_size={local}", f"--training.global_batch_size={global_batch}"]
+    trainer = SimpleNamespace(recipe=resolve(argv, world_size=dp).recipe, checkpointer=None, global_batch=global_batch,
+                              dp_size=dp, runtime=SimpleNamespace(rank=0, world_size=dp))
+    message = Trainer._out_of_memory_message(trainer, "step", 3, RuntimeError("CUDA out of memory."))
+    fix = message[message.index("lower training.local_batch_size"):].split("; or ")[0]
+    flags = re.findall(r"--training\.\w+=\d+", fix)
+    suggested = resolve([DEBUG, *flags], world_size=dp).recipe.training  # the values together pass the checks
+    assert suggested.local_batch_size < local and suggested.global_batch_size == global_batch, fix
 
 
 def test_bad_steps_can_be_skipped(tmp_path):
