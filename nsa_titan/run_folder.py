@@ -140,17 +140,28 @@ def recipe_differences(text: str | None, resolved, limit: int = 12) -> list[str]
     [] when the same or text is None or unreadable."""
     if text is None or text.startswith(f"{RESOLVED_HEADER}{resolved.hash}\n"):
         return []
-    return toml_differences(text, resolved.toml, limit)
+    return toml_differences(text, resolved.toml, limit, same=_same_folder)
 
 
-def toml_differences(before_text: str, now_text: str, limit: int = 12) -> list[str]:
-    """Fields whose values differ between two recipes' TOML, as 'field: before -> now' ([] when unreadable)."""
+# Paths read from the directory the run starts in: the same file or folder spelled another way is no change.
+_PATH_FIELDS = ("job.dump_folder", "checkpoint.initial_load_path")
+
+
+def _same_folder(key: str, before: Any, now: Any) -> bool:
+    return (key in _PATH_FIELDS and isinstance(before, str) and isinstance(now, str) and bool(before)
+            and bool(now) and os.path.realpath(before) == os.path.realpath(now))
+
+
+def toml_differences(before_text: str, now_text: str, limit: int = 12, same=None) -> list[str]:
+    """Fields whose values differ between two recipes' TOML, as 'field: before -> now' ([] when unreadable);
+    same(key, before, now): whether two values that differ mean the same all the same."""
     try:
         before, now = flat_fields(tomllib.loads(before_text)), flat_fields(tomllib.loads(now_text))
     except tomllib.TOMLDecodeError:
         return []  # nothing readable to compare with
     changes = [f"{key}: {_short(before.get(key, _UNSET))} -> {_short(now.get(key, _UNSET))}"
-               for key in sorted(before.keys() | now.keys()) if before.get(key, _UNSET) != now.get(key, _UNSET)]
+               for key in sorted(before.keys() | now.keys()) if before.get(key, _UNSET) != now.get(key, _UNSET)
+               and not (same and same(key, before.get(key, _UNSET), now.get(key, _UNSET)))]
     return changes[:limit] + ([f"and {len(changes) - limit} more"] if len(changes) > limit else [])
 
 

@@ -516,3 +516,25 @@ def test_a_list_flag_takes_commas_or_a_toml_list(tmp_path):
     assert paths('["[ab]*.txt"]') == ["[ab]*.txt"]  # a pattern of its own that starts with [, in a TOML list
     # job.plugins, imported before the recipe is read, takes the same forms
     assert resolve([str(tmp_path / "r.toml"), '--job.plugins=["json", "csv"]']).recipe.job.plugins == ["json", "csv"]
+
+
+def test_a_run_folder_spelled_another_way_is_no_recipe_change(tmp_path, monkeypatch):
+    """Trained with --job.dump_folder=$PWD/outputs/debug, exported with the recipe's ./outputs/debug: the same
+    folder was named a change of job.dump_folder. Another folder, or another setting, still is one."""
+    from nsa_titan.run_folder import recipe_changes, write_run_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "debug").mkdir(parents=True)
+    absolute = resolve([os.path.join(REPO_ROOT, "recipes", "debug.toml"),
+                        f"--job.dump_folder={tmp_path}/outputs/debug"])
+    write_run_recipe("outputs/debug", absolute)
+    relative = resolve([os.path.join(REPO_ROOT, "recipes", "debug.toml"), "--job.dump_folder=./outputs/debug"])
+    assert recipe_changes("outputs/debug", relative) == []
+    changed = resolve([os.path.join(REPO_ROOT, "recipes", "debug.toml"), "--job.dump_folder=./outputs/debug",
+                       "--training.steps=7"])
+    assert recipe_changes("outputs/debug", changed) == ["training.steps: 500 -> 7"]
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "outputs" / "debug" / "recipe.toml").rename(tmp_path / "moved" / "recipe.toml")
+    moved = resolve([os.path.join(REPO_ROOT, "recipes", "debug.toml"), "--job.dump_folder=moved"])
+    [change] = recipe_changes("moved", moved)  # a long path is cut short
+    assert change.startswith(f"job.dump_folder: '{str(tmp_path)[:20]}") and change.endswith(" -> 'moved'"), change
