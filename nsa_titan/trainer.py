@@ -37,7 +37,7 @@ from nsa_titan.observe.metrics_log import METRICS_FILE, MetricsLog, TensorBoardL
 from nsa_titan.observe.mfu import mfu_percent, peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
-from nsa_titan.observe.telemetry_log import telemetry_line, telemetry_records
+from nsa_titan.observe.telemetry_log import PREFIX as TELEMETRY_PREFIX, telemetry_line, telemetry_records
 from nsa_titan.observe.step_profiler import StepProfiler
 from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -721,9 +721,9 @@ class Trainer:
                 stats = self.model_part.telemetry(self.model, probe.inputs, *(() if documents is None else (documents,)))
         return telemetry_records(stats)
 
-    def attention_figures(self, step: int) -> None:
-        """The plot command's pictures of the probe's first document (row 0), into TensorBoard. Every rank
-        runs the walk (a sharded model gathers for it); rank 0 draws."""
+    def attention_figures(self) -> dict:
+        """The plot command's pictures of the probe's first document (row 0), for TensorBoard. Every rank
+        runs the walk (a sharded model gathers for it); rank 0 draws ({} elsewhere)."""
         from nsa_titan.observe.plots import attention_figures
 
         probe = self._fixed_probe()
@@ -739,8 +739,17 @@ class Trainer:
                         for i, m in maps.items()}
             else:
                 maps = self.model_part.attention_maps(self.model, probe.inputs[:1, :end])
-        if self.tensorboard is not None and maps:
-            self.tensorboard.write_figures(step, attention_figures(maps, end))
+        return attention_figures(maps, end) if self.runtime.is_main and maps else {}
+
+    def _telemetry_now(self) -> tuple[dict[str, float], dict]:
+        """The telemetry records of the weights now, and their attention pictures when TensorBoard draws them."""
+        return self.telemetry(), self.attention_figures() if self._draw_attention else {}
+
+    def _log_telemetry(self, step: int, records: dict[str, float], figures: dict) -> None:
+        self._say(telemetry_line(step, records))
+        self._log({"step": step, **records}, console=False)
+        if figures and self.tensorboard is not None:
+            self.tensorboard.write_figures(step, figures)
 
     # -- the loop --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -770,6 +779,25 @@ class Trainer:
             return None
         with self._memory_fault("validation after step", step):
             return {"step": step, **self.validate()}
+
+    def _missed_telemetry(self) -> tuple[int, dict[str, float], dict] | None:
+        """The telemetry due at the resumed step, when the run that saved it stopped before logging it (in the
+        save or the validation after it): taken now, on the weights it was due for, and logged once this run has
+        begun, as _missed_validation's loss is."""
+        step, freq = self.state.step, self.recipe.metrics.telemetry_freq
+        if step == 0 or not freq or step % freq:
+            return None
+        logged = has_record(os.path.join(self.recipe.job.dump_folder, METRICS_FILE), step, TELEMETRY_PREFIX,
+                            prefix=True)
+        if any_rank(logged, self.runtime.device):  # agreed: telemetry walks the model on every rank
+            return None
+        return (step, *self._telemetry_now())
+
+    def _log_missed_telemetry(self, step: int, records: dict[str, float], figures: dict) -> None:
+        """Log what _missed_telemetry took, unless the records _begin brought back hold it already (as for
+        validation); every rank calls it, rank 0 logs."""
+        if not (self.runtime.is_main and has_record(self.metrics.path, step, TELEMETRY_PREFIX, prefix=True)):
+            self._log_telemetry(step, records, figures)
 
     def _log_missed_validation(self, record: dict) -> None:
         """Log the validation _missed_validation computed, unless the records _begin brought back from a set-aside
@@ -967,10 +995,14 @@ class Trainer:
                                  on_timeout_message=lambda stall: f"rank {rank}: {describe_stall(stall)}",
                                  start_step=state.step)
         missed = self._missed_validation()
+        missed_telemetry = self._missed_telemetry()
         if state.step >= t.steps:
-            if missed is not None:  # the run ended between its last save and the validation after it
+            if missed is not None or missed_telemetry is not None:  # the run ended between its last save and them
                 self._begin()
+            if missed is not None:
                 self._log_missed_validation(missed)
+            if missed_telemetry is not None:
+                self._log_missed_telemetry(*missed_telemetry)
             past = (f" (it is at step {state.step}; --checkpoint.load_step=N resumes an earlier checkpoint)"
                     if state.step > t.steps else "")
             self._say(f"nothing to do: the run already reached training.steps = {t.steps}{past}. Fix: raise "
@@ -1027,6 +1059,9 @@ class Trainer:
                 if missed is not None:
                     self._log_missed_validation(missed)
                     missed = None
+                if missed_telemetry is not None:
+                    self._log_missed_telemetry(*missed_telemetry)
+                    missed_telemetry = None
             state.step += 1
             phase = time.perf_counter()
             self.profiler.after_step(state.step)
@@ -1083,11 +1118,7 @@ class Trainer:
                 elif saving:
                     self._save(run_start, wait=True)
             if recipe.metrics.telemetry_freq and state.step % recipe.metrics.telemetry_freq == 0:
-                records = self.telemetry()
-                self._say(telemetry_line(state.step, records))
-                self._log({"step": state.step, **records}, console=False)
-                if self._draw_attention:
-                    self.attention_figures(state.step)
+                self._log_telemetry(state.step, *self._telemetry_now())
             aside_s += time.perf_counter() - phase
             if stopping:
                 self._say(f"stopping after step {state.step} ({self.stop.reason})"

@@ -933,6 +933,35 @@ def test_a_validation_lost_between_a_save_and_its_logging_is_made_up_on_resume(t
     assert [s for s, _ in validated(cut)] == [2, 4, 6]
 
 
+def test_telemetry_lost_between_a_save_and_its_logging_is_made_up_on_resume(tmp_path, monkeypatch):
+    """A kill in a save or in the validation after it also costs the telemetry due at that step (taken after the
+    validation): the resume takes it on the saved weights and logs it once, with the uninterrupted run's values;
+    after the last step's save too, where the same command has no step to take."""
+    from nsa_titan.trainer import Trainer
+
+    argv = [*BASE, "--training.steps=6", "--checkpoint.interval=2", "--validation.enable=true",
+            "--validation.freq=2", "--validation.steps=2", "--metrics.telemetry_freq=2"]
+    assert cli.main(["train", *argv, f"--job.dump_folder={tmp_path / 'straight'}"]) == 0
+    validate = Trainer.validate
+
+    def telemetry(folder):
+        return [r for r in json_records(folder) if any(key.startswith("telemetry/") for key in r)]
+
+    for step in (4, 6):
+        def validate_or_stop(self):
+            if self.state.step == step:
+                raise KeyboardInterrupt  # after the step's save, as a kill there would be
+            return validate(self)
+
+        cut = tmp_path / f"cut-{step}"
+        monkeypatch.setattr(Trainer, "validate", validate_or_stop)
+        assert cli.main(["train", *argv, f"--job.dump_folder={cut}"]) == 130
+        monkeypatch.setattr(Trainer, "validate", validate)
+        assert cli.main(["train", *argv, f"--job.dump_folder={cut}"]) == 0
+        assert telemetry(cut) == telemetry(tmp_path / "straight")
+        assert [r["step"] for r in telemetry(cut)] == [2, 4, 6]
+
+
 def test_resuming_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys):
     """Newer complete checkpoints are kept aside; a newer save cut short (a kill in a save) holds nothing to
     go back to and is removed, unless something else lies in its folder."""

@@ -72,13 +72,14 @@ def _step_of(line: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def has_record(path: str, step: int, key: str) -> bool:
-    """Whether the JSON-lines file `path` holds a whole record of `step` with `key` (False without the file)."""
+def has_record(path: str, step: int, key: str, prefix: bool = False) -> bool:
+    """Whether the JSON-lines file `path` holds a whole record of `step` with `key` (prefix: with a key that begins
+    with it) (False without the file)."""
     if not os.path.isfile(path):
         return False
     with open(path, encoding="utf-8") as fh:
         for line in fh:
-            if _step_of(line) == step and key in json.loads(line):
+            if _step_of(line) == step and any(k == key or prefix and k.startswith(key) for k in json.loads(line)):
                 return True
     return False
 
