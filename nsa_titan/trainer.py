@@ -229,6 +229,9 @@ class Trainer:
         self.state.extra["tensorboard_folder"] = metrics.save_tb_folder if metrics.enable_tensorboard else ""
         self._applied_lr: float | None = None  # the learning rate of the last step taken, which a save records
         self._data_restarted = False  # whether a resume started the recipe's data afresh (data_mismatch = restart)
+        # The generator a model's own randomness (dropout) draws from: seeded, so the run repeats; a resume restores
+        # the checkpoint's state over it.
+        torch.manual_seed(recipe.job.seed)
         self._restore()
         # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
         # replaced) waits for this run's first step to succeed (_begin): a start that fails, at start-up or

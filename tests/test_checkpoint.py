@@ -933,6 +933,27 @@ def test_a_validation_lost_between_a_save_and_its_logging_is_made_up_on_resume(t
     assert [s for s, _ in validated(cut)] == [2, 4, 6]
 
 
+def test_a_model_drawing_random_numbers_trains_the_same_curve_straight_and_resumed(tmp_path, capsys, monkeypatch):
+    """A forward that draws from torch's global generator (a plugin model's dropout) repeats its run and resumes
+    it to the bit: the run seeds the generator from job.seed, a checkpoint restores it, and loading data draws
+    nothing from it (a loader's iterator took its seed from it, so a resume drew once more than the straight run)."""
+    from nsa_titan import trainer
+
+    cross_entropy = trainer.token_cross_entropy_sum
+    monkeypatch.setattr(trainer, "token_cross_entropy_sum", lambda logits, targets: cross_entropy(
+        torch.nn.functional.dropout(logits, 0.5, training=torch.is_grad_enabled()), targets))
+    argv = [*BASE, "--checkpoint.interval=2", "--data.num_workers=1", "--metrics.telemetry_freq=2",
+            "--validation.enable=true", "--validation.freq=2", "--validation.steps=1"]
+    for name in ("straight", "again"):
+        assert cli.main(["train", *argv, "--training.steps=4", f"--job.dump_folder={tmp_path / name}"]) == 0
+    assert cli.main(["train", *argv, "--training.steps=2", f"--job.dump_folder={tmp_path / 'resumed'}"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=4", f"--job.dump_folder={tmp_path / 'resumed'}"]) == 0
+    assert_resumed_at(capsys.readouterr().out, tmp_path / "resumed", 2)
+    assert losses(tmp_path / "again") == losses(tmp_path / "straight")
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+
 def test_telemetry_lost_between_a_save_and_its_logging_is_made_up_on_resume(tmp_path, monkeypatch):
     """A kill in a save or in the validation after it also costs the telemetry due at that step (taken after the
     validation): the resume takes it on the saved weights and logs it once, with the uninterrupted run's values;

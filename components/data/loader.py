@@ -201,6 +201,9 @@ def build_dataloader(
             persistent_workers=num_workers > 0 and quotas is None,
             snapshot_every_n_steps=1,
             worker_init_fn=_leave_process_group if num_workers > 0 else None,
+            # Each iterator's seed for its workers comes from here, not from torch's global generator, which a
+            # model's own randomness (dropout) draws from and a checkpoint restores: reading data draws none of it.
+            generator=torch.Generator().manual_seed(seed),
         )
 
 

@@ -20,7 +20,8 @@ class JobConfig:
     description: str = f("", "Free text describing the run.")
     dump_folder: str = f("./outputs/debug", "Folder for this run's recipe, metrics, checkpoints and logs. Unset in "
                                             "the recipe itself: ./outputs/<job.name>.")
-    seed: int = f(0, "Seed for model init, data order and dropout-free training randomness.", ge=0)
+    seed: int = f(0, "Seed for model init, data order and torch's global generator (a model's dropout; a checkpoint "
+                     "restores its state).", ge=0)
     plugins: list[str] = f([], "Python modules imported before the recipe is checked; they may register parts.")
 
 
