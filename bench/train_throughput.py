@@ -36,7 +36,7 @@ from bench import environment
 from bench.arguments import VOCAB_SIZE_RANGE, non_negative_int, positive_int, recipe_problems, refuse_overrides
 from bench.arguments import vocab_size as vocab_size_type
 from bench.environment import describe_environment, write_report
-from nsa_titan.trainer import OUT_OF_MEMORY_EXIT, TrainingFault
+from nsa_titan.training_faults import OUT_OF_MEMORY_EXIT, TrainingFault
 
 DEFAULT_RECIPES = ["nsa_125m.toml", "dense_125m.toml"]  # the checkout's recipes/
 

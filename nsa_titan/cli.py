@@ -102,7 +102,7 @@ def train(argv: list[str]) -> int:
     from nsa_titan.trainer import Trainer
 
     from nsa_titan.parallel.distributed import PEER_LOST_EXIT_CODE, barrier, destroy_process_group, lost_a_peer
-    from nsa_titan.trainer import TrainingFault
+    from nsa_titan.training_faults import TrainingFault
 
     recipe = resolved.recipe
     runtime = make_runtime(recipe.training.device, recipe.training.dtype)

@@ -51,9 +51,10 @@ from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields
                                   toml_differences, write_run_recipe)
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
+from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, is_allocation_failure,
+                                       model_too_large_message, nan_fixes, out_of_memory_message, worker_lost_message)
 from nsa_titan.weight_source import changes_note, step_field_changes
 
-OUT_OF_MEMORY_EXIT = 4
 # Validation batches kept in host memory between evaluations when they fit (2 int32 tensors and a bool
 # one per batch).
 VALIDATION_CACHE_BYTES = 1 << 30
@@ -74,23 +75,6 @@ def _require_matplotlib() -> None:
         raise UserError("TensorBoard gets the telemetry steps' attention pictures, drawn with matplotlib, which is "
                         f"not installed. Fix: {install_extra('plots')}, or set --metrics.telemetry_freq=0 or "
                         "--metrics.enable_tensorboard=false.") from None
-
-
-def _is_allocation_failure(exc: BaseException) -> bool:
-    """An allocator that could not give the memory asked for: CUDA's (OutOfMemoryError) or the host's,
-    which raises a plain RuntimeError."""
-    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
-
-
-class TrainingFault(Exception):
-    """The run cannot go on (e.g. NaN losses); the message says why, the last checkpoint is kept.
-    `every_rank`: every rank raised it at the same point (an agreed decision), so they can still meet;
-    otherwise this rank alone failed (out of memory) and the others wait in a collective."""
-
-    def __init__(self, message: str, exit_code: int, every_rank: bool):
-        super().__init__(message)
-        self.exit_code = exit_code
-        self.every_rank = every_rank
 
 
 class Trainer:
@@ -312,20 +296,10 @@ class Trainer:
             assemble.materialize(self.model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
                                  distributed=self.mesh is not None)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if not _is_allocation_failure(exc):
+            if not is_allocation_failure(exc):
                 raise
-            raise TrainingFault(self._model_too_large_message(runtime.device), OUT_OF_MEMORY_EXIT,
-                                every_rank=False) from None
-
-    def _model_too_large_message(self, device: torch.device) -> str:
-        """The model's parameters and buffers did not fit where they were made: their size, and the fixes."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        gib = sum(t.numel() * t.element_size() for t in tensors) / 2**30
-        shards = "" if self.mesh is None else f" (before sharding over {self.mesh.size()} ranks)"
-        return (f"the model does not fit in {device.type} memory: {self.num_params:,} parameters, {gib:,.1f} GiB of "
-                f"parameters and buffers{shards}, before any activation or optimizer state. Fix: check the model's "
-                f"sizes in the recipe (model.dim, model.n_layers, model.max_seq_len, ...), or shard over more devices. "
-                f"`nsa-titan doctor RECIPE` estimates the memory per device.")
+            raise TrainingFault(model_too_large_message(self.model, self.num_params, self.mesh, runtime.device),
+                                OUT_OF_MEMORY_EXIT, every_rank=False) from None
 
     def _loader(self, split: str, shard_states: dict | None = None):
         """This rank's loader of one split, at the recipe's batch size (shard_states: continue from those)."""
@@ -762,7 +736,8 @@ class Trainer:
         try:
             yield
         except torch.OutOfMemoryError as exc:
-            raise TrainingFault(self._out_of_memory_message(what, step, exc), OUT_OF_MEMORY_EXIT,
+            raise TrainingFault(out_of_memory_message(what, step, exc, self.recipe, self.runtime, self.checkpointer,
+                                                      self.global_batch, self.dp_size), OUT_OF_MEMORY_EXIT,
                                 every_rank=False) from None
 
     def _validation_due(self, step: int) -> bool:
@@ -807,38 +782,6 @@ class Trainer:
         file (after a run without checkpoints in this folder) hold it already."""
         if self.runtime.is_main and not has_record(self.metrics.path, record["step"], "val_loss"):
             self._log(record)
-
-    def _worker_lost_message(self, text: str, ended_by: str | None) -> str:
-        """A data loader worker process that died (`ended_by`: the signal that ended it, if one did): what it
-        cost and the way on, not the loader's traceback. The loader's place may be past the step the model
-        reached, so nothing is saved: the last checkpoint is this run's way on."""
-        how = " ".join(text.split()).rstrip(".")
-        killed = ended_by == "SIGKILL"
-        if ended_by is not None:
-            how += f"; ended by {ended_by}" + (", most often the host's out-of-memory killer" if killed else "")
-        fix = ("lower data.num_workers or data.prefetch_factor (each worker holds its own read-ahead), or give "
-               "the job more host memory" if killed else
-               "the worker's own error, if it printed one, is above; data.num_workers = 0 reads in the training "
-               "process")
-        return (f"rank {self.runtime.rank}: a data loader worker died after step {self.state.step} ({how}); "
-                f"{self._way_on()}. Fix: {fix}.")
-
-    def _nan_fixes(self) -> list[str]:
-        """What the run's settings leave to change after a NaN/Inf stop: no learning-rate advice before any
-        update was applied (the weights and data gave it), no clipping advice when clipping is on, no
-        float32 advice when the run computes in float32."""
-        applied = self.state.step - self.nan_guard.total_bad  # updates made, resumed steps included
-        start = self.recipe.checkpoint.initial_load_path
-        origin = f"checkpoint.initial_load_path = {start!r}" if start else "model.init_std"
-        fixes = (["lower optimizer.lr or raise lr_scheduler.warmup_steps"] if applied > 0 else
-                 [f"look at the weights it started from ({origin}) and the first batches' data: no update was applied "
-                  f"before it, so the learning rate is not the cause"])
-        if self.recipe.training.max_norm == 0:
-            fixes.append("set training.max_norm > 0 to clip gradients")
-        if self.runtime.autocast_dtype is not None:
-            fixes.append("train in float32 (training.dtype = 'float32') to rule out overflow in "
-                         f"{str(self.runtime.autocast_dtype).removeprefix('torch.')}")
-        return fixes + ["raise fault.max_bad_steps to ride out isolated spikes"]
 
     def _say_schedule_jump(self, saved_next: float, applied: float | None, saved_peak: float, step: int) -> None:
         """A resume whose schedule changed (training.steps extended, say) goes on at the new schedule's rate,
@@ -935,33 +878,6 @@ class Trainer:
                   f"of {saved['seq_len']} in the run that saved step {step}: validation losses from here are over "
                   f"another set than the earlier ones. {keep}")
 
-    def _out_of_memory_message(self, what: str, step: int, exc: BaseException) -> str:
-        allocator = " ".join(str(exc).split()).split(" If reserved but unallocated")[0].split(" See documentation")[0]
-        if self.checkpointer is None or not self.recipe.checkpoint.enable:
-            kept = "Checkpointing is off: there is nothing to resume from."
-        else:
-            if self.runtime.world_size == 1:  # a background save written before the fault completes
-                self.checkpointer.finish_pending()  # (with more ranks, the others may be stuck in a collective)
-            done = complete_steps(self.checkpointer.folder)
-            kept = f"The last complete checkpoint (step {done[-1]}) is kept." if done else "No checkpoint was written yet."
-        t, ac = self.recipe.training, self.recipe.activation_checkpoint
-        fixes = []
-        if t.local_batch_size > 1:
-            # The global batch must stay a multiple of local x data-parallel size: offer the largest such local size.
-            rows = self.global_batch // self.dp_size
-            lower = max(d for d in range(1, t.local_batch_size) if rows % d == 0)
-            fixes.append(f"lower training.local_batch_size (now {t.local_batch_size}), e.g. "
-                         f"--training.local_batch_size={lower} --training.global_batch_size={self.global_batch} to "
-                         f"keep the tokens per step, in {rows // lower} micro-batches (a local batch size must divide "
-                         f"the {rows} rows a data-parallel rank takes per step)")
-        if ac.mode != "full":
-            fixes.append(f"set activation_checkpoint.mode = 'full' (now '{ac.mode}')")
-        if what.startswith("validation"):
-            fixes.append("set validation.enable = false (validation runs the training batch shape)")
-        fixes += ["shard over more GPUs", f"shorten training.seq_len (now {t.seq_len})"]
-        return (f"rank {self.runtime.rank}: out of device memory in {what} {step} ({allocator.rstrip('.')}). {kept} "
-                f"Fix: {'; or '.join(fixes)}. `nsa-titan doctor RECIPE` estimates the memory per device.")
-
     def run(self) -> None:
         """Train to training.steps (or a stop request). A loader worker's death reaches this process as a
         RuntimeError wherever it happens to be (torch's SIGCHLD handler raises it): a step, a save, a
@@ -979,7 +895,8 @@ class Trainer:
             if not died:
                 raise
             ended_by = signal_that_ended(exc, self.train_loader)
-            raise TrainingFault(self._worker_lost_message(str(exc), ended_by),
+            raise TrainingFault(worker_lost_message(str(exc), ended_by, self.runtime.rank, self.state.step,
+                                                    self._way_on()),
                                 OUT_OF_MEMORY_EXIT if ended_by == "SIGKILL" else 1, every_rank=False) from None
 
     def _train(self) -> None:
@@ -1077,7 +994,8 @@ class Trainer:
             if decision == STOP:
                 if self.checkpointer is not None:  # a background save of a good step completes first; every
                     self.checkpointer.finish_pending()  # rank stops here (the guard's answer is agreed)
-                raise TrainingFault(self.nan_guard.stop_message(state.step, self._way_on(), self._nan_fixes()),
+                fixes = nan_fixes(recipe, self.runtime, state.step, self.nan_guard.total_bad)
+                raise TrainingFault(self.nan_guard.stop_message(state.step, self._way_on(), fixes),
                                     NUMERICAL_FAULT_EXIT,
                                     every_rank=True)
             if decision == SKIP and self.runtime.is_main:

@@ -20,7 +20,8 @@ from nsa_titan import cli
 from nsa_titan.checkpoint import complete_steps
 from nsa_titan.config import resolve
 from nsa_titan.observe.watchdog import HANG_EXIT_CODE
-from nsa_titan.trainer import NUMERICAL_FAULT_EXIT, OUT_OF_MEMORY_EXIT
+from nsa_titan.trainer import NUMERICAL_FAULT_EXIT
+from nsa_titan.training_faults import OUT_OF_MEMORY_EXIT
 from tests.launch import DEBUG, TINY, assert_resumed_at, finish, metrics, start_training, train
 
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2"]
@@ -217,12 +218,11 @@ def test_out_of_memory_suggests_a_local_batch_size_the_global_batch_takes(local,
     multiple of (times the data-parallel size), which the recipe then refused: the fix names one that fits."""
     from types import SimpleNamespace
 
-    from nsa_titan.trainer import Trainer
+    from nsa_titan.training_faults import out_of_memory_message
 
     argv = [DEBUG, f"--training.local_batch_size={local}", f"--training.global_batch_size={global_batch}"]
-    trainer = SimpleNamespace(recipe=resolve(argv, world_size=dp).recipe, checkpointer=None, global_batch=global_batch,
-                              dp_size=dp, runtime=SimpleNamespace(rank=0, world_size=dp))
-    message = Trainer._out_of_memory_message(trainer, "step", 3, RuntimeError("CUDA out of memory."))
+    message = out_of_memory_message("step", 3, RuntimeError("CUDA out of memory."), resolve(argv, world_size=dp).recipe,
+                                    SimpleNamespace(rank=0, world_size=dp), None, global_batch, dp)
     fix = message[message.index("lower training.local_batch_size"):].split("; or ")[0]
     flags = re.findall(r"--training\.\w+=\d+", fix)
     suggested = resolve([DEBUG, *flags], world_size=dp).recipe.training  # the values together pass the checks
