@@ -22,8 +22,7 @@ from components.sequence_shard import SequenceShard
 from components.data import (death_hidden_in, restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
                              worker_died)
 from nsa_titan import assemble, held_out, registry
-from nsa_titan.checkpoint import (Checkpointer, RunState, check_weights_path, complete_steps, run_branches,
-                                  weights_step_dir)
+from nsa_titan.checkpoint import Checkpointer, RunState, check_weights_path, run_branches
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.config.toml_io import tomllib
@@ -47,13 +46,15 @@ from nsa_titan.parallel.distributed import (NUMERICAL_FAULT_EXIT, all_reduce_mea
                                             describe_data_parallel, init_process_group)
 from nsa_titan.parallel.grad_clip import clip_grad_norm
 from nsa_titan.parallel.start_agreement import refuse_other_recipes, refuse_unshared_folder
+from nsa_titan.resume_notes import (say_checkpoints_left_alone, say_data_order_change, say_derived_batch_change,
+                                    say_held_out_change, say_other_checkpoint_folders, say_schedule_jump,
+                                    say_weight_source_changes, way_on, weight_source_changes)
 from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, recipe_change_note,
                                   toml_differences, write_run_recipe)
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, is_allocation_failure,
                                        model_too_large_message, nan_fixes, out_of_memory_message, worker_lost_message)
-from nsa_titan.weight_source import changes_note, step_field_changes
 
 # Validation batches kept in host memory between evaluations when they fit (2 int32 tensors and a bool
 # one per batch).
@@ -325,16 +326,16 @@ class Trainer:
         """Resume from the newest complete checkpoint (or checkpoint.load_step), else initial weights."""
         ckpt = self.recipe.checkpoint
         if not ckpt.enable:
-            self._say_checkpoints_left_alone()
+            say_checkpoints_left_alone(self.recipe, self._say)
         if self.checkpointer is None:
             return
         branches = run_branches(self.resolved)
         step = self.checkpointer.agree_resume_step(ckpt.load_step, branches) if ckpt.enable else None
         if ckpt.enable and step is None:
-            self._say_other_checkpoint_folders()
+            say_other_checkpoint_folders(self.recipe, self._say)
         if step is not None:
             # Refused before anything loads; the changes allowed are named by the recipe-change note below.
-            self._weight_source_changes(self.checkpointer.step_dir(step), resumed=True)
+            weight_source_changes(self.recipe, self.resolved, self._say, self.checkpointer.step_dir(step), resumed=True)
             restart = self._restart_data if ckpt.data_mismatch == "restart" else None
             try:
                 record = self.checkpointer.load(self.state, step, data_layout=self._data_layout(),
@@ -368,10 +369,10 @@ class Trainer:
                                                      "kept (recipe.toml); the new values apply from here")
             if note:
                 self._say(note)
-            self._say_derived_batch_change(record, step)
-            self._say_data_order_change(record, step)
-            self._say_held_out_change(record, step)
-            self._say_schedule_jump(*saved_rates, step)
+            say_derived_batch_change(self.recipe, self._say, record, step, self.global_batch, self.dp_size)
+            say_data_order_change(self._say, record, step, self._data_layout(), self._data_restarted)
+            say_held_out_change(self.recipe, self._say, record, step)
+            say_schedule_jump(self.recipe, self._say, self.optimizer, *saved_rates, step)
             if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only
                 self._say(f"checkpoint.initial_load_path = {ckpt.initial_load_path!r} is not used: this run resumes "
                           f"its own checkpoint (a new --job.dump_folder starts from those weights)")
@@ -379,69 +380,14 @@ class Trainer:
             changes = load_hf_weights(self.model, ckpt.initial_load_path, self.recipe.model.name,
                                       self.recipe.model.args, self.tokenizer.vocab_size)
             self._say(f"initial weights from the Hugging Face folder {ckpt.initial_load_path}")
-            self._say_weight_source_changes(changes)
+            say_weight_source_changes(self._say, changes)
         elif ckpt.initial_load_path:
             check_weights_path(ckpt.initial_load_path)  # a path that names no step has no model fields to compare
-            changes = self._weight_source_changes(ckpt.initial_load_path)  # refused before anything loads
+            # refused before anything loads
+            changes = weight_source_changes(self.recipe, self.resolved, self._say, ckpt.initial_load_path)
             self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
             self._say(f"initial weights from {ckpt.initial_load_path}")
-            self._say_weight_source_changes(changes)
-
-    def _say_checkpoints_left_alone(self) -> None:
-        """checkpoint.enable = false in a folder holding a run's checkpoints: this run starts at step 0 and does
-        not resume them, which a rerun of a run with its checkpointing switched off might not expect."""
-        folder = os.path.join(self.recipe.job.dump_folder, self.recipe.checkpoint.folder)
-        steps = complete_steps(folder)
-        if steps:
-            self._say(f"note: checkpoint.enable is false, so this run starts at step 0: it neither resumes nor "
-                      f"replaces the checkpoints in {folder} (the newest: step {steps[-1]}). To go on from them, "
-                      f"add --checkpoint.enable=true")
-
-    def _say_other_checkpoint_folders(self) -> None:
-        """A first start beside another folder of the run folder holding complete checkpoints (checkpoint.folder
-        changed since they were saved): they are not resumed, which the same command with the earlier name would."""
-        dump, own = self.recipe.job.dump_folder, os.path.normpath(self.recipe.checkpoint.folder)
-        for name in sorted(os.listdir(dump)) if os.path.isdir(dump) else ():
-            try:
-                steps = complete_steps(os.path.join(dump, name)) if name != own else []
-            except (OSError, UserError):  # a folder this user cannot read (a volume's lost+found): no run's
-                continue
-            if steps:
-                self._say(f"note: this run starts at step 0: {os.path.join(dump, own)} holds no checkpoint, while "
-                          f"{os.path.join(dump, name)} holds this run folder's checkpoints (the newest: step "
-                          f"{steps[-1]}). To go on from them, add --checkpoint.folder={name}")
-
-    def _way_on(self) -> str:
-        """What a rerun of the same command starts from, for a run that stops on a fault: the step its
-        resume would pick (checkpoint.load_step and branches included), found without a word said."""
-        if not self.recipe.checkpoint.enable:
-            return "checkpoint.enable is false, so the same command starts the run over"
-        try:
-            step = self.checkpointer.find_resume_step(self.recipe.checkpoint.load_step, run_branches(self.resolved),
-                                                      quiet=True)
-        except UserError as exc:
-            return f"the same command would not resume: {exc}"
-        if step is None:
-            return "no checkpoint was saved yet, so the same command starts the run over"
-        way = f"the same command then resumes from {self.checkpointer.step_dir(step)}"
-        good = self.checkpointer.newest_good_step() if self.nan_guard.consecutive_bad else None
-        if good is not None and good < step:  # the resumed step ends skipped steps
-            way += (f" (past the skipped steps' batches; its weights are those of the last good step); "
-                    f"--checkpoint.load_step={good} goes back to step {good}, the newest checkpoint of a good step")
-        return way
-
-    def _weight_source_changes(self, path: str, resumed: bool = False) -> list[str]:
-        """The model fields in which this run differs from the one that trained the step folder at `path` (a
-        resumed step's run folder is this run's); UserError for one that would change the weights' meaning."""
-        run = self.recipe.job.dump_folder if resumed else None
-        return step_field_changes(weights_step_dir(path), run, self.resolved.toml,
-                                  registry.get("model", self.recipe.model.name).args, path, self._say,
-                                  "resume" if resumed else "initial")
-
-    def _say_weight_source_changes(self, changes: list[str]) -> None:
-        note = changes_note(changes)
-        if note:
-            self._say(note)
+            say_weight_source_changes(self._say, changes)
 
     def _begin(self) -> None:
         """Once the first step has succeeded, on every rank: set aside what an older-step resume leaves
@@ -783,101 +729,6 @@ class Trainer:
         if self.runtime.is_main and not has_record(self.metrics.path, record["step"], "val_loss"):
             self._log(record)
 
-    def _say_schedule_jump(self, saved_next: float, applied: float | None, saved_peak: float, step: int) -> None:
-        """A resume whose schedule changed (training.steps extended, say) goes on at the new schedule's rate,
-        which the recipe-change note alone does not show. Said when the schedule's shape jumps (its share of the
-        peak leaves the span between the share the saved run stepped at, `applied`, and the one it would have
-        gone on at) and the rate does too: a run extended in its stable stretch (warmup-stable-decay) goes on
-        without a word, as does one whose peak (optimizer.lr) alone changed, which the recipe note names."""
-        now, peak = self.optimizer.param_groups[0]["lr"], self.recipe.optimizer.lr
-        rates = [saved_next] + ([applied] if applied is not None else [])  # None: saved before it was recorded
-        shares = [rate / saved_peak for rate in rates]
-
-        def within(value: float, span: list[float]) -> bool:
-            return min(span) * (1 - 1e-3) <= value <= max(span) * (1 + 1e-3)
-
-        if within(now / peak, shares) or within(now, rates) or step >= self.recipe.training.steps:
-            return  # no jump, or no step to take at it
-        rises = now > max(rates)
-        before = (f"stepped at {applied:.3g} at step {step} and would have gone on at {saved_next:.3g}"
-                  if applied is not None else f"would have gone on at {saved_next:.3g}")
-        advice = (". To extend a run without raising its learning rate again, resume from a checkpoint before "
-                  "its decay began (checkpoint.load_step; lr_scheduler.decay_steps keeps the rate at its peak until "
-                  "the last decay_steps steps)") if rises else ""
-        self._say(f"note: the learning rate {'rises' if rises else 'falls'} at step {step + 1} to {now:.3g} "
-                  f"({100 * now / peak:.3g}% of optimizer.lr = {peak:g}), where this recipe's schedule has it "
-                  f"(lr_scheduler and training.steps); the run that saved step {step} {before}{advice}")
-
-    def _say_derived_batch_change(self, record: dict, step: int) -> None:
-        """training.global_batch_size = -1 follows the world size: a resume on another number of processes
-        changes the batch the optimizer steps on, which no recipe field shows (an explicit size is kept, and
-        a changed one is in the recipe-change note)."""
-        saved = record.get("global_batch_size")  # absent from checkpoints written before it was kept
-        if self.recipe.training.global_batch_size != -1 or saved is None or saved == self.global_batch:
-            return
-        local = self.recipe.training.local_batch_size
-        if saved % (local * self.dp_size) == 0:
-            keep = f"To keep {saved}, resume with --training.global_batch_size={saved}."
-        elif saved % self.dp_size == 0:
-            keep = (f"To keep {saved}, resume with --training.global_batch_size={saved} "
-                    f"--training.local_batch_size={saved // self.dp_size}.")
-        else:
-            keep = f"{saved} sequences do not divide among {self.dp_size} data-parallel ranks, so it cannot be kept here."
-        self._say(f"the global batch is {self.global_batch} sequences a step here and was {saved} in the run that "
-                  f"saved step {step} ({record['world_size']} process(es)): training.global_batch_size = -1 follows "
-                  f"the world size. {keep}")
-
-    def _say_data_order_change(self, record: dict, step: int) -> None:
-        """A resume at another data layout continues every logical shard where it stopped, but a loader with two or
-        more workers takes each batch from one worker's shards: another worker count (or, with workers, another
-        data-parallel size) draws other rows into each step than the saved run would have. Fewer than two workers
-        give the same batches at every data-parallel size (a fixed global batch), so nothing is said there."""
-        saved, here = record.get("data_layout"), self._data_layout()
-        if not isinstance(saved, dict) or self._data_restarted:
-            return
-
-        def order(layout: dict):
-            workers = layout.get("num_workers", 0)
-            return None if workers < 2 else (layout.get("world_size"), workers)
-
-        if order(saved) == order(here):
-            return
-        keep = f"--data.num_workers={saved.get('num_workers')}"
-        if order(saved) is not None and saved.get("world_size") != here["world_size"]:
-            keep += f" on {saved.get('world_size')} data-parallel rank(s)"
-        self._say(f"note: the batches come in another order from here than the run that saved step {step} would have "
-                  f"drawn them: it read with data.num_workers = {saved.get('num_workers')} on "
-                  f"{saved.get('world_size')} data-parallel rank(s), this run with {here['num_workers']} on "
-                  f"{here['world_size']} (with 2 or more loader workers each batch comes from one worker's logical "
-                  f"shards). Every shard continues where it stopped, no document repeated or skipped. To continue "
-                  f"exactly, resume with {keep}.")
-
-    def _say_held_out_change(self, record: dict, step: int) -> None:
-        """A resume whose held-out set has another size validates on other rows: its losses do not continue the
-        curve. With training.global_batch_size = -1 the set follows local_batch_size, which a scale-out (1 x 8 to
-        4 x 2 sequences) changes without a validation field changing; a new training.seq_len (a context
-        extension) changes every row."""
-        saved = record.get("held_out_set")  # absent where the saving run did not validate, or kept no record
-        if not self.recipe.validation.enable or saved is None:
-            return
-        t = self.recipe.training
-        rows = held_out.held_out_rows(self.recipe)
-        if (rows, t.seq_len) == (saved["rows"], saved["seq_len"]):
-            return
-        per_step = held_out.rows_per_batch(self.recipe)
-        why = ("validation.steps x training.local_batch_size, as training.global_batch_size = -1"
-               if t.global_batch_size == -1 else "validation.steps x training.global_batch_size")
-        if t.seq_len != saved["seq_len"]:
-            keep = "Its rows follow training.seq_len, so the set cannot be kept at this length."
-        elif saved["rows"] % per_step == 0:
-            keep = f"To validate on the same rows, resume with --validation.steps={saved['rows'] // per_step}."
-        else:
-            keep = (f"{saved['rows']} rows are no whole number of validation batches of {per_step} rows here, so the "
-                    f"set cannot be kept.")
-        self._say(f"note: the held-out set is {rows} rows of {t.seq_len} tokens here ({why}) and was {saved['rows']} "
-                  f"of {saved['seq_len']} in the run that saved step {step}: validation losses from here are over "
-                  f"another set than the earlier ones. {keep}")
-
     def run(self) -> None:
         """Train to training.steps (or a stop request). A loader worker's death reaches this process as a
         RuntimeError wherever it happens to be (torch's SIGCHLD handler raises it): a step, a save, a
@@ -895,8 +746,8 @@ class Trainer:
             if not died:
                 raise
             ended_by = signal_that_ended(exc, self.train_loader)
-            raise TrainingFault(worker_lost_message(str(exc), ended_by, self.runtime.rank, self.state.step,
-                                                    self._way_on()),
+            way = way_on(self.recipe, self.resolved, self.checkpointer, self.nan_guard.consecutive_bad)
+            raise TrainingFault(worker_lost_message(str(exc), ended_by, self.runtime.rank, self.state.step, way),
                                 OUT_OF_MEMORY_EXIT if ended_by == "SIGKILL" else 1, every_rank=False) from None
 
     def _train(self) -> None:
@@ -995,7 +846,8 @@ class Trainer:
                 if self.checkpointer is not None:  # a background save of a good step completes first; every
                     self.checkpointer.finish_pending()  # rank stops here (the guard's answer is agreed)
                 fixes = nan_fixes(recipe, self.runtime, state.step, self.nan_guard.total_bad)
-                raise TrainingFault(self.nan_guard.stop_message(state.step, self._way_on(), fixes),
+                way = way_on(recipe, self.resolved, self.checkpointer, self.nan_guard.consecutive_bad)
+                raise TrainingFault(self.nan_guard.stop_message(state.step, way, fixes),
                                     NUMERICAL_FAULT_EXIT,
                                     every_rank=True)
             if decision == SKIP and self.runtime.is_main:
