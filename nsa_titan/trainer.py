@@ -33,14 +33,15 @@ from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
 from nsa_titan.observe.manifest import MANIFEST_FILE, write_manifest
 from nsa_titan.observe.metrics_log import METRICS_FILE, MetricsLog, TensorBoardLog, WandbLog, has_record
-from nsa_titan.observe.mfu import mfu_percent, peak_flops_per_second
+from nsa_titan.observe.mfu import peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
 from nsa_titan.observe.telemetry_log import PREFIX as TELEMETRY_PREFIX, telemetry_line, telemetry_records
 from nsa_titan.observe.step_profiler import StepProfiler
+from nsa_titan.observe.step_record import StepRecorder
 from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
-from nsa_titan.parallel.compile import compile_blocks, compile_counters, graph_break_message
+from nsa_titan.parallel.compile import compile_blocks, graph_break_message
 from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from nsa_titan.parallel.distributed import (NUMERICAL_FAULT_EXIT, all_reduce_mean, any_rank, build_mesh,
                                             describe_data_parallel, init_process_group)
@@ -783,40 +784,15 @@ class Trainer:
         self.gc = ScheduledGC(t.gc_freq)
         run_start = time.perf_counter()
         first_step = state.step
-        # Throughput counts training only: the seconds spent saving, validating, probing telemetry, writing
-        # a profiler trace or a logged record in a window are set aside (`aside_s`). The ETA's pace starts
-        # after the first step, which holds compilation and warm-up (it counts those phases: they come again).
-        window_start, window_tokens, aside_s = run_start, 0, 0.0
-        first_step_end: float | None = None
+        recorder = StepRecorder(run_start, first_step, t.steps, self._elapsed_before, self.runtime.world_size,
+                                self.runtime.device, self.peak_flops, self.flops_per_token, recipe.compile.enable)
 
         def step_record(now: float) -> dict:
             """The record of the step just taken, timed at `now`, its end (a record logged after the step's save or
             validation keeps the step's own times). Every rank calls it: the loss is averaged over the ranks."""
-            rate = window_tokens / max(now - window_start - aside_s, 1e-9)
-            done = state.step - first_step
-            pace = (now - first_step_end) / (done - 1) if done > 1 else now - run_start
-            record = {
-                "step": state.step,
-                "loss": all_reduce_mean(loss).item(),
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "tokens_per_second": rate,
-                "tokens_per_second_per_device": rate / self.runtime.world_size,
-                "tokens_seen": state.tokens_seen,
-                "step_time_s": now - step_start - profiled_s,
-                "data_wait_s": data_wait,
-                "elapsed_s": self._elapsed_before + now - run_start,
-                "eta_s": pace * (t.steps - state.step),
-                "skipped_steps": self.nan_guard.total_bad,
-            }
-            if self.peak_flops and self.flops_per_token:
-                record["mfu_percent"] = mfu_percent(record["tokens_per_second_per_device"],
-                                                    self.flops_per_token, self.peak_flops)
-            if recipe.compile.enable:
-                record.update(compile_counters())
-            if self.runtime.device.type == "cuda":
-                record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
-            return record
+            return recorder.record(now, state.step, all_reduce_mean(loss).item(), lr, grad_norm.item(),
+                                   state.tokens_seen, now - step_start - profiled_s, data_wait,
+                                   self.nan_guard.total_bad)
 
         while state.step < t.steps:
             step_start = time.perf_counter()
@@ -837,11 +813,9 @@ class Trainer:
             phase = time.perf_counter()
             self.profiler.after_step(state.step)
             profiled_s = time.perf_counter() - phase
-            aside_s += profiled_s
-            if first_step_end is None:
-                first_step_end = time.perf_counter()
+            recorder.set_aside(profiled_s)
+            recorder.step_taken(self.tokens_per_step, time.perf_counter())
             state.tokens_seen += self.tokens_per_step
-            window_tokens += self.tokens_per_step
             if decision == STOP:
                 if self.checkpointer is not None:  # a background save of a good step completes first; every
                     self.checkpointer.finish_pending()  # rank stops here (the guard's answer is agreed)
@@ -866,7 +840,7 @@ class Trainer:
                 self._log(record)
                 # Writing the record (console, metrics file, TensorBoard, W&B) is no training: set aside, or every
                 # window would hold one, which at log_freq = 1 is each step's
-                window_start, window_tokens, aside_s = step_end, 0, time.perf_counter() - written
+                recorder.new_window(step_end, time.perf_counter() - written)
             phase = time.perf_counter()
             self._handle_halt_file()
             stopping = self._stop_agreed and state.step < t.steps
@@ -892,7 +866,7 @@ class Trainer:
                     self._save(run_start, wait=True)
             if recipe.metrics.telemetry_freq and state.step % recipe.metrics.telemetry_freq == 0:
                 self._log_telemetry(state.step, *self._telemetry_now())
-            aside_s += time.perf_counter() - phase
+            recorder.set_aside(time.perf_counter() - phase)
             if stopping:
                 self._say(f"stopping after step {state.step} ({self.stop.reason})"
                           + ("; the checkpoint above resumes it" if recipe.checkpoint.enable else

@@ -1,0 +1,65 @@
+"""The record of each training step logged: its loss and learning rate, tokens/s over the window since the
+last record, the ETA, MFU, compile counters and peak device memory. The caller reads every clock and
+passes its times in."""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_titan.observe.mfu import mfu_percent
+from nsa_titan.parallel.compile import compile_counters
+
+
+class StepRecorder:
+    """Throughput counts training only: the seconds spent saving, validating, probing telemetry, writing
+    a profiler trace or a logged record in a window are set aside (`aside_s`). The ETA's pace starts
+    after the first step, which holds compilation and warm-up (it counts those phases: they come again)."""
+
+    def __init__(self, run_start: float, first_step: int, steps: int, elapsed_before: float, world_size: int,
+                 device: torch.device, peak_flops: float | None, flops_per_token: float | None, compiled: bool):
+        self.run_start, self.first_step, self.steps = run_start, first_step, steps
+        self.elapsed_before, self.world_size, self.device = elapsed_before, world_size, device
+        self.peak_flops, self.flops_per_token, self.compiled = peak_flops, flops_per_token, compiled
+        self.window_start, self.window_tokens, self.aside_s = run_start, 0, 0.0
+        self.first_step_end: float | None = None
+
+    def step_taken(self, tokens: int, end: float) -> None:
+        """A step's tokens join the window; the first step's `end` starts the ETA's pace."""
+        if self.first_step_end is None:
+            self.first_step_end = end
+        self.window_tokens += tokens
+
+    def set_aside(self, seconds: float) -> None:
+        self.aside_s += seconds
+
+    def new_window(self, start: float, aside_s: float) -> None:
+        """After a record is logged: the next window starts at `start` with `aside_s` already set aside."""
+        self.window_start, self.window_tokens, self.aside_s = start, 0, aside_s
+
+    def record(self, now: float, step: int, loss: float, lr: float, grad_norm: float, tokens_seen: int,
+               step_time_s: float, data_wait_s: float, skipped_steps: int) -> dict:
+        rate = self.window_tokens / max(now - self.window_start - self.aside_s, 1e-9)
+        done = step - self.first_step
+        pace = (now - self.first_step_end) / (done - 1) if done > 1 else now - self.run_start
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_second": rate,
+            "tokens_per_second_per_device": rate / self.world_size,
+            "tokens_seen": tokens_seen,
+            "step_time_s": step_time_s,
+            "data_wait_s": data_wait_s,
+            "elapsed_s": self.elapsed_before + now - self.run_start,
+            "eta_s": pace * (self.steps - step),
+            "skipped_steps": skipped_steps,
+        }
+        if self.peak_flops and self.flops_per_token:
+            record["mfu_percent"] = mfu_percent(record["tokens_per_second_per_device"],
+                                                self.flops_per_token, self.peak_flops)
+        if self.compiled:
+            record.update(compile_counters())
+        if self.device.type == "cuda":
+            record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return record
