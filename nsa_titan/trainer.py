@@ -40,9 +40,8 @@ from nsa_titan.observe.telemetry_log import PREFIX as TELEMETRY_PREFIX, telemetr
 from nsa_titan.observe.step_profiler import StepProfiler
 from nsa_titan.observe.step_record import StepRecorder
 from nsa_titan.observe.watchdog import Watchdog, describe_stall
-from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
-from nsa_titan.parallel.compile import compile_blocks, graph_break_message
-from nsa_titan.parallel.data_parallel import apply_data_parallel, set_gradient_sync
+from nsa_titan.parallel.compile import graph_break_message
+from nsa_titan.parallel.data_parallel import set_gradient_sync
 from nsa_titan.parallel.distributed import (NUMERICAL_FAULT_EXIT, all_reduce_mean, any_rank, build_mesh,
                                             describe_data_parallel, init_process_group)
 from nsa_titan.parallel.grad_clip import clip_grad_norm
@@ -54,8 +53,9 @@ from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields
                                   toml_differences, write_run_recipe)
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
-from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, is_allocation_failure,
-                                       model_too_large_message, nan_fixes, out_of_memory_message, worker_lost_message)
+from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, nan_fixes, out_of_memory_message,
+                                       worker_lost_message)
+from nsa_titan.training_model import build_training_model
 
 # Validation batches kept in host memory between evaluations when they fit (2 int32 tensors and a bool
 # one per batch).
@@ -163,7 +163,8 @@ class Trainer:
         lost = assemble.lost_text_note(recipe, self.source, self.tokenizer) if runtime.is_main else None
         if lost:
             self._say(f"note: {lost}")
-        self._build_model()
+        self.model, self.num_params, self.checkpointed_blocks, self.num_blocks = build_training_model(
+            recipe, runtime, self.model_part, self.tokenizer.vocab_size, self.mesh)
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)
         if self.shard is not None:  # the model says now, not at step 1, when it cannot split its sequences
@@ -264,44 +265,6 @@ class Trainer:
             self.folder_lock.release()
             self.folder_lock = None
             shutil.rmtree(self.recipe.job.dump_folder, ignore_errors=True)
-
-    def _build_model(self) -> None:
-        """torchtitan's order: activation checkpointing, then per-block compile, then data parallelism."""
-        recipe, runtime = self.recipe, self.runtime
-
-        def build_on_meta():
-            return assemble.build_model_on_meta(recipe, self.tokenizer.vocab_size)
-
-        self.model = build_on_meta()
-        self.num_params = assemble.count_parameters(self.model)
-        plan = assemble.parallel_plan(self.model_part, self.model)
-        wanted = [name for name, on in (("compile.enable", recipe.compile.enable),
-                                        ("activation_checkpoint.mode", recipe.activation_checkpoint.mode != "none"))
-                  if on]
-        if wanted and not plan.blocks:
-            raise UserError(f"model {recipe.model.name!r} names no blocks (its part has no parallel_plan hook), so "
-                            f"{' and '.join(wanted)} would be ignored. Fix: register the model with parallel_plan= "
-                            f"(components.models.transformer_hooks() gives the transformer's), or turn "
-                            f"{' and '.join(wanted)} off.")
-        self.checkpointed_blocks = apply_activation_checkpointing(plan.blocks, recipe.activation_checkpoint.mode,
-                                                                  recipe.activation_checkpoint.selective_every)
-        self.num_blocks = len(plan.blocks)
-        if recipe.compile.enable:
-            compile_blocks(plan.blocks, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend,
-                           mode=recipe.compile.mode)
-            if self.model_part.compiled is not None:
-                self.model_part.compiled(self.model, recipe.compile.backend)
-        if self.mesh is not None:
-            apply_data_parallel(self.model, plan, self.mesh, param_dtype=runtime.autocast_dtype,
-                                reshard_after_forward=recipe.parallelism.fsdp_reshard_after_forward)
-        try:
-            assemble.materialize(self.model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
-                                 distributed=self.mesh is not None)
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if not is_allocation_failure(exc):
-                raise
-            raise TrainingFault(model_too_large_message(self.model, self.num_params, self.mesh, runtime.device),
-                                OUT_OF_MEMORY_EXIT, every_rank=False) from None
 
     def _loader(self, split: str, shard_states: dict | None = None):
         """This rank's loader of one split, at the recipe's batch size (shard_states: continue from those)."""

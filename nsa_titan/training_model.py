@@ -1,0 +1,54 @@
+"""The model a run trains: built on the meta device, its blocks activation-checkpointed, compiled and sharded,
+then made on the run's device."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from components.errors import UserError
+from nsa_titan import assemble
+from nsa_titan.parallel.activation_checkpoint import apply_activation_checkpointing
+from nsa_titan.parallel.compile import compile_blocks
+from nsa_titan.parallel.data_parallel import apply_data_parallel
+from nsa_titan.training_faults import OUT_OF_MEMORY_EXIT, TrainingFault, is_allocation_failure, model_too_large_message
+
+
+def build_training_model(recipe, runtime, model_part, vocab_size: int, mesh) -> tuple[nn.Module, int, int, int]:
+    """(model, parameter count, blocks activation-checkpointed, blocks). torchtitan's order: activation
+    checkpointing, then per-block compile, then data parallelism."""
+
+    def build_on_meta():
+        return assemble.build_model_on_meta(recipe, vocab_size)
+
+    model = build_on_meta()
+    num_params = assemble.count_parameters(model)
+    plan = assemble.parallel_plan(model_part, model)
+    wanted = [name for name, on in (("compile.enable", recipe.compile.enable),
+                                    ("activation_checkpoint.mode", recipe.activation_checkpoint.mode != "none"))
+              if on]
+    if wanted and not plan.blocks:
+        raise UserError(f"model {recipe.model.name!r} names no blocks (its part has no parallel_plan hook), so "
+                        f"{' and '.join(wanted)} would be ignored. Fix: register the model with parallel_plan= "
+                        f"(components.models.transformer_hooks() gives the transformer's), or turn "
+                        f"{' and '.join(wanted)} off.")
+    checkpointed_blocks = apply_activation_checkpointing(plan.blocks, recipe.activation_checkpoint.mode,
+                                                         recipe.activation_checkpoint.selective_every)
+    num_blocks = len(plan.blocks)
+    if recipe.compile.enable:
+        compile_blocks(plan.blocks, fullgraph=recipe.compile.fullgraph, backend=recipe.compile.backend,
+                       mode=recipe.compile.mode)
+        if model_part.compiled is not None:
+            model_part.compiled(model, recipe.compile.backend)
+    if mesh is not None:
+        apply_data_parallel(model, plan, mesh, param_dtype=runtime.autocast_dtype,
+                            reshard_after_forward=recipe.parallelism.fsdp_reshard_after_forward)
+    try:
+        assemble.materialize(model, runtime.device, recipe.job.seed, build_reference=build_on_meta,
+                             distributed=mesh is not None)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not is_allocation_failure(exc):
+            raise
+        raise TrainingFault(model_too_large_message(model, num_params, mesh, runtime.device),
+                            OUT_OF_MEMORY_EXIT, every_rank=False) from None
+    return model, num_params, checkpointed_blocks, num_blocks
