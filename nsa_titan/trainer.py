@@ -25,16 +25,16 @@ from nsa_titan import assemble, held_out, registry
 from nsa_titan.checkpoint import Checkpointer, RunState, check_weights_path, run_branches
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
-from nsa_titan.config.toml_io import tomllib
 from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.hf_folder import is_hf_folder, load_hf_weights
 from nsa_titan.loss import IGNORE_INDEX, token_cross_entropy_sum
 from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
 from nsa_titan.observe.manifest import MANIFEST_FILE, write_manifest
-from nsa_titan.observe.metrics_log import METRICS_FILE, MetricsLog, TensorBoardLog, WandbLog, has_record
+from nsa_titan.observe.metrics_log import METRICS_FILE, MetricsLog, TensorBoardLog, has_record
 from nsa_titan.observe.mfu import peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
+from nsa_titan.observe.run_sinks import open_metrics_log, open_tensorboard, open_wandb
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
 from nsa_titan.observe.telemetry_log import PREFIX as TELEMETRY_PREFIX, telemetry_line, telemetry_records
 from nsa_titan.observe.step_profiler import StepProfiler
@@ -235,16 +235,7 @@ class Trainer:
         if not recipe.metrics.enable_wandb:  # checkpoints say no W&B run was logged into (unless one is carried)
             self.state.extra.setdefault("wandb_run_id", "")
         if runtime.is_main and recipe.metrics.enable_wandb:  # rank 0 logs, and writes train_state.json
-            # A resumed run logs into its own W&B run (its checkpoint says which); a run from step 0 starts
-            # another, even in a folder an earlier run logged from (W&B would drop steps it already has).
-            # "" in the checkpoint: saved with W&B off (a new run); absent: saved before checkpoints kept the id.
-            saved = self.state.extra.get("wandb_run_id")
-            resumed = (saved if saved is not None else WandbLog.folder_run_id(dump)) if self.state.step else None
-            run_id = resumed or WandbLog.new_run_id()
-            self.state.extra["wandb_run_id"] = run_id
-            self.wandb = WandbLog(dump, run_id=run_id, project=recipe.metrics.wandb_project, name=recipe.job.name,
-                                  mode=recipe.metrics.wandb_mode,
-                                  config={"recipe_hash": resolved.hash, **tomllib.loads(resolved.toml)})
+            self.wandb = open_wandb(dump, recipe, resolved, self.state.extra, self.state.step)
         self.watchdog: Watchdog | None = None
         self._probe: Batch | None = None  # two fixed rows for attention telemetry
         self._validation_cache: list | None = None  # the validation batches once read (see validate)
@@ -367,32 +358,10 @@ class Trainer:
         if self._records_pending:
             self._write_records()
         dump, start = self.recipe.job.dump_folder, self.state.step
-        self.metrics = MetricsLog(os.path.join(dump, METRICS_FILE), start, self._last_logged)
-        if self.metrics.set_aside:
-            self._say(f"metrics.jsonl held steps after {start}, the step this run starts from: they are moved "
-                      f"to {self.metrics.set_aside}")
-        history = self.metrics.history
-        if history is not None and history.restored_from:
-            moved = (f"held another run's records (a run without checkpoints in this folder, say), moved to "
-                     f"{history.foreign}, and " if history.foreign else "")
-            self._say(f"metrics.jsonl {moved}lacked the resumed run's records up to step {start}: they came back "
-                      f"from {history.restored_from}")
-        elif history is not None:
-            self._say(f"note: metrics.jsonl lacks the last record logged before the checkpoint of step {start} "
-                      f"(step {self._last_logged['step']}), and no set-aside metrics file holds it: its earlier "
-                      f"records may be another run's")
+        self.metrics = open_metrics_log(dump, start, self._last_logged, self._say)
         if self.recipe.metrics.enable_tensorboard:
-            folder = os.path.join(dump, self.recipe.metrics.save_tb_folder)
-            # The events hold another run's steps as well (records restored), or were not written up to the resumed
-            # step (the run that saved it logged elsewhere or without TensorBoard, so a branch it abandoned may
-            # still be drawn there): hide every earlier one, draw the records again.
-            other_events = start > 0 and self._saved_tensorboard not in (None, self.recipe.metrics.save_tb_folder)
-            if (history is not None and history.restored_from) or other_events:
-                self.tensorboard = TensorBoardLog(folder, 0)
-                for record in self.metrics.records():
-                    self.tensorboard.write(record)
-            else:
-                self.tensorboard = TensorBoardLog(folder, start)
+            self.tensorboard = open_tensorboard(dump, self.recipe.metrics.save_tb_folder, start,
+                                                self._saved_tensorboard, self.metrics)
 
     def _apply_recipe_optimizer_settings(self) -> None:
         """The recipe, not the checkpoint, says the optimizer's settings (lr, betas, eps, weight decay, an
