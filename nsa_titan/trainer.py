@@ -11,7 +11,6 @@ import shutil
 import sys
 import time
 import warnings
-from typing import NamedTuple
 
 import torch
 
@@ -56,17 +55,7 @@ from nsa_titan.runtime import Runtime
 from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, nan_fixes, out_of_memory_message,
                                        worker_lost_message)
 from nsa_titan.training_model import build_training_model
-
-# Validation batches kept in host memory between evaluations when they fit (2 int32 tensors and a bool
-# one per batch).
-VALIDATION_CACHE_BYTES = 1 << 30
-
-
-class Batch(NamedTuple):
-    inputs: torch.Tensor  # [B, T] on the device
-    targets: torch.Tensor  # [B, T] on the device
-    document_starts: torch.Tensor | None  # [B, T] bool on the host, when the loader gives them
-
+from nsa_titan.validation_set import Batch, ValidationSet, next_batch
 
 def _require_matplotlib() -> None:
     from nsa_titan.observe.plots import pyplot
@@ -200,8 +189,9 @@ class Trainer:
             self.checkpointer = Checkpointer(os.path.join(dump, ckpt.folder), keep_latest_k=ckpt.keep_latest_k,
                                              async_mode=ckpt.async_mode, rank=runtime.rank,
                                              world_size=runtime.world_size, say=self._say, context_parallel=cp)
+        self.validation_set = ValidationSet(recipe, runtime, self.source, self.tokenizer, self.dp_rank, self.dp_size)
         if recipe.validation.enable:
-            self._check_validation_data()
+            self.validation_set.check_not_empty()
         self._abandon_after: int | None = None  # a resume from an older step: set its newer steps aside
         # Seconds the launches before this one took to reach the resumed step (its checkpoint's elapsed_s):
         # a run's elapsed_s counts on across resumes, not from 0 at each.
@@ -238,7 +228,6 @@ class Trainer:
             self.wandb = open_wandb(dump, recipe, resolved, self.state.extra, self.state.step)
         self.watchdog: Watchdog | None = None
         self._probe: Batch | None = None  # two fixed rows for attention telemetry
-        self._validation_cache: list | None = None  # the validation batches once read (see validate)
         self._held_out_size_said = False  # whether the first validation told of a held-out set short of rows
         self._output_checked = False  # whether a training forward's logits were seen to keep the contract
 
@@ -262,19 +251,6 @@ class Trainer:
         return assemble.build_loader(self.recipe, self.runtime, self.source, self.tokenizer, dp_rank=self.dp_rank,
                                      dp_size=self.dp_size, split=split,
                                      batch_size=self.recipe.training.local_batch_size, shard_states=shard_states)
-
-    def _held_out_rows(self):
-        """This rank's share of the held-out set, a row at a time (held_out.py)."""
-        return held_out.rank_rows(self.recipe, self.runtime, self.source, self.tokenizer, self.dp_rank, self.dp_size,
-                                  held_out.held_out_rows(self.recipe))
-
-    def _check_validation_data(self) -> None:
-        """Fail at start-up, not after validation.freq steps, when the held-out set is empty (every rank
-        hears it: one rank's shards may hold no held-out document while another's do)."""
-        mine = held_out.rank_has_rows(self.recipe, self.runtime, self.source, self.tokenizer, self.dp_rank,
-                                      self.dp_size)
-        if not any_rank(mine, self.runtime.device):
-            raise held_out.empty_set_error(self.recipe)
 
     # -- resume ----------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -404,12 +380,6 @@ class Trainer:
         return self._loader("train", shard_states=merged)
 
     # -- one optimizer step ----------------------------------------------------------------------
-    def _next_batch(self, iterator) -> Batch:
-        batch = next(iterator)  # the loader names a rank whose shards hold no documents
-        device = self.runtime.device
-        return Batch(batch["input"].to(device, non_blocking=True), batch["target"].to(device, non_blocking=True),
-                     batch.get("document_starts"))
-
     def _documents(self, batch: Batch):
         """The forward's document layout when the model masks documents (its part's documents hook), else None."""
         if self.model_part.documents is None or batch.document_starts is None:
@@ -456,7 +426,7 @@ class Trainer:
         data_wait = 0.0
         for micro in range(self.grad_accum):
             start = time.perf_counter()
-            batch = self._next_batch(iterator)
+            batch = next_batch(iterator, self.runtime.device)
             data_wait += time.perf_counter() - start
             set_gradient_sync(self.model, self.mesh, last_micro_batch=micro == self.grad_accum - 1)
             # Every rank sees the same number of tokens, so dividing by the rank's token count and
@@ -500,7 +470,7 @@ class Trainer:
         the same ones at every layout and every validation)."""
         self.model.eval()
         sums = torch.zeros(2, device=self.runtime.device, dtype=torch.float64)  # loss, tokens counted
-        for batch in self._validation_batches():
+        for batch in self.validation_set.batches():
             logits, targets = self._forward(batch)  # this rank's share of the rows under context parallelism
             sums[0] += token_cross_entropy_sum(logits, targets).double()
             sums[1] += (targets != IGNORE_INDEX).sum()  # a rank's filler rows count nothing
@@ -521,32 +491,6 @@ class Trainer:
         if note:
             self._say(f"note: {note}")
 
-    def _validation_batches(self):
-        """The held-out batches, read once and then kept in host memory (int32) when they fit in
-        VALIDATION_CACHE_BYTES: a source that holds out a small share of a stream (the huggingface
-        hash split) would otherwise stream a thousand training documents per held-out one again at
-        every evaluation."""
-        recipe, device = self.recipe, self.runtime.device
-        if self._validation_cache is not None:
-            for inputs, targets, starts in self._validation_cache:
-                yield Batch(inputs.to(device, non_blocking=True).long(), targets.to(device, non_blocking=True).long(),
-                            starts)
-            return
-        S, B, T = recipe.data.logical_shards, recipe.training.local_batch_size, recipe.training.seq_len
-        rows = held_out.held_out_rows(self.recipe)
-        count = held_out.batches_per_rank(rows, S, self.dp_size, B)
-        keep = (2 * 4 + 1) * count * B * T <= VALIDATION_CACHE_BYTES and self.tokenizer.vocab_size < 2**31
-        kept = []
-        iterator = held_out.held_out_batches(self._held_out_rows(), B, T, count)
-        for _ in range(count):
-            batch = self._next_batch(iterator)
-            if keep:
-                kept.append((batch.inputs.to("cpu", torch.int32), batch.targets.to("cpu", torch.int32),
-                             batch.document_starts))
-            yield batch
-        if keep:
-            self._validation_cache = kept
-
     def _context(self, batch: Batch):
         """The forward's `context` for this rank's share of the batch's rows (context parallelism)."""
         return self.model_part.context_shard(self.model, batch.document_starts, batch.inputs.shape[0], self.shard,
@@ -560,7 +504,7 @@ class Trainer:
         if self._probe is None:
             loader = assemble.build_loader(self.recipe, self.runtime, self.source, self.tokenizer, dp_rank=0,
                                            dp_size=1, split="train", batch_size=2, num_workers=0)
-            self._probe = self._next_batch(iter(loader))
+            self._probe = next_batch(iter(loader), self.runtime.device)
         return self._probe
 
     def telemetry(self) -> dict[str, float]:

@@ -104,7 +104,7 @@ def test_validation_is_logged(tmp_path, workers):
 
 
 def test_validation_reads_its_batches_once_and_evaluates_the_same_ones(tmp_path, monkeypatch):
-    from nsa_titan import assemble, trainer
+    from nsa_titan import assemble, validation_set
 
     built, seen = [], []
     build_loader = assemble.build_loader
@@ -114,14 +114,14 @@ def test_validation_reads_its_batches_once_and_evaluates_the_same_ones(tmp_path,
         return build_loader(*args, split=split, **kwargs)
 
     monkeypatch.setattr(assemble, "build_loader", counting_build_loader)
-    original = trainer.Trainer._validation_batches
+    original = validation_set.ValidationSet.batches
 
     def recording(self):
         for batch in original(self):
             seen.append(batch)
             yield batch
 
-    monkeypatch.setattr(trainer.Trainer, "_validation_batches", recording)
+    monkeypatch.setattr(validation_set.ValidationSet, "batches", recording)
     out = tmp_path / "run"
     argv = [DEBUG, *TINY, "--training.steps=3", "--validation.enable=true", "--validation.freq=1",
             "--validation.steps=2", f"--job.dump_folder={out}"]
