@@ -54,7 +54,7 @@ from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, nan_fixes, out_of_memory_message,
                                        worker_lost_message)
-from nsa_titan.training_model import build_training_model
+from nsa_titan.training_model import build_training_model, check_logits
 from nsa_titan.validation_set import Batch, ValidationSet, next_batch
 
 def _require_matplotlib() -> None:
@@ -398,26 +398,9 @@ class Trainer:
         with self._autocast():
             logits = self.model(inputs, **extra)
         if not self._output_checked:
-            self._check_output(logits)
+            check_logits(logits, self.tokenizer.vocab_size, self.model.training)
+            self._output_checked = self.model.training
         return logits, targets
-
-    def _check_output(self, logits) -> None:
-        """The first forward's result keeps the model contract (a plugin's may not): a logits tensor over (at
-        least) the tokenizer's vocabulary that gradients reach. Each mistake was a traceback of its own, in the
-        loss, the backward or a CUDA index assertion."""
-        vocab = self.tokenizer.vocab_size
-        if not isinstance(logits, torch.Tensor):
-            raise UserError(f"the model's forward returned a {type(logits).__name__}, not a logits tensor. Fix: a "
-                            f"model's forward returns the logits [batch, tokens, vocab] alone")
-        if logits.dim() < 1 or logits.shape[-1] < vocab:  # wider is a vocabulary padded for speed: never a target
-            raise UserError(f"the model returned logits of shape {list(logits.shape)}, over "
-                            f"{logits.shape[-1] if logits.dim() else 0} tokens, fewer than the tokenizer's {vocab}. "
-                            f"Fix: size the model's output by the vocab_size its builder is called with")
-        if self.model.training and torch.is_grad_enabled() and not logits.requires_grad:
-            raise UserError("the model returned logits no parameter's gradient reaches (computed under no_grad, "
-                            "detached, or from no parameter). Fix: compute the logits from the model's parameters "
-                            "with autograd on")
-        self._output_checked = self.model.training
 
     def train_step(self, iterator) -> tuple[torch.Tensor, torch.Tensor, float, str]:
         """Returns (this rank's mean loss, global grad norm, seconds waiting for data, NaN-guard decision)."""

@@ -1,5 +1,5 @@
 """The model a run trains: built on the meta device, its blocks activation-checkpointed, compiled and sharded,
-then made on the run's device."""
+then made on the run's device; and the check that its forward keeps the model contract."""
 
 from __future__ import annotations
 
@@ -52,3 +52,20 @@ def build_training_model(recipe, runtime, model_part, vocab_size: int, mesh) -> 
         raise TrainingFault(model_too_large_message(model, num_params, mesh, runtime.device),
                             OUT_OF_MEMORY_EXIT, every_rank=False) from None
     return model, num_params, checkpointed_blocks, num_blocks
+
+
+def check_logits(logits, vocab: int, training: bool) -> None:
+    """The first forward's result keeps the model contract (a plugin's may not): a logits tensor over (at
+    least) the tokenizer's vocabulary that gradients reach. Each mistake was a traceback of its own, in the
+    loss, the backward or a CUDA index assertion."""
+    if not isinstance(logits, torch.Tensor):
+        raise UserError(f"the model's forward returned a {type(logits).__name__}, not a logits tensor. Fix: a "
+                        f"model's forward returns the logits [batch, tokens, vocab] alone")
+    if logits.dim() < 1 or logits.shape[-1] < vocab:  # wider is a vocabulary padded for speed: never a target
+        raise UserError(f"the model returned logits of shape {list(logits.shape)}, over "
+                        f"{logits.shape[-1] if logits.dim() else 0} tokens, fewer than the tokenizer's {vocab}. "
+                        f"Fix: size the model's output by the vocab_size its builder is called with")
+    if training and torch.is_grad_enabled() and not logits.requires_grad:
+        raise UserError("the model returned logits no parameter's gradient reaches (computed under no_grad, "
+                        "detached, or from no parameter). Fix: compute the logits from the model's parameters "
+                        "with autograd on")
