@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -216,6 +218,27 @@ def build_lr_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer,
 
     # A scheduler steps once when built: last_epoch = completed_steps - 1 lands it on completed_steps.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=completed_steps - 1)
+
+
+def apply_recipe_optimizer_settings(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                    lr_scheduler) -> torch.optim.lr_scheduler.LambdaLR:
+    """The recipe, not the checkpoint, says the optimizer's settings (lr, betas, eps, weight decay, an
+    optimizer's own arguments such as Muon's momentum): a resumed run may change them.
+
+    Loading an optimizer state restores its param_groups' settings, and the LR schedule its
+    base_lrs; both are set back from the recipe (unchanged values leave the run bit-identical): every
+    group takes those settings from a fresh optimizer built from the recipe, and the schedule is built
+    again from the recipe at the step it had reached.
+    """
+    opt = recipe.optimizer
+    fresh = build_optimizer(recipe, model).param_groups
+    # Only what the recipe sets: a group may also hold an optimizer's running state, which must resume.
+    owned = {"betas", "eps", "weight_decay"}
+    if opt.args is not None:
+        owned |= {f.name for f in dataclasses.fields(opt.args)}
+    for group, wanted in zip(optimizer.param_groups, fresh, strict=True):
+        group.update({k: wanted[k] for k in owned if k in wanted}, initial_lr=opt.lr)
+    return build_lr_scheduler(recipe, optimizer, completed_steps=lr_scheduler.last_epoch)
 
 
 def build_loader(recipe: Recipe, runtime: Runtime, source, tokenizer, *, dp_rank: int, dp_size: int,

@@ -294,7 +294,9 @@ class Trainer:
             self.train_loader = self.state.dataloader
             group = self.optimizer.param_groups[0]  # the saved run's: its rate for the step after its save, its peak
             saved_rates = (group["lr"], record.get("applied_lr"), group.get("initial_lr") or group["lr"])
-            self._apply_recipe_optimizer_settings()
+            self.lr_scheduler = assemble.apply_recipe_optimizer_settings(self.recipe, self.model, self.optimizer,
+                                                                         self.lr_scheduler)
+            self.state.lr_scheduler = self.lr_scheduler
             self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
             note = recipe_change_note(self.resolved, "the recipe differs from the one this run folder's last run "
                                                      "kept (recipe.toml); the new values apply from here")
@@ -338,27 +340,6 @@ class Trainer:
         if self.recipe.metrics.enable_tensorboard:
             self.tensorboard = open_tensorboard(dump, self.recipe.metrics.save_tb_folder, start,
                                                 self._saved_tensorboard, self.metrics)
-
-    def _apply_recipe_optimizer_settings(self) -> None:
-        """The recipe, not the checkpoint, says the optimizer's settings (lr, betas, eps, weight decay, an
-        optimizer's own arguments such as Muon's momentum): a resumed run may change them.
-
-        Loading an optimizer state restores its param_groups' settings, and the LR schedule its
-        base_lrs; both are set back from the recipe (unchanged values leave the run bit-identical): every
-        group takes those settings from a fresh optimizer built from the recipe, and the schedule is built
-        again from the recipe at the step it had reached.
-        """
-        opt = self.recipe.optimizer
-        fresh = assemble.build_optimizer(self.recipe, self.model).param_groups
-        # Only what the recipe sets: a group may also hold an optimizer's running state, which must resume.
-        owned = {"betas", "eps", "weight_decay"}
-        if opt.args is not None:
-            owned |= {f.name for f in dataclasses.fields(opt.args)}
-        for group, wanted in zip(self.optimizer.param_groups, fresh, strict=True):
-            group.update({k: wanted[k] for k in owned if k in wanted}, initial_lr=opt.lr)
-        self.lr_scheduler = assemble.build_lr_scheduler(self.recipe, self.optimizer,
-                                                        completed_steps=self.lr_scheduler.last_epoch)
-        self.state.lr_scheduler = self.lr_scheduler
 
     def _restart_data(self):
         """checkpoint.data_mismatch = restart: the recipe's data from its beginning."""
