@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import math
 import os
 import shutil
@@ -54,7 +53,7 @@ from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, nan_fixes, out_of_memory_message,
                                        worker_lost_message)
-from nsa_titan.training_model import build_training_model, check_logits
+from nsa_titan.training_model import build_training_model, check_logits, check_split_sequence_hooks
 from nsa_titan.validation_set import Batch, ValidationSet, next_batch
 
 def _require_matplotlib() -> None:
@@ -157,15 +156,7 @@ class Trainer:
         self._draw_attention = (recipe.metrics.enable_tensorboard and recipe.metrics.telemetry_freq > 0
                                 and self.model_part.attention_maps is not None)
         if self.shard is not None:  # the model says now, not at step 1, when it cannot split its sequences
-            self.model_part.context_shard(self.model, None, 1, self.shard, torch.device("cpu"))
-            uses = {"telemetry": (recipe.metrics.telemetry_freq > 0, "take attention telemetry",
-                                  "--metrics.telemetry_freq=0, or parallelism.context_parallel_degree = 1"),
-                    "attention_maps": (self._draw_attention, "draw attention maps",
-                                       "--metrics.enable_tensorboard=false or --metrics.telemetry_freq=0")}
-            for hook, (used, what, fix) in uses.items():  # the hooks the run calls take a rank's share
-                if used and "context" not in inspect.signature(getattr(self.model_part, hook)).parameters:
-                    raise UserError(f"model {recipe.model.name!r} cannot {what} of split sequences (its {hook} hook "
-                                    f"has no context= parameter). Fix: set {fix}.")
+            check_split_sequence_hooks(recipe, self.model_part, self.model, self.shard, self._draw_attention)
 
         self.peak_flops = peak_flops_per_second(runtime.device, recipe.metrics.peak_tflops)
         self.flops_per_token = None

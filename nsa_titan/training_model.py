@@ -1,7 +1,10 @@
 """The model a run trains: built on the meta device, its blocks activation-checkpointed, compiled and sharded,
-then made on the run's device; and the check that its forward keeps the model contract."""
+then made on the run's device; and the checks that its hooks can take split sequences (context parallelism)
+and that its forward keeps the model contract."""
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -52,6 +55,20 @@ def build_training_model(recipe, runtime, model_part, vocab_size: int, mesh) -> 
         raise TrainingFault(model_too_large_message(model, num_params, mesh, runtime.device),
                             OUT_OF_MEMORY_EXIT, every_rank=False) from None
     return model, num_params, checkpointed_blocks, num_blocks
+
+
+def check_split_sequence_hooks(recipe, model_part, model: nn.Module, shard, draw_attention: bool) -> None:
+    """Under context parallelism the model says at start-up, not at step 1, when it cannot split its sequences,
+    or when a hook the run calls cannot take a rank's share of the rows."""
+    model_part.context_shard(model, None, 1, shard, torch.device("cpu"))
+    uses = {"telemetry": (recipe.metrics.telemetry_freq > 0, "take attention telemetry",
+                          "--metrics.telemetry_freq=0, or parallelism.context_parallel_degree = 1"),
+            "attention_maps": (draw_attention, "draw attention maps",
+                               "--metrics.enable_tensorboard=false or --metrics.telemetry_freq=0")}
+    for hook, (used, what, fix) in uses.items():  # the hooks the run calls take a rank's share
+        if used and "context" not in inspect.signature(getattr(model_part, hook)).parameters:
+            raise UserError(f"model {recipe.model.name!r} cannot {what} of split sequences (its {hook} hook "
+                            f"has no context= parameter). Fix: set {fix}.")
 
 
 def check_logits(logits, vocab: int, training: bool) -> None:
