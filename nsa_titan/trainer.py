@@ -14,7 +14,6 @@ import warnings
 import torch
 
 from components.errors import UserError
-from components.install_hint import install_extra
 from components.sequence_shard import SequenceShard
 
 from components.data import (death_hidden_in, restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
@@ -55,16 +54,6 @@ from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, nan_fi
                                        worker_lost_message)
 from nsa_titan.training_model import build_training_model, check_logits, check_split_sequence_hooks
 from nsa_titan.validation_set import Batch, ValidationSet, next_batch
-
-def _require_matplotlib() -> None:
-    from nsa_titan.observe.plots import pyplot
-
-    try:
-        pyplot()
-    except UserError:
-        raise UserError("TensorBoard gets the telemetry steps' attention pictures, drawn with matplotlib, which is "
-                        f"not installed. Fix: {install_extra('plots')}, or set --metrics.telemetry_freq=0 or "
-                        "--metrics.enable_tensorboard=false.") from None
 
 
 class Trainer:
@@ -211,7 +200,9 @@ class Trainer:
         self.stop = GracefulStop(dump, saves=recipe.checkpoint.enable, world_size=runtime.world_size)
         self._stop_agreed = False
         if self._draw_attention:
-            _require_matplotlib()
+            from nsa_titan.observe.plots import require_matplotlib
+
+            require_matplotlib()
         self.wandb = None
         if not recipe.metrics.enable_wandb:  # checkpoints say no W&B run was logged into (unless one is carried)
             self.state.extra.setdefault("wandb_run_id", "")

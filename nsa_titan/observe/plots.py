@@ -52,6 +52,16 @@ def pyplot():
     return plt
 
 
+def require_matplotlib() -> None:
+    """A training run's check at start-up, when TensorBoard is to get the telemetry steps' pictures."""
+    try:
+        pyplot()
+    except UserError:
+        raise UserError("TensorBoard gets the telemetry steps' attention pictures, drawn with matplotlib, which is "
+                        f"not installed. Fix: {install_extra('plots')}, or set --metrics.telemetry_freq=0 or "
+                        "--metrics.enable_tensorboard=false.") from None
+
+
 def selection_counts(selected: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """selected [T, Hkv, n] (-1 unused) -> [T, num_blocks] int: how many groups selected each block."""
     T, groups, _ = selected.shape
