@@ -19,11 +19,10 @@ from components.sequence_shard import SequenceShard
 from components.data import (death_hidden_in, restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
                              worker_died)
 from nsa_titan import assemble, held_out, registry
-from nsa_titan.checkpoint import Checkpointer, RunState, check_weights_path, run_branches
+from nsa_titan.checkpoint import Checkpointer, RunState
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.graceful_stop import GracefulStop
-from nsa_titan.hf_folder import is_hf_folder, load_hf_weights
 from nsa_titan.loss import IGNORE_INDEX, token_cross_entropy_sum
 from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
@@ -43,11 +42,9 @@ from nsa_titan.parallel.distributed import (NUMERICAL_FAULT_EXIT, all_reduce_mea
                                             describe_data_parallel, init_process_group)
 from nsa_titan.parallel.grad_clip import clip_grad_norm
 from nsa_titan.parallel.start_agreement import refuse_other_recipes, refuse_unshared_folder
-from nsa_titan.resume_notes import (say_checkpoints_left_alone, say_data_order_change, say_derived_batch_change,
-                                    say_held_out_change, say_other_checkpoint_folders, say_schedule_jump,
-                                    say_weight_source_changes, way_on, weight_source_changes)
-from nsa_titan.run_folder import (RunFolderLock, create_run_folder, model_fields_of, recipe_change_note,
-                                  toml_differences, write_run_recipe)
+from nsa_titan.resume import data_layout, restore
+from nsa_titan.resume_notes import way_on
+from nsa_titan.run_folder import RunFolderLock, create_run_folder, model_fields_of, toml_differences, write_run_recipe
 from nsa_titan.scheduled_gc import ScheduledGC
 from nsa_titan.runtime import Runtime
 from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, nan_fixes, out_of_memory_message,
@@ -185,11 +182,15 @@ class Trainer:
         metrics = recipe.metrics
         self.state.extra["tensorboard_folder"] = metrics.save_tb_folder if metrics.enable_tensorboard else ""
         self._applied_lr: float | None = None  # the learning rate of the last step taken, which a save records
-        self._data_restarted = False  # whether a resume started the recipe's data afresh (data_mismatch = restart)
         # The generator a model's own randomness (dropout) draws from: seeded, so the run repeats; a resume restores
         # the checkpoint's state over it.
         torch.manual_seed(recipe.job.seed)
-        self._restore()
+        resumed = restore(recipe, resolved, self.checkpointer, self.state, self.nan_guard, self.tokenizer.vocab_size,
+                          self.global_batch, self.dp_size, self._loader, self._say)
+        if resumed is not None:
+            self._abandon_after, self._elapsed_before = resumed.step, resumed.elapsed_s
+            self._last_logged, self._saved_tensorboard = resumed.last_logged, resumed.tensorboard_folder
+            self.train_loader, self.lr_scheduler = self.state.dataloader, self.state.lr_scheduler
         # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
         # replaced) waits for this run's first step to succeed (_begin): a start that fails, at start-up or
         # in its first step, leaves the folder as it was.
@@ -234,76 +235,6 @@ class Trainer:
                                      dp_size=self.dp_size, split=split,
                                      batch_size=self.recipe.training.local_batch_size, shard_states=shard_states)
 
-    # -- resume ----------------------------------------------------------------------------------
-    def _restore(self) -> None:
-        """Resume from the newest complete checkpoint (or checkpoint.load_step), else initial weights."""
-        ckpt = self.recipe.checkpoint
-        if not ckpt.enable:
-            say_checkpoints_left_alone(self.recipe, self._say)
-        if self.checkpointer is None:
-            return
-        branches = run_branches(self.resolved)
-        step = self.checkpointer.agree_resume_step(ckpt.load_step, branches) if ckpt.enable else None
-        if ckpt.enable and step is None:
-            say_other_checkpoint_folders(self.recipe, self._say)
-        if step is not None:
-            # Refused before anything loads; the changes allowed are named by the recipe-change note below.
-            weight_source_changes(self.recipe, self.resolved, self._say, self.checkpointer.step_dir(step), resumed=True)
-            restart = self._restart_data if ckpt.data_mismatch == "restart" else None
-            try:
-                record = self.checkpointer.load(self.state, step, data_layout=self._data_layout(),
-                                                reshard_data=self._reshard_data, restart_data=restart)
-            except UserError:  # a refusal (say, tensors of another shape) names tensors; the recipe's change is why
-                note = recipe_change_note(self.resolved, "the recipe differs from the one this run folder's last run "
-                                                         "kept (recipe.toml)")
-                if note:
-                    self._say(note)
-                raise
-            # This command's branch, begun here or resumed (named as an earlier release did, it takes today's name,
-            # which a requeue that changes only what the branch's name leaves out still continues).
-            own = step == ckpt.load_step or record.get("branch") in branches
-            self.state.extra["branch"] = branches[0] if own else record.get("branch")
-            if "nan_guard" in record:  # absent from checkpoints written before the guard's counts were kept
-                self.nan_guard.load_state_dict(record["nan_guard"])
-            self._elapsed_before = float(record.get("elapsed_s", 0.0))  # absent from older checkpoints
-            self._last_logged = record.get("last_logged")  # absent from older checkpoints
-            self._saved_tensorboard = record.get("tensorboard_folder")  # absent from older checkpoints
-            if "wandb_run_id" in record:  # the W&B run it logged into ("": none); absent from older checkpoints
-                self.state.extra["wandb_run_id"] = record["wandb_run_id"]
-            self._abandon_after = step
-            if not self.recipe.validation.enable and "held_out_set" in record:  # kept for a later run that validates
-                self.state.extra["held_out_set"] = record["held_out_set"]
-            self.train_loader = self.state.dataloader
-            group = self.optimizer.param_groups[0]  # the saved run's: its rate for the step after its save, its peak
-            saved_rates = (group["lr"], record.get("applied_lr"), group.get("initial_lr") or group["lr"])
-            self.lr_scheduler = assemble.apply_recipe_optimizer_settings(self.recipe, self.model, self.optimizer,
-                                                                         self.lr_scheduler)
-            self.state.lr_scheduler = self.lr_scheduler
-            self._say(f"resumed from {self.checkpointer.step_dir(step)} at step {step}")
-            note = recipe_change_note(self.resolved, "the recipe differs from the one this run folder's last run "
-                                                     "kept (recipe.toml); the new values apply from here")
-            if note:
-                self._say(note)
-            say_derived_batch_change(self.recipe, self._say, record, step, self.global_batch, self.dp_size)
-            say_data_order_change(self._say, record, step, self._data_layout(), self._data_restarted)
-            say_held_out_change(self.recipe, self._say, record, step)
-            say_schedule_jump(self.recipe, self._say, self.optimizer, *saved_rates, step)
-            if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only
-                self._say(f"checkpoint.initial_load_path = {ckpt.initial_load_path!r} is not used: this run resumes "
-                          f"its own checkpoint (a new --job.dump_folder starts from those weights)")
-        elif ckpt.initial_load_path and is_hf_folder(ckpt.initial_load_path):
-            changes = load_hf_weights(self.model, ckpt.initial_load_path, self.recipe.model.name,
-                                      self.recipe.model.args, self.tokenizer.vocab_size)
-            self._say(f"initial weights from the Hugging Face folder {ckpt.initial_load_path}")
-            say_weight_source_changes(self._say, changes)
-        elif ckpt.initial_load_path:
-            check_weights_path(ckpt.initial_load_path)  # a path that names no step has no model fields to compare
-            # refused before anything loads
-            changes = weight_source_changes(self.recipe, self.resolved, self._say, ckpt.initial_load_path)
-            self.checkpointer.load_weights_only(self.model, ckpt.initial_load_path)
-            self._say(f"initial weights from {ckpt.initial_load_path}")
-            say_weight_source_changes(self._say, changes)
-
     def _begin(self) -> None:
         """Once the first step has succeeded, on every rank: set aside what an older-step resume leaves
         behind, write this run's records, and open the metrics sinks at the step the run started from
@@ -322,25 +253,6 @@ class Trainer:
         if self.recipe.metrics.enable_tensorboard:
             self.tensorboard = open_tensorboard(dump, self.recipe.metrics.save_tb_folder, start,
                                                 self._saved_tensorboard, self.metrics)
-
-    def _restart_data(self):
-        """checkpoint.data_mismatch = restart: the recipe's data from its beginning."""
-        self._say("note: the checkpoint's data stream is not this recipe's (checkpoint.data_mismatch = 'restart'): "
-                  "the new data starts from its beginning; model, optimizer, LR schedule and step resume")
-        self._data_restarted = True
-        return self._loader("train")
-
-    def _data_layout(self) -> dict:
-        """What must match for a saved loader state to continue exactly as it is."""
-        return {"world_size": self.dp_size, "num_workers": self.recipe.data.num_workers,
-                "logical_shards": self.recipe.data.logical_shards}
-
-    def _reshard_data(self, old_rank_states: list[dict]):
-        """A loader for this rank that continues every old rank's logical shards where they stopped."""
-        from components.data import loader_state_by_logical_shard, merge_shard_states
-
-        merged = merge_shard_states(*(loader_state_by_logical_shard(s) for s in old_rank_states))
-        return self._loader("train", shard_states=merged)
 
     # -- one optimizer step ----------------------------------------------------------------------
     def _documents(self, batch: Batch):
@@ -705,7 +617,7 @@ class Trainer:
         # A step that ends a run of skipped (NaN/Inf) steps is saved (a resume goes on past its batches), but
         # retention keeps the newest checkpoint of a good step beside it, which a run that then stops needs.
         try:
-            self.checkpointer.save(state, data_layout=self._data_layout(), wait=wait,
+            self.checkpointer.save(state, data_layout=data_layout(self.dp_size, self.recipe.data), wait=wait,
                                    good=self.nan_guard.consecutive_bad == 0)
         except UserError as exc:  # a loader worker's death raised inside the writer reads as a failed write
             death = death_hidden_in(exc, self.train_loader)
