@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import shutil
@@ -19,6 +18,7 @@ from components.sequence_shard import SequenceShard
 from components.data import (death_hidden_in, restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
                              worker_died)
 from nsa_titan import assemble, held_out, registry
+from nsa_titan.attention_probe import AttentionProbe
 from nsa_titan.checkpoint import Checkpointer, RunState
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
@@ -32,7 +32,7 @@ from nsa_titan.observe.mfu import peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.run_sinks import open_metrics_log, open_tensorboard, open_wandb
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
-from nsa_titan.observe.telemetry_log import PREFIX as TELEMETRY_PREFIX, telemetry_line, telemetry_records
+from nsa_titan.observe.telemetry_log import PREFIX as TELEMETRY_PREFIX, telemetry_line
 from nsa_titan.observe.step_profiler import StepProfiler
 from nsa_titan.observe.step_record import StepRecorder
 from nsa_titan.observe.watchdog import Watchdog, describe_stall
@@ -210,7 +210,8 @@ class Trainer:
         if runtime.is_main and recipe.metrics.enable_wandb:  # rank 0 logs, and writes train_state.json
             self.wandb = open_wandb(dump, recipe, resolved, self.state.extra, self.state.step)
         self.watchdog: Watchdog | None = None
-        self._probe: Batch | None = None  # two fixed rows for attention telemetry
+        self.probe = AttentionProbe(recipe, runtime, self.source, self.tokenizer, self.model_part, self.model,
+                                    self.shard, self._autocast, self._documents, self._context)
         self._held_out_size_said = False  # whether the first validation told of a held-out set short of rows
         self._output_checked = False  # whether a training forward's logits were seen to keep the contract
 
@@ -354,54 +355,9 @@ class Trainer:
         return self.model_part.context_shard(self.model, batch.document_starts, batch.inputs.shape[0], self.shard,
                                              batch.inputs.device)
 
-    def _fixed_probe(self) -> Batch:
-        """The first two rows of the training stream as one data rank without loader workers reads it, from a
-        loader of its own: the same rows on every rank, at every world size, worker count and batch size,
-        resumed or not, so telemetry and its pictures follow one document through training (a rank's own
-        stream starts with other rows at each layout)."""
-        if self._probe is None:
-            loader = assemble.build_loader(self.recipe, self.runtime, self.source, self.tokenizer, dp_rank=0,
-                                           dp_size=1, split="train", batch_size=2, num_workers=0)
-            self._probe = next_batch(iter(loader), self.runtime.device)
-        return self._probe
-
-    def telemetry(self) -> dict[str, float]:
-        """Attention telemetry on a fixed batch; runs on every rank (sharded models gather for it; under
-        context parallelism each rank takes its share of the rows and the model combines them)."""
-        self.model.eval()
-        probe = self._fixed_probe()
-        with self._autocast():
-            if self.shard is not None:
-                context = self._context(probe)
-                stats = self.model_part.telemetry(self.model, self.shard.split(probe.inputs), context=context)
-            else:
-                documents = self._documents(probe)
-                stats = self.model_part.telemetry(self.model, probe.inputs, *(() if documents is None else (documents,)))
-        return telemetry_records(stats)
-
-    def attention_figures(self) -> dict:
-        """The plot command's pictures of the probe's first document (row 0), for TensorBoard. Every rank
-        runs the walk (a sharded model gathers for it); rank 0 draws ({} elsewhere)."""
-        from nsa_titan.observe.plots import attention_figures
-
-        probe = self._fixed_probe()
-        end = probe.inputs.shape[1]
-        if self._documents(probe) is not None:  # the model sees documents apart: picture the first
-            later = probe.document_starts[0, 1:].nonzero()
-            end = int(later[0]) + 1 if len(later) else end
-        with self._autocast():
-            if self.shard is not None:  # every rank walks its share; the maps come back whole
-                context = self._context(probe)
-                maps = self.model_part.attention_maps(self.model, self.shard.split(probe.inputs), context=context)
-                maps = {i: dataclasses.replace(m, gates=m.gates[:1, :end], selected=m.selected[:1, :end])
-                        for i, m in maps.items()}
-            else:
-                maps = self.model_part.attention_maps(self.model, probe.inputs[:1, :end])
-        return attention_figures(maps, end) if self.runtime.is_main and maps else {}
-
     def _telemetry_now(self) -> tuple[dict[str, float], dict]:
         """The telemetry records of the weights now, and their attention pictures when TensorBoard draws them."""
-        return self.telemetry(), self.attention_figures() if self._draw_attention else {}
+        return self.probe.telemetry(), self.probe.attention_figures() if self._draw_attention else {}
 
     def _log_telemetry(self, step: int, records: dict[str, float], figures: dict) -> None:
         self._say(telemetry_line(step, records))
