@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import time
 
@@ -11,9 +12,12 @@ import pytest
 import torch
 
 from components.data import ByteTokenizer, TiktokenArgs, TiktokenTokenizer, build_dataloader
-from components.data.sources import TextFilesArgs, TextFilesSource
+from components.data.dataset import DataStreamMismatch
+from components.data.sources import (HuggingFaceArgs, HuggingFaceSource, SyntheticArgs, SyntheticSource,
+                                     TextFilesArgs, TextFilesSource)
+from components.data.sources.mixture import MixtureSource
 from components.errors import UserError
-from tests.test_data_helpers import unique_texts, write_jsonl
+from tests.test_data_helpers import unique_texts, write_jsonl, write_parquet
 
 
 def _loader(source, **kw):
@@ -135,6 +139,58 @@ def test_a_grown_file_is_a_different_corpus(tmp_path):
     assert after.fingerprint() != before.fingerprint()
     with pytest.raises(UserError, match="written for another data stream"):
         _loader(after).load_state_dict(state)
+
+
+def _hf_glob_state(folder, files: int = 3):
+    """A loader's state over a glob of `files` small parquet files (path = 'parquet'), after one batch."""
+    for i in range(files):
+        write_parquet(str(folder / f"{i}.parquet"), unique_texts(12, seed=i, prefix=f"f{i}"), row_group_size=4)
+    loader = _loader(_hf_glob(folder))
+    next(iter(loader))
+    return loader.state_dict()
+
+
+def _hf_glob(folder, *patterns):
+    return HuggingFaceSource(HuggingFaceArgs(path="parquet", name="", validation_fraction=0.0,
+                                             data_files=list(patterns) or [str(folder / "*.parquet")]))
+
+
+def test_a_file_moved_into_or_out_of_a_data_files_glob_is_another_stream(tmp_path):
+    """The huggingface source's identity held the data_files patterns, not the files they match: a file moved out
+    of the globbed folder resumed the saved positions over the other files, in silence."""
+    state = _hf_glob_state(tmp_path)
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    os.rename(tmp_path / "2.parquet", aside / "2.parquet")
+    with pytest.raises(DataStreamMismatch, match=r"the data files the source's paths or patterns match \(names and "
+                                                 r"sizes, digest\) 3 files \w+ there, 2 files \w+ here"):
+        _loader(_hf_glob(tmp_path)).load_state_dict(state)
+    synthetic = SyntheticSource(SyntheticArgs(num_documents=4))
+    mixed = MixtureSource(["code", "web"], [1.0, 1.0], [synthetic, _hf_glob(tmp_path)]).files_fingerprint()
+    write_parquet(str(tmp_path / "3.parquet"), unique_texts(12, seed=3, prefix="f3"), row_group_size=4)
+    os.rename(aside / "2.parquet", tmp_path / "2.parquet")
+    with pytest.raises(DataStreamMismatch, match="3 files .* there, 4 files .* here"):  # one added
+        _loader(_hf_glob(tmp_path)).load_state_dict(state)
+    assert MixtureSource(["code", "web"], [1.0, 1.0], [synthetic, _hf_glob(tmp_path)]).files_fingerprint() != mixed
+    os.remove(tmp_path / "3.parquet")
+    _loader(_hf_glob(tmp_path)).load_state_dict(state)  # the same files: it continues
+    # The patterns' order is the files' order, which datasets reads: another order is another stream.
+    reordered = _hf_glob(tmp_path, str(tmp_path / "2.parquet"), str(tmp_path / "[01].parquet"))
+    with pytest.raises(DataStreamMismatch, match="the data files"):
+        _loader(reordered).load_state_dict(state)
+    # A state saved before the files were part of the stream's id is not asked them.
+    older = _without_files_part(state)
+    assert older != state
+    _loader(_hf_glob(tmp_path)).load_state_dict(older)
+
+
+def _without_files_part(state):
+    """A loader state as a release that kept no files part in its stream ids saved it."""
+    if isinstance(state, dict):
+        return {k: _without_files_part(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_without_files_part(v) for v in state)
+    return re.sub(r"\|files=[^|]*", "", state) if isinstance(state, str) else state
 
 
 def test_tiktoken_decodes_ids_that_name_no_token():

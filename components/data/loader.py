@@ -107,12 +107,14 @@ def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, 
     """Everything that fixes a shard's token stream; a saved state only continues an equal stream
     (dataset.stream_differences: parts added since are not asked of older states)."""
     file = getattr(tokenizer, "file_digest", None)  # a tokenizer read from a file whose name holds no digest
+    files = source.files_fingerprint() if callable(getattr(source, "files_fingerprint", None)) else None
     return (
         f"{source.fingerprint()}|tokenizer={tokenizer.name}:{tokenizer.vocab_size}|add_bos={add_bos}"
         f"|seed={seed}|logical_shards={logical_shards}|split={split}"
         + (f"|min_document_tokens={min_document_tokens}" if min_document_tokens else "")  # older states stay valid
         + f"|eos={tokenizer.eos_id}" + (f"|bos={tokenizer.bos_id}" if add_bos else "")
         + (f"|tokenizer_file={file}" if file else "")
+        + (f"|files={files}" if files else "")
     )
 
 

@@ -547,8 +547,13 @@ class FileCorpus:
         """Names and shapes (byte sizes, parquet row groups): pieces depend on both, so a saved position
         must never be applied to a corpus whose files grew, shrank or were cut otherwise. Contents are not read:
         a file rewritten to the same size (or parquet row-group sizes) is not told apart."""
-        keys = "\n".join(f"{f.key} {m}" for f, m in zip(self.files, self.meta()))
-        return f"{len(self.files)} files {digest(keys)}"
+        return listing_digest([f.key for f in self.files], self.meta())
+
+
+def listing_digest(keys: list[str], shapes: list) -> str:
+    """A list of files named by their keys (paths relative to the corpus root, so a moved corpus keeps it) and
+    shapes (sizes), in the order they are read: another file, one fewer, a rename or a resize changes it."""
+    return f"{len(keys)} files {digest(chr(10).join(f'{k} {m}' for k, m in zip(keys, shapes)))}"
 
 
 def member_documents(corpus: FileCorpus, split: str) -> list[str]:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from components.data.workers import worker_died
 from components.errors import UserError, first_line, read_from
 from components.data.sources.base import ANOTHER_STREAM, order_rng, split_of
+from components.data.sources.file_corpus import corpus_files, listing_digest
 from components.problems import Problem, problem, raise_problems
 
 log = logging.getLogger(__name__)
@@ -254,7 +255,6 @@ class HuggingFaceSource:
             if "://" in pattern:
                 continue
             for path in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
-                # A glob's files are not part of the stream's id: moving one out would go unseen by a resume.
                 fix = ("Fix: remove it from data_files (a glob: list the other files instead), then run again; "
                        f"{ANOTHER_STREAM}")
                 try:
@@ -313,6 +313,22 @@ class HuggingFaceSource:
             f"huggingface({a.path},{a.name},{a.split},{a.validation_split},{a.validation_fraction},"
             f"{a.text_field},{sorted(a.data_files)},buffer={a.shuffle_buffer})"
         )
+
+    def files_fingerprint(self) -> str | None:
+        """The local files data_files match, in the order datasets reads them, with their sizes: a saved position
+        belongs to that list, which the patterns alone do not name (a file moved into or out of a glob's folder).
+        None for a remote stream."""
+        if not self._reads_local_files():
+            return None
+        from datasets.data_files import DataFilesList
+
+        try:  # datasets' own resolution: its order, its hidden-file rule
+            paths = [str(p) for p in DataFilesList.from_patterns(list(self.args.data_files))]
+            sizes = [os.path.getsize(p) for p in paths]
+        except (OSError, ValueError) as e:
+            raise UserError(f"{self._what()}: cannot list data_files {list(self.args.data_files)} ({type(e).__name__}: "
+                            f"{first_line(e)}). Fix: give paths or globs of existing files") from e
+        return listing_digest([f.key for f in corpus_files(paths)], sizes) if paths else None
 
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         failures = yielded = 0

@@ -129,6 +129,13 @@ class MixtureSource:
         parts = ",".join(f"{n}={s.fingerprint()}" for n, s in zip(self.names, self.sources))
         return f"mixture({digest(parts)}:{','.join(self.names)})"
 
+    def files_fingerprint(self) -> str | None:
+        """The sources' own files fingerprints, by name; None when none has one."""
+        parts = [(n, s.files_fingerprint()) for n, s in zip(self.names, self.sources)
+                 if callable(getattr(s, "files_fingerprint", None))]
+        named = ",".join(f"{n}={f}" for n, f in parts if f)
+        return digest(named) if named else None
+
     def start_cursor(self, shard: int, split: str) -> list:
         """The cursor before a shard's first document, which None stands for, with the rule written in: the
         loader starts from it, so that a save in the middle of the first document keeps the rule that chose
