@@ -141,6 +141,36 @@ def test_a_grown_file_is_a_different_corpus(tmp_path):
         _loader(after).load_state_dict(state)
 
 
+def test_a_file_rewritten_to_the_same_size_is_a_different_corpus(tmp_path):
+    """The files' names and sizes (parquet: rows per row group) were all a stream's id held of them: a record edited
+    in place, or a parquet file written again with other rows in the same row groups, resumed the saved positions
+    over other documents, in silence."""
+    path = tmp_path / "c.jsonl"
+    write_jsonl(str(path), unique_texts(20))
+    parquet = write_parquet(str(tmp_path / "p.parquet"), unique_texts(20, seed=1, prefix="pq"), row_group_size=5)
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
+    loader = _loader(source)
+    next(iter(loader))
+    state = loader.state_dict()
+    _loader(TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))).load_state_dict(state)
+    text = path.read_text()
+    path.write_text(text.replace("doc", "DOC"))
+    after = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
+    assert after.fingerprint() == source.fingerprint()  # names and sizes alike
+    with pytest.raises(DataStreamMismatch, match="the data files .* first and last bytes"):
+        _loader(after).load_state_dict(state)
+    _loader(after).load_state_dict(_without_files_part(state))  # a state saved without the part is not asked it
+    path.write_text(text)
+    write_parquet(parquet, unique_texts(20, seed=2, prefix="pq"), row_group_size=5)
+    with pytest.raises(DataStreamMismatch, match="the data files"):
+        _loader(TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))).load_state_dict(state)
+    (tmp_path / "hf").mkdir()
+    hf_state = _hf_glob_state(tmp_path / "hf")
+    write_parquet(str(tmp_path / "hf" / "1.parquet"), unique_texts(12, seed=7, prefix="f1"), row_group_size=4)
+    with pytest.raises(DataStreamMismatch, match="the data files"):
+        _loader(_hf_glob(tmp_path / "hf")).load_state_dict(hf_state)
+
+
 def _hf_glob_state(folder, files: int = 3):
     """A loader's state over a glob of `files` small parquet files (path = 'parquet'), after one batch."""
     for i in range(files):
@@ -162,8 +192,9 @@ def test_a_file_moved_into_or_out_of_a_data_files_glob_is_another_stream(tmp_pat
     aside = tmp_path / "aside"
     aside.mkdir()
     os.rename(tmp_path / "2.parquet", aside / "2.parquet")
-    with pytest.raises(DataStreamMismatch, match=r"the data files the source's paths or patterns match \(names and "
-                                                 r"sizes, digest\) 3 files \w+ there, 2 files \w+ here"):
+    with pytest.raises(DataStreamMismatch, match=r"the data files the source's paths or patterns match \(names, "
+                                                 r"sizes and first and last bytes, digest\) 3 files \w+,\w+ there, "
+                                                 r"2 files \w+,\w+ here"):
         _loader(_hf_glob(tmp_path)).load_state_dict(state)
     synthetic = SyntheticSource(SyntheticArgs(num_documents=4))
     mixed = MixtureSource(["code", "web"], [1.0, 1.0], [synthetic, _hf_glob(tmp_path)]).files_fingerprint()

@@ -23,6 +23,11 @@ class CorpusSource:
     def has_split(self, split: str) -> bool:
         return split == "train" or self.args.validation_fraction > 0
 
+    def files_fingerprint(self) -> str:
+        """The files' sampled bytes: a file rewritten to the same size is another corpus (fingerprint() holds the
+        names and sizes)."""
+        return self.corpus().sampled_fingerprint()
+
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         return self.corpus().documents(shard, num_shards, split, seed, epoch, cursor)
 

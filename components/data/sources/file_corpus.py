@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import glob
+import hashlib
 import json
 import math
 import os
@@ -43,6 +44,10 @@ _NOTED_ROW_GROUP_FACTOR = 8
 # bytes each as int64), at every epoch and again at every resume.
 _NOTED_WHOLE_FILE_BYTES = 64 << 20
 _CHECK_RECORD_BUDGET = 1000
+# The bytes at each end of a file that a corpus's identity reads: a rewrite to the same size (an edited record, a
+# parquet file written again with the same row groups: it ends in its footer, which holds each column's statistics)
+# nearly always changes them, at two small reads a file, where hashing whole files would read the corpus at each start.
+_SAMPLED_BYTES = 4096
 # The parquet footers a corpus keeps parsed (per process): a piece's read would otherwise parse its file's footer
 # again (milliseconds for a file of thousands of row groups, more than reading a small piece), while keeping every
 # file's would hold a corpus of many files' metadata in memory.
@@ -171,6 +176,7 @@ class FileCorpus:
         self.validation_fraction = validation_fraction
         self.what = what
         self._meta: list[tuple] | None = None
+        self._sampled: str | None = None
         self._pieces: dict[tuple[int, str], list[tuple[int, int, int, int]]] = {}
         self._footers: dict[str, object] = {}  # path -> pyarrow FileMetaData, the newest last
 
@@ -545,15 +551,36 @@ class FileCorpus:
 
     def fingerprint(self) -> str:
         """Names and shapes (byte sizes, parquet row groups): pieces depend on both, so a saved position
-        must never be applied to a corpus whose files grew, shrank or were cut otherwise. Contents are not read:
-        a file rewritten to the same size (or parquet row-group sizes) is not told apart."""
+        must never be applied to a corpus whose files grew, shrank or were cut otherwise. Contents are not read
+        here: sampled_fingerprint() tells a file rewritten to the same size (or parquet row-group sizes) apart."""
         return listing_digest([f.key for f in self.files], self.meta())
+
+    def sampled_fingerprint(self) -> str:
+        """The files' first and last bytes (sampled_bytes_digest), which fingerprint() does not read."""
+        if self._sampled is None:
+            self._sampled = sampled_bytes_digest([f.path for f in self.files], self._unreadable)
+        return self._sampled
 
 
 def listing_digest(keys: list[str], shapes: list) -> str:
     """A list of files named by their keys (paths relative to the corpus root, so a moved corpus keeps it) and
     shapes (sizes), in the order they are read: another file, one fewer, a rename or a resize changes it."""
     return f"{len(keys)} files {digest(chr(10).join(f'{k} {m}' for k, m in zip(keys, shapes)))}"
+
+
+def sampled_bytes_digest(paths: list[str], unreadable) -> str:
+    """A digest of each file's first and last _SAMPLED_BYTES; unreadable(path, OSError) is the error to raise."""
+    found = hashlib.blake2b(digest_size=8)
+    for path in paths:
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(_SAMPLED_BYTES)
+                fh.seek(max(len(head), os.fstat(fh.fileno()).st_size - _SAMPLED_BYTES))
+                tail = fh.read(_SAMPLED_BYTES)
+        except OSError as e:
+            raise unreadable(path, e) from e
+        found.update(b"%d %d\n" % (len(head), len(tail)) + head + tail)
+    return found.hexdigest()
 
 
 def member_documents(corpus: FileCorpus, split: str) -> list[str]:

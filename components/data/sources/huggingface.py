@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from components.data.workers import worker_died
 from components.errors import UserError, first_line, read_from
 from components.data.sources.base import ANOTHER_STREAM, order_rng, split_of
-from components.data.sources.file_corpus import corpus_files, listing_digest
+from components.data.sources.file_corpus import corpus_files, listing_digest, sampled_bytes_digest
 from components.problems import Problem, problem, raise_problems
 
 log = logging.getLogger(__name__)
@@ -315,9 +315,9 @@ class HuggingFaceSource:
         )
 
     def files_fingerprint(self) -> str | None:
-        """The local files data_files match, in the order datasets reads them, with their sizes: a saved position
-        belongs to that list, which the patterns alone do not name (a file moved into or out of a glob's folder).
-        None for a remote stream."""
+        """The local files data_files match, in the order datasets reads them, with their sizes and sampled bytes: a
+        saved position belongs to those files, which the patterns alone do not name (a file moved into or out of a
+        glob's folder, or rewritten). None for a remote stream."""
         if not self._reads_local_files():
             return None
         from datasets.data_files import DataFilesList
@@ -328,7 +328,14 @@ class HuggingFaceSource:
         except (OSError, ValueError) as e:
             raise UserError(f"{self._what()}: cannot list data_files {list(self.args.data_files)} ({type(e).__name__}: "
                             f"{first_line(e)}). Fix: give paths or globs of existing files") from e
-        return listing_digest([f.key for f in corpus_files(paths)], sizes) if paths else None
+        if not paths:
+            return None
+        listing = listing_digest([f.key for f in corpus_files(paths)], sizes)
+        return f"{listing},{sampled_bytes_digest(paths, self._unreadable)}"
+
+    def _unreadable(self, path: str, error: OSError) -> UserError:
+        return UserError(f"{self._what()}: cannot read {path} ({error}). Fix: restore it or its permissions; or "
+                         f"remove it from data_files ({ANOTHER_STREAM})")
 
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         failures = yielded = 0
