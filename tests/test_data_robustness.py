@@ -157,17 +157,17 @@ def test_a_file_rewritten_to_the_same_size_is_a_different_corpus(tmp_path):
     path.write_text(text.replace("doc", "DOC"))
     after = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
     assert after.fingerprint() == source.fingerprint()  # names and sizes alike
-    with pytest.raises(DataStreamMismatch, match="the data files .* first and last bytes"):
+    with pytest.raises(DataStreamMismatch, match="what the source reads beyond its settings"):
         _loader(after).load_state_dict(state)
     _loader(after).load_state_dict(_without_files_part(state))  # a state saved without the part is not asked it
     path.write_text(text)
     write_parquet(parquet, unique_texts(20, seed=2, prefix="pq"), row_group_size=5)
-    with pytest.raises(DataStreamMismatch, match="the data files"):
+    with pytest.raises(DataStreamMismatch, match="what the source reads beyond its settings"):
         _loader(TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))).load_state_dict(state)
     (tmp_path / "hf").mkdir()
     hf_state = _hf_glob_state(tmp_path / "hf")
     write_parquet(str(tmp_path / "hf" / "1.parquet"), unique_texts(12, seed=7, prefix="f1"), row_group_size=4)
-    with pytest.raises(DataStreamMismatch, match="the data files"):
+    with pytest.raises(DataStreamMismatch, match="what the source reads beyond its settings"):
         _loader(_hf_glob(tmp_path / "hf")).load_state_dict(hf_state)
 
 
@@ -192,27 +192,42 @@ def test_a_file_moved_into_or_out_of_a_data_files_glob_is_another_stream(tmp_pat
     aside = tmp_path / "aside"
     aside.mkdir()
     os.rename(tmp_path / "2.parquet", aside / "2.parquet")
-    with pytest.raises(DataStreamMismatch, match=r"the data files the source's paths or patterns match \(names, "
-                                                 r"sizes and first and last bytes, digest\) 3 files \w+,\w+ there, "
-                                                 r"2 files \w+,\w+ here"):
+    with pytest.raises(DataStreamMismatch, match=r"what the source reads beyond its settings \(the files "
+                                                 r"its paths or patterns match: names, sizes and first and last bytes, "
+                                                 r"digest; huggingface: the datasets version\) datasets [\w.]+,3 "
+                                                 r"files \w+,\w+ there, datasets [\w.]+,2 files \w+,\w+ here"):
         _loader(_hf_glob(tmp_path)).load_state_dict(state)
     synthetic = SyntheticSource(SyntheticArgs(num_documents=4))
     mixed = MixtureSource(["code", "web"], [1.0, 1.0], [synthetic, _hf_glob(tmp_path)]).files_fingerprint()
     write_parquet(str(tmp_path / "3.parquet"), unique_texts(12, seed=3, prefix="f3"), row_group_size=4)
     os.rename(aside / "2.parquet", tmp_path / "2.parquet")
-    with pytest.raises(DataStreamMismatch, match="3 files .* there, 4 files .* here"):  # one added
+    with pytest.raises(DataStreamMismatch, match="3 files .* there, datasets [0-9.]+,4 files .* here"):  # one added
         _loader(_hf_glob(tmp_path)).load_state_dict(state)
     assert MixtureSource(["code", "web"], [1.0, 1.0], [synthetic, _hf_glob(tmp_path)]).files_fingerprint() != mixed
     os.remove(tmp_path / "3.parquet")
     _loader(_hf_glob(tmp_path)).load_state_dict(state)  # the same files: it continues
     # The patterns' order is the files' order, which datasets reads: another order is another stream.
     reordered = _hf_glob(tmp_path, str(tmp_path / "2.parquet"), str(tmp_path / "[01].parquet"))
-    with pytest.raises(DataStreamMismatch, match="the data files"):
+    with pytest.raises(DataStreamMismatch, match="what the source reads beyond its settings"):
         _loader(reordered).load_state_dict(state)
     # A state saved before the files were part of the stream's id is not asked them.
     older = _without_files_part(state)
     assert older != state
     _loader(_hf_glob(tmp_path)).load_state_dict(older)
+
+
+def test_a_resume_under_another_datasets_version_is_another_stream(tmp_path, monkeypatch):
+    """A huggingface stream position is datasets' own state: under another version it was refused only once a shard
+    read it, naming pip install, so checkpoint.data_mismatch = 'restart' could not start the data afresh instead.
+    The version is now part of the stream's id, of a remote stream's too."""
+    import datasets
+
+    state, version = _hf_glob_state(tmp_path), datasets.__version__
+    monkeypatch.setattr(datasets, "__version__", "99.0.0")
+    with pytest.raises(DataStreamMismatch, match=rf"datasets {re.escape(version)},3 files .* there, datasets 99\.0\.0,"
+                                                 r"3 files .* here"):
+        _loader(_hf_glob(tmp_path)).load_state_dict(state)
+    assert HuggingFaceSource(HuggingFaceArgs(path="someone/corpus")).files_fingerprint() == "datasets 99.0.0"
 
 
 def _without_files_part(state):

@@ -261,8 +261,8 @@ _STREAM_FIELDS = {"tokenizer": "data.tokenizer (name:vocabulary size)", "add_bos
                   "eos": "the tokenizer's end-of-document id (its eos_token)",
                   "bos": "the tokenizer's start-of-document id (its bos_token)",
                   "tokenizer_file": "the tokenizer file's content (digest)",
-                  "files": "the data files the source's paths or patterns match (names, sizes and first and last "
-                           "bytes, digest)"}
+                  "files": "what the source reads beyond its settings (the files its paths or patterns match: names, "
+                           "sizes and first and last bytes, digest; huggingface: the datasets version)"}
 # Parts added to stream ids after states were saved without them: a state that lacks one is not asked it.
 _ADDED_LATER = ("eos", "bos", "tokenizer_file", "files")
 # The model learned the ids of the saved run's tokenizer: going on with other ids is a new start for it.

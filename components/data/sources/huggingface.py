@@ -314,12 +314,17 @@ class HuggingFaceSource:
             f"{a.text_field},{sorted(a.data_files)},buffer={a.shuffle_buffer})"
         )
 
-    def files_fingerprint(self) -> str | None:
-        """The local files data_files match, in the order datasets reads them, with their sizes and sampled bytes: a
-        saved position belongs to those files, which the patterns alone do not name (a file moved into or out of a
-        glob's folder, or rewritten). None for a remote stream."""
+    def files_fingerprint(self) -> str:
+        """The datasets version, whose stream positions are its own (another version's are refused before any is
+        read, so that checkpoint.data_mismatch = 'restart' can start the data afresh), and the local files data_files
+        match, in the order datasets reads them, with their sizes and sampled bytes: a saved position belongs to
+        those files, which the patterns alone do not name (a file moved into or out of a glob's folder, or
+        rewritten)."""
+        import datasets
+
+        version = f"datasets {datasets.__version__}"
         if not self._reads_local_files():
-            return None
+            return version
         from datasets.data_files import DataFilesList
 
         try:  # datasets' own resolution: its order, its hidden-file rule
@@ -329,9 +334,9 @@ class HuggingFaceSource:
             raise UserError(f"{self._what()}: cannot list data_files {list(self.args.data_files)} ({type(e).__name__}: "
                             f"{first_line(e)}). Fix: give paths or globs of existing files") from e
         if not paths:
-            return None
+            return version
         listing = listing_digest([f.key for f in corpus_files(paths)], sizes)
-        return f"{listing},{sampled_bytes_digest(paths, self._unreadable)}"
+        return f"{version},{listing},{sampled_bytes_digest(paths, self._unreadable)}"
 
     def _unreadable(self, path: str, error: OSError) -> UserError:
         return UserError(f"{self._what()}: cannot read {path} ({error}). Fix: restore it or its permissions; or "
