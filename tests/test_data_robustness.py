@@ -8,6 +8,7 @@ import re
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from components.data.sources import (HuggingFaceArgs, HuggingFaceSource, Synthet
                                      TextFilesArgs, TextFilesSource)
 from components.data.sources.mixture import MixtureSource
 from components.errors import UserError
-from tests.test_data_helpers import unique_texts, write_jsonl, write_parquet
+from tests.test_data_helpers import jsonl_source, unique_texts, write_jsonl, write_parquet
 
 
 def _loader(source, **kw):
@@ -159,7 +160,7 @@ def test_a_file_rewritten_to_the_same_size_is_a_different_corpus(tmp_path):
     assert after.fingerprint() == source.fingerprint()  # names and sizes alike
     with pytest.raises(DataStreamMismatch, match="what the source reads beyond its settings"):
         _loader(after).load_state_dict(state)
-    _loader(after).load_state_dict(_without_files_part(state))  # a state saved without the part is not asked it
+    _loader(after).load_state_dict(_saved_without(state, "files"))  # a state saved without the part is not asked it
     path.write_text(text)
     write_parquet(parquet, unique_texts(20, seed=2, prefix="pq"), row_group_size=5)
     with pytest.raises(DataStreamMismatch, match="what the source reads beyond its settings"):
@@ -211,7 +212,7 @@ def test_a_file_moved_into_or_out_of_a_data_files_glob_is_another_stream(tmp_pat
     with pytest.raises(DataStreamMismatch, match="what the source reads beyond its settings"):
         _loader(reordered).load_state_dict(state)
     # A state saved before the files were part of the stream's id is not asked them.
-    older = _without_files_part(state)
+    older = _saved_without(state, "files")
     assert older != state
     _loader(_hf_glob(tmp_path)).load_state_dict(older)
 
@@ -230,13 +231,29 @@ def test_a_resume_under_another_datasets_version_is_another_stream(tmp_path, mon
     assert HuggingFaceSource(HuggingFaceArgs(path="someone/corpus")).files_fingerprint() == "datasets 99.0.0"
 
 
-def _without_files_part(state):
-    """A loader state as a release that kept no files part in its stream ids saved it."""
+def test_a_resume_where_numpy_orders_streams_otherwise_is_another_stream(tmp_path, monkeypatch):
+    """Documents are ordered by numpy's generators, whose streams numpy does not promise across versions: a saved
+    place resumed under another numpy that orders them otherwise went on in another order, in silence."""
+    from components.data.sources import base
+
+    source, _ = jsonl_source(tmp_path)
+    loader = _loader(source)
+    next(iter(loader))
+    state = loader.state_dict()
+    _loader(source).load_state_dict(state)
+    monkeypatch.setattr(base, "order_rng", lambda seed, *stream: np.random.Generator(np.random.Philox([seed, *stream])))
+    with pytest.raises(DataStreamMismatch, match="numpy's random streams, which order the documents"):
+        _loader(source).load_state_dict(state)
+    _loader(source).load_state_dict(_saved_without(state, "order"))  # a state saved without the part
+
+
+def _saved_without(state, part: str):
+    """A loader state as a release that kept no such part in its stream ids saved it."""
     if isinstance(state, dict):
-        return {k: _without_files_part(v) for k, v in state.items()}
+        return {k: _saved_without(v, part) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_without_files_part(v) for v in state)
-    return re.sub(r"\|files=[^|]*", "", state) if isinstance(state, str) else state
+        return type(state)(_saved_without(v, part) for v in state)
+    return re.sub(rf"\|{part}=[^|]*", "", state) if isinstance(state, str) else state
 
 
 def test_tiktoken_decodes_ids_that_name_no_token():

@@ -262,9 +262,10 @@ _STREAM_FIELDS = {"tokenizer": "data.tokenizer (name:vocabulary size)", "add_bos
                   "bos": "the tokenizer's start-of-document id (its bos_token)",
                   "tokenizer_file": "the tokenizer file's content (digest)",
                   "files": "what the source reads beyond its settings (the files its paths or patterns match: names, "
-                           "sizes and first and last bytes, digest; huggingface: the datasets version)"}
+                           "sizes and first and last bytes, digest; huggingface: the datasets version)",
+                  "order": "numpy's random streams, which order the documents (digest: numpy versions may differ)"}
 # Parts added to stream ids after states were saved without them: a state that lacks one is not asked it.
-_ADDED_LATER = ("eos", "bos", "tokenizer_file", "files")
+_ADDED_LATER = ("eos", "bos", "tokenizer_file", "files", "order")
 # The model learned the ids of the saved run's tokenizer: going on with other ids is a new start for it.
 _TOKENIZER_PARTS = ("tokenizer", "eos", "bos", "tokenizer_file")
 

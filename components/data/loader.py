@@ -31,7 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from components.errors import UserError
 from components.data.dataset import PackedShardsDataset, no_documents_error
 from components.data.sharding import loader_state_by_logical_shard, shards_of_rank, validate_layout
-from components.data.sources.base import SPLITS
+from components.data.sources.base import SPLITS, order_fingerprint
 
 
 class ShardedStatefulDataLoader(StatefulDataLoader):
@@ -114,7 +114,7 @@ def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, 
         + (f"|min_document_tokens={min_document_tokens}" if min_document_tokens else "")  # older states stay valid
         + f"|eos={tokenizer.eos_id}" + (f"|bos={tokenizer.bos_id}" if add_bos else "")
         + (f"|tokenizer_file={file}" if file else "")
-        + (f"|files={files}" if files else "")
+        + (f"|files={files}" if files else "") + f"|order={order_fingerprint()}"
     )
 
 
