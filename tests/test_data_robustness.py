@@ -158,7 +158,8 @@ def test_a_file_rewritten_to_the_same_size_is_a_different_corpus(tmp_path):
     path.write_text(text.replace("doc", "DOC"))
     after = TextFilesSource(TextFilesArgs(paths=[str(tmp_path)], validation_fraction=0.0))
     assert after.fingerprint() == source.fingerprint()  # names and sizes alike
-    with pytest.raises(DataStreamMismatch, match="what the source reads beyond its settings"):
+    with pytest.raises(DataStreamMismatch, match=r"what the source reads beyond its settings .* Fix: restore those "
+                                                 r"settings \(or files, or library versions\) of the run"):
         _loader(after).load_state_dict(state)
     _loader(after).load_state_dict(_saved_without(state, "files"))  # a state saved without the part is not asked it
     path.write_text(text)

@@ -101,7 +101,7 @@ class PackedShardsDataset(IterableDataset):
         if differences:
             raise DataStreamMismatch(
                 f"the data state was written for another data stream and cannot continue this one: "
-                f"{'; '.join(differences)}. Fix: restore those settings of the run "
+                f"{'; '.join(differences)}. Fix: restore those settings (or files, or library versions) of the run "
                 f"that wrote it, or start the data from its beginning"
             )
 
