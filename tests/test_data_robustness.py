@@ -173,11 +173,12 @@ def test_a_file_rewritten_to_the_same_size_is_a_different_corpus(tmp_path):
         _loader(_hf_glob(tmp_path / "hf")).load_state_dict(hf_state)
 
 
-def _hf_glob_state(folder, files: int = 3):
-    """A loader's state over a glob of `files` small parquet files (path = 'parquet'), after one batch."""
+def _hf_glob_state(folder, files: int = 3, source=None):
+    """A loader's state over a glob of `files` small parquet files (path = 'parquet', or `source`), after one
+    batch."""
     for i in range(files):
         write_parquet(str(folder / f"{i}.parquet"), unique_texts(12, seed=i, prefix=f"f{i}"), row_group_size=4)
-    loader = _loader(_hf_glob(folder))
+    loader = _loader(source or _hf_glob(folder))
     next(iter(loader))
     return loader.state_dict()
 
@@ -194,10 +195,10 @@ def test_a_file_moved_into_or_out_of_a_data_files_glob_is_another_stream(tmp_pat
     aside = tmp_path / "aside"
     aside.mkdir()
     os.rename(tmp_path / "2.parquet", aside / "2.parquet")
-    with pytest.raises(DataStreamMismatch, match=r"what the source reads beyond its settings \(the files "
-                                                 r"its paths or patterns match: names, sizes and first and last bytes, "
-                                                 r"digest; huggingface: the datasets version\) datasets [\w.]+,3 "
-                                                 r"files \w+,\w+ there, datasets [\w.]+,2 files \w+,\w+ here"):
+    with pytest.raises(DataStreamMismatch, match=r"what the source reads beyond its settings \(the files its "
+                                                 r"paths, patterns or folder hold: names, sizes and first and last "
+                                                 r"bytes, digest; huggingface: the datasets version\) datasets [\w.]+,"
+                                                 r"3 files \w+,\w+ there, datasets [\w.]+,2 files \w+,\w+ here"):
         _loader(_hf_glob(tmp_path)).load_state_dict(state)
     synthetic = SyntheticSource(SyntheticArgs(num_documents=4))
     mixed = MixtureSource(["code", "web"], [1.0, 1.0], [synthetic, _hf_glob(tmp_path)]).files_fingerprint()
@@ -216,6 +217,18 @@ def test_a_file_moved_into_or_out_of_a_data_files_glob_is_another_stream(tmp_pat
     older = _saved_without(state, "files")
     assert older != state
     _loader(_hf_glob(tmp_path)).load_state_dict(older)
+
+
+def test_a_file_moved_out_of_a_dataset_folder_is_another_stream(tmp_path):
+    """A local dataset folder as path (datasets finds its files itself) had only its name in the stream's id."""
+    def folder():
+        return HuggingFaceSource(HuggingFaceArgs(path=str(tmp_path / "set"), name="", validation_fraction=0.0))
+
+    (tmp_path / "set").mkdir()
+    state = _hf_glob_state(tmp_path / "set", source=folder())
+    os.rename(tmp_path / "set" / "2.parquet", tmp_path / "2.parquet")
+    with pytest.raises(DataStreamMismatch, match=r"3 files .* there, datasets [\w.]+,2 files .* here"):
+        _loader(folder()).load_state_dict(state)
 
 
 def test_a_resume_under_another_datasets_version_is_another_stream(tmp_path, monkeypatch):

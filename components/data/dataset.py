@@ -261,8 +261,8 @@ _STREAM_FIELDS = {"tokenizer": "data.tokenizer (name:vocabulary size)", "add_bos
                   "eos": "the tokenizer's end-of-document id (its eos_token)",
                   "bos": "the tokenizer's start-of-document id (its bos_token)",
                   "tokenizer_file": "the tokenizer file's content (digest)",
-                  "files": "what the source reads beyond its settings (the files its paths or patterns match: names, "
-                           "sizes and first and last bytes, digest; huggingface: the datasets version)",
+                  "files": "what the source reads beyond its settings (the files its paths, patterns or folder hold: "
+                           "names, sizes and first and last bytes, digest; huggingface: the datasets version)",
                   "order": "numpy's random streams, which order the documents (digest: numpy versions may differ)"}
 # Parts added to stream ids after states were saved without them: a state that lacks one is not asked it.
 _ADDED_LATER = ("eos", "bos", "tokenizer_file", "files", "order")

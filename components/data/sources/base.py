@@ -4,9 +4,10 @@ A source is a picklable object with:
   - `check()`: raises UserError early (before training) when the data cannot be read; cheap.
   - `fingerprint()`: a short string naming the corpus, stored with loader state so that a state
     is never applied to another corpus.
-  - optionally `files_fingerprint()`: a short string naming what the recipe's fields do not say of the corpus (the
-    files a pattern matches), stored beside the fingerprint; None when there is nothing to name. A saved state
-    without one (older checkpoints) is not asked it;
+  - optionally `files_fingerprint()`: a short string naming what the recipe's fields do not say of the stream (the
+    files a pattern or folder holds, samples of their bytes, the version of a library whose positions are saved),
+    stored beside the fingerprint; None when there is nothing to name. A saved state without one (older
+    checkpoints) is not asked it;
   - optionally `has_split(split)`: False when the split is empty by construction (e.g. no
     validation held out), so the loader can refuse it before training;
   - optionally `check_tokenizer(tokenizer)`: raises UserError when the source cannot feed it;

@@ -316,31 +316,46 @@ class HuggingFaceSource:
 
     def files_fingerprint(self) -> str:
         """The datasets version, whose stream positions are its own (another version's are refused before any is
-        read, so that checkpoint.data_mismatch = 'restart' can start the data afresh), and the local files data_files
-        match, in the order datasets reads them, with their sizes and sampled bytes: a saved position belongs to
-        those files, which the patterns alone do not name (a file moved into or out of a glob's folder, or
+        read, so that checkpoint.data_mismatch = 'restart' can start the data afresh), and the local files the stream
+        reads, in datasets' order, with their sizes and sampled bytes: a saved position belongs to those files, which
+        the patterns or the folder's name alone do not name (a file moved into or out of a glob's folder, or
         rewritten)."""
         import datasets
 
         version = f"datasets {datasets.__version__}"
-        if not self._reads_local_files():
-            return version
-        from datasets.data_files import DataFilesList
-
-        try:  # datasets' own resolution: its order, its hidden-file rule
-            paths = [str(p) for p in DataFilesList.from_patterns(list(self.args.data_files))]
-            sizes = [os.path.getsize(p) for p in paths]
-        except (OSError, ValueError) as e:
-            raise UserError(f"{self._what()}: cannot list data_files {list(self.args.data_files)} ({type(e).__name__}: "
-                            f"{first_line(e)}). Fix: give paths or globs of existing files") from e
+        paths = self._local_files()
         if not paths:
             return version
+        try:
+            sizes = [os.path.getsize(p) for p in paths]
+        except OSError as e:
+            raise self._unreadable(e.filename or str(paths), e) from e
         listing = listing_digest([f.key for f in corpus_files(paths)], sizes)
         return f"{version},{listing},{sampled_bytes_digest(paths, self._unreadable)}"
 
+    def _local_files(self) -> list[str]:
+        """The local files the stream reads (every split's), as datasets resolves them; [] for a remote stream."""
+        a = self.args
+        try:
+            if self._reads_local_files():  # datasets' own resolution: its order, its hidden-file rule
+                from datasets.data_files import DataFilesList
+
+                return [str(p) for p in DataFilesList.from_patterns(list(a.data_files))]
+            if os.path.isdir(a.path):  # a dataset folder: the files datasets takes from it (its card's or its layout)
+                import datasets
+
+                found = datasets.load_dataset_builder(a.path, a.name or None, data_files=list(a.data_files) or None)
+                return [str(p) for split in (found.config.data_files or {}).values() for p in split if "://" not in p]
+        except Exception as e:  # datasets raises many types; the load before this one read the same files
+            if worker_died(e):
+                raise
+            raise UserError(f"{self._what()}: cannot list the data files ({type(e).__name__}: {first_line(e)}). Fix: "
+                            "give paths or globs of existing files in data_files") from e
+        return []
+
     def _unreadable(self, path: str, error: OSError) -> UserError:
         return UserError(f"{self._what()}: cannot read {path} ({error}). Fix: restore it or its permissions; or "
-                         f"remove it from data_files ({ANOTHER_STREAM})")
+                         f"remove it from data_files or the dataset's folder ({ANOTHER_STREAM})")
 
     def documents(self, shard, num_shards, split, seed, epoch, cursor):
         failures = yielded = 0
