@@ -11,7 +11,7 @@ from nsa_titan.checkpoint import check_weights_path, run_branches
 from nsa_titan.hf_folder import is_hf_folder, load_hf_weights
 from nsa_titan.resume_notes import (say_checkpoints_left_alone, say_data_order_change, say_derived_batch_change,
                                     say_held_out_change, say_other_checkpoint_folders, say_schedule_jump,
-                                    say_weight_source_changes, weight_source_changes)
+                                    say_unchecked_data, say_weight_source_changes, weight_source_changes)
 from nsa_titan.run_folder import recipe_change_note
 
 
@@ -95,6 +95,7 @@ def restore(recipe, resolved, checkpointer, state, nan_guard, vocab_size: int, g
             say(note)
         say_derived_batch_change(recipe, say, record, step, global_batch, dp_size)
         say_data_order_change(say, record, step, data_layout(dp_size, recipe.data), data_restarted)
+        say_unchecked_data(say, state.dataloader, step, data_restarted)
         say_held_out_change(recipe, say, record, step)
         say_schedule_jump(recipe, say, state.optimizer, *saved_rates, step)
         if ckpt.initial_load_path:  # the weights to start from apply to a run's first start only

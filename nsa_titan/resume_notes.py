@@ -146,6 +146,15 @@ def say_data_order_change(say, record: dict, step: int, here: dict, data_restart
         f"exactly, resume with {keep}.")
 
 
+def say_unchecked_data(say, loader, step: int, data_restarted: bool) -> None:
+    """A data state saved before a part of the stream's id was kept (an older release) resumes, as it did, without
+    that part checked: said, so that a changed corpus behind it is not taken for a checked one."""
+    unchecked = getattr(loader.dataset, "unchecked", [])
+    if unchecked and not data_restarted:
+        say(f"note: step {step} saved its data position before resumes checked {' and '.join(unchecked)}: "
+            f"this one takes them as unchanged")
+
+
 def say_held_out_change(recipe, say, record: dict, step: int) -> None:
     """A resume whose held-out set has another size validates on other rows: its losses do not continue the
     curve. With training.global_batch_size = -1 the set follows local_batch_size, which a scale-out (1 x 8 to

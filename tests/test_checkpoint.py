@@ -70,6 +70,25 @@ def test_resume_continues_the_loss_curve_to_the_bit(tmp_path, layout):
         assert resumed[step] == expected[step], (step, resumed, expected)  # bitwise equal
 
 
+def test_a_resume_from_a_data_state_saved_before_its_files_were_checked_says_so(tmp_path, capsys, monkeypatch):
+    """A checkpoint whose data state holds no files part (an older release's) resumes, its files unknown: said once."""
+    from components.data import loader
+
+    argv = [*BASE, f"--job.dump_folder={tmp_path}", "--checkpoint.interval=1"]
+    current = loader.stream_id
+    with monkeypatch.context() as older:
+        older.setattr(loader, "stream_id", lambda *a, **k: re.sub(r"\|(files|order)=[^|]*", "", current(*a, **k)))
+        assert cli.main(["train", *argv, "--training.steps=1"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=2"]) == 0
+    said = capsys.readouterr().out
+    assert ("note: step 1 saved its data position before resumes checked the data files (names, sizes, first and "
+            "last bytes; huggingface: the datasets version) and numpy's document order: this one takes them as "
+            "unchanged") in said, said
+    assert cli.main(["train", *argv, "--training.steps=3"]) == 0
+    assert "saved its data position before" not in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
 def test_resume_at_another_world_size(tmp_path, before, after):

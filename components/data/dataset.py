@@ -61,6 +61,7 @@ class PackedShardsDataset(IterableDataset):
         self.bos_id = tokenizer.bos_id if add_bos else None
         self.min_document_tokens = min_document_tokens
         self.stream_id = stream_id
+        self.unchecked: list[str] = []  # parts of the stream's id that an adopted state was saved without
         self.dp_rank = dp_rank
         self._states: dict[int, dict] = {s: self._fresh_state(s) for s in self.rank_shards}
         if shard_states is not None:
@@ -104,6 +105,7 @@ class PackedShardsDataset(IterableDataset):
                 f"{'; '.join(differences)}. Fix: restore those settings (or files, or library versions) of the run "
                 f"that wrote it, or start the data from its beginning"
             )
+        self.unchecked += [part for part in unchecked_parts(saved, self.stream_id) if part not in self.unchecked]
 
     def _my_shards(self) -> list[int]:
         info = get_worker_info()
@@ -266,8 +268,23 @@ _STREAM_FIELDS = {"tokenizer": "data.tokenizer (name:vocabulary size)", "add_bos
                   "order": "numpy's random streams, which order the documents (digest: numpy versions may differ)"}
 # Parts added to stream ids after states were saved without them: a state that lacks one is not asked it.
 _ADDED_LATER = ("eos", "bos", "tokenizer_file", "files", "order")
+# Those parts in a few words, for the note of a resume that could not check them.
+_UNCHECKED = {"eos": "the tokenizer's end-of-document id", "bos": "the tokenizer's start-of-document id",
+              "tokenizer_file": "the tokenizer file's content",
+              "files": "the data files (names, sizes, first and last bytes; huggingface: the datasets version)",
+              "order": "numpy's document order"}
 # The model learned the ids of the saved run's tokenizer: going on with other ids is a new start for it.
 _TOKENIZER_PARTS = ("tokenizer", "eos", "bos", "tokenizer_file")
+
+
+def unchecked_parts(saved: str, current: str) -> list[str]:
+    """What the current stream's id holds that the saved one, older, lacks (so a resume could not check it), in a
+    few words."""
+    def keys(stream: str) -> set[str]:
+        return {part.split("=", 1)[0] for part in stream.rpartition("|tokenizer=")[2].split("|")}
+
+    theirs, ours = keys(saved), keys(current)
+    return [_UNCHECKED[key] for key in _ADDED_LATER if key in ours and key not in theirs]
 
 
 def stream_differences(saved: str, current: str) -> list[str]:
