@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import shutil
 
 import pytest
@@ -537,6 +538,25 @@ def test_the_resume_check_compares_the_saved_data_stream(tmp_path, capsys):
     code, lines = _doctor(capsys, *run, "--training.steps=4", "--job.seed=7", "--checkpoint.data_mismatch=restart")
     status, text = lines["resume"]
     assert status == "ok" and "the data starts from its beginning" in text, text
+
+
+def test_the_resume_check_says_what_an_older_data_state_leaves_unchecked(tmp_path, capsys, monkeypatch):
+    """A checkpoint whose data state holds no files part (an older release's) passes, as its resume does, and says
+    what the resume cannot check, as training says."""
+    from components.data import loader
+    from tests.launch import TINY
+
+    run = [DEBUG, *TINY, "--checkpoint.enable=true", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
+    current = loader.stream_id
+    with monkeypatch.context() as older:
+        older.setattr(loader, "stream_id", lambda *a, **k: re.sub(r"\|files=[^|]*", "", current(*a, **k)))
+        assert cli.main(["train", *run, "--training.steps=1"]) == 0
+    capsys.readouterr()
+    code, lines = _doctor(capsys, *run, "--training.steps=2")
+    status, text = lines["resume"]
+    assert status == "ok" and ("its data position was saved before resumes checked the data files (names, sizes, "
+                               "first and last bytes; huggingface: the datasets version): a resume takes them as "
+                               "unchanged") in text, lines["resume"]
 
 
 def test_the_data_check_warns_when_logical_shards_outnumber_the_sources(tmp_path, capsys):

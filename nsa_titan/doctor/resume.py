@@ -97,12 +97,14 @@ def _data_stream_note(recipe, runtime, tokenizer, reader: Checkpointer, step: in
     merged = merge_shard_states(*(loader_state_by_logical_shard(saved)
                                   for saved in reader.saved_data_states(step, record)))
     try:
-        assemble.build_loader(recipe, runtime, assemble.build_source(recipe), tokenizer, dp_rank=0, dp_size=1,
-                              split="train", batch_size=recipe.training.local_batch_size, shard_states=merged,
-                              num_workers=0)
+        loader = assemble.build_loader(recipe, runtime, assemble.build_source(recipe), tokenizer, dp_rank=0,
+                                       dp_size=1, split="train", batch_size=recipe.training.local_batch_size,
+                                       shard_states=merged, num_workers=0)
     except DataStreamMismatch as mismatch:
         if recipe.checkpoint.data_mismatch == "restart":
             return ("its data stream is not this recipe's: the data starts from its beginning "
                     "(checkpoint.data_mismatch = 'restart')")
         return Check("resume", FAIL, data_mismatch_message(mismatch, reader.step_dir(step)))
-    return ""
+    unchecked = getattr(loader.dataset, "unchecked", [])  # saved by an older release: as training says
+    return (f"its data position was saved before resumes checked {' and '.join(unchecked)}: a resume takes them as "
+            f"unchanged") if unchecked else ""
