@@ -252,7 +252,7 @@ def test_a_mixed_sources_fixes_name_the_fields_of_its_own_table(tmp_path):
     entries = {"code": MixtureEntry(1.0, "text_files", TextFilesArgs(paths=[str(odd)])),
                "noise": MixtureEntry(1.0, "synthetic", SyntheticArgs(vocab_size=300))}
     source = build_mixture_source(MixtureArgs(entries), lambda name, args: SOURCES[name][1](args))
-    with pytest.raises(UserError, match=r"from data\.mixture\.sources\.code\.paths, or set "
+    with pytest.raises(UserError, match=r"from data\.mixture\.sources\.code\.paths \(either way .*\), or set "
                                         r"data\.mixture\.sources\.code\.invalid_utf8 = 'replace'"):
         source.check()
     with pytest.raises(UserError, match=r"Fix: set data\.mixture\.sources\.noise\.vocab_size <= 256"):
