@@ -611,6 +611,29 @@ def test_the_memory_fix_names_only_settings_that_would_lower_it():
         ", or shard the weights and optimizer state over more processes (parallelism.data_parallel_shard_degree)")
 
 
+def test_an_estimate_past_the_hosts_share_fails_naming_fewer_processes(monkeypatch):
+    """An estimate of 103% of a process's share of the host was only a warning (the failure began at 120%),
+    though the processes could not all fit; up to 100% stays a warning."""
+    from nsa_titan.doctor import memory
+    from nsa_titan.runtime import make_runtime
+
+    recipe = resolve([DEBUG], world_size=2).recipe
+    runtime, tokenizer = make_runtime("cpu", "float32"), assemble.build_tokenizer(recipe)
+    totals = []
+    monkeypatch.setattr(memory, "estimate_memory", lambda **kw: totals.append(estimate_memory(**kw)) or totals[-1])
+
+    def check_at(share: float) -> checks.Check:
+        monkeypatch.setattr(checks, "_host_memory", lambda: int(2 * totals[0].total / share))
+        return checks.check_memory(recipe, 2, runtime, tokenizer)
+
+    check_at(0.5)
+    over, under = check_at(1.03), check_at(0.97)
+    assert over.status == "fail" and "103% of it" in over.detail, over.detail
+    assert over.detail.endswith("or run fewer of the 2 processes on this node (they share its memory; spread them "
+                                "over several nodes)"), over.detail
+    assert under.status == "warn" and "97% of it" in under.detail, under.detail
+
+
 @pytest.fixture(scope="module")
 def one_step_run(tmp_path_factory):
     """A run of the tiny model with step 1 saved: weights to start another run from."""
