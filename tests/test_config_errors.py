@@ -374,6 +374,17 @@ def test_a_flag_a_switch_flag_turns_off_is_told_to_go_not_to_turn_the_switch_bac
     assert followed.recipe.metrics.enable_wandb is False
 
 
+def test_a_refused_command_line_says_which_of_a_flag_given_twice_counted(capsys):
+    """The note on a flag given twice was said only when the recipe resolved: refused for the flag the later one
+    switched off, the user saw the refusal without being told the earlier --metrics.enable_wandb=true was replaced."""
+    code, err = run_cli(capsys, [DEBUG, "--print-config", "--metrics.enable_wandb=true", "--metrics.wandb_mode=offline",
+                                 "--metrics.enable_wandb=false"])
+    note = ("note: metrics.enable_wandb is set twice on the command line: '--metrics.enable_wandb=false' replaces "
+            "'--metrics.enable_wandb=true'")
+    assert code == 2 and err.count(note) == 1, err
+    assert err.index("--metrics.wandb_mode=offline': metrics.wandb_mode") < err.index(note), err
+
+
 @pytest.mark.parametrize("name, refused", [("../elsewhere", True), (".", True), ("/abs", True),
                                            ("ablations/w64", False)])
 def test_a_run_name_that_names_a_folder_outside_outputs_is_refused(tmp_path, name, refused):

@@ -16,14 +16,15 @@ class RecipeError(Exception):
 
     exit_code = 2
 
-    def __init__(self, problems: list[Problem]):
+    def __init__(self, problems: list[Problem], notes: tuple[str, ...] | list[str] = ()):
         self.problems = list(problems)
+        self.notes = list(notes)  # what the command line meant (a flag given twice), said with its refusal
         super().__init__(self.render())
 
     def render(self) -> str:
         count = len(self.problems)
         head = f"error: the recipe has {count} problem{'s' if count != 1 else ''}:"
-        return "\n".join([head] + [f"  - {p.render()}" for p in self.problems])
+        return "\n".join([head] + [f"  - {p.render()}" for p in self.problems] + [f"note: {n}" for n in self.notes])
 
 
 # How a note on a saved recipe (resolve_text) begins when a check added since it was written refuses it.

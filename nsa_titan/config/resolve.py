@@ -42,6 +42,7 @@ def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str 
     """
     problems: list[Problem] = []
     cmd = parse_args(argv, problems)
+    twice = tuple(cmd.notes)  # the flags given twice: which one counts may be what a refusal is about
     for action in sorted(cmd.actions - set(actions) - {"help"}):  # help is answered before a recipe is read
         flag = next(f for f, a in ACTIONS.items() if a == action)
         problems.append(Problem(f"flag {flag!r}", "command", None, "is not an option of this command, which would "
@@ -54,7 +55,7 @@ def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str 
     apply_overrides(table, origin, cmd.overrides, problems)
     if path is not None:
         _name_the_run_after(path, table, origin, cmd.notes)
-    return _finish(table, origin, problems, world_size, path, cmd, training=training)
+    return _finish(table, origin, problems, world_size, path, cmd, training=training, command_notes=twice)
 
 
 # In the note of a recipe whose [job] an extended file set: the commands that read a run's folder say it too.
@@ -164,10 +165,11 @@ def import_plugins_of(text: str) -> None:
 
 
 def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_size: int | None, path: str | None,
-            cmd: CommandLine, saved: bool = False, training: bool = False) -> ResolvedRecipe:
+            cmd: CommandLine, saved: bool = False, training: bool = False,
+            command_notes: tuple[str, ...] = ()) -> ResolvedRecipe:
     """saved: a recipe a run or an export wrote, read back to rebuild its model and data. It was valid when
     written: rules added since (cross-field checks, recipe rules) become notes; its fields and types
-    must still read."""
+    must still read. command_notes: said with the problems, if any."""
     _import_plugins(table, origin, problems)
     builder = RecipeBuilder(origin, problems, saved=saved)
     recipe = builder.build(Recipe, table)
@@ -177,7 +179,7 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
                     training=training)
         builder.notes.extend(f"{NO_LONGER_PASSES}{found.render()}" for found in broken)
     if problems:
-        raise RecipeError(problems)
+        raise RecipeError(problems, command_notes)
     text = dumps(recipe_to_table(recipe))
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     return ResolvedRecipe(recipe, text, digest, path, cmd, tuple(cmd.notes + builder.notes))
