@@ -155,6 +155,20 @@ def test_eval_runs_tasks_beside_its_own_probes(setup, tmp_path):
     assert isinstance(written["results"]["toy_choice"]["acc_stderr,none"], float)
 
 
+@pytest.mark.parametrize("release, listing", [("0.4.5", "lm_eval --tasks list"), ("0.4.9.2", "lm_eval --tasks list"),
+                                              ("0.4.10", "lm_eval ls tasks"), ("0.5.0.dev1", "lm_eval ls tasks")])
+def test_an_unknown_tasks_fix_lists_tasks_as_the_installed_harness_does(monkeypatch, release, listing):
+    """The fix named `lm_eval ls tasks` under every lm_eval the lm_eval extra allows (>= 0.4.5), though the `ls`
+    subcommand came with 0.4.10; before it tasks are listed with `--tasks list`, which 0.4.10 dropped."""
+    from importlib import metadata
+
+    from nsa_titan.evaluate.harness import task_listing
+
+    monkeypatch.setattr(metadata, "version", lambda name: {"lm_eval": release}[name])
+    assert task_listing(None) == listing
+    assert task_listing("my tasks") == f"{listing} --include_path 'my tasks'"
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--tasks", "no_such_task"], "lm-eval knows no task 'no_such_task'"),
     (["--tasks", "toy_choice,toy_lost"], "lm-eval cannot load the task(s) toy_choice, toy_lost"),

@@ -17,6 +17,9 @@ none of its logits), and decodes greedily with the KV cache.
 from __future__ import annotations
 
 import os
+import re
+import shlex
+from importlib import metadata
 
 import torch
 import torch.nn.functional as F
@@ -166,8 +169,16 @@ def task_manager(tasks: list[str], task_dir: str | None):
             raise UserError(f"lm-eval knows no task {', '.join(map(repr, unknown))}{where}: the harness skipped the "
                             f"task files there that are not YAML, {'; '.join(broken)}. Fix: mend them.")
         raise UserError(f"lm-eval knows no task {', '.join(map(repr, unknown))}{where}. Fix: name tasks from "
-                        f"`lm_eval ls tasks`, or give --task-dir with your task YAML files.")
+                        f"`{task_listing(task_dir)}`, or give --task-dir with your task YAML files.")
     return manager
+
+
+def task_listing(task_dir: str | None) -> str:
+    """The installed harness's command that lists its tasks (task_dir's too): lm_eval 0.4.10 replaced
+    `--tasks list` with the `ls` subcommand."""
+    release = tuple(int(n) for n in re.findall(r"\d+", metadata.version("lm_eval"))[:3])
+    listing = "lm_eval ls tasks" if release >= (0, 4, 10) else "lm_eval --tasks list"
+    return listing + (f" --include_path {shlex.quote(task_dir)}" if task_dir else "")
 
 
 def _unreadable_task_files(task_dir: str) -> list[str]:
