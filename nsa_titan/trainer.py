@@ -428,9 +428,10 @@ class Trainer:
         try:
             self._train()
         except (RuntimeError, ConnectionError, EOFError) as exc:
+            # The run ends either way. A worker's socket breaks before its exit is signalled: torch's handler would
+            # raise the death here, while this error is read, as a second error and a traceback (or again, anywhere)
+            self._stop_hearing_worker_deaths()
             died = worker_died(exc, self.train_loader)
-            if died:
-                self._stop_hearing_worker_deaths()  # torch's handler would raise the death again, anywhere
             graph_break = graph_break_message(exc) if self.recipe.compile.fullgraph else None
             if graph_break is not None:
                 raise UserError(graph_break) from None

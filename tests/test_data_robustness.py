@@ -561,6 +561,35 @@ def test_a_killed_loader_worker_ends_the_run_with_one_message_and_the_way_on(tmp
     assert "Fix: lower data.num_workers or data.prefetch_factor" in said[0]
 
 
+def test_a_worker_death_signalled_after_its_broken_socket_is_said_once(tmp_path, capsys, monkeypatch):
+    """A worker killed while it handed over a batch breaks its socket first; torch's SIGCHLD handler then raised the
+    death a second time while the run read the first error, which escaped as a traceback."""
+    from nsa_titan import trainer
+    from tests.launch import DEBUG, TINY
+
+    real_step, real_died = trainer.Trainer.train_step, trainer.worker_died
+
+    def socket_broken(self, iterator):
+        if self.state.step < 3:
+            return real_step(self, iterator)
+        handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its signal comes later (signalled_now)
+        (worker,) = multiprocessing.active_children()
+        os.kill(worker.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped: torch's handler sees it
+        signal.signal(signal.SIGCHLD, handler)
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def signalled_now(exc, loader=None):
+        signal.raise_signal(signal.SIGCHLD)  # the exit's signal, while the broken socket is read
+        return real_died(exc, loader)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", socket_broken)
+    monkeypatch.setattr(trainer, "worker_died", signalled_now)
+    said, err = _one_worker_death_line(capsys, [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1",
+                                                f"--job.dump_folder={tmp_path}"])
+    assert "a data loader worker died after step 3" in said and "ended by SIGKILL" in said, err
+
+
 def test_a_worker_killed_during_a_save_is_said_as_its_death_not_as_a_failed_write(tmp_path, capsys, monkeypatch):
     """torch's SIGCHLD handler raised the death inside the checkpoint writer, whose zip writer then failed with
     'unexpected pos' (seen in CI): the run blamed the disk ('free space', exit 2). It is the worker's death, said as
