@@ -590,6 +590,29 @@ def test_a_worker_death_signalled_after_its_broken_socket_is_said_once(tmp_path,
     assert "a data loader worker died after step 3" in said and "ended by SIGKILL" in said, err
 
 
+def test_a_worker_whose_socket_broke_before_its_exit_shows_is_said_as_its_death(tmp_path, capsys, monkeypatch):
+    """The socket of a killed worker closes a moment before its exit can be seen: the run took the broken socket for
+    an error of its own and ended with a traceback."""
+    import threading
+
+    from nsa_titan import trainer
+    from tests.launch import DEBUG, TINY
+
+    real_step = trainer.Trainer.train_step
+
+    def socket_broken(self, iterator):
+        if self.state.step < 3:
+            return real_step(self, iterator)
+        (worker,) = multiprocessing.active_children()
+        threading.Timer(0.2, os.kill, (worker.pid, signal.SIGKILL)).start()  # its exit, once the run reads this
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", socket_broken)
+    said, err = _one_worker_death_line(capsys, [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1",
+                                                f"--job.dump_folder={tmp_path}"])
+    assert "a data loader worker died after step 3" in said and "ended by SIGKILL" in said, err
+
+
 def test_a_worker_killed_during_a_save_is_said_as_its_death_not_as_a_failed_write(tmp_path, capsys, monkeypatch):
     """torch's SIGCHLD handler raised the death inside the checkpoint writer, whose zip writer then failed with
     'unexpected pos' (seen in CI): the run blamed the disk ('free space', exit 2). It is the worker's death, said as

@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 import signal
 import threading
+import time
 
 _DIED = re.compile(r"^DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\)")
+_EXIT_SEEN_WITHIN_S = 2.0  # after its socket broke, a killed worker's exit is seen within this
 
 
 def worker_died(exc: BaseException, loader: object = None) -> bool:
@@ -17,7 +19,15 @@ def worker_died(exc: BaseException, loader: object = None) -> bool:
     `loader` (or of a loader iterator the error passed) dead."""
     if isinstance(exc, RuntimeError):
         return _DIED.match(str(exc)) is not None
-    return isinstance(exc, (ConnectionError, EOFError)) and bool(_dead_workers(exc, loader))
+    if not isinstance(exc, (ConnectionError, EOFError)):
+        return False
+    # The socket closes as the worker exits, a moment before the exit can be seen (on a busy machine, longer)
+    deadline = time.monotonic() + _EXIT_SEEN_WITHIN_S
+    while not _dead_workers(exc, loader):
+        if time.monotonic() > deadline or not any(True for _ in _workers_near(exc, loader)):
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def death_hidden_in(exc: BaseException, loader: object) -> RuntimeError | None:
