@@ -15,8 +15,8 @@ import torch
 from components.errors import UserError
 from components.sequence_shard import SequenceShard
 
-from components.data import (death_hidden_in, restore_worker_deaths, signal_that_ended, stop_hearing_worker_deaths,
-                             worker_died)
+from components.data import (DeathsInFinalizers, death_hidden_in, restore_worker_deaths, signal_that_ended,
+                             stop_hearing_worker_deaths, worker_died)
 from nsa_titan import assemble, held_out, registry
 from nsa_titan.attention_probe import AttentionProbe
 from nsa_titan.checkpoint import Checkpointer, RunState
@@ -426,7 +426,8 @@ class Trainer:
         validation; it ends the run as one message. So does a graph break under compile.fullgraph = true,
         which Dynamo raises from a block's first call."""
         try:
-            self._train()
+            with DeathsInFinalizers() as self._deaths:
+                self._train()
         except (RuntimeError, ConnectionError, EOFError) as exc:
             # The run ends either way. A worker's socket breaks before its exit is signalled: torch's handler would
             # raise the death here, while this error is read, as a second error and a traceback (or again, anywhere)
@@ -486,6 +487,7 @@ class Trainer:
                                    self.nan_guard.total_bad)
 
         while state.step < t.steps:
+            self._deaths.raise_heard()  # a worker's death heard inside a finalizer, in the last step or its save
             step_start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
             self.profiler.before_step(state.step + 1)

@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import re
 import signal
+import sys
 import time
 
 import numpy as np
@@ -611,6 +612,37 @@ def test_a_worker_whose_socket_broke_before_its_exit_shows_is_said_as_its_death(
     said, err = _one_worker_death_line(capsys, [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1",
                                                 f"--job.dump_folder={tmp_path}"])
     assert "a data loader worker died after step 3" in said and "ended by SIGKILL" in said, err
+
+
+def test_a_worker_death_raised_inside_a_finalizer_is_said_once_without_a_traceback(tmp_path, capsys, monkeypatch):
+    """torch's SIGCHLD handler ran while the training process was in a finalizer (a shared tensor's __del__ runs at
+    each batch): Python printed the death as 'Exception ignored' with its traceback, and the run went on until the
+    loader's own check saw the dead worker."""
+    from nsa_titan import trainer
+    from tests.launch import DEBUG, TINY
+
+    real_step = trainer.Trainer.train_step
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(signal.SIGCHLD)  # the exit's signal, heard inside this finalizer
+
+    def killed_meanwhile(self, iterator):
+        if self.state.step == 3:
+            handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its signal comes in the finalizer
+            (worker,) = multiprocessing.active_children()
+            os.kill(worker.pid, signal.SIGKILL)
+            os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped: torch's handler sees it
+            signal.signal(signal.SIGCHLD, handler)
+            Finalized()
+        return real_step(self, iterator)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", killed_meanwhile)
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # Python's own, not pytest's
+    said, err = _one_worker_death_line(capsys, [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1",
+                                                f"--job.dump_folder={tmp_path}"])
+    assert "a data loader worker died after step" in said and "ended by SIGKILL" in said, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
 def test_a_worker_killed_during_a_save_is_said_as_its_death_not_as_a_failed_write(tmp_path, capsys, monkeypatch):

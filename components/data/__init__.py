@@ -14,11 +14,12 @@ from components.data.lost_text import first_texts, lost_text_note
 from components.data.tokenizer_calls import decode_text, encode_text
 from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
                                         document_prefix_id)
-from components.data.workers import (death_hidden_in, restore_worker_deaths, signal_that_ended,
+from components.data.workers import (DeathsInFinalizers, death_hidden_in, restore_worker_deaths, signal_that_ended,
                                      stop_hearing_worker_deaths, worker_died)
 
 __all__ = [
     "DataStreamMismatch",
+    "DeathsInFinalizers",
     "MIXTURE",
     "SOURCES",
     "MixtureArgs",

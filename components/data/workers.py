@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -52,6 +53,33 @@ def stop_hearing_worker_deaths() -> object:
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+class DeathsInFinalizers:
+    """While entered, a worker's death that torch's SIGCHLD handler raised inside a finalizer (a shared tensor's
+    __del__, a weakref callback) is kept for raise_heard: Python would print it as 'Exception ignored' with its
+    traceback and go on, until the loader's own check sees the dead worker seconds later."""
+
+    def __init__(self) -> None:
+        self.heard: list[BaseException] = []
+        self._previous = None
+
+    def __enter__(self) -> DeathsInFinalizers:
+        self._previous, sys.unraisablehook = sys.unraisablehook, self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.unraisablehook = self._previous
+
+    def _hook(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, RuntimeError) and worker_died(unraisable.exc_value):
+            self.heard.append(unraisable.exc_value)
+        else:
+            self._previous(unraisable)
+
+    def raise_heard(self) -> None:
+        if self.heard:
+            raise self.heard[0]
 
 
 def restore_worker_deaths(previous: object) -> None:
