@@ -383,8 +383,19 @@ class Checkpointer:
             return
         step, future = self._pending
         self._pending = None
+        death = None
         with self._writing(step):
-            self._mark_complete(step, _gather(future.result(), self._async_group))
+            try:
+                checksums = future.result()
+            except RuntimeError as exc:
+                if not worker_died(exc):
+                    raise
+                # A loader worker's death heard while waiting: the save itself writes on. It completes (a checkpoint
+                # the rerun resumes from) before the death ends the run.
+                death, checksums = exc, future.result()
+            self._mark_complete(step, _gather(checksums, self._async_group))
+        if death is not None:
+            raise death
 
     def _save_rank_state(self, state: RunState, path: str) -> None:
         payload = {"dataloader": state.dataloader.state_dict(), "rng": _rng_state(), "rank": self.rank,

@@ -645,6 +645,45 @@ def test_a_worker_death_raised_inside_a_finalizer_is_said_once_without_a_traceba
     assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
+def test_a_worker_killed_while_a_background_save_is_awaited_keeps_that_save(tmp_path, capsys, monkeypatch):
+    """torch's SIGCHLD handler raised the death while the run waited for a background save that was writing well:
+    the save was removed as a failed one, and the checkpoint before it named as the way on."""
+    from nsa_titan.checkpoint import Checkpointer, complete_steps
+    from tests.launch import DEBUG, TINY
+
+    real = Checkpointer.save
+
+    class HeardWhileAwaited:
+        def __init__(self, future):
+            self.future, self.heard = future, False
+
+        def done(self):
+            return self.future.done()
+
+        def result(self, timeout=None):
+            if not self.heard:
+                self.heard = True
+                handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its signal comes in the wait
+                (worker,) = multiprocessing.active_children()
+                os.kill(worker.pid, signal.SIGKILL)
+                os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped: torch's handler sees it
+                signal.signal(signal.SIGCHLD, handler)
+                signal.raise_signal(signal.SIGCHLD)
+            return self.future.result(timeout)
+
+    def save(self, state, **kwargs):
+        real(self, state, **kwargs)
+        if state.step == 4:
+            self._pending = (4, HeardWhileAwaited(self._pending[1]))
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    said, err = _one_worker_death_line(capsys, [DEBUG, *TINY, "--training.steps=10", "--data.num_workers=1",
+                                                "--checkpoint.enable=true", "--checkpoint.interval=2",
+                                                "--checkpoint.async_mode=async", f"--job.dump_folder={tmp_path}"])
+    assert complete_steps(tmp_path / "checkpoint") == [2, 4], err
+    assert "ended by SIGKILL" in said and f"resumes from {tmp_path / 'checkpoint' / 'step-4'}" in said, err
+
+
 def test_a_worker_killed_during_a_save_is_said_as_its_death_not_as_a_failed_write(tmp_path, capsys, monkeypatch):
     """torch's SIGCHLD handler raised the death inside the checkpoint writer, whose zip writer then failed with
     'unexpected pos' (seen in CI): the run blamed the disk ('free space', exit 2). It is the worker's death, said as
