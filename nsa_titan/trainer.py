@@ -24,15 +24,17 @@ from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
 from nsa_titan.graceful_stop import GracefulStop
 from nsa_titan.loss import IGNORE_INDEX, token_cross_entropy_sum
+from nsa_titan.missed_results import (log_missed_telemetry, log_missed_validation, take_missed_telemetry,
+                                      take_missed_validation)
 from nsa_titan.observe.console import say, step_line, warn
 from nsa_titan.observe.heartbeat import Heartbeat
 from nsa_titan.observe.manifest import MANIFEST_FILE, write_manifest
-from nsa_titan.observe.metrics_log import METRICS_FILE, MetricsLog, TensorBoardLog, has_record
+from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog
 from nsa_titan.observe.mfu import peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.run_sinks import open_metrics_log, open_tensorboard, open_wandb
 from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
-from nsa_titan.observe.telemetry_log import PREFIX as TELEMETRY_PREFIX, telemetry_line
+from nsa_titan.observe.telemetry_log import telemetry_line
 from nsa_titan.observe.step_profiler import StepProfiler
 from nsa_titan.observe.step_record import StepRecorder
 from nsa_titan.observe.watchdog import Watchdog, describe_stall
@@ -382,44 +384,6 @@ class Trainer:
         validation = self.recipe.validation
         return validation.enable and (step % validation.freq == 0 or step == self.recipe.training.steps)
 
-    def _missed_validation(self) -> dict | None:
-        """The validation due at the step this run resumes from, when the run that saved that step stopped
-        before it logged one (between the save and the validation after it): computed now, on the weights
-        it was due for, and logged once this run has begun (its first step succeeded)."""
-        step = self.state.step
-        if step == 0 or not self._validation_due(step):
-            return None
-        logged = has_record(os.path.join(self.recipe.job.dump_folder, METRICS_FILE), step, "val_loss")
-        if any_rank(logged, self.runtime.device):  # agreed: a rank that validated alone would wait for the others
-            return None
-        with self._memory_fault("validation after step", step):
-            return {"step": step, **self.validate()}
-
-    def _missed_telemetry(self) -> tuple[int, dict[str, float], dict] | None:
-        """The telemetry due at the resumed step, when the run that saved it stopped before logging it (in the
-        save or the validation after it): taken now, on the weights it was due for, and logged once this run has
-        begun, as _missed_validation's loss is."""
-        step, freq = self.state.step, self.recipe.metrics.telemetry_freq
-        if step == 0 or not freq or step % freq:
-            return None
-        logged = has_record(os.path.join(self.recipe.job.dump_folder, METRICS_FILE), step, TELEMETRY_PREFIX,
-                            prefix=True)
-        if any_rank(logged, self.runtime.device):  # agreed: telemetry walks the model on every rank
-            return None
-        return (step, *self._telemetry_now())
-
-    def _log_missed_telemetry(self, step: int, records: dict[str, float], figures: dict) -> None:
-        """Log what _missed_telemetry took, unless the records _begin brought back hold it already (as for
-        validation); every rank calls it, rank 0 logs."""
-        if not (self.runtime.is_main and has_record(self.metrics.path, step, TELEMETRY_PREFIX, prefix=True)):
-            self._log_telemetry(step, records, figures)
-
-    def _log_missed_validation(self, record: dict) -> None:
-        """Log the validation _missed_validation computed, unless the records _begin brought back from a set-aside
-        file (after a run without checkpoints in this folder) hold it already."""
-        if self.runtime.is_main and not has_record(self.metrics.path, record["step"], "val_loss"):
-            self._log(record)
-
     def run(self) -> None:
         """Train to training.steps (or a stop request). A loader worker's death reaches this process as a
         RuntimeError wherever it happens to be (torch's SIGCHLD handler raises it): a step, a save, a
@@ -458,15 +422,18 @@ class Trainer:
         self.watchdog = Watchdog(fault.step_timeout_seconds, fault.first_step_timeout_seconds, self.stacks_path,
                                  on_timeout_message=lambda stall: f"rank {rank}: {describe_stall(stall)}",
                                  start_step=state.step)
-        missed = self._missed_validation()
-        missed_telemetry = self._missed_telemetry()
+        dump, device, is_main = recipe.job.dump_folder, self.runtime.device, self.runtime.is_main
+        missed = take_missed_validation(dump, state.step, self._validation_due(state.step), device, self.validate,
+                                        self._memory_fault)
+        missed_telemetry = take_missed_telemetry(dump, state.step, recipe.metrics.telemetry_freq, device,
+                                                 self._telemetry_now)
         if state.step >= t.steps:
             if missed is not None or missed_telemetry is not None:  # the run ended between its last save and them
                 self._begin()
             if missed is not None:
-                self._log_missed_validation(missed)
+                log_missed_validation(missed, self.metrics, is_main, self._log)
             if missed_telemetry is not None:
-                self._log_missed_telemetry(*missed_telemetry)
+                log_missed_telemetry(*missed_telemetry, self.metrics, is_main, self._log_telemetry)
             past = (f" (it is at step {state.step}; --checkpoint.load_step=N resumes an earlier checkpoint)"
                     if state.step > t.steps else "")
             self._say(f"nothing to do: the run already reached training.steps = {t.steps}{past}. Fix: raise "
@@ -497,10 +464,10 @@ class Trainer:
             if decision != STOP:  # agreed by every rank: all of them begin (a collective) or none
                 self._begin()
                 if missed is not None:
-                    self._log_missed_validation(missed)
+                    log_missed_validation(missed, self.metrics, is_main, self._log)
                     missed = None
                 if missed_telemetry is not None:
-                    self._log_missed_telemetry(*missed_telemetry)
+                    log_missed_telemetry(*missed_telemetry, self.metrics, is_main, self._log_telemetry)
                     missed_telemetry = None
             state.step += 1
             phase = time.perf_counter()
