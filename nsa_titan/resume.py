@@ -16,11 +16,18 @@ from nsa_titan.run_folder import recipe_change_note
 
 
 class Resumed(NamedTuple):
-    """What the resumed checkpoint says of the run that saved it, beyond the state it loads."""
-    step: int
-    elapsed_s: float  # the seconds the launches before this one took to reach `step`
-    last_logged: dict | None  # the last training record logged before the save
-    tensorboard_folder: str | None  # where that run's TensorBoard events went ("": none; None: not recorded)
+    """What the resumed checkpoint says of the run that saved it, beyond the state it loads (FRESH: no resume)."""
+    step: int | None  # the step resumed: a resume from an older step sets the newer ones aside
+    # The seconds the launches before this one took to reach `step`: a run's elapsed_s counts on across resumes,
+    # not from 0 at each.
+    elapsed_s: float
+    last_logged: dict | None  # the last training record logged before the save: the metrics file must hold it
+    # Where that run's TensorBoard events went ("": none; None: not recorded, an older checkpoint or no resume).
+    # Each checkpoint records its run's, so a resume knows whether the events there hold the steps up to it.
+    tensorboard_folder: str | None
+
+
+FRESH = Resumed(None, 0.0, None, None)  # a run that resumes no checkpoint
 
 
 def data_layout(dp_size: int, data) -> dict:
@@ -29,14 +36,15 @@ def data_layout(dp_size: int, data) -> dict:
 
 
 def restore(recipe, resolved, checkpointer, state, nan_guard, vocab_size: int, global_batch: int, dp_size: int,
-            loader, say) -> Resumed | None:
-    """Resume from the newest complete checkpoint (or checkpoint.load_step), else initial weights. `loader(split,
-    shard_states=None)`: this rank's loader of a split; the resumed one is state.dataloader."""
+            loader, say) -> Resumed:
+    """Resume from the newest complete checkpoint (or checkpoint.load_step), else initial weights; FRESH where no
+    checkpoint is resumed. `loader(split, shard_states=None)`: this rank's loader of a split; the resumed one is
+    state.dataloader."""
     ckpt = recipe.checkpoint
     if not ckpt.enable:
         say_checkpoints_left_alone(recipe, say)
     if checkpointer is None:
-        return None
+        return FRESH
     data_restarted = False  # whether the resume starts the recipe's data afresh (data_mismatch = restart)
 
     def restart_data():
@@ -114,4 +122,4 @@ def restore(recipe, resolved, checkpointer, state, nan_guard, vocab_size: int, g
         checkpointer.load_weights_only(state.model, ckpt.initial_load_path)
         say(f"initial weights from {ckpt.initial_load_path}")
         say_weight_source_changes(say, changes)
-    return None
+    return FRESH

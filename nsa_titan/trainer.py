@@ -171,27 +171,16 @@ class Trainer:
         self.validation_set = ValidationSet(recipe, runtime, self.source, self.tokenizer, self.dp_rank, self.dp_size)
         if recipe.validation.enable:
             self.validation_set.check_not_empty()
-        self._abandon_after: int | None = None  # a resume from an older step: set its newer steps aside
-        # Seconds the launches before this one took to reach the resumed step (its checkpoint's elapsed_s):
-        # a run's elapsed_s counts on across resumes, not from 0 at each.
-        self._elapsed_before = 0.0
-        # The last training record logged before the resumed checkpoint was saved: the metrics file must hold it.
-        self._last_logged: dict | None = None
-        # The TensorBoard folder the resumed checkpoint's run logged into ("": none; None: not recorded, an older
-        # checkpoint or no resume). Each checkpoint records this run's, so a resume knows whether the events
-        # there hold the steps up to it.
-        self._saved_tensorboard: str | None = None
         metrics = recipe.metrics
         self.state.extra["tensorboard_folder"] = metrics.save_tb_folder if metrics.enable_tensorboard else ""
         self._applied_lr: float | None = None  # the learning rate of the last step taken, which a save records
         # The generator a model's own randomness (dropout) draws from: seeded, so the run repeats; a resume restores
         # the checkpoint's state over it.
         torch.manual_seed(recipe.job.seed)
-        resumed = restore(recipe, resolved, self.checkpointer, self.state, self.nan_guard, self.tokenizer.vocab_size,
-                          self.global_batch, self.dp_size, self._loader, self._say)
-        if resumed is not None:
-            self._abandon_after, self._elapsed_before = resumed.step, resumed.elapsed_s
-            self._last_logged, self._saved_tensorboard = resumed.last_logged, resumed.tensorboard_folder
+        # What the resumed checkpoint says of its run (resume.FRESH: none), read at the first step, logs and saves
+        self.resumed = restore(recipe, resolved, self.checkpointer, self.state, self.nan_guard,
+                               self.tokenizer.vocab_size, self.global_batch, self.dp_size, self._loader, self._say)
+        if self.resumed.step is not None:
             self.train_loader, self.lr_scheduler = self.state.dataloader, self.state.lr_scheduler
         # What changes an earlier run's folder (its newer checkpoints and metrics set aside, its records
         # replaced) waits for this run's first step to succeed (_begin): a start that fails, at start-up or
@@ -245,17 +234,17 @@ class Trainer:
         if self._begun:
             return
         self._begun = True
-        if self._abandon_after is not None:
-            self.checkpointer.abandon_after(self._abandon_after)  # a barrier: every rank comes here
+        if self.resumed.step is not None:
+            self.checkpointer.abandon_after(self.resumed.step)  # a barrier: every rank comes here
         if not self.runtime.is_main:
             return
         if self._records_pending:
             self._write_records()
         dump, start = self.recipe.job.dump_folder, self.state.step
-        self.metrics = open_metrics_log(dump, start, self._last_logged, self._say)
+        self.metrics = open_metrics_log(dump, start, self.resumed.last_logged, self._say)
         if self.recipe.metrics.enable_tensorboard:
             self.tensorboard = open_tensorboard(dump, self.recipe.metrics.save_tb_folder, start,
-                                                self._saved_tensorboard, self.metrics)
+                                                self.resumed.tensorboard_folder, self.metrics)
 
     # -- one optimizer step ----------------------------------------------------------------------
     def _documents(self, batch: Batch):
@@ -443,7 +432,7 @@ class Trainer:
         self.gc = ScheduledGC(t.gc_freq)
         run_start = time.perf_counter()
         first_step = state.step
-        recorder = StepRecorder(run_start, first_step, t.steps, self._elapsed_before, self.runtime.world_size,
+        recorder = StepRecorder(run_start, first_step, t.steps, self.resumed.elapsed_s, self.runtime.world_size,
                                 self.runtime.device, self.peak_flops, self.flops_per_token, recipe.compile.enable)
 
         def step_record(now: float) -> dict:
@@ -539,7 +528,7 @@ class Trainer:
         state = self.state
         state.extra["nan_guard"] = self.nan_guard.state_dict()
         state.extra["applied_lr"] = self._applied_lr  # the rate of the step saved, for a resume's schedule note
-        state.extra["elapsed_s"] = self._elapsed_before + time.perf_counter() - run_start
+        state.extra["elapsed_s"] = self.resumed.elapsed_s + time.perf_counter() - run_start
         # A step that ends a run of skipped (NaN/Inf) steps is saved (a resume goes on past its batches), but
         # retention keeps the newest checkpoint of a good step beside it, which a run that then stops needs.
         try:
