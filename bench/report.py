@@ -163,7 +163,8 @@ def train_tables(report: dict) -> list[str]:
 
 def loss_tables(report: dict) -> list[str]:
     lines = ["Training loss, forward + backward on bf16 logits (peak memory above the logits):", "",
-             "| way | tokens | vocab | logits GiB | peak GiB above | seconds |", "| --- | --- | --- | --- | --- | --- |"]
+             "| way | tokens | vocab | logits GiB | peak GiB above | seconds |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in report["results"]:
         lines.append(f"| {r['way']} | {r['tokens']} | {r['vocab_size']} | {r['logits_gib']:.2f} | "
                      f"{r['peak_above_logits_gib']:.2f} | {r['seconds']:.3f} |")

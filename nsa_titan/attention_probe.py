@@ -42,7 +42,8 @@ class AttentionProbe:
                 stats = self.model_part.telemetry(self.model, self.shard.split(probe.inputs), context=context)
             else:
                 documents = self._documents(probe)
-                stats = self.model_part.telemetry(self.model, probe.inputs, *(() if documents is None else (documents,)))
+                stats = self.model_part.telemetry(self.model, probe.inputs,
+                                                  *(() if documents is None else (documents,)))
         return telemetry_records(stats)
 
     def attention_figures(self) -> dict:

@@ -2,8 +2,9 @@
 
     nsa-titan export RECIPE [overrides] --format hf --output DIR [--dtype float32|bfloat16|float16]
 
-writes model.safetensors (its floating-point weights in --dtype, default float32), config.json, generation_config.json, tokenizer.json,
-tokenizer_config.json, the model's self-contained modeling file and the resolved recipe
+writes model.safetensors (its floating-point weights in --dtype, default float32), config.json,
+generation_config.json, tokenizer.json, tokenizer_config.json, the model's self-contained modeling file and the
+resolved recipe
 (nsa_titan_recipe.toml). `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` loads
 it. The way back: `checkpoint.initial_load_path = DIR` starts a run from its weights, and
 `nsa-titan eval/sample/plot DIR` read it like an exported .pt file. What the model looks like in

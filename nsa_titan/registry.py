@@ -42,7 +42,8 @@ class Part:
     telemetry: Callable[..., dict] | None = None  # (model, tokens, documents=None) -> {name: 0-d tensor}
     telemetry_applies: Callable[[Any], bool] | None = None  # (args) -> whether telemetry has anything to say
     parallel_plan: Callable[..., Any] | None = None  # (model) -> ParallelPlan: blocks and shard groups
-    activation_memory: Callable[..., Any] | None = None  # (args, MemoryLayout) -> ActivationMemory, for doctor's estimate
+    # (args, MemoryLayout) -> ActivationMemory, for doctor's estimate
+    activation_memory: Callable[..., Any] | None = None
     self_check: Callable[..., Any] | None = None  # (args, device[, compute_dtype]) -> SelfCheck, run by doctor
     attention_maps: Callable[..., dict] | None = None  # (model, tokens) -> {layer: AttentionMap}, for plots
     describe: Callable[[Any], str] | None = None  # (args) -> a few words on the model's attention, for reports

@@ -196,7 +196,8 @@ class PackedShardsDataset(IterableDataset):
             if not live:
                 worker = torch.utils.data.get_worker_info()
                 if worker is not None and worker.num_workers > 1:
-                    return  # this worker's shards are empty; the rank's other workers go on (the loader checks the rank)
+                    # this worker's shards are empty; the rank's other workers go on (the loader checks the rank)
+                    return
                 raise no_documents_error(self.split, list(packers), self.dp_rank, self.logical_shards,
                                          self.min_document_tokens)
             window = packers[next_shard(live)].next_window_with_starts()

@@ -38,5 +38,5 @@ def raised_at(exc: Exception, part) -> str:
 
 
 # The files whose frames lie above every part's call, never the place a part failed.
-_WRAPPERS = frozenset([contextlib.__file__] + [os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in
-                                                ("part_failures.py", "dataset.py", "tokenizer_calls.py")])
+_WRAPPERS = frozenset([contextlib.__file__] + [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+                                                for name in ("part_failures.py", "dataset.py", "tokenizer_calls.py")])

@@ -59,7 +59,8 @@ def _chunk_keys(cu: torch.Tensor, first_block: torch.Tensor, rows: int, seq_len:
     docs, key_start, key_end, query_start = (torch.cat(x) for x in (docs, key_start, key_end, query_start))
     key_len, query_len = key_end - key_start, key_end - query_start
     offsets = torch.cumsum(key_len, 0) - key_len
-    tokens = key_start.repeat_interleave(key_len) + torch.arange(int(key_len.sum())) - offsets.repeat_interleave(key_len)
+    tokens = (key_start.repeat_interleave(key_len) + torch.arange(int(key_len.sum()))
+              - offsets.repeat_interleave(key_len))
     blocks_per_doc = compressed_counts(key_len, block_size, block_stride)
     block_offsets = torch.cumsum(blocks_per_doc, 0) - blocks_per_doc
     blocks = (first_block[docs].repeat_interleave(blocks_per_doc) + torch.arange(int(blocks_per_doc.sum()))

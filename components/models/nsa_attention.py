@@ -202,7 +202,8 @@ class NSAAttention(nn.Module):
         blocks = (batch_size, num_compressed_blocks(capacity, self.block_size, self.block_stride),
                   self.n_kv_heads, self.head_dim)
         # shared K/V: "k" holds the rotated keys of sel/win, "v_raw" serves every branch
-        names = ("k_raw", "v_raw", "k_sel", "v_sel", "k_win", "v_win") if self.kv_per_branch else ("k_raw", "v_raw", "k")
+        names = (("k_raw", "v_raw", "k_sel", "v_sel", "k_win", "v_win") if self.kv_per_branch else
+                 ("k_raw", "v_raw", "k"))
         buffers = {name: torch.zeros(tokens, device=device, dtype=dtype) for name in names}
         buffers.update({name: torch.zeros(blocks, device=device, dtype=dtype) for name in ("k_cmp", "v_cmp")})
         return LayerKV(buffers)

@@ -91,4 +91,5 @@ def get_backend(name: str) -> Backend:
     try:
         return _TABLE[name]
     except KeyError:
-        raise UserError(f"unknown NSA backend {name!r}; available backends: {', '.join(available_backends())}") from None
+        raise UserError(f"unknown NSA backend {name!r}; available backends: "
+                        f"{', '.join(available_backends())}") from None

@@ -182,7 +182,8 @@ def cu_seqlens_of_rows(document_starts: torch.Tensor) -> torch.Tensor:
     """document_starts [B, T] bool (True where a token opens a document) -> cu_seqlens [N + 1] int64 on
     the host, of the B rows read as one packed row. Each row's first token opens a document whatever
     the mask says: a row end is a document end."""
-    if not isinstance(document_starts, torch.Tensor) or document_starts.dim() != 2 or document_starts.dtype != torch.bool:
+    if (not isinstance(document_starts, torch.Tensor) or document_starts.dim() != 2
+            or document_starts.dtype != torch.bool):
         what = f"{document_starts.dtype} of shape {tuple(document_starts.shape)}" if isinstance(
             document_starts, torch.Tensor) else type(document_starts).__name__
         raise ValueError(f"document_starts must be a bool tensor [B, T] (True where a document starts), got {what}")

@@ -107,7 +107,8 @@ def check_backend(backend: str, hyper: dict, n_heads: int, n_kv_heads: int, head
         gates = torch.zeros_like(xs[7])
         gates[..., 2] = 1.0
         win_only = run([*xs[:7], gates], window_size=T)
-    for what, mine, ref in (("selected branch with n >= Ts", sel_only, dense), ("window branch with w >= T", win_only, dense_win)):
+    for what, mine, ref in (("selected branch with n >= Ts", sel_only, dense),
+                            ("window branch with w >= T", win_only, dense_win)):
         same, err = _close(mine, ref)
         if not same:
             failures.append(f"{what} is not dense causal attention (max error {err:.2e})")

@@ -102,7 +102,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         rest = [g for g in rest if g["params"]]
         self._adamw = torch.optim.AdamW(rest, lr=lr, betas=tuple(betas), eps=eps, foreach=True) if rest else None
         groups = [{"params": matrices, "muon": True, "lr": lr, "weight_decay": weight_decay, "momentum": args.momentum,
-                   "nesterov": args.nesterov, "ns_steps": args.ns_steps, "adjust_lr": args.adjust_lr}] if matrices else []
+                   "nesterov": args.nesterov, "ns_steps": args.ns_steps, "adjust_lr": args.adjust_lr}
+                  ] if matrices else []
         groups += [{**g, "muon": False} for g in (self._adamw.param_groups if rest else [])]
         super().__init__(groups, {"lr": lr})
 

@@ -74,7 +74,8 @@ class TrainingConfig:
     steps: int = f(100, "Optimizer steps to train for.", ge=1)
     seq_len: int = f(256, "Tokens per sample.", ge=1)
     local_batch_size: int = f(8, "Samples per micro-batch on each data-parallel rank.", ge=1)
-    global_batch_size: int = f(-1, "Samples per optimizer step over all ranks; -1 means local x data-parallel size.", ge=-1)
+    global_batch_size: int = f(-1, "Samples per optimizer step over all ranks; -1 means local x data-parallel "
+                                   "size.", ge=-1)
     max_norm: float = f(1.0, "Clip the global gradient norm to this; 0 disables clipping (the logged grad_norm is "
                              "the norm before clipping).", ge=0.0)
     device: str = f("auto", "Where to train: auto (CUDA when present, else CPU), cpu or cuda.",
@@ -144,8 +145,8 @@ class MetricsConfig:
 class FaultConfig:
     step_timeout_seconds: float = f(900.0, "Dump every thread's stack and exit when no step completes this long; "
                                     "0 disables.", ge=0.0)
-    first_step_timeout_seconds: float = f(3600.0, "The same for the first step, which includes compilation; 0 disables.",
-                                          ge=0.0)
+    first_step_timeout_seconds: float = f(3600.0, "The same for the first step, which includes compilation; "
+                                          "0 disables.", ge=0.0)
     max_bad_steps: int = f(0, "Skip up to this many steps whose loss or gradient norm is NaN/Inf before stopping.",
                            ge=0)
 

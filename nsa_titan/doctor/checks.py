@@ -136,7 +136,8 @@ def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | No
               f"{time.perf_counter() - start:.1f} s")
     expected = (recipe.training.local_batch_size, recipe.training.seq_len)
     if tuple(inputs.shape) != expected or int(inputs.max()) >= tokenizer.vocab_size or int(inputs.min()) < 0:
-        return Check(name, FAIL, detail + f"; expected shape {expected} and ids in 0..{tokenizer.vocab_size - 1}"), tokenizer
+        return Check(name, FAIL, detail + f"; expected shape {expected} and ids in 0..{tokenizer.vocab_size - 1}"), \
+            tokenizer
     return Check(name, WARN if notes else OK, "; ".join([detail, *notes, *assemble.tokenizer_notes(tokenizer)])), \
         tokenizer
 

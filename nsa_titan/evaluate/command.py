@@ -5,8 +5,8 @@
 options: --batches N (global batches of held-out rows, default validation.steps), --lengths 64,128 (passkey prompt
 lengths, default up to four, the longest max_seq_len less the answer), --depths 0,0.5,1 (default 0 to 1
 by 0.25), --trials N (keys per cell, default 5; 0 skips the probe); --tasks a,b runs lm-evaluation-harness tasks too
-(--task-dir DIR for your own task YAML files, --limit N documents per task). Writes eval.json, position_loss.png and passkey.png
-(matplotlib; no passkey.png with --trials 0), and lm_eval.json with --tasks.
+(--task-dir DIR for your own task YAML files, --limit N documents per task). Writes eval.json, position_loss.png
+and passkey.png (matplotlib; no passkey.png with --trials 0), and lm_eval.json with --tasks.
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ def run_command(argv: list[str]) -> int:
         from nsa_titan.rebuild import HELD_OUT_READS, say_unread_flags
 
         # --batches says how many held-out batches instead of validation.steps
-        say_unread_flags(resolved, "eval", tuple(r for r in HELD_OUT_READS if not (batches and r == "validation.steps")))
+        say_unread_flags(resolved, "eval",
+                         tuple(r for r in HELD_OUT_READS if not (batches and r == "validation.steps")))
     return 0
 
 

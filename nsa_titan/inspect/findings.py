@@ -150,7 +150,8 @@ def recompiles(trace: StructuredTrace) -> list[Recompile]:
     for event in trace.artifacts("recompile_reasons"):
         guards = _guard_lines(event.payload)
         if guards and event.compile_id:
-            by_id[event.compile_id] = Recompile(event.compile_id, event.tags.get("block"), event.tags.get("step"), guards)
+            by_id[event.compile_id] = Recompile(event.compile_id, event.tags.get("block"), event.tags.get("step"),
+                                                guards)
     for event in _metrics(trace):  # older torch has only the metrics field
         reason = event.data.get("recompile_reason")
         compile_id = event.data.get("compile_id") or event.compile_id

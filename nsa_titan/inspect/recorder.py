@@ -91,7 +91,8 @@ def _symbolic_inputs(gm: torch.fx.GraphModule) -> list[str]:
         if node.op != "placeholder":
             continue
         value = node.meta.get("example_value", node.meta.get("val"))
-        sizes = [value] if isinstance(value, (torch.SymInt, torch.SymFloat)) else list(value.shape) if isinstance(value, torch.Tensor) else []
+        sizes = ([value] if isinstance(value, (torch.SymInt, torch.SymFloat)) else
+                 list(value.shape) if isinstance(value, torch.Tensor) else [])
         if any(_is_symbolic(size) for size in sizes):
             names.append(node.name)
     return names

@@ -64,8 +64,8 @@ def _dynamic_lines(result: InspectResult) -> list[str]:
              "once they changed): " + ", ".join(f"{source} ({symbol}, first value {value})"
                                                  for symbol, source, value in created)]
     for spec in result.specializations:
-        lines.append(f"  specialized back to {spec.value}: {' '.join(spec.sources) or spec.symbol} by {_at(spec.where)} "
-                     f"({spec.reason}); each new value of it compiles again")
+        lines.append(f"  specialized back to {spec.value}: {' '.join(spec.sources) or spec.symbol} "
+                     f"by {_at(spec.where)} ({spec.reason}); each new value of it compiles again")
     if symbolic:
         lines.append("  graphs with symbolic inputs: " + ", ".join(
             f"graph {g.index} ({', '.join(g.symbolic_inputs)})" for g in symbolic))
@@ -90,7 +90,8 @@ def render(result: InspectResult, recipe_label: str) -> str:
         "steps (forward + backward):",
     ]
     for n, step in enumerate(result.steps, 1):
-        status = f"FAILED: {step.error}" if step.error else f"{step.seconds:.2f} s, {_plural(step.new_graphs, 'new graph')}"
+        status = (f"FAILED: {step.error}" if step.error else
+                  f"{step.seconds:.2f} s, {_plural(step.new_graphs, 'new graph')}")
         lines.append(f"  {n}. seq_len {step.seq_len}, {step.data}: {status}")
 
     lines.append("blocks:")
@@ -100,7 +101,8 @@ def render(result: InspectResult, recipe_label: str) -> str:
         for block in range(result.num_blocks):
             compiled = [g.index for g in result.graphs if g.block == block]
             ran = [(g.index, g.runs_by_block[block]) for g in result.graphs if g.runs_by_block.get(block)]
-            lines.append(f"  block {block}: compiled " + (f"graph {', '.join(map(str, compiled))}" if compiled else "nothing")
+            lines.append(f"  block {block}: compiled "
+                         + (f"graph {', '.join(map(str, compiled))}" if compiled else "nothing")
                          + "; ran " + (f"graph {_runs(ran)}" if ran else
                                        "nothing before the failure" if result.crashed else "no compiled graph (eager)"))
 

@@ -162,7 +162,8 @@ def attention_figures(maps: dict[int, AttentionMap], num_tokens: int) -> dict[st
     'attention/selection_layer{i}' for every sparse attention layer."""
     figures = {"attention/gates": gate_figure(_gate_means(maps), sorted(maps), _branches(maps))}
     for i, chosen in sorted(maps.items()):
-        figures[f"attention/selection_layer{i}"] = selection_figure(_selection_colors_of(chosen, num_tokens)[1], i, chosen)
+        figures[f"attention/selection_layer{i}"] = selection_figure(_selection_colors_of(chosen, num_tokens)[1], i,
+                                                                    chosen)
     return figures
 
 

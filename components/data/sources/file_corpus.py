@@ -590,7 +590,8 @@ def member_documents(corpus: FileCorpus, split: str) -> list[str]:
 
 def _json_kind(value) -> str:
     """A parsed JSON value's kind as JSON names it: 'an array', 'a number', ..."""
-    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number", dict: "an object"}
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+             dict: "an object"}
     return "null" if value is None else kinds.get(type(value), f"a {type(value).__name__}")
 
 

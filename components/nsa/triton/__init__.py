@@ -10,8 +10,9 @@ Files: interval_attention.py (compressed and window branches), selection_kernel.
 from the compressed log-sum-exp, with bitonic_sort.py), selected_attention_fwd.py /
 selected_attention_fwd_blocks.py (query- and block-major, tile_configs.selected_layout) and
 selected_attention_bwd.py, selection_lists.py (each key block's queries), gating.py (the gated sum
-of the branches, forward and backward), softmax_delta.py (the backward's row correction), packing.py (tile tables for packed documents), ops.py (torch.library
-custom ops for torch.compile), api.py (the entry points: checked, and the backend table's on inputs
+of the branches, forward and backward), softmax_delta.py (the backward's row correction), packing.py (tile tables
+for packed documents), ops.py (torch.library custom ops for torch.compile), api.py (the entry points: checked, and
+the backend table's on inputs
 the op has checked), launch.py (shared launch helpers), tile_configs.py (every launch shape).
 """
 

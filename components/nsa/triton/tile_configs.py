@@ -6,8 +6,8 @@ and sm_80 (A100); on sm_80 a few spill (the block layout's selected dK/dV, which
 56 B at head dim 128, 432 B at 256; summing dQ partials at 256: 16 B; Triton 3.9's ptxas). fp32
 inputs use true fp32 products, which Triton builds from FMAs rather than tensor-core MMAs; such a dot
 holds far more per thread, so fp32 has its own, smaller shapes: the first of a list of candidates
-without spills on sm_90, or the one that spills least where none is clean (interval forward at head dim 128: 56 B; selected forward and dK/dV at 256:
-3.8 KiB and 8 B). `python -m bench.kernel_resources` prints the reports;
+without spills on sm_90, or the one that spills least where none is clean (interval forward at head dim 128: 56 B;
+selected forward and dK/dV at 256: 3.8 KiB and 8 B). `python -m bench.kernel_resources` prints the reports;
 tests/test_nsa_triton_gpu_build.py holds the half-type shapes to them. Train in bf16 for speed;
 fp32 is there for exactness checks.
 """
