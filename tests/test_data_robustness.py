@@ -220,6 +220,28 @@ def test_a_file_moved_into_or_out_of_a_data_files_glob_is_another_stream(tmp_pat
     _loader(_hf_glob(tmp_path)).load_state_dict(older)
 
 
+def test_a_huggingface_sources_files_are_fingerprinted_once_until_they_change(tmp_path, monkeypatch):
+    """Every loader built (training, the held-out set, the probe, a resume check) had datasets resolve the
+    data_files again and read every file's ends: seconds each over thousands of files. Now once per source, and
+    again only when the files the patterns match change."""
+    from components.data.sources import huggingface
+
+    sampled = huggingface.sampled_bytes_digest
+    calls = []
+    monkeypatch.setattr(huggingface, "sampled_bytes_digest", lambda *a: calls.append(1) or sampled(*a))
+    for i in range(3):
+        write_parquet(str(tmp_path / f"{i}.parquet"), unique_texts(12, seed=i, prefix=f"f{i}"), row_group_size=4)
+    source = _hf_glob(tmp_path)
+    first = [_loader(source) for _ in range(3)][0].dataset.stream_id
+    assert len(calls) == 1
+    write_parquet(str(tmp_path / "3.parquet"), unique_texts(12, seed=3, prefix="f3"), row_group_size=4)
+    assert "4 files" in _loader(source).dataset.stream_id and len(calls) == 2  # a file added: seen
+    write_parquet(str(tmp_path / "3.parquet"), unique_texts(13, seed=3, prefix="f3"), row_group_size=4)
+    assert "4 files" in _loader(source).dataset.stream_id and len(calls) == 3  # a file rewritten: seen
+    os.remove(tmp_path / "3.parquet")
+    assert _loader(source).dataset.stream_id == first and len(calls) == 4
+
+
 def test_a_file_moved_out_of_a_dataset_folder_is_another_stream(tmp_path):
     """A local dataset folder as path (datasets finds its files itself) had only its name in the stream's id."""
     def folder():

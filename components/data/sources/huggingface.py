@@ -91,6 +91,19 @@ class HuggingFaceArgs:
         return problems
 
 
+def _file_stamps(paths: list[str]) -> tuple:
+    """(path, size, modification time) of each path, at one stat each: another list, or a file written again,
+    gives other stamps. A path that cannot be looked at has none (its reader names the error)."""
+    stamps = []
+    for path in paths:
+        try:
+            found = os.stat(path)
+            stamps.append((path, found.st_size, found.st_mtime_ns))
+        except OSError:
+            stamps.append((path, None, None))
+    return tuple(stamps)
+
+
 def buffered_shuffle(items, size: int, rng):
     """Stream shuffle: hold `size` items, emit a random one as each new item arrives."""
     buffer = []
@@ -114,10 +127,11 @@ class HuggingFaceSource:
         self.args = args or HuggingFaceArgs()
         self._loaded: dict[str, object] = {}
         self._null_heads: dict[str, int] = {}  # split -> records check() found only nulls in, as far as it looked
+        self._files: tuple[tuple, str] | None = None  # (_file_stamps of _listed_files, files_fingerprint) last found
 
     def __getstate__(self):
         # Workers started by fork inherit the loaded streams; other start methods reload them.
-        return {"args": self.args, "_loaded": {}, "_null_heads": dict(self._null_heads)}
+        return {"args": self.args, "_loaded": {}, "_null_heads": dict(self._null_heads), "_files": None}
 
     def has_split(self, split: str) -> bool:
         return split == "train" or bool(self.args.validation_split) or self.args.validation_fraction > 0
@@ -319,7 +333,24 @@ class HuggingFaceSource:
         read, so that checkpoint.data_mismatch = 'restart' can start the data afresh), and the local files the stream
         reads, in datasets' order, with their sizes and sampled bytes: a saved position belongs to those files, which
         the patterns or the folder's name alone do not name (a file moved into or out of a glob's folder, or
-        rewritten)."""
+        rewritten). Found again only when the files as listed cheaply have changed: every loader built (training,
+        the held-out set, the probe, resume checks) asks it, and datasets' resolution alone takes seconds over
+        thousands of files."""
+        stamps = _file_stamps(self._listed_files())
+        if self._files is None or self._files[0] != stamps:
+            self._files = (stamps, self._found_files_fingerprint())
+        return self._files[1]
+
+    def _listed_files(self) -> list[str]:
+        """The local files (and folders) the patterns match and the dataset folder holds, as glob lists them: what
+        datasets resolves the stream's files from, so any change to them changes their _file_stamps."""
+        a = self.args
+        patterns = [os.path.expanduser(p) for p in a.data_files if "://" not in p]
+        if os.path.isdir(a.path):
+            patterns = [os.path.join(a.path, "**"), *(os.path.join(a.path, p) for p in patterns)]
+        return [path for pattern in patterns for path in sorted(glob.glob(pattern, recursive=True))]
+
+    def _found_files_fingerprint(self) -> str:
         import datasets
 
         version = f"datasets {datasets.__version__}"
