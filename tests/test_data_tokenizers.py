@@ -225,6 +225,6 @@ def test_doctor_says_a_tokenizer_that_cannot_be_built_once():
     from tests.launch import DEBUG
 
     recipe = resolve([DEBUG, "--data.tokenizer=tiktoken", "--data.tiktoken.encoding=no_such_encoding_x"]).recipe
-    check, tokenizer = check_data(recipe, make_runtime("cpu", "float32"))
+    check, tokenizer, _ = check_data(recipe, make_runtime("cpu", "float32"))
     assert tokenizer is None and check.status == FAIL
     assert check.detail.startswith("tokenizer tiktoken: 'no_such_encoding_x' is neither a known encoding"), check.detail

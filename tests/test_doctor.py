@@ -518,16 +518,21 @@ def test_the_resume_check_reads_the_checkpoint_a_resume_would_load(tmp_path, cap
     assert lines["resume"][0] == "ok" and "step-1 (step 1, " in lines["resume"][1], lines["resume"]
 
 
-def test_the_resume_check_compares_the_saved_data_stream(tmp_path, capsys):
+def test_the_resume_check_compares_the_saved_data_stream(tmp_path, capsys, monkeypatch):
     """A checkpoint whose data stream is not the recipe's (another seed) fails the check with the message a resume
-    would give; with checkpoint.data_mismatch = 'restart' it passes and says the data starts afresh."""
+    would give; with checkpoint.data_mismatch = 'restart' it passes and says the data starts afresh. It reads with
+    the data check's source, as training's loaders share one: a second one listed, checked and fingerprinted the
+    corpus again."""
     from tests.launch import TINY
 
     run = [DEBUG, *TINY, "--checkpoint.enable=true", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *run, "--training.steps=2"]) == 0
     capsys.readouterr()
+    build_source, built = assemble.build_source, []
+    monkeypatch.setattr(assemble, "build_source", lambda recipe: built.append(1) or build_source(recipe))
     code, lines = _doctor(capsys, *run, "--training.steps=4")
     assert lines["resume"][0] == "ok" and "data stream" not in lines["resume"][1], lines["resume"]
+    assert len(built) == 1
     code, lines = _doctor(capsys, *run, "--training.steps=4", "--job.seed=7")
     status, text = lines["resume"]
     assert code == 1 and status == "fail", lines["resume"]

@@ -98,11 +98,12 @@ def check_devices(device_choice: str | None, world_size: int) -> Check:
     return Check("devices", OK, detail + " (training runs on the CPU)")
 
 
-def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | None]:
+def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | None, object | None]:
     """Build the tokenizer and source and take one batch, as training would, and ask every data-parallel rank of
     `world_size` processes for a row of its own shards (and of the held-out set, where validation is on), as
     training refuses to start without them; also returns the tokenizer (None when it cannot be built), which the
-    memory estimate needs for the vocabulary size."""
+    memory estimate needs for the vocabulary size, and the source (None unless it passed), which the resume check
+    reads with, as the training run's one source is read by all its loaders."""
     from nsa_titan import assemble
 
     start = time.perf_counter()
@@ -111,7 +112,7 @@ def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | No
         tokenizer = assemble.build_tokenizer(recipe)
     except UserError as exc:
         said = str(exc)  # the tokenizers' messages begin "tokenizer NAME: ..."; a plugin's may not
-        return Check(name, FAIL, said if said.startswith("tokenizer") else f"tokenizer: {said}"), None
+        return Check(name, FAIL, said if said.startswith("tokenizer") else f"tokenizer: {said}"), None, None
     try:
         source = assemble.build_source(recipe)
         loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0, dp_size=1, split="train",
@@ -127,7 +128,7 @@ def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | No
         lost = assemble.lost_text_note(recipe, source, tokenizer)
         notes += [lost] if lost else []
     except UserError as exc:
-        return Check(name, FAIL, str(exc)), tokenizer
+        return Check(name, FAIL, str(exc)), tokenizer, None
     inputs = batch["input"]
     documents = int(batch["document_starts"].sum())
     detail = (f"one batch {tuple(inputs.shape)} of token ids {int(inputs.min())}..{int(inputs.max())} "
@@ -137,9 +138,9 @@ def check_data(recipe, runtime, world_size: int = 1) -> tuple[Check, object | No
     expected = (recipe.training.local_batch_size, recipe.training.seq_len)
     if tuple(inputs.shape) != expected or int(inputs.max()) >= tokenizer.vocab_size or int(inputs.min()) < 0:
         return Check(name, FAIL, detail + f"; expected shape {expected} and ids in 0..{tokenizer.vocab_size - 1}"), \
-            tokenizer
+            tokenizer, None
     return Check(name, WARN if notes else OK, "; ".join([detail, *notes, *assemble.tokenizer_notes(tokenizer)])), \
-        tokenizer
+        tokenizer, source
 
 
 def _every_rank_has_rows(recipe, runtime, source, tokenizer, dp_size: int) -> None:

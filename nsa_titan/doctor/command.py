@@ -79,12 +79,12 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     if runtime is None:
         results += [Check(name, WARN, "skipped: no device to run on") for name in NEEDS_RECIPE]
         return results
-    data_check, tokenizer = _data(recipe, runtime, world_size)
+    data_check, tokenizer, source = _data(recipe, runtime, world_size)
     results.append(data_check)
     results.append(_guarded("dump folder", lambda: _dump_folder(recipe, tokenizer)))
     # The data stream is compared only with data the data check could read (its failure is said there, once).
     readable = tokenizer if data_check.status != FAIL else None
-    results.append(_guarded("resume", lambda: _resume(resolved, runtime, readable)))
+    results.append(_guarded("resume", lambda: _resume(resolved, runtime, readable, source)))
     results.append(_guarded("NSA backend", lambda: checks.check_model(recipe, runtime.device,
                                                                        runtime.autocast_dtype)))
     if tokenizer is None:
@@ -104,15 +104,15 @@ def _data(recipe, runtime, world_size: int):
     try:  # the data failed past the tokenizer, most likely: the checks that need only it still run
         from nsa_titan import assemble
 
-        return failed, assemble.build_tokenizer(recipe)
+        return failed, assemble.build_tokenizer(recipe), None
     except Exception:
-        return failed, None
+        return failed, None, None
 
 
-def _resume(resolved, runtime, tokenizer) -> Check:
+def _resume(resolved, runtime, tokenizer, source) -> Check:
     from nsa_titan.doctor.resume import check_resume
 
-    return check_resume(resolved, runtime, tokenizer)
+    return check_resume(resolved, runtime, tokenizer, source)
 
 
 def _dump_folder(recipe, tokenizer) -> Check:

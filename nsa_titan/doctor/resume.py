@@ -20,8 +20,8 @@ from nsa_titan.hf_folder import hf_weight_changes, is_hf_folder
 from nsa_titan.weight_source import changes_note, step_field_changes
 
 
-def check_resume(resolved, runtime, tokenizer) -> Check:
-    """tokenizer: the data check's (None when that check failed: the data stream then goes unchecked)."""
+def check_resume(resolved, runtime, tokenizer, source) -> Check:
+    """tokenizer, source: the data check's (None when that check failed: the data stream then goes unchecked)."""
     recipe = resolved.recipe
     ckpt = recipe.checkpoint
     notes: list[str] = []
@@ -45,7 +45,7 @@ def check_resume(resolved, runtime, tokenizer) -> Check:
         return Check("resume", FAIL, str(reader._mismatch(step, found)))
     detail = (f"a resume loads {path} (step {record['step']}, {record['tokens_seen']:,} tokens seen, saved by "
               f"{record['world_size']} process(es)): complete, its files as written")
-    stream = _data_stream_note(resolved.recipe, runtime, tokenizer, reader, step, record)
+    stream = _data_stream_note(resolved.recipe, runtime, tokenizer, source, reader, step, record)
     if isinstance(stream, Check):
         return stream
     said = [note for note in [changes_note(changes), *notes, stream] if note]  # allowed changes: said, not refused
@@ -88,16 +88,17 @@ def _model_shape_mismatches(recipe, tokenizer, model_dir: str) -> list[str]:
     return shape_mismatches(tensor_shapes({"model": model.state_dict()}), metadata)
 
 
-def _data_stream_note(recipe, runtime, tokenizer, reader: Checkpointer, step: int, record: dict) -> str | Check:
+def _data_stream_note(recipe, runtime, tokenizer, source, reader: Checkpointer, step: int,
+                      record: dict) -> str | Check:
     """Whether the loader states `step` saved continue this recipe's data: "" when they do, a note when the recipe
     restarts the data instead (checkpoint.data_mismatch = 'restart'), a failing check when a resume is refused.
     Every data rank's states are merged into one loader, as a resume on another world size does."""
-    if tokenizer is None:
+    if source is None:
         return "the data stream is not compared (the data check did not pass)"
     merged = merge_shard_states(*(loader_state_by_logical_shard(saved)
                                   for saved in reader.saved_data_states(step, record)))
     try:
-        loader = assemble.build_loader(recipe, runtime, assemble.build_source(recipe), tokenizer, dp_rank=0,
+        loader = assemble.build_loader(recipe, runtime, source, tokenizer, dp_rank=0,
                                        dp_size=1, split="train", batch_size=recipe.training.local_batch_size,
                                        shard_states=merged, num_workers=0)
     except DataStreamMismatch as mismatch:
