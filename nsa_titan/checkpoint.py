@@ -40,16 +40,16 @@ from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mis
                                          truncated_shards)
 from nsa_titan.config.toml_io import tomllib
 from nsa_titan.run_folder import create_new, recipe_above
+from nsa_titan.step_folders import STEP_DIR, TRAIN_STATE, step_name, step_path, train_state_file
 
 COMPLETE = "COMPLETE"
-STEP_DIR = re.compile(r"^step-(0|[1-9]\d*)$")  # as step_dir names them: step-08 is no step folder
 # What a save writes into a step folder: a leftover with anything else is not removed as a partial save.
-STEP_ENTRIES = {"ranks", "model", "train_state.json", COMPLETE}
+STEP_ENTRIES = {"ranks", "model", TRAIN_STATE, COMPLETE}
 # The files a save writes in a step's subfolders (DCP's shards and metadata, each rank's state), temporaries too.
 SAVE_SUBFOLDERS = {"model": re.compile(r"^(\.metadata|__\d+_\d+\.distcp)(\.tmp\w*)?$"),
                    "ranks": re.compile(r"^rank-\d+\.pt(\.tmp\d+)?$")}
 SAVE_FILES = STEP_ENTRIES - set(SAVE_SUBFOLDERS)  # a file named 'model' or 'ranks' is none of the save's
-PARTIAL_WRITE = re.compile(rf"^(train_state\.json|{COMPLETE})\.tmp\d+$")  # _write_atomically's, cut short
+PARTIAL_WRITE = re.compile(rf"^({re.escape(TRAIN_STATE)}|{COMPLETE})\.tmp\d+$")  # _write_atomically's, cut short
 
 
 def _write_atomically(path: str, data: bytes) -> None:
@@ -120,7 +120,7 @@ def saved_data_layout(folder: str, load_step: int = -1) -> tuple[int, dict] | No
     if step is None:
         return None
     try:
-        with open(os.path.join(folder, f"step-{step}", "train_state.json"), encoding="utf-8") as fh:
+        with open(train_state_file(step_path(folder, step)), encoding="utf-8") as fh:
             layout = json.load(fh).get("data_layout")
     except (OSError, ValueError, AttributeError):
         return None
@@ -218,7 +218,7 @@ def check_weights_path(path: str) -> None:
                         f"file is for sample, eval and plot). {takes}.")
     steps = complete_steps(os.path.join(path, "checkpoint")) or complete_steps(path)
     if steps:  # a run folder, or its checkpoint folder
-        newest = os.path.join(path, *([] if complete_steps(path) else ["checkpoint"]), f"step-{steps[-1]}")
+        newest = step_path(os.path.join(path, *([] if complete_steps(path) else ["checkpoint"])), steps[-1])
         raise UserError(f"checkpoint.initial_load_path = {path!r} holds the checkpoints of a run, not one of them. "
                         f"Fix: name the step to start from, e.g. {newest!r}.")
     if not os.path.isfile(os.path.join(_weights_model_dir(path), ".metadata")):
@@ -229,7 +229,7 @@ def check_weights_files(path: str) -> None:
     """Refuse checkpoint.initial_load_path's step folder when a save of this package wrote it but it is not as
     saved: no COMPLETE marker (an interrupted save, as on resume), or a model file that differs from its record."""
     model_dir, step_dir = _weights_model_dir(path), weights_step_dir(path)
-    if model_dir != path or os.path.isfile(os.path.join(step_dir, "train_state.json")):
+    if model_dir != path or os.path.isfile(train_state_file(step_dir)):
         step = STEP_DIR.match(os.path.basename(step_dir))
         found = _step_folder_finding(step_dir, int(step.group(1)) if step else None, "model")
         if found:
@@ -239,7 +239,7 @@ def check_weights_files(path: str) -> None:
 def _unreadable_weights(path: str, file: str, why: str) -> UserError:
     """checkpoint.initial_load_path's `file` that cannot be read as saved, with the run's other steps to use."""
     folder, name = os.path.split(weights_step_dir(path))
-    others = [f"step-{s}" for s in complete_steps(folder) if f"step-{s}" != name]
+    others = [step_name(s) for s in complete_steps(folder) if step_name(s) != name]
     where = f"another complete one of that run ({', '.join(others)})" if others else "a complete step-N folder"
     return UserError(f"checkpoint.initial_load_path = {path!r} cannot be read: {file} {why}. Fix: point it at "
                      f"{where}, or restore the file.")
@@ -272,7 +272,7 @@ class Checkpointer:
 
     # -- paths -----------------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.folder, f"step-{step}")
+        return step_path(self.folder, step)
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, state: RunState, *, data_layout: dict, wait: bool = False, good: bool = True) -> None:
@@ -410,7 +410,7 @@ class Checkpointer:
                   "context_parallel_degree": self.context_parallel, "data_layout": data_layout,
                   "lr_scheduler": state.lr_scheduler.state_dict(), "optimizer_stepped": optimizer_stepped,
                   "good": good, "saved_at": time.time(), **state.extra}
-        _write_atomically(os.path.join(path, "train_state.json"), json.dumps(record, indent=1).encode())
+        _write_atomically(train_state_file(path), json.dumps(record, indent=1).encode())
 
     def _checksums_when_written(self, written: Future, step: int) -> dict[str, list[int]]:
         written.result()
@@ -424,7 +424,7 @@ class Checkpointer:
         own += [os.path.join("model", name) for name in sorted(os.listdir(os.path.join(path, "model")))
                 if name.startswith(f"__{self.rank}_") and name.endswith(".distcp")]
         if self.rank == 0:
-            own += ["train_state.json", os.path.join("model", ".metadata")]
+            own += [TRAIN_STATE, os.path.join("model", ".metadata")]
         return {name: file_checksum(os.path.join(path, name)) for name in own}
 
     def _mark_complete(self, step: int, checksums: list[dict[str, list[int]]]) -> None:
@@ -503,7 +503,7 @@ class Checkpointer:
             if kept:
                 aside = self._new_aside_folder()
                 for later in kept:
-                    os.replace(self.step_dir(later), os.path.join(aside, f"step-{later}"))
+                    os.replace(self.step_dir(later), step_path(aside, later))
                 self.say(f"resuming from step {step}: moved the newer checkpoints {kept} to {aside}")
             if cut_short:
                 self.say(f"removed the saves of steps {cut_short}, which were cut short before they completed")
@@ -605,7 +605,7 @@ class Checkpointer:
             raise self._unreadable(step, *found, resuming)
 
     def _read_train_state(self, step: int) -> dict:
-        file = os.path.join(self.step_dir(step), "train_state.json")
+        file = train_state_file(self.step_dir(step))
         try:
             with open(file, encoding="utf-8") as fh:
                 record = json.load(fh)

@@ -19,7 +19,8 @@ from torch import nn
 from components.errors import UserError
 from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan import registry
-from nsa_titan.checkpoint import STEP_DIR, complete_steps
+from nsa_titan.checkpoint import complete_steps
+from nsa_titan.step_folders import STEP_DIR, train_state_file
 from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
@@ -134,7 +135,7 @@ def _run_folder_refusal(path: str) -> UserError | None:
     the way from it to one (they were told only that the folder is no Hugging Face folder)."""
     given = os.path.abspath(path)
     named = STEP_DIR.match(os.path.basename(given))
-    step = int(named.group(1)) if named and os.path.isfile(os.path.join(given, "train_state.json")) else None
+    step = int(named.group(1)) if named and os.path.isfile(train_state_file(given)) else None
     if step is None and os.path.isfile(os.path.join(given, RECIPE_FILE)):
         recipe = os.path.join(given, RECIPE_FILE)
     elif step is not None or complete_steps(given):  # a checkpoint folder (or a step's): its run holds it

@@ -18,6 +18,7 @@ from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import RecipeError
 from nsa_titan.config.resolve import TOKENIZER_ARGS, run_identity_notes, unread_flags_note
 from nsa_titan.config.toml_io import origins
+from nsa_titan.step_folders import step_name, step_path
 
 
 def say_on_stderr(text: str) -> None:
@@ -76,10 +77,10 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
                         f"({', '.join(map(str, steps))}) with --checkpoint.load_step, or -1 for the newest.")
     cut = [s for s in incomplete_steps(folder) if s > steps[-1]] if recipe.checkpoint.load_step < 0 else []
     if cut:  # read the newest complete step, as a resume would, but not in silence
-        say_on_stderr(f"note: reading step {step}, the newest complete one: {', '.join(f'step-{s}' for s in cut)} in "
+        say_on_stderr(f"note: reading step {step}, the newest complete one: {', '.join(map(step_name, cut))} in "
                       f"{folder} {'has' if len(cut) == 1 else 'have'} no {COMPLETE} marker (a save under way, or "
                       f"one cut short)")
-    _check_model_fields(resolved, os.path.join(folder, f"step-{step}"))
+    _check_model_fields(resolved, step_path(folder, step))
     tokenizer = assemble.build_tokenizer(recipe)
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
     model.to_empty(device="cpu")
@@ -93,13 +94,13 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
             # The newest step, pruned while it was read by the run that goes on saving (its marker goes first):
             # the run's newer step is read instead. A step named by load_step, or one still complete, failed.
             newer = [s for s in complete_steps(folder) if s > step]
-            if recipe.checkpoint.load_step >= 0 or os.path.exists(os.path.join(folder, f"step-{step}", COMPLETE)) \
+            if recipe.checkpoint.load_step >= 0 or os.path.exists(os.path.join(step_path(folder, step), COMPLETE)) \
                     or not newer:
                 raise
             say_on_stderr(f"note: step {step} was removed while it was read (the run is still saving and pruning); "
                           f"reading its newest step, {newer[-1]}")
             step = newer[-1]
-            _check_model_fields(resolved, os.path.join(folder, f"step-{step}"))
+            _check_model_fields(resolved, step_path(folder, step))
     model.load_state_dict(state["model"], strict=True)
     return model.eval(), tokenizer, step
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from components.errors import UserError
 from nsa_titan.config.toml_io import tomllib
+from nsa_titan.step_folders import train_state_file
 
 RECIPE_FILE = "recipe.toml"
 LOCK_FILE = ".run.lock"
@@ -172,7 +173,7 @@ def model_fields_of_step_folder(step_dir: str, run: str | None = None) -> tuple[
     recipe.<hash>.toml for the hash train_state.json names. run: the run folder, when known (else the folder
     above the step's checkpoint folder)."""
     run = run or os.path.dirname(os.path.dirname(step_dir.rstrip(os.sep)))
-    state_file = os.path.join(step_dir, "train_state.json")
+    state_file = train_state_file(step_dir)
     try:
         with open(state_file, encoding="utf-8") as fh:
             record = json.load(fh)
