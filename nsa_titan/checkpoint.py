@@ -107,22 +107,16 @@ def complete_steps(folder: str) -> list[int]:
     return sorted(steps)
 
 
-def saved_data_layout(folder: str, load_step: int = -1) -> tuple[int, dict] | None:
-    """(step, data layout) of the checkpoint a resume from `folder` reads first (load_step, else the newest complete
-    step): the layout it was saved with ({"world_size": its data-parallel size, "num_workers", "logical_shards"}),
-    for a message on a layout that cannot continue it. None without one, or where it cannot be read (the resume
-    itself names that)."""
+def saved_data_layout(folder: str, load_step: int = -1, branches: list[dict] = ()) -> tuple[int, dict] | None:
+    """(step, data layout) of the checkpoint a resume from `folder` reads (as the resume finds it: load_step, the
+    newest complete step, or the newest of a run from load_step the same command made, by `branches`): the layout
+    it was saved with ({"world_size": its data-parallel size, "num_workers", "logical_shards"}), for a message on a
+    layout that cannot continue it. None without one, or where it cannot be read (the resume itself names that)."""
+    reader = Checkpointer(folder, keep_latest_k=0, async_mode="disabled", rank=0, world_size=1, say=lambda _: None)
     try:
-        steps = complete_steps(folder)
+        step = reader.find_resume_step(load_step, branches, quiet=True)
+        layout = None if step is None else reader._read_train_state(step).get("data_layout")
     except UserError:
-        return None
-    step = load_step if load_step in steps else (steps[-1] if steps and load_step < 0 else None)
-    if step is None:
-        return None
-    try:
-        with open(train_state_file(step_path(folder, step)), encoding="utf-8") as fh:
-            layout = json.load(fh).get("data_layout")
-    except (OSError, ValueError, AttributeError):
         return None
     wanted = ("world_size", "logical_shards")
     return (step, layout) if isinstance(layout, dict) and all(isinstance(layout.get(k), int) for k in wanted) else None
@@ -188,12 +182,16 @@ def run_branches(resolved) -> list[dict]:
     """The branch a run from checkpoint.load_step records (the step and its recipe's hash, less the fields that
     change nothing it computes), then those earlier releases recorded for the same command (by fewer free fields,
     and by the whole recipe's hash), which a requeue also continues; [] for a run that does not branch."""
-    load_step = resolved.recipe.checkpoint.load_step
+    return recipe_branches(resolved.recipe, resolved.toml, resolved.hash)
+
+
+def recipe_branches(recipe, toml: str, recipe_hash: str) -> list[dict]:
+    """run_branches of a recipe, its TOML and hash (config.render.recipe_text), before it is resolved."""
+    load_step = recipe.checkpoint.load_step
     if load_step < 0:
         return []
-    free = _BRANCH_FREE_FIELDS + (_LAYOUT_FIELDS if resolved.recipe.training.global_batch_size != -1 else ())
-    digests = [_recipe_digest(resolved.toml, free), _recipe_digest(resolved.toml, _EARLIER_BRANCH_FREE_FIELDS),
-               resolved.hash]
+    free = _BRANCH_FREE_FIELDS + (_LAYOUT_FIELDS if recipe.training.global_batch_size != -1 else ())
+    digests = [_recipe_digest(toml, free), _recipe_digest(toml, _EARLIER_BRANCH_FREE_FIELDS), recipe_hash]
     return [{"from_step": load_step, "recipe": digest} for digest in dict.fromkeys(digests)]
 
 

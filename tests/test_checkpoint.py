@@ -197,6 +197,28 @@ def test_a_resume_whose_data_parallel_size_does_not_divide_the_logical_shards_na
                 ) in said, said
 
 
+def test_the_layout_a_requeued_branch_resumes_is_the_one_named(tmp_path, capsys):
+    """A run from checkpoint.load_step that goes on (a requeue) resumes its own newest step, not load_step: the
+    refusal of a data-parallel size that does not divide the logical shards named load_step's layout (3 shards),
+    and told to resume with data.logical_shards = 3, though the step resumed was saved over 4."""
+    from nsa_titan.config import RecipeError
+
+    argv = [*BASE, "--training.global_batch_size=-1", "--checkpoint.interval=1", f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv, "--training.steps=2", "--data.logical_shards=3"]) == 0
+    branch = [*argv, "--checkpoint.load_step=1", "--data.logical_shards=4", "--checkpoint.data_mismatch=restart"]
+    assert cli.main(["train", *branch, "--training.steps=3"]) == 0
+    with pytest.raises(RecipeError) as info:
+        resolve([*branch, "--training.steps=4"], world_size=3, training=True)
+    said = info.value.render()
+    assert (f"the checkpoint this run resumes (step 3 in {tmp_path}/checkpoint) was saved over 4 logical shards by 1 "
+            f"data-parallel rank(s)") in said, said
+    assert "Fix: resume on a data-parallel size (processes / context_parallel_degree) that divides 4 (1, 2 or 4)" \
+        in said, said
+    capsys.readouterr()
+    assert cli.main(["train", *branch, "--training.steps=4"]) == 0
+    assert f"resumed from {tmp_path}/checkpoint/step-3 at step 3" in capsys.readouterr().out  # as it said
+
+
 def test_partial_checkpoint_is_skipped_and_corrupt_one_refused(tmp_path, capsys):
     folder = tmp_path / "run"
     argv = [*BASE, "--training.steps=2", "--checkpoint.interval=1", f"--job.dump_folder={folder}"]

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
+
+from nsa_titan.config.toml_io import dumps
+
+
+def recipe_text(recipe) -> tuple[str, str]:
+    """The resolved recipe's TOML, as a run writes it, and its hash (the recipe's identity in checkpoints)."""
+    text = dumps(recipe_to_table(recipe))
+    return text, hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def recipe_to_table(obj: Any) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import os
@@ -14,10 +13,10 @@ from components.errors import read_from
 from nsa_titan.config.build import RecipeBuilder, coerce
 from nsa_titan.config.errors import NO_LONGER_PASSES, Problem, RecipeError
 from nsa_titan.config.overrides import ACTIONS, CliText, CommandLine, apply_overrides, parse_args
-from nsa_titan.config.render import recipe_to_table
+from nsa_titan.config.render import recipe_text
 from nsa_titan.config.rules import check_rules
 from nsa_titan.config.schema import Recipe
-from nsa_titan.config.toml_io import dumps, load_composed, origins, shown_path, tomllib
+from nsa_titan.config.toml_io import load_composed, origins, shown_path, tomllib
 
 
 @dataclass
@@ -180,8 +179,7 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
         builder.notes.extend(f"{NO_LONGER_PASSES}{found.render()}" for found in broken)
     if problems:
         raise RecipeError(problems, command_notes)
-    text = dumps(recipe_to_table(recipe))
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    text, digest = recipe_text(recipe)
     return ResolvedRecipe(recipe, text, digest, path, cmd, tuple(cmd.notes + builder.notes))
 
 

@@ -9,6 +9,7 @@ from nsa_titan import registry
 from nsa_titan.checkout_hints import launch_size
 from nsa_titan.config.errors import Problem
 from nsa_titan.config.fields import default_of
+from nsa_titan.config.render import recipe_text
 from nsa_titan.config.schema import CUDA_GRAPH_MODES, Recipe
 from nsa_titan.config.toml_io import toml_value
 
@@ -28,12 +29,12 @@ def _divisors_text(n: int) -> str:
 
 def _resumed_data_layout(recipe: Recipe) -> tuple[int, str, dict] | None:
     """(step, checkpoint folder, saved data layout) of the checkpoint a training run of `recipe` resumes, or None."""
-    from nsa_titan.checkpoint import saved_data_layout
+    from nsa_titan.checkpoint import recipe_branches, saved_data_layout
 
     if not recipe.checkpoint.enable:
         return None
     folder = os.path.join(recipe.job.dump_folder, recipe.checkpoint.folder)
-    found = saved_data_layout(folder, recipe.checkpoint.load_step)
+    found = saved_data_layout(folder, recipe.checkpoint.load_step, recipe_branches(recipe, *recipe_text(recipe)))
     return None if found is None else (found[0], folder, found[1])
 
 
@@ -151,25 +152,6 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         add("training.global_batch_size", t.global_batch_size,
             f"is not a multiple of local_batch_size x data-parallel size = {t.local_batch_size} x {dp} = {per_step}",
             f"use a multiple of {per_step} (e.g. {per_step * max(1, round(t.global_batch_size / per_step))}) or -1")
-    if dp is not None and recipe.data.logical_shards % dp:
-        shards = recipe.data.logical_shards
-        resumed = _resumed_data_layout(recipe) if training else None
-        if resumed is None:
-            add("data.logical_shards", shards, f"is not divisible by the data-parallel size {dp}, so ranks cannot own "
-                f"equal shards", f"use a multiple of {dp}, e.g. {dp * max(1, shards // dp)}, or a data-parallel size "
-                f"that divides {shards} ({_divisors_text(shards)})")
-        else:  # a resume: the checkpoint's data goes on only over the logical shards it was saved with
-            step, folder, saved = resumed
-            kept = saved["logical_shards"]
-            add("data.logical_shards", shards,
-                f"is not divisible by the data-parallel size {dp}, so ranks cannot own equal shards; the checkpoint "
-                f"this run resumes (step {step} in {folder}) was saved over {kept} logical shards by "
-                f"{saved['world_size']} data-parallel rank(s), and its data continues only over those {kept}",
-                f"resume{'' if kept == shards else f' with data.logical_shards = {kept}'} on a data-parallel size "
-                f"(processes / context_parallel_degree) that divides {kept} ({_divisors_text(kept)}), or start the "
-                f"data afresh over a multiple of {dp} logical shards with --checkpoint.data_mismatch=restart (the "
-                f"model, optimizer and step resume)")
-
     if recipe.metrics.telemetry_freq > 0:
         part = registry.get("model", recipe.model.name)
         if part.telemetry is None or not (part.telemetry_applies is None or part.telemetry_applies(recipe.model.args)):
@@ -298,6 +280,32 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
                               recipe.activation_checkpoint.mode,
                               f"only applies to mode = 'selective' (mode is {recipe.activation_checkpoint.mode!r})",
                               "remove it, or set activation_checkpoint.mode = 'selective'")
+    if dp is not None:
+        _check_logical_shards(recipe, dp, add, training)
+
+
+def _check_logical_shards(recipe: Recipe, dp: int, add, training: bool) -> None:
+    """Logical shards that dp ranks cannot own equally; on a resume, as the checkpoint it reads saved them. Checked
+    last, once every rule has set the recipe's fields, since a resume finds its checkpoint by the recipe's hash."""
+    if not recipe.data.logical_shards % dp:
+        return
+    shards = recipe.data.logical_shards
+    resumed = _resumed_data_layout(recipe) if training else None
+    if resumed is None:
+        add("data.logical_shards", shards, f"is not divisible by the data-parallel size {dp}, so ranks cannot own "
+            f"equal shards", f"use a multiple of {dp}, e.g. {dp * max(1, shards // dp)}, or a data-parallel size "
+            f"that divides {shards} ({_divisors_text(shards)})")
+    else:  # a resume: the checkpoint's data goes on only over the logical shards it was saved with
+        step, folder, saved = resumed
+        kept = saved["logical_shards"]
+        add("data.logical_shards", shards,
+            f"is not divisible by the data-parallel size {dp}, so ranks cannot own equal shards; the checkpoint "
+            f"this run resumes (step {step} in {folder}) was saved over {kept} logical shards by "
+            f"{saved['world_size']} data-parallel rank(s), and its data continues only over those {kept}",
+            f"resume{'' if kept == shards else f' with data.logical_shards = {kept}'} on a data-parallel size "
+            f"(processes / context_parallel_degree) that divides {kept} ({_divisors_text(kept)}), or start the "
+            f"data afresh over a multiple of {dp} logical shards with --checkpoint.data_mismatch=restart (the "
+            f"model, optimizer and step resume)")
 
 
 # The recipe's folders inside job.dump_folder, (section, field); and those the trainer writes on its own there,
