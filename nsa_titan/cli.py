@@ -95,8 +95,8 @@ def train(argv: list[str]) -> int:
     if resolved.path is None:  # before the notes, which are about the defaults, not a recipe of the user's
         return _fail(f"error: {no_recipe('train')}")
     if rank == 0:
-        for note in resolved.notes:
-            print(f"note: {note}", flush=True)
+        for line in resolved.start_lines():
+            print(line, flush=True)
 
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer

@@ -64,6 +64,21 @@ def test_a_layout_the_world_size_cannot_hold_names_doctors_option(tmp_path, caps
     assert "Fix: launch a multiple of 2 processes (doctor: --world-size N)" in lines["recipe"][1], lines["recipe"]
 
 
+def test_the_recipe_check_shows_the_notes_training_starts_with(tmp_path, capsys):
+    """Training starts by saying what is worth knowing of its recipe (a warmup longer than the run, a flag given
+    twice, ...); doctor, run to learn what training will say, left those notes out."""
+    from tests.launch import TINY
+
+    argv = [DEBUG, *TINY, "--training.steps=1", "--lr_scheduler.warmup_steps=4", f"--job.dump_folder={tmp_path}"]
+    code, lines = _doctor(capsys, *argv)
+    status, text = lines["recipe"]
+    said = text.splitlines()[1:]
+    assert code == 0 and status == "ok" and any(line.startswith("note: lr_scheduler.warmup_steps = 4 from flag")
+                                                for line in said), text
+    assert cli.main(["train", *argv]) == 0
+    assert capsys.readouterr().out.splitlines()[:len(said)] == said  # the lines training starts with
+
+
 def test_missing_data_path_fails_clearly(tmp_path, capsys):
     missing = tmp_path / "no_such_corpus"
     code, lines = _doctor(capsys, DEBUG, f"--job.dump_folder={tmp_path}", "--data.source=text_files",

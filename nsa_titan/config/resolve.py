@@ -28,6 +28,10 @@ class ResolvedRecipe:
     command_line: CommandLine
     notes: tuple[str, ...] = ()  # overrides worth telling the user about
 
+    def start_lines(self) -> list[str]:
+        """What a training run says of its recipe as it starts (doctor shows the same lines)."""
+        return [f"note: {note}" for note in self.notes]
+
 
 def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str | None = None,
             actions: tuple[str, ...] = (), training: bool = False) -> ResolvedRecipe:

@@ -64,8 +64,9 @@ def run_checks(argv: list[str], world_size: int) -> list[Check]:
     else:
         if resolved.path is None:
             raise UserError(no_recipe("doctor"))
+        said = "".join(f"\n{line}" for line in resolved.start_lines())  # what training says of it, as it says it
         recipe_check = Check("recipe", OK, f"{resolved.path} validates for {world_size} process(es) "
-                                           f"(hash {resolved.hash})")
+                                           f"(hash {resolved.hash}){said}")
     results = _Reported()
     results.append(_guarded("versions", checks.check_versions))
     recipe = resolved.recipe if resolved else None
