@@ -533,6 +533,22 @@ def test_the_resume_check_reads_the_checkpoint_a_resume_would_load(tmp_path, cap
     assert lines["resume"][0] == "ok" and "step-1 (step 1, " in lines["resume"][1], lines["resume"]
 
 
+def test_the_resume_check_says_which_checkpoints_the_run_leaves_alone(tmp_path, capsys):
+    """A run folder holding checkpoints that the recipe does not resume (checkpoint.enable = false, or another
+    checkpoint.folder): training starts at step 0 saying so and how to go on from them; doctor said only 'from
+    scratch'."""
+    from tests.launch import TINY
+
+    run = [DEBUG, *TINY, f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *run, "--checkpoint.enable=true", "--training.steps=1"]) == 0
+    capsys.readouterr()
+    for flags in (["--checkpoint.enable=false"], ["--checkpoint.enable=true", "--checkpoint.folder=other"]):
+        code, lines = _doctor(capsys, *run, *flags, "--training.steps=2")
+        assert cli.main(["train", *run, *flags, "--training.steps=2"]) == 0
+        said = next(line for line in capsys.readouterr().out.splitlines() if "To go on from them" in line)
+        assert code == 0 and said in lines["resume"][1], (said, lines["resume"])
+
+
 def test_the_resume_check_compares_the_saved_data_stream(tmp_path, capsys, monkeypatch):
     """A checkpoint whose data stream is not the recipe's (another seed) fails the check with the message a resume
     would give; with checkpoint.data_mismatch = 'restart' it passes and says the data starts afresh. It reads with

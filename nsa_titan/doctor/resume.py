@@ -17,6 +17,7 @@ from nsa_titan.checkpoint import (Checkpointer, check_weights_files, check_weigh
 from nsa_titan.checkpoint_checks import shape_mismatches, tensor_shapes
 from nsa_titan.doctor.checks import FAIL, OK, Check
 from nsa_titan.hf_folder import hf_weight_changes, is_hf_folder
+from nsa_titan.resume_notes import say_checkpoints_left_alone, say_other_checkpoint_folders
 from nsa_titan.weight_source import changes_note, step_field_changes
 
 
@@ -26,6 +27,7 @@ def check_resume(resolved, runtime, tokenizer, source) -> Check:
     ckpt = recipe.checkpoint
     notes: list[str] = []
     if not ckpt.enable:
+        say_checkpoints_left_alone(recipe, notes.append)  # as training says it
         start = _initial_weights(resolved, tokenizer, notes) if ckpt.initial_load_path else "from scratch"
         return Check("resume", OK, "; ".join([f"checkpoint.enable is false: the run starts at step 0 {start} and saves "
                                               f"nothing", *notes]))
@@ -33,6 +35,7 @@ def check_resume(resolved, runtime, tokenizer, source) -> Check:
     reader = Checkpointer(folder, keep_latest_k=0, async_mode="disabled", rank=0, world_size=1, say=notes.append)
     step = reader.find_resume_step(ckpt.load_step, run_branches(resolved), quiet=True)
     if step is None:
+        say_other_checkpoint_folders(recipe, notes.append)  # as training says it
         start = _initial_weights(resolved, tokenizer, notes) if ckpt.initial_load_path else "from scratch"
         return Check("resume", OK, "; ".join([f"no complete checkpoint in {folder}: the run starts at step 0 {start}",
                                               *notes]))
