@@ -20,7 +20,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
 command=train
 case "${1:-}" in
-  train|inspect|doctor|export|sample|plot|eval) command=$1; shift ;;
+  train|inspect|doctor|export|sample|plot|eval|recipes) command=$1; shift ;;
   ''|-*|*.toml) ;;
   # Neither a command nor a recipe file: the CLI names the commands (e.g. for 'evaluate').
   *) [ -e "$1" ] || exec "$py" -m nsa_titan.cli "$@" ;;

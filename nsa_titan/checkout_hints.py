@@ -20,8 +20,8 @@ def shipped_recipes() -> str:
         folder = os.path.join(PACKAGES_ROOT, "recipes")
         example = _shown(os.path.join(folder, "debug.toml"))
         return f"the shipped recipes are in {_shown(folder)}{os.sep} (e.g. {example})"
-    return ("an installed nsa_titan holds no recipe files: write one (`nsa-titan train --help` lists every field) or "
-            "copy one from the recipes/ folder of nsa_titan's source")
+    return ("`nsa-titan recipes copy` writes the shipped recipes into ./recipes (e.g. recipes/debug.toml; "
+            "`nsa-titan recipes` lists them)")
 
 
 def launch_several(count: str = "N") -> str:

@@ -45,6 +45,8 @@ COMMANDS = {
     "inspect": "compile-graph inspection: nsa-titan inspect RECIPE.toml [overrides] [--seq-lens 64,96] "
                "[--fail-on-break]",
     "doctor": "preflight checks: nsa-titan doctor RECIPE.toml [overrides] [--world-size N]",
+    "recipes": "the shipped recipes: nsa-titan recipes lists them; nsa-titan recipes copy [DIR] writes them, presets "
+               "included, into DIR (default ./recipes) to train from and edit",
 }
 
 INPUT_ERROR = 2
@@ -360,6 +362,23 @@ def doctor(argv: list[str]) -> int:
     return run_command(argv)
 
 
+def recipes(argv: list[str]) -> int:
+    from nsa_titan.shipped_recipes import DEFAULT_DESTINATION, copy_to, listing
+
+    refuse_unknown_options(argv, "recipes", "--help")
+    if not argv:
+        print(listing())
+        return 0
+    if argv[0] != "copy" or len(argv) > 2:
+        return _fail(f"error: recipes takes no arguments (a list) or `copy [DIR]`, not {shlex.join(argv)!r}. Fix: "
+                     f"`nsa-titan recipes` or `nsa-titan recipes copy {DEFAULT_DESTINATION}`.")
+    destination = argv[1] if len(argv) == 2 else DEFAULT_DESTINATION
+    written = copy_to(destination)
+    print(f"copied {len(written)} recipe files into {destination}{os.sep}; train with e.g. `nsa-titan train "
+          f"{os.path.join(destination, 'debug.toml')}`")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_known_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -368,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else INPUT_ERROR
     command, rest = argv[0], argv[1:]
     handlers = {"train": train, "export": export, "sample": sample, "plot": plot, "eval": evaluate,
-                "inspect": inspect, "doctor": doctor}
+                "inspect": inspect, "doctor": doctor, "recipes": recipes}
     if command not in handlers:
         if os.path.isfile(command):
             return _fail(f"error: {command!r} is a file, not a command. Fix: `nsa-titan train {command}` trains "
@@ -378,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"error: unknown command {command!r}{suggest(command, list(handlers))}. Fix: use one of "
                      f"{', '.join(handlers)} (`nsa-titan --help` describes them).")
     if command not in ("train", "inspect", "doctor") and ("--help" in rest or "-h" in rest):
-        # sample reads an exported model alone; the others also take a recipe with its overrides
-        print(COMMANDS[command] + ("" if command == "sample" else
+        # sample and recipes read no recipe; the others also take a recipe with its overrides
+        print(COMMANDS[command] + ("" if command in ("sample", "recipes") else
                                    "\n(with a recipe, its fields and overrides: nsa-titan train --help)"))
         return 0
     try:

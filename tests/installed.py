@@ -3,6 +3,7 @@ checkout around them (no pyproject.toml, recipes/, run_train.sh), in a folder of
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import subprocess
@@ -13,15 +14,38 @@ from tests.conftest import REPO_ROOT
 
 PACKAGES = ("nsa_titan", "components")  # pyproject.toml's [tool.setuptools.packages.find] include
 with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as _fh:
-    PROJECT = tomllib.load(_fh)["project"]  # the distribution's name and version
+    _PYPROJECT = tomllib.load(_fh)
+PROJECT = _PYPROJECT["project"]  # the distribution's name and version
+PACKAGE_DATA = _PYPROJECT["tool"]["setuptools"].get("package-data", {})  # the files a wheel holds beside modules
+
+
+def _wheel_leaves_out(package: str):
+    """copytree's ignore: what a wheel does not hold (compiled files, and files other than modules that the
+    package's package-data does not name)."""
+    top = os.path.join(REPO_ROOT, package)
+
+    def ignored(folder: str, names: list[str]) -> set[str]:
+        left_out = set()
+        for name in names:
+            path = os.path.join(folder, name)
+            if name == "__pycache__":
+                left_out.add(name)
+            if os.path.isdir(path):
+                continue
+            inside = os.path.relpath(path, top).replace(os.sep, "/")
+            if not name.endswith(".py") and not any(fnmatch.fnmatch(inside, p) for p in PACKAGE_DATA.get(package, [])):
+                left_out.add(name)
+        return left_out
+
+    return ignored
 
 
 def install_copy(site) -> str:
-    """Copy the packages' modules, and the distribution's name and version, into the folder `site` (as
-    site-packages); return its path."""
+    """Copy the packages' modules and package data, and the distribution's name and version, into the folder `site`
+    (as site-packages); return its path."""
     for package in PACKAGES:
         shutil.copytree(os.path.join(REPO_ROOT, package), os.path.join(site, package),
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                        ignore=_wheel_leaves_out(package))
     info = os.path.join(site, f"{PROJECT['name']}-{PROJECT['version']}.dist-info")
     os.makedirs(info)
     with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as fh:

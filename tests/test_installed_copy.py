@@ -63,11 +63,32 @@ def test_an_installed_copy_names_no_checkout_file_in_its_fixes(site, tmp_path):
             "cli.main(['train', '--help'])\n")
     done = run_installed(site, tmp_path, code)
     assert done.returncode == 0, done.stderr
-    assert "an installed nsa_titan holds no recipe files: write one (`nsa-titan train --help` lists every field)" \
-        in done.stderr, done.stderr
+    assert "`nsa-titan recipes copy` writes the shipped recipes into ./recipes (e.g. recipes/debug.toml; " \
+           "`nsa-titan recipes` lists them)" in done.stderr, done.stderr
     assert "launch several with python -m nsa_titan.launch --standalone --nproc_per_node=N -m nsa_titan.cli train " \
            "RECIPE.toml." in done.stderr, done.stderr
     assert "usage: nsa-titan train RECIPE.toml" in done.stdout and "run_train.sh" not in done.stdout, done.stdout
+
+
+def test_an_installed_copy_ships_the_recipes_the_readme_trains_from(site, tmp_path):
+    """The wheel held no recipe files, though the README and the fixes name recipes/debug.toml: `recipes copy` writes
+    them (presets included, so `extends` resolves) into the user's folder, and refuses to overwrite them."""
+    listed = run_console_script(site, tmp_path, ["recipes"])
+    assert listed.returncode == 0, listed.stderr
+    assert "debug.toml          The default recipe: a tiny NSA model" in listed.stdout, listed.stdout
+    copied = run_console_script(site, tmp_path, ["recipes", "copy"])
+    assert copied.returncode == 0, copied.stderr
+    assert sorted(os.listdir(tmp_path / "recipes" / "presets")) == sorted(os.listdir(os.path.join(REPO_ROOT, "recipes",
+                                                                                                 "presets")))
+    (tmp_path / "recipes" / "debug.toml").write_text((tmp_path / "recipes" / "debug.toml").read_text() + "# mine\n")
+    again = run_console_script(site, tmp_path, ["recipes", "copy"])
+    recipes = os.walk(os.path.join(REPO_ROOT, "recipes"))
+    shipped = sum(name.endswith(".toml") for _, _, names in recipes for name in names)
+    assert again.returncode == 2 and f"{shipped} of the shipped recipe files are already in 'recipes'" in again.stderr
+    assert (tmp_path / "recipes" / "debug.toml").read_text().endswith("# mine\n")
+    done = run_console_script(site, tmp_path, ["train", "recipes/debug.toml", "--print-config"])
+    assert done.returncode == 0, done.stderr
+    assert 'source = "python_stdlib"' in done.stdout and 'attention = "nsa"' in done.stdout, done.stdout
 
 
 def test_a_checkout_run_from_elsewhere_names_its_recipes_folder(tmp_path, monkeypatch, capsys):
