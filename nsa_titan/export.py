@@ -23,6 +23,7 @@ from nsa_titan.checkpoint import complete_steps
 from nsa_titan.step_folders import STEP_DIR, train_state_file
 from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe
+from nsa_titan.export_paths import RUN_DIR, made_in, plugins_read_from, tokenizer_read_from
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
 from nsa_titan.run_folder import RECIPE_FILE, recipe_above
 
@@ -55,6 +56,7 @@ def export_checkpoint(resolved: ResolvedRecipe, output: str, overwrite: bool = F
         "state_dict": model.state_dict(),
         "recipe_toml": resolved.toml,
         "recipe_hash": resolved.hash,
+        RUN_DIR: made_in(),  # where the recipe's relative paths (plugin and tokenizer files) are read from
     }
     target = os.path.abspath(output)
     tmp = new_name_beside(target)
@@ -101,6 +103,7 @@ def load_exported(path: str, device: str | torch.device = "cpu",
     if wrong:
         raise UserError(f"{path!r} is an incomplete nsa_titan export ({', '.join(wrong)} missing or of the wrong "
                         f"type). Fix: export the run again with `nsa-titan export RECIPE --output FILE`.")
+    payload["recipe_toml"] = plugins_read_from(payload["recipe_toml"], payload.get(RUN_DIR), repr(path))
     import_plugins_of(payload["recipe_toml"])  # a plugin may register the model
     model = rebuild_model(payload["model_name"], payload["model_args"], payload["vocab_size"], payload["state_dict"],
                           device, path, say)
@@ -127,6 +130,8 @@ def load_exported_run(path: str, device: str | torch.device = "cpu",
     name, args = recipe.data.tokenizer, recipe.data.tokenizer_args
     if meta.get("format") == "hf":
         name, args = tokenizer_in_folder(name, args, path)
+    else:
+        args = tokenizer_read_from(args, meta.get(RUN_DIR), repr(path))
     return ExportedRun(model, meta, recipe, registry.build("tokenizer", name, args))
 
 

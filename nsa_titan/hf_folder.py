@@ -28,6 +28,7 @@ from nsa_titan import registry
 from nsa_titan.command_options import check_output, new_name_beside, with_umask_permissions
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.errors import RecipeError
+from nsa_titan.export_paths import RUN_DIR, made_in, plugins_read_from, relative_plugin_files
 from nsa_titan.observe.progress import progress
 from nsa_titan.run_folder import flat_fields
 from nsa_titan.weight_source import model_field_changes
@@ -121,7 +122,8 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
               "auto_map": fmt.auto_map, "torch_dtype": dtype,
               "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
                             "model_args": dataclasses.asdict(recipe.model.args), "step": step,
-                            "recipe_hash": resolved.hash}}
+                            "recipe_hash": resolved.hash,
+                            **({RUN_DIR: made_in()} if relative_plugin_files(recipe.job.plugins) else {})}}
     def write_weights() -> None:
         path = os.path.join(tmp, WEIGHTS)
         save_file({name: x.to(DTYPES[dtype]) if x.is_floating_point() else x
@@ -219,6 +221,8 @@ def read_hf_folder(path: str) -> HFFolder:
 
     recipe_file = os.path.join(path, RECIPE)
     recipe_toml = open(recipe_file, encoding="utf-8").read() if os.path.isfile(recipe_file) else None
+    if recipe_toml is not None:  # its plugin files, read from where it was exported
+        recipe_toml = plugins_read_from(recipe_toml, ours.get(RUN_DIR), repr(path))
     if recipe_toml is not None and model_name not in registry.available("model"):
         import_plugins_of(recipe_toml)  # a plugin registers the model
     part = registry.get("model", model_name)

@@ -107,6 +107,22 @@ def encoding_file(encoding: str) -> str | None:
     return encoding if _looks_like_path(encoding) else None
 
 
+def with_files_read_from(args, folder: str):
+    """(the tokenizer arguments with the relative paths of the files they name read from `folder`, [(each path as
+    given, the path in folder)]): for an export read elsewhere than where its run started."""
+    from dataclasses import replace
+
+    given = None
+    if isinstance(args, TiktokenArgs) and encoding_file(args.encoding):
+        given, field_name = args.encoding, "encoding"
+    elif isinstance(args, HFTokenizerArgs) and args.path:
+        given, field_name = args.path, "path"
+    if given is None or os.path.isabs(os.path.expanduser(given)):
+        return args, []
+    path = os.path.join(folder, given)
+    return replace(args, **{field_name: path}), [(given, path)]
+
+
 def _bpe_ranks(path: str, content: bytes) -> dict[bytes, int]:
     """A .tiktoken file's merge ranks: lines of '<base64 token> <rank>'. Parsed here because tiktoken's
     loader caches every path it reads, so an edited file at the same path would read as the old one."""
