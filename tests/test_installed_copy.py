@@ -52,6 +52,19 @@ def test_the_console_script_imports_a_plugin_module_from_the_working_directory(s
     assert 'plugins = ["half_schedule"]' in done.stdout and 'decay_type = "half"' in done.stdout, done.stdout
 
 
+def test_a_plugin_module_named_like_an_installed_one_is_not_passed_over_silently(site, tmp_path):
+    """The console script puts the working directory last: `job.plugins = ["tqdm"]` imported the installed tqdm, the
+    user's tqdm.py registered nothing, and the recipe was refused for an unknown schedule 'half' alone."""
+    (tmp_path / "tqdm.py").write_text("from nsa_titan.registry import register\n"
+                                      "register('lr_schedule', 'half', lambda progress: 1 - progress)\n")
+    done = run_console_script(site, tmp_path, ["train", DEBUG, "--job.plugins=tqdm", "--lr_scheduler.decay_type=half",
+                                                "--print-config"])
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "job.plugins = 'tqdm': imported " in done.stderr and ", not tqdm.py in the directory the run starts in: " \
+           "an installed module named 'tqdm' comes first on the import path, so tqdm.py registered nothing. Fix: " \
+           "rename tqdm.py (e.g. to tqdm_plugin.py) and set job.plugins = [\"tqdm_plugin\"]" in done.stderr, done.stderr
+
+
 def test_an_installed_copy_names_no_checkout_file_in_its_fixes(site, tmp_path):
     """A missing recipe, a stray WORLD_SIZE and `train --help`: it pointed at recipes/ and ./run_train.sh, which a
     wheel does not install."""

@@ -253,6 +253,31 @@ def _search_working_directory() -> None:
         sys.path.append(here)
 
 
+def _working_directory_module_passed_over(name: str) -> tuple[str, str] | None:
+    """(the file in the directory the run starts in, the module imported instead) when the plugin module `name` is
+    there but an installed module of its name came first on the import path (the console script puts that directory
+    last), so the user's file was never read."""
+    top = name.split(".")[0]
+    here = os.getcwd()
+    local = next((path for path in (os.path.join(here, top + ".py"), os.path.join(here, top, "__init__.py"))
+                  if os.path.isfile(path)), None)
+    imported = getattr(sys.modules.get(top), "__file__", None)
+    if local is None or (imported and os.path.isfile(imported) and os.path.samefile(imported, local)):
+        return None
+    return local, imported or "a built-in module"
+
+
+def _passed_over_problem(source: str, name: str, local: str, imported: str) -> Problem:
+    top = name.split(".")[0]
+    package = os.path.basename(local) == "__init__.py"
+    shown = (top + os.sep) if package else os.path.basename(local)
+    renamed = f"{top}_plugin{os.sep if package else '.py'}"
+    return Problem(source, "job.plugins", name, f"imported {imported}, not {shown} in the directory the run starts in: "
+                   f"an installed module named {top!r} comes first on the import path, so {shown} registered nothing",
+                   f"rename {shown} (e.g. to {renamed}) and set job.plugins = [\"{top}_plugin{name[len(top):]}\"]; if "
+                   "the installed module is the one meant, start the run in another directory")
+
+
 def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]) -> None:
     plugins = table.get("job", {}).get("plugins", []) if isinstance(table.get("job"), dict) else []
     if isinstance(plugins, CliText):  # a flag's text: read as any list flag is (comma-separated, or a TOML list)
@@ -290,5 +315,8 @@ def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]
             else:
                 _search_working_directory()
                 importlib.import_module(name)
+                passed_over = _working_directory_module_passed_over(name)
+                if passed_over:
+                    problems.append(_passed_over_problem(source, name, *passed_over))
         except Exception as exc:  # a plugin may fail in any way; report it as a recipe problem
             problems.append(_plugin_import_problem(source, name, exc))
