@@ -69,3 +69,15 @@ def test_an_export_whose_files_are_gone_names_them_and_where_they_were(exports, 
         assert code == 2 and err.count("error:") == 1, err
         assert f"its recipe's plugin file '{exports / 'plug' / 'halving_schedule.py'}' (job.plugins, which registers " \
                "parts it needs) is not there now. Fix: put the plugin file back there." in err, err
+
+
+def test_a_folder_reads_its_own_tokenizer_not_a_file_of_the_same_relative_name_elsewhere(exports, capsys):
+    """The recipe's relative tokenizer file, looked up in another project's folder, found that project's file of the
+    same name: the folder sampled through another vocabulary's ids without a word."""
+    (exports.parent / "elsewhere" / "tok").mkdir()
+    (exports.parent / "elsewhere" / "tok" / "bytes.tiktoken").write_bytes(
+        b"".join(base64.b64encode(bytes([b])) + b" %d\n" % (255 - b) for b in range(256)))
+    file_code, file_out, _ = _sample(capsys, exports / "model.pt")
+    folder_code, folder_out, err = _sample(capsys, exports / "hf")
+    assert (file_code, folder_code) == (0, 0), err
+    assert folder_out == file_out

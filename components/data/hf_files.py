@@ -133,8 +133,9 @@ def tokenizer_in_folder(name: str, args, folder: str) -> tuple[str, object]:
     """(tokenizer name, its arguments) for reading a folder these files were written into. A Hugging Face
     tokenizer reads the folder's own tokenizer.json and tokenizer_config.json (the file its recipe names
     may not exist where the folder was copied to; the shipped one encodes alike, as it is called without
-    special tokens). So does a tiktoken encoding read from a .tiktoken file that is not here: the folder's
-    byte-level BPE holds its ranks and <|endoftext|>. Byte and named tiktoken encodings are built in."""
+    special tokens). So does a tiktoken encoding read from a .tiktoken file that is not here, or is named by a relative
+    path (read from wherever the folder is used, it may be another file of that name): the folder's byte-level BPE
+    holds its ranks and <|endoftext|>. Byte and named tiktoken encodings are built in."""
     from components.data.hf_tokenizer import HFTokenizerArgs
     from components.data.tokenizers import ENDOFTEXT, TiktokenArgs, encoding_file
 
@@ -142,6 +143,6 @@ def tokenizer_in_folder(name: str, args, folder: str) -> tuple[str, object]:
         return name, dataclasses.replace(args, path=folder)
     if isinstance(args, TiktokenArgs):
         file = encoding_file(args.encoding)
-        if file is not None and not os.path.isfile(file):
+        if file is not None and (not os.path.isabs(os.path.expanduser(file)) or not os.path.isfile(file)):
             return "hf_tokenizer", HFTokenizerArgs(path=folder, eos_token=ENDOFTEXT, bos_token=ENDOFTEXT)
     return name, args
