@@ -5,6 +5,7 @@ paths from there (or say which file is gone and where it was)."""
 from __future__ import annotations
 
 import os
+import sys
 
 from components.errors import UserError
 from nsa_titan.config.toml_io import dumps, tomllib
@@ -16,10 +17,16 @@ def made_in() -> str:
     return os.getcwd()
 
 
-def relative_plugin_files(plugins: list[str]) -> bool:
-    """Whether job.plugins names a plugin file by a relative path (a folder of --format hf, which may be shared,
-    records the directory it was made in only then)."""
-    return any(name.endswith(".py") and _relative(name) for name in plugins)
+def _module_in(name: str, folder: str) -> bool:
+    """Whether the plugin module `name` is a module or package in `folder`."""
+    top = name.split(".")[0]
+    return os.path.isfile(os.path.join(folder, top + ".py")) or os.path.isfile(os.path.join(folder, top, "__init__.py"))
+
+
+def reads_run_dir(plugins: list[str]) -> bool:
+    """Whether job.plugins names a plugin file by a relative path or a module in the working directory (a folder of
+    --format hf, which may be shared, records the directory it was made in only then)."""
+    return any(_relative(name) if name.endswith(".py") else _module_in(name, os.getcwd()) for name in plugins)
 
 
 def _moved(run_dir: str | None) -> bool:
@@ -32,7 +39,8 @@ def _relative(path: str) -> bool:
 
 
 def plugins_read_from(recipe_toml: str, run_dir: str | None, where: str) -> str:
-    """The recipe with the plugin files of job.plugins named by their paths in `run_dir`; each must be there."""
+    """The recipe with the plugin files of job.plugins named by their paths in `run_dir`; each must be there. A plugin
+    module in `run_dir` is found there: the folder goes last on the import path, as the working directory would."""
     if not _moved(run_dir):
         return recipe_toml
     try:
@@ -50,6 +58,9 @@ def plugins_read_from(recipe_toml: str, run_dir: str | None, where: str) -> str:
                 raise UserError(f"{where} was exported in {run_dir}, and its recipe's plugin file {name!r} "
                                 f"(job.plugins, which registers parts it needs) is not there now. Fix: put the plugin "
                                 f"file back there.")
+        elif isinstance(name, str) and not name.endswith(".py") and _module_in(name, run_dir) and \
+                run_dir not in sys.path:
+            sys.path.append(run_dir)
         found.append(name)
     if found == plugins:
         return recipe_toml

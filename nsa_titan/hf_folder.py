@@ -28,7 +28,7 @@ from nsa_titan import registry
 from nsa_titan.command_options import check_output, new_name_beside, with_umask_permissions
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.errors import RecipeError
-from nsa_titan.export_paths import RUN_DIR, made_in, plugins_read_from, relative_plugin_files
+from nsa_titan.export_paths import RUN_DIR, made_in, plugins_read_from, reads_run_dir
 from nsa_titan.observe.progress import progress
 from nsa_titan.run_folder import flat_fields
 from nsa_titan.weight_source import model_field_changes
@@ -123,7 +123,7 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
               "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
                             "model_args": dataclasses.asdict(recipe.model.args), "step": step,
                             "recipe_hash": resolved.hash,
-                            **({RUN_DIR: made_in()} if relative_plugin_files(recipe.job.plugins) else {})}}
+                            **({RUN_DIR: made_in()} if reads_run_dir(recipe.job.plugins) else {})}}
     def write_weights() -> None:
         path = os.path.join(tmp, WEIGHTS)
         save_file({name: x.to(DTYPES[dtype]) if x.is_floating_point() else x

@@ -4,7 +4,9 @@ from the folder the export was made in, and one that is gone is named with where
 from __future__ import annotations
 
 import base64
+import re
 import shutil
+import sys
 
 import pytest
 
@@ -26,14 +28,20 @@ def exports(tmp_path, monkeypatch):
     (project / "tok").mkdir()
     (project / "tok" / "bytes.tiktoken").write_bytes(b"".join(base64.b64encode(bytes([b])) + b" %d\n" % b
                                                               for b in range(256)))
+    module = "parts_" + re.sub(r"\W", "_", tmp_path.name)  # a plugin module in the run's folder, of its own name
+    (project / f"{module}.py").write_text("ANSWER = 42\n")
     monkeypatch.chdir(project)
+    monkeypatch.setattr(sys, "path", list(sys.path))
     argv = [DEBUG, *TINY, "--training.steps=1", "--checkpoint.enable=true", "--job.dump_folder=run",
-            "--job.plugins=plug/halving_schedule.py", "--lr_scheduler.decay_type=halving",
+            f"--job.plugins=plug/halving_schedule.py,{module}", "--lr_scheduler.decay_type=halving",
             "--data.tokenizer=tiktoken", "--data.tiktoken.encoding=tok/bytes.tiktoken"]
     with registry_restored():
         assert cli.main(["train", *argv]) == 0
         assert cli.main(["export", *argv, "--output", "model.pt"]) == 0
         assert cli.main(["export", *argv, "--format", "hf", "--output", "hf"]) == 0
+        # As a new process elsewhere finds it: not imported yet, the run's folder not on the import path.
+        del sys.modules[module]
+        sys.path[:] = [p for p in sys.path if p not in ("", str(project))]
         elsewhere = tmp_path / "elsewhere"
         elsewhere.mkdir()
         monkeypatch.chdir(elsewhere)
