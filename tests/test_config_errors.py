@@ -327,7 +327,7 @@ def test_problem_names_the_file_it_came_from(tmp_path, capsys):
     assert "base.toml: metrics.log_freq = -3" in err
 
 
-def test_a_switched_off_table_names_the_file_that_wrote_it_beside_the_switch(tmp_path, capsys):
+def test_a_switched_off_table_names_the_file_that_wrote_it_beside_the_switch(tmp_path, capsys, monkeypatch):
     """A child recipe that chooses dense attention and writes its own [model.nsa] is told so at its own path, not
     at the extended recipe's, whose table the choice overrides (that one alone is only a note)."""
     write(tmp_path, "", name="base.toml")
@@ -337,6 +337,7 @@ def test_a_switched_off_table_names_the_file_that_wrote_it_beside_the_switch(tmp
     assert code == 2
     assert f"{child}: model.nsa: is set but model.attention = 'dense'" in err, err
     child.write_text('extends = "base.toml"\n[model]\nattention = "dense"\n')
+    monkeypatch.chdir(tmp_path)  # the child is a run of its own, in ./outputs/child
     assert run_cli(capsys, [str(child)])[0] == 0
 
 
