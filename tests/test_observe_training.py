@@ -417,6 +417,43 @@ def test_a_resume_brings_back_its_records_after_a_run_without_checkpoints_in_its
     assert [e.step for e in events.Scalars("val_loss")] == [3, 6, 8]
 
 
+def _pictures(folder) -> dict[tuple[str, int], bytes]:
+    """{(tag, step): PNG} of the attention pictures TensorBoard shows for `folder`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"images": 0})
+    events.Reload()
+    shown = [((tag, e.step), e.encoded_image_string) for tag in events.Tags()["images"] for e in events.Images(tag)]
+    assert len(dict(shown)) == len(shown), [key for key, _ in shown]  # each picture once
+    return dict(shown)
+
+
+@pytest.mark.parametrize("between", ["a run without checkpoints", "tensorboard off", "another tensorboard folder"])
+def test_a_redrawn_tensorboard_keeps_the_attention_pictures_before_the_resume(tmp_path, between):
+    """A resume that draws TensorBoard's curves again from metrics.jsonl (after a run without checkpoints in the
+    folder, after a resumed stretch with TensorBoard off, or from a checkpoint whose run logged elsewhere) hid
+    every earlier event: the scalars came back, the attention pictures of the steps before the resume were lost.
+    They are copied from the events they were drawn into."""
+    tb = "--metrics.enable_tensorboard=true"
+    argv = ["train", *[f for f in BASE if f != "--checkpoint.enable=false"], "--checkpoint.enable=true",
+            "--checkpoint.interval=2", "--metrics.telemetry_freq=2", f"--job.dump_folder={tmp_path}"]
+    first_folder = "tb_first" if between == "another tensorboard folder" else "tb"
+    assert cli.main([*argv, "--training.steps=4", tb, f"--metrics.save_tb_folder={first_folder}"]) == 0
+    first = _pictures(tmp_path / first_folder)
+    assert sorted({step for _, step in first}) == [2, 4]
+    if between == "tensorboard off":
+        assert cli.main([*argv, "--training.steps=6"]) == 0
+    elif between == "a run without checkpoints":
+        assert cli.main(["train", *BASE, "--training.steps=2", "--optimizer.lr=1e-2", "--metrics.telemetry_freq=2",
+                         tb, f"--job.dump_folder={tmp_path}"]) == 0
+        assert _pictures(tmp_path / "tb").keys() == {(tag, 2) for tag, _ in first}  # the other run's, alone
+    assert cli.main([*argv, "--training.steps=8", tb]) == 0
+    shown = _pictures(tmp_path / "tb")
+    drawn = [2, 4, 8] if between == "tensorboard off" else [2, 4, 6, 8]
+    assert sorted({step for _, step in shown}) == drawn and len(shown) == len(first) // 2 * len(drawn)
+    assert {key: shown[key] for key in first} == first  # as the first launch drew them
+
+
 def test_telemetry_follows_the_same_rows_across_a_resume(tmp_path, capsys):
     """The telemetry probe is the stream's first rows in every run: 4 steps straight and 2 + 2 resumed
     report the same telemetry at step 4."""

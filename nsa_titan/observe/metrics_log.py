@@ -187,6 +187,15 @@ class TensorBoardLog:
             self._writer.add_figure(tag, figure, step, close=True)
         self._writer.flush()
 
+    def write_pictures(self, pictures) -> None:
+        """Pictures an earlier writer drew, as (step, wall time, summary value), written again as they were."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        writer = self._writer._get_file_writer()  # the SummaryWriter's own file (add_image would encode anew)
+        for step, wall_time, value in pictures:
+            writer.add_summary(Summary(value=[value]), step, wall_time)
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
 

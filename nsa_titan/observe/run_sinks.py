@@ -7,6 +7,7 @@ import os
 
 from nsa_titan.config.toml_io import tomllib
 from nsa_titan.observe.metrics_log import METRICS_FILE, MetricsLog, TensorBoardLog, WandbLog
+from nsa_titan.observe.tensorboard_pictures import picture_sources, pictures
 
 
 def open_metrics_log(dump: str, start: int, last_logged: dict | None, say) -> MetricsLog:
@@ -39,9 +40,15 @@ def open_tensorboard(dump: str, save_tb_folder: str, start: int, saved_tensorboa
     # still be drawn there): hide every earlier one, draw the records again.
     other_events = start > 0 and saved_tensorboard not in (None, save_tb_folder)
     if (history is not None and history.restored_from) or other_events:
+        records = metrics.records()
+        # The attention pictures are in no record: found in the events they were drawn into (this folder's, or
+        # the one the resumed run logged into), before this writer's own file joins them.
+        folders = [folder] + ([os.path.join(dump, saved_tensorboard)] if other_events and saved_tensorboard else [])
+        sources = picture_sources(folders, records)
         tensorboard = TensorBoardLog(folder, 0)
-        for record in metrics.records():
+        for record in records:
             tensorboard.write(record)
+        tensorboard.write_pictures(pictures(sources))
         return tensorboard
     return TensorBoardLog(folder, start)
 
