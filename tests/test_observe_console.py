@@ -15,3 +15,9 @@ def test_eta_reads_as_a_duration():
 def test_an_eta_past_any_date_arithmetic_is_capped():
     """A run of 2**62 steps (a valid recipe) has an ETA past what timedelta holds; the line still prints."""
     assert step_line({**RECORD, "eta_s": 2.0**62 * 0.25}, 2**62).endswith("eta > 100 years")
+
+
+def test_a_first_step_without_an_eta_says_so():
+    """The first step of a run or a resume holds compilation and warm-up: its record has no ETA, and the line does
+    not print one of 0 s."""
+    assert step_line(RECORD, 10).endswith("eta not yet (first step)")

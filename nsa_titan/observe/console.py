@@ -46,5 +46,6 @@ def step_line(record: dict, total_steps: int) -> str:
         parts.append(f"mfu {record['mfu_percent']:.1f}%")
     if "max_memory_gib" in record:
         parts.append(f"mem {record['max_memory_gib']:.1f} GiB")
-    parts.append(f"eta {_eta(record.get('eta_s', 0.0))}")
+    # A run's (or resume's) first step has no ETA: its time holds compilation and warm-up, not the pace.
+    parts.append(f"eta {_eta(record['eta_s'])}" if "eta_s" in record else "eta not yet (first step)")
     return " | ".join(parts)

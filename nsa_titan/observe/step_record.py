@@ -13,7 +13,9 @@ from nsa_titan.parallel.compile import compile_counters
 class StepRecorder:
     """Throughput counts training only: the seconds spent saving, validating, probing telemetry, writing
     a profiler trace or a logged record in a window are set aside (`aside_s`). The ETA's pace starts
-    after the first step, which holds compilation and warm-up (it counts those phases: they come again)."""
+    after the first step, which holds compilation and warm-up (it counts those phases: they come again); the first
+    step's record has no ETA, as no step has shown the pace yet (its own time, times the steps left, would say hours
+    for a compile of seconds)."""
 
     def __init__(self, run_start: float, first_step: int, steps: int, elapsed_before: float, world_size: int,
                  device: torch.device, peak_flops: float | None, flops_per_token: float | None, compiled: bool):
@@ -39,8 +41,8 @@ class StepRecorder:
     def record(self, now: float, step: int, loss: float, lr: float, grad_norm: float, tokens_seen: int,
                step_time_s: float, data_wait_s: float, skipped_steps: int) -> dict:
         rate = self.window_tokens / max(now - self.window_start - self.aside_s, 1e-9)
-        done = step - self.first_step
-        pace = (now - self.first_step_end) / (done - 1) if done > 1 else now - self.run_start
+        done, left = step - self.first_step, self.steps - step
+        pace = (now - self.first_step_end) / (done - 1) if done > 1 else None
         record = {
             "step": step,
             "loss": loss,
@@ -52,7 +54,7 @@ class StepRecorder:
             "step_time_s": step_time_s,
             "data_wait_s": data_wait_s,
             "elapsed_s": self.elapsed_before + now - self.run_start,
-            "eta_s": pace * (self.steps - step),
+            **({"eta_s": pace * left if left else 0.0} if pace is not None or not left else {}),
             "skipped_steps": skipped_steps,
         }
         if self.peak_flops and self.flops_per_token:
