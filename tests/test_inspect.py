@@ -17,6 +17,8 @@ import torch
 
 from components.nsa.triton.launch import interpreting
 from nsa_titan import cli
+from nsa_titan.inspect.command import CONSOLE_ENTRIES
+from nsa_titan.inspect.report import VERDICT_PROBLEMS
 from tests.conftest import REPO_ROOT
 from tests.launch import DEBUG
 
@@ -183,6 +185,33 @@ def test_a_graph_break_is_reported_with_its_reason_and_line(dense_recipe, tmp_pa
     assert len(entries) == len(set(entries)), dynamic
     # The break is reported, not fatal: without the flag the command succeeds.
     assert _inspect(capsys, *argv)[0] == 0
+
+
+def test_many_breaks_print_the_first_ones_and_the_report_file_keeps_them_all(dense_recipe, tmp_path, capsys):
+    """A block that breaks at 12 lines: the console lists the first CONSOLE_ENTRIES breaks and graphs, says how many
+    more and where they all are; report.txt lists every one; the verdict names the first few. (Before, every list
+    and the verdict held them all: a model breaking at a few hundred lines printed thousands of lines.)"""
+    code, out, _ = _inspect(capsys, dense_recipe, f"--job.plugins={PLUGIN}", "--model.name=many_breaks_transformer",
+                            f"--job.dump_folder={tmp_path}")
+    assert code == 0
+    report_path = tmp_path / "inspect" / "report.txt"
+    report = report_path.read_text()
+
+    def breaks(text):
+        return re.findall(r"^  \S*breaking_model.py:(\d+) `torch._dynamo.graph_break\(\)` in blocks 0, 1: ", text, re.M)
+
+    def graphs(text):
+        return re.findall(r"^  graph (\d+) \[", text, re.M)
+
+    assert "graph breaks: 12\n" in out and "graphs (13):\n" in out
+    assert len(set(breaks(report))) == 12 and len(graphs(report)) == 13 and "... and" not in report
+    assert breaks(out) == breaks(report)[:CONSOLE_ENTRIES] and graphs(out) == graphs(report)[:CONSOLE_ENTRIES]
+    assert f"  ... and {12 - CONSOLE_ENTRIES} more graph breaks: all in {report_path}\n" in out
+    assert f"  ... and {13 - CONSOLE_ENTRIES} more graphs: all in {report_path}\n" in out
+    verdict = _verdict(out)
+    assert verdict == _verdict(report) and verdict.startswith("verdict: 12 problems (13 graphs, 0 recompiles): ")
+    assert verdict.count("graph break at") == VERDICT_PROBLEMS, verdict
+    assert verdict.endswith(f"; and {12 - VERDICT_PROBLEMS} more, all in {report_path}"), verdict
 
 
 def test_blocks_that_run_eagerly_are_a_problem(dense_recipe, tmp_path, capsys):

@@ -8,11 +8,17 @@ from components.errors import UserError
 from nsa_titan.checkout_hints import no_recipe
 from nsa_titan.command_options import refuse_unknown_options, take_flag, take_option
 
+# On the console each list shows its first entries (a model that breaks everywhere would print thousands of lines);
+# report.txt holds them all.
+CONSOLE_ENTRIES = 10
+
 USAGE = ("nsa-titan inspect RECIPE.toml [--section.field=VALUE ...] [--seq-lens 64,96] [--fail-on-break]\n"
          "  --seq-lens L1,L2,...  run forward + backward at these sequence lengths (default: training.seq_len)\n"
          "                        to see which length changes recompile and which guard failed\n"
          "  --fail-on-break       exit 1 when a block does not compile to whole graphs (a break, a failed\n"
          "                        frame, or a block that ran eagerly)\n"
+         f"The report lists the first {CONSOLE_ENTRIES} graphs, breaks and recompiles (and says how many more);\n"
+         "{job.dump_folder}/inspect/report.txt lists them all.\n"
          "Exit codes: 0 inspected, 1 compilation failed (or a problem with --fail-on-break), 2 bad input.")
 
 FAILED = 1
@@ -55,10 +61,9 @@ def run_command(argv: list[str]) -> int:
         raise UserError(no_recipe("inspect"))
 
     result = inspect_recipe(resolved, seq_lens)
-    text = render(result, resolved.path)
     with open(os.path.join(result.folder, "report.txt"), "w", encoding="utf-8") as fh:
-        fh.write(text)
-    print(text, end="", flush=True)
+        fh.write(render(result, resolved.path))
+    print(render(result, resolved.path, limit=CONSOLE_ENTRIES), end="", flush=True)
     if result.crashed or (fail_on_break and problems(result)):
         return FAILED
     return 0

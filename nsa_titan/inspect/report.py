@@ -28,8 +28,28 @@ def _blocks(blocks) -> str:
     return "block " + ", ".join(map(str, blocks)) if len(blocks) == 1 else "blocks " + ", ".join(map(str, blocks))
 
 
-def _runs(counter) -> str:
-    return ", ".join(f"{g} ({n}x)" for g, n in counter)
+def _runs(counter, limit: int | None) -> str:
+    return _first([f"{g} ({n}x)" for g, n in counter], limit)
+
+
+VERDICT_PROBLEMS = 3  # the verdict names the first ones, and how many more
+
+
+def _entries(groups: list[list[str]], limit: int | None, what: str, report_path: str) -> list[str]:
+    """The lines of each entry (an entry and its hint lines), the first `limit` of them and a line saying how many
+    more `report_path` holds."""
+    shown = groups if limit is None else groups[:limit]
+    lines = [line for group in shown for line in group]
+    if len(shown) < len(groups):
+        lines.append(f"  ... and {len(groups) - len(shown)} more {what}: all in {report_path}")
+    return lines
+
+
+def _first(items: list, limit: int | None) -> str:
+    """The items, comma-separated; with `limit`, the first ones and how many more."""
+    if limit is None or len(items) <= limit:
+        return ", ".join(map(str, items))
+    return ", ".join(map(str, items[:limit])) + f" and {len(items) - limit} more"
 
 
 def problems(result: InspectResult) -> list[str]:
@@ -42,7 +62,8 @@ def problems(result: InspectResult) -> list[str]:
     return out
 
 
-def verdict(result: InspectResult) -> str:
+def verdict(result: InspectResult, report_path: str | None = None) -> str:
+    """One line: the counts and the first problems (the others: listed above, all in `report_path`)."""
     crashed = result.crashed
     if crashed:
         return f"verdict: compilation FAILED at seq_len {crashed.seq_len}: {crashed.error[:500]}"
@@ -50,10 +71,12 @@ def verdict(result: InspectResult) -> str:
     found = problems(result)
     if not found:
         return f"verdict: 0 graph breaks, {counts}"
-    return f"verdict: {_plural(len(found), 'problem')} ({counts}): " + "; ".join(found)
+    more = len(found) - VERDICT_PROBLEMS
+    return (f"verdict: {_plural(len(found), 'problem')} ({counts}): " + "; ".join(found[:VERDICT_PROBLEMS])
+            + (f"; and {more} more" + (f", all in {report_path}" if report_path else "") if more > 0 else ""))
 
 
-def _dynamic_lines(result: InspectResult) -> list[str]:
+def _dynamic_lines(result: InspectResult, limit: int | None, report_path: str) -> list[str]:
     symbolic = [g for g in result.graphs if g.symbolic_inputs]
     if not result.symbols:
         return ["dynamic shapes: not used (every graph has static sizes; torch.compile's default "
@@ -61,20 +84,22 @@ def _dynamic_lines(result: InspectResult) -> list[str]:
     # One entry per symbol and source: each block's graphs (and a recompile) create the same ones again.
     created = dict.fromkeys(result.symbols)
     lines = ["dynamic shapes: sizes and values compiled as symbols (marked dynamic by the model, or by Dynamo "
-             "once they changed): " + ", ".join(f"{source} ({symbol}, first value {value})"
-                                                 for symbol, source, value in created)]
-    for spec in result.specializations:
-        lines.append(f"  specialized back to {spec.value}: {' '.join(spec.sources) or spec.symbol} "
-                     f"by {_at(spec.where)} ({spec.reason}); each new value of it compiles again")
+             "once they changed): " + _first([f"{source} ({symbol}, first value {value})"
+                                               for symbol, source, value in created], limit)]
+    lines += _entries([[f"  specialized back to {spec.value}: {' '.join(spec.sources) or spec.symbol} "
+                        f"by {_at(spec.where)} ({spec.reason}); each new value of it compiles again"]
+                       for spec in result.specializations], limit, "specializations", report_path)
     if symbolic:
-        lines.append("  graphs with symbolic inputs: " + ", ".join(
-            f"graph {g.index} ({', '.join(g.symbolic_inputs)})" for g in symbolic))
+        lines.append("  graphs with symbolic inputs: " + _first(
+            [f"graph {g.index} ({', '.join(g.symbolic_inputs)})" for g in symbolic], limit))
     elif result.specializations:
         lines.append("  no compiled graph kept a symbolic size")
     return lines
 
 
-def render(result: InspectResult, recipe_label: str) -> str:
+def render(result: InspectResult, recipe_label: str, limit: int | None = None) -> str:
+    """The report; with `limit`, each list's first `limit` entries and where report.txt holds the rest."""
+    report_path = os.path.join(result.folder, "report.txt")
     lines = [
         f"inspect {recipe_label} (recipe {result.recipe_hash}): model {result.model}, {result.num_blocks} blocks, "
         f"attention {result.attention}",
@@ -102,25 +127,27 @@ def render(result: InspectResult, recipe_label: str) -> str:
             compiled = [g.index for g in result.graphs if g.block == block]
             ran = [(g.index, g.runs_by_block[block]) for g in result.graphs if g.runs_by_block.get(block)]
             lines.append(f"  block {block}: compiled "
-                         + (f"graph {', '.join(map(str, compiled))}" if compiled else "nothing")
-                         + "; ran " + (f"graph {_runs(ran)}" if ran else
+                         + (f"graph {_first(compiled, limit)}" if compiled else "nothing")
+                         + "; ran " + (f"graph {_runs(ran, limit)}" if ran else
                                        "nothing before the failure" if result.crashed else "no compiled graph (eager)"))
 
     lines.append(f"graphs ({len(result.graphs)}):")
+    graphs = []
     for g in result.graphs:
         end = "a graph break" if g.ends_with_break else (g.end_reason or "?")
         shapes = "symbolic inputs " + ", ".join(g.symbolic_inputs) if g.symbolic_inputs else "static shapes"
-        lines.append(f"  graph {g.index} [compile {g.compile_id}, block {g.block}]: {g.op_count} ops, {shapes}, "
-                     f"ends at {end}")
+        graphs.append([f"  graph {g.index} [compile {g.compile_id}, block {g.block}]: {g.op_count} ops, {shapes}, "
+                       f"ends at {end}"])
+    lines += _entries(graphs, limit, "graphs", report_path)
 
     lines.append(f"graph breaks: {len(result.breaks) or 'none'}")
-    for b in result.breaks:
-        lines.append(f"  {_at(b.where)} in {_blocks(b.blocks) if b.blocks else 'an unknown block'}: {b.reason}")
-        lines += [f"    hint: {hint}" for hint in b.hints]
+    lines += _entries([[f"  {_at(b.where)} in {_blocks(b.blocks) if b.blocks else 'an unknown block'}: {b.reason}",
+                        *(f"    hint: {hint}" for hint in b.hints)] for b in result.breaks],
+                      limit, "graph breaks", report_path)
     if result.failures:
         lines.append(f"failed frame compiles: {len(result.failures)}")
-    for f in result.failures:
-        lines.append(f"  frame compile {f.compile_id} failed ({f.kind}){_where(f)}: {f.message[:500]}")
+    lines += _entries([[f"  frame compile {f.compile_id} failed ({f.kind}){_where(f)}: {f.message[:500]}"]
+                       for f in result.failures], limit, "failed frame compiles", report_path)
     eager = result.eager_blocks()
     if eager:
         lines.append(f"eager blocks: {_blocks(eager)}: compile was applied but no compiled graph ran")
@@ -130,11 +157,13 @@ def render(result: InspectResult, recipe_label: str) -> str:
                          "Dynamo, so no frame is left to trace")
 
     lines.append(f"recompiles: {len(result.recompiles) or 'none'}")
+    recompiled = []
     for r in result.recompiles:
         step = f", step {r.step + 1}" if r.step is not None else ""
-        lines.append(f"  compile {r.compile_id} (block {r.block}{step}); failed guard: {r.guards[0]}")
-        lines += [f"    also: {guard}" for guard in r.guards[1:3]]
-    lines += _dynamic_lines(result)
+        recompiled.append([f"  compile {r.compile_id} (block {r.block}{step}); failed guard: {r.guards[0]}",
+                           *(f"    also: {guard}" for guard in r.guards[1:3])])
+    lines += _entries(recompiled, limit, "recompiles", report_path)
+    lines += _dynamic_lines(result, limit, report_path)
 
     lines.append("custom ops in the graphs: " + (", ".join(result.custom_ops) or "none"))
     if result.higher_order_ops:
@@ -164,5 +193,5 @@ def render(result: InspectResult, recipe_label: str) -> str:
         lines.append(f"trace: {', '.join(result.trace_files)} (TORCH_TRACE format: `tlparse {result.trace_files[0]}`)")
     else:
         lines.append(f"trace: not written ({result.trace_error or 'no compile events'})")
-    lines.append(verdict(result))
+    lines.append(verdict(result, report_path))
     return "\n".join(lines) + "\n"

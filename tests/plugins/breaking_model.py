@@ -7,7 +7,8 @@ with a break between them (with fullgraph = true, Dynamo may capture the read in
 `branching_transformer`: each block branches on a tensor's value, which Dynamo cannot trace in any
 mode: a break with fullgraph = false, an error with fullgraph = true. `eager_transformer`: each block
 opts out of compilation, so compiling it changes nothing. `nsa-titan inspect` must report all three,
-with reasons and source lines.
+with reasons and source lines. `many_breaks_transformer`: each block breaks at 12 lines, more than the console
+lists.
 """
 
 from __future__ import annotations
@@ -31,6 +32,38 @@ class BranchingBlock(TransformerBlock):
         x = x + self.attention(self.attention_norm(x), cos, sin)
         if x.detach().abs().amax() > 1e4:  # the deliberate data-dependent branch
             x = x.clamp(-1e4, 1e4)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class ManyBreaksBlock(TransformerBlock):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        # Twelve deliberate breaks, each on a line of its own (a loop's would be one line), each after an op (a
+        # break with no op before it leaves no graph).
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
+        x = x * 1.0
+        torch._dynamo.graph_break()
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -64,6 +97,8 @@ register("model", "breaking_transformer", builder_of(BreakingBlock), args=Transf
 register("model", "branching_transformer", builder_of(BranchingBlock), args=TransformerArgs,
          doc="transformer whose blocks branch on a tensor's value (a graph break even under fullgraph)", replace=True,
          **transformer_hooks())
+register("model", "many_breaks_transformer", builder_of(ManyBreaksBlock), args=TransformerArgs,
+         doc="transformer whose blocks break the graph at 12 lines", replace=True, **transformer_hooks())
 register("model", "eager_transformer", builder_of(EagerBlock), args=TransformerArgs,
          doc="transformer whose blocks opt out of torch.compile", replace=True, **transformer_hooks())
 # The transformer without its hooks: the engine cannot tell its blocks, so it cannot compile them.
