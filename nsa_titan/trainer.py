@@ -462,7 +462,7 @@ class Trainer:
             phase = time.perf_counter()
             self.profiler.after_step(state.step)
             profiled_s = time.perf_counter() - phase
-            recorder.set_aside(profiled_s)
+            recorder.set_aside(profiled_s, once=True)
             recorder.step_taken(self.tokens_per_step, time.perf_counter())
             state.tokens_seen += self.tokens_per_step
             if decision == STOP:

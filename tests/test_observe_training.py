@@ -115,6 +115,29 @@ def test_throughput_counts_training_only_and_the_eta_skips_the_first_step(tmp_pa
     assert "eta_s" not in records[1] and records[2]["eta_s"] < 200 and records[6]["eta_s"] == 0
 
 
+def test_the_eta_leaves_out_the_profiler_traces_export(tmp_path, monkeypatch):
+    """Writing the profiler's trace happens once: a clock that jumps 1000 s in it left tokens/s alone but the ETA's
+    pace held it, so the steps after the window read an ETA of 1000 s for two steps of a fraction of a second."""
+    from nsa_titan import trainer as trainer_module
+    from nsa_titan.observe.step_profiler import StepProfiler
+
+    clock = JumpingClock()
+    monkeypatch.setattr(trainer_module, "time", clock)
+    write = StepProfiler._write
+
+    def slow_export(self, profiler):
+        write(self, profiler)
+        clock.offset += 1000.0
+
+    monkeypatch.setattr(StepProfiler, "_write", slow_export)
+    out = tmp_path / "run"
+    assert cli.main(["train", *BASE, "--training.steps=5", "--profiling.enable=true", "--profiling.start_step=2",
+                     "--profiling.steps=1", f"--job.dump_folder={out}"]) == 0
+    assert os.path.exists(out / "profile" / "trace_rank0.json.gz")
+    records = {r["step"]: r for r in metrics(out) if "loss" in r}
+    assert records[3]["eta_s"] < 100 and records[4]["eta_s"] < 100, records  # 2 and 1 steps left
+
+
 def test_throughput_leaves_out_the_writing_of_each_record(tmp_path, monkeypatch):
     """Writing a record (console, metrics file, TensorBoard) fell in the next window: at log_freq = 1 every
     step's tokens/s held one, a few percent lower than at a larger log_freq. A write that takes 100 s leaves

@@ -13,9 +13,9 @@ from nsa_titan.parallel.compile import compile_counters
 class StepRecorder:
     """Throughput counts training only: the seconds spent saving, validating, probing telemetry, writing
     a profiler trace or a logged record in a window are set aside (`aside_s`). The ETA's pace starts
-    after the first step, which holds compilation and warm-up (it counts those phases: they come again); the first
-    step's record has no ETA, as no step has shown the pace yet (its own time, times the steps left, would say hours
-    for a compile of seconds)."""
+    after the first step, which holds compilation and warm-up (it counts saves and validations: they come again, but
+    not work done once, such as writing the profiler's trace); the first step's record has no ETA, as no step has
+    shown the pace yet (its own time, times the steps left, would say hours for a compile of seconds)."""
 
     def __init__(self, run_start: float, first_step: int, steps: int, elapsed_before: float, world_size: int,
                  device: torch.device, peak_flops: float | None, flops_per_token: float | None, compiled: bool):
@@ -24,6 +24,7 @@ class StepRecorder:
         self.peak_flops, self.flops_per_token, self.compiled = peak_flops, flops_per_token, compiled
         self.window_start, self.window_tokens, self.aside_s = run_start, 0, 0.0
         self.first_step_end: float | None = None
+        self.once_s = 0.0  # one-off work since the first step's end, left out of the ETA's pace
 
     def step_taken(self, tokens: int, end: float) -> None:
         """A step's tokens join the window; the first step's `end` starts the ETA's pace."""
@@ -31,8 +32,11 @@ class StepRecorder:
             self.first_step_end = end
         self.window_tokens += tokens
 
-    def set_aside(self, seconds: float) -> None:
+    def set_aside(self, seconds: float, once: bool = False) -> None:
+        """`seconds` of no training; `once`: work that does not come again (a profiler trace's export)."""
         self.aside_s += seconds
+        if once and self.first_step_end is not None:
+            self.once_s += seconds
 
     def new_window(self, start: float, aside_s: float) -> None:
         """After a record is logged: the next window starts at `start` with `aside_s` already set aside."""
@@ -42,7 +46,7 @@ class StepRecorder:
                step_time_s: float, data_wait_s: float, skipped_steps: int) -> dict:
         rate = self.window_tokens / max(now - self.window_start - self.aside_s, 1e-9)
         done, left = step - self.first_step, self.steps - step
-        pace = (now - self.first_step_end) / (done - 1) if done > 1 else None
+        pace = (now - self.first_step_end - self.once_s) / (done - 1) if done > 1 else None
         record = {
             "step": step,
             "loss": loss,
