@@ -40,6 +40,25 @@ def _signal_handlers_left_as_found():
     assert not left, f"the test left its own handler for {', '.join(left)}"
 
 
+def _runs_in_checkout() -> dict[str, int]:
+    folder = os.path.join(REPO_ROOT, "outputs")
+    try:
+        return {entry.name: entry.stat().st_mtime_ns for entry in os.scandir(folder)}
+    except FileNotFoundError:
+        return {}
+
+
+@pytest.fixture(autouse=True)
+def _no_run_written_into_the_checkout():
+    """A run started without job.dump_folder lands in ./outputs/<name> of the folder it starts in: for a test,
+    the checkout, where it would mix with (or overwrite) the user's own runs. Every test runs in tmp_path."""
+    before = _runs_in_checkout()
+    yield
+    after = _runs_in_checkout()
+    written = sorted(name for name, mtime in after.items() if before.get(name) != mtime)
+    assert not written, f"the test wrote into {os.path.join(REPO_ROOT, 'outputs')}: {', '.join(written)}"
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny ops on a shared 2-core machine: a second thread only adds synchronisation (and, when the

@@ -338,7 +338,8 @@ def test_a_stop_on_bad_steps_keeps_the_newest_good_checkpoint(tmp_path):
 
 def test_a_bad_first_step_blames_the_weights_or_data_not_the_learning_rate(tmp_path):
     proc = train([*BASE, "--training.steps=3", "--job.plugins=tests.plugins.nan_at_step", "--model.name=nan_at_step",
-                  "--model.nan_at_step=1", "--model.nan_steps=0", "--training.max_norm=0"])
+                  "--model.nan_at_step=1", "--model.nan_steps=0", "--training.max_norm=0",
+                  f"--job.dump_folder={tmp_path / 'run'}"])
     assert proc.returncode == NUMERICAL_FAULT_EXIT, proc.stderr[-3000:]
     error = proc.stderr[proc.stderr.index("error: stopping at step 1"):]
     assert "look at the weights it started from (model.init_std)" in error and "lower optimizer.lr" not in error, error
