@@ -12,10 +12,12 @@ def main() -> int:
 
         prepare_process()  # first thing: the launcher is still this process's parent
         from nsa_titan import cli
-    except KeyboardInterrupt:
-        from nsa_titan.start_up import say_interrupted_while_starting
+    except BaseException as exc:  # a Ctrl-C, or a stop signal (start_up.StoppedWhileStarting), while importing
+        from nsa_titan.start_up import StoppedWhileStarting, say_interrupted_while_starting
 
-        return say_interrupted_while_starting()
+        if not isinstance(exc, (KeyboardInterrupt, StoppedWhileStarting)):
+            raise
+        return say_interrupted_while_starting(exc if isinstance(exc, StoppedWhileStarting) else None)
     return cli.main()
 
 

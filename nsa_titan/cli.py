@@ -20,13 +20,16 @@ try:
     from nsa_titan.checkout_hints import no_recipe, shipped_recipes
     from nsa_titan.config import RecipeError, resolve
     from nsa_titan.full_disk import full_disk_message, space_error
-    from nsa_titan.start_up import INTERRUPTED
-except KeyboardInterrupt:
+    from nsa_titan.start_up import (INTERRUPTED, StoppedWhileStarting, hear_stops_while_starting,
+                                    stop_hearing_stops_while_starting, stopped_while_starting_message)
+except BaseException as exc:  # a Ctrl-C, or a stop signal (start_up.StoppedWhileStarting), while importing
     if __name__ != "__main__":  # imported by a program (or the console script, which says so itself)
         raise
-    from nsa_titan.start_up import say_interrupted_while_starting
+    from nsa_titan.start_up import StoppedWhileStarting, say_interrupted_while_starting
 
-    sys.exit(say_interrupted_while_starting())
+    if not isinstance(exc, (KeyboardInterrupt, StoppedWhileStarting)):
+        raise
+    sys.exit(say_interrupted_while_starting(exc if isinstance(exc, StoppedWhileStarting) else None))
 
 COMMANDS = {
     "train": "train from a recipe: nsa-titan train RECIPE.toml [--section.field=VALUE ...]",
@@ -75,7 +78,7 @@ def _fail(message: str) -> int:
 
 def train(argv: list[str]) -> int:
     from nsa_titan.config.help import help_text
-    from nsa_titan.runtime import check_launched, launch_world
+    from nsa_titan.runtime import launch_world
 
     if "--help" in argv or "-h" in argv:
         from nsa_titan.config.resolve import import_plugins_of_command_line
@@ -86,6 +89,16 @@ def train(argv: list[str]) -> int:
             print(f"note: {problem.render()} Its parts are not listed.", file=sys.stderr)
         return 0
     rank, _, world_size = launch_world()
+    hear_stops_while_starting()  # (prepare_process did, where this process started as `train`)
+    try:
+        return _train(argv, rank, world_size)
+    finally:
+        stop_hearing_stops_while_starting()
+
+
+def _train(argv: list[str], rank: int, world_size: int) -> int:
+    from nsa_titan.runtime import check_launched
+
     if "--print-config" not in argv:  # which reads WORLD_SIZE alone, as the size of a launch to check for
         check_launched(world_size)
     resolved = resolve(argv, world_size=world_size, actions=("print_config",), training=True)
@@ -113,7 +126,8 @@ def train(argv: list[str]) -> int:
         try:
             trainer.run()
         finally:
-            trainer.close()
+            trainer.close()  # puts back the handlers the trainer found: the start-up's
+            stop_hearing_stops_while_starting()  # a stop now is no longer one before the first step
         # A finished run: no rank tears the process group down while another still uses it, and gloo's
         # threads get the time to free the last collectives' tensors (one still freeing when the
         # interpreter shuts down aborts the process).
@@ -412,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         if full is None:
             raise
         return _fail(f"error: {full_disk_message(command, full)}")
+    except StoppedWhileStarting as stop:
+        say_error_line(stopped_while_starting_message(stop.signum, command))
+        return 128 + stop.signum
     except KeyboardInterrupt:  # Ctrl-C before training set its own handler, or a second one during it
         after = (" at once: nothing was saved since the last complete checkpoint, which a rerun resumes (if "
                  "checkpoints are on)") if command == "train" else ""

@@ -11,26 +11,10 @@ from __future__ import annotations
 import os
 import signal
 
-from nsa_titan.start_up import launcher_pid
+from nsa_titan.start_up import detach_from_terminal, launcher_pid
 
 HALT_FILE = "HALT"
 LAUNCHER_ENDED = "its launcher ended"
-
-
-def _detach_from_terminal() -> None:
-    """After a hang-up every write to the terminal fails (EIO): point stdout and stderr where nohup would, so
-    the run's last lines cannot crash it between its step and its save."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    for fd in (1, 2):
-        try:
-            if os.isatty(fd):
-                os.dup2(devnull, fd)
-        except OSError:
-            pass
-    os.close(devnull)
 
 
 class GracefulStop:
@@ -64,7 +48,7 @@ class GracefulStop:
         if signum == signal.SIGTERM and self._launcher is not None and os.getppid() != self._launcher:
             self.reason = LAUNCHER_ENDED
         if signum == signal.SIGHUP:
-            _detach_from_terminal()
+            detach_from_terminal()
         if first and (signum == signal.SIGINT or self.say_sigterm):
             # Said at once: a step can be long, and a user who hears nothing presses again. os.write, not
             # print: the handler may run while the main code is inside a print to stderr.

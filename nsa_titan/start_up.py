@@ -6,6 +6,9 @@
 - `kill -USR1` writes every thread's stack to stderr from the start (its default would end the process; the
   trainer then sends the dumps to its stacks file as well), so a rank stuck in start-up can be asked too.
 - A Ctrl-C during the imports ends in one line, not the import's traceback.
+- `train` run alone: a SIGTERM or SIGHUP before the trainer answers it itself (GracefulStop, at the end of its
+  set-up) ends the process at once, as its default action would, but with one line saying nothing was saved
+  (a scheduler's log would otherwise show only exit code 143).
 """
 
 from __future__ import annotations
@@ -20,6 +23,50 @@ INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 INTERRUPTED_WHILE_STARTING = "error: interrupted while starting (nothing ran)."
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _launcher: int | None = None
+_before_start_up: dict = {}  # {signal: the handler hear_stops_while_starting replaced}
+
+
+class StoppedWhileStarting(BaseException):
+    """A stop signal that came while training started: not an Exception, so no `except Exception` takes it for
+    an error of its own."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stopped_while_starting_message(signum: int, command: str = "train") -> str:
+    return (f"error: {command} stopped by {signal.Signals(signum).name} while starting, before its first step: "
+            f"nothing was saved (the same command starts it again, from its newest complete checkpoint if it has one).")
+
+
+def _raise_stop(signum, frame) -> None:
+    if signum == signal.SIGHUP:  # its line must not fail on the terminal that went
+        detach_from_terminal()
+    raise StoppedWhileStarting(signum)
+
+
+def hear_stops_while_starting() -> None:
+    """SIGTERM and SIGHUP raise StoppedWhileStarting from now on, in a process that trains alone. Under a launcher
+    a rank's SIGTERM is the launcher ending it after another rank failed (which that rank says), and run_train.sh
+    turns a user's stop into the halt file; a hang-up ignored (nohup) stays ignored."""
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1") or "TORCHELASTIC_RUN_ID" in os.environ:
+        return  # (a garbled WORLD_SIZE is named by the command, not here)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            current = signal.getsignal(sig)
+            if current is _raise_stop or current == signal.SIG_IGN:
+                continue
+            _before_start_up[sig] = signal.signal(sig, _raise_stop)
+        except ValueError:  # not the main thread: no handlers to install
+            return
+
+
+def stop_hearing_stops_while_starting() -> None:
+    """The handlers hear_stops_while_starting replaced, back (the run has ended, or answers stops itself)."""
+    while _before_start_up:
+        sig, handler = _before_start_up.popitem()
+        signal.signal(sig, handler)
 
 
 def prepare_process() -> None:
@@ -28,6 +75,8 @@ def prepare_process() -> None:
         _launcher = os.getppid()  # may be pid 1: a container whose command is torchrun
     if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if sys.argv[1:2] == ["train"]:
+        hear_stops_while_starting()
 
 
 def launcher_pid() -> int | None:
@@ -35,13 +84,30 @@ def launcher_pid() -> int | None:
     return _launcher
 
 
-def say_interrupted_while_starting() -> int:
-    """The one line for a Ctrl-C during the imports; returns the exit code."""
+def say_interrupted_while_starting(stop: StoppedWhileStarting | None = None) -> int:
+    """The one line for a Ctrl-C (or a stop signal) during the imports; returns the exit code."""
+    line = INTERRUPTED_WHILE_STARTING if stop is None else stopped_while_starting_message(stop.signum)
     try:
-        os.write(2, (INTERRUPTED_WHILE_STARTING + "\n").encode())
+        os.write(2, (line + "\n").encode())
     except OSError:
         pass
-    return INTERRUPTED
+    return INTERRUPTED if stop is None else 128 + stop.signum
+
+
+def detach_from_terminal() -> None:
+    """After a hang-up every write to the terminal fails (EIO): point stdout and stderr where nohup would, so
+    the run's last lines cannot crash it between its step and its save."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                os.dup2(devnull, fd)
+        except OSError:
+            pass
+    os.close(devnull)
 
 
 def _signal_on_parent_death(signum: int) -> bool:

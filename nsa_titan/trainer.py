@@ -48,6 +48,7 @@ from nsa_titan.resume import data_layout, restore
 from nsa_titan.resume_notes import way_on
 from nsa_titan.run_folder import RunFolderLock, create_run_folder, model_fields_of, toml_differences, write_run_recipe
 from nsa_titan.scheduled_gc import ScheduledGC
+from nsa_titan.start_up import StoppedWhileStarting
 from nsa_titan.runtime import Runtime
 from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, nan_fixes, out_of_memory_message,
                                        worker_lost_message)
@@ -109,7 +110,7 @@ class Trainer:
             self._set_up(records_pending)
         except BaseException as exc:
             self._undo_handlers()  # a process that goes on (a caller of cli.main) keeps its own handlers
-            if isinstance(exc, UserError):
+            if isinstance(exc, (UserError, StoppedWhileStarting)):  # a stop now has saved nothing in it
                 self._remove_made_folder()
             raise
 
@@ -213,9 +214,10 @@ class Trainer:
             self.stop.restore()
 
     def _remove_made_folder(self) -> None:
-        """A start refused for bad input (weights of another model, say) leaves no run folder behind where this
-        process made it and holds its lock: else the corrected run would keep the refused one's records as an
-        earlier session's. One process only: with several, a peer may still be writing its files into it."""
+        """A start refused for bad input (weights of another model, say), or stopped by a signal before the trainer
+        answers one, leaves no run folder behind where this process made it and holds its lock: else the corrected
+        run would keep the refused one's records as an earlier session's. One process only: with several, a peer
+        may still be writing its files into it."""
         if self._made_folder and self.runtime.world_size == 1 and self.folder_lock is not None:
             self.folder_lock.release()
             self.folder_lock = None

@@ -144,6 +144,15 @@ def test_a_garbled_launch_environment_is_named(capsys, monkeypatch, variables, f
     refused(capsys, ["train", DEBUG, "--print-config"], fragment, "Fix: unset")
 
 
+def test_a_garbled_world_size_is_named_by_a_command_line_started_as_train():
+    """The start-up (before the command's own checks) reads WORLD_SIZE too, to know whether the process trains
+    alone: a garbled one is still the command's one line, not a traceback."""
+    said = subprocess.run([sys.executable, "-m", "nsa_titan.cli", "train", DEBUG, "--print-config"], cwd=REPO_ROOT,
+                          env={**env(), "WORLD_SIZE": "abc"}, capture_output=True, text=True, timeout=120)
+    assert said.returncode == 2 and "Traceback" not in said.stderr, said.stderr
+    assert "WORLD_SIZE = 'abc' is not a whole number" in said.stderr
+
+
 def test_a_world_size_left_in_the_shell_is_named(capsys, monkeypatch, tmp_path):
     """WORLD_SIZE without what a launcher sets beside it: not a launch (--print-config reads it alone)."""
     for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -548,3 +557,51 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line(tmp_path, module):
     assert code == INTERRUPTED, err[-3000:]
     assert [line for line in err.splitlines() if line.startswith("error:")] == [INTERRUPTED_WHILE_STARTING]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("module", ["nsa_titan.cli", "nsa_titan"])
+def test_a_sigterm_while_the_command_line_starts_is_one_line(tmp_path, module):
+    """A scheduler's SIGTERM while the modules import ends at once with the signal's exit code, as its default
+    action would, but says so: a job log showed only exit code 143. nsa_titan.config imports after start-up has
+    set its handler, before torch's slow imports."""
+    import signal
+
+    code, err = signal_once_imported(["-m", module, "train", DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'run'}"],
+                                     "nsa_titan.config", signal.SIGTERM, timeout=120)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: train stopped by SIGTERM while starting, before its first step: nothing was saved (the same command "
+        "starts it again, from its newest complete checkpoint if it has one)."], err[-3000:]
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_a_stop_while_the_trainer_sets_up_is_one_line_and_leaves_no_folder(tmp_path, capsys, monkeypatch, name):
+    """A SIGTERM (or a hang-up) in the trainer's set-up, once it has made the run folder (here, while the optimizer
+    is built), ends the run at once with one line and the signal's exit code; the folder it made, holding nothing
+    saved, goes. The handlers are as they were after it (conftest checks)."""
+    import signal
+
+    from nsa_titan import assemble
+
+    signum = getattr(signal, name)
+    build_optimizer = assemble.build_optimizer
+
+    def stopped_meanwhile(*args, **kwargs):
+        os.kill(os.getpid(), signum)
+        return build_optimizer(*args, **kwargs)
+
+    monkeypatch.setattr(assemble, "build_optimizer", stopped_meanwhile)
+    folder = tmp_path / "run"
+    unheard = []  # a signal the command did not answer (its default would end the suite)
+    previous = signal.signal(signum, lambda number, frame: unheard.append(number))
+    try:
+        code = cli.main(["train", DEBUG, *TINY, f"--job.dump_folder={folder}"])
+    finally:
+        signal.signal(signum, previous)
+    assert not unheard and code == 128 + signum
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: train stopped by {name} while starting, before its first step: nothing was saved (the same command "
+        "starts it again, from its newest complete checkpoint if it has one)."], err
+    assert not folder.exists()
