@@ -453,9 +453,14 @@ class Checkpointer:
         for step in drop:
             _remove_step(self.step_dir(step), self._new_aside_folder, self.say)
         newest = done[-1] if done else None
+        cut_short = []  # older saves without their marker (a kill in a save, or in an earlier pruning): dead
         for step in incomplete_steps(self.folder):
             if newest is not None and step < newest:
+                if _holds_only_a_save(self.step_dir(step)):  # else _remove_step says what it keeps
+                    cut_short.append(step)
                 _remove_step(self.step_dir(step), self._new_aside_folder, self.say)
+        if cut_short:
+            self.say(f"removed the saves of steps {cut_short}, which were cut short before they completed")
 
     def _is_good(self, step: int) -> bool:
         """Whether `step` was saved after a good step (checkpoints that predate the record count as good; one

@@ -409,6 +409,20 @@ def test_keep_latest_k(tmp_path):
     assert sorted(os.listdir(ckpt_dir(folder))) == ["step-4", "step-5"]
 
 
+def test_an_older_save_cut_short_is_removed_with_a_line(tmp_path, capsys):
+    """A step folder left without its marker by a kill while retention removed it (or while it was saved) was
+    removed by the next save's pruning without a word."""
+    folder = tmp_path / "run"
+    argv = [*BASE, "--checkpoint.interval=1", "--checkpoint.keep_latest_k=2", f"--job.dump_folder={folder}"]
+    assert cli.main(["train", *argv, "--training.steps=2"]) == 0
+    os.remove(os.path.join(ckpt_dir(folder), "step-1", COMPLETE))
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "removed the saves of steps [1], which were cut short before they completed" in out, out
+    assert sorted(os.listdir(ckpt_dir(folder))) == ["step-2", "step-3"]
+
+
 def test_pruning_keeps_what_a_save_did_not_write_and_follows_no_link(tmp_path, capsys):
     """keep_latest_k deleted a user's notes and folders inside a pruned step (the README says only what a save
     writes goes), and through a step that is a link to another run's, that run's COMPLETE marker (so its next
