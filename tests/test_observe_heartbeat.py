@@ -63,6 +63,17 @@ def test_rank_files_of_an_earlier_larger_launch_are_removed(tmp_path):
     assert sorted(os.listdir(tmp_path / "heartbeat")) == ["notes.txt", "rank-0.json", "rank-1.json"]
 
 
+def test_a_beat_cut_short_by_a_kill_leaves_no_file_behind(tmp_path):
+    """A kill while a beat was written left its temporary file, named after that process: one more with every
+    preemption that landed there, which no later run removed."""
+    folder = tmp_path / "heartbeat"
+    folder.mkdir()
+    for name in ("rank-0.json.4242.tmp", "rank-1.json.4343.tmp", "rank-0.json.tmp.notes"):
+        (folder / name).write_text("{")
+    Heartbeat(str(tmp_path), rank=0, world_size=2).beat(1)
+    assert sorted(os.listdir(folder)) == ["rank-0.json", "rank-0.json.tmp.notes"]
+
+
 def test_rss_is_plausible():
     rss = process_rss_bytes()
     assert 10 * 2**20 < rss < 64 * 2**30  # a Python process with torch loaded

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import socket
 import sys
 import time
 
 import torch
+
+
+_TEMPORARY = re.compile(r"^rank-\d+\.json\.\d+\.tmp$")  # beat()'s temporary file
 
 
 def process_rss_bytes() -> int:
@@ -45,7 +49,9 @@ class Heartbeat:
         if rank == 0:  # files of ranks this launch has not (an earlier, larger one) would read as stuck ranks
             for name in os.listdir(self.folder):
                 number = name[len("rank-"):-len(".json")] if name.startswith("rank-") and name.endswith(".json") else ""
-                if number.isdigit() and int(number) >= world_size:
+                # and a beat's temporary file cut short by a kill: no rank of this launch has beaten yet, and the
+                # run folder's lock keeps other runs out, so each is dead (one a preemption, under another pid)
+                if (number.isdigit() and int(number) >= world_size) or _TEMPORARY.match(name):
                     os.remove(os.path.join(self.folder, name))
         self.path = os.path.join(self.folder, f"rank-{rank}.json")
         self.rank = rank
@@ -63,7 +69,7 @@ class Heartbeat:
         self._last_write = now
         record = {"rank": self.rank, "step": step, "time": time.time(), "host": self._host, "pid": self._pid,
                   **memory_record(self.device)}
-        tmp = f"{self.path}.{self._pid}.tmp"
+        tmp = f"{self.path}.{self._pid}.tmp"  # as _TEMPORARY matches
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(record, fh)
         os.replace(tmp, self.path)
