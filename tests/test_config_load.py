@@ -411,6 +411,22 @@ def test_shipped_recipes_validate(path):
     assert resolved.recipe.model.args.document_masking  # every shipped recipe attends within documents
 
 
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "recipes", "**", "*.toml"), recursive=True)))
+def test_shipped_recipes_that_name_run_train_sh_name_the_installed_command_too(path):
+    """An installed copy (the nsa-titan console script) has no ./run_train.sh: a recipe comment telling how to launch
+    it says both ways, as the README does."""
+    comments, block = [], []
+    with open(path, encoding="utf-8") as fh:
+        for line in [*fh, ""]:
+            if line.startswith("#"):
+                block.append(line)
+            elif block:
+                comments, block = [*comments, "".join(block)], []
+    for comment in comments:
+        if "run_train.sh" in comment:
+            assert "nsa-titan" in comment or "nsa_titan.launch" in comment, comment
+
+
 @pytest.mark.parametrize("name, row, millions", [("dense_125m", "dense_125m", 153), ("nsa_125m", "nsa_125m", 177),
                                                 ("nsa_125m_32k", "nsa_125m", 177), ("nsa_125m_128k", "nsa_125m", 177)])
 def test_shipped_125m_models_build_with_the_parameters_the_readme_states(name, row, millions):
