@@ -212,8 +212,16 @@ def test_the_layout_a_requeued_branch_resumes_is_the_one_named(tmp_path, capsys)
     said = info.value.render()
     assert (f"the checkpoint this run resumes (step 3 in {tmp_path}/checkpoint) was saved over 4 logical shards by 1 "
             f"data-parallel rank(s)") in said, said
-    assert "Fix: resume on a data-parallel size (processes / context_parallel_degree) that divides 4 (1, 2 or 4)" \
-        in said, said
+    assert "Fix: resume on a data-parallel size (processes / context_parallel_degree) that divides 4 (1, 2 or 4), " \
+           "or set data.logical_shards to a multiple of 3, e.g. 3 (checkpoint.data_mismatch = 'restart' starts the " \
+           "data afresh over them" in said, said
+    assert "--checkpoint.data_mismatch=restart" not in said, said  # the branch sets it already
+    with pytest.raises(RecipeError) as info:
+        resolve([*branch, "--training.steps=4", "--data.logical_shards=5"], world_size=3, training=True)
+    said = info.value.render()
+    # Another recipe: the branch of steps 1 and 2, saved over 3 shards, which suit 3 ranks.
+    assert "Fix: resume on a data-parallel size (processes / context_parallel_degree) that divides 5 (1 or 5), or " \
+           "set data.logical_shards = 3, the checkpoint's, whose data continues on this size." in said, said
     capsys.readouterr()
     assert cli.main(["train", *branch, "--training.steps=4"]) == 0
     assert f"resumed from {tmp_path}/checkpoint/step-3 at step 3" in capsys.readouterr().out  # as it said

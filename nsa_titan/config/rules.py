@@ -298,14 +298,25 @@ def _check_logical_shards(recipe: Recipe, dp: int, add, training: bool) -> None:
     else:  # a resume: the checkpoint's data goes on only over the logical shards it was saved with
         step, folder, saved = resumed
         kept = saved["logical_shards"]
+        sizes = "a data-parallel size (processes / context_parallel_degree)"
+        if recipe.checkpoint.data_mismatch == "restart":  # already starts the data afresh over other shards
+            fix = f"resume on {sizes} that divides {shards} ({_divisors_text(shards)}), or "
+            if kept % dp == 0:  # the checkpoint's own shards suit this size
+                fix += f"set data.logical_shards = {kept}, the checkpoint's, whose data continues on this size"
+            else:
+                fix += ("" if kept == shards else f"with data.logical_shards = {kept} on one that divides {kept} "
+                        f"({_divisors_text(kept)}), where its data continues, or ")
+                fix += (f"set data.logical_shards to a multiple of {dp}, e.g. {dp * max(1, shards // dp)} "
+                        "(checkpoint.data_mismatch = 'restart' starts the data afresh over them; the model, "
+                        "optimizer and step resume)")
+        else:
+            fix = (f"resume{'' if kept == shards else f' with data.logical_shards = {kept}'} on {sizes} that "
+                   f"divides {kept} ({_divisors_text(kept)}), or start the data afresh over a multiple of {dp} "
+                   "logical shards with --checkpoint.data_mismatch=restart (the model, optimizer and step resume)")
         add("data.logical_shards", shards,
             f"is not divisible by the data-parallel size {dp}, so ranks cannot own equal shards; the checkpoint "
             f"this run resumes (step {step} in {folder}) was saved over {kept} logical shards by "
-            f"{saved['world_size']} data-parallel rank(s), and its data continues only over those {kept}",
-            f"resume{'' if kept == shards else f' with data.logical_shards = {kept}'} on a data-parallel size "
-            f"(processes / context_parallel_degree) that divides {kept} ({_divisors_text(kept)}), or start the "
-            f"data afresh over a multiple of {dp} logical shards with --checkpoint.data_mismatch=restart (the "
-            f"model, optimizer and step resume)")
+            f"{saved['world_size']} data-parallel rank(s), and its data continues only over those {kept}", fix)
 
 
 # The recipe's folders inside job.dump_folder, (section, field); and those the trainer writes on its own there,
