@@ -27,6 +27,16 @@ from tests.launch import DEBUG, TINY, assert_resumed_at, finish, metrics, start_
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2"]
 
 
+@pytest.fixture(autouse=True)
+def event_files_in_writing_order(monkeypatch):
+    """TensorBoard orders a folder's event files by name: for writers of one process in one second, by a counter it
+    does not pad, so the tests' tenth writer sorts before their ninth. Each test counts its writers from 0, as a
+    launched run, a process of its own, does."""
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
+
+
 def test_metrics_schema_mfu_tensorboard_telemetry_and_manifest(tmp_path):
     out = tmp_path / "run"
     argv = [*BASE, "--training.steps=4", "--metrics.peak_tflops=0.001", "--metrics.enable_tensorboard=true",
@@ -402,6 +412,27 @@ def test_tensorboard_switched_on_at_a_resume_draws_the_runs_own_curve(tmp_path):
     assert cli.main([*argv, "--training.steps=2"]) == 0
     assert cli.main([*argv, "--training.steps=4", tb]) == 0
     assert_tensorboard_draws_the_records()
+
+
+@pytest.mark.parametrize("emptied", [False, True])
+def test_a_resume_draws_the_steps_before_it_into_a_deleted_or_emptied_tensorboard_folder(tmp_path, emptied):
+    """rm -r <dump>/tb (or its files) before a resume: TensorBoard showed only the steps after the resume, though
+    metrics.jsonl holds the ones before it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    argv = ["train", *[f for f in BASE if f != "--checkpoint.enable=false"], "--checkpoint.enable=true",
+            "--checkpoint.interval=2", "--metrics.enable_tensorboard=true", f"--job.dump_folder={tmp_path}"]
+    assert cli.main([*argv, "--training.steps=2"]) == 0
+    shutil.rmtree(tmp_path / "tb")
+    if emptied:
+        (tmp_path / "tb").mkdir()
+    assert cli.main([*argv, "--training.steps=4"]) == 0
+    records = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == \
+        [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
 
 
 def test_a_resume_brings_back_its_records_after_a_run_without_checkpoints_in_its_folder(tmp_path, capsys):

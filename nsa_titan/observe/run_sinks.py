@@ -7,7 +7,7 @@ import os
 
 from nsa_titan.config.toml_io import tomllib
 from nsa_titan.observe.metrics_log import METRICS_FILE, MetricsLog, TensorBoardLog, WandbLog
-from nsa_titan.observe.tensorboard_pictures import picture_sources, pictures
+from nsa_titan.observe.tensorboard_pictures import holds_events, picture_sources, pictures
 
 
 def open_metrics_log(dump: str, start: int, last_logged: dict | None, say) -> MetricsLog:
@@ -37,9 +37,10 @@ def open_tensorboard(dump: str, save_tb_folder: str, start: int, saved_tensorboa
     folder = os.path.join(dump, save_tb_folder)
     # The events hold another run's steps as well (records restored), or were not written up to the resumed
     # step (the run that saved it logged elsewhere or without TensorBoard, so a branch it abandoned may
-    # still be drawn there): hide every earlier one, draw the records again.
+    # still be drawn there; or the folder was deleted or emptied): hide every earlier one, draw the records again.
     other_events = start > 0 and saved_tensorboard not in (None, save_tb_folder)
-    if (history is not None and history.restored_from) or other_events:
+    lost_events = start > 0 and not holds_events(folder)
+    if (history is not None and history.restored_from) or other_events or lost_events:
         records = metrics.records()
         # The attention pictures are in no record: found in the events they were drawn into (this folder's, or
         # the one the resumed run logged into), before this writer's own file joins them.

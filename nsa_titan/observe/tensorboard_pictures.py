@@ -25,6 +25,11 @@ def _event_files(folders: list[str]) -> list[str]:
     return sorted(paths, key=lambda path: (os.path.getmtime(path), path))
 
 
+def holds_events(folder: str) -> bool:
+    """Whether `folder` holds any TensorBoard event file."""
+    return bool(_event_files([folder]))
+
+
 def _events(path: str):
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     from tensorboard.compat.proto.event_pb2 import Event
