@@ -204,6 +204,7 @@ class Trainer:
         self.watchdog: Watchdog | None = None
         self.probe = AttentionProbe(recipe, runtime, self.source, self.tokenizer, self.model_part, self.model,
                                     self.shard, self._autocast, self._documents, self._context)
+        self._validated = False  # whether this process validated yet (its first validation compiles)
         self._held_out_size_said = False  # whether the first validation told of a held-out set short of rows
         self._output_checked = False  # whether a training forward's logits were seen to keep the contract
 
@@ -321,6 +322,7 @@ class Trainer:
         """Loss over every token of the held-out set (held_out.py: validation.steps global batches of rows,
         the same ones at every layout and every validation)."""
         self.model.eval()
+        self._validated = True
         sums = torch.zeros(2, device=self.runtime.device, dtype=torch.float64)  # loss, tokens counted
         for batch in self.validation_set.batches():
             logits, targets = self._forward(batch)  # this rank's share of the rows under context parallelism
@@ -502,8 +504,11 @@ class Trainer:
             # After the save: a validation that runs out of memory must not cost the step's checkpoint.
             validated = self._validation_due(state.step)
             if validated:
+                # A process's first validation under compile compiles each block once more (no autograd): once.
+                warm_up, began = recipe.compile.enable and not self._validated, time.perf_counter()
                 with self._memory_fault("validation after step", state.step):
                     self._log({"step": state.step, **self.validate()})
+                recorder.recurring("validation", time.perf_counter() - began, warm_up)
                 self.watchdog.beat(state.step)
             if (saved or validated) and not stopping and state.step < t.steps and self._stop_asked_meanwhile():
                 # A preemption's SIGTERM often lands in a save, which can take minutes: this step is the last

@@ -148,6 +148,32 @@ def test_the_eta_leaves_out_the_profiler_traces_export(tmp_path, monkeypatch):
     assert records[3]["eta_s"] < 100 and records[4]["eta_s"] < 100, records  # 2 and 1 steps left
 
 
+def test_the_eta_leaves_out_a_first_validations_compile_and_keeps_what_validations_cost(tmp_path, monkeypatch):
+    """Under compile the first validation compiles each block once more: a clock that jumps 1000 s in it, and 10 s
+    in each later one, read an ETA of hundreds of seconds for steps of a fraction of one. The first validation is
+    left out of the pace and the second counts for it: at step 6, 20 s of validations over the 5 steps after the
+    first, 2 steps left."""
+    from nsa_titan import trainer as trainer_module
+
+    clock = JumpingClock()
+    monkeypatch.setattr(trainer_module, "time", clock)
+    validate, calls = trainer_module.Trainer.validate, []
+
+    def first_validation_compiles(self):
+        calls.append(1)
+        clock.offset += 1000.0 if len(calls) == 1 else 10.0
+        return validate(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "validate", first_validation_compiles)
+    out = tmp_path / "run"
+    assert cli.main(["train", *BASE, "--training.steps=8", "--metrics.log_freq=2", "--validation.enable=true",
+                     "--validation.freq=2", "--validation.steps=1", "--compile.enable=true",
+                     "--compile.backend=eager", f"--job.dump_folder={out}"]) == 0
+    records = {r["step"]: r for r in metrics(out) if "loss" in r}
+    assert records[4]["eta_s"] < 100, records  # 4 steps left: the 1000 s compile is not in the pace
+    assert 8 <= records[6]["eta_s"] < 100, records  # 20 s / 5 steps x 2 (without the stand-in, 10 s: 4 s)
+
+
 def test_throughput_leaves_out_the_writing_of_each_record(tmp_path, monkeypatch):
     """Writing a record (console, metrics file, TensorBoard) fell in the next window: at log_freq = 1 every
     step's tokens/s held one, a few percent lower than at a larger log_freq. A write that takes 100 s leaves

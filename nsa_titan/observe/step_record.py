@@ -14,8 +14,9 @@ class StepRecorder:
     """Throughput counts training only: the seconds spent saving, validating, probing telemetry, writing
     a profiler trace or a logged record in a window are set aside (`aside_s`). The ETA's pace starts
     after the first step, which holds compilation and warm-up (it counts saves and validations: they come again, but
-    not work done once, such as writing the profiler's trace); the first step's record has no ETA, as no step has
-    shown the pace yet (its own time, times the steps left, would say hours for a compile of seconds)."""
+    not work done once, such as writing the profiler's trace or compiling at a first validation); the first step's
+    record has no ETA, as no step has shown the pace yet (its own time, times the steps left, would say hours for a
+    compile of seconds)."""
 
     def __init__(self, run_start: float, first_step: int, steps: int, elapsed_before: float, world_size: int,
                  device: torch.device, peak_flops: float | None, flops_per_token: float | None, compiled: bool):
@@ -25,6 +26,7 @@ class StepRecorder:
         self.window_start, self.window_tokens, self.aside_s = run_start, 0, 0.0
         self.first_step_end: float | None = None
         self.once_s = 0.0  # one-off work since the first step's end, left out of the ETA's pace
+        self._warmed_up: set[str] = set()  # recurring work whose first run warmed up, awaiting a plain run
 
     def step_taken(self, tokens: int, end: float) -> None:
         """A step's tokens join the window; the first step's `end` starts the ETA's pace."""
@@ -37,6 +39,17 @@ class StepRecorder:
         self.aside_s += seconds
         if once and self.first_step_end is not None:
             self.once_s += seconds
+
+    def recurring(self, kind: str, seconds: float, warm_up: bool) -> None:
+        """`seconds` of work of `kind` (already set aside) that comes again; `warm_up`: this run also did one-off work
+        (a first validation under compile compiles each block once more). That run leaves the ETA's pace and the
+        next run of `kind`, a plain one, stands in for it, so the pace keeps what every run of `kind` costs."""
+        if warm_up:
+            self.once_s += seconds
+            self._warmed_up.add(kind)
+        elif kind in self._warmed_up:
+            self.once_s -= seconds
+            self._warmed_up.discard(kind)
 
     def new_window(self, start: float, aside_s: float) -> None:
         """After a record is logged: the next window starts at `start` with `aside_s` already set aside."""
