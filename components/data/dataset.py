@@ -98,6 +98,9 @@ class PackedShardsDataset(IterableDataset):
                 self._states[s]["epoch_start_windows"] = states[s]["epoch_start_windows"]
 
     def check_stream(self, saved: str) -> None:
+        saved, unnamed = tokens_named_anew(saved, self.stream_id, self.tokenizer)
+        if unnamed and unnamed not in self.unchecked:
+            self.unchecked.append(unnamed)
         differences = stream_differences(saved, self.stream_id)
         if differences:
             raise DataStreamMismatch(
@@ -258,7 +261,8 @@ def row_document_starts(starts, seq_len: int) -> torch.Tensor:
 
 
 # The recipe fields behind the parts of a stream id (loader.stream_id) after the source's fingerprint.
-_STREAM_FIELDS = {"tokenizer": "data.tokenizer (name:vocabulary size)", "add_bos": "data.add_bos", "seed": "job.seed",
+_STREAM_FIELDS = {"tokenizer": "data.tokenizer (name, for tiktoken a digest of its tokens: vocabulary size)",
+                  "add_bos": "data.add_bos", "seed": "job.seed",
                   "logical_shards": "data.logical_shards", "split": "the split",
                   "min_document_tokens": "data.min_document_tokens",
                   "eos": "the tokenizer's end-of-document id (its eos_token)",
@@ -276,6 +280,21 @@ _UNCHECKED = {"eos": "the tokenizer's end-of-document id", "bos": "the tokenizer
               "order": "numpy's document order"}
 # The model learned the ids of the saved run's tokenizer: going on with other ids is a new start for it.
 _TOKENIZER_PARTS = ("tokenizer", "eos", "bos", "tokenizer_file")
+
+
+def tokens_named_anew(saved: str, current: str, tokenizer) -> tuple[str, str | None]:
+    """(the saved stream id with its tokenizer named as the current id names it, where an older id named the same
+    tokens another way (by the encoding name that loaded them), what of them that id could not check, or None)."""
+    former = getattr(tokenizer, "former_stream_name", None)
+    before, _, rest = saved.rpartition("|tokenizer=")
+    theirs, ours = rest.split("|", 1)[0], current.rpartition("|tokenizer=")[2].split("|", 1)[0]
+    if former is None or not before or theirs == ours:
+        return saved, None
+    relation = former(theirs)
+    if relation is None:
+        return saved, None
+    renamed = f"{before}|tokenizer={ours}{rest[len(theirs):]}"
+    return renamed, ("the tiktoken encoding's tokens (it named the encoding only)" if relation == "unchecked" else None)
 
 
 def unchecked_parts(saved: str, current: str) -> list[str]:

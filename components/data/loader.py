@@ -108,8 +108,9 @@ def stream_id(source, tokenizer, *, split: str, seed: int, logical_shards: int, 
     (dataset.stream_differences: parts added since are not asked of older states)."""
     file = getattr(tokenizer, "file_digest", None)  # a tokenizer read from a file whose name holds no digest
     files = source.files_fingerprint() if callable(getattr(source, "files_fingerprint", None)) else None
+    name = getattr(tokenizer, "stream_name", tokenizer.name)  # what its tokens are, where it says so
     return (
-        f"{source.fingerprint()}|tokenizer={tokenizer.name}:{tokenizer.vocab_size}|add_bos={add_bos}"
+        f"{source.fingerprint()}|tokenizer={name}:{tokenizer.vocab_size}|add_bos={add_bos}"
         f"|seed={seed}|logical_shards={logical_shards}|split={split}"
         + (f"|min_document_tokens={min_document_tokens}" if min_document_tokens else "")  # older states stay valid
         + f"|eos={tokenizer.eos_id}" + (f"|bos={tokenizer.bos_id}" if add_bos else "")

