@@ -64,7 +64,12 @@ def choices_of(meta: Mapping[str, Any]) -> tuple | None:
 
 # What a field's metadata may say; anything else would be ignored, so tests refuse it.
 FIELD_METADATA = frozenset({"doc", "choices", "ge", "gt", "le", "lt", "component", "args_for", "placement", "exclude",
-                            "used_when", "keeps_weights"})
+                            "used_when", "keeps_weights", "path"})
+
+# "path": the field's text (or each text of its list) names files, folders or globs on this machine, relative to the
+# directory the run starts in; True always, or a callable (args, folder) -> bool saying whether it does in `args` with
+# relative paths read from `folder` (a field that may name either a file or something else, such as a Hub dataset).
+# An export read elsewhere reads those paths from the directory it was made in.
 
 
 def bound_problem(value: Any, meta: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -23,7 +23,7 @@ from nsa_titan.checkpoint import complete_steps
 from nsa_titan.step_folders import STEP_DIR, train_state_file
 from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe
-from nsa_titan.export_paths import RUN_DIR, made_in, plugins_read_from, tokenizer_read_from
+from nsa_titan.export_paths import RUN_DIR, data_read_from, made_in, plugins_read_from, tokenizer_read_from
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
 from nsa_titan.run_folder import RECIPE_FILE, recipe_above
 
@@ -56,7 +56,7 @@ def export_checkpoint(resolved: ResolvedRecipe, output: str, overwrite: bool = F
         "state_dict": model.state_dict(),
         "recipe_toml": resolved.toml,
         "recipe_hash": resolved.hash,
-        RUN_DIR: made_in(),  # where the recipe's relative paths (plugin and tokenizer files) are read from
+        RUN_DIR: made_in(),  # where the recipe's relative paths (plugin, tokenizer and data files) are read from
     }
     target = os.path.abspath(output)
     tmp = new_name_beside(target)
@@ -114,8 +114,9 @@ def load_exported(path: str, device: str | torch.device = "cpu",
 class ExportedRun:
     model: nn.Module  # in eval mode
     meta: dict  # as load_exported returns it
-    recipe: Recipe  # the recipe saved with it
+    recipe: Recipe  # the recipe saved with it, its data paths as they read here
     tokenizer: object
+    missing_data: UserError | None = None  # the data files the recipe reads that are gone, for a reader of the data
 
 
 def load_exported_run(path: str, device: str | torch.device = "cpu",
@@ -132,7 +133,9 @@ def load_exported_run(path: str, device: str | torch.device = "cpu",
         name, args = tokenizer_in_folder(name, args, path)
     else:
         args = tokenizer_read_from(args, meta.get(RUN_DIR), repr(path))
-    return ExportedRun(model, meta, recipe, registry.build("tokenizer", name, args))
+    data, gone = data_read_from(recipe.data, meta.get(RUN_DIR), repr(path))
+    return ExportedRun(model, meta, dataclasses.replace(recipe, data=data), registry.build("tokenizer", name, args),
+                       gone)
 
 
 def _run_folder_refusal(path: str) -> UserError | None:

@@ -1,9 +1,12 @@
-"""An export's relative paths: a recipe reads its plugin files and tokenizer files relative to the directory the run
+"""An export's relative paths: a recipe reads its plugin, tokenizer and data files relative to the directory the run
 starts in, so an export records the directory it was made in (`run_dir`) and its readers, started anywhere, read those
-paths from there (or say which file is gone and where it was)."""
+paths from there (or say which file is gone and where it was). The fields that name files say so in their metadata
+("path", components/problems.py), so a plugin's part is read the same way."""
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import os
 import sys
 
@@ -68,14 +71,76 @@ def plugins_read_from(recipe_toml: str, run_dir: str | None, where: str) -> str:
     return dumps(table)
 
 
+def files_read_from(args, folder: str, prefix: str = ""):
+    """(`args` with the relative paths its "path" fields name read from `folder`, [(field, path as given, path in
+    folder)]), through nested tables, named tables and the arguments of the parts they choose."""
+    if not dataclasses.is_dataclass(args) or isinstance(args, type):
+        return args, []
+    changes, moved = {}, []
+    for fld in dataclasses.fields(args):
+        value, name = getattr(args, fld.name), _field_name(args, fld, prefix)
+        says = fld.metadata.get("path")
+        if says is True or (callable(says) and says(args, folder)):
+            new, found = _texts_read_from(value, folder, name)
+        elif isinstance(value, dict):
+            read = {key: files_read_from(entry, folder, f"{name}.{key}.") for key, entry in value.items()}
+            new, found = {key: entry for key, (entry, _) in read.items()}, [m for _, ms in read.values() for m in ms]
+        else:
+            new, found = files_read_from(value, folder, name + ".")
+        if found:
+            changes[fld.name] = new
+            moved += found
+    return (dataclasses.replace(args, **changes) if changes else args), moved
+
+
+def _field_name(args, fld: dataclasses.Field, prefix: str) -> str:
+    """The field's name in the recipe; a chosen part's arguments sit in its table, or inline beside its name."""
+    if "args_for" not in fld.metadata:
+        return prefix + fld.name
+    if fld.metadata.get("placement") == "inline":
+        return prefix.rstrip(".")
+    return prefix + str(getattr(args, fld.metadata["args_for"]))
+
+
+def _texts_read_from(value, folder: str, name: str):
+    """A path field's text, or list of texts, with each relative path (not a URL, not '') read from `folder`."""
+    texts = value if isinstance(value, list) else [value]
+    moved = [(name, text, os.path.join(folder, text)) for text in texts
+             if isinstance(text, str) and text and "://" not in text and _relative(text)]
+    if not moved:
+        return value, []
+    new = dict((given, path) for _, given, path in moved)
+    read = [new.get(text, text) if isinstance(text, str) else text for text in texts]
+    return (read if isinstance(value, list) else read[0]), moved
+
+
+def _gone(path: str) -> bool:
+    return not (glob.glob(path, recursive=True) if glob.has_magic(path) else os.path.exists(path))
+
+
+def data_read_from(data, run_dir: str | None, where: str):
+    """(the data settings with the source's relative paths read from `run_dir`, an error naming those that are not
+    there now, or None): a reader of the data raises it, so a command that reads none runs without them."""
+    if not _moved(run_dir):
+        return data, None
+    args, moved = files_read_from(data.source_args, run_dir, f"data.{data.source}.")
+    data = dataclasses.replace(data, source_args=args)
+    gone = [m for m in moved if _gone(m[2])]
+    if not gone:
+        return data, None
+    shown = ", ".join(f"{name} {given!r} ({path})" for name, given, path in gone)
+    return data, UserError(f"{where} was exported in {run_dir}, and its recipe's data reads {shown} from there, which "
+                           f"{'is' if len(gone) == 1 else 'are'} not there now. Fix: put the data back there, or "
+                           f"evaluate the run's checkpoint from its recipe with the data paths changed "
+                           f"(`nsa-titan eval RECIPE.toml --{gone[0][0]}=... --out DIR`).")
+
+
 def tokenizer_read_from(args, run_dir: str | None, where: str):
     """The tokenizer's arguments with the files they name read from `run_dir`; each must be there."""
-    from components.data import with_files_read_from
-
     if not _moved(run_dir):
         return args
-    args, files = with_files_read_from(args, run_dir)
-    for given, path in files:
+    args, files = files_read_from(args, run_dir)
+    for _, given, path in files:
         if not os.path.exists(path):
             raise UserError(f"{where} was exported in {run_dir}, and its tokenizer reads {given!r} from there "
                             f"({path}), which is not there now. Fix: put the file back there, or export the run with "

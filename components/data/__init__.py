@@ -13,7 +13,7 @@ from components.data.sources.mixture import MIXTURE, MixtureArgs, build_mixture_
 from components.data.lost_text import first_texts, lost_text_note
 from components.data.tokenizer_calls import decode_text, encode_text
 from components.data.tokenizers import (TOKENIZERS, ByteTokenizer, TiktokenArgs, TiktokenTokenizer,
-                                        document_prefix_id, with_files_read_from)
+                                        document_prefix_id)
 from components.data.workers import (DeathsInFinalizers, death_hidden_in, restore_worker_deaths, signal_that_ended,
                                      stop_hearing_worker_deaths, worker_died)
 
@@ -36,7 +36,6 @@ __all__ = [
     "holds_split",
     "lost_text_note",
     "document_prefix_id",
-    "with_files_read_from",
     "loader_state_by_logical_shard",
     "merge_shard_states",
     "no_documents_error",

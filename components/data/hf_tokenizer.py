@@ -25,7 +25,7 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 @dataclass
 class HFTokenizerArgs:
     path: str = field(default="", metadata={"doc": "a tokenizer.json file, or a folder holding one (as "
-                                                    "save_pretrained writes it)"})
+                                                    "save_pretrained writes it)", "path": True})
     eos_token: str = field(default="", metadata={"doc": "the token that ends each document; empty: the "
                                                          "folder's tokenizer_config.json eos_token, else the first "
                                                          "known one (<|endoftext|>, </s>, <eos>, ...)"})

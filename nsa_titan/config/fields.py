@@ -18,7 +18,8 @@ A field typed `dict[str, Entry]` (Entry a dataclass) holds tables the user names
   or "table" (a sub-table named after the chosen part, as in [data.text_files]).
 
 A model's argument field may say "keeps_weights": a run may start from weights trained with another
-value of it (nsa_titan/weight_source.py).
+value of it (nsa_titan/weight_source.py). A field naming files on this machine says "path"
+(components/problems.py): an export read elsewhere reads them from where it was made (nsa_titan/export_paths.py).
 """
 
 from __future__ import annotations

@@ -72,6 +72,8 @@ def _load(argv: list[str]):
     if len(argv) != 1:
         raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
     run = load_exported_run(argv[0], say=say_on_stderr)
+    if run.missing_data is not None:  # eval reads the held-out set
+        raise run.missing_data
     return run.model, run.tokenizer, run.recipe, f"{argv[0]} (step {run.meta['step']})", None
 
 

@@ -51,7 +51,8 @@ class HuggingFaceArgs:
 
     path: str = field(
         default="HuggingFaceFW/fineweb-edu",
-        metadata={"doc": "dataset id on the Hub, or a builder name such as 'parquet' with data_files"},
+        metadata={"doc": "dataset id on the Hub, or a builder name such as 'parquet' with data_files",
+                  "path": lambda args, folder: _names_local_folder(args.path, folder)},
     )
     name: str = field(default="sample-10BT", metadata={"doc": "dataset configuration name ('' for none)"})
     split: str = field(default="train", metadata={"doc": "the dataset split to train on"})
@@ -65,7 +66,9 @@ class HuggingFaceArgs:
     )
     text_field: str = field(default="text", metadata={"doc": "the column holding each document's text"})
     data_files: list[str] = field(
-        default_factory=list, metadata={"doc": "data files for builders such as 'parquet' (globs allowed)"}
+        default_factory=list, metadata={"doc": "data files for builders such as 'parquet' (globs allowed)",
+                                        # a Hub dataset's or a local folder's data_files name files inside it
+                                        "path": lambda args, folder: args.path in _LOCAL_BUILDERS}
     )
     shuffle_buffer: int = field(
         default=512,
@@ -89,6 +92,11 @@ class HuggingFaceArgs:
             problems.append(problem("data_files", None, f"builder {self.path!r} needs data_files",
                                     "list the local files as paths or globs"))
         return problems
+
+
+def _names_local_folder(path: str, folder: str) -> bool:
+    """Whether `path` names a dataset folder in `folder` (datasets reads one before asking the Hub), not a builder."""
+    return path not in _LOCAL_BUILDERS and os.path.isdir(os.path.join(folder, os.path.expanduser(path)))
 
 
 def _file_stamps(paths: list[str]) -> tuple:

@@ -16,7 +16,7 @@ class TextFilesArgs:
 
     paths: list[str] = field(
         default_factory=list,
-        metadata={"doc": "files, folders (searched recursively) or glob patterns (** allowed)"},
+        metadata={"doc": "files, folders (searched recursively) or glob patterns (** allowed)", "path": True},
     )
     text_field: str = field(
         default="text", metadata={"doc": "the JSON field / parquet column holding each document's text"}
