@@ -27,16 +27,6 @@ from tests.launch import DEBUG, TINY, assert_resumed_at, finish, metrics, start_
 BASE = [DEBUG, *TINY, "--training.local_batch_size=2"]
 
 
-@pytest.fixture(autouse=True)
-def event_files_in_writing_order(monkeypatch):
-    """TensorBoard orders a folder's event files by name: for writers of one process in one second, by a counter it
-    does not pad, so the tests' tenth writer sorts before their ninth. Each test counts its writers from 0, as a
-    launched run, a process of its own, does."""
-    from tensorboard.summary.writer import event_file_writer
-
-    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
-
-
 def test_metrics_schema_mfu_tensorboard_telemetry_and_manifest(tmp_path):
     out = tmp_path / "run"
     argv = [*BASE, "--training.steps=4", "--metrics.peak_tflops=0.001", "--metrics.enable_tensorboard=true",
@@ -438,6 +428,32 @@ def test_tensorboard_switched_on_at_a_resume_draws_the_runs_own_curve(tmp_path):
     assert cli.main([*argv, "--training.steps=2"]) == 0
     assert cli.main([*argv, "--training.steps=4", tb]) == 0
     assert_tensorboard_draws_the_records()
+
+
+def test_a_writer_started_in_the_second_of_an_older_event_file_is_read_after_it(tmp_path):
+    """TensorBoard reads a folder's event files in name order. A writer started in the second of an older file (a
+    resume or a redraw soon after a run) took a name that sorts by process id, so it could be read first and the
+    older file's steps hid the ones drawn again."""
+    import socket
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nsa_titan.observe.metrics_log import TensorBoardLog
+
+    older = TensorBoardLog(str(tmp_path / "before"))
+    older.write({"step": 1, "loss": 5.0})
+    older.close()
+    (tmp_path / "tb").mkdir()
+    time.sleep(1 - time.time() % 1)  # a second's start: the redraw below starts within it
+    # Named as another process's file of this second, whose process id sorts after this one's.
+    (file,) = (tmp_path / "before").iterdir()
+    file.rename(tmp_path / "tb" / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.99999999.0")
+    redraw = TensorBoardLog(str(tmp_path / "tb"), 0)
+    redraw.write({"step": 1, "loss": 3.0})
+    redraw.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 3.0)]
 
 
 @pytest.mark.parametrize("emptied", [False, True])

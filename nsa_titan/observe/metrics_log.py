@@ -166,13 +166,34 @@ def _keep_records_up_to(path: str, lines: list[str], step: int, then: list[str] 
     return aside
 
 
+# An event file's name: events.out.tfevents.<whole seconds>.<host>.<process id>.<counter of the process's writers>
+_EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+
+
+def _after_every_event_file(folder: str) -> None:
+    """Wait until the clock's second is past the newest event file's in `folder`. TensorBoard reads a folder's files
+    in name order, and names of one second sort by process id and an unpadded counter: a writer started then (a
+    resume, a redraw) could be read before an older file, whose events would then hide its own."""
+    try:
+        seconds = [int(found.group(1)) for found in map(_EVENT_FILE.match, os.listdir(folder)) if found]
+    except OSError:  # no folder yet: the writer makes it
+        return
+    newest = max(seconds, default=-1)
+    if newest > time.time() + 1:  # another clock's file, further ahead than a start-up should wait
+        return
+    while int(time.time()) <= newest:
+        time.sleep(max(0.0, newest + 1 - time.time()))
+
+
 class TensorBoardLog:
     """Scalars and figures in `folder`. A run that starts at `start_step` hides the events of later steps
-    already there (TensorBoard's purge_step), so a resumed run's steps are drawn once."""
+    already there (TensorBoard's purge_step), so a resumed run's steps are drawn once: its file is named to
+    sort after every one there."""
 
     def __init__(self, folder: str, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
+        _after_every_event_file(folder)
         self._writer = SummaryWriter(log_dir=folder, purge_step=start_step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
