@@ -213,24 +213,58 @@ def test_export_and_plot_name_the_flags_they_do_not_read(run, tmp_path, capsys):
 
 def test_sample_starts_a_document_as_training_did_and_stops_at_its_end(run, capsys, monkeypatch):
     """data.add_bos is off in this run: an empty prompt starts after an end of text (no BOS the model never
-    saw), a prompt is its text alone; generation stops at the end of text, which is not decoded."""
+    saw), which draws the document's first token, and the document goes on alone (the run masks documents); a
+    prompt is its text alone; generation stops at the end of text, which is not decoded."""
     import torch
 
     from components.data.tokenizers import ByteTokenizer
 
-    prompts = []
+    prompts, pending = [], []
 
     def fake_generate(model, prompt, new_tokens, **kw):
         prompts.append(prompt[0].tolist())
         assert kw["stop_id"] == ByteTokenizer.eos_id
-        return torch.cat([prompt, torch.tensor([[104, 105, ByteTokenizer.eos_id]])], dim=1)
+        pending.extend([] if pending else [104, 105, ByteTokenizer.eos_id])  # each sample draws "hi", then ends
+        return torch.cat([prompt, torch.tensor([[pending.pop(0) for _ in range(new_tokens)]])], dim=1)
 
     monkeypatch.setattr("components.models.generate", fake_generate)
     _, exported, _ = run
     assert cli.main(["sample", exported, "--max-new-tokens", "3"]) == 0
     assert cli.main(["sample", exported, "--prompt", "ab", "--max-new-tokens", "3"]) == 0
-    assert prompts == [[ByteTokenizer.eos_id], [97, 98]]
+    assert prompts == [[ByteTokenizer.eos_id], [104], [97, 98]]
     assert capsys.readouterr().out.split("\n") == ["hi", "[end of text]", "abhi", "[end of text]", ""]
+
+
+@pytest.mark.parametrize("prompt", ["", "ab"])
+def test_sample_draws_from_the_logits_training_gives_the_document(run, capsys, monkeypatch, prompt):
+    """This run masks documents and puts no BOS first: the token after an end of text opens a document that sees
+    nothing before it. An empty prompt's first token follows the end of text; the document then went on seeing it,
+    one position late (NSA's blocks shifted), as training never had it."""
+    import sys
+
+    import torch
+
+    from components.data.tokenizers import ByteTokenizer
+    from nsa_titan.export import load_exported
+
+    drawn = []
+
+    def greedy(logits, **kw):
+        drawn.append(logits[0].clone())
+        return logits.argmax(dim=-1)
+
+    monkeypatch.setattr(sys.modules["components.models.generate"], "sample_next", greedy)
+    _, exported, _ = run
+    assert cli.main(["sample", exported, "--prompt", prompt, "--max-new-tokens", "40", "--temperature", "0"]) == 0
+    tokens = ([] if prompt else [ByteTokenizer.eos_id]) + list(prompt.encode())
+    tokens += [int(logits.argmax()) for logits in drawn]
+    model, _ = load_exported(exported)
+    stream = torch.tensor([tokens])
+    # The loader's document starts: each row's first token, and every token after an end of text.
+    starts = torch.cat([torch.ones(1, 1, dtype=torch.bool), stream[:, :-1] == ByteTokenizer.eos_id], dim=1)
+    with torch.no_grad():
+        trained = model(stream, starts)[0, len(tokens) - len(drawn) - 1:-1]
+    torch.testing.assert_close(torch.stack(drawn), trained, rtol=1e-5, atol=1e-5)
 
 
 def test_sample_says_what_a_tokenizer_that_drops_text_reads_of_the_prompt(run, capsys, monkeypatch):
@@ -309,7 +343,7 @@ def test_sample_asks_by_default_for_what_max_seq_len_leaves(run, capsys, monkeyp
 
     monkeypatch.setattr("components.models.generate", fake_generate)
     _, exported, _ = run
-    assert cli.main(["sample", exported]) == 0
+    assert cli.main(["sample", exported, "--prompt", "x"]) == 0
     assert asked == [127]
     assert "note: 127 new tokens, as many as max_seq_len 128 leaves after the prompt (--max-new-tokens defaults " \
            "to 200)" in capsys.readouterr().err

@@ -52,6 +52,22 @@ def _last_logits(model, tokens: torch.Tensor, cache) -> torch.Tensor:
     return logits[:, -1]
 
 
+def check_room(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """UserError, with the fix, unless the prompt and the new tokens fit in the model's max_seq_len."""
+    T0, total = prompt_tokens, prompt_tokens + max_new_tokens
+    if total > model.args.max_seq_len:
+        room, limit = model.args.max_seq_len - T0, model.args.max_seq_len
+        if room > 0:
+            fix = f"ask for at most {room} new tokens (sample's --max-new-tokens), or shorten the prompt"
+        elif max_new_tokens < limit:
+            fix = (f"shorten the prompt to at most {limit - max_new_tokens} tokens, leaving room for the "
+                   f"{max_new_tokens} new ones")
+        else:
+            fix = f"ask for fewer than {limit} new tokens and shorten the prompt to fit beside them"
+        raise UserError(f"prompt + new tokens = {T0} + {max_new_tokens} = {total} exceeds the model's max_seq_len "
+                        f"{model.args.max_seq_len}. Fix: {fix}")
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -87,17 +103,7 @@ def generate(
     prompt = prompt.to(device)
     B, T0 = prompt.shape
     total = T0 + max_new_tokens
-    if total > model.args.max_seq_len:
-        room, limit = model.args.max_seq_len - T0, model.args.max_seq_len
-        if room > 0:
-            fix = f"ask for at most {room} new tokens (sample's --max-new-tokens), or shorten the prompt"
-        elif max_new_tokens < limit:
-            fix = (f"shorten the prompt to at most {limit - max_new_tokens} tokens, leaving room for the "
-                   f"{max_new_tokens} new ones")
-        else:
-            fix = f"ask for fewer than {limit} new tokens and shorten the prompt to fit beside them"
-        raise UserError(f"prompt + new tokens = {T0} + {max_new_tokens} = {total} exceeds the model's max_seq_len "
-                        f"{model.args.max_seq_len}. Fix: {fix}")
+    check_room(model, T0, max_new_tokens)
     out = prompt.new_empty(B, total)
     out[:, :T0] = prompt
     if max_new_tokens == 0:
