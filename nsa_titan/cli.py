@@ -290,6 +290,10 @@ def sample(argv: list[str]) -> int:
                      "outputs/debug/model.pt --prompt 'def '`.")
     run = load_exported_run(argv[0], say=say_on_stderr)
     model, recipe, tokenizer = run.model, run.recipe, run.tokenizer
+    vocab = run.meta["vocab_size"]
+    if numbers["--top-k"] is not None and numbers["--top-k"] > vocab:  # it would restrict nothing, in silence
+        return _fail(f"error: --top-k {numbers['--top-k']} is more than the model's vocabulary of {vocab} tokens. "
+                     f"Fix: give at most {vocab}, or leave --top-k out to draw from every token.")
     # A document as training saw it: BOS first when data.add_bos is set, else it follows the previous
     # document's end of text (so an empty prompt starts there, not at a BOS the model never saw).
     text_ids = encode_text(tokenizer, prompt, "--prompt") if prompt else []

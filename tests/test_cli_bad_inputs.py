@@ -387,6 +387,14 @@ def test_sample_refuses_out_of_range_numbers(run, capsys, option, value):
     refused(capsys, ["sample", run[1], option, value, *short], f"{option} = {value!r} must be {what}", "Fix: e.g.")
 
 
+def test_sample_refuses_a_top_k_past_the_vocabulary(run, capsys):
+    """--top-k past the vocabulary restricted nothing, in silence; the whole vocabulary is still a top-k."""
+    refused(capsys, ["sample", run[1], "--top-k", "259", "--max-new-tokens=1"],
+            "error: --top-k 259 is more than the model's vocabulary of 258 tokens. Fix: give at most 258, or leave "
+            "--top-k out to draw from every token.")
+    assert cli.main(["sample", run[1], "--top-k", "258", "--max-new-tokens=1"]) == 0
+
+
 def test_sample_refuses_draw_settings_greedy_decoding_ignores(run, capsys):
     refused(capsys, ["sample", run[1], "--temperature", "0", "--top-k", "5", "--seed=3"],
             "--seed and --top-k have no effect with --temperature 0", "Fix: drop them")
