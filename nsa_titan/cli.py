@@ -313,6 +313,11 @@ def sample(argv: list[str]) -> int:
         new_tokens = limit - len(ids)
         say_on_stderr(f"note: {new_tokens} new tokens, as many as max_seq_len {limit} leaves after the prompt "
                       f"(--max-new-tokens defaults to {DEFAULT_NEW_TOKENS})")
+    if "--max-new-tokens" not in given and isinstance(limit, int) and len(ids) >= limit:
+        # The default shrinks to what is left, so the prompt alone is what must shrink (not to fit 200 more).
+        bos = " after the BOS it starts with" if recipe.data.add_bos else ""
+        return _fail(f"error: --prompt is {len(text_ids)} tokens{bos}, and the model's max_seq_len {limit} leaves "
+                     f"no room for a new one. Fix: shorten the prompt to at most {limit - 1 - len(start)} tokens.")
     generator = torch.Generator().manual_seed(numbers["--seed"])
     new = _sample_document(run, ids, new_tokens, temperature=numbers["--temperature"], top_k=numbers["--top-k"],
                            generator=generator, stop_id=tokenizer.eos_id)

@@ -349,6 +349,12 @@ def test_sample_asks_by_default_for_what_max_seq_len_leaves(run, capsys, monkeyp
            "to 200)" in capsys.readouterr().err
     monkeypatch.undo()
     refused(capsys, ["sample", exported, "--max-new-tokens", "200"], "exceeds the model's max_seq_len 128")
+    # A prompt that fills the model: it, not the default it shrinks, must shrink (it was told to fit 200 more).
+    for prompt in ("a" * 128, "a" * 200):
+        refused(capsys, ["sample", exported, "--prompt", prompt],
+                f"error: --prompt is {len(prompt)} tokens, and the model's max_seq_len 128 leaves no room for a new "
+                f"one. Fix: shorten the prompt to at most 127 tokens.")
+    assert cli.main(["sample", exported, "--prompt", "a" * 127]) == 0
 
 
 @pytest.mark.parametrize("args, message", [
