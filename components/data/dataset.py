@@ -142,7 +142,7 @@ class PackedShardsDataset(IterableDataset):
         else:
             ids, made_by = doc, f"the data source ({type(self.source).__name__})"
         self._check_ids(ids, made_by, encoded=isinstance(doc, str))
-        tokens = document_tokens(ids, self.bos_id, self.tokenizer.eos_id)
+        tokens = document_tokens(ids, self.bos_id, self.tokenizer.eos_id, self.tokenizer.vocab_size)
         return tokens if len(tokens) >= self.min_document_tokens else None
 
     def _check_ids(self, ids, made_by: str, encoded: bool) -> None:

