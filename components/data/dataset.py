@@ -176,7 +176,9 @@ class PackedShardsDataset(IterableDataset):
                                     f"{type(item).__name__}, not a (document, cursor) pair. Fix: documents() yields "
                                     f"(document, cursor_after) pairs (see components/data/sources/base.py)")
                 doc, cursor_after = item
+                del item  # the text is not kept beside its tokens while they last
                 tokens = self._prepare(doc)
+                del doc
                 # A skipped document is read again on resume (cursors count source documents) and skipped again.
                 if tokens is not None:
                     yield tokens, cursor_after

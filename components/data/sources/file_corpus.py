@@ -515,7 +515,7 @@ class FileCorpus:
             inner = order_rng(seed, shard, epoch, piece_index + 1).permutation(len(docs))
             first = doc_pos if position == piece_pos else 0
             for j in range(first, len(docs)):
-                yield docs[int(inner[j])], [position, j + 1]
+                yield _taken(docs, int(inner[j])), [position, j + 1]
 
     # ----- checks -----------------------------------------------------------------------------
     def check(self) -> None:
@@ -581,6 +581,13 @@ def sampled_bytes_digest(paths: list[str], unreadable) -> str:
             raise unreadable(path, e) from e
         found.update(b"%d %d\n" % (len(head), len(tail)) + head + tail)
     return found.hexdigest()
+
+
+def _taken(docs: list, k: int):
+    """docs[k], no longer held by the list: once the loader has tokenized a document its text is freed, where the
+    reader would keep it beside its tokens (a whole-file document of a gigabyte, as long as its windows last)."""
+    document, docs[k] = docs[k], None
+    return document
 
 
 def member_documents(corpus: FileCorpus, split: str) -> list[str]:
