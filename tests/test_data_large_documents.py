@@ -73,3 +73,51 @@ def test_a_whole_file_document_is_not_kept_beside_its_tokens(tmp_path):
         tracemalloc.stop()
     assert sum(tokens.nbytes for tokens, _, _ in dataset._packers[0]._buffer) == 2 * (size + 2)
     assert held < 2.5 * size, f"{held / size:.1f} bytes held per byte of the file"  # 3 with the text
+
+
+class _CountedReads:
+    """A binary file that counts the bytes read from it."""
+
+    def __init__(self, fh, counter: list[int]):
+        self.fh, self.counter = fh, counter
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+    def read(self, size=-1):
+        data = self.fh.read(size)
+        self.counter[0] += len(data)
+        return data
+
+    def readline(self):
+        data = self.fh.readline()
+        self.counter[0] += len(data)
+        return data
+
+
+def test_a_long_jsonl_record_is_read_once_not_by_every_range_inside_it(tmp_path, monkeypatch):
+    """A .jsonl file is cut into byte ranges, and each range inside a long line skipped the line in progress by
+    reading the rest of it: a 325 MB file holding one 300 MB record took two minutes to its first batch. A range
+    inside a line now reads itself only."""
+    from components.data.sources import file_corpus
+    from tests.test_data_helpers import unique_texts, write_jsonl
+
+    texts = unique_texts(20, seed=3)
+    texts.insert(10, TEXT)
+    path = write_jsonl(str(tmp_path / "records.jsonl"), texts)
+    corpus = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0)).corpus()
+    pieces = corpus.pieces("train", 16)
+    assert len(pieces) > 30  # most of them inside the long record
+    counter = [0]
+    real_open = open
+    monkeypatch.setattr(file_corpus, "open", lambda *a, **k: _CountedReads(real_open(*a, **k), counter), raising=False)
+    documents = [d for piece in pieces for d in corpus.read_piece(piece, "train")]
+    assert sorted(documents) == sorted(texts)
+    size = (tmp_path / "records.jsonl").stat().st_size
+    assert counter[0] < 2 * size, f"{counter[0] / size:.0f} times the file read"
