@@ -125,11 +125,11 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
             _refuse_unsupported(matches, entry, what)
             found.update(matches)
         elif os.path.isdir(path):
-            inside = _files_in(path)
+            inside = _files_in(os.path.abspath(path))  # absolute and normalized as walked, not path by path
             if not inside:
                 raise UserError(f"{what}: the folder {entry!r} holds no file; it should hold {READABLE} files")
             _refuse_unsupported(inside, entry, what)
-            found.update(os.path.abspath(p) for p in inside)
+            found.update(inside)
         elif os.path.isfile(path):
             if kind_of(path) is None:
                 raise UserError(
@@ -151,8 +151,19 @@ def _files_in(folder: str) -> list[str]:
 
 
 def corpus_files(paths: list[str]) -> list[CorpusFile]:
-    root = os.path.commonpath([os.path.dirname(p) for p in paths])
-    return [CorpusFile(p, kind_of(p), os.path.relpath(p, root)) for p in paths]
+    """The files of `paths`, keyed by their path relative to the folder that holds them all. A path that is that
+    folder and plain names below it (as expand_paths gives them) has the prefix cut off: relpath normalizes both
+    paths again, seconds for 200,000 files."""
+    root = os.path.commonpath(sorted({os.path.dirname(p) for p in paths}))
+    prefix, absolute = root.rstrip(os.sep) + os.sep, os.path.isabs(root)
+
+    def key(path: str) -> str:
+        rest = path[len(prefix):]
+        names = os.sep + rest  # plain names: no '.', '..' or empty one
+        plain = absolute and path.startswith(prefix) and os.sep + "." not in names
+        return rest if plain and os.sep * 2 not in names else os.path.relpath(path, root)
+
+    return [CorpusFile(p, kind_of(p), key(p)) for p in paths]
 
 
 _SCAN_CHUNK = 16 * 2**20
