@@ -595,18 +595,35 @@ def listing_digest(keys: list[str], shapes: list) -> str:
 
 
 def sampled_bytes_digest(paths: list[str], unreadable) -> str:
-    """A digest of each file's first and last _SAMPLED_BYTES; unreadable(path, OSError) is the error to raise."""
+    """A digest of each file's first and last _SAMPLED_BYTES; unreadable(path, OSError) is the error to raise.
+    Read with plain system calls, and the tail only of a file longer than its head: a corpus of 200,000 small files
+    is read at every start, and a buffered file object per file took twice as long."""
     found = hashlib.blake2b(digest_size=8)
     for path in paths:
         try:
-            with open(path, "rb") as fh:
-                head = fh.read(_SAMPLED_BYTES)
-                fh.seek(max(len(head), os.fstat(fh.fileno()).st_size - _SAMPLED_BYTES))
-                tail = fh.read(_SAMPLED_BYTES)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                head = _read_at(fd, 0)
+                tail = b""  # a file shorter than the sample is all in its head
+                if len(head) == _SAMPLED_BYTES:
+                    tail = _read_at(fd, max(len(head), os.fstat(fd).st_size - _SAMPLED_BYTES))
+            finally:
+                os.close(fd)
         except OSError as e:
             raise unreadable(path, e) from e
         found.update(b"%d %d\n" % (len(head), len(tail)) + head + tail)
     return found.hexdigest()
+
+
+def _read_at(fd: int, offset: int) -> bytes:
+    """Up to _SAMPLED_BYTES of the file from `offset`, fewer only at its end (a read may return less)."""
+    data = b""
+    while len(data) < _SAMPLED_BYTES:
+        more = os.pread(fd, _SAMPLED_BYTES - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 def _taken(docs: list, k: int):
