@@ -12,6 +12,7 @@ from components.data import ByteTokenizer, TiktokenArgs, TiktokenTokenizer
 from components.data.dataset import PackedShardsDataset
 from components.data.sources import TextFilesArgs, TextFilesSource
 from components.errors import UserError
+from tests.test_data_helpers import unique_texts, write_jsonl
 
 TEXT = "def f(x):\n    return x + 1  # naïve\n" * 60_000  # about 2 MB of code
 
@@ -107,7 +108,6 @@ def test_a_long_jsonl_record_is_read_once_not_by_every_range_inside_it(tmp_path,
     reading the rest of it: a 325 MB file holding one 300 MB record took two minutes to its first batch. A range
     inside a line now reads itself only."""
     from components.data.sources import file_corpus
-    from tests.test_data_helpers import unique_texts, write_jsonl
 
     texts = unique_texts(20, seed=3)
     texts.insert(10, TEXT)
