@@ -2,9 +2,10 @@
 
 Without data.add_bos, training packs documents as `... end of text | document ...`: a document's first token is
 predicted at the end of text before it, and under model.document_masking the document then runs alone from
-position 0, never seeing that end of text. So `sample`'s empty prompt, which starts from the end of text, reads it
-on its own and the document after it from position 0. With data.add_bos the token put first is the document's own
-BOS, which it sees (it may be the end-of-text id).
+position 0, never seeing that end of text. So an empty prompt, an empty lm-eval context and the first rolling
+window, which start from the end of text, read it on its own and the document after it from position 0
+(`sample`, the lm-eval model here; the --format hf folder's model does the same, told by `leading_eos_apart`).
+With data.add_bos the token put first is the document's own BOS, which it sees (it may be the end-of-text id).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from nsa_titan import registry
 from nsa_titan.command_options import check_output, new_name_beside, with_umask_permissions
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.errors import RecipeError
+from nsa_titan.document_start import documents_of, leading_eos_apart
 from nsa_titan.export_paths import RUN_DIR, made_in, plugins_read_from, reads_run_dir
 from nsa_titan.observe.progress import progress
 from nsa_titan.run_folder import flat_fields
@@ -118,7 +119,9 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
     os.makedirs(tmp)
     # bos_token_id: what a document follows (as the tokenizer's bos_token says)
     tokens = {"bos_token_id": document_prefix_id(tokenizer, recipe.data.add_bos), "eos_token_id": tokenizer.eos_id}
-    config = {**fmt.config, **tokens, "model_type": fmt.model_type, "architectures": list(fmt.architectures),
+    apart = leading_eos_apart(documents_of(part, model), recipe.data.add_bos)
+    config = {**fmt.config, **tokens, "leading_eos_apart": apart, "model_type": fmt.model_type,
+              "architectures": list(fmt.architectures),
               "auto_map": fmt.auto_map, "torch_dtype": dtype,
               "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
                             "model_args": dataclasses.asdict(recipe.model.args), "step": step,

@@ -32,11 +32,14 @@ MODELS = {
                    "--model.tie_embeddings=true"],
     "dense": [DEBUG_DENSE],
 }
+# Runs whose documents start otherwise: attended across (no document masking), and with a BOS first.
+STARTS = {"unmasked": [DEBUG, "--model.document_masking=false"], "bos": [DEBUG, "--data.add_bos=true"]}
 
 
 def _train_and_export(root, name: str) -> tuple[list[str], str]:
     shape = [a for a in LONG if not (name == "dense" and a.startswith("--model.nsa."))]
-    argv = [*MODELS[name], *shape, "--training.steps=2", "--checkpoint.enable=true", f"--job.dump_folder={root}/run"]
+    flags = {**MODELS, **STARTS}[name]
+    argv = [*flags, *shape, "--training.steps=2", "--checkpoint.enable=true", f"--job.dump_folder={root}/run"]
     assert cli.main(["train", *argv]) == 0
     folder = f"{root}/hf"
     assert cli.main(["export", *argv, "--format", "hf", "--output", folder]) == 0
@@ -45,6 +48,11 @@ def _train_and_export(root, name: str) -> tuple[list[str], str]:
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def exported(request, tmp_path_factory):
+    return _train_and_export(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module", params=list(STARTS))
+def started_otherwise(request, tmp_path_factory):
     return _train_and_export(tmp_path_factory.mktemp(request.param), request.param)
 
 
@@ -280,6 +288,59 @@ def test_padded_rows_compute_what_each_row_computes_alone(exported):
                                    rtol=0, atol=1e-6)
         with pytest.raises(ValueError, match="attention_mask has shape"):
             model(ids["right"], attention_mask=mask["right"][:, -1:], use_cache=False)
+
+
+def trained_logits(path: str, tokens: list[int]) -> torch.Tensor:
+    """The logits [T, V] training's forward gives `tokens` packed in a row, the model read from an exported file or
+    folder: each token after an end of text opens a document, which the model attends to alone when it masks
+    documents (the trainer's documents hook)."""
+    from nsa_titan import registry
+    from nsa_titan.export import load_exported_run
+
+    run = load_exported_run(path)
+    row = torch.tensor([tokens])
+    starts = torch.cat([torch.ones(1, 1, dtype=torch.bool), row[:, :-1] == run.tokenizer.eos_id], dim=1)
+    documents = registry.get("model", run.meta["model_name"]).documents(run.model, starts, torch.device("cpu"))
+    with torch.no_grad():
+        return run.model(row, documents)[0]
+
+
+def _starts_documents_as_training_did(folder) -> None:
+    model = _auto_model(folder)
+    # min_new_tokens: not ending the document at once (a model trained 2 steps may); the logits given are raw
+    out = model.generate(max_new_tokens=40, min_new_tokens=40, do_sample=False, return_dict_in_generate=True,
+                         output_logits=True)
+    tokens = out.sequences[0].tolist()
+    assert tokens[0] == model.config.bos_token_id and len(out.logits) == 40
+    steps = torch.cat(out.logits)
+    torch.testing.assert_close(steps, trained_logits(folder, tokens)[:len(steps)], rtol=0, atol=1e-5)
+    # Scored without a cache, in one batch: a row from the start token and a row of text alone.
+    text = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(6))
+    text[0, 0] = model.config.bos_token_id
+    for mask in (None, torch.ones_like(text).index_fill(1, torch.tensor([29]), 0)):  # unpadded, padded on the right
+        with torch.no_grad():
+            logits = model(text, attention_mask=mask, use_cache=False).logits
+        for row, ids in zip(logits, text.tolist()):
+            end = 30 if mask is None else 29
+            torch.testing.assert_close(row[:end], trained_logits(folder, ids[:end]), rtol=0, atol=1e-5)
+
+
+def test_generating_from_nothing_starts_the_document_apart_from_the_end_of_text(exported):
+    """These runs masked documents and put no BOS first: generate() with no input starts at the end of text
+    (bos_token_id) and the document after it starts at position 0 without seeing it, as in training (it ran
+    [end of text] + document as one sequence, one position late: up to 0.22 off). So does a scored row that opens
+    with it, beside one that does not."""
+    _, folder = exported
+    assert json.load(open(os.path.join(folder, "config.json")))["leading_eos_apart"]
+    _starts_documents_as_training_did(folder)
+
+
+def test_generating_from_nothing_reads_on_from_the_start_token_where_training_did(started_otherwise):
+    """Without document masking a document sees the end of text before it, and with data.add_bos its BOS: generate()
+    with no input and a scored row read the start token as part of the sequence, as training did."""
+    _, folder = started_otherwise
+    assert not json.load(open(os.path.join(folder, "config.json")))["leading_eos_apart"]
+    _starts_documents_as_training_did(folder)
 
 
 def test_beam_search_with_the_cache_equals_it_without(exported):

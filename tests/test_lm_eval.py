@@ -10,9 +10,11 @@ import shutil
 import sysconfig
 
 import pytest
+import torch
 
 from nsa_titan import cli
 from tests.launch import DEBUG, TINY
+from tests.test_hf_export import trained_logits
 
 lm_eval = pytest.importorskip("lm_eval", reason="the lm_eval extra (pip install -e '.[lm_eval]')")
 
@@ -103,20 +105,70 @@ def test_the_registered_model_and_the_hf_folder_agree(setup):
     _assert_same(ours, _evaluate("nsa_titan", f"pretrained={root / 'hf'}", root))
 
 
-def test_a_model_trained_with_bos_is_evaluated_with_it_both_ways(tmp_path_factory):
+@pytest.fixture(scope="module")
+def bos_setup(tmp_path_factory):
+    return _setup(tmp_path_factory.mktemp("lm_eval_bos"), [*RUN, "--data.add_bos=true"])
+
+
+@pytest.fixture(scope="module")
+def unmasked(tmp_path_factory):
+    """A run whose model attends across the documents of a row (model.document_masking off): its exported file."""
+    root = tmp_path_factory.mktemp("lm_eval_unmasked")
+    argv = [*RUN, "--model.document_masking=false", f"--job.dump_folder={root}/run"]
+    assert cli.main(["train", *argv]) == 0
+    assert cli.main(["export", *argv, "--output", str(root / "model.pt")]) == 0
+    return argv, root
+
+
+def test_a_model_trained_with_bos_is_evaluated_with_it_both_ways(bos_setup):
     """data.add_bos: every document began with BOS in training, and the folder's tokenizer adds it; the
     registered model puts it first too (and before an empty context), so both ways agree on choices and
     generation. Rolling windows are left out: lm-eval's hf model puts its prefix BOS before the tokenizer's
     own there."""
     from nsa_titan.evaluate.harness import lm_class
 
-    _, root = _setup(tmp_path_factory.mktemp("lm_eval_bos"), [*RUN, "--data.add_bos=true"])
+    _, root = bos_setup
     lm = lm_class()(pretrained=str(root / "model.pt"))
     assert lm.tok_encode("import os")[0] == 256 and lm.prefix_token_id == 256  # the byte tokenizer's BOS
     ours = _evaluate("nsa_titan", f"pretrained={root / 'model.pt'}", root)
     hf = _evaluate("hf", {"pretrained": str(root / "hf"), "trust_remote_code": True, "device": "cpu",
                           "dtype": "float32"}, root)
     _assert_same(ours, hf, ["toy_choice", "toy_generate"])
+
+
+@pytest.mark.parametrize("which", ["setup", "unmasked", "bos_setup"])
+def test_an_empty_context_is_scored_and_continued_as_training_read_the_document(request, monkeypatch, which):
+    """An empty context and a text's first rolling window start from what a document follows: without data.add_bos
+    the end of text, which a model trained with document masking read apart from the document after it (setup;
+    they ran together, one position late, ~0.2 nats off over this text); a model without it attends across
+    (unmasked); with data.add_bos the document's own BOS, which it sees (bos_setup)."""
+    import sys
+    from types import SimpleNamespace
+
+    from nsa_titan.evaluate.harness import lm_class
+
+    _, root = request.getfixturevalue(which)
+    path = str(root / "model.pt")
+    lm = lm_class()(pretrained=path)
+    text = "def f(x):\n    return x * 2\n\n\nclass Point:\n    pass\n"
+    tokens = [lm.prefix_token_id] + lm.tok_encode(text, add_special_tokens=False)
+    expected = torch.log_softmax(trained_logits(path, tokens).double(), dim=-1)[:-1]
+    expected = float(expected.gather(-1, torch.tensor(tokens[1:])[:, None]).sum())
+    ((scored, _),) = lm.loglikelihood([SimpleNamespace(args=("", text))])
+    (rolling,) = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))])
+    assert scored == pytest.approx(expected, rel=1e-6) and rolling == pytest.approx(expected, rel=1e-6)
+    # Generation from an empty context draws from the logits training gives the document drawn.
+    drawn = []
+
+    def greedy(logits, **kw):
+        drawn.append(logits[0].clone())
+        return logits.argmax(dim=-1)
+
+    monkeypatch.setattr(sys.modules["components.models.generate"], "sample_next", greedy)
+    lm.generate_until([SimpleNamespace(args=("", {"until": [], "max_gen_toks": 24}))])
+    tokens = [lm.prefix_token_id] + [int(logits.argmax()) for logits in drawn]
+    assert len(drawn) > 1 and lm.eot_token_id not in tokens[1:-1]
+    torch.testing.assert_close(torch.stack(drawn), trained_logits(path, tokens)[:-1], rtol=1e-5, atol=1e-5)
 
 
 def test_a_generation_longer_than_the_context_is_cut_to_fit(setup, monkeypatch):

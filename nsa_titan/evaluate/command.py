@@ -22,6 +22,7 @@ from nsa_titan import held_out as held_out_set
 from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
                                        take_option, write_results)
 from nsa_titan.config import resolve
+from nsa_titan.document_start import documents_of
 from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length, unwritable_keys
 from nsa_titan.evaluate.position_loss import loss_by_position
 from nsa_titan.evaluate.plots import passkey_figure, position_loss_figure
@@ -126,12 +127,7 @@ def run_command(argv: list[str]) -> int:
     if trials:
         lengths = _passkey_lengths(model, tokenizer, recipe, lengths)
 
-    part = registry.get("model", recipe.model.name)
-    device = next(model.parameters()).device
-
-    def documents_of(document_starts):
-        return None if part.documents is None else part.documents(model, document_starts, device)
-
+    documents = documents_of(registry.get("model", recipe.model.name), model)
     from nsa_titan.runtime import make_runtime
 
     runtime = make_runtime("cpu", "float32")
@@ -159,7 +155,7 @@ def run_command(argv: list[str]) -> int:
                         f"settings changed, e.g. `nsa-titan eval RECIPE.toml --data.{recipe.data.source}.FIELD=... "
                         f"--out {out}`.") from None
     _say_short_set(recipe, held_out, batches[0] if batches else None)
-    positions = loss_by_position(model, documents_of, held_out, recipe.training.seq_len, progress("held-out loss"),
+    positions = loss_by_position(model, documents, held_out, recipe.training.seq_len, progress("held-out loss"),
                                  tokenizer.eos_id, tokenizer.bos_id if recipe.data.add_bos else None)
 
     from components.models import generate
@@ -174,7 +170,7 @@ def run_command(argv: list[str]) -> int:
         from nsa_titan.evaluate.harness import run_tasks
 
         harness = run_tasks(model, tokenizer, task_names, manager, task_limit[0] if task_limit else None,
-                            recipe.job.seed, recipe.data.add_bos)
+                            recipe.job.seed, recipe.data.add_bos, documents)
 
     results = {"model": loaded, "position_loss": positions, "passkey": passkey}
     paths = {"results": os.path.join(out, "eval.json"), "position_loss": os.path.join(out, "position_loss.png")}

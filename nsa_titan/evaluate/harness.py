@@ -11,7 +11,8 @@ tasks differ there, the nsa_titan model starting each window as training started
 
 The LM scores each request's context + continuation in one forward (left-truncated to
 max_seq_len), rows of a batch right-padded (causal attention: padding after a row's tokens changes
-none of its logits), and decodes greedily with the KV cache.
+none of its logits), and decodes greedily with the KV cache. An empty context and a first rolling window start
+from the end of text, read as training read a document after one (nsa_titan/document_start.py).
 """
 
 from __future__ import annotations
@@ -51,13 +52,19 @@ def lm_class():
 
     class NSATitanLM(TemplateLM):
         def __init__(self, pretrained: str | None = None, model=None, tokenizer=None, batch_size: int | str = 8,
-                     max_length: int | None = None, add_bos: bool = False, **unused):
+                     max_length: int | None = None, add_bos: bool = False, documents=None, **unused):
+            """model, tokenizer, add_bos and documents (document_start.documents_of) are given together, or read
+            from `pretrained`."""
+            from nsa_titan.document_start import leading_eos_apart
+
             super().__init__()
             if model is None:
-                model, tokenizer, add_bos = _load(pretrained)
+                model, tokenizer, add_bos, documents = _load(pretrained)
             self.model, self.tokenizer_ = model.eval(), tokenizer
-            # Documents as training saw them: BOS first with data.add_bos, else after an end of text.
-            self.add_bos = add_bos
+            # Documents as training saw them: BOS first with data.add_bos, else after an end of text, which
+            # under document masking the document does not see.
+            self.add_bos, self.documents = add_bos, documents
+            self.apart = leading_eos_apart(documents, add_bos)
             self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
             self.max_length = int(max_length or model.args.max_seq_len)
             self._device = next(model.parameters()).device
@@ -87,6 +94,8 @@ def lm_class():
 
         @torch.no_grad()
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+            from nsa_titan.document_start import opening_documents
+
             rows = [(context + continuation)[-(self.max_length + 1):] for _, context, continuation in requests]
             order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))  # similar lengths share a batch
             results: list = [None] * len(rows)
@@ -96,7 +105,8 @@ def lm_class():
                 inputs = torch.zeros(len(chunk), width, dtype=torch.long)
                 for r, i in enumerate(chunk):
                     inputs[r, :len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
-                logprobs = F.log_softmax(self.model(inputs.to(self._device)).float(), dim=-1).cpu()
+                documents = opening_documents(self.documents, inputs, self.eot_token_id) if self.apart else None
+                logprobs = F.log_softmax(self.model(inputs.to(self._device), documents).float(), dim=-1).cpu()
                 for r, i in enumerate(chunk):
                     n, end = len(requests[i][2]), len(rows[i]) - 1
                     if n == 0:  # a continuation of no tokens: certain, and greedy
@@ -119,7 +129,7 @@ def lm_class():
 
         @torch.no_grad()
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-            from components.models import generate
+            from nsa_titan.document_start import generate_document
 
             outputs = []
             for context, kwargs in (request.args for request in requests):
@@ -132,8 +142,8 @@ def lm_class():
                     raise UserError("the nsa_titan harness model decodes greedily; the task asks for sampling. Fix: "
                                     "run the task with do_sample false and temperature 0.")
                 prompt = self.tok_encode(context)[-(self.max_length - new_tokens):] or [self.prefix_token_id]
-                tokens = generate(self.model, torch.tensor([prompt]), new_tokens, temperature=0)[0, len(prompt):]
-                text = self.tok_decode(tokens.tolist())
+                tokens = generate_document(self.model, prompt, new_tokens, self.eot_token_id, self.apart, temperature=0)
+                text = self.tok_decode(tokens)
                 for stop in until:
                     text = text.split(stop)[0]
                 outputs.append(text)
@@ -145,6 +155,8 @@ def lm_class():
 
 
 def _load(path: str | None):
+    from nsa_titan import registry
+    from nsa_titan.document_start import documents_of
     from nsa_titan.export import load_exported_run
     from nsa_titan.rebuild import say_on_stderr
 
@@ -152,7 +164,8 @@ def _load(path: str | None):
         raise UserError("the nsa_titan harness model needs pretrained=PATH (an exported .pt file or a --format hf "
                         "folder). Fix: model_args='pretrained=outputs/debug/model.pt'.")
     run = load_exported_run(path, say=say_on_stderr)
-    return run.model, run.tokenizer, run.recipe.data.add_bos
+    documents = documents_of(registry.get("model", run.meta["model_name"]), run.model)
+    return run.model, run.tokenizer, run.recipe.data.add_bos, documents
 
 
 def task_manager(tasks: list[str], task_dir: str | None):
@@ -225,10 +238,11 @@ def check_tasks_load(tasks: list[str], manager) -> None:
                         f"its task file in --task-dir.") from None
 
 
-def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None, seed: int, add_bos: bool) -> dict:
+def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None, seed: int, add_bos: bool,
+              documents) -> dict:
     """simple_evaluate on the model over `tasks` of `manager` (task_manager's); returns the harness's
-    results (per task, its metrics). add_bos: the run's data.add_bos."""
-    lm = lm_class()(model=model, tokenizer=tokenizer, add_bos=add_bos)
+    results (per task, its metrics). add_bos: the run's data.add_bos; documents: document_start.documents_of."""
+    lm = lm_class()(model=model, tokenizer=tokenizer, add_bos=add_bos, documents=documents)
     from lm_eval import simple_evaluate
 
     seed %= 2**32  # NumPy's seeds stop below 2**32; the recipe's seed may be any 64-bit number

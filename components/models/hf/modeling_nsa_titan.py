@@ -22,6 +22,11 @@ Attention runs in fp32 over query chunks (memory grows with chunk x length, not 
 makes this the reference math, not a fast kernel. Generation keeps a cache of every layer's keys
 and values and the compressed blocks done so far.
 
+A sequence that opens with the end of text, with leading_eos_apart (a model trained with document masking and no
+BOS, where documents follow the end of text of the one before): the model reads that token alone and the tokens
+after it as a document from position 0, which never sees it, as training ran them. generate() with no input starts
+there (config.bos_token_id), and so do lm-eval's empty contexts and first rolling windows.
+
 Padded batches (attention_mask with zeros, padding on either side of each row): every row runs
 alone on its own tokens, with its own cache, so it computes exactly what it would unpadded (NSA's
 blocks count from a sequence's first token, so padding cannot simply be masked). Pad positions
@@ -60,12 +65,14 @@ class NSATitanConfig(PretrainedConfig):
     def __init__(self, vocab_size: int = 258, dim: int = 256, n_layers: int = 4, n_heads: int = 4,
                  n_kv_heads: int = 2, mlp_hidden_dim: int = 704, norm_eps: float = 1e-5, rope_theta: float = 10000.0,
                  max_seq_len: int = 2048, attention: str = "nsa", nsa: dict | None = None, init_std: float = 0.02,
-                 tie_word_embeddings: bool = False, use_cache: bool = True, **kwargs):
+                 tie_word_embeddings: bool = False, use_cache: bool = True, leading_eos_apart: bool = False, **kwargs):
         self.vocab_size, self.dim, self.n_layers, self.n_heads, self.n_kv_heads = (
             vocab_size, dim, n_layers, n_heads, n_kv_heads)
         self.mlp_hidden_dim, self.norm_eps, self.rope_theta, self.max_seq_len = (
             mlp_hidden_dim, norm_eps, rope_theta, max_seq_len)
         self.attention, self.init_std, self.use_cache = attention, init_std, use_cache
+        # a leading end of text (eos_token_id) ends the document before: the tokens after it do not see it
+        self.leading_eos_apart = leading_eos_apart
         # block_size l, block_stride d, sel_block_size l', num_selected n, window_size w, compress,
         # kv_per_branch, gate
         self.nsa = dict(nsa or {})
@@ -150,12 +157,13 @@ class LayerCache:
 
 
 class NSATitanCache:
-    """Every layer's LayerCache and the number of tokens (input columns) they hold; for a padded batch,
-    one cache per row (`rows`), each holding that row's real tokens only."""
+    """Every layer's LayerCache and the number of tokens (input columns) seen, `skipped` of them (a leading end of
+    text that stands apart) not held; for a padded batch, one cache per row (`rows`), each of that row's real tokens
+    only."""
 
     def __init__(self, num_layers: int, rows: int = 0):
         self.layers = [LayerCache() for _ in range(num_layers)]
-        self.length = 0
+        self.length = self.skipped = 0
         self.rows = [NSATitanCache(num_layers) for _ in range(rows)] if rows else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -172,7 +180,7 @@ class NSATitanCache:
         copy.layers = [LayerCache() for _ in self.layers]
         for mine, theirs in zip(copy.layers, self.layers):
             mine.tensors = dict(theirs.tensors)
-        copy.length = self.length
+        copy.length, copy.skipped = self.length, self.skipped
         return copy
 
 
@@ -345,12 +353,13 @@ class NSATitanModel(nn.Module):
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
 
     def forward(self, input_ids, cache: NSATitanCache | None):
-        start = 0 if cache is None else cache.length
+        seen = 0 if cache is None else cache.length
+        start = seen - (0 if cache is None else cache.skipped)  # positions count from the document's first token
         h = self.tok_embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(h, start, None if cache is None else cache.layers[i])
         if cache is not None:
-            cache.length = start + input_ids.shape[1]
+            cache.length = seen + input_ids.shape[1]
         return self.output(self.norm(h))
 
 
@@ -416,21 +425,26 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         caching = cache is not None or ((use_cache if use_cache is not None else self.config.use_cache)
                                         and not self.training)
         padded = attention_mask is not None and not bool(attention_mask.all())
+        apart = self._opens_apart(input_ids, cache)
+        if padded and attention_mask.shape == input_ids.shape:  # a row of pads alone opens with nothing
+            apart &= attention_mask[:, 0].bool()
+        alike = not bool(apart.any()) or bool(apart.all())  # rows opening otherwise run one by one
         if (padded and cache is None and not caching and attention_mask.shape == input_ids.shape
-                and _prefix_rows(attention_mask)):
+                and _prefix_rows(attention_mask) and alike):
             # Right padding only: each row's tokens start at column 0, and a causal model's logits there do not
             # depend on the pads after them, so the batch runs in one call (training on padded batches). Pads
             # become token 0, so a pad id outside the vocabulary is never looked up.
             self._check_length(input_ids.shape[1])
             real = attention_mask.bool()
-            logits = self.model(input_ids.masked_fill(~real, 0), None).masked_fill(~real[..., None], 0)
-        elif padded or (cache is not None and cache.rows is not None):
+            logits = self._decode(input_ids.masked_fill(~real, 0), None, bool(apart.any()))
+            logits = logits.masked_fill(~real[..., None], 0)
+        elif padded or not alike or (cache is not None and cache.rows is not None):
             logits, cache = self._padded_rows(input_ids, attention_mask, cache, caching)
         else:
             self._check_length((0 if cache is None else cache.length) + input_ids.shape[1])
             if cache is None and caching:
                 cache = NSATitanCache(self.config.n_layers)
-            logits = self.model(input_ids, cache)
+            logits = self._decode(input_ids, cache, bool(apart.any()))
         loss = None
         if labels is not None:
             targets = labels[:, 1:]
@@ -461,6 +475,25 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
                                  f"max_seq_len {limit}: ask for at most {max(limit - prompt.shape[1], 0)} new tokens "
                                  f"(max_new_tokens)")
         return super().generate(inputs, generation_config, **kwargs)
+
+    def _opens_apart(self, input_ids, cache) -> torch.Tensor:
+        """[B] bool: the rows that open with an end of text standing apart (config.leading_eos_apart), where
+        nothing was seen before them."""
+        if not self.config.leading_eos_apart or (cache is not None and cache.length) or input_ids.shape[1] == 0:
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return input_ids[:, 0] == self.config.eos_token_id
+
+    def _decode(self, input_ids, cache: NSATitanCache | None, apart: bool):
+        """The decoder's logits; `apart`: every row opens with an end of text standing apart, which is read alone,
+        the rest from position 0 without it (the cache counts it as seen, not held)."""
+        if not apart:
+            return self.model(input_ids, cache)
+        first = self.model(input_ids[:, :1], None)
+        if cache is not None:
+            cache.length = cache.skipped = 1
+        if input_ids.shape[1] == 1:
+            return first
+        return torch.cat([first, self.model(input_ids[:, 1:], cache)], dim=1)
 
     def _check_length(self, tokens: int):
         if tokens > self.config.max_seq_len:
@@ -495,9 +528,9 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
             new = real[i, seen:]
             if not bool(new.any()):
                 continue
-            row_cache = None if cache is None else cache.rows[i]
+            row_cache, row = None if cache is None else cache.rows[i], input_ids[i, new][None]
             self._check_length((0 if row_cache is None else row_cache.length) + int(new.sum()))
-            logits[i, new] = self.model(input_ids[i, new][None], row_cache)[0].to(logits.dtype)
+            logits[i, new] = self._decode(row, row_cache, bool(self._opens_apart(row, row_cache)))[0].to(logits.dtype)
         if cache is not None:
             cache.length = seen + T
         return logits, cache
