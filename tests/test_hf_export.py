@@ -242,6 +242,12 @@ def test_generation_past_max_seq_len_is_refused_before_it_starts(exported, monke
     assert calls == []  # nothing was computed
     assert model.generate(prompt, max_new_tokens=56, do_sample=False, eos_token_id=None,
                           pad_token_id=257).shape == (1, 256)
+    # With no input, from the start token (it went on to fail at the 257th token, the 255 drawn lost).
+    del calls[:]
+    with pytest.raises(ValueError, match="the prompt's 1 tokens and the tokens asked for make 301, over max_seq_len "
+                                         r"256: ask for at most 255 new tokens \(max_new_tokens\)"):
+        model.generate(max_new_tokens=300, do_sample=False, eos_token_id=None)
+    assert calls == []
 
 
 def test_padded_rows_compute_what_each_row_computes_alone(exported):
@@ -333,6 +339,19 @@ def test_generating_from_nothing_starts_the_document_apart_from_the_end_of_text(
     _, folder = exported
     assert json.load(open(os.path.join(folder, "config.json")))["leading_eos_apart"]
     _starts_documents_as_training_did(folder)
+
+
+def test_generating_from_nothing_with_no_end_token_draws_from_the_start_tokens_logits(exported):
+    """generate() with no input and eos_token_id=None (a fixed number of tokens): the start token is the end of text,
+    which is also the pad, and transformers took it for padding, so the first token was drawn from zero logits (token
+    0 when greedy). It is the document's start, as without eos_token_id=None."""
+    _, folder = exported
+    model = _auto_model(folder)
+    out = model.generate(max_new_tokens=4, do_sample=False, eos_token_id=None, return_dict_in_generate=True,
+                         output_logits=True)
+    start = model.config.bos_token_id
+    assert out.sequences[0, 0] == start == model.generation_config.pad_token_id
+    torch.testing.assert_close(out.logits[0][0], trained_logits(folder, [start])[0], rtol=0, atol=1e-5)
 
 
 def test_generating_from_nothing_reads_on_from_the_start_token_where_training_did(started_otherwise):

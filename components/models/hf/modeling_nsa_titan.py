@@ -462,9 +462,15 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
         """transformers' generate, refused before any work when the prompt and max_new_tokens (or max_length)
-        exceed max_seq_len, rather than failing at the token past it with the generated tokens lost."""
-        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        exceed max_seq_len, rather than failing at the token past it with the generated tokens lost. With no input it
+        starts from bos_token_id as one real token: the pad is the end of text, so transformers would take that start
+        for padding once eos_token_id=None lets it read a mask from the ids."""
         config = generation_config if generation_config is not None else self.generation_config
+        start = kwargs.get("bos_token_id", getattr(config, "bos_token_id", None))
+        if inputs is None and kwargs.get("input_ids") is None and start is not None:
+            inputs = torch.full((1, 1), start, dtype=torch.long, device=self.device)
+            kwargs.setdefault("attention_mask", torch.ones_like(inputs))
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
         new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
         if prompt is not None and prompt.dim() == 2:
             length = (prompt.shape[1] + new if new is not None else
