@@ -456,6 +456,28 @@ def test_a_writer_started_in_the_second_of_an_older_event_file_is_read_after_it(
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 3.0)]
 
 
+@pytest.mark.parametrize("name, read", [("events.out.notes.txt", False), ("run.tfevents.1.host", True)])
+def test_event_files_are_the_files_tensorboard_reads(tmp_path, name, read):
+    """A resume's check for events took any events.out.* file, which TensorBoard does not read without "tfevents" in
+    its name (a folder holding only that got no earlier steps drawn again), and passed over a <run>.tfevents.* file,
+    which TensorBoard reads."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nsa_titan.observe.metrics_log import TensorBoardLog
+    from nsa_titan.observe.tensorboard_pictures import holds_events
+
+    writer = TensorBoardLog(str(tmp_path / "written"))
+    writer.write({"step": 1, "loss": 5.0})
+    writer.close()
+    (written,) = (tmp_path / "written").iterdir()
+    (tmp_path / "tb").mkdir()
+    shutil.copy(written, tmp_path / "tb" / name)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert ("loss" in events.Tags()["scalars"]) is read  # TensorBoard's own verdict
+    assert holds_events(str(tmp_path / "tb")) is read
+
+
 @pytest.mark.parametrize("emptied", [False, True])
 def test_a_resume_draws_the_steps_before_it_into_a_deleted_or_emptied_tensorboard_folder(tmp_path, emptied):
     """rm -r <dump>/tb (or its files) before a resume: TensorBoard showed only the steps after the resume, though

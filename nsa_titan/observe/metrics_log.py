@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from components.errors import UserError
+from nsa_titan.observe.event_files import event_files, started_second
 from nsa_titan.run_folder import create_new
 
 
@@ -166,16 +167,12 @@ def _keep_records_up_to(path: str, lines: list[str], step: int, then: list[str] 
     return aside
 
 
-# An event file's name: events.out.tfevents.<whole seconds>.<host>.<process id>.<counter of the process's writers>
-_EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
-
-
 def _after_every_event_file(folder: str) -> None:
     """Wait until the clock's second is past the newest event file's in `folder`. TensorBoard reads a folder's files
     in name order, and names of one second sort by process id and an unpadded counter: a writer started then (a
     resume, a redraw) could be read before an older file, whose events would then hide its own."""
     try:
-        seconds = [int(found.group(1)) for found in map(_EVENT_FILE.match, os.listdir(folder)) if found]
+        seconds = [second for second in map(started_second, event_files(folder)) if second is not None]
     except OSError:  # no folder yet: the writer makes it
         return
     newest = max(seconds, default=-1)

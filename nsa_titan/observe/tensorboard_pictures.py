@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from nsa_titan.observe.event_files import event_files
 from nsa_titan.observe.telemetry_log import PREFIX as TELEMETRY_PREFIX
 
 
@@ -21,7 +22,7 @@ def _event_files(folders: list[str]) -> list[str]:
     paths = []
     for folder in folders:
         if os.path.isdir(folder):
-            paths += [os.path.join(folder, name) for name in os.listdir(folder) if name.startswith("events.out.")]
+            paths += [os.path.join(folder, name) for name in event_files(folder)]
     return sorted(paths, key=lambda path: (os.path.getmtime(path), path))
 
 
