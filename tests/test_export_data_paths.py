@@ -1,6 +1,6 @@
 """eval of an export read elsewhere than where its run started: the recipe's relative data paths (text_files paths, a
 parquet builder's data_files, a local dataset folder, each a mixture member here) are read from the folder the export
-was made in, and data that is gone is named with where it was."""
+was made in, and data that is gone is named with where it was (and with a recipe flag that would read it elsewhere)."""
 
 from __future__ import annotations
 
@@ -92,3 +92,24 @@ def test_eval_of_an_export_whose_data_is_gone_names_it_and_where_it_was(project,
             "evaluate the run's checkpoint from its recipe with the data paths changed (`nsa-titan eval RECIPE.toml "
             "--data.mixture.sources.code.paths=... --out DIR`).") in err, err
     assert not (tmp_path / "eval").exists()
+
+
+def test_eval_of_an_export_whose_member_data_is_gone_where_it_was_made_names_a_flag_that_exists(project, tmp_path,
+                                                                                                monkeypatch, capsys):
+    """Read where it was made, an export whose mixture member's file was gone suggested --data.mixture.FIELD=..., which
+    no recipe takes: a mixture's data settings are in its members' tables."""
+    monkeypatch.chdir(project)
+    capsys.readouterr()
+    shutil.move(project / "corpus", tmp_path / "corpus")
+    try:
+        code = cli.main(["eval", "model.pt", "--out", str(tmp_path / "eval"), *EVAL])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+        assert (f"e.g. `nsa-titan eval RECIPE.toml --data.mixture.sources.NAME.FIELD=... --out {tmp_path / 'eval'}`, "
+                "NAME the member to change (code, web, books).") in err, err
+        # The flag it names is one the run's recipe takes.
+        argv = ["mix.toml", *TINY, "--training.steps=1", "--checkpoint.enable=true", "--job.dump_folder=run",
+                f"--data.mixture.sources.code.paths={tmp_path / 'corpus' / 'a.jsonl'}"]
+        assert cli.main(["eval", *argv, "--out", str(tmp_path / "eval"), *EVAL]) == 0, capsys.readouterr().err
+    finally:
+        shutil.move(tmp_path / "corpus", project / "corpus")

@@ -15,7 +15,7 @@ import json
 import os
 
 
-from components.data import holds_split, no_split_error
+from components.data import MIXTURE, holds_split, no_split_error
 from components.errors import UserError
 from nsa_titan import assemble, registry
 from nsa_titan import held_out as held_out_set
@@ -152,8 +152,7 @@ def run_command(argv: list[str]) -> int:
         raise UserError(f"the held-out data named by the recipe saved in {argv[0]!r} cannot be read here ({exc}); "
                         f"eval takes no recipe overrides with an exported model. Fix: make the data readable where "
                         f"that recipe names it, or evaluate the run's checkpoint from its recipe with the data "
-                        f"settings changed, e.g. `nsa-titan eval RECIPE.toml --data.{recipe.data.source}.FIELD=... "
-                        f"--out {out}`.") from None
+                        f"settings changed, e.g. {_data_override_example(recipe.data, out)}.") from None
     _say_short_set(recipe, held_out, batches[0] if batches else None)
     positions = loss_by_position(model, documents, held_out, recipe.training.seq_len, progress("held-out loss"),
                                  tokenizer.eos_id, tokenizer.bos_id if recipe.data.add_bos else None)
@@ -193,6 +192,15 @@ def run_command(argv: list[str]) -> int:
         say_unread_flags(resolved, "eval",
                          tuple(r for r in HELD_OUT_READS if not (batches and r == "validation.steps")))
     return 0
+
+
+def _data_override_example(data, out: str) -> str:
+    """An eval of the run's recipe with a data override it takes: a mixture's data is in its members' tables."""
+    if data.source == MIXTURE:
+        return (f"`nsa-titan eval RECIPE.toml --data.mixture.sources.NAME.FIELD=... --out {out}`, NAME the member "
+                f"to change ({', '.join(data.source_args.sources)})")
+    flag = "--data.source=..." if data.source_args is None else f"--data.{data.source}.FIELD=..."
+    return f"`nsa-titan eval RECIPE.toml {flag} --out {out}`"
 
 
 def _say_short_set(recipe, held_out: list[dict], batches: int | None) -> None:
