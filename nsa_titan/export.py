@@ -179,4 +179,5 @@ def _load_hf_folder(path: str, device, say=None) -> tuple[nn.Module, dict]:
     model = rebuild_model(folder.model_name, folder.model_args, folder.vocab_size, folder.state_dict, device, path,
                           say)
     return model, {"format": "hf", "model_name": folder.model_name, "model_args": folder.model_args,
-                   "vocab_size": folder.vocab_size, "step": folder.step, "recipe_toml": folder.recipe_toml}
+                   "vocab_size": folder.vocab_size, "step": folder.step, "recipe_toml": folder.recipe_toml,
+                   RUN_DIR: folder.run_dir}

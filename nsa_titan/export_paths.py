@@ -26,10 +26,13 @@ def _module_in(name: str, folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, top + ".py")) or os.path.isfile(os.path.join(folder, top, "__init__.py"))
 
 
-def reads_run_dir(plugins: list[str]) -> bool:
-    """Whether job.plugins names a plugin file by a relative path or a module in the working directory (a folder of
-    --format hf, which may be shared, records the directory it was made in only then)."""
-    return any(_relative(name) if name.endswith(".py") else _module_in(name, os.getcwd()) for name in plugins)
+def reads_run_dir(recipe) -> bool:
+    """Whether a reader of a --format hf folder of `recipe` needs the directory it was made in: job.plugins names a
+    plugin file by a relative path or a module there, or the data names files by relative paths (the folder carries
+    its tokenizer). Such a folder, which may be shared, records the directory only then."""
+    plugins = recipe.job.plugins
+    return (any(_relative(name) if name.endswith(".py") else _module_in(name, os.getcwd()) for name in plugins)
+            or bool(files_read_from(recipe.data.source_args, os.getcwd())[1]))
 
 
 def _moved(run_dir: str | None) -> bool:

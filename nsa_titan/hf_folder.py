@@ -126,7 +126,7 @@ def export_hf(resolved: ResolvedRecipe, output: str, dtype: str = "float32",
               "nsa_titan": {"format": FORMAT, "model": recipe.model.name,
                             "model_args": dataclasses.asdict(recipe.model.args), "step": step,
                             "recipe_hash": resolved.hash,
-                            **({RUN_DIR: made_in()} if reads_run_dir(recipe.job.plugins) else {})}}
+                            **({RUN_DIR: made_in()} if reads_run_dir(recipe) else {})}}
     def write_weights() -> None:
         path = os.path.join(tmp, WEIGHTS)
         save_file({name: x.to(DTYPES[dtype]) if x.is_floating_point() else x
@@ -211,6 +211,7 @@ class HFFolder:
     state_dict: dict  # the model's own names, full tensors on the CPU
     step: int | None
     recipe_toml: str | None
+    run_dir: str | None  # where its recipe's relative paths are read from, when it reads any (export_paths.py)
 
 
 def read_hf_folder(path: str) -> HFFolder:
@@ -247,7 +248,7 @@ def read_hf_folder(path: str) -> HFFolder:
         raise UserError(f"the weights in {path} do not fit the model {CONFIG} describes "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r}). Fix: export "
                         f"the run again rather than editing {CONFIG}.") from None
-    return HFFolder(model_name, model_args, vocab_size, state, ours.get("step"), recipe_toml)
+    return HFFolder(model_name, model_args, vocab_size, state, ours.get("step"), recipe_toml, ours.get(RUN_DIR))
 
 
 def _read_config(path: str, fix: str) -> tuple[str, dict, int, dict]:

@@ -40,6 +40,7 @@ name = ""
 validation_fraction = 0.2
 """
 EVAL = ["--batches", "1", "--trials", "0"]
+RUN = ["mix.toml", *TINY, "--training.steps=1", "--checkpoint.enable=true", "--job.dump_folder=run"]
 
 
 @pytest.fixture(scope="module")
@@ -52,35 +53,48 @@ def project(tmp_path_factory):
     write_parquet(str(project / "web" / "b.parquet"), unique_texts(60, seed=2))
     write_parquet(str(project / "books" / "train.parquet"), unique_texts(60, seed=3))
     (project / "mix.toml").write_text(MIXTURE)
-    argv = ["mix.toml", *TINY, "--training.steps=1", "--checkpoint.enable=true", "--job.dump_folder=run"]
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.chdir(project)
-        assert cli.main(["train", *argv]) == 0
-        assert cli.main(["export", *argv, "--output", "model.pt"]) == 0
+        assert cli.main(["train", *RUN]) == 0
+        assert cli.main(["export", *RUN, "--output", "model.pt"]) == 0
         assert cli.main(["eval", "model.pt", "--out", "eval", *EVAL]) == 0
     return project
+
+
+@pytest.fixture(scope="module", params=["model.pt", "hf"])
+def export(request, project):
+    """The run's export: a file, or a --format hf folder (which carries its tokenizer but not its data)."""
+    if request.param == "hf":
+        pytest.importorskip("safetensors", reason="the hf extra (pip install -e '.[hf]')")
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(project)
+            assert cli.main(["export", *RUN, "--format", "hf", "--output", "hf"]) == 0
+    return project / request.param
 
 
 def _position_loss(folder) -> dict:
     return json.loads((folder / "eval.json").read_text())["position_loss"]
 
 
-def test_eval_of_an_export_reads_its_relative_data_from_where_it_was_made(project, tmp_path, monkeypatch, capsys):
+def test_eval_of_an_export_reads_its_relative_data_from_where_it_was_made(project, export, tmp_path, monkeypatch,
+                                                                         capsys):
     """Refused from another folder: 'the path 'corpus/*.jsonl' matches no file (relative to the directory the run
-    starts in, ...)', a fix a reader of an export cannot follow."""
+    starts in, ...)', a fix a reader of an export cannot follow (a --format hf folder recorded where it was made only
+    for its plugins)."""
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
-    assert cli.main(["eval", str(project / "model.pt"), "--out", "eval", *EVAL]) == 0, capsys.readouterr().err
+    assert cli.main(["eval", str(export), "--out", "eval", *EVAL]) == 0, capsys.readouterr().err
     assert _position_loss(tmp_path / "eval") == _position_loss(project / "eval")  # the same held-out rows
 
 
-def test_eval_of_an_export_whose_data_is_gone_names_it_and_where_it_was(project, tmp_path, monkeypatch, capsys):
+def test_eval_of_an_export_whose_data_is_gone_names_it_and_where_it_was(project, export, tmp_path, monkeypatch,
+                                                                        capsys):
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     for folder in ("corpus", "web"):
         shutil.move(project / folder, tmp_path / folder)  # here now, where the paths do not lead
     try:
-        code = cli.main(["eval", str(project / "model.pt"), "--out", "eval", *EVAL])
+        code = cli.main(["eval", str(export), "--out", "eval", *EVAL])
     finally:
         for folder in ("corpus", "web"):
             shutil.move(tmp_path / folder, project / folder)
@@ -108,8 +122,7 @@ def test_eval_of_an_export_whose_member_data_is_gone_where_it_was_made_names_a_f
         assert (f"e.g. `nsa-titan eval RECIPE.toml --data.mixture.sources.NAME.FIELD=... --out {tmp_path / 'eval'}`, "
                 "NAME the member to change (code, web, books).") in err, err
         # The flag it names is one the run's recipe takes.
-        argv = ["mix.toml", *TINY, "--training.steps=1", "--checkpoint.enable=true", "--job.dump_folder=run",
-                f"--data.mixture.sources.code.paths={tmp_path / 'corpus' / 'a.jsonl'}"]
+        argv = [*RUN, f"--data.mixture.sources.code.paths={tmp_path / 'corpus' / 'a.jsonl'}"]
         assert cli.main(["eval", *argv, "--out", str(tmp_path / "eval"), *EVAL]) == 0, capsys.readouterr().err
     finally:
         shutil.move(tmp_path / "corpus", project / "corpus")
