@@ -97,8 +97,8 @@ class _CountedReads:
         self.counter[0] += len(data)
         return data
 
-    def readline(self):
-        data = self.fh.readline()
+    def readline(self, size=-1):
+        data = self.fh.readline(size)
         self.counter[0] += len(data)
         return data
 
@@ -122,6 +122,36 @@ def test_a_long_jsonl_record_is_read_once_not_by_every_range_inside_it(tmp_path,
     assert sorted(documents) == sorted(texts)
     size = (tmp_path / "records.jsonl").stat().st_size
     assert counter[0] < 2 * size, f"{counter[0] / size:.0f} times the file read"
+
+
+def test_a_long_jsonl_record_is_not_held_beside_its_bytes_and_json(tmp_path):
+    """A .jsonl line was held as bytes, as its decoded JSON and as the parsed text at once, and the text was encoded
+    whole again for the hash that picks its split: three times a long record's size (a 100 MB record added 320 MB to
+    a run's peak). The line is now read and decoded a piece at a time, its JSON freed once parsed, its text hashed a
+    piece at a time."""
+    from components.data.sources.file_corpus import member_documents
+
+    texts = unique_texts(4, seed=3)
+    texts.insert(2, TEXT.replace("ï", "i") * 4)  # 9 MB, pieces of 1 MiB
+    path = write_jsonl(str(tmp_path / "records.jsonl"), texts)
+    corpus = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0)).corpus()
+    documents, peak = _traced_peak(lambda: member_documents(corpus, "train"))
+    assert documents == texts
+    size = (tmp_path / "records.jsonl").stat().st_size
+    assert peak < 2.4 * size, f"{peak / size:.1f} bytes traced per byte of the file"  # the text and the JSON's
+
+
+def test_a_long_text_hashes_as_its_whole_bytes(monkeypatch):
+    """The split of a record is its text's hash, now taken a piece at a time: the same bytes, so the same split."""
+    import hashlib
+
+    from components.data.sources import base, unit_hash
+
+    text = "é€𝄞 a lone \ud83d surrogate " * 5
+    whole = hashlib.blake2b(text.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
+    monkeypatch.setattr(base, "_HASHED_PIECE", 3)  # pieces cut between every kind of character
+    assert unit_hash(text) == int.from_bytes(whole, "little") / 2.0**64
+    assert unit_hash("") == int.from_bytes(hashlib.blake2b(b"", digest_size=8).digest(), "little") / 2.0**64
 
 
 def test_doctor_reads_a_large_parquet_row_group_a_batch_at_a_time(tmp_path):

@@ -99,6 +99,36 @@ def test_a_byte_order_mark_is_not_part_of_a_document(tmp_path):
     assert texts == ["hello\nworld", "no mark \ufeff inside"]
 
 
+def test_a_long_jsonl_line_read_in_pieces_reads_as_it_does_whole(tmp_path, monkeypatch):
+    """A .jsonl line longer than a piece is read and decoded a piece at a time: characters cut by a piece's end, a
+    byte-order mark, blank lines, a bad byte's place and a last line without its newline, or cut mid-character, read
+    as they do in one piece."""
+    import components.data.sources.file_corpus as file_corpus
+
+    odd, cut = tmp_path / "odd.jsonl", tmp_path / "cut.jsonl"
+    odd.write_bytes(b'\xef\xbb\xbf{"text": "\xc3\xa9\xe2\x82\xac\xf0\x9d\x84\x9e first"}\n  \t  \n'
+                    b'{"text": "bad \xff here"}\n{"text": "last"}')
+    cut.write_bytes(b'{"text": "fine"}\n{"text": "cut "}' + "€".encode()[:-1])
+
+    def read() -> tuple[list[str], str, str]:
+        replaced = TextFilesSource(TextFilesArgs(paths=[str(odd)], validation_fraction=0.0, invalid_utf8="replace"))
+        texts = sorted(text for text, _ in replaced.documents(0, 1, "train", 0, 0, None))
+        errors = []
+        for path in (odd, cut):
+            with pytest.raises(UserError) as strict:
+                list(TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0)).documents(
+                    0, 1, "train", 0, 0, None))
+            errors.append(str(strict.value))
+        return texts, *errors
+
+    whole = read()
+    assert whole[0] == ["bad \ufffd here", "last", "é€𝄞 first"]
+    assert "(byte 51 of the file, line 3: invalid start byte)" in whole[1], whole[1]
+    assert "(byte 33 of the file, line 2: unexpected end of data)" in whole[2], whole[2]
+    monkeypatch.setattr(file_corpus, "_LINE_PIECE", 3)  # a piece ends inside every multi-byte character here
+    assert read() == whole
+
+
 def test_a_record_that_is_no_object_or_holds_no_string_is_named_as_json_names_it(tmp_path):
     for line, said in [("[1, 2]", r"line 2 is an array, not a JSON object. Fix: write each line as an object holding "
                                   r"the text in 'text', as \{\"text\": \"the document\"\}"),

@@ -167,6 +167,7 @@ def corpus_files(paths: list[str]) -> list[CorpusFile]:
 
 
 _SCAN_CHUNK = 16 * 2**20
+_LINE_PIECE = 1 << 20  # a .jsonl line is read and decoded this many bytes at a time
 
 
 def _past_next_newline(f, end: int) -> bool:
@@ -182,6 +183,11 @@ def _past_next_newline(f, end: int) -> bool:
             f.seek(at + 1 - len(chunk), os.SEEK_CUR)
             return True
     return False
+
+
+def _without_mark(text: str, offset: int) -> str:
+    """A file's first text without the byte-order mark some editors write first: no part of the JSON."""
+    return text[1:] if offset == 0 and text.startswith("\ufeff") else text
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -369,14 +375,11 @@ class FileCorpus:
                 offset = f.tell()
                 if offset >= end:
                     return
-                line = f.readline()
-                if not line:
+                text = self._jsonl_line(f, path, offset)
+                if text is None:
                     return
-                if not line.strip():
+                if not text:  # a blank line
                     continue
-                text = self._decode(line, path, offset)
-                if offset == 0 and text.startswith("\ufeff"):
-                    text = text[1:]  # a byte-order mark some editors write first: not part of the JSON
                 try:
                     record = json.loads(text)
                 except ValueError as e:
@@ -384,7 +387,34 @@ class FileCorpus:
                         f"{self.what}: {path} line {_line_number(path, offset)} is not valid JSON ({e}); "
                         f"fix or remove that line (the file's size changes, so {ANOTHER_STREAM})"
                     ) from e
-                yield self._text_of(record, path, offset), offset
+                del text  # the document alone is held while it is read, not the JSON it came from
+                document = self._text_of(record, path, offset)
+                del record
+                yield document, offset
+
+    def _jsonl_line(self, f, path: str, offset: int) -> str | None:
+        """The text of the line of `f` at `offset` ('' when its bytes are all whitespace), None at the file's end. A
+        long line is read and decoded a piece at a time: its bytes held whole beside its text (and the text beside
+        the string JSON parses from it) took three times a 100 MB record's size."""
+        data = f.readline(_LINE_PIECE)
+        if len(data) < _LINE_PIECE or data.endswith(b"\n"):  # the whole line (the file's last may end without one)
+            if not data or data.isspace():
+                return "" if data else None
+            return _without_mark(self._decode(data, path, offset), offset)
+        decoder = codecs.getincrementaldecoder("utf-8")("strict" if self.invalid_utf8 == "error" else "replace")
+        pieces, read, blank = [], 0, True
+        while data:
+            ended = data.endswith(b"\n")  # a newline cuts no character: the line's decoding ends there
+            blank = blank and data.isspace()
+            pieces.append(self._decode(data, path, offset + read, final=ended, decoder=decoder))
+            read += len(data)
+            data = b"" if ended else f.readline(_LINE_PIECE)
+        if not ended:  # the file's last line, which may end in a character cut short
+            pieces.append(self._decode(b"", path, offset + read, decoder=decoder))
+        if blank:
+            return ""
+        pieces[0] = _without_mark(pieces[0], offset)  # read whole in the first piece, of at least 3 bytes
+        return "".join(pieces)
 
     def _parquet_texts(self, path: str, group: int, start: int, end: int) -> list:
         import pyarrow as pa
@@ -463,15 +493,19 @@ class FileCorpus:
                                 f"remove it{self.fix}") from None
         return values
 
-    def _decode(self, data: bytes, path: str, offset: int = 0, final: bool = True) -> str:
+    def _decode(self, data: bytes, path: str, offset: int = 0, final: bool = True, decoder=None) -> str:
         """UTF-8 text of bytes read from `path` at `offset`, as invalid_utf8 says; final=False: the bytes
-        stop at a read limit, so a character cut there is not an error."""
-        decoder = codecs.getincrementaldecoder("utf-8")("strict" if self.invalid_utf8 == "error" else "replace")
+        stop at a read limit, so a character cut there is not an error. `decoder`: the one that decoded the bytes
+        before `offset`, holding a character they cut."""
+        if decoder is None:
+            decoder = codecs.getincrementaldecoder("utf-8")("strict" if self.invalid_utf8 == "error" else "replace")
+        held = len(decoder.getstate()[0])
         try:
             return decoder.decode(data, final=final)
         except UnicodeDecodeError as e:
-            raise UserError(f"{self.what}: {path} is not UTF-8 text (byte {offset + e.start} of the file, line "
-                            f"{_line_number(path, offset + e.start)}: {e.reason}). Fix: convert it to UTF-8 or "
+            at = offset - held + e.start
+            raise UserError(f"{self.what}: {path} is not UTF-8 text (byte {at} of the file, line "
+                            f"{_line_number(path, at)}: {e.reason}). Fix: convert it to UTF-8 or "
                             f"remove it{self.fix}") from None
 
     def scan(self) -> tuple[int, int]:
