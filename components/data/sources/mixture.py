@@ -180,7 +180,9 @@ class MixtureSource:
                     state[2] = False
                 continue
             document, state[1] = item
+            del item
             prepared = prepare(document)
+            del document  # the text is not kept beside its tokens while the loader draws their windows
             if prepared is None:
                 continue
             if changed:  # the new rule from here on; its token shares count from the resume
