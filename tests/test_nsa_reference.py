@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import components.nsa.chunked_attention as chunked_attention
 from components.errors import UserError
 from components.nsa import BACKENDS, nsa_attention, nsa_attention_at, select_blocks
-from components.nsa.reference import compressed_attention, selected_attention, window_attention
+from components.nsa.reference import compressed_attention, nsa_attention_at_reference, selected_attention
+from components.nsa.reference import window_attention
 from tests.test_nsa_bruteforce import (
     HYPER_NAMES,
     brute_force_nsa,
@@ -282,6 +283,32 @@ def test_no_host_sync_and_memory_bounded_by_chunks():
     # Score chunks are [B, H, 64, K <= T]: nothing close to a [B, H, T, T] matrix.
     assert rec.largest <= B * H * 64 * T, rec.largest
     assert rec.largest < B * H * T * T // 4
+
+
+def test_decode_step_reads_only_what_its_branches_see():
+    """One query at the end of a long cache (the decode step) copies no cache-sized tensor, and gives the
+    full forward's last row."""
+    hp = hyper(8, 8, 16, 3, 24)
+    B, T, H, Hkv, D = 2, 1000, 4, 2, 4
+    inputs = make_inputs(B, T, H, Hkv, D, hp, dtype=torch.float32, seed=3)
+    step = {k: (v[:, -1:] if k in ("q", "gates") else v) for k, v in inputs.items()}
+    with _RecordOps() as rec:
+        one = nsa_attention_at(**step, q_start=T - 1, **hp)
+    # Selected and window keys are gathered, not laid out whole: nothing the size of one cached tensor.
+    assert rec.largest < B * T * Hkv * D, rec.largest
+    torch.testing.assert_close(one[:, 0], run(inputs, hp)[:, -1], rtol=1e-5, atol=1e-6)
+
+
+def test_decode_step_gradients_match_the_reference():
+    hp = hyper(4, 2, 8, 3, 6)
+    inputs = make_inputs(2, 29, 4, 2, 4, hp, seed=5, requires_grad=True)
+    step = {k: (v[:, -1:] if k in ("q", "gates") else v) for k, v in inputs.items()}
+    weights = torch.randn(2, 1, 4, 4, dtype=torch.float64)
+    tensors = list(step.values())
+    want = torch.autograd.grad((nsa_attention_at_reference(**step, q_start=28, **hp) * weights).sum(), tensors)
+    got = torch.autograd.grad((nsa_attention_at(**step, q_start=28, **hp) * weights).sum(), tensors)
+    for name, g, w in zip(step, got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_no_is_causal_in_nsa_sources():

@@ -10,6 +10,7 @@ import torch
 from components.errors import UserError
 from components.nsa.backends import get_backend
 from components.nsa.checks import check_attention_call, check_selection_call
+from components.nsa.decode import nsa_attention_one_query
 from components.nsa.documents import BLOCK, QUERY, TOKEN, per_document
 from components.nsa.reference import nsa_attention_at_reference
 from components.nsa.selection import select_blocks_at_reference
@@ -52,15 +53,14 @@ def nsa_attention_at(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_st
 
     The decode form: a KV-cache step passes Tq = 1 and q_start = tokens already cached, with
     k_sel/v_sel/k_win/v_win holding every cached key plus the new one and k_cmp the Tc(Tk)
-    complete compressed blocks. nsa_attention is this with q_start = 0.
+    complete compressed blocks. nsa_attention is this with q_start = 0. One query reads only the keys
+    its branches see (decode.py); more run the reference.
     """
-    check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start,
-                         block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
-                         num_selected=num_selected, window_size=window_size)
-    return nsa_attention_at_reference(
-        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start, block_size=block_size,
-        block_stride=block_stride, sel_block_size=sel_block_size, num_selected=num_selected, window_size=window_size,
-    )
+    hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
+                 num_selected=num_selected, window_size=window_size)
+    check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start, **hyper)
+    compute = nsa_attention_one_query if q.shape[1] == 1 else nsa_attention_at_reference
+    return compute(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start, **hyper)
 
 
 def select_blocks(q, k_cmp, *, block_size: int, block_stride: int, sel_block_size: int,

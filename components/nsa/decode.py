@@ -1,0 +1,67 @@
+"""NSA for one query against every key before it: the decode step, reading only what each branch sees.
+
+The reference (reference.py) lays every branch's keys out whole and masks what a query cannot see; for one
+query at the end of a long cache that copies the whole cache each step. Here the selected branch gathers
+the tokens of its chosen blocks and the window branch slices its last w keys, so beyond scoring the
+compressed keys a step's cost does not grow with the context. The same numbers as the reference up to
+float rounding: the sums run over the same nonzero terms, in another order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from components.nsa.chunked_attention import key_layout, query_layout
+from components.nsa.masks import additive
+from components.nsa.precision import without_autocast
+from components.nsa.selection import score_dtype, select_blocks_at_reference
+
+
+def _attend(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(qh k^T + bias) v: qh [B, Hkv, G, D] pre-scaled, k and v [B, Hkv, K, D], bias [B, Hkv, 1, K]."""
+    scores = torch.matmul(qh, k.transpose(-1, -2))
+    if bias is not None:
+        scores.add_(bias)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _selected_tokens(k_sel: torch.Tensor, v_sel: torch.Tensor, chosen: torch.Tensor, position: int,
+                     sel_block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys and values [B, Hkv, n * l', D] of the chosen blocks' tokens (chosen [B, Hkv, n], -1 unused) and
+    the additive mask [B, Hkv, 1, n * l'] hiding unused slots and the current block's tokens after `position`."""
+    B, Hkv, _ = chosen.shape
+    device = chosen.device
+    tokens = (chosen[..., None] * sel_block_size + torch.arange(sel_block_size, device=device)).flatten(2)
+    keep = (tokens >= 0) & (tokens <= position)  # an unused slot (-1) gives negative tokens
+    tokens = tokens.clamp(0, position)  # hidden tokens read a real row, masked out below
+    rows = torch.arange(B, device=device)[:, None, None]
+    groups = torch.arange(Hkv, device=device)[None, :, None]
+    k, v = k_sel[rows, tokens, groups].to(dtype), v_sel[rows, tokens, groups].to(dtype)
+    return k, v, additive(keep, dtype)[:, :, None, :]
+
+
+@without_autocast
+def nsa_attention_one_query(
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
+    block_size: int, block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
+) -> torch.Tensor:
+    """o [B, 1, H, D] in q's dtype for the query q [B, 1, H, D] at position q_start; the keys and values
+    hold positions 0 .. q_start, k_cmp / v_cmp the complete compressed blocks (inputs validated)."""
+    B, _, H, _ = q.shape
+    Hkv = k_sel.shape[2]
+    dtype = score_dtype(q.dtype)
+    chosen = select_blocks_at_reference(
+        q, k_cmp, q_start=q_start, block_size=block_size, block_stride=block_stride,
+        sel_block_size=sel_block_size, num_selected=num_selected,
+    )[:, 0]
+    qh = query_layout(q, Hkv, dtype)[:, :, 0]  # [B, Hkv, G, D]
+    if k_cmp.shape[1]:  # every complete block ends at or before the query
+        o_cmp = _attend(qh, key_layout(k_cmp, dtype), key_layout(v_cmp, dtype))
+    else:
+        o_cmp = qh.new_zeros(qh.shape[:3] + (v_cmp.shape[-1],))
+    o_sel = _attend(qh, *_selected_tokens(k_sel, v_sel, chosen, q_start, sel_block_size, dtype))
+    first = max(0, q_start - window_size + 1)
+    o_win = _attend(qh, key_layout(k_win[:, first:], dtype), key_layout(v_win[:, first:], dtype))
+    g = gates.to(dtype).reshape(B, Hkv, H // Hkv, 3, 1)
+    out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win
+    return out.reshape(B, 1, H, -1).to(q.dtype)
