@@ -7,7 +7,7 @@ import torch
 
 from components.errors import UserError
 from components.nsa import overlap_tokens, overlap_weights, select_blocks, select_blocks_at
-from components.nsa.selection import top_blocks
+from components.nsa.selection import spread_over_selection_blocks, top_blocks
 from tests.test_nsa_bruteforce import (
     brute_force_selection,
     count_compressed_blocks,
@@ -45,6 +45,16 @@ def test_overlap_tokens_match_set_intersections(l, d, lp):
     want = [[shared_tokens(i, j, l, d, lp) for j in range(Ts)] for i in range(Tc)]
     assert got.tolist() == want
     assert (overlap_weights(Tc, Ts, l, d, lp) * d).tolist() == want
+
+
+@pytest.mark.parametrize("l,d,lp", [(32, 16, 64), (8, 4, 16), (6, 3, 12), (4, 4, 8), (8, 2, 8), (6, 2, 18)])
+def test_spread_over_selection_blocks_is_the_overlap_product(l, d, lp):
+    # Every length from none to four whole selection blocks: Tc = 0, blocks cut at either end.
+    for T in range(1, 4 * lp + 1):
+        Tc, Ts = count_compressed_blocks(T, l, d), -(-T // lp)
+        p = torch.rand(2, 3, Tc, dtype=torch.float64)
+        want = p @ overlap_weights(Tc, Ts, l, d, lp, dtype=torch.float64)
+        torch.testing.assert_close(spread_over_selection_blocks(p, Ts, l, d, lp), want, rtol=1e-14, atol=0)
 
 
 def _assert_same_or_tied(got, want_with_scores, tol):

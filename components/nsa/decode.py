@@ -3,8 +3,9 @@
 The reference (reference.py) lays every branch's keys out whole and masks what a query cannot see; for one
 query at the end of a long cache that copies the whole cache each step. Here the selected branch gathers
 the tokens of its chosen blocks and the window branch slices its last w keys, so beyond scoring the
-compressed keys a step's cost does not grow with the context. The same numbers as the reference up to
-float rounding: the sums run over the same nonzero terms, in another order.
+compressed keys a step's cost does not grow with the context; the compressed branch's probabilities are
+computed once for the branch and for selection. The same numbers as the reference up to float rounding:
+the sums run over the same nonzero terms, in another order.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from components.nsa.chunked_attention import key_layout, query_layout
+from components.nsa.hyperparams import num_selection_blocks
 from components.nsa.masks import additive
 from components.nsa.precision import without_autocast
-from components.nsa.selection import score_dtype, select_blocks_at_reference
+from components.nsa.selection import score_dtype, spread_over_selection_blocks, top_blocks
 
 
 def _attend(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,6 +42,19 @@ def _selected_tokens(k_sel: torch.Tensor, v_sel: torch.Tensor, chosen: torch.Ten
     return k, v, additive(keep, dtype)[:, :, None, :]
 
 
+def _compressed_and_scores(qh: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, num_sel_blocks: int,
+                           block_size: int, block_stride: int, sel_block_size: int) -> tuple[torch.Tensor, ...]:
+    """(o_cmp [B, Hkv, G, D], group scores [B, Hkv, Ts]) from one softmax over the compressed keys: the
+    branch's probabilities are those selection ranks by (every complete block ends at or before the query)."""
+    B, Hkv = qh.shape[:2]
+    if k_cmp.shape[1] == 0:  # no block yet: output 0, every score 0 (the forced blocks decide)
+        return qh.new_zeros(qh.shape[:3] + (v_cmp.shape[-1],)), qh.new_zeros(B, Hkv, num_sel_blocks)
+    probs = torch.softmax(torch.matmul(qh, key_layout(k_cmp, qh.dtype).transpose(-1, -2)), dim=-1)
+    group = probs.detach().sum(dim=2)  # selection carries no gradient
+    scores = spread_over_selection_blocks(group, num_sel_blocks, block_size, block_stride, sel_block_size)
+    return torch.matmul(probs, key_layout(v_cmp, qh.dtype)), scores
+
+
 @without_autocast
 def nsa_attention_one_query(
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
@@ -50,15 +65,11 @@ def nsa_attention_one_query(
     B, _, H, _ = q.shape
     Hkv = k_sel.shape[2]
     dtype = score_dtype(q.dtype)
-    chosen = select_blocks_at_reference(
-        q, k_cmp, q_start=q_start, block_size=block_size, block_stride=block_stride,
-        sel_block_size=sel_block_size, num_selected=num_selected,
-    )[:, 0]
     qh = query_layout(q, Hkv, dtype)[:, :, 0]  # [B, Hkv, G, D]
-    if k_cmp.shape[1]:  # every complete block ends at or before the query
-        o_cmp = _attend(qh, key_layout(k_cmp, dtype), key_layout(v_cmp, dtype))
-    else:
-        o_cmp = qh.new_zeros(qh.shape[:3] + (v_cmp.shape[-1],))
+    o_cmp, scores = _compressed_and_scores(qh, k_cmp, v_cmp, num_selection_blocks(q_start + 1, sel_block_size),
+                                           block_size, block_stride, sel_block_size)
+    chosen = top_blocks(scores[:, None], q_start=q_start, sel_block_size=sel_block_size,
+                        num_selected=num_selected)[:, 0]
     o_sel = _attend(qh, *_selected_tokens(k_sel, v_sel, chosen, q_start, sel_block_size, dtype))
     first = max(0, q_start - window_size + 1)
     o_win = _attend(qh, key_layout(k_win[:, first:], dtype), key_layout(v_win[:, first:], dtype))

@@ -54,6 +54,22 @@ def overlap_weights(
     return shared.to(dtype)
 
 
+def spread_over_selection_blocks(p: torch.Tensor, num_sel_blocks: int, block_size: int, block_stride: int,
+                                 sel_block_size: int) -> torch.Tensor:
+    """p [..., Tc] @ overlap_weights(Tc, Ts) -> [..., Ts], multiplying only the overlapping pairs.
+
+    Compression block i and selection block j overlap by a weight that depends on i - j*l'/d alone, and
+    only for l'/d + l/d - 1 values of it: each selection block reads that window of p (zero-padded at the
+    ends) against one band of weights. Linear in Tc, where the [Tc, Ts] matrix grows with its square.
+    """
+    span, sel_span = block_size // block_stride, sel_block_size // block_stride
+    offsets = torch.arange(1 - span, sel_span, device=p.device)  # i - j * sel_span
+    band = ((offsets + span).clamp_max(sel_span) - offsets.clamp_min(0)).to(p.dtype)
+    # Window j starts at block j * sel_span - (span - 1); the padding fills blocks before 0 and after Tc - 1.
+    padded = torch.nn.functional.pad(p, (span - 1, num_sel_blocks * sel_span - p.shape[-1]))
+    return torch.matmul(padded.unfold(-1, band.numel(), sel_span), band)
+
+
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for half/bfloat16/fp32 inputs, fp64 for fp64 inputs."""
     return torch.promote_types(dtype, torch.float32)
