@@ -3,9 +3,9 @@
     python -m bench.report bench/results/attention-*.json bench/results/train_throughput-*.json ...
 
 Reads what every benchmark writes (bench.attention, attention_stages, train_throughput, loss_memory,
-context_parallel, data_resume, reference_vs_sdpa_cpu and kernel_resources --json) and prints, per file, where
-it was measured (GPU, versions, commit; a GPU benchmark run on the CPU, or with Triton interpreted, is marked as
-a smoke run) and one table of its numbers. Targets (checked
+context_parallel, data_resume, data_throughput, decode, reference_vs_sdpa_cpu and kernel_resources --json) and
+prints, per file, where it was measured (GPU, versions, commit; a GPU benchmark run on the CPU, or with Triton
+interpreted, is marked as a smoke run) and one table of its numbers. Targets (checked
 where the file has the lengths): the NSA op's forward + backward at least 6x SDPA's speed at 64k
 tokens and at least SDPA's speed at 8k or below; nsa_125m at least 0.8x dense_125m's tokens/s at
 2k and at least 2x at 32k. Nothing here measures anything.
@@ -36,7 +36,8 @@ def _verdict(met: bool) -> str:
 
 # Benchmarks that measure the CPU, or compile without a GPU: a result from a machine without one is what they are for
 # (loss_memory measures either: the process's peak resident set on the CPU).
-CPU_BENCHMARKS = ("data_resume", "data_throughput", "nsa_reference_vs_sdpa_cpu", "kernel_resources", "loss_memory")
+CPU_BENCHMARKS = ("data_resume", "data_throughput", "decode", "nsa_reference_vs_sdpa_cpu", "kernel_resources",
+                  "loss_memory")
 
 
 def environment_line(env: dict, kind: str | None = None) -> str:
@@ -228,6 +229,16 @@ def data_throughput_tables(report: dict) -> list[str]:
             f"{resume['after_tokens']:,} | {_s(resume['seconds_to_first_batch'])} | "
             f"{'yes' if resume['same_batch'] else 'NO'} |"]
 
+def decode_tables(report: dict) -> list[str]:
+    overrides = " ".join(report.get("overrides", [])) or "none"
+    lines = [f"Cached decoding, ms per token ({report['recipe']}, overrides: {overrides}; batch 1, "
+             f"{report['threads']} thread(s); median of {report['repeats']} runs of {report['steps']} tokens):", "",
+             "| context | CPU time | wall time |", "| --- | --- | --- |"]
+    lines += [f"| {r['context']:,} | {r['cpu_ms_per_token']:.2f} | {r['wall_ms_per_token']:.2f} |"
+              for r in report["results"]]
+    return lines
+
+
 def reference_tables(report: dict) -> list[str]:
     lines = [f"NSA reference vs dense causal SDPA on the CPU ({report.get('seq_len')} tokens, {report.get('heads')} "
              f"heads, D = {report.get('head_dim')}, {report.get('dtype')}, {report.get('threads')} threads; seconds, "
@@ -258,8 +269,8 @@ def kernel_tables(report: dict) -> list[str]:
 
 TABLES = {"attention": attention_tables, "attention_stages": stage_tables, "train_throughput": train_tables,
           "loss_memory": loss_tables, "context_parallel": context_parallel_tables, "data_resume": data_resume_tables,
-          "data_throughput": data_throughput_tables, "nsa_reference_vs_sdpa_cpu": reference_tables,
-          "kernel_resources": kernel_tables}
+          "data_throughput": data_throughput_tables, "decode": decode_tables,
+          "nsa_reference_vs_sdpa_cpu": reference_tables, "kernel_resources": kernel_tables}
 
 
 def report_kind(report) -> str:

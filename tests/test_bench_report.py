@@ -73,7 +73,7 @@ def test_the_command_reads_files_and_names_what_it_cannot_read(tmp_path, capsys)
     captured = capsys.readouterr()
     assert "## attention.json" in captured.out and "8.00x, met" in captured.out
     assert "other.json: ValueError: a 'nonesuch' report; this tool makes tables of attention, attention_stages, " \
-           "train_throughput, loss_memory, context_parallel, data_resume, data_throughput, " \
+           "train_throughput, loss_memory, context_parallel, data_resume, data_throughput, decode, " \
            "nsa_reference_vs_sdpa_cpu, kernel_resources reports (read the others' JSON as it is)" in captured.err
     assert "unnamed.json: ValueError: no benchmark report (it names no 'benchmark')" in captured.err
     assert "missing.json: FileNotFoundError" in captured.err
@@ -133,6 +133,11 @@ def _every_kind() -> dict[str, dict]:
             "seq_len": 256, "seconds_to_first_batch": 0.029, "batches_timed": 300, "tokens_timed": 614400,
             "tokens_per_second": 6889576,
             "resume": {"after_tokens": 616448, "seconds_to_first_batch": 0.003, "same_batch": True}},
+        "decode": {
+            "benchmark": "decode", "environment": CPU_ENV, "recipe": "recipes/debug.toml", "overrides": [],
+            "vocab_size": 258, "threads": 1, "steps": 16, "repeats": 2,
+            "results": [{"context": 8000, "cpu_ms_per_token": 2.754, "wall_ms_per_token": 3.1,
+                         "cpu_ms_runs": [2.7, 2.8], "wall_ms_runs": [3.0, 3.2]}]},
         "nsa_reference_vs_sdpa_cpu": {
             "benchmark": "nsa_reference_vs_sdpa_cpu", "environment": CPU_ENV, "threads": 2, "batch": 1,
             "seq_len": 512, "heads": 2, "head_dim": 16, "dtype": "float32",
@@ -157,6 +162,7 @@ def test_every_kind_of_result_the_benchmarks_write_is_rendered():
     assert "| 600 | 50 | 2 | 16 | 240 | 0.031 | 0.250 | 0.500 |" in tables["data_resume"]
     assert "| PythonStdlibSource | byte | 8 x 256 | 64 | 6,889,576 | 0.029 | 616,448 | 0.003 | yes |" \
         in tables["data_throughput"]
+    assert "| 8,000 | 2.75 | 3.10 |" in tables["decode"]
     assert "| 1 | 0.400 | 0.200 | 2.00 | 1.200 | 0.600 | 2.00 | selection 0.050 |" \
         in tables["nsa_reference_vs_sdpa_cpu"]
     assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 |" in tables["kernel_resources"]

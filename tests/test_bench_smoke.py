@@ -231,6 +231,22 @@ def test_data_resume_bench_times_both_cursors(tmp_path):
     assert result["environment"]["torch"]
 
 
+def test_decode_bench_times_each_context(tmp_path, capsys):
+    from bench import decode
+
+    out = tmp_path / "decode.json"
+    assert decode.main(["--contexts", "5", "40", "--steps", "2", "--repeats", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["context"] for r in result["results"]] == [5, 40] and result["vocab_size"] == 258
+    for r in result["results"]:
+        assert len(r["cpu_ms_runs"]) == len(r["wall_ms_runs"]) == 2
+        assert all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in r["cpu_ms_runs"] + r["wall_ms_runs"])
+        assert min(r["cpu_ms_runs"]) <= r["cpu_ms_per_token"] <= max(r["cpu_ms_runs"])
+    # max_seq_len is the benchmark's own (the longest run, at least the recipe's)
+    assert decode.main(["--override=--model.max_seq_len=64", "--out", str(out)]) == 2
+    assert "sets model.max_seq_len, which this benchmark sets itself" in capsys.readouterr().err
+
+
 def test_data_throughput_bench_times_the_recipes_data_and_an_exact_resume(tmp_path):
     from bench import data_throughput
 
