@@ -171,6 +171,26 @@ def test_an_empty_context_is_scored_and_continued_as_training_read_the_document(
     torch.testing.assert_close(torch.stack(drawn), trained_logits(path, tokens)[:-1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_given_without_documents_reads_each_row_as_one_sequence(setup):
+    """The harness model built from a model and tokenizer alone (documents left out) scores a context's text
+    after the end of text as one sequence, as the model's plain forward does."""
+    from types import SimpleNamespace
+
+    from nsa_titan.evaluate.harness import lm_class
+    from nsa_titan.export import load_exported_run
+
+    _, root = setup
+    run = load_exported_run(str(root / "model.pt"))
+    lm = lm_class()(model=run.model, tokenizer=run.tokenizer)
+    text = "def f(x):\n    return x * 2\n"
+    tokens = [lm.prefix_token_id] + lm.tok_encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        expected = torch.log_softmax(run.model(torch.tensor([tokens]))[0].double(), dim=-1)[:-1]
+    expected = float(expected.gather(-1, torch.tensor(tokens[1:])[:, None]).sum())
+    ((scored, _),) = lm.loglikelihood([SimpleNamespace(args=("", text))])
+    assert scored == pytest.approx(expected, rel=1e-6)
+
+
 def test_a_generation_longer_than_the_context_is_cut_to_fit(setup, monkeypatch):
     """max_gen_toks at or past max_seq_len (the harness's default 256 on a 256-token model): the new tokens
     leave one prompt token, the prompt's last, instead of failing the request."""

@@ -54,7 +54,7 @@ def lm_class():
         def __init__(self, pretrained: str | None = None, model=None, tokenizer=None, batch_size: int | str = 8,
                      max_length: int | None = None, add_bos: bool = False, documents=None, **unused):
             """model, tokenizer, add_bos and documents (document_start.documents_of) are given together, or read
-            from `pretrained`."""
+            from `pretrained`; a model given without documents attends across them (one sequence per row)."""
             from nsa_titan.document_start import leading_eos_apart
 
             super().__init__()
@@ -64,7 +64,7 @@ def lm_class():
             # Documents as training saw them: BOS first with data.add_bos, else after an end of text, which
             # under document masking the document does not see.
             self.add_bos, self.documents = add_bos, documents
-            self.apart = leading_eos_apart(documents, add_bos)
+            self.apart = documents is not None and leading_eos_apart(documents, add_bos)
             self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
             self.max_length = int(max_length or model.args.max_seq_len)
             self._device = next(model.parameters()).device
