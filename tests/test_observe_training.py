@@ -456,11 +456,12 @@ def test_a_writer_started_in_the_second_of_an_older_event_file_is_read_after_it(
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 3.0)]
 
 
-@pytest.mark.parametrize("name, read", [("events.out.notes.txt", False), ("run.tfevents.1.host", True)])
+@pytest.mark.parametrize("name, read", [("events.out.notes.txt", False), ("run.tfevents.1.host", True),
+                                        ("events.out.tfevents.1.host.profile-empty", False)])
 def test_event_files_are_the_files_tensorboard_reads(tmp_path, name, read):
     """A resume's check for events took any events.out.* file, which TensorBoard does not read without "tfevents" in
     its name (a folder holding only that got no earlier steps drawn again), and passed over a <run>.tfevents.* file,
-    which TensorBoard reads."""
+    which TensorBoard reads; the profiler's *.profile-empty marker holds no scalars TensorBoard shows."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from nsa_titan.observe.metrics_log import TensorBoardLog

@@ -12,9 +12,10 @@ _WRITER_NAME = re.compile(r"events\.out\.tfevents\.(\d+)\.")
 
 
 def is_event_file(name: str) -> bool:
-    """TensorBoard's own rule (io_wrapper.IsTensorFlowEventsFile): a name holding "tfevents", whatever comes around it;
-    an events.out.* file without it is not read."""
-    return "tfevents" in name
+    """TensorBoard's own rule for files it reads scalars from (io_wrapper.IsSummaryEventsFile): a name holding
+    "tfevents", whatever comes around it, except the profiler's empty marker files (*.profile-empty); an
+    events.out.* file without "tfevents" is not read."""
+    return "tfevents" in name and not name.endswith(".profile-empty")
 
 
 def event_files(folder: str) -> list[str]:
