@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from components.models import build_transformer
 from components.models.hf import MODELING_FILE, _config, _to_hf
@@ -40,10 +41,10 @@ def modeling():
     return module
 
 
-def _pair(modeling, nsa, heads):
+def _pair(modeling, nsa, heads, **overrides):
     attention = "dense" if nsa is None else "nsa"
     extra = {} if nsa is None else {"nsa": small_nsa(**nsa)}
-    args = tiny_args(attention, n_heads=heads[0], n_kv_heads=heads[1], dim=48, **extra)
+    args = tiny_args(attention, n_heads=heads[0], n_kv_heads=heads[1], dim=48, **extra, **overrides)
     model = build_transformer(args, VOCAB)
     model.init_weights()
     with torch.no_grad():
@@ -74,3 +75,61 @@ def test_full_and_cached_forwards_give_the_trainers_logits(modeling, monkeypatch
             cache = out.past_key_values
     for name, logits in (("whole", whole), ("chunked", chunked), ("decoded", torch.cat(steps, 1))):
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+class _LargestNewTensor(TorchDispatchMode):
+    """The largest tensor any op allocates: an op returning an alias of its input (a view, an in-place write)
+    allocates nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor):
+                    self.largest = max(self.largest, x.numel())
+        return out
+
+
+def test_a_decode_step_reads_only_what_its_branches_see(modeling):
+    """A decode step at the end of a long cache allocates nothing of the cache's size (the cache was copied whole
+    to append each token, and every branch scored every key): its largest new tensor is the compressed keys', and
+    its logits are the trainer's."""
+    nsa = {"block_size": 8, "block_stride": 4, "sel_block_size": 16, "num_selected": 3, "window_size": 24}
+    model, hf = _pair(modeling, nsa, (4, 2), max_seq_len=2048)
+    B, T, Hkv, D = 2, 1000, 2, 12
+    tokens = torch.randint(0, VOCAB, (B, T + 2), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        cache = hf(input_ids=tokens[:, :T], use_cache=True).past_key_values
+        cache = hf(input_ids=tokens[:, T:T + 1], past_key_values=cache).past_key_values  # the cache makes room
+        with _LargestNewTensor() as rec:
+            step = hf(input_ids=tokens[:, T + 1:], past_key_values=cache).logits
+        expected = model(tokens)[:, -1:]
+    Tc = (T + 2 - 8) // 4 + 1
+    assert rec.largest <= B * Hkv * D * Tc < B * Hkv * D * T // 3, rec.largest
+    torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_caches_copied_by_beam_search_write_apart(modeling):
+    """Beam search copies a row's cache into two beams (reorder_cache), which share its buffers: each beam's tokens
+    then give the logits of its own sequence, never the other's."""
+    model, hf = _pair(modeling, {}, (4, 2))
+    gen = torch.Generator().manual_seed(8)
+    prompt, beams = torch.randint(0, VOCAB, (1, 11), generator=gen), torch.randint(0, VOCAB, (2, 9), generator=gen)
+    ids, mask = torch.cat([torch.zeros(1, 1, dtype=torch.long), prompt], 1), torch.ones(1, 12, dtype=torch.long)
+    mask[0, 0] = 0  # a padded batch: one cache per row
+    with torch.no_grad():
+        cache = hf(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).past_key_values
+        cache = hf(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache).past_key_values  # room to write
+        cache.reorder_cache(torch.tensor([0, 0]))
+        steps = []
+        for t in range(beams.shape[1]):
+            mask = torch.cat([mask[:1].expand(2, -1), torch.ones(2, 1, dtype=torch.long)], 1)
+            out = hf(input_ids=beams[:, t:t + 1], attention_mask=mask, past_key_values=cache)
+            steps.append(out.logits)
+            cache = out.past_key_values
+        expected = model(torch.cat([prompt.expand(2, -1), beams], 1))[:, prompt.shape[1]:]
+    torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=1e-4, atol=1e-4)

@@ -20,7 +20,9 @@ trainer's model computes (the same weights, names and numerics), one sequence pe
 
 Attention runs in fp32 over query chunks (memory grows with chunk x length, not length^2), which
 makes this the reference math, not a fast kernel. Generation keeps a cache of every layer's keys
-and values and the compressed blocks done so far.
+and values and the compressed blocks done so far, in buffers that grow by doubling; a decode step (one
+token) reads only what each branch sees (every compressed block, the chosen blocks' tokens, the last w
+keys), so beyond scoring the compressed keys its cost does not grow with the context.
 
 A sequence that opens with the end of text, with leading_eos_apart (a model trained with document masking and no
 BOS, where documents follow the end of text of the one before): the model reads that token alone and the tokens
@@ -124,7 +126,11 @@ def grouped(q, num_kv_heads: int):
 def attend(qg, k, v, visible):
     """Softmax attention of grouped queries [B, Hkv, C, G, D] over keys/values [B, K, Hkv, D] where
     visible [B or 1, Hkv or 1, C, K] allows; a query that sees nothing gets 0. -> [B, Hkv, C, G, D]"""
-    kh, vh = k.float().permute(0, 2, 1, 3), v.float().permute(0, 2, 1, 3)  # [B, Hkv, K, D]
+    return attend_by_head(qg, k.float().permute(0, 2, 1, 3), v.float().permute(0, 2, 1, 3), visible)
+
+
+def attend_by_head(qg, kh, vh, visible):
+    """attend() with keys/values laid out by KV head, [B, Hkv, K, D] in fp32."""
     scores = torch.einsum("bhcgd,bhkd->bhcgk", qg, kh) * qg.shape[-1] ** -0.5
     scores = scores.masked_fill(~visible[:, :, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
@@ -138,22 +144,50 @@ def ungrouped(o):
 
 
 class LayerCache:
-    """One layer's keys and values so far (by name), and NSA's compressed blocks done so far. Tensors are
-    replaced, never written in place, so caches may share them."""
+    """One layer's keys and values so far (by name), and NSA's compressed blocks done so far, each [B, count, ...]
+    at the front of a buffer with room to grow: a decode step writes its token in place, and a full buffer doubles
+    (up to a limit), so the cache is not copied whole every step. Copies share buffers until they write (`shared`):
+    a shared cache moves to buffers of its own first."""
 
     def __init__(self):
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.shared = False
+
+    def count(self, name: str) -> int:
+        return self.counts.get(name, 0)
 
     def select_rows(self, index: torch.Tensor) -> "LayerCache":
         picked = LayerCache()
-        picked.tensors = {name: x.index_select(0, index.to(x.device)) for name, x in self.tensors.items()}
+        picked.buffers = {name: x.index_select(0, index.to(x.device)) for name, x in self.buffers.items()}
+        picked.counts = dict(self.counts)
         return picked
 
-    def extend(self, **new):
+    def copy(self) -> "LayerCache":
+        """A cache of the same tokens sharing this one's buffers: neither writes into them again."""
+        twin = LayerCache()
+        twin.buffers, twin.counts = dict(self.buffers), dict(self.counts)
+        self.shared = twin.shared = True
+        return twin
+
+    def extend(self, limit: int, **new):
+        """Append each named tensor [B, T, ...] along dim 1 and return the views of everything so far; a buffer
+        grows to at most `limit` entries unless more are needed."""
+        if self.shared:
+            self.buffers = {name: x.clone() for name, x in self.buffers.items()}
+            self.shared = False
         for name, x in new.items():
-            old = self.tensors.get(name)
-            self.tensors[name] = x if old is None else torch.cat([old, x], dim=1)
-        return [self.tensors[name] for name in new]
+            count, buffer = self.count(name), self.buffers.get(name)
+            need = count + x.shape[1]
+            if buffer is None or need > buffer.shape[1]:
+                room = max(need, min(2 * (0 if buffer is None else buffer.shape[1]), limit))
+                grown = x.new_empty((x.shape[0], room) + tuple(x.shape[2:]))
+                if count:
+                    grown[:, :count] = buffer[:, :count]
+                self.buffers[name] = buffer = grown
+            buffer[:, count:need] = x
+            self.counts[name] = need
+        return [self.buffers[name][:, :self.counts[name]] for name in new]
 
 
 class NSATitanCache:
@@ -177,9 +211,7 @@ class NSATitanCache:
 
     def _copy(self) -> "NSATitanCache":
         copy = NSATitanCache(0)
-        copy.layers = [LayerCache() for _ in self.layers]
-        for mine, theirs in zip(copy.layers, self.layers):
-            mine.tensors = dict(theirs.tensors)
+        copy.layers = [layer.copy() for layer in self.layers]
         copy.length, copy.skipped = self.length, self.skipped
         return copy
 
@@ -203,7 +235,7 @@ class DenseAttention(nn.Module):
         k = rope(self.wk(x).view(B, T, c.n_kv_heads, self.hd), positions, c.rope_theta)
         v = self.wv(x).view(B, T, c.n_kv_heads, self.hd)
         if cache is not None:
-            k, v = cache.extend(k=k, v=v)
+            k, v = cache.extend(c.max_seq_len, k=k, v=v)
         qg, outs = grouped(q, c.n_kv_heads), []
         keys = torch.arange(start + T, device=x.device)
         for c0 in range(0, T, QUERY_CHUNK):
@@ -265,16 +297,33 @@ class NSAAttention(nn.Module):
         i, j = torch.arange(Tc, device=t.device)[:, None], torch.arange(num_blocks, device=t.device)[None, :]
         # tokens shared by compression block i [i*d, i*d + l) and selection block j, in strides
         shared = (torch.minimum(i * self.d + self.l, (j + 1) * self.lp) - torch.maximum(i * self.d, j * self.lp))
-        scores = probs.sum(dim=3) @ (shared.clamp_min(0) // self.d).float()  # [B, Hkv, C, Ts]
+        return self._top(probs.sum(dim=3) @ (shared.clamp_min(0) // self.d).float(), t)  # scores [B, Hkv, C, Ts]
+
+    def _top(self, scores, t):
+        """Top-n selection blocks [B, Hkv, C, n] (-1 unused) from the group scores [B, Hkv, C, Ts] of the queries
+        at positions t [C]: the current block, block 0 and the previous block first, then by score."""
+        j = torch.arange(scores.shape[-1], device=t.device)[None, :]
         current = (t // self.lp)[:, None]
         big = torch.finfo(torch.float32).max
-        rank = torch.zeros(t.shape[0], num_blocks, device=t.device)
+        rank = torch.zeros(t.shape[0], scores.shape[-1], device=t.device)
         rank = rank.masked_fill(j == current - 1, torch.nextafter(torch.tensor(big), torch.tensor(0.0)).item())
         rank = rank.masked_fill(j == 0, big).masked_fill(j == current, float("inf"))
         rank = rank.masked_fill(j > current, float("-inf"))
         order = torch.sort(scores + rank, dim=-1, descending=True, stable=True).indices[..., :self.n]
         used = torch.arange(order.shape[-1], device=t.device)[None, :] <= current  # the valid picks come first
         return torch.where(used, order, -1)
+
+    def _spread(self, p, num_blocks: int):
+        """p [..., Tc] spread onto selection blocks by overlap, [..., Ts], multiplying only the overlapping pairs
+        (linear in Tc, where _select's [Tc, Ts] matrix grows with the square of the context). Selection block j
+        spans strides [j*S, (j+1)*S) (S = l'/d) and compression block i strides [i, i + span) (span = l/d): they
+        overlap for i - j*S in 1 - span .. S - 1, by a count that depends on that offset alone."""
+        span, S = self.l // self.d, self.lp // self.d
+        offset = torch.arange(1 - span, S, device=p.device)
+        weights = ((offset + span).clamp_max(S) - offset.clamp_min(0)).to(p.dtype)
+        # Block j reads p[j*S - (span - 1) ...]: pad before block 0 and after the last block, then one window each.
+        padded = F.pad(p, (span - 1, num_blocks * S - p.shape[-1]))
+        return padded.unfold(-1, weights.numel(), S) @ weights
 
     def forward(self, x, start: int, cache: LayerCache | None):
         B, T, _ = x.shape
@@ -292,10 +341,11 @@ class NSAAttention(nn.Module):
         if cache is None:
             k_cmp, v_cmp = self._compressed(k_raw, v_raw, 0)
         else:
-            k_raw, v_raw, k_sel, v_sel, k_win, v_win = cache.extend(k_raw=k_raw, v_raw=v_raw, k_sel=k_sel,
-                                                                    v_sel=v_sel, k_win=k_win, v_win=v_win)
-            done = cache.tensors["k_cmp"].shape[1] if "k_cmp" in cache.tensors else 0
-            k_cmp, v_cmp = cache.extend(**dict(zip(("k_cmp", "v_cmp"), self._compressed(k_raw, v_raw, done))))
+            k_raw, v_raw, k_sel, v_sel, k_win, v_win = cache.extend(
+                c.max_seq_len, k_raw=k_raw, v_raw=v_raw, k_sel=k_sel, v_sel=v_sel, k_win=k_win, v_win=v_win)
+            new_blocks = self._compressed(k_raw, v_raw, cache.count("k_cmp"))
+            most = max(0, (c.max_seq_len - self.l) // self.d + 1)  # the blocks max_seq_len tokens hold
+            k_cmp, v_cmp = cache.extend(most, **dict(zip(("k_cmp", "v_cmp"), new_blocks)))
 
         gates = torch.sigmoid(self.gate(x)).view(B, T, c.n_heads, 3).float()
         g = grouped(gates, Hkv)  # [B, Hkv, T, G, 3]
@@ -303,7 +353,10 @@ class NSAAttention(nn.Module):
         # fp32 scores and selection whatever autocast region calls the model (transformers' Trainer with bf16,
         # say): in bf16 they would pick other blocks than the trained model did.
         with torch.autocast(x.device.type, enabled=False):
-            outs = self._attend_chunks(qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions, start + T)
+            if T == 1:  # a decode step
+                outs = [self._attend_one(qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, start)]
+            else:
+                outs = self._attend_chunks(qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions, start + T)
         return self.wo(ungrouped(torch.cat(outs, dim=2)).to(x.dtype).reshape(B, T, -1))
 
     def _attend_chunks(self, qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions, end):
@@ -325,6 +378,26 @@ class NSAAttention(nn.Module):
             gc = g[:, :, c0:c0 + QUERY_CHUNK, :, :, None]
             outs.append(gc[..., 0, :] * o_cmp + gc[..., 1, :] * o_sel + gc[..., 2, :] * o_win)
         return outs
+
+    def _attend_one(self, qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t: int):
+        """_attend_chunks for one query at position t, the last of the keys ([B, Hkv, 1, G, D]), reading only
+        what each branch sees, so that beyond the compressed keys a decode step costs the same at any length:
+        every compressed block (each complete one ends by t), the tokens of the chosen blocks, the last w keys."""
+        B, Hkv, device = qg.shape[0], qg.shape[1], qg.device
+        o_cmp, probs = attend(qg, k_cmp, v_cmp, torch.ones(1, 1, 1, k_cmp.shape[1], dtype=torch.bool, device=device))
+        scores = self._spread(probs.sum(dim=3), -(-(t + 1) // self.lp))  # [B, Hkv, 1, Ts]
+        chosen = self._top(scores, torch.tensor([t], device=device))[:, :, 0]  # [B, Hkv, n]
+        tokens = (chosen[..., None] * self.lp + torch.arange(self.lp, device=device)).flatten(2)  # [B, Hkv, n*l']
+        visible = (tokens >= 0) & (tokens <= t)  # an unused slot (-1) gives negative tokens
+        tokens = tokens.clamp(0, t)  # hidden slots read a real token, masked out
+        rows, heads = torch.arange(B, device=device)[:, None, None], torch.arange(Hkv, device=device)[None, :, None]
+        k_chosen, v_chosen = k_sel[rows, tokens, heads].float(), v_sel[rows, tokens, heads].float()
+        o_sel = attend_by_head(qg, k_chosen, v_chosen, visible[:, :, None])[0]
+        first = max(0, t - self.w + 1)
+        o_win = attend(qg, k_win[:, first:], v_win[:, first:], torch.ones(1, 1, 1, t + 1 - first, dtype=torch.bool,
+                                                                          device=device))[0]
+        gc = g[..., None]
+        return gc[..., 0, :] * o_cmp + gc[..., 1, :] * o_sel + gc[..., 2, :] * o_win
 
 
 # ---- the model ----------------------------------------------------------------------------------
