@@ -1,14 +1,15 @@
 """Per-token cost of cached decoding (what `sample` and eval's passkey probe run) by context length, on the CPU.
 
     python -m bench.decode [RECIPE] [--contexts 64 1000 4000 8000] [--steps 16] [--repeats 5] [--threads 1]
-                           [--override=--SECTION.FIELD=VALUE ...] [--out FILE]
+                           [--hf] [--override=--SECTION.FIELD=VALUE ...] [--out FILE]
 
 The recipe's model (default recipes/debug.toml, max_seq_len raised to hold the longest run), weights drawn from
 the recipe's seed, batch 1, fp32. For each context length a cache is filled with that many random tokens in one
 forward_step (as generate prefills a prompt), then --steps tokens are decoded one at a time, 1 + --repeats times
 (the first a warm-up; each goes on from the last). Per length: the median over the repeats of the per-token thread
-CPU time (the least disturbed by other processes on a shared machine) and of the wall time. JSON goes to
-bench/results/.
+CPU time (the least disturbed by other processes on a shared machine) and of the wall time. With --hf, the same
+model and weights as an `export --format hf` folder runs them: the model part's modeling file through transformers,
+prefilled and stepped with its own cache as generate() calls it. JSON goes to bench/results/.
 """
 
 from __future__ import annotations
@@ -36,17 +37,65 @@ def build_model(recipe):
     return model.eval(), vocab
 
 
+def package_decoder(model):
+    """(prefill, step) of cached decoding as sample runs it: prefill(tokens, capacity) fills a new cache of room for
+    `capacity` tokens, step(token) goes on."""
+    cache = []
+
+    def prefill(tokens, capacity: int):
+        cache[:] = [model.new_kv_cache(1, capacity=capacity)]
+        model.forward_step(tokens, cache[0])
+
+    return prefill, lambda token: model.forward_step(token, cache[0])
+
+
+def hf_decoder(recipe, model, vocab: int):
+    """(prefill, step) of the model as its `export --format hf` folder computes it, with the same weights: the
+    part's modeling file through transformers, forwards with its cache as generate() makes them."""
+    import importlib.util
+
+    from components.errors import UserError
+    from nsa_titan import registry
+
+    part = registry.get("model", recipe.model.name)
+    if part.hf_format is None:
+        raise UserError(f"model {recipe.model.name!r} has no Hugging Face form (no hf_format hook): run without --hf")
+    fmt = part.hf_format(recipe.model.args, vocab)
+    spec = importlib.util.spec_from_file_location("bench_decode_modeling", fmt.modeling_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config_class, model_class = (getattr(module, fmt.auto_map[name].rsplit(".", 1)[1])
+                                 for name in ("AutoConfig", "AutoModelForCausalLM"))
+    hf = model_class(config_class(**fmt.config)).eval()
+    missing, unexpected = hf.load_state_dict(fmt.to_hf(model.state_dict()), strict=False)
+    unloaded = set(missing) & {name for name, _ in hf.named_parameters()}
+    if unexpected or unloaded:
+        raise RuntimeError(f"the modeling file's model does not take these weights: {sorted(unexpected)}, "
+                           f"{sorted(unloaded)} unloaded")
+    cache = []
+
+    def forward(tokens):
+        out = hf(input_ids=tokens, past_key_values=cache[0] if cache else None, use_cache=True)
+        cache[:] = [out[1]]  # the output's cache, whatever this transformers names its field
+
+    def prefill(tokens, capacity: int):  # the modeling file's cache makes its own room
+        cache.clear()
+        forward(tokens)
+
+    return prefill, forward
+
+
 @torch.no_grad()
-def measure(model, vocab: int, context: int, steps: int, repeats: int) -> dict:
+def measure(decoder, vocab: int, context: int, steps: int, repeats: int) -> dict:
+    prefill, step = decoder
     tokens = torch.randint(0, vocab, (1, context + steps * (repeats + 1)), generator=torch.Generator().manual_seed(0))
-    cache = model.new_kv_cache(1, capacity=tokens.shape[1])
-    model.forward_step(tokens[:, :context], cache)
+    prefill(tokens[:, :context], tokens.shape[1])
     cpu, wall = [], []
     position = context
     for _ in range(repeats + 1):
         cpu_start, wall_start = time.thread_time(), time.perf_counter()
         for _ in range(steps):
-            model.forward_step(tokens[:, position:position + 1], cache)
+            step(tokens[:, position:position + 1])
             position += 1
         cpu.append((time.thread_time() - cpu_start) / steps * 1e3)
         wall.append((time.perf_counter() - wall_start) / steps * 1e3)
@@ -62,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=positive_int, default=16, help="tokens decoded per timed run")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per context (after one warm-up)")
     p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--hf", action="store_true", help="time the model as an export --format hf folder runs it")
     p.add_argument("--override", action="append", default=[], metavar="--SECTION.FIELD=VALUE",
                    help="a recipe override, as the train command takes it (repeatable)")
     p.add_argument("--out", help="output JSON path (default bench/results/decode-cpu-<time>.json)")
@@ -81,11 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         recipe = resolve([args.recipe, *args.override]).recipe
         # Never below the recipe's own, which its training.seq_len may need.
         longest = max(longest, getattr(recipe.model.args, "max_seq_len", 0))
-        model, vocab = build_model(resolve([args.recipe, *args.override, f"--model.max_seq_len={longest}"]).recipe)
+        recipe = resolve([args.recipe, *args.override, f"--model.max_seq_len={longest}"]).recipe
+        model, vocab = build_model(recipe)
         check_decodes(model)
+        decoder = hf_decoder(recipe, model, vocab) if args.hf else package_decoder(model)
         results = []
         for context in args.contexts:
-            results.append(measure(model, vocab, context, args.steps, args.repeats))
+            results.append(measure(decoder, vocab, context, args.steps, args.repeats))
             r = results[-1]
             print(f"context {context:>6}: {r['cpu_ms_per_token']:.2f} ms/token CPU, {r['wall_ms_per_token']:.2f} wall",
                   flush=True)
@@ -96,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = {"benchmark": "decode", "environment": describe_environment(), "recipe": args.recipe,
-              "overrides": args.override, "vocab_size": vocab, "threads": args.threads, "steps": args.steps,
-              "repeats": args.repeats, "results": results}
+              "overrides": args.override, "form": "hf" if args.hf else "package", "vocab_size": vocab,
+              "threads": args.threads, "steps": args.steps, "repeats": args.repeats, "results": results}
     write_report(report, "decode", args.out)
     return 0
 

@@ -231,7 +231,8 @@ def data_throughput_tables(report: dict) -> list[str]:
 
 def decode_tables(report: dict) -> list[str]:
     overrides = " ".join(report.get("overrides", [])) or "none"
-    lines = [f"Cached decoding, ms per token ({report['recipe']}, overrides: {overrides}; batch 1, "
+    form = " as its --format hf folder runs it" if report.get("form") == "hf" else ""
+    lines = [f"Cached decoding, ms per token ({report['recipe']}{form}, overrides: {overrides}; batch 1, "
              f"{report['threads']} thread(s); median of {report['repeats']} runs of {report['steps']} tokens):", "",
              "| context | CPU time | wall time |", "| --- | --- | --- |"]
     lines += [f"| {r['context']:,} | {r['cpu_ms_per_token']:.2f} | {r['wall_ms_per_token']:.2f} |"

@@ -163,6 +163,8 @@ def test_every_kind_of_result_the_benchmarks_write_is_rendered():
     assert "| PythonStdlibSource | byte | 8 x 256 | 64 | 6,889,576 | 0.029 | 616,448 | 0.003 | yes |" \
         in tables["data_throughput"]
     assert "| 8,000 | 2.75 | 3.10 |" in tables["decode"]
+    assert "(recipes/debug.toml as its --format hf folder runs it, overrides" in \
+        report.render({**_every_kind()["decode"], "form": "hf"})
     assert "| 1 | 0.400 | 0.200 | 2.00 | 1.200 | 0.600 | 2.00 | selection 0.050 |" \
         in tables["nsa_reference_vs_sdpa_cpu"]
     assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 |" in tables["kernel_resources"]

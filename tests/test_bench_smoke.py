@@ -247,6 +247,18 @@ def test_decode_bench_times_each_context(tmp_path, capsys):
     assert "sets model.max_seq_len, which this benchmark sets itself" in capsys.readouterr().err
 
 
+def test_decode_bench_times_the_hf_folders_model(tmp_path):
+    """--hf: the same model and weights through the modeling file an export --format hf folder ships."""
+    pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]')")
+    from bench import decode
+
+    out = tmp_path / "decode.json"
+    assert decode.main(["--hf", "--contexts", "5", "40", "--steps", "2", "--repeats", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["form"] == "hf" and [r["context"] for r in result["results"]] == [5, 40]
+    assert all(math.isfinite(t) and t > 0 for r in result["results"] for t in r["cpu_ms_runs"])
+
+
 def test_data_throughput_bench_times_the_recipes_data_and_an_exact_resume(tmp_path):
     from bench import data_throughput
 
