@@ -42,9 +42,9 @@ COMMANDS = {
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot RECIPE.toml [overrides]|EXPORTED_FILE|HF_DIR "
             "--text TEXT|--text-file FILE [--layer N] --out DIR [--overwrite (replace an earlier plot's files in DIR)]",
     "eval": "loss by context position, a passkey probe and lm-eval tasks: nsa-titan eval "
-            "RECIPE.toml|EXPORTED_FILE|HF_DIR --out DIR [--batches N] [--lengths 64,128] [--depths 0,0.5,1] "
-            "[--trials N] [--tasks a,b [--task-dir DIR] [--limit N]] [--overwrite (replace an earlier eval's "
-            "results in DIR)]",
+            "RECIPE.toml [overrides]|EXPORTED_FILE|HF_DIR [data flags] --out DIR [--batches N] [--lengths 64,128] "
+            "[--depths 0,0.5,1] [--trials N] [--tasks a,b [--task-dir DIR] [--limit N]] [--overwrite (replace an "
+            "earlier eval's results in DIR)]",
     "inspect": "compile-graph inspection: nsa-titan inspect RECIPE.toml [overrides] [--seq-lens 64,96] "
                "[--fail-on-break]",
     "doctor": "preflight checks: nsa-titan doctor RECIPE.toml [overrides] [--world-size N]",
@@ -422,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         # sample and recipes read no recipe; the others also take a recipe with its overrides
         print(COMMANDS[command] + ("" if command in ("sample", "recipes") else
                                    "\n(with a recipe, its fields and overrides: nsa-titan train --help)"))
+        if command == "eval":
+            from nsa_titan.evaluate.export_flags import FLAGS_TAKEN
+
+            print(f"(with an exported model, data flags choose its held-out text over the recipe it records, a "
+                  f"relative path read from the current folder: {FLAGS_TAKEN})")
         return 0
     try:
         return handlers[command](rest)

@@ -120,20 +120,25 @@ class ExportedRun:
 
 
 def load_exported_run(path: str, device: str | torch.device = "cpu",
-                      say: Callable[[str], None] | None = None) -> ExportedRun:
+                      say: Callable[[str], None] | None = None, data_flags: list[str] | tuple[str, ...] = ()
+                      ) -> ExportedRun:
     """load_exported, with the recipe saved beside the weights and the tokenizer the model was trained with.
     A Hugging Face folder's tokenizer is read from the folder's own files, so a folder copied to another
-    machine needs nothing else (hf_files.tokenizer_in_folder)."""
+    machine needs nothing else (hf_files.tokenizer_in_folder). data_flags: overrides of the saved recipe's data
+    fields (--data.text_files.paths=...: where the data is now), checked as a recipe's; the caller chooses which
+    fields it lets change."""
     from components.data.hf_files import tokenizer_in_folder
+    from nsa_titan.config.overrides import parse_args
 
     model, meta = load_exported(path, device, say)
-    recipe = read_saved_recipe(meta["recipe_toml"], path)
+    recipe = read_saved_recipe(meta["recipe_toml"], path, data_flags)
     name, args = recipe.data.tokenizer, recipe.data.tokenizer_args
     if meta.get("format") == "hf":
         name, args = tokenizer_in_folder(name, args, path)
     else:
         args = tokenizer_read_from(args, meta.get(RUN_DIR), repr(path))
-    data, gone = data_read_from(recipe.data, meta.get(RUN_DIR), repr(path))
+    given = frozenset(key for _, key, _ in parse_args(list(data_flags), []).overrides)
+    data, gone = data_read_from(recipe.data, meta.get(RUN_DIR), path, given)
     return ExportedRun(model, meta, dataclasses.replace(recipe, data=data), registry.build("tokenizer", name, args),
                        gone)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import shlex
 import sys
 
 from components.errors import UserError
@@ -74,22 +75,25 @@ def plugins_read_from(recipe_toml: str, run_dir: str | None, where: str) -> str:
     return dumps(table)
 
 
-def files_read_from(args, folder: str, prefix: str = ""):
+def files_read_from(args, folder: str, prefix: str = "", given: frozenset[str] = frozenset(), every: bool = False):
     """(`args` with the relative paths its "path" fields name read from `folder`, [(field, path as given, path in
-    folder)]), through nested tables, named tables and the arguments of the parts they choose."""
+    folder)]), through nested tables, named tables and the arguments of the parts they choose. given: fields left
+    as they are (set on the command line: read from the current folder); every: absolute paths are listed too."""
     if not dataclasses.is_dataclass(args) or isinstance(args, type):
         return args, []
     changes, moved = {}, []
     for fld in dataclasses.fields(args):
         value, name = getattr(args, fld.name), _field_name(args, fld, prefix)
         says = fld.metadata.get("path")
+        if name in given:
+            continue
         if says is True or (callable(says) and says(args, folder)):
-            new, found = _texts_read_from(value, folder, name)
+            new, found = _texts_read_from(value, folder, name, every)
         elif isinstance(value, dict):
-            read = {key: files_read_from(entry, folder, f"{name}.{key}.") for key, entry in value.items()}
+            read = {key: files_read_from(entry, folder, f"{name}.{key}.", given, every) for key, entry in value.items()}
             new, found = {key: entry for key, (entry, _) in read.items()}, [m for _, ms in read.values() for m in ms]
         else:
-            new, found = files_read_from(value, folder, name + ".")
+            new, found = files_read_from(value, folder, name + ".", given, every)
         if found:
             changes[fld.name] = new
             moved += found
@@ -105,11 +109,12 @@ def _field_name(args, fld: dataclasses.Field, prefix: str) -> str:
     return prefix + str(getattr(args, fld.metadata["args_for"]))
 
 
-def _texts_read_from(value, folder: str, name: str):
-    """A path field's text, or list of texts, with each relative path (not a URL, not '') read from `folder`."""
+def _texts_read_from(value, folder: str, name: str, every: bool = False):
+    """A path field's text, or list of texts, with each relative path (not a URL, not '') read from `folder`
+    (every: each absolute one listed too, as itself)."""
     texts = value if isinstance(value, list) else [value]
-    moved = [(name, text, os.path.join(folder, text)) for text in texts
-             if isinstance(text, str) and text and "://" not in text and _relative(text)]
+    moved = [(name, text, os.path.join(folder, text) if _relative(text) else os.path.expanduser(text))
+             for text in texts if isinstance(text, str) and text and "://" not in text and (every or _relative(text))]
     if not moved:
         return value, []
     new = dict((given, path) for _, given, path in moved)
@@ -118,24 +123,33 @@ def _texts_read_from(value, folder: str, name: str):
 
 
 def _gone(path: str) -> bool:
-    return not (glob.glob(path, recursive=True) if glob.has_magic(path) else os.path.exists(path))
+    """Whether nothing is at `path` (a glob: matches nothing; the first match answers, not a walk of a large corpus)."""
+    if glob.has_magic(path):
+        return next(glob.iglob(path, recursive=True), None) is None
+    return not os.path.exists(path)
 
 
-def data_read_from(data, run_dir: str | None, where: str):
-    """(the data settings with the source's relative paths read from `run_dir`, an error naming those that are not
-    there now, or None): a reader of the data raises it, so a command that reads none runs without them."""
-    if not _moved(run_dir):
-        return data, None
-    args, moved = files_read_from(data.source_args, run_dir, f"data.{data.source}.")
-    data = dataclasses.replace(data, source_args=args)
-    gone = [m for m in moved if _gone(m[2])]
+def data_read_from(data, run_dir: str | None, export: str, given: frozenset[str] = frozenset()):
+    """(the data settings with the source's relative paths read from `run_dir`, an error naming the files they name
+    that are not there now, or None): a reader of the data raises it, so a command that reads none runs without
+    them. given: the data fields set on the command line, whose paths are read from the current folder (the
+    user's words now; their source names one that is not there)."""
+    moved = _moved(run_dir)
+    args, read = files_read_from(data.source_args, run_dir if moved else os.getcwd(), f"data.{data.source}.", given,
+                                 every=True)
+    if moved:
+        data = dataclasses.replace(data, source_args=args)
+    gone = [m for m in read if _gone(m[2])]
     if not gone:
         return data, None
-    shown = ", ".join(f"{name} {given!r} ({path})" for name, given, path in gone)
-    return data, UserError(f"{where} was exported in {run_dir}, and its recipe's data reads {shown} from there, which "
+    shown = ", ".join(f"{name} {text!r}" + (f" ({path})" if moved and _relative(text) else "")
+                      for name, text, path in gone)
+    made = f" (exported in {run_dir}, which its relative paths are read from)" if moved else ""
+    flags = " ".join(f"--{name}=..." for name in dict.fromkeys(name for name, _, _ in gone))
+    return data, UserError(f"the recipe saved in {export!r}{made} reads its data from {shown}, which "
                            f"{'is' if len(gone) == 1 else 'are'} not there now. Fix: put the data back there, or "
-                           f"evaluate the run's checkpoint from its recipe with the data paths changed "
-                           f"(`nsa-titan eval RECIPE.toml --{gone[0][0]}=... --out DIR`).")
+                           f"name where it is now: `nsa-titan eval {shlex.quote(export)} {flags} --out DIR` (a "
+                           f"relative path given there is read from the current folder).")
 
 
 def tokenizer_read_from(args, run_dir: str | None, where: str):

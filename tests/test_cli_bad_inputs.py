@@ -556,13 +556,17 @@ def test_an_output_path_that_cannot_be_written_is_refused(run, tmp_path, capsys,
 
 
 def test_eval_of_an_export_whose_data_moved_says_what_can_be_done(run, tmp_path, capsys):
+    """Its data named by an absolute path that is gone: refused with the source's 'does not exist', and a fix that
+    said eval takes no recipe overrides with an exported model; it names the field and the flag that reads the data
+    where it is now, which eval takes."""
     _, exported, corpus = run
     moved = corpus.with_name("corpus_moved")
     corpus.rename(moved)
     try:
         refused(capsys, ["eval", exported, "--out", str(tmp_path / "out"), "--batches", "1", "--trials", "1"],
-                "does not exist", "eval takes no recipe overrides with an exported model", "make the data readable",
-                "nsa-titan eval RECIPE.toml --data.text_files.FIELD=")
+                f"the recipe saved in {exported!r} reads its data from data.text_files.paths '{corpus}/a.txt', which "
+                f"is not there now. Fix: put the data back there, or name where it is now: `nsa-titan eval {exported} "
+                "--data.text_files.paths=... --out DIR`")
     finally:
         moved.rename(corpus)
 

@@ -1,9 +1,12 @@
 """eval of an export read elsewhere than where its run started: the recipe's relative data paths (text_files paths, a
 parquet builder's data_files, a local dataset folder, each a mixture member here) are read from the folder the export
-was made in, and data that is gone is named with where it was (and with a recipe flag that would read it elsewhere)."""
+was made in, data that is gone is named with where it was and the data flag that reads it where it is now, and such a
+flag (--data.text_files.paths=..., a mixture member's) is read from the current folder; flags that would change what
+the model reads are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -87,8 +90,8 @@ def test_eval_of_an_export_reads_its_relative_data_from_where_it_was_made(projec
     assert _position_loss(tmp_path / "eval") == _position_loss(project / "eval")  # the same held-out rows
 
 
-def test_eval_of_an_export_whose_data_is_gone_names_it_and_where_it_was(project, export, tmp_path, monkeypatch,
-                                                                        capsys):
+def test_eval_of_an_export_whose_data_is_gone_names_it_where_it_was_and_the_flag_for_where_it_is(
+        project, export, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     for folder in ("corpus", "web"):
@@ -100,18 +103,20 @@ def test_eval_of_an_export_whose_data_is_gone_names_it_and_where_it_was(project,
             shutil.move(tmp_path / folder, project / folder)
     err = capsys.readouterr().err
     assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
-    assert (f"was exported in {project}, and its recipe's data reads data.mixture.sources.code.paths 'corpus/*.jsonl' "
-            f"({project / 'corpus' / '*.jsonl'}), data.mixture.sources.web.data_files 'web/b.parquet' "
-            f"({project / 'web' / 'b.parquet'}) from there, which are not there now. Fix: put the data back there, or "
-            "evaluate the run's checkpoint from its recipe with the data paths changed (`nsa-titan eval RECIPE.toml "
-            "--data.mixture.sources.code.paths=... --out DIR`).") in err, err
+    assert (f"the recipe saved in {str(export)!r} (exported in {project}, which its relative paths are read from) "
+            f"reads its data from data.mixture.sources.code.paths 'corpus/*.jsonl' ({project / 'corpus' / '*.jsonl'}), "
+            f"data.mixture.sources.web.data_files 'web/b.parquet' ({project / 'web' / 'b.parquet'}), which are not "
+            f"there now. Fix: put the data back there, or name where it is now: `nsa-titan eval {export} "
+            "--data.mixture.sources.code.paths=... --data.mixture.sources.web.data_files=... --out DIR` (a relative "
+            "path given there is read from the current folder).") in err, err
     assert not (tmp_path / "eval").exists()
 
 
 def test_eval_of_an_export_whose_member_data_is_gone_where_it_was_made_names_a_flag_that_exists(project, tmp_path,
                                                                                                 monkeypatch, capsys):
     """Read where it was made, an export whose mixture member's file was gone suggested --data.mixture.FIELD=..., which
-    no recipe takes: a mixture's data settings are in its members' tables."""
+    no recipe takes, then a flag of the run's recipe, which a holder of the export alone may not have; it names the
+    member's field, which the export takes."""
     monkeypatch.chdir(project)
     capsys.readouterr()
     shutil.move(project / "corpus", tmp_path / "corpus")
@@ -119,10 +124,139 @@ def test_eval_of_an_export_whose_member_data_is_gone_where_it_was_made_names_a_f
         code = cli.main(["eval", "model.pt", "--out", str(tmp_path / "eval"), *EVAL])
         err = capsys.readouterr().err
         assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
-        assert (f"e.g. `nsa-titan eval RECIPE.toml --data.mixture.sources.NAME.FIELD=... --out {tmp_path / 'eval'}`, "
-                "NAME the member to change (code, web, books).") in err, err
-        # The flag it names is one the run's recipe takes.
-        argv = [*RUN, f"--data.mixture.sources.code.paths={tmp_path / 'corpus' / 'a.jsonl'}"]
-        assert cli.main(["eval", *argv, "--out", str(tmp_path / "eval"), *EVAL]) == 0, capsys.readouterr().err
+        assert ("the recipe saved in 'model.pt' reads its data from data.mixture.sources.code.paths 'corpus/*.jsonl', "
+                "which is not there now. Fix: put the data back there, or name where it is now: `nsa-titan eval "
+                "model.pt --data.mixture.sources.code.paths=... --out DIR`") in err, err
+        flag = f"--data.mixture.sources.code.paths={tmp_path / 'corpus' / 'a.jsonl'}"
+        assert cli.main(["eval", "model.pt", flag, "--out", str(tmp_path / "eval"), *EVAL]) == 0, \
+            capsys.readouterr().err
     finally:
         shutil.move(tmp_path / "corpus", project / "corpus")
+    assert _position_loss(tmp_path / "eval") == _position_loss(project / "eval")
+
+
+PLAIN = [DEBUG, *TINY, "--training.steps=1", "--checkpoint.enable=true", "--job.dump_folder=plain_run",
+         "--data.source=text_files", "--data.text_files.paths=corpus/*.jsonl",
+         "--data.text_files.validation_fraction=0.2"]
+
+
+@pytest.fixture(scope="module")
+def plain_run(project):
+    """A text_files run over the project's corpus by a relative path, exported as plain.pt and evaluated there."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(project)
+        assert cli.main(["train", *PLAIN]) == 0
+        assert cli.main(["export", *PLAIN, "--output", "plain.pt"]) == 0
+        assert cli.main(["eval", "plain.pt", "--out", "plain_eval", *EVAL]) == 0
+    return project
+
+
+@pytest.fixture(scope="module", params=["plain.pt", "plain_hf"])
+def plain(request, plain_run):
+    if request.param == "plain_hf":
+        pytest.importorskip("safetensors", reason="the hf extra (pip install -e '.[hf]')")
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(plain_run)
+            assert cli.main(["export", *PLAIN, "--format", "hf", "--output", "plain_hf"]) == 0
+    return plain_run / request.param
+
+
+def test_an_export_whose_data_is_gone_reads_it_where_a_data_flag_says(plain, tmp_path, monkeypatch, capsys):
+    """An export copied without its data (an hf folder is meant to travel) could not be evaluated by whoever held it:
+    eval had no option --data.text_files.paths ('recipe overrides go with a recipe, not an exported file'), and the
+    fix for the data said to put it back or evaluate the run's checkpoint from its recipe."""
+    project = plain.parent
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(project / "corpus", tmp_path / "copy")
+    shutil.move(project / "corpus", tmp_path / "moved")
+    capsys.readouterr()
+    try:
+        assert cli.main(["eval", str(plain), "--out", "refused", *EVAL]) == 2
+        assert f"name where it is now: `nsa-titan eval {plain} --data.text_files.paths=... --out DIR`" in \
+            capsys.readouterr().err
+        code = cli.main(["eval", str(plain), "--data.text_files.paths=copy/*.jsonl", "--out", "eval", *EVAL])
+    finally:
+        shutil.move(tmp_path / "moved", project / "corpus")
+    assert code == 0, capsys.readouterr().err
+    assert _position_loss(tmp_path / "eval") == _position_loss(project / "plain_eval")  # the same held-out rows
+
+
+def test_a_mixture_members_flag_is_read_from_here_and_the_recipes_paths_from_where_it_was_made(project, export,
+                                                                                              tmp_path, monkeypatch,
+                                                                                              capsys):
+    monkeypatch.chdir(tmp_path)
+    shutil.move(project / "corpus", tmp_path / "corpus")  # here now; the web member's file is still in the project
+    capsys.readouterr()
+    try:
+        code = cli.main(["eval", str(export), "--data.mixture.sources.code.paths", "corpus/*.jsonl", "--out", "eval",
+                         *EVAL])
+    finally:
+        shutil.move(tmp_path / "corpus", project / "corpus")
+    assert code == 0, capsys.readouterr().err
+    assert _position_loss(tmp_path / "eval") == _position_loss(project / "eval")
+
+
+def test_a_mixture_member_switched_to_another_source_leaves_the_saved_arguments_of_its_old_one(project, tmp_path,
+                                                                                                 monkeypatch, capsys):
+    """The saved recipe's arguments of the member's old source (huggingface's path, name...) were refused with 'remove
+    it from saved recipe', which no one can: a flag switching the source replaces them, as said in a note."""
+    monkeypatch.chdir(project)
+    capsys.readouterr()
+    flags = ["--data.mixture.sources.web.source=text_files", "--data.mixture.sources.web.paths=corpus/*.jsonl"]
+    assert cli.main(["eval", "model.pt", *flags, "--out", str(tmp_path / "eval"), *EVAL]) == 0, capsys.readouterr().err
+    assert ("note: data.mixture.sources.web.path, data.mixture.sources.web.name, data.mixture.sources.web.split, "
+            "data.mixture.sources.web.validation_split, data.mixture.sources.web.data_files, "
+            "data.mixture.sources.web.shuffle_buffer, data.mixture.sources.web.read_retries from saved recipe are not "
+            "used: flag '--data.mixture.sources.web.source=text_files' chose data.mixture.sources.web.source = "
+            "'text_files'\n") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--data.tokenizer=tiktoken"], "--data.tokenizer=tiktoken would read the text as other token ids than the model "
+                                    "was trained on"),
+    (["--data.tiktoken.encoding=cl100k_base"], "--data.tiktoken.encoding=cl100k_base sets an argument of the "
+                                               "tokenizer"),
+    (["--data.add_bos=true"], "--data.add_bos=true would start each document otherwise than the model was trained"),
+    (["--data.pin_memory=false"], "--data.pin_memory=false does nothing here: eval reads on the CPU"),
+    (["--model.dim", "64"], "--model.dim 64 is not a data field"),
+    (["--training.seq_len=32", "--data.source=python_stdlib"], "--training.seq_len=32 is not a data field"),
+    (["--validation.steps=3"], "--validation.steps=3 is not a data field: eval's --batches N sets how many"),
+])
+def test_a_flag_that_would_change_what_the_model_reads_is_refused(project, tmp_path, capsys, flags, refused):
+    capsys.readouterr()
+    code = cli.main(["eval", str(project / "model.pt"), *flags, "--out", str(tmp_path / "eval"), *EVAL])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: eval of an exported model takes recipe flags only for the text it reads: {refused}")
+    assert "Fix: drop it" in err and "--data.mixture.sources.NAME.FIELD" in err, err
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize("flag", ["--data.mixture.sources.code.pathz=x", "--data.min_document_tokens=many",
+                                  "--data.mixture.sources.code.paths="])
+def test_a_data_flag_is_read_and_checked_as_a_recipe_flag_is(project, tmp_path, monkeypatch, capsys, flag):
+    """An unknown field, a wrong type and a value a part's own check refuses: the recipe's messages, word for word
+    (a saved recipe's own settings that a newer check refuses are notes, but not a flag given now)."""
+    monkeypatch.chdir(project)
+    capsys.readouterr()
+    assert cli.main(["eval", "model.pt", flag, "--out", str(tmp_path / "a"), *EVAL]) == 2
+    theirs = capsys.readouterr().err
+    assert cli.main(["eval", *RUN, flag, "--out", str(tmp_path / "a"), *EVAL]) == 2
+    ours = capsys.readouterr().err.splitlines()[:2]  # (RUN's note on a flag it gives twice follows)
+    assert theirs.splitlines() == ours and theirs.startswith("error: the recipe has 1 problem:\n  - flag "), theirs
+    assert "Traceback" not in theirs and not (tmp_path / "a").exists()
+
+
+def test_eval_of_an_export_decides_every_data_field():
+    """A [data] field added later is taken or refused by decision, not by default."""
+    from nsa_titan.config.schema import DataConfig
+    from nsa_titan.evaluate.export_flags import DATA_FIELDS
+
+    assert set(DATA_FIELDS) == {fld.name for fld in dataclasses.fields(DataConfig) if "args_for" not in fld.metadata}
+
+
+def test_eval_help_names_the_data_flags_an_export_takes(capsys):
+    assert cli.main(["eval", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--data.text_files.paths=corpus/*.jsonl where the data is now" in out
+    assert "--data.mixture.sources.NAME.FIELD" in out and "--data.tokenizer" not in out

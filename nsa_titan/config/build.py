@@ -236,6 +236,7 @@ class RecipeBuilder:
         return self.build(part.args, table.get(chosen, {}), _join(path, chosen))
 
     def _unknown_keys(self, table: dict, known: set[str], path: str) -> None:
+        replaced: list[str] = []  # a saved recipe's arguments of the part a flag replaced
         for key in table:
             if key in known:
                 continue
@@ -244,6 +245,9 @@ class RecipeBuilder:
             if owner is not None:  # the part was switched (model.name) in a later layer or on the command line
                 kind, chosen, name_field = self._inline_choice[path]
                 chose = _join(path, name_field)
+                if self.saved and is_flag(self.source_of(chose)) and not is_flag(self.source_of(full)):
+                    replaced.append(full)  # a saved recipe cannot be edited: its old part's arguments go with it
+                    continue
                 self.problem(full, None, f"is an argument of {owner!r}, but {chose} = {chosen!r} (from "
                              f"{self.source_of(chose)})", f"remove it from {self.source_of(full)}, or choose "
                              f"{owner!r} again")
@@ -256,6 +260,11 @@ class RecipeBuilder:
                    "remove it, or name a field with its section, e.g. training.steps (`nsa-titan train --help` "
                    "lists them)")
             self.problem(full, None, "is not a recipe field" + ("" if homes else suggest(key, sorted(known))), fix)
+        if replaced:
+            chose = _join(path, self._inline_choice[path][2])
+            self.notes.append(f"{', '.join(replaced)} from {self.source_of(replaced[0])} "
+                              f"{'is' if len(replaced) == 1 else 'are'} not used: {self.source_of(chose)} chose "
+                              f"{chose} = {self._inline_choice[path][1]!r}")
 
     def _other_part_taking(self, path: str, key: str) -> str | None:
         """Another registered part (a built-in first) whose inline arguments at `path` include `key`, or None."""
@@ -292,7 +301,7 @@ class RecipeBuilder:
                                       "not a Problem", _CHECK_CONTRACT)
                 break
             problem = problem.under(prefix, where=self.source_of(prefix + problem.field))
-            if self.saved:
+            if self.saved and not is_flag(problem.where):  # a flag given now over a saved recipe is checked whole
                 self.notes.append(f"{NO_LONGER_PASSES}{problem.render()}")
             else:
                 self.problems.append(problem)
@@ -423,9 +432,14 @@ def _kind(value: Any) -> str:
     return f"{names.get(type(value), type(value).__name__)} {value!r}"
 
 
+def is_flag(source: str) -> bool:
+    """Whether `source` (where a field was set, as source_of names it) is a command-line flag."""
+    return source.startswith("flag ")
+
+
 def _layer(source: str) -> str:
     """Every command-line flag is one layer; every file is its own."""
-    return "flags" if source.startswith("flag ") else source
+    return "flags" if is_flag(source) else source
 
 
 def _fields_named(name: str) -> list[str]:

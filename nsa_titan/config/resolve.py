@@ -10,7 +10,7 @@ import traceback
 from dataclasses import dataclass
 
 from components.errors import read_from
-from nsa_titan.config.build import RecipeBuilder, coerce
+from nsa_titan.config.build import RecipeBuilder, coerce, is_flag
 from nsa_titan.config.errors import NO_LONGER_PASSES, Problem, RecipeError
 from nsa_titan.config.overrides import ACTIONS, CliText, CommandLine, apply_overrides, parse_args
 from nsa_titan.config.render import recipe_text
@@ -117,8 +117,10 @@ def _name_the_run_after(path: str, table: dict, origin: dict[str, str], notes: l
                      f"{os.path.basename(path)} or on the command line.")
 
 
-def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
-    """Check a recipe held as TOML text (e.g. the one saved with a run or an export)."""
+def resolve_text(text: str, *, world_size: int | None = None, overrides: list[str] | tuple[str, ...] = ()
+                 ) -> ResolvedRecipe:
+    """Check a recipe held as TOML text (e.g. the one saved with a run or an export), with command-line
+    `overrides` (--section.field=VALUE words) over it, read and checked as a recipe's are."""
     problems: list[Problem] = []
     try:
         table = tomllib.loads(text)
@@ -126,16 +128,26 @@ def resolve_text(text: str, *, world_size: int | None = None) -> ResolvedRecipe:
         raise RecipeError([Problem("saved recipe", "recipe", None, f"is not valid TOML: {exc}",
                                    "export or train again to write a fresh one")]) from None
     origin = origins(table, "saved recipe")
-    return _finish(table, origin, problems, world_size, None, CommandLine(None, [], set()), saved=True)
+    cmd = parse_args(list(overrides), problems)
+    actions = [next(flag for flag, action in ACTIONS.items() if action == name) for name in sorted(cmd.actions)]
+    for word in ([cmd.recipe] if cmd.recipe is not None else []) + actions:  # the recipe is `text` itself
+        problems.append(Problem(f"argument {word!r}", "override", None, "is not an override of the saved recipe",
+                                "write overrides as --section.field=value"))
+    apply_overrides(table, origin, cmd.overrides, problems)
+    return _finish(table, origin, problems, world_size, None, cmd, saved=True, command_notes=tuple(cmd.notes))
 
 
-def read_saved_recipe(text: str, where: str):
-    """The Recipe of a recipe saved in `where` (an export), the checks added since it was written that it no
-    longer passes said on stderr (its other notes were said when it ran)."""
-    resolved = resolve_text(text)
+def read_saved_recipe(text: str, where: str, overrides: list[str] | tuple[str, ...] = ()):
+    """The Recipe of a recipe saved in `where` (an export), with `overrides` over it; the checks added since it
+    was written that it no longer passes said on stderr (its other notes were said when it ran), and the notes
+    on the flags given now."""
+    resolved = resolve_text(text, overrides=overrides)
+    flags = [f"flag {flag!r}" for flag, _, _ in resolved.command_line.overrides]
     for note in resolved.notes:
         if note.startswith(NO_LONGER_PASSES):
             print(f"note: {where}: {note}", file=sys.stderr)
+        elif note in resolved.command_line.notes or any(flag in note for flag in flags):
+            print(f"note: {note}", file=sys.stderr)
     return resolved.recipe
 
 
@@ -180,7 +192,9 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
         broken: list[Problem] = []
         check_rules(recipe, world_size, builder.source_of, broken if saved else problems, builder.notes,
                     training=training)
-        builder.notes.extend(f"{NO_LONGER_PASSES}{found.render()}" for found in broken)
+        # A saved recipe's own settings were valid when written; a flag given over it now is held to every rule.
+        problems.extend(found for found in broken if is_flag(found.where))
+        builder.notes.extend(f"{NO_LONGER_PASSES}{found.render()}" for found in broken if not is_flag(found.where))
     if problems:
         raise RecipeError(problems, command_notes)
     text, digest = recipe_text(recipe)

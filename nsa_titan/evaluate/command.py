@@ -1,7 +1,9 @@
 """`nsa-titan eval`: loss by context position on held-out data and a passkey probe, as JSON and plots.
 
     nsa-titan eval RECIPE.toml [overrides] --out DIR [options]   the run's newest checkpoint
-    nsa-titan eval EXPORTED.pt|HF_DIR --out DIR [options]        an exported model or hf folder
+    nsa-titan eval EXPORTED.pt|HF_DIR [data flags] --out DIR [options]   an exported model or hf folder
+data flags: the recipe fields that choose the held-out text, over the recipe the export records (export_flags.py),
+e.g. --data.text_files.paths=corpus/*.jsonl where the data is now (a relative path read from the current folder).
 options: --batches N (global batches of held-out rows, default validation.steps), --lengths 64,128 (passkey prompt
 lengths, default up to four, the longest max_seq_len less the answer), --depths 0,0.5,1 (default 0 to 1
 by 0.25), --trials N (keys per cell, default 5; 0 skips the probe); --tasks a,b runs lm-evaluation-harness tasks too
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-
+import shlex
 
 from components.data import MIXTURE, holds_split, no_split_error
 from components.errors import UserError
@@ -29,7 +31,8 @@ from nsa_titan.evaluate.plots import passkey_figure, position_loss_figure
 from nsa_titan.observe.plots import figure_writer, pyplot
 from nsa_titan.observe.progress import progress
 
-USAGE = "`nsa-titan eval recipes/debug.toml --out outputs/debug/eval` (or an exported model file instead of the recipe)"
+USAGE = ("`nsa-titan eval recipes/debug.toml --out outputs/debug/eval` (or an exported model file instead of the "
+         "recipe, with data flags only)")
 OPTIONS = "--out, --batches, --lengths, --depths, --trials, --tasks, --task-dir, --limit, --overwrite"
 RESULT_FILES = ("eval.json", "position_loss.png", "passkey.png", "lm_eval.json")
 
@@ -56,7 +59,8 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
 
 def _load(argv: list[str]):
     """(model, tokenizer, recipe, what was loaded, the resolved recipe or None) from a recipe's checkpoint or
-    an exported file."""
+    an exported file (with its data flags)."""
+    from nsa_titan.evaluate.export_flags import refuse_other_flags
     from nsa_titan.export import load_checkpoint_model, load_exported_run
     from nsa_titan.rebuild import say_on_stderr
     from nsa_titan.run_folder import recipe_change_note
@@ -70,9 +74,8 @@ def _load(argv: list[str]):
             print(note)
         return (model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}",
                 resolved)
-    if len(argv) != 1:
-        raise UserError(f"eval takes one recipe (with overrides) or one exported model file. Fix: {USAGE}.")
-    run = load_exported_run(argv[0], say=say_on_stderr)
+    run = load_exported_run(argv[0], say=say_on_stderr, data_flags=argv[1:])
+    refuse_other_flags(argv[1:])  # again: the export's plugins may have registered a tokenizer
     if run.missing_data is not None:  # eval reads the held-out set
         raise run.missing_data
     return run.model, run.tokenizer, run.recipe, f"{argv[0]} (step {run.meta['step']})", None
@@ -97,7 +100,14 @@ def run_command(argv: list[str]) -> int:
     if argv and argv[0].endswith(".toml"):
         refuse_unknown_options(argv, "eval", OPTIONS + ", or recipe overrides --section.field=VALUE", overrides=True)
     else:
-        refuse_unknown_options(argv, "eval", OPTIONS + " (recipe overrides go with a recipe, not an exported file)")
+        from nsa_titan.config.overrides import parse_args
+        from nsa_titan.evaluate.export_flags import refuse_other_flags
+
+        refuse_unknown_options(argv, "eval", OPTIONS + ", or data flags --data.FIELD=VALUE", overrides=True)
+        if not argv or argv[0].startswith("-") or parse_args(argv[1:], []).recipe is not None:
+            raise UserError(f"eval takes one recipe (with overrides) or one exported model file (with data flags). "
+                            f"Fix: {USAGE}.")
+        refuse_other_flags(argv[1:])
     refuse_earlier_results(out, "eval", RESULT_FILES, overwrite)
     # not 0 <= nan: a nan depth is refused too; --limit 0 would mean "no limit" to the harness
     if any(not 0 <= d <= 1 for d in depths):
@@ -147,12 +157,15 @@ def run_command(argv: list[str]) -> int:
     except UserError as exc:
         if argv[0].endswith(".toml"):
             raise
-        # The data's own fix (the path, a data setting) means the recipe, which an exported file carries
-        # unchangeable: the way to change it is the run's checkpoint and recipe.
-        raise UserError(f"the held-out data named by the recipe saved in {argv[0]!r} cannot be read here ({exc}); "
-                        f"eval takes no recipe overrides with an exported model. Fix: make the data readable where "
-                        f"that recipe names it, or evaluate the run's checkpoint from its recipe with the data "
-                        f"settings changed, e.g. {_data_override_example(recipe.data, out)}.") from None
+        # The data's own fix (the path, a data setting) names a recipe field, which eval of an export takes as a flag.
+        example, why = _data_override_example(recipe.data, argv[0], out), str(exc).rstrip(".")
+        if len(argv) > 1:
+            raise UserError(f"the held-out data named by the recipe saved in {argv[0]!r} and the data flags given "
+                            f"cannot be read here ({why}). Fix: give data flags that read it as it is here, e.g. "
+                            f"{example}.") from None
+        raise UserError(f"the held-out data named by the recipe saved in {argv[0]!r} cannot be read here ({why}). "
+                        f"Fix: make the data readable where that recipe names it, or give the data settings that "
+                        f"read it here as flags, e.g. {example}.") from None
     _say_short_set(recipe, held_out, batches[0] if batches else None)
     positions = loss_by_position(model, documents, held_out, recipe.training.seq_len, progress("held-out loss"),
                                  tokenizer.eos_id, tokenizer.bos_id if recipe.data.add_bos else None)
@@ -194,13 +207,14 @@ def run_command(argv: list[str]) -> int:
     return 0
 
 
-def _data_override_example(data, out: str) -> str:
-    """An eval of the run's recipe with a data override it takes: a mixture's data is in its members' tables."""
+def _data_override_example(data, model: str, out: str) -> str:
+    """An eval of the exported `model` with a data flag it takes: a mixture's data is in its members' tables."""
+    model, out = shlex.quote(model), shlex.quote(out)
     if data.source == MIXTURE:
-        return (f"`nsa-titan eval RECIPE.toml --data.mixture.sources.NAME.FIELD=... --out {out}`, NAME the member "
+        return (f"`nsa-titan eval {model} --data.mixture.sources.NAME.FIELD=... --out {out}`, NAME the member "
                 f"to change ({', '.join(data.source_args.sources)})")
     flag = "--data.source=..." if data.source_args is None else f"--data.{data.source}.FIELD=..."
-    return f"`nsa-titan eval RECIPE.toml {flag} --out {out}`"
+    return f"`nsa-titan eval {model} {flag} --out {out}`"
 
 
 def _say_short_set(recipe, held_out: list[dict], batches: int | None) -> None:
