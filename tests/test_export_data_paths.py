@@ -179,6 +179,11 @@ def test_an_export_whose_data_is_gone_reads_it_where_a_data_flag_says(plain, tmp
         shutil.move(tmp_path / "moved", project / "corpus")
     assert code == 0, capsys.readouterr().err
     assert _position_loss(tmp_path / "eval") == _position_loss(project / "plain_eval")  # the same held-out rows
+    # eval.json says which data was read: its numbers are not taken for the held-out loss of the run's own data.
+    results = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert results["overrides"] == ["--data.text_files.paths=copy/*.jsonl"]
+    assert results["data"]["source"] == "text_files" and results["data"]["text_files"]["paths"] == ["copy/*.jsonl"]
+    assert json.loads((project / "plain_eval" / "eval.json").read_text())["overrides"] == []
 
 
 def test_a_mixture_members_flag_is_read_from_here_and_the_recipes_paths_from_where_it_was_made(project, export,

@@ -13,6 +13,7 @@ and passkey.png (matplotlib; no passkey.png with --trials 0), and lm_eval.json w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -184,7 +185,9 @@ def run_command(argv: list[str]) -> int:
         harness = run_tasks(model, tokenizer, task_names, manager, task_limit[0] if task_limit else None,
                             recipe.job.seed, recipe.data.add_bos, documents)
 
-    results = {"model": loaded, "position_loss": positions, "passkey": passkey}
+    # What was read, so numbers over other data (a data flag, an override) are not taken for the run's own.
+    results = {"model": loaded, "overrides": argv[1:], "data": _data_read(recipe.data),
+               "position_loss": positions, "passkey": passkey}
     paths = {"results": os.path.join(out, "eval.json"), "position_loss": os.path.join(out, "position_loss.png")}
     if passkey is not None:
         paths["passkey"] = os.path.join(out, "passkey.png")
@@ -275,6 +278,13 @@ def context_bands(positions: dict, share: float = 0.1) -> str:
     near = [row for row in seen if row[0] <= width]
     far = [row for row in seen if row[0] > longest - width]
     return f"loss {band(near)}, {band(far)}"
+
+
+def _data_read(data) -> dict:
+    """The held-out data's source and its settings as eval read them: an export's own relative paths as read from
+    where it was made, a flag's as given (read from the folder eval ran in)."""
+    args = data.source_args
+    return {"source": data.source, data.source: dataclasses.asdict(args) if dataclasses.is_dataclass(args) else args}
 
 
 def _write_results(out: str, paths: dict[str, str], results: dict, harness: dict | None, loaded: str,
