@@ -1,10 +1,12 @@
 """Run under torch.distributed.run by tests/test_context_parallel.py: a tiny fp64 transformer's logits
 and every parameter gradient under context parallelism equal one process's forward of the whole rows.
 
-argv: attention (nsa | dense), document masking (0 | 1). Prints "ok" per rank on success. NSA also
-checks the attention telemetry and maps of the split rows against the whole rows'.
-argv: saved, attention: prints what one block saves for backward per local token (bytes, fp32), rows of
-one document (the most keys each chunk's queries see), for doctor's memory estimate."""
+argv: checks, each ATTENTION:MASKING (nsa | dense, 0 | 1) or saved:ATTENTION, run in order in one process
+group (one launch instead of one per check: starting the ranks costs more than the checks).
+ATTENTION:MASKING prints "ATTENTION MASKING rank R: ok" per rank on success; NSA also checks the attention
+telemetry and maps of the split rows against the whole rows'.
+saved:ATTENTION prints what one block saves for backward per local token (bytes, fp32), rows of one
+document (the most keys each chunk's queries see), for doctor's memory estimate."""
 
 from __future__ import annotations
 
@@ -21,8 +23,7 @@ from tests.saved_tensors import saved_bytes
 B, T, VOCAB = 2, 64, 50
 
 
-def main(attention: str, masking: bool) -> None:
-    dist.init_process_group("gloo")
+def check_split_rows(attention: str, masking: bool) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     args = TransformerArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=T, attention=attention,
@@ -51,9 +52,7 @@ def main(attention: str, masking: bool) -> None:
     if attention == "nsa":
         check_telemetry(model, tokens, starts if masking else None, shard, context)
         check_attention_maps(model, tokens, starts if masking else None, shard, context)
-    print(f"rank {rank}: ok")
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+    sys.stdout.write(f"{attention} {int(masking)} rank {rank}: ok\n")  # one write: ranks share the pipe
 
 
 def check_telemetry(model, tokens, starts, shard: SequenceShard, context) -> None:
@@ -90,7 +89,6 @@ def check_attention_maps(model, tokens, starts, shard: SequenceShard, context) -
 
 
 def print_saved_bytes(attention: str) -> None:
-    dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     seq = 1024
@@ -101,13 +99,20 @@ def print_saved_bytes(attention: str) -> None:
     x = torch.randn(1, shard.local_len, args.dim, requires_grad=True)
     saved = saved_bytes(model, lambda: model.layers[0](x, model.rope.cos, model.rope.sin, context=context))
     if rank == 0:
-        print(f"saved_bytes_per_local_token {saved / shard.local_len}")
-    dist.barrier()
-    dist.destroy_process_group()
+        sys.stdout.write(f"{attention} saved_bytes_per_local_token {saved / shard.local_len}\n")
+
+
+def main(checks: list[str]) -> None:
+    dist.init_process_group("gloo")
+    for check in checks:
+        first, second = check.split(":")
+        if first == "saved":
+            print_saved_bytes(second)
+        else:
+            check_split_rows(first, second == "1")
+        dist.barrier()  # each check's collectives end on every rank before the next begins
+    dist.destroy_process_group()  # after the last barrier: no rank tears gloo down while another talks to it
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "saved":
-        print_saved_bytes(sys.argv[2])
-    else:
-        main(sys.argv[1], sys.argv[2] == "1")
+    main(sys.argv[1:])

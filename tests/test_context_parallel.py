@@ -52,31 +52,46 @@ def test_head_tail_split_round_trips():
         SequenceShard(None, 0, 3, 16)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize("attention,masking", [("nsa", 1), ("nsa", 0), ("dense", 1), ("dense", 0)])
-def test_sharded_forward_and_gradients_equal_the_whole_rows(attention, masking, nproc):
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-               os.path.join(REPO_ROOT, "tests", "context_parallel_worker.py"), attention, str(masking)]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count(": ok") == nproc
+SPLIT_ROWS = [("nsa", 1), ("nsa", 0), ("dense", 1), ("dense", 0)]
+
+
+@pytest.fixture(scope="module")
+def worker_checks():
+    """nproc -> the output of one launch of tests/context_parallel_worker.py running every check at that size
+    (made once, on first use): starting the ranks costs more than all the checks together."""
+    launched = {}
+
+    def run(nproc: int) -> subprocess.CompletedProcess:
+        if nproc not in launched:
+            checks = [f"{attention}:{masking}" for attention, masking in SPLIT_ROWS] + ["saved:nsa"]
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+                       "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                       os.path.join(REPO_ROOT, "tests", "context_parallel_worker.py"), *checks]
+            launched[nproc] = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT,
+                                             timeout=300)
+        proc = launched[nproc]
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    return run
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_memory_estimate_is_near_what_a_block_saves(nproc):
+@pytest.mark.parametrize("attention,masking", SPLIT_ROWS)
+def test_sharded_forward_and_gradients_equal_the_whole_rows(worker_checks, attention, masking, nproc):
+    out = worker_checks(nproc).stdout
+    assert [out.count(f"{attention} {masking} rank {rank}: ok") for rank in range(nproc)] == [1] * nproc, out
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_memory_estimate_is_near_what_a_block_saves(worker_checks, nproc):
     """doctor's estimate of one NSA block's saved tensors per local token (activation_memory's per_block
     plus cp x per_row_token) against saved-tensor hooks on a block run under context parallelism."""
     from components.models.args import TransformerArgs
     from components.model_hooks import MemoryLayout
     from components.models.hooks import activation_memory
 
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-               os.path.join(REPO_ROOT, "tests", "context_parallel_worker.py"), "saved", "nsa"]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    measured = float(proc.stdout.split("saved_bytes_per_local_token")[1].split()[0])
+    measured = float(worker_checks(nproc).stdout.split("nsa saved_bytes_per_local_token")[1].split()[0])
     args = TransformerArgs(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=1024)  # the worker's model
     estimate = activation_memory(args, MemoryLayout(context_parallel=nproc))
     estimated = (estimate.per_block + nproc * estimate.per_row_token) * 4  # fp32
