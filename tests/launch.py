@@ -52,6 +52,33 @@ def train(args: list[str], nproc: int = 1, timeout: float | None = None, **popen
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def train_each(runs: list[list[str]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """`train(args)` for each one-process run in `runs`, as many at once as this process has cores: each run
+    computes on one thread (OMP_NUM_THREADS=1) and alone, so they take about the longest one's time, not
+    the sum, and compute what they compute one after another. An interrupt (Ctrl-C) stops every run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    started: list[subprocess.Popen] = []
+
+    def one(args: list[str]) -> subprocess.CompletedProcess:
+        proc = subprocess.Popen(train_command(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env(), cwd=REPO_ROOT, start_new_session=True)
+        started.append(proc)
+        out, err = finish(proc, timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    pool = ThreadPoolExecutor(max(1, min(len(runs), len(os.sched_getaffinity(0)))))
+    try:
+        return list(pool.map(one, runs))
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in started:  # their threads then return: nothing is left computing
+            stop_all(proc)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
 def start_training(args: list[str], folder, nproc: int = 1, timeout: float | None = None,
                    command: list[str] | None = None, extra_env: dict | None = None, **popen) -> subprocess.Popen:
     """Launch a run in the background and return once its first step is logged in folder/metrics.jsonl
