@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from components.nsa.triton.launch import interpreting
-from tests.launch import DEBUG, TINY, losses, metrics, train
+from tests.launch import DEBUG, TINY, losses, metrics, train, train_each
 
 pytestmark = pytest.mark.slow
 
@@ -40,13 +40,31 @@ COMPILED = ["--compile.enable=true"]  # and nothing else: the backend is the def
 FSDP = ["--parallelism.data_parallel_shard_degree=2", "--parallelism.data_parallel_replicate_degree=1"]
 
 
-def _run(folder, flags, nproc=1) -> dict[int, dict]:
+# Activation checkpointing: the reference backend, compiled; selective_every = 2 recomputes block 0 of the 2.
+CHECKPOINTED = {"full": ["--activation_checkpoint.mode=full"],
+                "selective": ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_every=2"]}
+# The one-process runs by name: eager and compiled for each backend, and the checkpointed ones.
+ONE_PROCESS = {**{f"eager_{name}": flags for name, flags in BACKENDS.items()},
+               **{f"compiled_{name}": [*flags, *COMPILED] for name, flags in BACKENDS.items()},
+               **{f"checkpoint_{mode}": [*BACKENDS["reference"], *COMPILED, *flags]
+                  for mode, flags in CHECKPOINTED.items()}}
+
+
+def _args(folder, flags) -> list[str]:
     common = COMMON
     if "--model.attention=dense" in flags:
         common = [a for a in COMMON if not a.startswith("--model.nsa.")]
-    proc = train([*common, *flags, f"--job.dump_folder={folder}"], nproc=nproc, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [*common, *flags, f"--job.dump_folder={folder}"]
+
+
+def _steps(folder) -> dict[int, dict]:
     return {r["step"]: r for r in metrics(folder) if "loss" in r}
+
+
+def _run(folder, flags, nproc=1) -> dict[int, dict]:
+    proc = train(_args(folder, flags), nproc=nproc, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _steps(folder)
 
 
 def _assert_same_losses(got: dict, expected: dict, what: str) -> None:
@@ -66,46 +84,48 @@ def _assert_one_compile(records: dict, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def eager_runs(tmp_path_factory):
-    """backend -> its eager run (made once, on first use)."""
-    runs = {}
+def one_process(tmp_path_factory):
+    """one_process(*names) -> (stdout, metrics by step) of each named ONE_PROCESS run. Each is made once, on
+    first use, side by side with the other names asked for then (train_each: one run a core)."""
+    made = {}
 
-    def run(backend: str) -> dict[int, dict]:
-        if backend not in runs:
-            runs[backend] = _run(tmp_path_factory.mktemp(f"eager_{backend}"), BACKENDS[backend])
-            assert "compiled_graphs" not in runs[backend][1]
-        return runs[backend]
+    def run(*names: str) -> list[tuple[str, dict[int, dict]]]:
+        missing = [name for name in names if name not in made]
+        folders = [tmp_path_factory.mktemp(name) for name in missing]
+        procs = train_each([_args(folder, ONE_PROCESS[name]) for name, folder in zip(missing, folders)], timeout=600)
+        made.update(zip(missing, zip(procs, folders)))
+        results = []
+        for name in names:
+            proc, folder = made[name]
+            assert proc.returncode == 0, (name, proc.stderr[-4000:])
+            results.append((proc.stdout, _steps(folder)))
+        return results
 
     return run
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_compiled_training_matches_eager_in_one_and_two_processes(tmp_path, eager_runs, backend):
+def test_compiled_training_matches_eager_in_one_and_two_processes(tmp_path, one_process, backend):
     if backend == "triton" and not interpreting():
         pytest.skip("the CPU form of this test runs the Triton kernels under the interpreter")
-    flags = BACKENDS[backend]
-    eager = eager_runs(backend)
-
-    compiled = _run(tmp_path / "compiled", [*flags, *COMPILED])
+    (_, eager), (_, compiled) = one_process(f"eager_{backend}", f"compiled_{backend}")
+    assert "compiled_graphs" not in eager[1]
     _assert_same_losses(compiled, eager, f"{backend}, one process")
     _assert_one_compile(compiled, f"{backend}, one process")
 
-    sharded = _run(tmp_path / "fsdp", [*flags, *COMPILED, *FSDP], nproc=2)
+    sharded = _run(tmp_path / "fsdp", [*BACKENDS[backend], *COMPILED, *FSDP], nproc=2)
     _assert_same_losses(sharded, eager, f"{backend}, FSDP2 x 2")
     _assert_one_compile(sharded, f"{backend}, FSDP2 x 2")
     assert losses(tmp_path / "fsdp")[STEPS] < losses(tmp_path / "fsdp")[1]
 
 
 @pytest.mark.parametrize("mode, blocks", [("full", 2), ("selective", 1)])
-def test_activation_checkpointing_compiles_whole_and_trains_like_none(tmp_path, eager_runs, mode, blocks):
+def test_activation_checkpointing_compiles_whole_and_trains_like_none(one_process, mode, blocks):
     """The shipped long-context recipes' combination (NSA, document masking, compile's default backend,
     activation checkpointing): one graph per block, no break or recompile, and the eager run's numbers
-    without checkpointing. selective_every = 2 recomputes block 0 of the 2."""
-    flags = [*BACKENDS["reference"], *COMPILED, f"--activation_checkpoint.mode={mode}"]
-    flags += ["--activation_checkpoint.selective_every=2"] if mode == "selective" else []
-    proc = train([*COMMON, *flags, f"--job.dump_folder={tmp_path}"], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f" | activations recomputed in {blocks} of 2 blocks\n" in proc.stdout
-    got = {r["step"]: r for r in metrics(tmp_path) if "loss" in r}
-    _assert_same_losses(got, eager_runs("reference"), f"activation checkpointing {mode}")
+    without checkpointing. selective_every = 2 recomputes block 0 of the 2. (One mode after the other: the
+    second finds the first's graphs in the compile cache; side by side both would compile them.)"""
+    (_, eager), (stdout, got) = one_process("eager_reference", f"checkpoint_{mode}")
+    assert f" | activations recomputed in {blocks} of 2 blocks\n" in stdout
+    _assert_same_losses(got, eager, f"activation checkpointing {mode}")
     _assert_one_compile(got, f"activation checkpointing {mode}")
