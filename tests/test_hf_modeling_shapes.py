@@ -133,3 +133,44 @@ def test_caches_copied_by_beam_search_write_apart(modeling):
             cache = out.past_key_values
         expected = model(torch.cat([prompt.expand(2, -1), beams], 1))[:, prompt.shape[1]:]
     torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("nsa", [{}, None], ids=["nsa", "dense"])
+def test_cached_steps_keep_what_autograd_and_inference_mode_need(modeling, nsa):
+    """A cached step writes its token into the cache's buffer in place, which an earlier step's graph saved
+    (backward through a cached decode failed: 'modified by an inplace operation'), and which a cache made under
+    torch.inference_mode cannot take outside it ('Inplace update to inference tensor'). Both now work and give the
+    logits and gradients of the uncached forward."""
+    _, hf = _pair(modeling, nsa, (4, 2))
+    ids = torch.randint(0, VOCAB, (1, 14), generator=torch.Generator().manual_seed(3))
+    out = hf(input_ids=ids[:, :10], use_cache=True)
+    logits, cache = [out.logits], out.past_key_values
+    for t in range(10, 14):
+        out = hf(input_ids=ids[:, t:t + 1], past_key_values=cache)
+        logits.append(out.logits)
+        cache = out.past_key_values
+    loss = torch.nn.functional.cross_entropy  # of each next token: gradients of the size training sees
+    loss(torch.cat(logits, 1)[0, :-1], ids[0, 1:]).backward()
+    cached = [p.grad.clone() for p in hf.parameters()]
+    hf.zero_grad()
+    loss(hf(input_ids=ids).logits[0, :-1], ids[0, 1:]).backward()
+    for got, want in zip(cached, [p.grad for p in hf.parameters()]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    with torch.inference_mode():
+        cache = hf(input_ids=ids[:, :11], use_cache=True).past_key_values
+    with torch.no_grad():
+        step = hf(input_ids=ids[:, 11:12], past_key_values=cache).logits
+        torch.testing.assert_close(step, hf(input_ids=ids[:, :12]).logits[:, -1:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_with_another_batch_is_refused_and_leaves_the_cache_usable(modeling):
+    """A one-row step on a two-row cache was broadcast into the first layer's buffer before failing later, so a
+    retry with the right batch failed too ('The size of tensor a (5) must match ...')."""
+    _, hf = _pair(modeling, {}, (4, 2))
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cache = hf(input_ids=ids[:, :11], use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="the cache holds 2 row"):
+            hf(input_ids=ids[:1, 11:12], past_key_values=cache)
+        step = hf(input_ids=ids[:, 11:12], past_key_values=cache).logits
+        torch.testing.assert_close(step, hf(input_ids=ids[:, :12]).logits[:, -1:], rtol=1e-4, atol=1e-4)

@@ -173,12 +173,21 @@ class LayerCache:
     def extend(self, limit: int, **new):
         """Append each named tensor [B, T, ...] along dim 1 and return the views of everything so far; a buffer
         grows to at most `limit` entries unless more are needed."""
+        for name, x in new.items():  # checked before anything is written: a refused call leaves the cache usable
+            buffer = self.buffers.get(name)
+            if buffer is not None and x.shape[0] != buffer.shape[0]:
+                raise ValueError(f"the cache holds {buffer.shape[0]} row(s) and this call gives {x.shape[0]}: "
+                                 f"continue a cache with the batch it was made with")
         if self.shared:
             self.buffers = {name: x.clone() for name, x in self.buffers.items()}
             self.shared = False
         for name, x in new.items():
             count, buffer = self.count(name), self.buffers.get(name)
             need = count + x.shape[1]
+            if buffer is not None and not _writable(buffer, x):  # earlier steps' views must keep their values
+                self.buffers[name] = torch.cat([buffer[:, :count], x], dim=1)
+                self.counts[name] = need
+                continue
             if buffer is None or need > buffer.shape[1]:
                 room = max(need, min(2 * (0 if buffer is None else buffer.shape[1]), limit))
                 grown = x.new_empty((x.shape[0], room) + tuple(x.shape[2:]))
@@ -188,6 +197,13 @@ class LayerCache:
             buffer[:, count:need] = x
             self.counts[name] = need
         return [self.buffers[name][:, :self.counts[name]] for name in new]
+
+
+def _writable(buffer: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a step may write into the buffer in place: not when autograd records the cache (an earlier step's
+    graph saved views of it) or when it was made under torch.inference_mode and this step runs outside it."""
+    recorded = torch.is_grad_enabled() and (buffer.requires_grad or x.requires_grad)
+    return not recorded and (torch.is_inference_mode_enabled() or not buffer.is_inference())
 
 
 class NSATitanCache:
