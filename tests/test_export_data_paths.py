@@ -183,6 +183,8 @@ def test_an_export_whose_data_is_gone_reads_it_where_a_data_flag_says(plain, tmp
     results = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert results["overrides"] == ["--data.text_files.paths=copy/*.jsonl"]
     assert results["data"]["source"] == "text_files" and results["data"]["text_files"]["paths"] == ["copy/*.jsonl"]
+    assert {key: results["data"][key] for key in ("min_document_tokens", "logical_shards")} == \
+        {"min_document_tokens": 0, "logical_shards": 4}
     assert json.loads((project / "plain_eval" / "eval.json").read_text())["overrides"] == []
 
 

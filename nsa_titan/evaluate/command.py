@@ -284,7 +284,9 @@ def _data_read(data) -> dict:
     """The held-out data's source and its settings as eval read them: an export's own relative paths as read from
     where it was made, a flag's as given (read from the folder eval ran in)."""
     args = data.source_args
-    return {"source": data.source, data.source: dataclasses.asdict(args) if dataclasses.is_dataclass(args) else args}
+    return {"source": data.source, data.source: dataclasses.asdict(args) if dataclasses.is_dataclass(args) else args,
+            # these choose which held-out documents and rows are read too
+            "min_document_tokens": data.min_document_tokens, "logical_shards": data.logical_shards}
 
 
 def _write_results(out: str, paths: dict[str, str], results: dict, harness: dict | None, loaded: str,
