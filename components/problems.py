@@ -64,12 +64,16 @@ def choices_of(meta: Mapping[str, Any]) -> tuple | None:
 
 # What a field's metadata may say; anything else would be ignored, so tests refuse it.
 FIELD_METADATA = frozenset({"doc", "choices", "ge", "gt", "le", "lt", "component", "args_for", "placement", "exclude",
-                            "used_when", "keeps_weights", "path"})
+                            "used_when", "keeps_weights", "path", "held_out"})
 
 # "path": the field's text (or each text of its list) names files, folders or globs on this machine, relative to the
 # directory the run starts in; True always, or a callable (args, folder) -> bool saying whether it does in `args` with
 # relative paths read from `folder` (a field that may name either a file or something else, such as a Hub dataset).
 # An export read elsewhere reads those paths from the directory it was made in.
+# "held_out": the field decides which of the source's documents are held out for validation: "share" (the share held
+# out by a stable hash: a larger one holds out documents a run with a smaller one trained on) or "split" (a split held
+# out by name; '' holds out a share of the split trained on). eval of an export says when a data flag's value would
+# score documents the model trained on.
 
 
 def bound_problem(value: Any, meta: Mapping[str, Any]) -> tuple[str, str] | None:

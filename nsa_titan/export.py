@@ -22,7 +22,7 @@ from nsa_titan import registry
 from nsa_titan.checkpoint import complete_steps
 from nsa_titan.step_folders import STEP_DIR, train_state_file
 from nsa_titan.config import Recipe, ResolvedRecipe
-from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe
+from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe, resolve_text
 from nsa_titan.export_paths import RUN_DIR, data_read_from, made_in, plugins_read_from, tokenizer_read_from
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
 from nsa_titan.run_folder import RECIPE_FILE, recipe_above
@@ -117,6 +117,7 @@ class ExportedRun:
     recipe: Recipe  # the recipe saved with it, its data paths as they read here
     tokenizer: object
     missing_data: UserError | None = None  # the data files the recipe reads that are gone, for a reader of the data
+    saved_data: object = None  # the saved recipe's data settings without the data flags, its paths as read here
 
 
 def load_exported_run(path: str, device: str | torch.device = "cpu",
@@ -139,8 +140,10 @@ def load_exported_run(path: str, device: str | torch.device = "cpu",
         args = tokenizer_read_from(args, meta.get(RUN_DIR), repr(path))
     given = frozenset(key for _, key, _ in parse_args(list(data_flags), []).overrides)
     data, gone = data_read_from(recipe.data, meta.get(RUN_DIR), path, given)
+    saved = data_read_from(resolve_text(meta["recipe_toml"]).recipe.data, meta.get(RUN_DIR), path)[0] if given \
+        else data
     return ExportedRun(model, meta, dataclasses.replace(recipe, data=data), registry.build("tokenizer", name, args),
-                       gone)
+                       gone, saved)
 
 
 def _run_folder_refusal(path: str) -> UserError | None:

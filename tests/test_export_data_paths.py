@@ -218,6 +218,56 @@ def test_a_mixture_member_switched_to_another_source_leaves_the_saved_arguments_
             "'text_files'\n") in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("export, flags, note", [
+    ("plain.pt", ["--data.text_files.validation_fraction=0.4"], "data.text_files.validation_fraction = 0.4 holds out "
+     "documents the run trained on (it held out 0.2), so the held-out loss read is partly over documents the model "
+     "trained on"),
+    ("model.pt", ["--data.mixture.sources.code.validation_fraction=0.4"], "data.mixture.sources.code.validation_"
+     "fraction = 0.4 holds out documents the run trained on (it held out 0.2)"),
+    ("plain.pt", ["--data.text_files.validation_fraction=0.1"], None),  # a part of the run's held-out set
+    ("plain.pt", ["--data.text_files.validation_fraction=0.4", "--data.text_files.paths=other.jsonl"], None),
+])
+def test_a_flag_that_holds_out_documents_the_run_trained_on_is_said(plain_run, tmp_path, monkeypatch, capsys, export,
+                                                                    flags, note):
+    """A larger validation_fraction over the run's own corpus was taken silently, and eval.json gave a loss partly
+    over training documents as held-out loss; over another corpus no document was trained on."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(str(tmp_path / "other.jsonl"), unique_texts(60, seed=9))
+    capsys.readouterr()
+    assert cli.main(["eval", str(plain_run / export), *flags, "--out", "eval", *EVAL]) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    data = json.loads((tmp_path / "eval" / "eval.json").read_text())["data"]
+    if note is None:
+        assert "trained on" not in err and data["note"] is None, err
+    else:
+        assert f"note: {note}" in err and data["note"].startswith(note), err
+
+
+HUB = dict(path="parquet", name="", data_files=["web/b.parquet"])
+
+
+@pytest.mark.parametrize("source, saved, given, note", [
+    ("huggingface", dict(HUB, validation_split="validation"), dict(HUB), "data.huggingface.validation_split = '' holds "
+     "out a share of the split the run trained on whole (it held out split 'validation')"),
+    ("huggingface", dict(HUB), dict(HUB, validation_split="test"), None),  # a split no run trained on
+    ("huggingface", dict(HUB, validation_split="validation"), dict(HUB, validation_split="validation",
+                                                                   validation_fraction=0.5), None),  # the share unused
+    ("huggingface", dict(HUB), dict(HUB, data_files=["web/c.parquet"], validation_fraction=0.5), None),
+    ("python_stdlib", {}, dict(validation_fraction=0.5), "data.python_stdlib.validation_fraction = 0.5 holds out"),
+    ("synthetic", {}, dict(seed=3, validation_documents=4096), None),  # held-out documents have their own seed stream
+])
+def test_each_sources_held_out_fields_decide_the_note(source, saved, given, note):
+    from types import SimpleNamespace
+
+    from components.data.sources import SOURCES
+    from nsa_titan.evaluate.export_flags import held_out_note
+
+    args = SOURCES[source][0]
+    said = held_out_note(SimpleNamespace(source=source, source_args=args(**saved)),
+                         SimpleNamespace(source=source, source_args=args(**given)))
+    assert said == note if note is None else said.startswith(note), said
+
+
 @pytest.mark.parametrize("flags, refused", [
     (["--data.tokenizer=tiktoken"], "--data.tokenizer=tiktoken would read the text as other token ids than the model "
                                     "was trained on"),

@@ -20,6 +20,8 @@ A field typed `dict[str, Entry]` (Entry a dataclass) holds tables the user names
 A model's argument field may say "keeps_weights": a run may start from weights trained with another
 value of it (nsa_titan/weight_source.py). A field naming files on this machine says "path"
 (components/problems.py): an export read elsewhere reads them from where it was made (nsa_titan/export_paths.py).
+A source's field choosing which documents are held out says "held_out" ("share" or "split"): eval of an export says
+when a data flag's value would hold out documents the model trained on (nsa_titan/evaluate/export_flags.py).
 """
 
 from __future__ import annotations

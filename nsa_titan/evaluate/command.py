@@ -59,9 +59,9 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
 
 
 def _load(argv: list[str]):
-    """(model, tokenizer, recipe, what was loaded, the resolved recipe or None) from a recipe's checkpoint or
-    an exported file (with its data flags)."""
-    from nsa_titan.evaluate.export_flags import refuse_other_flags
+    """(model, tokenizer, recipe, what was loaded, the resolved recipe or None, a note on the held-out set or None)
+    from a recipe's checkpoint or an exported file (with its data flags)."""
+    from nsa_titan.evaluate.export_flags import held_out_note, refuse_other_flags
     from nsa_titan.export import load_checkpoint_model, load_exported_run
     from nsa_titan.rebuild import say_on_stderr
     from nsa_titan.run_folder import recipe_change_note
@@ -74,12 +74,15 @@ def _load(argv: list[str]):
         if note:
             print(note)
         return (model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}",
-                resolved)
+                resolved, None)
     run = load_exported_run(argv[0], say=say_on_stderr, data_flags=argv[1:])
     refuse_other_flags(argv[1:])  # again: the export's plugins may have registered a tokenizer
     if run.missing_data is not None:  # eval reads the held-out set
         raise run.missing_data
-    return run.model, run.tokenizer, run.recipe, f"{argv[0]} (step {run.meta['step']})", None
+    note = held_out_note(run.saved_data, run.recipe.data)
+    if note:  # said before the work, and kept in eval.json with the numbers
+        say_on_stderr(f"note: {note}")
+    return run.model, run.tokenizer, run.recipe, f"{argv[0]} (step {run.meta['step']})", None, note
 
 
 def run_command(argv: list[str]) -> int:
@@ -134,7 +137,7 @@ def run_command(argv: list[str]) -> int:
         manager = task_manager(task_names, task_dir)
         check_tasks_load(task_names, manager)
     pyplot()  # fail before the work when matplotlib is missing
-    model, tokenizer, recipe, loaded, resolved = _load(argv)
+    model, tokenizer, recipe, loaded, resolved, note = _load(argv)
     if trials:
         lengths = _passkey_lengths(model, tokenizer, recipe, lengths)
 
@@ -186,7 +189,7 @@ def run_command(argv: list[str]) -> int:
                             recipe.job.seed, recipe.data.add_bos, documents)
 
     # What was read, so numbers over other data (a data flag, an override) are not taken for the run's own.
-    results = {"model": loaded, "overrides": argv[1:], "data": _data_read(recipe.data),
+    results = {"model": loaded, "overrides": argv[1:], "data": _data_read(recipe.data, note),
                "position_loss": positions, "passkey": passkey}
     paths = {"results": os.path.join(out, "eval.json"), "position_loss": os.path.join(out, "position_loss.png")}
     if passkey is not None:
@@ -280,13 +283,14 @@ def context_bands(positions: dict, share: float = 0.1) -> str:
     return f"loss {band(near)}, {band(far)}"
 
 
-def _data_read(data) -> dict:
+def _data_read(data, note: str | None) -> dict:
     """The held-out data's source and its settings as eval read them: an export's own relative paths as read from
-    where it was made, a flag's as given (read from the folder eval ran in)."""
+    where it was made, a flag's as given (read from the folder eval ran in); note: why the set holds documents the
+    model trained on (export_flags.held_out_note), or None."""
     args = data.source_args
     return {"source": data.source, data.source: dataclasses.asdict(args) if dataclasses.is_dataclass(args) else args,
             # these choose which held-out documents and rows are read too
-            "min_document_tokens": data.min_document_tokens, "logical_shards": data.logical_shards}
+            "min_document_tokens": data.min_document_tokens, "logical_shards": data.logical_shards, "note": note}
 
 
 def _write_results(out: str, paths: dict[str, str], results: dict, harness: dict | None, loaded: str,

@@ -1,10 +1,15 @@
 """The recipe flags `nsa-titan eval EXPORTED` takes: the data fields that only choose which held-out text it reads
 (where the data is now, an export being read on another machine, say). Every other field is the export's: its weights
 were trained with its model, tokenizer and way of starting a document, so a flag changing one of them would measure
-the model on input it was never trained to read."""
+the model on input it was never trained to read. A flag over the run's own data that holds out documents the model
+trained on (a larger validation_fraction, say) is taken, and said (held_out_note)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
+from components.data import MIXTURE
 from components.errors import UserError
 from nsa_titan import registry
 from nsa_titan.config.errors import RecipeError
@@ -63,3 +68,51 @@ def refuse_other_flags(flags: list[str]) -> None:
                         f"{'; '.join(refused)}. Fix: drop {'it' if len(refused) == 1 else 'them'} (to evaluate with "
                         f"other settings, evaluate the run's checkpoint through its recipe); the flags it takes are "
                         f"{FLAGS_TAKEN}.")
+
+
+def held_out_note(saved, data) -> str | None:
+    """Why the held-out set read with the data flags holds documents the model trained on, or None: a flag's
+    validation_fraction above the run's, or validation_split '' where the run held out a named split (the fields
+    whose metadata says "held_out"), over the run's own data (the same source with the same "path" fields). A
+    lower share is a part of the run's held-out set; a named split, another corpus or another synthetic seed (its
+    held-out documents come from their own seed stream) hold no training document. `saved`, `data`: the saved
+    recipe's data settings and those read now, their relative paths as read here."""
+    was = _tables(saved)
+    found = []
+    for table, (source, args) in _tables(data).items():
+        if table not in was or was[table][0] != source or not dataclasses.is_dataclass(args):
+            continue
+        old = was[table][1]
+        if _corpus(old) != _corpus(args):
+            continue
+        held = {fld.name: fld.metadata["held_out"] for fld in dataclasses.fields(args) if "held_out" in fld.metadata}
+        if any(kind == "split" and getattr(args, name) for name, kind in held.items()):
+            continue  # a named split: not the one trained on (the source's own check refuses that)
+        for name, kind in held.items():
+            now, then = getattr(args, name), getattr(old, name)
+            if kind == "split" and then:
+                found.append(f"{table}.{name} = '' holds out a share of the split the run trained on whole (it held "
+                             f"out split {then!r})")
+            elif kind == "share" and now > then:
+                found.append(f"{table}.{name} = {now} holds out documents the run trained on (it held out {then})")
+    if not found:
+        return None
+    return (f"{'; '.join(found)}, so the held-out loss read is partly over documents the model trained on (a share "
+            f"no larger than the run's, or other data, holds none)")
+
+
+def _tables(data) -> dict:
+    """{table: (source, its arguments)} of each source the data reads (a mixture's members)."""
+    if data.source == MIXTURE:
+        return {f"data.mixture.sources.{name}": (entry.source, entry.args)
+                for name, entry in data.source_args.sources.items()}
+    return {f"data.{data.source}": (data.source, data.source_args)}
+
+
+def _corpus(args) -> dict:
+    """The source's "path" fields, each path as read from here: equal for the same files named alike."""
+    def here(text):
+        return os.path.abspath(os.path.expanduser(text)) if isinstance(text, str) and text else text
+
+    return {fld.name: [here(t) for t in value] if isinstance(value, list) else here(value)
+            for fld in dataclasses.fields(args) if "path" in fld.metadata for value in [getattr(args, fld.name)]}

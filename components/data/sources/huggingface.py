@@ -58,11 +58,13 @@ class HuggingFaceArgs:
     split: str = field(default="train", metadata={"doc": "the dataset split to train on"})
     validation_split: str = field(
         default="",
-        metadata={"doc": "dataset split to validate on; '' holds out validation_fraction of `split` by hash"},
+        metadata={"doc": "dataset split to validate on; '' holds out validation_fraction of `split` by hash",
+                  "held_out": "split"},
     )
     validation_fraction: float = field(
         default=0.001,
-        metadata={"doc": "share of `split` held out for validation when validation_split is ''", "ge": 0.0, "le": 0.5},
+        metadata={"doc": "share of `split` held out for validation when validation_split is ''", "ge": 0.0, "le": 0.5,
+                  "held_out": "share"},
     )
     text_field: str = field(default="text", metadata={"doc": "the column holding each document's text"})
     data_files: list[str] = field(

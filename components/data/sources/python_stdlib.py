@@ -20,7 +20,8 @@ class PythonStdlibArgs:
 
     validation_fraction: float = field(
         default=0.05,
-        metadata={"doc": "share of files held out for validation (by a stable hash of the path)", "ge": 0.0, "le": 0.5},
+        metadata={"doc": "share of files held out for validation (by a stable hash of the path)", "ge": 0.0, "le": 0.5,
+                  "held_out": "share"},
     )
 
 

@@ -23,7 +23,8 @@ class TextFilesArgs:
     )
     validation_fraction: float = field(
         default=0.01,
-        metadata={"doc": "share of documents held out for validation (by a stable hash)", "ge": 0.0, "le": 0.5},
+        metadata={"doc": "share of documents held out for validation (by a stable hash)", "ge": 0.0, "le": 0.5,
+                  "held_out": "share"},
     )
     invalid_utf8: str = field(
         default="error",
