@@ -69,13 +69,15 @@ def rank_has_rows(recipe, runtime, source, tokenizer, dp_rank: int, dp_size: int
     return next(iter(rows), None) is not None
 
 
-def empty_set_error(recipe, rows: int | None = None, without: str | None = None) -> NoDocuments:
+def empty_set_error(recipe, rows: int | None = None, without: str | None = None, fix: str | None = None
+                    ) -> NoDocuments:
     """The refusal of a held-out set of `rows` rows (the run's, by default) that no rank holds a row of;
-    without: the fix that needs no held-out data, when it is not training's (validation.enable = false)."""
+    without: the fix that needs no held-out data, when it is not training's (validation.enable = false); fix: the
+    whole fix instead (eval of an export, whose settings are flags)."""
     data = recipe.data
     rows = held_out_rows(recipe) if rows is None else rows
     return no_documents_error("validation", shards_read(rows, data.logical_shards), None, data.logical_shards,
-                              data.min_document_tokens, without)
+                              data.min_document_tokens, without, fix)
 
 
 def short_set_note(recipe, found: int, batches: int | None = None, asked: str = "validation.steps",

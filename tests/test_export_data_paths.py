@@ -243,6 +243,39 @@ def test_a_flag_that_holds_out_documents_the_run_trained_on_is_said(plain_run, t
         assert f"note: {note}" in err and data["note"].startswith(note), err
 
 
+@pytest.mark.parametrize("flag, fix", [
+    ("--data.min_document_tokens=100000", "Fix: drop --data.min_document_tokens=100000 (the recipe saved with the "
+                                          "model keeps documents of every length), or give a lower value."),
+    ("--data.text_files.validation_fraction=0.0001", "Fix: drop --data.text_files.validation_fraction=0.0001 (the run "
+                                                     "held out 0.2), or give a share up to the run's."),
+])
+def test_an_empty_held_out_set_of_an_export_names_the_flag_that_emptied_it(plain_run, tmp_path, capsys, flag, fix):
+    """The data's own fix ('raise the data source's validation_fraction ..., or evaluate with the data settings of
+    the run's own recipe.toml') was wrapped in a second one naming --data.text_files.FIELD, neither naming the flag
+    that emptied the set."""
+    capsys.readouterr()
+    code = cli.main(["eval", str(plain_run / "plain.pt"), flag, "--out", str(tmp_path / "eval"), *EVAL])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("Fix:") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: data split 'validation': all 4 logical shards hold no documents") and fix in err, err
+    assert not (tmp_path / "eval").exists()
+
+
+def test_an_empty_held_out_set_read_as_the_run_read_it_names_flags_that_fill_it():
+    """No flag emptied it: fewer logical shards where the set reads only some, other data; not a larger share of the
+    run's own data, which would hold out documents the model trained on."""
+    from types import SimpleNamespace
+
+    from components.data.sources import TextFilesArgs
+    from nsa_titan.evaluate.export_flags import empty_set_fix
+
+    data = SimpleNamespace(source="text_files", source_args=TextFilesArgs(paths=["a.jsonl"]), min_document_tokens=5,
+                           logical_shards=4)
+    assert empty_set_fix(data, data, 2, "`X`") == ("give a lower --data.min_document_tokens (now 5), or fewer "
+                                                   "--data.logical_shards (now 4; each then holds more documents), or "
+                                                   "other held-out data, e.g. `X`")
+
+
 HUB = dict(path="parquet", name="", data_files=["web/b.parquet"])
 
 

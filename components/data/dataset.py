@@ -239,10 +239,11 @@ def read_plainly(source, args: tuple, **kwargs) -> Iterator:
 
 def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logical_shards: int,
                        min_document_tokens: int,
-                       without: str | None = None) -> NoDocuments:
+                       without: str | None = None, instead: str | None = None) -> NoDocuments:
     """The stream of a rank whose logical shards hold no document (it would wait forever for one); dp_rank
     None: shards read by no one rank (every rank's share of the held-out set). without: the fix of a held-out
-    set that needs no data, when not training's (validation.enable = false)."""
+    set that needs no data, when not training's (validation.enable = false); instead: the whole fix, in place of the
+    recipe fields named here (a caller that takes its settings otherwise, and knows which change works)."""
     shards = sorted(shards)
     which = (f"all {logical_shards} logical shards" if len(shards) == logical_shards else
              f"logical shards {shards}" if len(shards) <= 8 else
@@ -258,7 +259,8 @@ def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logic
     if min_document_tokens:
         fix += ", or lower data.min_document_tokens"
     whose = "" if dp_rank is None else f" of data-parallel rank {dp_rank}"
-    return NoDocuments(f"data split {split!r}: {which}{whose} hold no documents{at_least}, so {what}. Fix: {fix}.")
+    return NoDocuments(f"data split {split!r}: {which}{whose} hold no documents{at_least}, so {what}. Fix: "
+                       f"{fix if instead is None else instead}.")
 
 
 def row_document_starts(starts, seq_len: int) -> torch.Tensor:

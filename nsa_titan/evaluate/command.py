@@ -26,6 +26,7 @@ from nsa_titan.command_options import (check_output, refuse_earlier_results, ref
                                        take_option, write_results)
 from nsa_titan.config import resolve
 from nsa_titan.document_start import documents_of
+from nsa_titan.evaluate.export_flags import empty_set_fix, held_out_note
 from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length, unwritable_keys
 from nsa_titan.evaluate.position_loss import loss_by_position
 from nsa_titan.evaluate.plots import passkey_figure, position_loss_figure
@@ -59,9 +60,9 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
 
 
 def _load(argv: list[str]):
-    """(model, tokenizer, recipe, what was loaded, the resolved recipe or None, a note on the held-out set or None)
-    from a recipe's checkpoint or an exported file (with its data flags)."""
-    from nsa_titan.evaluate.export_flags import held_out_note, refuse_other_flags
+    """(model, tokenizer, recipe, what was loaded, the resolved recipe or None, an export's saved data settings
+    without its data flags or None) from a recipe's checkpoint or an exported file (with its data flags)."""
+    from nsa_titan.evaluate.export_flags import refuse_other_flags
     from nsa_titan.export import load_checkpoint_model, load_exported_run
     from nsa_titan.rebuild import say_on_stderr
     from nsa_titan.run_folder import recipe_change_note
@@ -79,10 +80,7 @@ def _load(argv: list[str]):
     refuse_other_flags(argv[1:])  # again: the export's plugins may have registered a tokenizer
     if run.missing_data is not None:  # eval reads the held-out set
         raise run.missing_data
-    note = held_out_note(run.saved_data, run.recipe.data)
-    if note:  # said before the work, and kept in eval.json with the numbers
-        say_on_stderr(f"note: {note}")
-    return run.model, run.tokenizer, run.recipe, f"{argv[0]} (step {run.meta['step']})", None, note
+    return run.model, run.tokenizer, run.recipe, f"{argv[0]} (step {run.meta['step']})", None, run.saved_data
 
 
 def run_command(argv: list[str]) -> int:
@@ -137,7 +135,12 @@ def run_command(argv: list[str]) -> int:
         manager = task_manager(task_names, task_dir)
         check_tasks_load(task_names, manager)
     pyplot()  # fail before the work when matplotlib is missing
-    model, tokenizer, recipe, loaded, resolved, note = _load(argv)
+    model, tokenizer, recipe, loaded, resolved, saved = _load(argv)
+    note = None if saved is None else held_out_note(saved, recipe.data)
+    if note:  # said before the work, and kept in eval.json with the numbers
+        from nsa_titan.rebuild import say_on_stderr
+
+        say_on_stderr(f"note: {note}")
     if trials:
         lengths = _passkey_lengths(model, tokenizer, recipe, lengths)
 
@@ -154,10 +157,6 @@ def run_command(argv: list[str]) -> int:
             raise no_split_error(source, "validation", without=None)
         every_row = held_out_set.rank_rows(recipe, runtime, source, tokenizer, 0, 1, rows)
         held_out = list(held_out_set.held_out_batches(every_row, t.local_batch_size, t.seq_len, None))
-        if not held_out:
-            # eval always reads the held-out set: the way out is the data its run validated on
-            raise held_out_set.empty_set_error(recipe, rows, "evaluate with the data settings of the run's own "
-                                               "recipe.toml (the set its validation loss was logged on)")
     except UserError as exc:
         if argv[0].endswith(".toml"):
             raise
@@ -170,6 +169,12 @@ def run_command(argv: list[str]) -> int:
         raise UserError(f"the held-out data named by the recipe saved in {argv[0]!r} cannot be read here ({why}). "
                         f"Fix: make the data readable where that recipe names it, or give the data settings that "
                         f"read it here as flags, e.g. {example}.") from None
+    if not held_out:  # eval always reads the held-out set: the way out is the data its run validated on
+        raise held_out_set.empty_set_error(
+            recipe, rows, "evaluate with the data settings of the run's own recipe.toml (the set its validation loss "
+            "was logged on)",
+            None if saved is None else empty_set_fix(saved, recipe.data, rows, _data_override_example(
+                recipe.data, argv[0], out)))
     _say_short_set(recipe, held_out, batches[0] if batches else None)
     positions = loss_by_position(model, documents, held_out, recipe.training.seq_len, progress("held-out loss"),
                                  tokenizer.eos_id, tokenizer.bos_id if recipe.data.add_bos else None)

@@ -77,15 +77,8 @@ def held_out_note(saved, data) -> str | None:
     lower share is a part of the run's held-out set; a named split, another corpus or another synthetic seed (its
     held-out documents come from their own seed stream) hold no training document. `saved`, `data`: the saved
     recipe's data settings and those read now, their relative paths as read here."""
-    was = _tables(saved)
     found = []
-    for table, (source, args) in _tables(data).items():
-        if table not in was or was[table][0] != source or not dataclasses.is_dataclass(args):
-            continue
-        old = was[table][1]
-        if _corpus(old) != _corpus(args):
-            continue
-        held = {fld.name: fld.metadata["held_out"] for fld in dataclasses.fields(args) if "held_out" in fld.metadata}
+    for table, old, args, held in _own_data(saved, data):
         if any(kind == "split" and getattr(args, name) for name, kind in held.items()):
             continue  # a named split: not the one trained on (the source's own check refuses that)
         for name, kind in held.items():
@@ -99,6 +92,17 @@ def held_out_note(saved, data) -> str | None:
         return None
     return (f"{'; '.join(found)}, so the held-out loss read is partly over documents the model trained on (a share "
             f"no larger than the run's, or other data, holds none)")
+
+
+def _own_data(saved, data):
+    """(table, the saved arguments, those read now, {field: its "held_out" kind}) of each source read now that is
+    the run's own: the same source in the same table, with the same "path" fields."""
+    was = _tables(saved)
+    for table, (source, args) in _tables(data).items():
+        if table in was and was[table][0] == source and dataclasses.is_dataclass(args) and \
+                _corpus(was[table][1]) == _corpus(args):
+            yield table, was[table][1], args, {fld.name: fld.metadata["held_out"] for fld in dataclasses.fields(args)
+                                               if "held_out" in fld.metadata}
 
 
 def _tables(data) -> dict:
@@ -116,3 +120,26 @@ def _corpus(args) -> dict:
 
     return {fld.name: [here(t) for t in value] if isinstance(value, list) else here(value)
             for fld in dataclasses.fields(args) if "path" in fld.metadata for value in [getattr(args, fld.name)]}
+
+
+def empty_set_fix(saved, data, rows: int, example: str) -> str:
+    """The fix, in the flags eval of an export takes, of a held-out set whose logical shards hold no document: the
+    flag that raised data.min_document_tokens above the run's where one did, else the settings that read more of
+    the same held-out documents, or other data (`example`: an eval with a flag for it). A larger share of the run's
+    own data is not one: it would hold out documents the model trained on."""
+    from nsa_titan.held_out import shards_read
+
+    run = saved.min_document_tokens
+    if data.min_document_tokens > run:
+        kept = f"of at least {run} tokens" if run else "of every length"
+        return (f"drop --data.min_document_tokens={data.min_document_tokens} (the recipe saved with the model keeps "
+                f"documents {kept}), or give a lower value")
+    lowered = [f"--data.{table[len('data.'):]}.{name}={getattr(args, name)} (the run held out {getattr(old, name)})"
+               for table, old, args, held in _own_data(saved, data) for name, kind in held.items()
+               if kind == "share" and getattr(args, name) < getattr(old, name)]
+    if lowered:  # a part of the run's held-out set
+        return f"drop {', '.join(lowered)}, or give a share up to the run's"
+    ways = [f"a lower --data.min_document_tokens (now {data.min_document_tokens})"] if data.min_document_tokens else []
+    if len(shards_read(rows, data.logical_shards)) < data.logical_shards:  # the set reads only some of the shards
+        ways.append(f"fewer --data.logical_shards (now {data.logical_shards}; each then holds more documents)")
+    return f"give {', or '.join(ways + [f'other held-out data, e.g. {example}'])}"
