@@ -1,6 +1,12 @@
 """The one exception type for problems with what the user asked for."""
 
+import contextlib
+import contextvars
 import os
+
+# Where a relative path is read from, as messages name it: a run's recipe reads every path (but extends) from the
+# directory the run starts in; a command reading paths given on its own command line names its own words.
+_RELATIVE_TO = contextvars.ContextVar("relative_to", default="the directory the run starts in")
 
 
 class UserError(Exception):
@@ -23,4 +29,14 @@ def read_from(path: str) -> str:
     relative to the directory the run starts in (not the recipe's folder), which a message must say to be fixed."""
     if os.path.isabs(os.path.expanduser(path)):
         return ""
-    return f" (relative to the directory the run starts in, {os.getcwd()})"
+    return f" (relative to {_RELATIVE_TO.get()}, {os.getcwd()})"
+
+
+@contextlib.contextmanager
+def relative_paths_read_from(words: str):
+    """Within it, read_from names the folder relative paths are read from by `words` (eval: "the current folder")."""
+    token = _RELATIVE_TO.set(words)
+    try:
+        yield
+    finally:
+        _RELATIVE_TO.reset(token)

@@ -276,6 +276,20 @@ def test_an_empty_held_out_set_read_as_the_run_read_it_names_flags_that_fill_it(
                                                    "other held-out data, e.g. `X`")
 
 
+def test_a_data_flags_path_that_matches_nothing_is_named_relative_to_the_current_folder(plain_run, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """It said 'relative to the directory the run starts in', which names a training run's start (still its words)."""
+    from components.errors import read_from
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["eval", str(plain_run / "plain.pt"), "--data.text_files.paths=gone/*.jsonl", "--out", "eval",
+                     *EVAL]) == 2
+    err = capsys.readouterr().err
+    assert f"the pattern 'gone/*.jsonl' matches no file (relative to the current folder, {tmp_path})" in err, err
+    assert "the run starts in" not in err and read_from("x").startswith(" (relative to the directory the run starts")
+
+
 HUB = dict(path="parquet", name="", data_files=["web/b.parquet"])
 
 

@@ -19,7 +19,7 @@ import os
 import shlex
 
 from components.data import MIXTURE, holds_split, no_split_error
-from components.errors import UserError
+from components.errors import UserError, relative_paths_read_from
 from nsa_titan import assemble, registry
 from nsa_titan import held_out as held_out_set
 from nsa_titan.command_options import (check_output, refuse_earlier_results, refuse_unknown_options, take_flag,
@@ -84,7 +84,11 @@ def _load(argv: list[str]):
 
 
 def run_command(argv: list[str]) -> int:
-    argv = list(argv)
+    with relative_paths_read_from("the current folder"):  # eval is no run: its paths are read from where it starts
+        return _evaluate(list(argv))
+
+
+def _evaluate(argv: list[str]) -> int:
     depths_given = any(arg == "--depths" or arg.startswith("--depths=") for arg in argv)
     out = take_option(argv, "--out")
     if not out:
