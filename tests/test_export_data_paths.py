@@ -294,8 +294,9 @@ HUB = dict(path="parquet", name="", data_files=["web/b.parquet"])
 
 
 @pytest.mark.parametrize("source, saved, given, note", [
-    ("huggingface", dict(HUB, validation_split="validation"), dict(HUB), "data.huggingface.validation_split = '' holds "
-     "out a share of the split the run trained on whole (it held out split 'validation')"),
+    ("huggingface", dict(HUB, validation_split="validation"), dict(HUB, validation_fraction=0.5), "data.huggingface."
+     "validation_split = '' holds out a share of the split the run trained on whole (it held out split 'validation'), "
+     "so"),
     ("huggingface", dict(HUB), dict(HUB, validation_split="test"), None),  # a split no run trained on
     ("huggingface", dict(HUB, validation_split="validation"), dict(HUB, validation_split="validation",
                                                                    validation_fraction=0.5), None),  # the share unused

@@ -81,13 +81,14 @@ def held_out_note(saved, data) -> str | None:
     for table, old, args, held in _own_data(saved, data):
         if any(kind == "split" and getattr(args, name) for name, kind in held.items()):
             continue  # a named split: not the one trained on (the source's own check refuses that)
-        for name, kind in held.items():
-            now, then = getattr(args, name), getattr(old, name)
-            if kind == "split" and then:
-                found.append(f"{table}.{name} = '' holds out a share of the split the run trained on whole (it held "
-                             f"out split {then!r})")
-            elif kind == "share" and now > then:
-                found.append(f"{table}.{name} = {now} holds out documents the run trained on (it held out {then})")
+        named = [(name, getattr(old, name)) for name, kind in held.items() if kind == "split" and getattr(old, name)]
+        if named:  # the run held out a split, and trained on every document of the one now shared out
+            found += [f"{table}.{name} = '' holds out a share of the split the run trained on whole (it held out split "
+                      f"{then!r})" for name, then in named]
+        else:
+            found += [f"{table}.{name} = {getattr(args, name)} holds out documents the run trained on (it held out "
+                      f"{getattr(old, name)})" for name, kind in held.items()
+                      if kind == "share" and getattr(args, name) > getattr(old, name)]
     if not found:
         return None
     return (f"{'; '.join(found)}, so the held-out loss read is partly over documents the model trained on (a share "
