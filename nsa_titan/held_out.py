@@ -23,6 +23,9 @@ from components.data import NoDocuments, no_documents_error, shards_of_rank
 from nsa_titan.loss import IGNORE_INDEX
 
 
+MORE_HELD_OUT = "hold out more documents (the source's validation_fraction or split)"
+
+
 def rows_per_batch(recipe) -> int:
     """The rows of one validation batch: training.global_batch_size; with global_batch_size = -1 (which
     follows the world size) one process's local batch, so the set does not follow the world size."""
@@ -81,10 +84,11 @@ def empty_set_error(recipe, rows: int | None = None, without: str | None = None,
 
 
 def short_set_note(recipe, found: int, batches: int | None = None, asked: str = "validation.steps",
-                   fewer: str = "validation.steps") -> str | None:
+                   fewer: str = "validation.steps", more: str = MORE_HELD_OUT) -> str | None:
     """What a held-out set of `found` real rows that its shards cannot fill (few held-out documents, most shards
     holding none) means for its loss; None when it holds the rows asked for: `batches` batches (validation.steps
-    by default), which `asked` names, and `fewer` is the setting that asks for fewer."""
+    by default), which `asked` names, `fewer` is the setting that asks for fewer and `more` the way to more
+    held-out documents."""
     per_batch, seq_len = rows_per_batch(recipe), recipe.training.seq_len
     rows = per_batch * (recipe.validation.steps if batches is None else batches)
     if found >= rows:
@@ -93,7 +97,7 @@ def short_set_note(recipe, found: int, batches: int | None = None, asked: str = 
     ask_fewer = f"ask for fewer ({fewer} {fits} at most), or " if fits else ""
     return (f"the held-out set holds {found} of the {rows} rows {asked} asks for: the logical shards' held-out "
             f"documents do not fill their share, so the loss covers {found} rows of {seq_len} tokens. Fix: "
-            f"{ask_fewer}hold out more documents (the source's validation_fraction or split).")
+            f"{ask_fewer}{more}.")
 
 
 def batches_per_rank(rows: int, logical_shards: int, dp_size: int, batch_size: int) -> int:

@@ -271,9 +271,9 @@ def test_an_empty_held_out_set_read_as_the_run_read_it_names_flags_that_fill_it(
 
     data = SimpleNamespace(source="text_files", source_args=TextFilesArgs(paths=["a.jsonl"]), min_document_tokens=5,
                            logical_shards=4)
-    assert empty_set_fix(data, data, 2, "`X`") == ("give a lower --data.min_document_tokens (now 5), or fewer "
+    assert empty_set_fix(data, data, 2, "`X`") == ("lower --data.min_document_tokens (now 5), or give fewer "
                                                    "--data.logical_shards (now 4; each then holds more documents), or "
-                                                   "other held-out data, e.g. `X`")
+                                                   "read other held-out data, e.g. `X`")
 
 
 def test_a_data_flags_path_that_matches_nothing_is_named_relative_to_the_current_folder(plain_run, tmp_path,
@@ -288,6 +288,24 @@ def test_a_data_flags_path_that_matches_nothing_is_named_relative_to_the_current
     err = capsys.readouterr().err
     assert f"the pattern 'gone/*.jsonl' matches no file (relative to the current folder, {tmp_path})" in err, err
     assert "the run starts in" not in err and read_from("x").startswith(" (relative to the directory the run starts")
+
+
+@pytest.mark.parametrize("flags, fix", [
+    (["--data.text_files.validation_fraction=0.1"], "Fix: drop --data.text_files.validation_fraction=0.1 (the run held "
+                                                    "out 0.2), or give a share up to the run's."),
+    (["--data.text_files.paths=other.jsonl", "--data.text_files.validation_fraction=0.05"],
+     "Fix: hold out more of the data read (its validation_fraction or validation_split), e.g. `nsa-titan eval "),
+])
+def test_a_short_held_out_set_of_an_export_names_a_way_to_more_held_out_documents(plain_run, tmp_path, monkeypatch,
+                                                                                  capsys, flags, fix):
+    """It said 'hold out more documents (the source's validation_fraction or split)', which over the run's own data
+    holds out documents the model trained on, and named no flag."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(str(tmp_path / "other.jsonl"), unique_texts(60, seed=9))
+    capsys.readouterr()
+    assert cli.main(["eval", str(plain_run / "plain.pt"), *flags, "--out", "eval", *EVAL]) == 0
+    err = capsys.readouterr().err
+    assert "note: the held-out set holds " in err and fix in err, err
 
 
 HUB = dict(path="parquet", name="", data_files=["web/b.parquet"])

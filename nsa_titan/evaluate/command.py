@@ -26,7 +26,7 @@ from nsa_titan.command_options import (check_output, refuse_earlier_results, ref
                                        take_option, write_results)
 from nsa_titan.config import resolve
 from nsa_titan.document_start import documents_of
-from nsa_titan.evaluate.export_flags import empty_set_fix, held_out_note
+from nsa_titan.evaluate.export_flags import empty_set_fix, held_out_note, more_held_out
 from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length, unwritable_keys
 from nsa_titan.evaluate.position_loss import loss_by_position
 from nsa_titan.evaluate.plots import passkey_figure, position_loss_figure
@@ -179,7 +179,9 @@ def _evaluate(argv: list[str]) -> int:
             "was logged on)",
             None if saved is None else empty_set_fix(saved, recipe.data, rows, _data_override_example(
                 recipe.data, argv[0], out)))
-    _say_short_set(recipe, held_out, batches[0] if batches else None)
+    more = None if saved is None else more_held_out(saved, recipe.data, _data_override_example(recipe.data, argv[0],
+                                                                                                  out))
+    _say_short_set(recipe, held_out, batches[0] if batches else None, more)
     positions = loss_by_position(model, documents, held_out, recipe.training.seq_len, progress("held-out loss"),
                                  tokenizer.eos_id, tokenizer.bos_id if recipe.data.add_bos else None)
 
@@ -232,14 +234,15 @@ def _data_override_example(data, model: str, out: str) -> str:
     return f"`nsa-titan eval {model} {flag} --out {out}`"
 
 
-def _say_short_set(recipe, held_out: list[dict], batches: int | None) -> None:
+def _say_short_set(recipe, held_out: list[dict], batches: int | None, more: str | None) -> None:
     """A held-out set its shards cannot fill gives the numbers of fewer rows than asked for: said, as training
-    says it, so results of sets of other sizes are not compared unawares."""
+    says it, so results of sets of other sizes are not compared unawares; more: the way to more held-out documents
+    (training's by default)."""
     from nsa_titan.rebuild import say_on_stderr
 
     found = sum(int(batch["input"].shape[0]) for batch in held_out)
     asked = "--batches" if batches is not None else "validation.steps (eval's default --batches)"
-    note = held_out_set.short_set_note(recipe, found, batches, asked, "--batches")
+    note = held_out_set.short_set_note(recipe, found, batches, asked, "--batches", more or held_out_set.MORE_HELD_OUT)
     if note:
         say_on_stderr(f"note: {note}")
 

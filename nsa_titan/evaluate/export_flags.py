@@ -126,8 +126,7 @@ def _corpus(args) -> dict:
 def empty_set_fix(saved, data, rows: int, example: str) -> str:
     """The fix, in the flags eval of an export takes, of a held-out set whose logical shards hold no document: the
     flag that raised data.min_document_tokens above the run's where one did, else the settings that read more of
-    the same held-out documents, or other data (`example`: an eval with a flag for it). A larger share of the run's
-    own data is not one: it would hold out documents the model trained on."""
+    the same held-out documents, or more_held_out's."""
     from nsa_titan.held_out import shards_read
 
     run = saved.min_document_tokens
@@ -135,12 +134,23 @@ def empty_set_fix(saved, data, rows: int, example: str) -> str:
         kept = f"of at least {run} tokens" if run else "of every length"
         return (f"drop --data.min_document_tokens={data.min_document_tokens} (the recipe saved with the model keeps "
                 f"documents {kept}), or give a lower value")
-    lowered = [f"--data.{table[len('data.'):]}.{name}={getattr(args, name)} (the run held out {getattr(old, name)})"
-               for table, old, args, held in _own_data(saved, data) for name, kind in held.items()
-               if kind == "share" and getattr(args, name) < getattr(old, name)]
-    if lowered:  # a part of the run's held-out set
-        return f"drop {', '.join(lowered)}, or give a share up to the run's"
-    ways = [f"a lower --data.min_document_tokens (now {data.min_document_tokens})"] if data.min_document_tokens else []
+    ways = [f"lower --data.min_document_tokens (now {data.min_document_tokens})"] if data.min_document_tokens else []
     if len(shards_read(rows, data.logical_shards)) < data.logical_shards:  # the set reads only some of the shards
-        ways.append(f"fewer --data.logical_shards (now {data.logical_shards}; each then holds more documents)")
-    return f"give {', or '.join(ways + [f'other held-out data, e.g. {example}'])}"
+        ways.append(f"give fewer --data.logical_shards (now {data.logical_shards}; each then holds more documents)")
+    return ", or ".join(ways + [more_held_out(saved, data, example)])
+
+
+def more_held_out(saved, data, example: str) -> str:
+    """The way to more held-out documents, in the flags eval of an export takes (`example`: an eval with a flag of
+    the source's): drop a flag that lowered a share below the run's (a part of its held-out set); over the run's own
+    data, other data, not a larger share (it would hold out documents the model trained on); over other data, a
+    larger share or another split of it."""
+    own = list(_own_data(saved, data))
+    lowered = [f"--data.{table[len('data.'):]}.{name}={getattr(args, name)} (the run held out {getattr(old, name)})"
+               for table, old, args, held in own for name, kind in held.items()
+               if kind == "share" and getattr(args, name) < getattr(old, name)]
+    if lowered:
+        return f"drop {', '.join(lowered)}, or give a share up to the run's"
+    if own:
+        return f"read other held-out data, e.g. {example}"
+    return f"hold out more of the data read (its validation_fraction or validation_split), e.g. {example}"
