@@ -248,6 +248,9 @@ def test_a_flag_that_holds_out_documents_the_run_trained_on_is_said(plain_run, t
                                           "model keeps documents of every length), or give a lower value."),
     ("--data.text_files.validation_fraction=0.0001", "Fix: drop --data.text_files.validation_fraction=0.0001 (the run "
                                                      "held out 0.2), or give a share up to the run's."),
+    # no share at all: the source holds out nothing ('Fix: set the source's validation_fraction above 0' inside)
+    ("--data.text_files.validation_fraction=0", "Fix: drop --data.text_files.validation_fraction=0.0 (the run held out "
+                                                "0.2), or give a share up to the run's"),
 ])
 def test_an_empty_held_out_set_of_an_export_names_the_flag_that_emptied_it(plain_run, tmp_path, capsys, flag, fix):
     """The data's own fix ('raise the data source's validation_fraction ..., or evaluate with the data settings of
@@ -257,7 +260,9 @@ def test_an_empty_held_out_set_of_an_export_names_the_flag_that_emptied_it(plain
     code = cli.main(["eval", str(plain_run / "plain.pt"), flag, "--out", str(tmp_path / "eval"), *EVAL])
     err = capsys.readouterr().err
     assert code == 2 and err.count("Fix:") == 1 and "Traceback" not in err, err
-    assert err.startswith("error: data split 'validation': all 4 logical shards hold no documents") and fix in err, err
+    assert err.startswith(("error: data split 'validation': all 4 logical shards hold no documents",
+                           "error: the data source (TextFilesSource) holds out no validation documents")), err
+    assert fix in err, err
     assert not (tmp_path / "eval").exists()
 
 

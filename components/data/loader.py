@@ -125,13 +125,16 @@ def holds_split(source, split: str) -> bool:
     return has_split is None or bool(has_split(split))
 
 
-def no_split_error(source, split: str, without: str | None = "turn validation off (validation.enable = false)"):
+def no_split_error(source, split: str, without: str | None = "turn validation off (validation.enable = false)",
+                   instead: str | None = None):
     """The refusal of a split the source holds out nothing for; without: the way on that needs no such data, when
-    the caller has one (eval reads the held-out set whatever validation.enable says: None)."""
+    the caller has one (eval reads the held-out set whatever validation.enable says: None); instead: the whole fix,
+    from a caller that takes its settings otherwise."""
     other = f", or {without}" if without else ""
+    fix = f"set the source's validation_fraction above 0 (or its validation_split){other}" if instead is None else \
+        instead
     return UserError(f"the data source ({type(source).__name__}) holds out no {split} documents (a built-in source "
-                     f"with validation_fraction = 0; a plugin's whose has_split({split!r}) is False). Fix: set the "
-                     f"source's validation_fraction above 0 (or its validation_split){other}")
+                     f"with validation_fraction = 0; a plugin's whose has_split({split!r}) is False). Fix: {fix}")
 
 
 def build_dataloader(

@@ -155,12 +155,12 @@ def _evaluate(argv: list[str]) -> int:
     # The run's held-out set (held_out.py): the rows its logged validation loss covers, or --batches of them.
     t = recipe.training
     rows = held_out_set.rows_per_batch(recipe) * (batches[0] if batches else recipe.validation.steps)
+    held_out = None  # where the source holds out nothing
     try:
         source = assemble.build_source(recipe)
-        if not holds_split(source, "validation"):  # its way on is not training's: eval reads the set either way
-            raise no_split_error(source, "validation", without=None)
-        every_row = held_out_set.rank_rows(recipe, runtime, source, tokenizer, 0, 1, rows)
-        held_out = list(held_out_set.held_out_batches(every_row, t.local_batch_size, t.seq_len, None))
+        if holds_split(source, "validation"):
+            every_row = held_out_set.rank_rows(recipe, runtime, source, tokenizer, 0, 1, rows)
+            held_out = list(held_out_set.held_out_batches(every_row, t.local_batch_size, t.seq_len, None))
     except UserError as exc:
         if argv[0].endswith(".toml"):
             raise
@@ -173,15 +173,17 @@ def _evaluate(argv: list[str]) -> int:
         raise UserError(f"the held-out data named by the recipe saved in {argv[0]!r} cannot be read here ({why}). "
                         f"Fix: make the data readable where that recipe names it, or give the data settings that "
                         f"read it here as flags, e.g. {example}.") from None
+    # An export's fixes are its data flags (export_flags.py); a recipe's, its fields.
+    example = None if saved is None else _data_override_example(recipe.data, argv[0], out)
+    if held_out is None:  # its way on is not training's: eval reads the set either way
+        raise no_split_error(source, "validation", without=None,
+                             instead=None if saved is None else more_held_out(saved, recipe.data, example))
     if not held_out:  # eval always reads the held-out set: the way out is the data its run validated on
         raise held_out_set.empty_set_error(
             recipe, rows, "evaluate with the data settings of the run's own recipe.toml (the set its validation loss "
-            "was logged on)",
-            None if saved is None else empty_set_fix(saved, recipe.data, rows, _data_override_example(
-                recipe.data, argv[0], out)))
-    more = None if saved is None else more_held_out(saved, recipe.data, _data_override_example(recipe.data, argv[0],
-                                                                                                  out))
-    _say_short_set(recipe, held_out, batches[0] if batches else None, more)
+            "was logged on)", None if saved is None else empty_set_fix(saved, recipe.data, rows, example))
+    _say_short_set(recipe, held_out, batches[0] if batches else None,
+                   None if saved is None else more_held_out(saved, recipe.data, example))
     positions = loss_by_position(model, documents, held_out, recipe.training.seq_len, progress("held-out loss"),
                                  tokenizer.eos_id, tokenizer.bos_id if recipe.data.add_bos else None)
 
