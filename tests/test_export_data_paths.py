@@ -299,7 +299,7 @@ def test_a_data_flags_path_that_matches_nothing_is_named_relative_to_the_current
     (["--data.text_files.validation_fraction=0.1"], "Fix: drop --data.text_files.validation_fraction=0.1 (the run held "
                                                     "out 0.2), or give a share up to the run's."),
     (["--data.text_files.paths=other.jsonl", "--data.text_files.validation_fraction=0.05"],
-     "Fix: hold out more of the data read (its validation_fraction or validation_split), e.g. `nsa-titan eval "),
+     "Fix: hold out more documents of the data read, e.g. `nsa-titan eval "),
 ])
 def test_a_short_held_out_set_of_an_export_names_a_way_to_more_held_out_documents(plain_run, tmp_path, monkeypatch,
                                                                                   capsys, flags, fix):
@@ -314,6 +314,24 @@ def test_a_short_held_out_set_of_an_export_names_a_way_to_more_held_out_document
 
 
 HUB = dict(path="parquet", name="", data_files=["web/b.parquet"])
+
+
+@pytest.mark.parametrize("source, saved, given, way", [
+    ("synthetic", {}, {}, "hold out more documents of the data read"),  # validation_documents: none trained on
+    ("huggingface", dict(HUB, validation_split="validation"),
+     dict(HUB, validation_split="validation", validation_fraction=0.0), "read other held-out data"),
+    ("huggingface", dict(HUB), dict(HUB, validation_fraction=0.0), "drop --data.huggingface.validation_fraction=0.0"),
+])
+def test_the_way_to_more_held_out_documents_follows_what_the_source_holds_out(source, saved, given, way):
+    from types import SimpleNamespace
+
+    from components.data.sources import SOURCES
+    from nsa_titan.evaluate.export_flags import more_held_out
+
+    args = SOURCES[source][0]
+    said = more_held_out(SimpleNamespace(source=source, source_args=args(**saved)),
+                         SimpleNamespace(source=source, source_args=args(**given)), "`X`")
+    assert said.startswith(way), said
 
 
 @pytest.mark.parametrize("source, saved, given, note", [

@@ -144,13 +144,15 @@ def more_held_out(saved, data, example: str) -> str:
     """The way to more held-out documents, in the flags eval of an export takes (`example`: an eval with a flag of
     the source's): drop a flag that lowered a share below the run's (a part of its held-out set); over the run's own
     data, other data, not a larger share (it would hold out documents the model trained on); over other data, a
-    larger share or another split of it."""
-    own = list(_own_data(saved, data))
+    larger share or another split of it. A source whose fields say nothing of what they hold out (synthetic's held-out
+    documents are drawn apart from its training ones) is as other data."""
+    own = [(table, old, args, held) for table, old, args, held in _own_data(saved, data) if held]
     lowered = [f"--data.{table[len('data.'):]}.{name}={getattr(args, name)} (the run held out {getattr(old, name)})"
-               for table, old, args, held in own for name, kind in held.items()
-               if kind == "share" and getattr(args, name) < getattr(old, name)]
+               for table, old, args, held in own for name, kind in held.items() if kind == "share"
+               and getattr(args, name) < getattr(old, name)
+               and not any(k == "split" and getattr(args, n) for n, k in held.items())]  # a named split: no share
     if lowered:
         return f"drop {', '.join(lowered)}, or give a share up to the run's"
     if own:
         return f"read other held-out data, e.g. {example}"
-    return f"hold out more of the data read (its validation_fraction or validation_split), e.g. {example}"
+    return f"hold out more documents of the data read, e.g. {example}"
