@@ -174,3 +174,34 @@ def test_a_step_with_another_batch_is_refused_and_leaves_the_cache_usable(modeli
             hf(input_ids=ids[:1, 11:12], past_key_values=cache)
         step = hf(input_ids=ids[:, 11:12], past_key_values=cache).logits
         torch.testing.assert_close(step, hf(input_ids=ids[:, :12]).logits[:, -1:], rtol=1e-4, atol=1e-4)
+
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+
+
+def _greedy(hf, ids, new_tokens: int, **kwargs):
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **GREEDY, **kwargs)
+
+
+@pytest.mark.parametrize("argument", ["past_key_values", "cache"])
+def test_generate_goes_on_from_the_cache_it_returned(modeling, argument):
+    """generate(sequence, cache=returned) (or past_key_values=) reads only the tokens the cache has not seen and gives
+    the tokens and logits of one longer call (transformers refused it: "model_kwargs are not used by the model:
+    ['cache']")."""
+    from transformers import DynamicCache
+
+    from tests.test_hf_export import _count_tokens_per_call
+
+    _, hf = _pair(modeling, {}, (4, 2))
+    prompt = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6))
+    whole = _greedy(hf, prompt, 10)
+    first = _greedy(hf, prompt, 4)
+    calls = _count_tokens_per_call(hf)
+    rest = _greedy(hf, first.sequences, 6, **{argument: first[modeling._CACHE_FIELD]})
+    assert calls == [1] * 6
+    assert torch.equal(rest.sequences, whole.sequences)
+    torch.testing.assert_close(torch.stack(first.logits + rest.logits, 1), torch.stack(whole.logits, 1),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="keeps its own cache"):  # another kind is refused, not silently replaced
+        _greedy(hf, prompt, 2, **{argument: DynamicCache()})
+

@@ -209,12 +209,21 @@ def _writable(buffer: torch.Tensor, x: torch.Tensor) -> bool:
 class NSATitanCache:
     """Every layer's LayerCache and the number of tokens (input columns) seen, `skipped` of them (a leading end of
     text that stands apart) not held; for a padded batch, one cache per row (`rows`), each of that row's real tokens
-    only."""
+    only.
+
+    It answers what transformers' generate() asks of a cache given to it: its length, whether torch.compile or linear
+    attention apply (neither does), reorder_cache (beam search)."""
+
+    is_compileable = False
 
     def __init__(self, num_layers: int, rows: int = 0):
         self.layers = [LayerCache() for _ in range(num_layers)]
         self.length = self.skipped = 0
         self.rows = [NSATitanCache(num_layers) for _ in range(rows)] if rows else None
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.layers)  # no layer keeps a recurrent state
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -506,8 +515,9 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         return self.model.output
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, use_cache=None, labels=None,
-                return_dict=None, **kwargs):
-        cache = past_key_values if past_key_values is not None else kwargs.get("cache")  # transformers 5: cache
+                return_dict=None, cache=None, **kwargs):
+        # transformers 5 names the cache `cache`, 4 past_key_values; generate() checks its arguments against these names
+        cache = past_key_values if past_key_values is not None else cache
         if cache is not None and not isinstance(cache, NSATitanCache):
             raise ValueError(f"this model keeps its own cache (NSATitanCache), not {type(cache).__name__}")
         _refuse_unsupported(input_ids, kwargs, 0 if cache is None else cache.length)
@@ -634,9 +644,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
                                       **kwargs):
         # transformers 4 passes the cache as past_key_values, 5 as cache (with next_sequence_length)
         cache = past_key_values if past_key_values is not None else kwargs.get("cache")
-        if isinstance(cache, NSATitanCache) and cache.length:
+        if isinstance(cache, NSATitanCache):  # another kind reaches forward, which refuses it
             input_ids = input_ids[:, cache.length:]  # only the tokens the cache has not seen
-        else:
-            cache = None
         return {"input_ids": input_ids, "past_key_values": cache, "use_cache": use_cache,
                 "attention_mask": attention_mask}
