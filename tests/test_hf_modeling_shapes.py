@@ -205,3 +205,105 @@ def test_generate_goes_on_from_the_cache_it_returned(modeling, argument):
     with pytest.raises(ValueError, match="keeps its own cache"):  # another kind is refused, not silently replaced
         _greedy(hf, prompt, 2, **{argument: DynamicCache()})
 
+
+@pytest.mark.parametrize("form", ["drop", "keep"])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("nsa", [{}, None], ids=["nsa", "dense"])
+def test_a_cropped_cache_goes_on_as_the_shorter_sequence(modeling, nsa, padding, form):
+    """crop() takes the cache back to its first tokens, as assisted decoding does with the drafts the model rejects
+    (crop(-n) drops the last n, as transformers 5 asks; crop(n) keeps n, as 4 asks): the tokens after it see only
+    those, across the compressed blocks the dropped tokens had completed. A padded batch's rows lose only their own
+    tokens among the dropped columns."""
+    _, hf = _pair(modeling, nsa, (4, 2))
+    gen = torch.Generator().manual_seed(9)
+    ids, after = torch.randint(1, VOCAB, (2, 24), generator=gen), torch.randint(1, VOCAB, (2, 5), generator=gen)
+    mask = torch.ones(2, 24, dtype=torch.long)
+    if padding == "left":
+        mask[1, :3] = 0
+    elif padding == "right":  # row 1 ends at column 20: of the 7 columns dropped, 3 are its tokens
+        mask[0, 0] = mask[1, 20:] = 0
+    with torch.no_grad():
+        cache = hf(input_ids=ids[:, :12], attention_mask=mask[:, :12], use_cache=True).past_key_values
+        for t in range(12, 24):  # decode steps complete blocks in the cache
+            cache = hf(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).past_key_values
+        cache.crop(-7 if form == "drop" else 17)
+        assert cache.get_seq_length() == 17
+        cache.crop(0)  # drops nothing
+        mask = torch.cat([mask[:, :17], torch.ones(2, 5, dtype=torch.long)], 1)
+        got = hf(input_ids=after, attention_mask=mask, past_key_values=cache).logits
+        expected = hf(input_ids=torch.cat([ids[:, :17], after], 1), attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got, expected[:, 17:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@pytest.mark.parametrize("drafts", ["prompt_lookup", "assistant_model"])
+def test_assisted_and_prompt_lookup_decoding_give_the_greedy_tokens(modeling, monkeypatch, drafts, padded):
+    """Assisted and prompt-lookup decoding check draft tokens with one forward and crop the cache back to those
+    accepted (the cache had no crop(): AttributeError, or transformers 5's 'Assisted decoding requires a cache'): the
+    tokens and logits are greedy decoding's."""
+    _, hf = _pair(modeling, {}, (4, 2))
+    dropped, crop = [], modeling.NSATitanCache.crop
+
+    def counted(cache, tokens):
+        before = cache.length
+        crop(cache, tokens)
+        dropped.append(before - cache.length)
+
+    monkeypatch.setattr(modeling.NSATitanCache, "crop", counted)
+    prompt = torch.randint(1, VOCAB, (1, 14), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[0, :4] = 0
+    how = ({"prompt_lookup_num_tokens": 3} if drafts == "prompt_lookup" else
+           {"assistant_model": _pair(modeling, {}, (4, 2))[1]})  # other weights: most drafts are rejected
+    greedy = {**GREEDY, "eos_token_id": VOCAB - 1}  # transformers 4's prompt lookup needs one
+    plain = hf.generate(prompt, attention_mask=mask, max_new_tokens=16, **greedy)
+    drafted = hf.generate(prompt, attention_mask=mask, max_new_tokens=16, **greedy, **how)
+    assert torch.equal(drafted.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(drafted.logits, 1), torch.stack(plain.logits, 1), rtol=1e-4, atol=1e-4)
+    assert max(dropped) > 0, dropped  # rejected drafts were cropped away
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_a_chunked_prefill_gives_the_greedy_tokens(modeling, padded):
+    """generate(prefill_chunk_size=n) reads the prompt into the cache n tokens a call (transformers 5 refused it:
+    'Cannot use prefill chunking without a cache'): the tokens and logits of greedy decoding."""
+    if modeling._CACHE_FIELD != "cache":
+        pytest.skip("transformers 4 makes no cache for chunked prefill of a model with its own")
+    _, hf = _pair(modeling, {}, (4, 2))
+    prompt = torch.randint(1, VOCAB, (2, 23), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[1, :6] = 0
+    plain = hf.generate(prompt, attention_mask=mask, max_new_tokens=6, **GREEDY)
+    chunked = hf.generate(prompt, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=5, **GREEDY)
+    assert torch.equal(chunked.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(chunked.logits, 1), torch.stack(plain.logits, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_drafting_is_refused_up_front_where_transformers_cannot_crop_the_cache(modeling, monkeypatch):
+    """A transformers whose generate() crops the cache with its _crop_past_key_values (before 4.57) handles its own
+    cache classes only and failed on this model's after the first drafts (TypeError: object of type 'NSATitanCache'
+    has no len()): refused before any work, naming the argument and the fix."""
+    _, hf = _pair(modeling, {}, (4, 2))
+    monkeypatch.setattr(modeling.candidate_generator, "_crop_past_key_values", lambda *a: None, raising=False)
+    prompt = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="^prompt_lookup_num_tokens: transformers .* upgrade transformers"):
+        _greedy(hf, prompt, 4, prompt_lookup_num_tokens=3)
+
+
+def test_a_cache_repeated_and_selected_by_row_goes_on_for_each_row(modeling):
+    """batch_repeat_interleave and batch_select_indices (transformers' Cache methods for expanding and choosing rows):
+    each row then gives the logits of its own sequence."""
+    _, hf = _pair(modeling, {}, (4, 2))
+    gen = torch.Generator().manual_seed(12)
+    prompt, steps = torch.randint(1, VOCAB, (1, 13), generator=gen), torch.randint(1, VOCAB, (2, 3), generator=gen)
+    with torch.no_grad():
+        cache = hf(input_ids=prompt, use_cache=True).past_key_values
+        cache.batch_repeat_interleave(2)
+        got = hf(input_ids=steps[:, :2], past_key_values=cache).logits
+        cache.batch_select_indices(torch.tensor([1]))
+        last = hf(input_ids=steps[1:, 2:], past_key_values=cache).logits
+        expected = hf(input_ids=torch.cat([prompt.expand(2, -1), steps], 1), use_cache=False).logits
+    torch.testing.assert_close(got, expected[:, 13:15], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last, expected[1:, 15:], rtol=1e-4, atol=1e-4)

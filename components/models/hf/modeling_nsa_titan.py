@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 import transformers
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.generation import candidate_generator
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # transformers 5 names the output's cache field `cache` (the old name still works, with a warning); 4 has
@@ -51,6 +52,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 QUERY_CHUNK = 256  # queries per attention chunk
+# generate() arguments that verify draft tokens, then crop the cache back to those accepted
+_DRAFTING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
 def _prefix_rows(attention_mask) -> bool:
@@ -163,6 +166,16 @@ class LayerCache:
         picked.counts = dict(self.counts)
         return picked
 
+    def crop(self, tokens: int) -> None:
+        """Keep the first `tokens` entries of each name (NSAAttention then trims its compressed blocks to the ones the
+        kept tokens complete); the dropped entries stay in the buffers, to be written over."""
+        self.crop_names(tokens, *self.counts)
+
+    def crop_names(self, count: int, *names: str) -> None:
+        for name in names:
+            if name in self.counts:
+                self.counts[name] = min(self.counts[name], count)
+
     def copy(self) -> "LayerCache":
         """A cache of the same tokens sharing this one's buffers: neither writes into them again."""
         twin = LayerCache()
@@ -209,16 +222,19 @@ def _writable(buffer: torch.Tensor, x: torch.Tensor) -> bool:
 class NSATitanCache:
     """Every layer's LayerCache and the number of tokens (input columns) seen, `skipped` of them (a leading end of
     text that stands apart) not held; for a padded batch, one cache per row (`rows`), each of that row's real tokens
-    only.
+    only, and the column after its last one (`end`).
 
-    It answers what transformers' generate() asks of a cache given to it: its length, whether torch.compile or linear
-    attention apply (neither does), reorder_cache (beam search)."""
+    It answers what transformers' generate() asks of a cache: its length, whether torch.compile or linear attention
+    apply (neither does), reorder_cache (beam search), crop (assisted and prompt-lookup decoding take back the draft
+    tokens the model did not accept: every token is held, so it crops exactly), batch_repeat_interleave and
+    batch_select_indices."""
 
     is_compileable = False
+    is_croppable = True
 
     def __init__(self, num_layers: int, rows: int = 0):
         self.layers = [LayerCache() for _ in range(num_layers)]
-        self.length = self.skipped = 0
+        self.length = self.skipped = self.end = 0
         self.rows = [NSATitanCache(num_layers) for _ in range(rows)] if rows else None
 
     @property
@@ -227,6 +243,41 @@ class NSATitanCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+    def activate_past_recording(self) -> None:
+        """Nothing to record: crop() can go back to any length, as every token is held."""
+
+    def crop(self, tokens: int) -> None:
+        """Drop tokens from the end: crop(-n) the last n (transformers 5), crop(n) all but the first n (transformers
+        4); crop(0) drops nothing."""
+        keep = self.length + tokens if tokens < 0 else tokens if tokens > 0 else self.length
+        if keep < 0:
+            raise ValueError(f"crop({tokens}) asks to drop more than the cache's {self.length} tokens")
+        self._keep(keep)
+
+    def _keep(self, keep: int) -> None:
+        """Keep the first `keep` tokens (columns)."""
+        if keep >= self.length:
+            return
+        if self.rows is not None:  # a row's tokens end at its `end` column: those past `keep` go
+            for row in self.rows:
+                row._keep(max(0, row.length - max(0, row.end - keep)))
+                row.end = min(row.end, keep)
+        else:
+            if keep < self.skipped:  # the end of text that stood apart goes too
+                self.skipped = 0
+            for layer in self.layers:
+                layer.crop(keep - self.skipped)
+        self.length = keep
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes `repeats` rows in a row, which share its buffers until they write."""
+        rows = len(self.rows) if self.rows is not None else next(
+            (x.shape[0] for layer in self.layers for x in layer.buffers.values()), 0)
+        self.reorder_cache(torch.arange(rows).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: row i now continues row beam_idx[i]."""
@@ -237,7 +288,7 @@ class NSATitanCache:
     def _copy(self) -> "NSATitanCache":
         copy = NSATitanCache(0)
         copy.layers = [layer.copy() for layer in self.layers]
-        copy.length, copy.skipped = self.length, self.skipped
+        copy.length, copy.skipped, copy.end = self.length, self.skipped, self.end
         return copy
 
 
@@ -366,6 +417,8 @@ class NSAAttention(nn.Module):
         if cache is None:
             k_cmp, v_cmp = self._compressed(k_raw, v_raw, 0)
         else:
+            held = cache.count("k_raw")  # after a crop, only the blocks these tokens complete are kept
+            cache.crop_names(0 if held < self.l else (held - self.l) // self.d + 1, "k_cmp", "v_cmp")
             k_raw, v_raw, k_sel, v_sel, k_win, v_win = cache.extend(
                 c.max_seq_len, k_raw=k_raw, v_raw=v_raw, k_sel=k_sel, v_sel=v_sel, k_win=k_win, v_win=v_win)
             new_blocks = self._compressed(k_raw, v_raw, cache.count("k_cmp"))
@@ -579,6 +632,20 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError(f"the prompt's {prompt.shape[1]} tokens and the tokens asked for make {length}, over "
                                  f"max_seq_len {limit}: ask for at most {max(limit - prompt.shape[1], 0)} new tokens "
                                  f"(max_new_tokens)")
+        drafting = [name for name in _DRAFTING if kwargs.get(name, getattr(config, name, None))]
+        if drafting and hasattr(candidate_generator, "_crop_past_key_values"):
+            raise ValueError(f"{drafting[0]}: transformers {transformers.__version__} takes back rejected draft tokens "
+                             f"only from its own cache classes, not from this model's cache; upgrade transformers "
+                             f"(4.57 and later call the cache's crop()) or generate without {drafting[0]}")
+        if kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
+            kwargs.pop("past_key_values", None)
+            use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
+            other = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+            if _CACHE_FIELD == "cache" and use_cache is not False and other is None:
+                # transformers 5 makes no cache for a model with its own (it warns that a cache_implementation is
+                # ignored), and assisted decoding and chunked prefill need one before the first step: an empty one
+                # that the first forward fills
+                kwargs["cache"] = NSATitanCache(self.config.n_layers)
         return super().generate(inputs, generation_config, **kwargs)
 
     def _opens_apart(self, input_ids, cache) -> torch.Tensor:
@@ -636,6 +703,8 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
             row_cache, row = None if cache is None else cache.rows[i], input_ids[i, new][None]
             self._check_length((0 if row_cache is None else row_cache.length) + int(new.sum()))
             logits[i, new] = self._decode(row, row_cache, bool(self._opens_apart(row, row_cache)))[0].to(logits.dtype)
+            if row_cache is not None:
+                row_cache.end = seen + int(new.nonzero()[-1]) + 1
         if cache is not None:
             cache.length = seen + T
         return logits, cache
@@ -644,7 +713,13 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
                                       **kwargs):
         # transformers 4 passes the cache as past_key_values, 5 as cache (with next_sequence_length)
         cache = past_key_values if past_key_values is not None else kwargs.get("cache")
-        if isinstance(cache, NSATitanCache):  # another kind reaches forward, which refuses it
-            input_ids = input_ids[:, cache.length:]  # only the tokens the cache has not seen
+        if isinstance(cache, NSATitanCache):  # empty when generate() starts with one; another kind: forward refuses it
+            # Only the tokens the cache has not seen: generate() gives the whole sequence, or says how many are new
+            # (transformers 5's next_sequence_length); a chunked prefill gives just the next chunk, which after the
+            # first is never longer than what the cache holds
+            new = kwargs.get("next_sequence_length")
+            if new is None:
+                new = input_ids.shape[1] - cache.length if input_ids.shape[1] > cache.length else input_ids.shape[1]
+            input_ids = input_ids[:, input_ids.shape[1] - new:]
         return {"input_ids": input_ids, "past_key_values": cache, "use_cache": use_cache,
                 "attention_mask": attention_mask}
