@@ -206,6 +206,19 @@ def test_generate_goes_on_from_the_cache_it_returned(modeling, argument):
         _greedy(hf, prompt, 2, **{argument: DynamicCache()})
 
 
+def test_generate_refuses_a_sequence_its_cache_has_seen_whole(modeling):
+    """generate() goes on from a cache given the whole sequence: a part of it, or a sequence whose every token the cache
+    has seen (one made by a forward over it), failed with "cannot reshape tensor of 0 elements"."""
+    _, hf = _pair(modeling, {}, (4, 2))
+    prompt = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6))
+    first = _greedy(hf, prompt, 4)  # its cache has seen 15 tokens
+    with torch.no_grad():
+        seen = hf(input_ids=prompt, use_cache=True).past_key_values
+    for ids, cache in ((first.sequences[:, :10], first[modeling._CACHE_FIELD]), (prompt, seen)):
+        with pytest.raises(ValueError, match=rf"given {ids.shape[1]} token\(s\) .* give the whole sequence"):
+            _greedy(hf, ids, 3, cache=cache)
+
+
 @pytest.mark.parametrize("form", ["drop", "keep"])
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 @pytest.mark.parametrize("nsa", [{}, None], ids=["nsa", "dense"])

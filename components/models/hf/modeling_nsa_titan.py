@@ -530,6 +530,24 @@ def _refuse_unsupported(input_ids, kwargs: dict, start: int) -> None:
                              f"{start}, {start + 1}, ... (the tokens seen before these), as it computes them itself")
 
 
+def _unseen(input_ids, attention_mask, cache: NSATitanCache, kwargs: dict) -> int:
+    """How many of the last input tokens the cache has not seen. The mask, when generate() gives one, spans every
+    column; else transformers 5 says how many are new (next_sequence_length), or gives the whole sequence, or in a
+    chunked prefill just the next chunk, which after the first is never longer than what the cache holds."""
+    given = input_ids.shape[1]
+    if attention_mask is not None and attention_mask.dim() == 2:
+        new = attention_mask.shape[1] - cache.length
+    elif kwargs.get("next_sequence_length") is not None:
+        new = kwargs["next_sequence_length"]
+    else:
+        new = given - cache.length if given > cache.length else given
+    if not 0 < new <= given:
+        raise ValueError(f"generate() was given {given} token(s) and a cache that has seen {cache.length}: give the "
+                         f"whole sequence, the cache's tokens and at least one more (a cache from a forward over a "
+                         f"sequence has seen its last token too: make it from all but that one)")
+    return new
+
+
 class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = NSATitanConfig
     base_model_prefix = "model"
@@ -714,12 +732,6 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         # transformers 4 passes the cache as past_key_values, 5 as cache (with next_sequence_length)
         cache = past_key_values if past_key_values is not None else kwargs.get("cache")
         if isinstance(cache, NSATitanCache):  # empty when generate() starts with one; another kind: forward refuses it
-            # Only the tokens the cache has not seen: generate() gives the whole sequence, or says how many are new
-            # (transformers 5's next_sequence_length); a chunked prefill gives just the next chunk, which after the
-            # first is never longer than what the cache holds
-            new = kwargs.get("next_sequence_length")
-            if new is None:
-                new = input_ids.shape[1] - cache.length if input_ids.shape[1] > cache.length else input_ids.shape[1]
-            input_ids = input_ids[:, input_ids.shape[1] - new:]
+            input_ids = input_ids[:, input_ids.shape[1] - _unseen(input_ids, attention_mask, cache, kwargs):]
         return {"input_ids": input_ids, "past_key_values": cache, "use_cache": use_cache,
                 "attention_mask": attention_mask}
