@@ -618,8 +618,9 @@ def test_a_run_folder_not_found_names_the_directory_it_was_looked_for_in(tmp_pat
     """The recipe's ./outputs/debug is read from where the command starts, not beside the recipe: a command run
     from another directory than the training's said only that ./outputs/debug/checkpoint holds no checkpoint."""
     monkeypatch.chdir(tmp_path)
+    start = "the current folder" if command == "eval" else "the directory the run starts in"  # eval is no run
     refused(capsys, [command, DEBUG, *extra], "error: no complete checkpoint in ./outputs/debug/checkpoint (relative "
-            f"to the directory the run starts in, {tmp_path}). Fix: train with checkpoint.enable = true first")
+            f"to {start}, {tmp_path}). Fix: train with checkpoint.enable = true first")
     assert os.listdir(tmp_path) == []
 
 
