@@ -4,6 +4,7 @@ not a traceback from deep inside the measurement."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def _whole_number_at_least(text: str, low: int) -> int:
@@ -75,3 +76,11 @@ def recipe_problems(argv: list[str], **kwargs) -> str | None:
     except RecipeError as exc:
         return exc.render()
     return None
+
+
+def say_refusal(exc: Exception) -> int:
+    """Say a recipe's problems (RecipeError) or a bad input (UserError) on stderr as the command line does; exit 2."""
+    from nsa_titan.config import RecipeError
+
+    print(exc.render() if isinstance(exc, RecipeError) else f"error: {exc}", file=sys.stderr)
+    return 2

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.arguments import positive_int  # noqa: E402
+from bench.arguments import positive_int, say_refusal  # noqa: E402
 from bench.environment import describe_environment, shipped_recipe, write_report  # noqa: E402
 
 
@@ -88,12 +88,8 @@ def main(argv=None) -> int:
         recipe = resolved.recipe
         build, source, tokenizer = loader_factory(recipe)
         measured = measure(build, args.batches)
-    except RecipeError as exc:
-        print(exc.render(), file=sys.stderr)
-        return 2
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (RecipeError, UserError) as exc:
+        return say_refusal(exc)
     report = {"benchmark": "data_throughput", "environment": describe_environment(), "recipe": args.recipe,
               "overrides": args.override, "source": source, "tokenizer": tokenizer,
               "logical_shards": recipe.data.logical_shards, **measured}

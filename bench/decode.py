@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench.arguments import positive_int, refuse_overrides
+from bench.arguments import positive_int, refuse_overrides, say_refusal
 from bench.environment import describe_environment, shipped_recipe, write_report
 
 
@@ -141,12 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             r = results[-1]
             print(f"context {context:>6}: {r['cpu_ms_per_token']:.2f} ms/token CPU, {r['wall_ms_per_token']:.2f} wall",
                   flush=True)
-    except RecipeError as exc:
-        print(exc.render(), file=sys.stderr)
-        return 2
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (RecipeError, UserError) as exc:
+        return say_refusal(exc)
     report = {"benchmark": "decode", "environment": describe_environment(), "recipe": args.recipe,
               "overrides": args.override, "form": "hf" if args.hf else "package", "vocab_size": vocab,
               "threads": args.threads, "steps": args.steps, "repeats": args.repeats, "results": results}
