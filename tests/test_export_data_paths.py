@@ -56,23 +56,33 @@ def project(tmp_path_factory):
     write_parquet(str(project / "web" / "b.parquet"), unique_texts(60, seed=2))
     write_parquet(str(project / "books" / "train.parquet"), unique_texts(60, seed=3))
     (project / "mix.toml").write_text(MIXTURE)
+    return _trained_and_evaluated(project, RUN, "model.pt", "eval")
+
+
+def _trained_and_evaluated(project, run: list[str], export: str, out: str):
+    """`project` after training `run` there, exporting it as `export` and evaluating that into `out`."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.chdir(project)
-        assert cli.main(["train", *RUN]) == 0
-        assert cli.main(["export", *RUN, "--output", "model.pt"]) == 0
-        assert cli.main(["eval", "model.pt", "--out", "eval", *EVAL]) == 0
+        assert cli.main(["train", *run]) == 0
+        assert cli.main(["export", *run, "--output", export]) == 0
+        assert cli.main(["eval", export, "--out", out, *EVAL]) == 0
     return project
+
+
+def _exported(project, run: list[str], name: str, hf: str):
+    """project / name: the run's .pt export, or (name == hf) its --format hf folder, made there."""
+    if name == hf:
+        pytest.importorskip("safetensors", reason="the hf extra (pip install -e '.[hf]')")
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(project)
+            assert cli.main(["export", *run, "--format", "hf", "--output", hf]) == 0
+    return project / name
 
 
 @pytest.fixture(scope="module", params=["model.pt", "hf"])
 def export(request, project):
     """The run's export: a file, or a --format hf folder (which carries its tokenizer but not its data)."""
-    if request.param == "hf":
-        pytest.importorskip("safetensors", reason="the hf extra (pip install -e '.[hf]')")
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.chdir(project)
-            assert cli.main(["export", *RUN, "--format", "hf", "--output", "hf"]) == 0
-    return project / request.param
+    return _exported(project, RUN, request.param, "hf")
 
 
 def _position_loss(folder) -> dict:
@@ -143,22 +153,12 @@ PLAIN = [DEBUG, *TINY, "--training.steps=1", "--checkpoint.enable=true", "--job.
 @pytest.fixture(scope="module")
 def plain_run(project):
     """A text_files run over the project's corpus by a relative path, exported as plain.pt and evaluated there."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.chdir(project)
-        assert cli.main(["train", *PLAIN]) == 0
-        assert cli.main(["export", *PLAIN, "--output", "plain.pt"]) == 0
-        assert cli.main(["eval", "plain.pt", "--out", "plain_eval", *EVAL]) == 0
-    return project
+    return _trained_and_evaluated(project, PLAIN, "plain.pt", "plain_eval")
 
 
 @pytest.fixture(scope="module", params=["plain.pt", "plain_hf"])
 def plain(request, plain_run):
-    if request.param == "plain_hf":
-        pytest.importorskip("safetensors", reason="the hf extra (pip install -e '.[hf]')")
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.chdir(plain_run)
-            assert cli.main(["export", *PLAIN, "--format", "hf", "--output", "plain_hf"]) == 0
-    return plain_run / request.param
+    return _exported(plain_run, PLAIN, request.param, "plain_hf")
 
 
 def test_an_export_whose_data_is_gone_reads_it_where_a_data_flag_says(plain, tmp_path, monkeypatch, capsys):
