@@ -237,6 +237,27 @@ def test_invalid_hyperparameters_raise_user_error(change, field):
         run(inputs, dict(hp, **change))
 
 
+def test_window_keys_may_start_at_the_first_querys_window():
+    """window_start: k_win / v_win hold only the keys from that position on (a decode cache keeps the window's last
+    keys alone): the same outputs, one query or a chunk, bit for bit; a start past a query's window is refused."""
+    hp = hyper(8, 4, 16, 3, 20)
+    inputs = make_inputs(1, 90, 4, 2, 4, hp, seed=2)
+    cache = prefix(inputs, hp, 70)
+    for q_start in (69, 33):
+        queries = {k: v[:, q_start:70] for k, v in cache.items() if k in ("q", "gates")}
+        whole = nsa_attention_at(**{**cache, **queries}, q_start=q_start, **hp)
+        first = q_start - 20 + 1
+        for start in (first, first - 5):
+            recent = {k: v[:, start:] for k, v in cache.items() if k in ("k_win", "v_win")}
+            got = nsa_attention_at(**{**cache, **queries, **recent}, q_start=q_start, window_start=start, **hp)
+            assert torch.equal(got, whole)
+    with pytest.raises(ValueError, match="window_start must be a Python int in 0..14"):
+        nsa_attention_at(**{**cache, **queries, "k_win": cache["k_win"][:, 15:], "v_win": cache["v_win"][:, 15:]},
+                         q_start=33, window_start=15, **hp)
+    with pytest.raises(ValueError, match="k_win must be"):
+        nsa_attention_at(**{**cache, **queries}, q_start=33, window_start=4, **hp)
+
+
 def test_wrong_shapes_raise_value_error():
     hp = hyper(8, 4, 16, 3, 20)
     inputs = make_inputs(1, 40, 4, 2, 4, hp)

@@ -12,7 +12,7 @@ from torch import nn
 
 from components.models.args import TransformerArgs
 from components.models.context_parallel import ContextShard
-from components.models.kv_cache import LayerKV
+from components.models.kv_cache import LayerKV, RecentTokens
 from components.models.rope import apply_rope
 from components.nsa import nsa_attention, nsa_attention_at, select_blocks, select_blocks_of_last_queries
 from components.nsa.compression import KVCompressor, compressed_block_positions, num_compressed_blocks
@@ -198,15 +198,25 @@ class NSAAttention(nn.Module):
 
     # ---- incremental decoding -------------------------------------------------------------
     def new_layer_cache(self, batch_size: int, capacity: int, device, dtype) -> LayerKV:
+        """Full-length buffers for what selection reads (any block may be chosen) and the compressed blocks;
+        recent-token streams for compression's raw keys/values (the tokens of blocks not yet emitted: fewer than
+        block_size) and, with kv_per_branch, the window's keys/values (the last window_size - 1 before a step)."""
         tokens = (batch_size, capacity, self.n_kv_heads, self.head_dim)
         blocks = (batch_size, num_compressed_blocks(capacity, self.block_size, self.block_stride),
                   self.n_kv_heads, self.head_dim)
-        # shared K/V: "k" holds the rotated keys of sel/win, "v_raw" serves every branch
-        names = (("k_raw", "v_raw", "k_sel", "v_sel", "k_win", "v_win") if self.kv_per_branch else
-                 ("k_raw", "v_raw", "k"))
-        buffers = {name: torch.zeros(tokens, device=device, dtype=dtype) for name in names}
+
+        def recent(keep: int) -> RecentTokens:
+            return RecentTokens(keep, capacity, (batch_size, self.n_kv_heads, self.head_dim), device, dtype)
+
+        # shared K/V: "k" holds the rotated keys of sel/win, "v" serves every branch (compression included)
+        full = ("k_sel", "v_sel") if self.kv_per_branch else ("k", "v")
+        buffers = {name: torch.zeros(tokens, device=device, dtype=dtype) for name in full}
         buffers.update({name: torch.zeros(blocks, device=device, dtype=dtype) for name in ("k_cmp", "v_cmp")})
-        return LayerKV(buffers)
+        streams = {"k_raw": recent(self.block_size - 1)}
+        if self.kv_per_branch:
+            window = self.hyper["window_size"] - 1
+            streams.update(v_raw=recent(self.block_size - 1), k_win=recent(window), v_win=recent(window))
+        return LayerKV(buffers, streams)
 
     def forward_step(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV, start: int
@@ -218,26 +228,31 @@ class NSAAttention(nn.Module):
         B, Tn, _ = x.shape
         end = start + Tn
         p = self._project(x, cos, sin, torch.arange(start, end, device=x.device))
+        k_raw, raw_start = cache.extend_recent(start, "k_raw", p.k_raw)
         if self.kv_per_branch:
-            cache.write(start, k_raw=p.k_raw, v_raw=p.v_raw, k_sel=p.k_sel, v_sel=p.v_sel, k_win=p.k_win, v_win=p.v_win)
+            cache.write(start, k_sel=p.k_sel, v_sel=p.v_sel)
             k_sel, v_sel = cache.read("k_sel", end), cache.read("v_sel", end)
-            k_win, v_win = cache.read("k_win", end), cache.read("v_win", end)
+            v_raw, _ = cache.extend_recent(start, "v_raw", p.v_raw)
+            k_win, win_start = cache.extend_recent(start, "k_win", p.k_win)
+            v_win, _ = cache.extend_recent(start, "v_win", p.v_win)
         else:
-            cache.write(start, k_raw=p.k_raw, v_raw=p.v_raw, k=p.k_sel)
+            cache.write(start, k=p.k_sel, v=p.v_sel)
             k_sel = k_win = cache.read("k", end)
-            v_sel = v_win = cache.read("v_raw", end)
+            v_sel = v_win = v_raw = cache.read("v", end)
+            win_start = 0
 
         done = cache.num_compressed
         total = num_compressed_blocks(end, self.block_size, self.block_stride)
         if total > done:
-            # blocks done..total-1 span tokens [done*d, (total-1)*d + l)
+            # blocks done..total-1 span tokens [done*d, (total-1)*d + l); the streams hold them from raw_start on
             lo, hi = done * self.block_stride, (total - 1) * self.block_stride + self.block_size
-            k_raw, v_raw = cache.buffers["k_raw"][:, lo:hi], cache.buffers["v_raw"][:, lo:hi]
-            cache.buffers["k_cmp"][:, done:total] = self._compressed_keys(k_raw, cos, sin, first_block=done)
-            cache.buffers["v_cmp"][:, done:total] = self.compress_v(v_raw)
+            v_lo = lo if v_raw is v_sel else lo - raw_start
+            cache.buffers["k_cmp"][:, done:total] = self._compressed_keys(
+                k_raw[:, lo - raw_start:hi - raw_start], cos, sin, first_block=done)
+            cache.buffers["v_cmp"][:, done:total] = self.compress_v(v_raw[:, v_lo:v_lo + hi - lo])
             cache.num_compressed = total
         o = nsa_attention_at(
             p.q, cache.buffers["k_cmp"][:, :total], cache.buffers["v_cmp"][:, :total],
-            k_sel, v_sel, k_win, v_win, self.gates(x), q_start=start, **self.hyper,
+            k_sel, v_sel, k_win, v_win, self.gates(x), q_start=start, window_start=win_start, **self.hyper,
         )
         return self.wo(o.reshape(B, Tn, -1))

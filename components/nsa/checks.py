@@ -66,9 +66,11 @@ def check_selection_inputs(q, k_cmp, *, q_start: int, block_size: int, block_str
 
 
 def check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
-                           block_size: int, block_stride: int, cu_seqlens=None, cu_seqlens_q=None) -> None:
+                           block_size: int, block_stride: int, cu_seqlens=None, cu_seqlens_q=None,
+                           window_start: int = 0) -> None:
     """Shapes, dtypes and devices of the op's eight tensors (keys at positions 0 .. q_start + Tq - 1, or
-    with cu_seqlens_q as many as k_sel has: each document's queries are its last ones)."""
+    with cu_seqlens_q as many as k_sel has: each document's queries are its last ones; the window's keys
+    from window_start on)."""
     _check_tensor("q", q, q.device if isinstance(q, torch.Tensor) else None)
     named = dict(k_cmp=k_cmp, v_cmp=v_cmp, k_sel=k_sel, v_sel=v_sel, k_win=k_win, v_win=v_win, gates=gates)
     for name, x in named.items():
@@ -89,11 +91,12 @@ def check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *
     Hkv = k_sel.shape[2]
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (k_sel {_shape(k_sel)})")
-    token_shape = (B, Tk, Hkv, D)
     for name in ("k_sel", "v_sel", "k_win", "v_win"):
-        if _shape(named[name]) != token_shape:
+        held = Tk - window_start if name in ("k_win", "v_win") else Tk
+        if _shape(named[name]) != (B, held, Hkv, D):
+            since = f" - window_start {window_start}" if held != Tk else ""
             raise ValueError(
-                f"{name} must be [B, Tk, Hkv, D] = {token_shape} (Tk = q_start + Tq = {q_start} + {Tq}), "
+                f"{name} must be [B, Tk{since}, Hkv, D] = {(B, held, Hkv, D)} (Tk = q_start + Tq = {q_start} + {Tq}), "
                 f"got {_shape(named[name])}"
             )
     Tc = _num_compressed(q, k_cmp, Tk, block_size, block_stride, cu_seqlens)
@@ -110,16 +113,25 @@ def _check_packed_start(q_start: int, cu_seqlens) -> None:
         raise ValueError(f"cu_seqlens describes whole packed rows: q_start must be 0, got {q_start}")
 
 
+def check_window_start(window_start: int, q_start: int, window_size: int) -> None:
+    """The window's keys may start no later than the first query's window: max(0, q_start - w + 1)."""
+    first = max(0, q_start - window_size + 1)
+    if isinstance(window_start, bool) or not isinstance(window_start, int) or not 0 <= window_start <= first:
+        raise ValueError(f"window_start must be a Python int in 0..{first} (the first query at {q_start} sees keys "
+                         f"from {first} with window_size {window_size}), got {window_start!r}")
+
+
 def check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int, block_size: int,
                          block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
-                         cu_seqlens=None, cu_seqlens_q=None) -> None:
+                         cu_seqlens=None, cu_seqlens_q=None, window_start: int = 0) -> None:
     """Everything the op checks about one call computing attention (UserError or ValueError)."""
     check_q_start(q_start)
     _check_packed_start(q_start, cu_seqlens)
     check_hyperparameters(block_size, block_stride, sel_block_size, num_selected, window_size)
+    check_window_start(window_start, q_start, window_size)
     check_attention_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start,
                            block_size=block_size, block_stride=block_stride, cu_seqlens=cu_seqlens,
-                           cu_seqlens_q=cu_seqlens_q)
+                           cu_seqlens_q=cu_seqlens_q, window_start=window_start)
 
 
 def check_selection_call(q, k_cmp, *, q_start: int, block_size: int, block_stride: int, sel_block_size: int,

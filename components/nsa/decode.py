@@ -59,9 +59,11 @@ def _compressed_and_scores(qh: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.T
 def nsa_attention_one_query(
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
     block_size: int, block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
+    window_start: int = 0,
 ) -> torch.Tensor:
-    """o [B, 1, H, D] in q's dtype for the query q [B, 1, H, D] at position q_start; the keys and values
-    hold positions 0 .. q_start, k_cmp / v_cmp the complete compressed blocks (inputs validated)."""
+    """o [B, 1, H, D] in q's dtype for the query q [B, 1, H, D] at position q_start; the selection keys and
+    values hold positions 0 .. q_start, the window's window_start .. q_start, k_cmp / v_cmp the complete
+    compressed blocks (inputs validated)."""
     B, _, H, _ = q.shape
     Hkv = k_sel.shape[2]
     dtype = score_dtype(q.dtype)
@@ -71,7 +73,7 @@ def nsa_attention_one_query(
     chosen = top_blocks(scores[:, None], q_start=q_start, sel_block_size=sel_block_size,
                         num_selected=num_selected)[:, 0]
     o_sel = _attend(qh, *_selected_tokens(k_sel, v_sel, chosen, q_start, sel_block_size, dtype))
-    first = max(0, q_start - window_size + 1)
+    first = max(0, q_start - window_size + 1) - window_start
     o_win = _attend(qh, key_layout(k_win[:, first:], dtype), key_layout(v_win[:, first:], dtype))
     g = gates.to(dtype).reshape(B, Hkv, H // Hkv, 3, 1)
     out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win

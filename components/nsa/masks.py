@@ -32,20 +32,24 @@ def _add_positional(scores: torch.Tensor, keep_2d: torch.Tensor) -> torch.Tensor
 
 
 class WindowRule:
-    """Query t sees keys s with max(0, t - w + 1) <= s <= t."""
+    """Query t sees keys s with max(0, t - w + 1) <= s <= t.
+
+    `key_start`: the position of the first key held (a decode cache keeps only the recent ones); key
+    indices (key_range, mask_'s k0, k1) count from it."""
 
     first_seeing = 0
 
-    def __init__(self, window_size: int, device: torch.device):
+    def __init__(self, window_size: int, device: torch.device, key_start: int = 0):
         self.window_size = window_size
         self.device = device
+        self.key_start = key_start
 
     def key_range(self, q0: int, q1: int) -> tuple[int, int]:
-        return max(0, q0 - self.window_size + 1), q1
+        return max(0, q0 - self.window_size + 1) - self.key_start, q1 - self.key_start
 
     def mask_(self, scores: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         t = _positions(q0, q1, self.device)[:, None]
-        s = _positions(k0, k1, self.device)[None, :]
+        s = _positions(k0 + self.key_start, k1 + self.key_start, self.device)[None, :]
         return _add_positional(scores, (s <= t) & (s > t - self.window_size))
 
 

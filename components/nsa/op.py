@@ -48,16 +48,19 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_s
 
 
 def nsa_attention_at(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int, block_size: int,
-                     block_stride: int, sel_block_size: int, num_selected: int, window_size: int) -> torch.Tensor:
+                     block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
+                     window_start: int = 0) -> torch.Tensor:
     """NSA for Tq queries at positions q_start .. q_start + Tq - 1 against keys 0 .. q_start + Tq - 1.
 
     The decode form: a KV-cache step passes Tq = 1 and q_start = tokens already cached, with
     k_sel/v_sel/k_win/v_win holding every cached key plus the new one and k_cmp the Tc(Tk)
     complete compressed blocks. nsa_attention is this with q_start = 0. One query reads only the keys
     its branches see (decode.py); more run the reference.
+    window_start: k_win / v_win hold only the keys from this position on (a cache keeps the window's
+    recent keys alone), at most max(0, q_start - window_size + 1), the first query's first key.
     """
     hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
-                 num_selected=num_selected, window_size=window_size)
+                 num_selected=num_selected, window_size=window_size, window_start=window_start)
     check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start, **hyper)
     compute = nsa_attention_one_query if q.shape[1] == 1 else nsa_attention_at_reference
     return compute(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start, **hyper)

@@ -30,16 +30,17 @@ def selected_plan(qh, k_sel, v_sel, selection, *, q_start: int, sel_block_size: 
     return k_sel, v_sel, SelectedRule(selection, sel_block_size, q_start), k_sel.shape[1]
 
 
-def window_plan(qh, k_win, v_win, *, window_size: int) -> tuple:
-    return k_win, v_win, WindowRule(window_size, qh.device), min(k_win.shape[1], window_size + 64)
+def window_plan(qh, k_win, v_win, *, window_size: int, window_start: int = 0) -> tuple:
+    """window_start: the position of k_win's first key."""
+    return k_win, v_win, WindowRule(window_size, qh.device, window_start), min(k_win.shape[1], window_size + 64)
 
 
 def branch_plans(qh, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, selection, *, q_start: int, block_size: int,
-                 block_stride: int, sel_block_size: int, window_size: int) -> list[tuple]:
+                 block_stride: int, sel_block_size: int, window_size: int, window_start: int = 0) -> list[tuple]:
     """The compressed, selected and window branches' plans, in the gates' order."""
     return [compressed_plan(qh, k_cmp, v_cmp, block_size=block_size, block_stride=block_stride),
             selected_plan(qh, k_sel, v_sel, selection, q_start=q_start, sel_block_size=sel_block_size),
-            window_plan(qh, k_win, v_win, window_size=window_size)]
+            window_plan(qh, k_win, v_win, window_size=window_size, window_start=window_start)]
 
 
 def branch_chunk(qh: torch.Tensor, key_span: int) -> int:
@@ -78,8 +79,10 @@ def window_attention(q, k_win, v_win, *, q_start: int, window_size: int) -> torc
 def nsa_attention_at_reference(
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int,
     block_size: int, block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
+    window_start: int = 0,
 ) -> torch.Tensor:
-    """o [B, Tq, H, D] = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win, in q's dtype."""
+    """o [B, Tq, H, D] = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win, in q's dtype (k_win / v_win hold the
+    keys from position window_start on)."""
     selection = select_blocks_at_reference(
         q, k_cmp, q_start=q_start, block_size=block_size, block_stride=block_stride,
         sel_block_size=sel_block_size, num_selected=num_selected,
@@ -88,7 +91,7 @@ def nsa_attention_at_reference(
     qh = query_layout(q, Hkv, score_dtype(q.dtype))
     plans = branch_plans(qh, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, selection, q_start=q_start,
                          block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
-                         window_size=window_size)
+                         window_size=window_size, window_start=window_start)
     o_cmp, o_sel, o_win = (_attend(qh, plan, q_start) for plan in plans)
     # Gate in the branches' own layout [B, Hkv, Tq, G, D], then one transpose back.
     B, Tq, H, _ = gates.shape
