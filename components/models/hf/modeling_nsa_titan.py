@@ -19,10 +19,12 @@ trainer's model computes (the same weights, names and numerics), one sequence pe
   - window: the keys t - w + 1 .. t.
 
 Attention runs in fp32 over query chunks (memory grows with chunk x length, not length^2), which
-makes this the reference math, not a fast kernel. Generation keeps a cache of every layer's keys
-and values and the compressed blocks done so far, in buffers that grow by doubling; a decode step (one
-token) reads only what each branch sees (every compressed block, the chosen blocks' tokens, the last w
-keys), so beyond scoring the compressed keys its cost does not grow with the context.
+makes this the reference math, not a fast kernel. Generation keeps a cache of every layer's selection
+keys and values and the compressed blocks done so far, in buffers that grow by doubling, and of the
+window's keys/values and the raw keys/values of blocks not yet compressed only a bounded tail (what the
+next step reads, and CROP_ROOM tokens for crop()); a decode step (one token) reads only what each branch
+sees (every compressed block, the chosen blocks' tokens, the last w keys), so beyond scoring the
+compressed keys its cost does not grow with the context.
 
 A sequence that opens with the end of text, with leading_eos_apart (a model trained with document masking and no
 BOS, where documents follow the end of text of the one before): the model reads that token alone and the tokens
@@ -52,6 +54,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 QUERY_CHUNK = 256  # queries per attention chunk
+CROP_ROOM = 64  # tokens crop() can always take back from a cache (more of them while it records: assisted decoding)
 # generate() arguments that verify draft tokens, then crop the cache back to those accepted
 _DRAFTING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
@@ -149,22 +152,34 @@ def ungrouped(o):
 class LayerCache:
     """One layer's keys and values so far (by name), and NSA's compressed blocks done so far, each [B, count, ...]
     at the front of a buffer with room to grow: a decode step writes its token in place, and a full buffer doubles
-    (up to a limit), so the cache is not copied whole every step. Copies share buffers until they write (`shared`):
-    a shared cache moves to buffers of its own first."""
+    (up to a limit), so the cache is not copied whole every step. Names that later steps read only near their own
+    tokens (extend_recent: NSA's window and the raw keys/values of blocks not yet compressed) keep a bounded tail,
+    from position `starts[name]` on; `counts` are positions past the last entry. Copies share buffers until they
+    write (`shared`): a shared cache moves to buffers of its own first."""
 
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
-        self.shared = False
+        self.starts: dict[str, int] = {}  # the position of a bounded name's first entry held
+        self.keeps: dict[str, int] = {}  # the entries before its own a step reads of a bounded name
+        self.shared = self.recording = False
 
     def count(self, name: str) -> int:
         return self.counts.get(name, 0)
 
+    def _like(self, buffers: dict) -> "LayerCache":
+        twin = LayerCache()
+        twin.buffers, twin.counts, twin.starts, twin.keeps = buffers, dict(self.counts), dict(self.starts), dict(
+            self.keeps)
+        twin.recording = self.recording
+        return twin
+
     def select_rows(self, index: torch.Tensor) -> "LayerCache":
-        picked = LayerCache()
-        picked.buffers = {name: x.index_select(0, index.to(x.device)) for name, x in self.buffers.items()}
-        picked.counts = dict(self.counts)
-        return picked
+        return self._like({name: x.index_select(0, index.to(x.device)) for name, x in self.buffers.items()})
+
+    def earliest_crop(self) -> int:
+        """The fewest tokens crop() can keep: a bounded name must still hold the entries the next step reads."""
+        return max([self.starts[name] + keep for name, keep in self.keeps.items() if self.starts[name]], default=0)
 
     def crop(self, tokens: int) -> None:
         """Keep the first `tokens` entries of each name (NSAAttention then trims its compressed blocks to the ones the
@@ -178,14 +193,11 @@ class LayerCache:
 
     def copy(self) -> "LayerCache":
         """A cache of the same tokens sharing this one's buffers: neither writes into them again."""
-        twin = LayerCache()
-        twin.buffers, twin.counts = dict(self.buffers), dict(self.counts)
+        twin = self._like(dict(self.buffers))
         self.shared = twin.shared = True
         return twin
 
-    def extend(self, limit: int, **new):
-        """Append each named tensor [B, T, ...] along dim 1 and return the views of everything so far; a buffer
-        grows to at most `limit` entries unless more are needed."""
+    def _prepare(self, new: dict) -> None:
         for name, x in new.items():  # checked before anything is written: a refused call leaves the cache usable
             buffer = self.buffers.get(name)
             if buffer is not None and x.shape[0] != buffer.shape[0]:
@@ -194,6 +206,11 @@ class LayerCache:
         if self.shared:
             self.buffers = {name: x.clone() for name, x in self.buffers.items()}
             self.shared = False
+
+    def extend(self, limit: int, **new):
+        """Append each named tensor [B, T, ...] along dim 1 and return the views of everything so far; a buffer
+        grows to at most `limit` entries unless more are needed."""
+        self._prepare(new)
         for name, x in new.items():
             count, buffer = self.count(name), self.buffers.get(name)
             need = count + x.shape[1]
@@ -211,6 +228,39 @@ class LayerCache:
             self.counts[name] = need
         return [self.buffers[name][:, :self.counts[name]] for name in new]
 
+    def extend_recent(self, keep: int, **new):
+        """extend() for names whose later steps read only the `keep` entries before their own: returns (the views
+        from position `first` on, first), first <= the step's start - keep (or 0). A buffer holds those, CROP_ROOM
+        more for crop() to take back and, while recording (activate_past_recording), the whole last step; it is at
+        most 2 * (keep + CROP_ROOM) + 1 entries long between steps, so it does not grow with the context."""
+        self._prepare(new)
+        tail = keep + CROP_ROOM
+        small = 2 * tail + 1
+        views = []
+        for name, x in new.items():
+            buffer, start, end = self.buffers.get(name), self.starts.get(name, 0), self.count(name)
+            held, n = end - start, x.shape[1]
+            if buffer is not None and held + n <= buffer.shape[1] and _writable(buffer, x):
+                buffer[:, held:held + n] = x
+            else:  # a new buffer: the tail still needed, then the step's own
+                lead = min(held, tail)
+                if buffer is not None and not _writable(buffer, x):  # earlier steps' views must keep their values
+                    buffer = torch.cat([buffer[:, held - lead:held], x], dim=1)
+                else:
+                    grown = x.new_empty((x.shape[0], max(small, lead + n)) + tuple(x.shape[2:]))
+                    if lead:
+                        grown[:, :lead] = buffer[:, held - lead:held]
+                    grown[:, lead:lead + n] = x
+                    buffer = grown
+                start = end - lead
+            views.append(buffer[:, :end + n - start])
+            first = start  # the same for every name: they hold the same positions
+            if buffer.shape[1] > small and not self.recording:  # a long step: keep its last entries alone
+                kept = min(end + n - start, tail)
+                buffer, start = buffer[:, end + n - start - kept:end + n - start].clone(), end + n - kept
+            self.buffers[name], self.starts[name], self.counts[name], self.keeps[name] = buffer, start, end + n, keep
+        return views, first
+
 
 def _writable(buffer: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether a step may write into the buffer in place: not when autograd records the cache (an earlier step's
@@ -226,16 +276,20 @@ class NSATitanCache:
 
     It answers what transformers' generate() asks of a cache: its length, whether torch.compile or linear attention
     apply (neither does), reorder_cache (beam search), crop (assisted and prompt-lookup decoding take back the draft
-    tokens the model did not accept: every token is held, so it crops exactly), batch_repeat_interleave and
-    batch_select_indices."""
+    tokens the model did not accept; NSA's window and raw keys/values are held only CROP_ROOM tokens further back than
+    the next step reads, or while recording as far as the last forward's first token, so a deeper crop is refused),
+    batch_repeat_interleave and batch_select_indices."""
 
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, num_layers: int, rows: int = 0):
+    def __init__(self, num_layers: int, rows: int = 0, recording: bool = False):
         self.layers = [LayerCache() for _ in range(num_layers)]
         self.length = self.skipped = self.end = 0
+        self.recording = False
         self.rows = [NSATitanCache(num_layers) for _ in range(rows)] if rows else None
+        if recording:
+            self.activate_past_recording()
 
     @property
     def is_linear(self) -> list[bool]:
@@ -245,7 +299,12 @@ class NSATitanCache:
         return self.length
 
     def activate_past_recording(self) -> None:
-        """Nothing to record: crop() can go back to any length, as every token is held."""
+        """From now on hold every layer's window and raw keys/values of the last forward whole (transformers calls
+        this before assisted decoding), so that crop() can take back any of its tokens."""
+        for cache in [self] + (self.rows or []):
+            cache.recording = True
+            for layer in cache.layers:
+                layer.recording = True
 
     def crop(self, tokens: int) -> None:
         """Drop tokens from the end: crop(-n) the last n (transformers 5), crop(n) all but the first n (transformers
@@ -253,7 +312,20 @@ class NSATitanCache:
         keep = self.length + tokens if tokens < 0 else tokens if tokens > 0 else self.length
         if keep < 0:
             raise ValueError(f"crop({tokens}) asks to drop more than the cache's {self.length} tokens")
+        earliest = self._earliest_crop()
+        if keep < min(earliest, self.length):
+            raise ValueError(f"crop({tokens}) would keep {keep} of the cache's {self.length} tokens, but the tokens "
+                             f"before {earliest} have left its window and raw key/value buffers (they hold "
+                             f"{CROP_ROOM} tokens more than the next step reads, or while recording the last forward's): "
+                             f"keep at least {earliest}, or call activate_past_recording() before the forward that "
+                             f"crop() takes back")
         self._keep(keep)
+
+    def _earliest_crop(self) -> int:
+        """The fewest tokens (columns) crop() can keep."""
+        if self.rows is not None:  # a row's tokens end at its `end` column
+            return max([row._earliest_crop() + row.end - row.length for row in self.rows if row.length], default=0)
+        return max([layer.earliest_crop() for layer in self.layers], default=0) + self.skipped
 
     def _keep(self, keep: int) -> None:
         """Keep the first `keep` tokens (columns)."""
@@ -288,7 +360,7 @@ class NSATitanCache:
     def _copy(self) -> "NSATitanCache":
         copy = NSATitanCache(0)
         copy.layers = [layer.copy() for layer in self.layers]
-        copy.length, copy.skipped, copy.end = self.length, self.skipped, self.end
+        copy.length, copy.skipped, copy.end, copy.recording = self.length, self.skipped, self.end, self.recording
         return copy
 
 
@@ -357,13 +429,15 @@ class NSAAttention(nn.Module):
             hidden = max(c.dim // 4, 1)
             self.gate = nn.Sequential(nn.Linear(c.dim, hidden), nn.SiLU(), nn.Linear(hidden, 3 * c.n_heads))
 
-    def _compressed(self, k_raw, v_raw, done: int):
-        """Compressed keys (rotated) and values of the complete blocks after the first `done`."""
-        total = 0 if k_raw.shape[1] < self.l else (k_raw.shape[1] - self.l) // self.d + 1
+    def _compressed(self, k_raw, v_raw, done: int, k_start: int = 0, v_start: int = 0):
+        """Compressed keys (rotated) and values of the complete blocks after the first `done`, from raw keys/values
+        held from positions k_start / v_start on (a cache keeps the tokens of blocks not yet compressed alone)."""
+        end = k_start + k_raw.shape[1]
+        total = 0 if end < self.l else (end - self.l) // self.d + 1
         starts = torch.arange(done, max(total, done), device=k_raw.device) * self.d
         rows = starts[:, None] + torch.arange(self.l, device=k_raw.device)  # [new blocks, l]
-        k_cmp = self.compress_k(k_raw[:, rows].transpose(2, 3))
-        v_cmp = self.compress_v(v_raw[:, rows].transpose(2, 3))
+        k_cmp = self.compress_k(k_raw[:, rows - k_start].transpose(2, 3))
+        v_cmp = self.compress_v(v_raw[:, rows - v_start].transpose(2, 3))
         return rope(k_cmp, starts + self.l - 1, self.c.rope_theta), v_cmp
 
     def _select(self, probs, t, num_blocks: int):
@@ -414,14 +488,23 @@ class NSAAttention(nn.Module):
             k_raw, v_raw = kv
             k_sel = k_win = rope(k_raw, positions, c.rope_theta)
             v_sel = v_win = v_raw
+        win_start = 0  # the position of k_win's first key
         if cache is None:
             k_cmp, v_cmp = self._compressed(k_raw, v_raw, 0)
         else:
             held = cache.count("k_raw")  # after a crop, only the blocks these tokens complete are kept
             cache.crop_names(0 if held < self.l else (held - self.l) // self.d + 1, "k_cmp", "v_cmp")
-            k_raw, v_raw, k_sel, v_sel, k_win, v_win = cache.extend(
-                c.max_seq_len, k_raw=k_raw, v_raw=v_raw, k_sel=k_sel, v_sel=v_sel, k_win=k_win, v_win=v_win)
-            new_blocks = self._compressed(k_raw, v_raw, cache.count("k_cmp"))
+            # Every token for selection; for compression the tokens of blocks not yet compressed (fewer than l before
+            # a step), for the window the w - 1 before a step: bounded tails.
+            k_sel, v_sel = cache.extend(c.max_seq_len, k_sel=k_sel, v_sel=v_sel)
+            if self.per_branch:
+                (k_raw, v_raw), raw_start = cache.extend_recent(self.l - 1, k_raw=k_raw, v_raw=v_raw)
+                (k_win, v_win), win_start = cache.extend_recent(self.w - 1, k_win=k_win, v_win=v_win)
+                v_start = raw_start
+            else:  # shared K/V: the window reads the selection's keys and values, compression the values too
+                (k_raw,), raw_start = cache.extend_recent(self.l - 1, k_raw=k_raw)
+                k_win, v_win, v_raw, v_start = k_sel, v_sel, v_sel, 0
+            new_blocks = self._compressed(k_raw, v_raw, cache.count("k_cmp"), raw_start, v_start)
             most = max(0, (c.max_seq_len - self.l) // self.d + 1)  # the blocks max_seq_len tokens hold
             k_cmp, v_cmp = cache.extend(most, **dict(zip(("k_cmp", "v_cmp"), new_blocks)))
 
@@ -432,15 +515,18 @@ class NSAAttention(nn.Module):
         # say): in bf16 they would pick other blocks than the trained model did.
         with torch.autocast(x.device.type, enabled=False):
             if T == 1:  # a decode step
-                outs = [self._attend_one(qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, start)]
+                outs = [self._attend_one(qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, start, win_start)]
             else:
-                outs = self._attend_chunks(qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions, start + T)
+                outs = self._attend_chunks(qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions, start + T,
+                                           win_start)
         return self.wo(ungrouped(torch.cat(outs, dim=2)).to(x.dtype).reshape(B, T, -1))
 
-    def _attend_chunks(self, qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions, end):
-        """The three branches, gated, for query chunks of QUERY_CHUNK: a list of [B, Hkv, C, G, D]."""
+    def _attend_chunks(self, qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions, end, win_start: int):
+        """The three branches, gated, for query chunks of QUERY_CHUNK: a list of [B, Hkv, C, G, D] (k_win / v_win
+        hold the keys from position win_start on)."""
         T, outs = qg.shape[2], []
         keys = torch.arange(end, device=qg.device)
+        win_keys = keys[win_start:]
         blocks = torch.arange(k_cmp.shape[1], device=qg.device)
         for c0 in range(0, T, QUERY_CHUNK):
             qc, t = qg[:, :, c0:c0 + QUERY_CHUNK], positions[c0:c0 + QUERY_CHUNK]
@@ -451,13 +537,13 @@ class NSAAttention(nn.Module):
             in_block.scatter_(-1, torch.where(chosen < 0, spare, chosen), True)
             sel_visible = in_block[..., keys // self.lp] & (keys[None, :] <= t[:, None])
             o_sel = attend(qc, k_sel, v_sel, sel_visible)[0]
-            win_visible = (keys[None, :] <= t[:, None]) & (keys[None, :] > t[:, None] - self.w)
+            win_visible = (win_keys[None, :] <= t[:, None]) & (win_keys[None, :] > t[:, None] - self.w)
             o_win = attend(qc, k_win, v_win, win_visible[None, None])[0]
             gc = g[:, :, c0:c0 + QUERY_CHUNK, :, :, None]
             outs.append(gc[..., 0, :] * o_cmp + gc[..., 1, :] * o_sel + gc[..., 2, :] * o_win)
         return outs
 
-    def _attend_one(self, qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t: int):
+    def _attend_one(self, qg, g, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t: int, win_start: int):
         """_attend_chunks for one query at position t, the last of the keys ([B, Hkv, 1, G, D]), reading only
         what each branch sees, so that beyond the compressed keys a decode step costs the same at any length:
         every compressed block (each complete one ends by t), the tokens of the chosen blocks, the last w keys."""
@@ -472,7 +558,7 @@ class NSAAttention(nn.Module):
         k_chosen, v_chosen = k_sel[rows, tokens, heads].float(), v_sel[rows, tokens, heads].float()
         o_sel = attend_by_head(qg, k_chosen, v_chosen, visible[:, :, None])[0]
         first = max(0, t - self.w + 1)
-        o_win = attend(qg, k_win[:, first:], v_win[:, first:], torch.ones(1, 1, 1, t + 1 - first, dtype=torch.bool,
+        o_win = attend(qg, k_win[:, first - win_start:], v_win[:, first - win_start:], torch.ones(1, 1, 1, t + 1 - first, dtype=torch.bool,
                                                                           device=device))[0]
         gc = g[..., None]
         return gc[..., 0, :] * o_cmp + gc[..., 1, :] * o_sel + gc[..., 2, :] * o_win
@@ -710,7 +796,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         elif cache is not None and cache.rows is None:  # an unpadded start, now padded: one cache per row
             if cache.length:
                 raise ValueError("padding appeared after generation started unpadded; pad the prompts instead")
-            cache.rows = [NSATitanCache(self.config.n_layers) for _ in range(B)]
+            cache.rows = [NSATitanCache(self.config.n_layers, recording=cache.recording) for _ in range(B)]
         if cache is not None and len(cache.rows) != B:
             raise ValueError(f"the cache holds {len(cache.rows)} rows, the batch {B}")
         logits = self.model.output.weight.new_zeros(B, T, self.config.vocab_size)

@@ -1,0 +1,110 @@
+"""The --format hf folder's cache holds every token only for the selected branch (and the compressed blocks): the
+window's and compression's raw keys/values keep a bounded tail that still holds what every later step reads and what
+crop() may take back (CROP_ROOM tokens, or while recording the whole last forward); a deeper crop is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_hf_modeling_shapes import _pair, modeling  # noqa: F401 (the fixture)
+from tests.test_models_helpers import VOCAB
+
+T = 180  # past 2 * (keep + CROP_ROOM) + 1 tokens: the tails drop tokens
+
+SETTINGS = {
+    "short_window": {"window_size": 3},  # chunks far longer than the window
+    "small_stride": {"block_size": 8, "block_stride": 2, "sel_block_size": 8, "window_size": 4},
+    "long_window": {"window_size": 200},  # a window longer than the context
+    "shared_kv": {"kv_per_branch": False, "window_size": 5},
+}
+
+
+def _steps(hf, tokens, sizes, cache=None):
+    """Logits of tokens fed in the given chunk sizes, and the cache."""
+    outs, position = [], 0 if cache is None else cache.length
+    with torch.no_grad():
+        for size in sizes:
+            out = hf(input_ids=tokens[:, position:position + size], past_key_values=cache, use_cache=True)
+            outs.append(out.logits)
+            cache, position = out.past_key_values, position + size
+    return torch.cat(outs, 1), cache
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_bounded_tails_give_the_trainers_logits_for_any_chunking(modeling, setting):
+    model, hf = _pair(modeling, SETTINGS[setting], (4, 2), max_seq_len=256)
+    tokens = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        expected = model(tokens)
+    for sizes in ([150] + [1] * 30, [70, 70, 40], [5] + [1] * 140 + [35]):
+        logits, cache = _steps(hf, tokens, sizes)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"{sizes[:3]}: {m}")
+        for layer in cache.layers:
+            assert layer.count("k_sel") == T
+            for name, keep in layer.keeps.items():
+                assert layer.buffers[name].shape[1] <= 2 * (keep + modeling.CROP_ROOM) + 1, (name, sizes[:3])
+
+
+def test_crop_goes_back_crop_room_tokens_and_refuses_more(modeling):
+    """After many single steps (the tails moved to their front many times) crop() takes back CROP_ROOM tokens and
+    the cache goes on as the shorter sequence; a crop past the tokens the tails still hold is refused, naming the
+    fix, and leaves the cache as it was."""
+    model, hf = _pair(modeling, {"window_size": 5}, (4, 2), max_seq_len=256)
+    room = modeling.CROP_ROOM
+    tokens = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(12))
+    _, cache = _steps(hf, tokens, [40] + [1] * 120)
+    with pytest.raises(ValueError, match=r"crop\(-140\) would keep 20 .* keep at least \d+, or call "
+                                         r"activate_past_recording\(\)"):
+        cache.crop(-140)  # the tails hold at most 2 * (keep + CROP_ROOM) + 1 tokens
+    assert cache.length == 160
+    cache.crop(-room)
+    after = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(13))
+    sequence = torch.cat([tokens[:, :160 - room], after], 1)
+    logits, _ = _steps(hf, sequence, [3, 1, 1, 1], cache)
+    with torch.no_grad():
+        expected = model(sequence)[:, -6:]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("recording", [True, False])
+def test_a_recording_cache_crops_back_across_its_whole_last_forward(modeling, recording):
+    """activate_past_recording() (transformers calls it before assisted decoding) keeps a forward's tokens until
+    the next: crop() may take back all but one of a 150-token forward, past CROP_ROOM; without it that is refused."""
+    model, hf = _pair(modeling, {"window_size": 5}, (4, 2), max_seq_len=256)
+    tokens = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(14))
+    _, cache = _steps(hf, tokens, [20])
+    if recording:
+        cache.activate_past_recording()
+    _, cache = _steps(hf, tokens, [150], cache)
+    if not recording:
+        with pytest.raises(ValueError, match="activate_past_recording"):
+            cache.crop(-149)
+        return
+    cache.crop(-149)
+    logits, _ = _steps(hf, tokens, [1] * 10, cache)
+    with torch.no_grad():
+        expected = model(tokens[:, :31])[:, 21:]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["short_window", "small_stride", "shared_kv"])
+def test_the_deepest_crop_allowed_still_holds_every_token_the_next_steps_read(modeling, setting):
+    """crop() down to the fewest tokens it accepts (crop(n) keeps n) leaves the window's w - 1 keys and the raw
+    keys/values of the blocks not yet compressed: the steps after it give the trainer's logits."""
+    model, hf = _pair(modeling, SETTINGS[setting], (4, 2), max_seq_len=256)
+    tokens = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(15))
+    _, cache = _steps(hf, tokens, [30] + [1] * 77 + [40])
+    length = cache.length
+    for keep in range(1, length):
+        try:
+            cache.crop(keep)
+            break
+        except ValueError:
+            continue
+    assert 1 < keep < length - modeling.CROP_ROOM
+    sequence = torch.cat([tokens[:, :keep], tokens[:, -12:]], 1)
+    logits, _ = _steps(hf, sequence, [1] * 4 + [8], cache)
+    with torch.no_grad():
+        expected = model(sequence)[:, keep:]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
