@@ -316,9 +316,9 @@ class NSATitanCache:
         if keep < min(earliest, self.length):
             raise ValueError(f"crop({tokens}) would keep {keep} of the cache's {self.length} tokens, but the tokens "
                              f"before {earliest} have left its window and raw key/value buffers (they hold "
-                             f"{CROP_ROOM} tokens more than the next step reads, or while recording the last forward's): "
-                             f"keep at least {earliest}, or call activate_past_recording() before the forward that "
-                             f"crop() takes back")
+                             f"{CROP_ROOM} tokens more than the next step reads, or while recording the last "
+                             f"forward's): keep at least {earliest}, or call activate_past_recording() before the "
+                             f"forward that crop() takes back")
         self._keep(keep)
 
     def _earliest_crop(self) -> int:
@@ -558,8 +558,9 @@ class NSAAttention(nn.Module):
         k_chosen, v_chosen = k_sel[rows, tokens, heads].float(), v_sel[rows, tokens, heads].float()
         o_sel = attend_by_head(qg, k_chosen, v_chosen, visible[:, :, None])[0]
         first = max(0, t - self.w + 1)
-        o_win = attend(qg, k_win[:, first - win_start:], v_win[:, first - win_start:], torch.ones(1, 1, 1, t + 1 - first, dtype=torch.bool,
-                                                                          device=device))[0]
+        win = slice(first - win_start, None)
+        o_win = attend(qg, k_win[:, win], v_win[:, win], torch.ones(1, 1, 1, t + 1 - first, dtype=torch.bool,
+                                                                    device=device))[0]
         gc = g[..., None]
         return gc[..., 0, :] * o_cmp + gc[..., 1, :] * o_sel + gc[..., 2, :] * o_win
 
