@@ -111,14 +111,29 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def rope(x, positions, theta: float):
-    """Rotate x [B, T, H, D] at positions [T]: feature i pairs with i + D/2; tables from fp64 angles."""
-    D = x.shape[-1]
-    inv_freq = theta ** -(torch.arange(0, D, 2, device=x.device, dtype=torch.float64) / D)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+_ROPE_TABLES: dict = {}  # (device, head_dim, theta) -> cos, sin [L, D/2] of positions 0 .. L-1
+
+
+def rope_tables(device, head_dim: int, theta: float, length: int):
+    """cos/sin [>= length, D/2] in fp32 from fp64 angles, the trainer's tables: computed once per device and head size,
+    and again (twice as long) only when a position past them is asked for."""
+    key = (str(device), head_dim, theta)
+    tables = _ROPE_TABLES.get(key)
+    if tables is None or tables[0].shape[0] < length:
+        size = max(length, 2 * (0 if tables is None else tables[0].shape[0]))
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable in and out of inference mode
+            inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+            angles = torch.arange(size, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]
+            tables = _ROPE_TABLES[key] = (angles.cos().float(), angles.sin().float())
+    return tables
+
+
+def rope(x, positions, theta: float, end: int):
+    """Rotate x [B, T, H, D] at positions [T] (each < end): feature i pairs with i + D/2."""
+    cos, sin = rope_tables(x.device, x.shape[-1], theta, end)
     dtype = torch.promote_types(x.dtype, torch.float32)
-    cos = angles.cos().float().to(dtype)[None, :, None, :]
-    sin = angles.sin().float().to(dtype)[None, :, None, :]
+    cos = cos.index_select(0, positions).to(dtype)[None, :, None, :]
+    sin = sin.index_select(0, positions).to(dtype)[None, :, None, :]
     x1, x2 = x.to(dtype).chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -379,8 +394,8 @@ class DenseAttention(nn.Module):
         B, T, _ = x.shape
         c = self.c
         positions = torch.arange(start, start + T, device=x.device)
-        q = rope(self.wq(x).view(B, T, c.n_heads, self.hd), positions, c.rope_theta)
-        k = rope(self.wk(x).view(B, T, c.n_kv_heads, self.hd), positions, c.rope_theta)
+        q = rope(self.wq(x).view(B, T, c.n_heads, self.hd), positions, c.rope_theta, start + T)
+        k = rope(self.wk(x).view(B, T, c.n_kv_heads, self.hd), positions, c.rope_theta, start + T)
         v = self.wv(x).view(B, T, c.n_kv_heads, self.hd)
         if cache is not None:
             k, v = cache.extend(c.max_seq_len, k=k, v=v)
@@ -438,7 +453,7 @@ class NSAAttention(nn.Module):
         rows = starts[:, None] + torch.arange(self.l, device=k_raw.device)  # [new blocks, l]
         k_cmp = self.compress_k(k_raw[:, rows - k_start].transpose(2, 3))
         v_cmp = self.compress_v(v_raw[:, rows - v_start].transpose(2, 3))
-        return rope(k_cmp, starts + self.l - 1, self.c.rope_theta), v_cmp
+        return rope(k_cmp, starts + self.l - 1, self.c.rope_theta, end), v_cmp
 
     def _select(self, probs, t, num_blocks: int):
         """Top-n selection blocks [B, Hkv, C, n] (-1 unused) for queries at positions t [C] from the
@@ -479,14 +494,14 @@ class NSAAttention(nn.Module):
         B, T, _ = x.shape
         c, Hkv = self.c, self.c.n_kv_heads
         positions = torch.arange(start, start + T, device=x.device)
-        q = rope(self.wq(x).view(B, T, c.n_heads, self.hd), positions, c.rope_theta)
+        q = rope(self.wq(x).view(B, T, c.n_heads, self.hd), positions, c.rope_theta, start + T)
         kv = self.wkv(x).view(B, T, -1, Hkv, self.hd).unbind(2)
         if self.per_branch:
             k_raw, v_raw, k_sel, v_sel, k_win, v_win = kv
-            k_sel, k_win = rope(k_sel, positions, c.rope_theta), rope(k_win, positions, c.rope_theta)
+            k_sel, k_win = (rope(k, positions, c.rope_theta, start + T) for k in (k_sel, k_win))
         else:
             k_raw, v_raw = kv
-            k_sel = k_win = rope(k_raw, positions, c.rope_theta)
+            k_sel = k_win = rope(k_raw, positions, c.rope_theta, start + T)
             v_sel = v_win = v_raw
         win_start = 0  # the position of k_win's first key
         if cache is None:
