@@ -108,3 +108,27 @@ def test_the_deepest_crop_allowed_still_holds_every_token_the_next_steps_read(mo
     with torch.no_grad():
         expected = model(sequence)[:, keep:]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_drafts_longer_than_crop_room_are_taken_back_where_transformers_does_not_ask_to_record(modeling, monkeypatch):
+    """transformers 4.57 never calls activate_past_recording(): generate() with drafting makes its caches record
+    itself, so prompt lookup's long drafts, rejected far past CROP_ROOM, are cropped and decoding gives the greedy
+    tokens (without it crop() refused them mid-generation)."""
+    _, hf = _pair(modeling, {"window_size": 5}, (4, 2), max_seq_len=512)
+    monkeypatch.setattr(modeling.NSATitanCache, "activate_past_recording", lambda self: None)
+    dropped, crop = [], modeling.NSATitanCache.crop
+
+    def counted(cache, tokens):
+        before = cache.length
+        crop(cache, tokens)
+        dropped.append(before - cache.length)
+
+    monkeypatch.setattr(modeling.NSATitanCache, "crop", counted)
+    motif = torch.randint(1, VOCAB, (1, 100), generator=torch.Generator().manual_seed(16))
+    prompt = torch.cat([motif, motif[:, :50], motif], 1)  # its end recurs: prompt lookup drafts what followed
+    greedy = dict(do_sample=False, pad_token_id=0, eos_token_id=VOCAB - 1, max_new_tokens=90)
+    plain = hf.generate(prompt, attention_mask=torch.ones_like(prompt), **greedy)
+    drafted = hf.generate(prompt, attention_mask=torch.ones_like(prompt), prompt_lookup_num_tokens=80,
+                          max_matching_ngram_size=4, **greedy)
+    assert torch.equal(drafted, plain)
+    assert max(dropped) > modeling.CROP_ROOM, dropped

@@ -304,7 +304,7 @@ class NSATitanCache:
         self.recording = False
         self.rows = [NSATitanCache(num_layers) for _ in range(rows)] if rows else None
         if recording:
-            self.activate_past_recording()
+            self._record()
 
     @property
     def is_linear(self) -> list[bool]:
@@ -316,6 +316,9 @@ class NSATitanCache:
     def activate_past_recording(self) -> None:
         """From now on hold every layer's window and raw keys/values of the last forward whole (transformers calls
         this before assisted decoding), so that crop() can take back any of its tokens."""
+        self._record()
+
+    def _record(self) -> None:
         for cache in [self] + (self.rows or []):
             cache.recording = True
             for layer in cache.layers:
@@ -664,6 +667,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         self.model = NSATitanModel(config)
         if config.tie_word_embeddings:
             self.model.output.weight = self.model.tok_embeddings.weight
+        self._drafting = False  # inside a generate() that drafts: the caches forward() makes record (crop() needs it)
         self.post_init()
 
     @classmethod
@@ -715,7 +719,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             self._check_length((0 if cache is None else cache.length) + input_ids.shape[1])
             if cache is None and caching:
-                cache = NSATitanCache(self.config.n_layers)
+                cache = NSATitanCache(self.config.n_layers, recording=self._drafting)
             logits = self._decode(input_ids, cache, bool(apart.any()))
         loss = None
         if labels is not None:
@@ -766,7 +770,16 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
                 # ignored), and assisted decoding and chunked prefill need one before the first step: an empty one
                 # that the first forward fills
                 kwargs["cache"] = NSATitanCache(self.config.n_layers)
-        return super().generate(inputs, generation_config, **kwargs)
+        given = kwargs.get("cache", kwargs.get("past_key_values"))
+        if drafting and isinstance(given, NSATitanCache):
+            # crop() takes back any of the drafts a forward checked only from a recording cache; transformers 5 says
+            # so itself (activate_past_recording), 4.57 does not
+            given._record()
+        self._drafting = bool(drafting)
+        try:
+            return super().generate(inputs, generation_config, **kwargs)
+        finally:
+            self._drafting = False
 
     def _opens_apart(self, input_ids, cache) -> torch.Tensor:
         """[B] bool: the rows that open with an end of text standing apart (config.leading_eos_apart), where
@@ -808,7 +821,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
                                  "a sequence or after it (for generation, before it: tokenizer.padding_side = "
                                  "'left')")
         if cache is None and caching:
-            cache = NSATitanCache(self.config.n_layers, rows=B)
+            cache = NSATitanCache(self.config.n_layers, rows=B, recording=self._drafting)
         elif cache is not None and cache.rows is None:  # an unpadded start, now padded: one cache per row
             if cache.length:
                 raise ValueError("padding appeared after generation started unpadded; pad the prompts instead")
