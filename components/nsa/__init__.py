@@ -5,7 +5,8 @@
                   cu_seqlens=None) -> o [B, T, H, D]
         cu_seqlens: document starts [N + 1] of one packed row (B = 1); each document is computed on its
         own, and k_cmp / v_cmp hold the documents' compressed blocks one after another (spec section 4).
-    nsa_attention_at(..., *, q_start, ...)   the same for queries at q_start .. q_start + Tq - 1 (decode)
+    nsa_attention_at(..., *, q_start, ..., window_start=0)   the same for queries at q_start .. q_start + Tq - 1
+        (decode); k_win / v_win may hold only the keys from window_start on (a cache keeps the window's last ones)
     select_blocks(q, k_cmp, *, ..., cu_seqlens=None) -> LongTensor [B, T, Hkv, n], ascending, -1 unused
     select_blocks_at(q, k_cmp, *, q_start, ...)
 
