@@ -132,3 +132,20 @@ def test_drafts_longer_than_crop_room_are_taken_back_where_transformers_does_not
                           max_matching_ngram_size=4, **greedy)
     assert torch.equal(drafted, plain)
     assert max(dropped) > modeling.CROP_ROOM, dropped
+
+
+def test_rows_reordered_and_repeated_after_the_tails_dropped_tokens_go_on_as_their_sequences(modeling):
+    """Beam search's reorder_cache and batch_repeat_interleave / batch_select_indices copy rows whose window and raw
+    tails start past position 0 (and share buffers until written): each row then decodes its own sequence."""
+    model, hf = _pair(modeling, {"window_size": 5}, (4, 2), max_seq_len=256)
+    tokens = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(17))
+    _, cache = _steps(hf, tokens, [100] + [1] * 50)
+    assert all(start > 0 for start in cache.layers[0].starts.values())
+    cache.reorder_cache(torch.tensor([1, 0]))
+    cache.batch_repeat_interleave(2)  # rows 1, 1, 0, 0
+    cache.batch_select_indices(torch.tensor([0, 3]))  # rows 1, 0
+    rows = tokens.flip(0)
+    logits, _ = _steps(hf, rows, [1] * 5 + [10], cache)
+    with torch.no_grad():
+        expected = model(rows[:, :165])[:, 150:]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
