@@ -4,11 +4,25 @@ crop() may take back (CROP_ROOM tokens, or while recording the whole last forwar
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-from tests.test_hf_modeling_shapes import _pair, modeling  # noqa: F401 (the fixture)
+from components.models.hf import MODELING_FILE
+from tests.test_hf_modeling_shapes import _pair
 from tests.test_models_helpers import VOCAB
+
+pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]')")
+
+
+@pytest.fixture(scope="module")
+def modeling():
+    spec = importlib.util.spec_from_file_location("modeling_nsa_titan_cache_bounds", MODELING_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 T = 180  # past 2 * (keep + CROP_ROOM) + 1 tokens: the tails drop tokens
 
