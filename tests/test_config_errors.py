@@ -116,7 +116,11 @@ CASES = [
     ("unknown override", "", ["--training.step=5"], ["training.step", "did you mean 'steps'"]),
     ("bad int override", "", ["--training.steps=abc"], ["training.steps", "expected a whole number", "'abc'"]),
     ("bad bool override", "", ["--compile.enable=yes"], ["compile.enable", "expected true or false"]),
-    ("override without value", "", ["--training.steps"], ["training.steps", "has no value"]),
+    ("override without value", "", ["--training.steps"], ["training.steps", "has no value",
+                                                          "write --training.steps=VALUE"]),
+    ("boolean override without value", "", ["--compile.enable"], ["compile.enable", "has no value",
+                                                                  "--compile.enable=true or --compile.enable=false"]),
+    ("section without a field or value", "", ["--training"], ["training", "is a table", "--training.FIELD=VALUE"]),
     ("override of a table", "", ["--training=5"], ["training", "is a table"]),
     ("override below a value", "", ["--training.steps.x=5"], ["training.steps", "is a value, not a table"]),
     ("not an override", "", ["-x"], ["'-x'", "is not an override"]),
@@ -316,6 +320,19 @@ def test_every_problem_is_reported_at_once(tmp_path, capsys):
     assert code == 2
     assert "3 problems" in err
     assert "trainig" in err and "metrics.log_freq" in err and "training.steps" in err
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--version", "version: is not a recipe field"),
+    ("--dry-run", "dry-run: is not a recipe field"),
+    ("--training.stepz", "training.stepz: is not a recipe field (did you mean 'steps'?)"),
+])
+def test_a_flag_without_a_value_that_names_no_field_is_refused_as_unknown(tmp_path, capsys, flag, expected):
+    # It was told "has no value. Fix: write --version=VALUE": a value for a field that does not exist.
+    code, err = run_cli(capsys, [write(tmp_path, ""), flag])
+    assert code == 2
+    assert expected in err, err
+    assert "has no value" not in err and "=VALUE" not in err, err
 
 
 def test_problem_names_the_file_it_came_from(tmp_path, capsys):

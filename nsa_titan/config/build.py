@@ -16,7 +16,7 @@ from components.problems import bound_problem, suggest
 from nsa_titan import registry
 from nsa_titan.config.errors import NO_LONGER_PASSES, Problem
 from nsa_titan.config.fields import default_of, is_dataclass_type, named_tables_of, resolved_types, type_name
-from nsa_titan.config.overrides import CliText
+from nsa_titan.config.overrides import CliText, NoValue
 from nsa_titan.config.toml_io import toml_value, tomllib
 
 _BOOL_TEXT = {"true": True, "false": False}
@@ -85,7 +85,11 @@ class RecipeBuilder:
     # -- building ----------------------------------------------------------------------------
     def build(self, cls: type, table: Any, path: str = "") -> Any:
         """Build an instance of the dataclass `cls` from `table`; problems go to the list."""
-        if not isinstance(table, dict):
+        if isinstance(table, NoValue):  # --training, a section's name without a field
+            self.problem(path, None, "is a table, not a value",
+                         f"override one of its fields, e.g. --{path}.FIELD=VALUE")
+            table = {}
+        elif not isinstance(table, dict):
             self.problem(path, table, "must be a table", f"write it as [{path}] with fields under it")
             table = {}
         before = len(self.problems)
@@ -126,6 +130,10 @@ class RecipeBuilder:
                 self.problem(path, None, "is required", f"set {path} in the recipe")
             return default
         raw = table[fld.name]
+        if isinstance(raw, NoValue):  # a known field's flag without its value
+            self.problem(path, None, "has no value", f"write --{path}=true or --{path}=false" if tp is bool else
+                         f"write --{path}=VALUE")
+            return default
         value = shown = raw  # a refusal shows the value as typed until it has the field's type (0, not '0')
         try:
             # The field's own default as the example a fix offers (3e-4, the learning rate's, reads as written).

@@ -18,6 +18,12 @@ class CliText(str):
     """A value typed on the command line: text to parse into the field's type."""
 
 
+class NoValue(CliText):
+    """A flag given without a value (--training.steps at the end of the line). Kept as an override so that the
+    schema judges the name first: a flag that names no field (--version) is refused as that, not told to take a
+    value it could not have."""
+
+
 @dataclass
 class CommandLine:
     recipe: str | None
@@ -76,9 +82,7 @@ def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
                 flag = f"{arg} {value}"
                 i += 1
             else:
-                problems.append(Problem(f"flag {arg!r}", key, None, "has no value",
-                                        f"write {arg}=VALUE (booleans take =true or =false)"))
-                continue
+                value = NoValue("")
         if not key or any(not part for part in key.split(".")):
             problems.append(Problem(f"flag {arg!r}", key, None, "is not a field path",
                                     "name a field as section.field, e.g. --training.steps=20"))
@@ -86,7 +90,7 @@ def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
         if key in flag_of:  # the last one wins, as a wrapper script appending flags expects; say so
             notes.append(f"{key} is set twice on the command line: {flag!r} replaces {flag_of[key]!r}")
         flag_of[key] = flag
-        overrides.append((flag, key, CliText(value)))
+        overrides.append((flag, key, value if isinstance(value, CliText) else CliText(value)))
     return CommandLine(recipe, overrides, actions, notes)
 
 
