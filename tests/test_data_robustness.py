@@ -159,6 +159,21 @@ def test_folder_with_unreadable_files_is_refused(tmp_path):
         TextFilesSource(TextFilesArgs(paths=[str(tmp_path / "*")], validation_fraction=0.0)).check()
 
 
+@pytest.mark.parametrize("entry", ["", "*"])
+def test_a_folder_of_only_unreadable_files_is_not_told_to_narrow_to_files_it_lacks(tmp_path, entry):
+    # It said "also matches 1 file(s) ...; narrow it to the files to train on, e.g. '<folder>/**/*.jsonl'": a
+    # pattern that matches nothing there.
+    (tmp_path / "part-0.jsonl.gz").write_bytes(b"\x1f\x8b")
+    (tmp_path / "part-1.jsonl.gz").write_bytes(b"\x1f\x8b")
+    source = TextFilesSource(TextFilesArgs(paths=[str(tmp_path / entry) if entry else str(tmp_path)]))
+    with pytest.raises(UserError) as refused:
+        source.check()
+    message = str(refused.value)
+    assert "holds no file this source reads: its 2 file(s) (part-0.jsonl.gz, part-1.jsonl.gz)" in message
+    assert "decompress a compressed file" in message
+    assert "also matches" not in message and "**/*" not in message
+
+
 def test_a_grown_file_is_a_different_corpus(tmp_path):
     path = str(tmp_path / "c.jsonl")
     write_jsonl(path, unique_texts(20))

@@ -93,6 +93,12 @@ def _refuse_unsupported(paths: list[str], entry: str, what: str) -> None:
     unsupported = sorted(p for p in paths if kind_of(p) is None)
     if unsupported:
         shown = ", ".join(os.path.basename(p) for p in unsupported[:5]) + (" ..." if len(unsupported) > 5 else "")
+        if len(unsupported) == len(paths):  # nothing to narrow to: a pattern of a readable kind would match nothing
+            raise UserError(
+                f"{what}: {entry!r} holds no file this source reads: its {len(paths)} file(s) ({shown}) are not "
+                f"{READABLE}. Fix: convert them to one of those kinds (decompress a compressed file, e.g. .jsonl.gz "
+                "to .jsonl), or point paths at the files to train on"
+            )
         raise UserError(
             f"{what}: {entry!r} also matches {len(unsupported)} file(s) that are not {READABLE} ({shown}); "
             f"narrow it to the files to train on, e.g. '{_narrowed(entry, paths)}'"
