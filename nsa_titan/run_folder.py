@@ -45,6 +45,15 @@ def create_new(path: str, make: Callable[[str], None]) -> str:
             candidate = f"{stem}-{n}{ext}"
 
 
+def _file_in_the_way(folder: str) -> str:
+    """The first part of `folder`'s path that exists and is not a folder (the path itself, or a file above it)."""
+    path = os.path.abspath(folder)
+    parts = [path]
+    while os.path.dirname(parts[-1]) != parts[-1]:
+        parts.append(os.path.dirname(parts[-1]))
+    return next((p for p in reversed(parts) if os.path.lexists(p) and not os.path.isdir(p)), folder)
+
+
 def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> bool:
     """The dump folder, and the output folders the run will write inside it ({recipe field: its value},
     e.g. checkpoint.folder when checkpoints are on): found unwritable now, not at the first save after
@@ -52,6 +61,10 @@ def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> boo
     made = not os.path.lexists(os.path.realpath(folder))
     try:
         os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # strerror said 'File exists' of a file where the folder goes
+        blocking = _file_in_the_way(folder)
+        raise UserError(f"cannot create job.dump_folder {folder!r}: {blocking!r} is a file, not a folder. Fix: "
+                        f"choose another folder with --job.dump_folder=PATH, or move that file away.") from None
     except OSError as exc:
         raise UserError(f"cannot create job.dump_folder {folder!r}: {exc.strerror}. Fix: choose a writable folder "
                         f"with --job.dump_folder=PATH.") from None
