@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     # that would not stop, and was killed) stay.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         lambda record: not str(record.msg).startswith(("failed (exitcode", "Sending process")))
+    # Its banner for the threads it gives each rank (OMP_NUM_THREADS=1 where unset) opened every several-process
+    # run with four warning lines; the README says it instead.
+    logging.getLogger("torch.distributed.run").addFilter(
+        lambda record: "Setting OMP_NUM_THREADS" not in str(record.msg))
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)

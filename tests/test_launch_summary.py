@@ -3,13 +3,17 @@ the signal, and a timestamp in whole seconds, by rank)."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
 from nsa_titan.launch import failure_summary
 from nsa_titan.parallel.distributed import NUMERICAL_FAULT_EXIT, PEER_LOST_EXIT_CODE
+from tests.conftest import REPO_ROOT
 
 
 def failures(*codes: int, at: int = 100) -> dict:
@@ -36,3 +40,17 @@ def failures(*codes: int, at: int = 100) -> dict:
 def test_the_launcher_blames_the_right_rank(codes, nproc, said, code):
     how, returned = failure_summary(failures(*codes), nproc, PEER_LOST_EXIT_CODE, NUMERICAL_FAULT_EXIT)
     assert how.startswith(said) and returned == code, how
+
+
+def test_a_cpu_launch_without_omp_num_threads_opens_without_torchrun_banner():
+    """torchrun's four warning lines on the threads it gives each rank opened every several-process launch; the
+    ranks still get its one thread each."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = REPO_ROOT
+    probe = "import os; print('threads', os.environ.get('OMP_NUM_THREADS'))"
+    done = subprocess.run([sys.executable, "-m", "nsa_titan.launch", "--standalone", "--nproc_per_node=2",
+                           "--no-python", sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("threads 1") == 2, done.stdout
+    assert "OMP_NUM_THREADS" not in done.stderr and "*****" not in done.stderr, done.stderr
