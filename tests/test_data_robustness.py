@@ -174,6 +174,20 @@ def test_a_folder_of_only_unreadable_files_is_not_told_to_narrow_to_files_it_lac
     assert "also matches" not in message and "**/*" not in message
 
 
+@pytest.mark.parametrize("entry", ["folder", "link", "glob"])
+def test_a_link_to_a_file_that_is_gone_is_named_as_a_broken_link(tmp_path, entry):
+    # In a folder it was "cannot read ... No such file or directory; replace it with a sound copy"; named itself,
+    # "the path ... does not exist": the link is there, its target is not. A glob passed over it in silence.
+    write_jsonl(str(tmp_path / "good.jsonl"), unique_texts(5))
+    (tmp_path / "part.jsonl").symlink_to(tmp_path / "blobs" / "gone")
+    path = {"folder": str(tmp_path), "link": str(tmp_path / "part.jsonl"), "glob": str(tmp_path / "*.jsonl")}[entry]
+    with pytest.raises(UserError) as refused:
+        TextFilesSource(TextFilesArgs(paths=[path])).check()
+    message = str(refused.value)
+    assert f"part.jsonl' is a link to '{tmp_path / 'blobs' / 'gone'}', which does not exist" in message, message
+    assert "fix the link" in message and "sound copy" not in message and "No such file" not in message
+
+
 def test_a_grown_file_is_a_different_corpus(tmp_path):
     path = str(tmp_path / "c.jsonl")
     write_jsonl(path, unique_texts(20))

@@ -124,7 +124,8 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
         if glob.has_magic(path):
             # A folder the pattern matches is searched like a folder entry: 'corpus/*' is all of corpus.
             matches = sorted({os.path.abspath(f) for m in glob.glob(path, recursive=True)  # '**' repeats folders
-                              for f in (_files_in(m) if os.path.isdir(m) else [m] if os.path.isfile(m) else [])})
+                              for f in (_files_in(m) if os.path.isdir(m) else [m] if os.path.isfile(m) or _dangling_link(m)
+                                        else [])})
             if not matches:
                 raise UserError(f"{what}: the pattern {entry!r} matches no file{read_from(entry)}; fix the pattern "
                                 f"or the folder")
@@ -142,9 +143,19 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
                     f"{what}: {entry!r} is not a file this source reads ({READABLE}); convert it or remove it"
                 )
             found.add(os.path.abspath(path))
+        elif _dangling_link(path):
+            raise UserError(f"{what}: {_dangling_link(path)}; fix the link or the path, or remove it")
         else:
             raise UserError(f"{what}: the path {entry!r} does not exist{read_from(entry)}; fix the path or remove it")
     return sorted(found)
+
+
+def _dangling_link(path: str) -> str | None:
+    """What is wrong with `path` when it is a symbolic link whose target is gone (a dataset cache's link to a
+    deleted blob, say), else None: such a path is there, so 'does not exist' or 'No such file' misleads."""
+    if not os.path.islink(path) or os.path.exists(path):
+        return None
+    return f"{path!r} is a link to {os.readlink(path)!r}, which does not exist"
 
 
 def _files_in(folder: str) -> list[str]:
@@ -238,6 +249,9 @@ class FileCorpus:
             parquet = pq.ParquetFile(f.path)
             md, schema = parquet.metadata, parquet.schema_arrow
         except (OSError, ValueError, pa.ArrowException) as e:
+            if _dangling_link(f.path):
+                raise UserError(f"{self.what}: {_dangling_link(f.path)}; fix the link, or remove it "
+                                f"({ANOTHER_STREAM})") from None
             raise UserError(
                 f"{self.what}: cannot read {f.path} ({type(e).__name__}: {e}); replace it with a sound copy, or "
                 f"remove it ({ANOTHER_STREAM})"
