@@ -123,9 +123,10 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
         path = os.path.expanduser(entry)
         if glob.has_magic(path):
             # A folder the pattern matches is searched like a folder entry: 'corpus/*' is all of corpus.
+            # A link whose target is gone is kept, so that reading it names it rather than passing over it.
             matches = sorted({os.path.abspath(f) for m in glob.glob(path, recursive=True)  # '**' repeats folders
-                              for f in (_files_in(m) if os.path.isdir(m) else [m] if os.path.isfile(m) or _dangling_link(m)
-                                        else [])})
+                              for f in (_files_in(m) if os.path.isdir(m) else
+                                        [m] if os.path.isfile(m) or _dangling_link(m) else [])})
             if not matches:
                 raise UserError(f"{what}: the pattern {entry!r} matches no file{read_from(entry)}; fix the pattern "
                                 f"or the folder")
