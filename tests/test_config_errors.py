@@ -116,6 +116,12 @@ CASES = [
     ("unknown override", "", ["--training.step=5"], ["training.step", "did you mean 'steps'"]),
     ("bad int override", "", ["--training.steps=abc"], ["training.steps", "expected a whole number", "'abc'"]),
     ("bad bool override", "", ["--compile.enable=yes"], ["compile.enable", "expected true or false"]),
+    # A folder named '~' was made where the run started; the weights' path was "does not exist" though it did.
+    ("dump folder under a tilde", "", ["--job.dump_folder=~/runs/x"],
+     ["job.dump_folder = '~/runs/x': starts with '~', which is not read as the home folder",
+      "--job.dump_folder=$HOME/runs/x"]),
+    ("initial weights under a tilde", "", ["--checkpoint.initial_load_path=~/ck/step-8"],
+     ["checkpoint.initial_load_path = '~/ck/step-8': starts with '~'", "=$HOME/ck/step-8"]),
     ("override without value", "", ["--training.steps"], ["training.steps", "has no value",
                                                           "write --training.steps=VALUE"]),
     ("boolean override without value", "", ["--compile.enable"], ["compile.enable", "has no value",

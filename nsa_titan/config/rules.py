@@ -241,6 +241,13 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if not recipe.job.dump_folder.strip():
         add("job.dump_folder", recipe.job.dump_folder, "is empty: a run needs a folder of its own",
             "name one, e.g. ./outputs/<run name> (or leave it unset: ./outputs/<job.name>)")
+    for key, value in (("job.dump_folder", recipe.job.dump_folder),
+                       ("checkpoint.initial_load_path", recipe.checkpoint.initial_load_path)):
+        if value.startswith("~"):  # read as it stands: a folder named '~' where the run starts, not the home folder
+            rest = value[1:] if value[1:2] in ("", "/") else "/..."
+            add(key, value, "starts with '~', which is not read as the home folder (nor does the shell expand it "
+                "after '=')", f"write the path in full, e.g. --{key}=$HOME{rest} (the shell expands $HOME), or a "
+                "path relative to the directory the run starts in")
     for section, name in _RUN_SUBFOLDERS:
         table = getattr(recipe, section)
         value = getattr(table, name)
