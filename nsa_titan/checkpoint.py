@@ -39,7 +39,8 @@ from components.errors import UserError, read_from
 from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mismatches, tensor_shapes,
                                          truncated_shards)
 from nsa_titan.config.toml_io import tomllib
-from nsa_titan.run_folder import create_new, recipe_above
+from nsa_titan.run_folder import create_new
+from nsa_titan.run_recipe import recipe_above
 from nsa_titan.step_folders import STEP_DIR, TRAIN_STATE, step_name, step_path, train_state_file
 
 COMPLETE = "COMPLETE"

@@ -19,13 +19,11 @@ from torch import nn
 from components.errors import UserError
 from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan import registry
-from nsa_titan.checkpoint import complete_steps
-from nsa_titan.step_folders import STEP_DIR, train_state_file
 from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe, resolve_text
 from nsa_titan.export_paths import RUN_DIR, data_read_from, made_in, plugins_read_from, tokenizer_read_from
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
-from nsa_titan.run_folder import RECIPE_FILE, recipe_above
+from nsa_titan.run_recipe import run_of_folder
 
 __all__ = ["FORMAT", "ExportedRun", "export_checkpoint", "load_checkpoint_model", "load_exported", "load_exported_run"]
 
@@ -149,17 +147,11 @@ def load_exported_run(path: str, device: str | torch.device = "cpu",
 def _run_folder_refusal(path: str) -> UserError | None:
     """A training run's folder, its checkpoint folder or one of its step folders where an exported model goes:
     the way from it to one (they were told only that the folder is no Hugging Face folder)."""
-    given = os.path.abspath(path)
-    named = STEP_DIR.match(os.path.basename(given))
-    step = int(named.group(1)) if named and os.path.isfile(train_state_file(given)) else None
-    if step is None and os.path.isfile(os.path.join(given, RECIPE_FILE)):
-        recipe = os.path.join(given, RECIPE_FILE)
-    elif step is not None or complete_steps(given):  # a checkpoint folder (or a step's): its run holds it
-        recipe = recipe_above(given)
-    else:
-        recipe = None
-    if recipe is None:
+    run = run_of_folder(path)
+    if run is None:
         return None
+    recipe, step = run
+    given = os.path.abspath(path)
     folder = os.path.dirname(recipe)
     if step is not None:
         what = f"checkpoint step {step} of the run in {folder!r}"

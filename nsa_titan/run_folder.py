@@ -12,23 +12,10 @@ from typing import Any, Callable
 
 from components.errors import UserError
 from nsa_titan.config.toml_io import tomllib
+from nsa_titan.run_recipe import RECIPE_FILE
 from nsa_titan.step_folders import train_state_file
 
-RECIPE_FILE = "recipe.toml"
 LOCK_FILE = ".run.lock"
-
-
-def recipe_above(path: str) -> str | None:
-    """The recipe file of the run a folder inside it (a checkpoint step, say) belongs to: in the nearest folder above
-    `path` that holds one (a checkpoint.folder may lie several levels below the run's folder)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    for _ in range(8):
-        if os.path.isfile(os.path.join(folder, RECIPE_FILE)):
-            return os.path.join(folder, RECIPE_FILE)
-        folder, below = os.path.dirname(folder), folder
-        if folder == below:
-            break
-    return None
 
 
 def create_new(path: str, make: Callable[[str], None]) -> str:

@@ -78,6 +78,26 @@ def test_a_run_folder_given_for_an_exported_model_names_the_export_that_makes_on
     assert cli.main(["sample", str(tmp_path / "model.pt"), "--max-new-tokens", "2"]) == 0
 
 
+@pytest.mark.parametrize("command, extra", [("export", ["--output", "OUT"]), ("train", []), ("doctor", []),
+                                            ("inspect", [])])
+def test_a_run_folder_given_for_a_recipe_names_the_runs_recipe(run, tmp_path, capsys, command, extra):
+    """A run's folder, its checkpoint folder or a step folder where a recipe goes: the run's recipe.toml (and the
+    step) that the command reads it through (it said only to check the path, naming the shipped recipes)."""
+    argv, _, _ = run
+    folder = next(a for a in argv if a.startswith("--job.dump_folder=")).split("=", 1)[1]
+    recipe = os.path.join(folder, "recipe.toml")
+    extra = [str(tmp_path / "model.pt") if x == "OUT" else x for x in extra]
+    for given, what, load_step in ((folder, "a training run's folder", ""),
+                                   (os.path.join(folder, "checkpoint"), "the checkpoint folder of a training run", ""),
+                                   (os.path.join(folder, "checkpoint", "step-1"), "checkpoint step 1 of a training run",
+                                    " with --checkpoint.load_step=1")):
+        refused(capsys, [command, given, *extra], f"recipe = {given!r}: is {what}, not a recipe file. "
+                                                  f"Fix: name the run's recipe, {recipe}{load_step}.")
+    assert not os.path.exists(tmp_path / "model.pt")
+    if command == "export":
+        assert cli.main(["export", recipe, "--checkpoint.load_step=1", *extra]) == 0
+
+
 def test_a_step_folder_of_a_nested_checkpoint_folder_names_its_run(run, tmp_path, capsys):
     """checkpoint.folder may lie several levels below the run's folder: its step folder is still named as the run's
     (it was taken for a folder of unknown kind, 'not a Hugging Face folder')."""

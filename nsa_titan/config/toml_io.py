@@ -15,6 +15,7 @@ else:  # pragma: no cover - Python 3.10
 
 from nsa_titan.checkout_hints import shipped_recipes
 from nsa_titan.config.errors import Problem
+from nsa_titan.run_recipe import run_of_folder
 
 EXTENDS_KEY = "extends"
 
@@ -70,7 +71,19 @@ def read_toml(path: str, problems: list[Problem], where: str, extended_by: str |
             why = "is a symbolic link that leads to no file (a broken link, or a loop)"
         else:
             why = "file not found"
-        if extended_by is None:
+        run = run_of_folder(path) if extended_by is None and os.path.isdir(path) else None
+        if run is not None:  # a run's folder (or its checkpoints'): its recipe is the one meant
+            recipe, step = run
+            if step is not None:
+                what = f"checkpoint step {step} of a training run"
+            elif os.path.dirname(recipe) == os.path.abspath(path):
+                what = "a training run's folder"
+            else:
+                what = "the checkpoint folder of a training run"
+            load_step = "" if step is None else f" with --checkpoint.load_step={step}"
+            problems.append(Problem(where, "recipe", path, f"is {what}, not a recipe file",
+                                    f"name the run's recipe, {shown_path(recipe)}{load_step}"))
+        elif extended_by is None:
             problems.append(Problem(where, "recipe", path, why, f"check the path; {shipped_recipes()}"))
         else:  # an extends entry is read relative to the file that names it
             problems.append(Problem(where, EXTENDS_KEY, path, why,
