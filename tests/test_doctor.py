@@ -533,6 +533,19 @@ def test_the_resume_check_reads_the_checkpoint_a_resume_would_load(tmp_path, cap
     assert lines["resume"][0] == "ok" and "step-1 (step 1, " in lines["resume"][1], lines["resume"]
 
 
+def test_the_resume_check_warns_that_a_finished_run_would_do_nothing(one_step_run, capsys):
+    """A run folder whose checkpoint already holds training.steps: training loads it and stops, 'nothing to do';
+    doctor said only 'ok, a resume loads step-1'."""
+    recipe = str(one_step_run.parent.parent / "recipe.toml")
+    code, lines = _doctor(capsys, recipe)
+    status, text = lines["resume"]
+    assert code == 0 and status == "warn", lines["resume"]
+    assert text.endswith("the run already reached training.steps = 1, so training would do nothing. Fix: raise "
+                         "--training.steps to train on, or use another --job.dump_folder to start afresh"), text
+    code, lines = _doctor(capsys, recipe, "--training.steps=2")
+    assert lines["resume"][0] == "ok" and "training would do nothing" not in lines["resume"][1], lines["resume"]
+
+
 def test_the_resume_check_says_which_checkpoints_the_run_leaves_alone(tmp_path, capsys):
     """A run folder holding checkpoints that the recipe does not resume (checkpoint.enable = false, or another
     checkpoint.folder): training starts at step 0 saying so and how to go on from them; doctor said only 'from

@@ -15,7 +15,7 @@ from nsa_titan import assemble, registry
 from nsa_titan.checkpoint import (Checkpointer, check_weights_files, check_weights_path, data_mismatch_message,
                                   initial_weights_mismatch, run_branches, weights_step_dir)
 from nsa_titan.checkpoint_checks import shape_mismatches, tensor_shapes
-from nsa_titan.doctor.checks import FAIL, OK, Check
+from nsa_titan.doctor.checks import FAIL, OK, WARN, Check
 from nsa_titan.hf_folder import hf_weight_changes, is_hf_folder
 from nsa_titan.resume_notes import say_checkpoints_left_alone, say_other_checkpoint_folders
 from nsa_titan.weight_source import changes_note, step_field_changes
@@ -52,6 +52,11 @@ def check_resume(resolved, runtime, tokenizer, source) -> Check:
     if isinstance(stream, Check):
         return stream
     said = [note for note in [changes_note(changes), *notes, stream] if note]  # allowed changes: said, not refused
+    steps = recipe.training.steps
+    if record["step"] >= steps:  # training would load it and stop at once, having nothing to do
+        return Check("resume", WARN, "; ".join([detail, *said, (
+            f"the run already reached training.steps = {steps}, so training would do nothing. Fix: raise "
+            f"--training.steps to train on, or use another --job.dump_folder to start afresh")]))
     return Check("resume", OK, "; ".join([detail, *said]))
 
 
