@@ -21,6 +21,7 @@ from nsa_titan.command_options import check_output, new_name_beside
 from nsa_titan import registry
 from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe, resolve_text
+from nsa_titan.config.toml_io import run_folder_flag
 from nsa_titan.export_paths import RUN_DIR, data_read_from, made_in, plugins_read_from, tokenizer_read_from
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
 from nsa_titan.run_recipe import run_of_folder
@@ -157,7 +158,7 @@ def _run_folder_refusal(path: str) -> UserError | None:
         what = f"checkpoint step {step} of the run in {folder!r}"
     else:
         what = "a training run's folder" if folder == given else f"the checkpoint folder of {folder!r}"
-    load_step = f" --checkpoint.load_step={step}" if step is not None else ""
+    load_step = run_folder_flag(recipe) + (f" --checkpoint.load_step={step}" if step is not None else "")
     return UserError(f"{path!r} is {what}, not an exported model. Fix: export it first, `nsa-titan export {recipe}"
                      f"{load_step} --output model.pt`, and give model.pt here (eval and plot also read it through "
                      f"the run's recipe: `nsa-titan eval {recipe}{load_step} --out DIR`).")

@@ -70,6 +70,12 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
     steps = complete_steps(folder)
     step = recipe.checkpoint.load_step if recipe.checkpoint.load_step >= 0 else (steps[-1] if steps else None)
     if not steps:
+        saved_in = _run_folder_of_recipe(resolved)
+        if saved_in is not None:  # a run's own recipe.toml, given from another folder than the run started in
+            raise UserError(f"no complete checkpoint in {folder}{read_from(folder)}; the recipe is the one the run "
+                            f"in {saved_in} saved, whose job.dump_folder = {recipe.job.dump_folder!r} is read from "
+                            f"the current folder. Fix: add --job.dump_folder={saved_in}, or run this from the folder "
+                            f"the run started in.")
         raise UserError(f"no complete checkpoint in {folder}{read_from(folder)}. Fix: train with checkpoint.enable = "
                         f"true first (or name the run's folder with --job.dump_folder).")
     if step not in steps:
@@ -103,6 +109,17 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
             _check_model_fields(resolved, step_path(folder, step))
     model.load_state_dict(state["model"], strict=True)
     return model.eval(), tokenizer, step
+
+
+def _run_folder_of_recipe(resolved: ResolvedRecipe) -> str | None:
+    """The folder the given recipe file lies in, where it is a run's folder holding complete checkpoints that the
+    recipe's job.dump_folder, read from here, does not name; None otherwise."""
+    if resolved.path is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(resolved.path))
+    if os.path.realpath(folder) == os.path.realpath(resolved.recipe.job.dump_folder):
+        return None
+    return folder if complete_steps(os.path.join(folder, resolved.recipe.checkpoint.folder)) else None
 
 
 def _check_model_fields(resolved: ResolvedRecipe, step_dir: str) -> None:

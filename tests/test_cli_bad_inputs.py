@@ -98,6 +98,29 @@ def test_a_run_folder_given_for_a_recipe_names_the_runs_recipe(run, tmp_path, ca
         assert cli.main(["export", recipe, "--checkpoint.load_step=1", *extra]) == 0
 
 
+def test_a_run_that_named_its_folder_relatively_is_found_from_elsewhere(run, tmp_path, capsys, monkeypatch):
+    """A run started elsewhere with a relative job.dump_folder (the shipped recipes' ./outputs/NAME): its saved
+    recipe read from here names another folder. The fixes named its recipe alone, which then found no checkpoint
+    and said to train with checkpoints on; they now add --job.dump_folder, and the hinted export works."""
+    argv, _, _ = run
+    folder = next(a for a in argv if a.startswith("--job.dump_folder=")).split("=", 1)[1]
+    moved = tmp_path / "started_here" / "outputs" / "r"
+    shutil.copytree(folder, moved)
+    recipe = moved / "recipe.toml"
+    recipe.write_text(recipe.read_text().replace(f'dump_folder = "{folder}"', 'dump_folder = "./outputs/r"'))
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, ["sample", str(moved)], f"`nsa-titan export {recipe} --job.dump_folder={moved} --output model.pt`")
+    refused(capsys, ["export", str(moved / "checkpoint" / "step-1"), "--output", "m.pt"],
+            f"Fix: name the run's recipe, {os.path.join('started_here', 'outputs', 'r', 'recipe.toml')} with "
+            f"--job.dump_folder={os.path.join('started_here', 'outputs', 'r')} --checkpoint.load_step=1.")
+    refused(capsys, ["export", str(recipe), "--output", "m.pt"],
+            f"the recipe is the one the run in {moved} saved, whose job.dump_folder = './outputs/r' is read from the "
+            f"current folder. Fix: add --job.dump_folder={moved}, or run this from the folder the run started in.")
+    assert cli.main(["export", str(recipe), f"--job.dump_folder={moved}", "--output", "m.pt"]) == 0
+    monkeypatch.chdir(tmp_path / "started_here")  # where the run started, its recipe alone finds it
+    refused(capsys, ["sample", "outputs/r"], f"`nsa-titan export {recipe} --output model.pt`")
+
+
 def test_a_step_folder_of_a_nested_checkpoint_folder_names_its_run(run, tmp_path, capsys):
     """checkpoint.folder may lie several levels below the run's folder: its step folder is still named as the run's
     (it was taken for a folder of unknown kind, 'not a Hugging Face folder')."""
@@ -105,7 +128,9 @@ def test_a_step_folder_of_a_nested_checkpoint_folder_names_its_run(run, tmp_path
     folder = next(a for a in argv if a.startswith("--job.dump_folder=")).split("=", 1)[1]
     nested = tmp_path / "run"
     shutil.copytree(os.path.join(folder, "checkpoint"), nested / "checkpoints" / "nsa")
-    shutil.copy(os.path.join(folder, "recipe.toml"), nested / "recipe.toml")
+    saved = open(os.path.join(folder, "recipe.toml")).read()  # as that run would have saved it
+    (nested / "recipe.toml").write_text(saved.replace(f'dump_folder = "{folder}"', f'dump_folder = "{nested}"')
+                                        .replace('folder = "checkpoint"', 'folder = "checkpoints/nsa"'))
     step = str(nested / "checkpoints" / "nsa" / "step-1")
     refused(capsys, ["sample", step], f"{step!r} is checkpoint step 1 of the run in {str(nested)!r}",
             f"`nsa-titan export {nested / 'recipe.toml'} --checkpoint.load_step=1 --output model.pt`")

@@ -62,6 +62,21 @@ def shown_path(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+def run_folder_flag(recipe: str) -> str:
+    """' --job.dump_folder=FOLDER' where the recipe a run saved in FOLDER names another folder read from here (its
+    job.dump_folder is relative to where the run started, and this is elsewhere); '' where it names FOLDER. FOLDER
+    is written as `recipe` is (relative or absolute)."""
+    folder = os.path.dirname(recipe) or "."
+    try:
+        with open(recipe, "rb") as fh:
+            named = tomllib.load(fh).get("job", {}).get("dump_folder")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        named = None
+    if isinstance(named, str) and os.path.realpath(named) == os.path.realpath(folder):
+        return ""
+    return f" --job.dump_folder={folder}"
+
+
 def read_toml(path: str, problems: list[Problem], where: str, extended_by: str | None = None) -> dict | None:
     """extended_by: the recipe whose extends names `path` (None: the command line named it)."""
     if not os.path.isfile(path):
@@ -80,9 +95,9 @@ def read_toml(path: str, problems: list[Problem], where: str, extended_by: str |
                 what = "a training run's folder"
             else:
                 what = "the checkpoint folder of a training run"
-            load_step = "" if step is None else f" with --checkpoint.load_step={step}"
+            flags = run_folder_flag(shown_path(recipe)) + ("" if step is None else f" --checkpoint.load_step={step}")
             problems.append(Problem(where, "recipe", path, f"is {what}, not a recipe file",
-                                    f"name the run's recipe, {shown_path(recipe)}{load_step}"))
+                                    f"name the run's recipe, {shown_path(recipe)}" + (f" with{flags}" if flags else "")))
         elif extended_by is None:
             problems.append(Problem(where, "recipe", path, why, f"check the path; {shipped_recipes()}"))
         else:  # an extends entry is read relative to the file that names it
