@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from nsa_titan import cli
+from nsa_titan.config import resolve
 from tests.conftest import REPO_ROOT
 from tests.launch import DEBUG, TINY, env, signal_once_imported
 
@@ -117,8 +118,17 @@ def test_a_run_that_named_its_folder_relatively_is_found_from_elsewhere(run, tmp
             f"the recipe is the one the run in {moved} saved, whose job.dump_folder = './outputs/r' is read from the "
             f"current folder. Fix: add --job.dump_folder={moved}, or run this from the folder the run started in.")
     assert cli.main(["export", str(recipe), f"--job.dump_folder={moved}", "--output", "m.pt"]) == 0
+    # training and doctor would start another run here from it, or resume none: said at the start
+    note = (f"is the recipe the run in {os.path.join('started_here', 'outputs', 'r')} saved, but its job.dump_folder "
+            f"= './outputs/r', read from the current folder, names {tmp_path / 'outputs' / 'r'}: another run than "
+            f"that one. To continue that run, add --job.dump_folder={os.path.join('started_here', 'outputs', 'r')} "
+            f"or start from the folder it started in.")
+    assert sum(note in said for said in resolve([str(recipe)]).notes) == 1
+    assert not any("is the recipe the run in" in said for said in resolve([str(recipe), f"--job.dump_folder={moved}"])
+                   .notes)
     monkeypatch.chdir(tmp_path / "started_here")  # where the run started, its recipe alone finds it
     refused(capsys, ["sample", "outputs/r"], f"`nsa-titan export {recipe} --output model.pt`")
+    assert not any("is the recipe the run in" in said for said in resolve(["outputs/r/recipe.toml"]).notes)
 
 
 def test_a_step_folder_of_a_nested_checkpoint_folder_names_its_run(run, tmp_path, capsys):

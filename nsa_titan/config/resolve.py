@@ -17,6 +17,7 @@ from nsa_titan.config.render import recipe_text
 from nsa_titan.config.rules import check_rules
 from nsa_titan.config.schema import Recipe
 from nsa_titan.config.toml_io import load_composed, origins, shown_path, tomllib
+from nsa_titan.run_recipe import RECIPE_FILE, run_of_folder
 
 
 @dataclass
@@ -58,6 +59,7 @@ def resolve(argv: list[str], *, world_size: int | None = 1, default_recipe: str 
     apply_overrides(table, origin, cmd.overrides, problems)
     if path is not None:
         _name_the_run_after(path, table, origin, cmd.notes)
+        _note_a_run_recipe_naming_another_folder(path, table, origin, cmd.notes)
     return _finish(table, origin, problems, world_size, path, cmd, training=training, command_notes=twice)
 
 
@@ -115,6 +117,27 @@ def _name_the_run_after(path: str, table: dict, origin: dict[str, str], notes: l
         notes.append(f"this run is {job['name']!r} in {job['dump_folder']!r}, not the run of the recipe it extends "
                      f"({theirs}): {NOT_INHERITED}. To continue that run, set them in [job] of "
                      f"{os.path.basename(path)} or on the command line.")
+
+
+def _note_a_run_recipe_naming_another_folder(path: str, table: dict, origin: dict[str, str], notes: list[str]) -> None:
+    """A run's saved recipe, given from another folder than the run started in: its relative job.dump_folder names
+    a folder here, so the command would start or read another run than the one it was saved with. Said, since a
+    fresh run from an old run's recipe is also a use of it."""
+    job, checkpoint = table.get("job"), table.get("checkpoint", {})
+    if os.path.basename(path) != RECIPE_FILE or not isinstance(job, dict) or not isinstance(checkpoint, dict):
+        return
+    dump, saved_in = job.get("dump_folder"), os.path.dirname(os.path.abspath(path))
+    checkpoints = checkpoint.get("folder", "checkpoint")
+    if not isinstance(dump, str) or not isinstance(checkpoints, str) or origin.get("job.dump_folder", "").startswith(
+            "flag ") or os.path.realpath(dump) == os.path.realpath(saved_in):
+        return
+    run = run_of_folder(os.path.join(saved_in, checkpoints))
+    if run is None or run[0] != os.path.abspath(path):
+        return
+    notes.append(f"{shown_path(path)} is the recipe the run in {shown_path(saved_in)} saved, but its job.dump_folder "
+                 f"= {dump!r}, read from the current folder, names {os.path.abspath(dump)}: another run than that "
+                 f"one. To continue that run, add --job.dump_folder={shown_path(saved_in)} or start from the folder "
+                 f"it started in.")
 
 
 def resolve_text(text: str, *, world_size: int | None = None, overrides: list[str] | tuple[str, ...] = ()
