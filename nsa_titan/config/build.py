@@ -85,12 +85,12 @@ class RecipeBuilder:
     # -- building ----------------------------------------------------------------------------
     def build(self, cls: type, table: Any, path: str = "") -> Any:
         """Build an instance of the dataclass `cls` from `table`; problems go to the list."""
-        if isinstance(table, NoValue):  # --training, a section's name without a field
-            self.problem(path, None, "is a table, not a value",
-                         f"override one of its fields, e.g. --{path}.FIELD=VALUE")
-            table = {}
-        elif not isinstance(table, dict):
-            self.problem(path, table, "must be a table", f"write it as [{path}] with fields under it")
+        if not isinstance(table, dict):
+            if isinstance(table, CliText):  # a flag named the section itself (--compile, --compile=true)
+                self.problem(path, None, "is a table, not a value", f"override one of its fields, e.g. "
+                             f"--{path}.FIELD=VALUE (`nsa-titan train --help` lists them)")
+            else:
+                self.problem(path, table, "must be a table", f"write it as [{path}] with fields under it")
             table = {}
         before = len(self.problems)
         hints = resolved_types(cls)
