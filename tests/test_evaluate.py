@@ -237,6 +237,27 @@ def test_a_held_out_set_of_no_rows_names_fixes_that_eval_can_use(checkpointed_ru
             "on), or lower data.min_document_tokens.") in err and "validation.enable" not in err, err
 
 
+def test_a_held_out_set_of_no_rows_from_the_runs_own_data_names_no_circular_fix(tmp_path, capsys):
+    """Read with the run's own data settings (its recipe.toml as it is), an empty held-out set was told to 'evaluate
+    with the data settings of the run's own recipe.toml': those very settings."""
+    corpus = tmp_path / "a.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 5}) + "\n"
+                              for i in range(60)))
+    run = tmp_path / "run"
+    assert cli.main(["train", DEBUG, *TINY, "--training.steps=1", "--checkpoint.enable=true",
+                     "--data.logical_shards=64", "--data.source=text_files", f"--data.text_files.paths={corpus}",
+                     f"--job.dump_folder={run}"]) == 0
+    capsys.readouterr()
+    assert cli.main(["eval", str(run / "recipe.toml"), "--out", str(tmp_path / "eval"), "--batches", "1",
+                     "--trials", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "so there is no held-out data to validate on. Fix: these are the run's own data settings, which hold " \
+           "out no document for these rows (a larger validation_fraction would score documents the model trained " \
+           "on): give data flags that read text it did not train on, e.g. another --data.source or other files in " \
+           "its table (--data.text_files.FIELD=...)." in err, err
+    assert "recipe.toml (the set its validation loss was logged on)" not in err, err
+
+
 def test_eval_reads_checkpoint_load_step_whatever_checkpoint_enable_says(checkpointed_run, tmp_path, capsys):
     """A run folder keeps its checkpoints when a later run there turned checkpoints off, and its recipe.toml then
     says checkpoint.enable = false: --checkpoint.load_step, which export's own refusal of a step folder names, was

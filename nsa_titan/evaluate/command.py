@@ -181,7 +181,8 @@ def _evaluate(argv: list[str]) -> int:
     if not held_out:  # eval always reads the held-out set: the way out is the data its run validated on
         raise held_out_set.empty_set_error(
             recipe, rows, "evaluate with the data settings of the run's own recipe.toml (the set its validation loss "
-            "was logged on)", None if saved is None else empty_set_fix(saved, recipe.data, rows, example))
+            "was logged on)", empty_set_fix(saved, recipe.data, rows, example) if saved is not None
+            else _own_data_empty_fix(resolved, recipe.data))
     _say_short_set(recipe, held_out, batches[0] if batches else None,
                    None if saved is None else more_held_out(saved, recipe.data, example))
     positions = loss_by_position(model, documents, held_out, recipe.training.seq_len, progress("held-out loss"),
@@ -276,6 +277,21 @@ def _passkey_lengths(model, tokenizer, recipe, lengths: list[int] | None) -> lis
                         f"the answer needs room within max_seq_len {max_seq_len}). Fix: e.g. "
                         f"--lengths {shortest},{limit}.")
     return lengths
+
+
+def _own_data_empty_fix(resolved, data) -> str | None:
+    """The fix of an empty held-out set read with the run's own data settings (no data field differs from its
+    recipe.toml): not those settings, which are these; None where the data differs (the default fix names them)."""
+    from nsa_titan.run_folder import recipe_changes
+
+    changes = recipe_changes(resolved.recipe.job.dump_folder, resolved, limit=1_000_000)
+    if any(change.startswith("data.") for change in changes):
+        return None
+    fewer = ", or a lower --data.min_document_tokens" if data.min_document_tokens else ""
+    return (f"these are the run's own data settings, which hold out no document for these rows (a larger "
+            f"validation_fraction would score documents the model trained on): give data flags that read text it did "
+            f"not train on, e.g. another --data.source or other files in its table (--data.{data.source}.FIELD=...)"
+            f"{fewer}")
 
 
 def context_bands(positions: dict, share: float = 0.1) -> str:
