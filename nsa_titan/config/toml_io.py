@@ -96,8 +96,8 @@ def read_toml(path: str, problems: list[Problem], where: str, extended_by: str |
             else:
                 what = "the checkpoint folder of a training run"
             flags = run_folder_flag(shown_path(recipe)) + ("" if step is None else f" --checkpoint.load_step={step}")
-            problems.append(Problem(where, "recipe", path, f"is {what}, not a recipe file",
-                                    f"name the run's recipe, {shown_path(recipe)}" + (f" with{flags}" if flags else "")))
+            fix = f"name the run's recipe, {shown_path(recipe)}" + (f" with{flags}" if flags else "")
+            problems.append(Problem(where, "recipe", path, f"is {what}, not a recipe file", fix))
         elif extended_by is None:
             problems.append(Problem(where, "recipe", path, why, f"check the path; {shipped_recipes()}"))
         else:  # an extends entry is read relative to the file that names it
