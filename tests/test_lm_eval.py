@@ -211,7 +211,8 @@ def test_a_generation_longer_than_the_context_is_cut_to_fit(setup, monkeypatch):
     assert (len(prompt), new) == (1, 255) and prompt == lm.tok_encode(context)[-1:] and isinstance(text, str)
 
 
-def test_eval_runs_tasks_beside_its_own_probes(setup, tmp_path):
+def test_eval_runs_tasks_beside_its_own_probes(setup, tmp_path, capsys):
+    from nsa_titan.evaluate.command import task_metrics
     from nsa_titan.evaluate.harness import lm_class
 
     argv, root = setup
@@ -219,6 +220,11 @@ def test_eval_runs_tasks_beside_its_own_probes(setup, tmp_path):
     assert cli.main(["eval", *argv, "--out", str(out), "--batches", "1", "--trials", "1", "--depths", "0",
                      "--tasks", ",".join(TASKS), "--task-dir", str(root / "tasks")]) == 0
     written = json.load(open(out / "lm_eval.json"))
+    # the console gives the tasks' numbers too (it named only lm_eval.json)
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said == f"lm-eval: {task_metrics(written['results'])}", said
+    choice = written["results"]["toy_choice"]["acc,none"]
+    assert f"toy_choice: acc {choice:.4g}" in said and "stderr" not in said, said
     assert sorted(os.listdir(out)) == ["eval.json", "lm_eval.json", "passkey.png", "position_loss.png"]
     lm_class()
     # As the lm_eval command line gives them, standard errors included (its default bootstrap_iters).

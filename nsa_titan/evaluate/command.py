@@ -218,6 +218,8 @@ def _evaluate(argv: list[str]) -> int:
         probe = (f"passkey accuracy {mean_accuracy:.0%} over {len(lengths)} lengths x {len(depths)} depths x "
                  f"{trials} keys")
     print(f"evaluated {loaded}: {context_bands(positions)}; {probe}: " + ", ".join(paths.values()))
+    if harness is not None:  # the numbers asked for, not only the file that holds them
+        print(f"lm-eval: {task_metrics(harness['results'])}")
     if resolved is not None:
         from nsa_titan.rebuild import HELD_OUT_READS, say_unread_flags
 
@@ -225,6 +227,20 @@ def _evaluate(argv: list[str]) -> int:
         say_unread_flags(resolved, "eval",
                          tuple(r for r in HELD_OUT_READS if not (batches and r == "validation.steps")))
     return 0
+
+
+def task_metrics(results: dict) -> str:
+    """The harness's results per task, its metrics without their standard errors: 'task: acc 0.667; ...'. A
+    metric is keyed 'NAME,FILTER' (the filter shown unless it is the harness's 'none')."""
+    tasks = []
+    for task, metrics in sorted(results.items()):
+        shown = []
+        for key, value in metrics.items():
+            name, comma, kind = key.partition(",")
+            if comma and "_stderr" not in name and isinstance(value, (int, float)) and not isinstance(value, bool):
+                shown.append(f"{name}{'' if kind == 'none' else f' ({kind})'} {value:.4g}")
+        tasks.append(f"{task}: {', '.join(shown) or 'no metric'}")
+    return "; ".join(tasks)
 
 
 def _data_override_example(data, model: str, out: str) -> str:
