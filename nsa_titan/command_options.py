@@ -53,7 +53,11 @@ def refuse_unknown_options(argv: list[str], command: str, known: str, overrides:
     unknown = [n for n in names if n.startswith("--") and "." not in n] if overrides else \
         [n for n in names if n.startswith("-")]
     if unknown:
-        close = suggest(unknown[0], re.findall(r"--[a-z][a-z-]*", known))
+        # the options `known` names, not the placeholders of its overrides (--section.field=VALUE is no --section);
+        # a word that opens one of those (--data of --data.FIELD=VALUE) is shown the whole form
+        whole = [p for p in re.findall(r"--[a-z][\w-]*\.[\w.=]+", known) if p.startswith(unknown[0] + ".")]
+        close = f" (did you mean {whole[0]}?)" if whole else \
+            suggest(unknown[0], re.findall(r"--[a-z][a-z-]*(?![\w.-])", known))
         raise UserError(f"{command} has no option {unknown[0]!r}{close}. Fix: remove it, or use one of {known}.")
 
 

@@ -533,6 +533,17 @@ def test_an_unknown_export_option_is_named_before_a_missing_output(capsys):
     assert "has no option" not in err
 
 
+def test_an_unknown_option_is_never_told_a_placeholder_of_the_usage(capsys, run, tmp_path):
+    """The usage's '--section.field=VALUE' and '--data.FIELD=VALUE' were read as options '--section' and '--data':
+    'export has no option '--version' (did you mean '--section'?)', 'eval has no option '--data' (did you mean
+    '--data'?)'."""
+    err = refused(capsys, ["export", DEBUG, "--output", "x.pt", "--version"], "export has no option '--version'")
+    assert "'--section'" not in err, err
+    refused(capsys, ["eval", run[1], "--out", str(tmp_path / "out"), "--data"],
+            "eval has no option '--data' (did you mean --data.FIELD=VALUE?). Fix:")
+    refused(capsys, ["export", DEBUG, "--output", "x.pt", "--formt=hf"], "(did you mean '--format'?)")
+
+
 @pytest.mark.parametrize("extra, fix", [([], "Fix: add --output FILE (e.g. --output model.pt) to the command."),
                                         (["--format", "hf"], "Fix: add --output DIR (e.g. --output model_hf) to the "
                                                              "command.")])
