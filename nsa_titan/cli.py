@@ -58,8 +58,20 @@ INPUT_ERROR = 2
 def _usage() -> str:
     lines = ["usage: nsa-titan COMMAND [RECIPE.toml] [overrides...]", "", "commands:"]
     lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
-    lines += ["", "`nsa-titan train --help` lists every recipe field; `nsa-titan COMMAND --help`, a command's usage."]
+    lines += ["", "`nsa-titan train --help` lists every recipe field; `nsa-titan COMMAND --help`, a command's usage;",
+              "`nsa-titan --version`, the versions of this package, torch and Python."]
     return "\n".join(lines)
+
+
+def _version() -> str:
+    """What a bug report needs: this package's version and the torch and Python it runs on."""
+    import platform
+
+    import torch
+
+    from nsa_titan import __version__
+
+    return f"nsa-titan {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
 
 
 def say_error_line(line: str) -> None:
@@ -407,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else INPUT_ERROR
+    if argv == ["--version"]:
+        print(_version())
+        return 0
     command, rest = argv[0], argv[1:]
     handlers = {"train": train, "export": export, "sample": sample, "plot": plot, "eval": evaluate,
                 "inspect": inspect, "doctor": doctor, "recipes": recipes}

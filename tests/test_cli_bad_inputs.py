@@ -768,3 +768,16 @@ def test_a_stop_while_the_trainer_sets_up_is_one_line_and_leaves_no_folder(tmp_p
         f"error: train stopped by {name} while starting, before its first step: nothing was saved (the same command "
         "starts it again, from its newest complete checkpoint if it has one)."], err
     assert not folder.exists()
+
+
+def test_version_names_the_package_torch_and_python(capsys):
+    """`nsa-titan --version` was "unknown command '--version'": a bug report had no way to say what ran."""
+    import platform
+
+    import torch
+
+    from nsa_titan import __version__
+
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == f"nsa-titan {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
