@@ -114,8 +114,8 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
 def _run_folder_of_recipe(resolved: ResolvedRecipe) -> str | None:
     """The folder the given recipe file lies in, where it is a run's folder holding complete checkpoints that the
     recipe's job.dump_folder, read from here, does not name; None otherwise."""
-    if resolved.path is None:
-        return None
+    if resolved.path is None or any(key == "job.dump_folder" for _, key, _ in resolved.command_line.overrides):
+        return None  # a folder given on the command line is the one meant, read as typed
     folder = os.path.dirname(os.path.abspath(resolved.path))
     if os.path.realpath(folder) == os.path.realpath(resolved.recipe.job.dump_folder):
         return None

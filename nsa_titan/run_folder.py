@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from components.errors import UserError
 from nsa_titan.config.toml_io import tomllib
-from nsa_titan.run_recipe import RECIPE_FILE
+from nsa_titan.run_recipe import RECIPE_FILE, RESOLVED_HEADER
 from nsa_titan.step_folders import train_state_file
 
 LOCK_FILE = ".run.lock"
@@ -67,9 +67,6 @@ def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> boo
                             f"writable folder with --{field}=NAME (a relative path inside job.dump_folder){in_way}."
                             ) from None
     return made
-
-
-RESOLVED_HEADER = "# resolved recipe, hash "
 
 
 def _first_line(path: str) -> str | None:

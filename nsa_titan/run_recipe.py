@@ -7,6 +7,16 @@ import os
 from nsa_titan.step_folders import STEP_DIR, train_state_file
 
 RECIPE_FILE = "recipe.toml"
+RESOLVED_HEADER = "# resolved recipe, hash "  # a run's recipe.toml opens with it; a user's own recipe.toml does not
+
+
+def written_by_a_run(path: str) -> bool:
+    """Whether `path` is a recipe file a run wrote (its resolved recipe), not a user's recipe of that name."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.readline().startswith(RESOLVED_HEADER)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def recipe_above(path: str) -> str | None:
@@ -14,7 +24,7 @@ def recipe_above(path: str) -> str | None:
     `path` that holds one (a checkpoint.folder may lie several levels below the run's folder)."""
     folder = os.path.dirname(os.path.abspath(path))
     for _ in range(8):
-        if os.path.isfile(os.path.join(folder, RECIPE_FILE)):
+        if written_by_a_run(os.path.join(folder, RECIPE_FILE)):
             return os.path.join(folder, RECIPE_FILE)
         folder, below = os.path.dirname(folder), folder
         if folder == below:
@@ -31,7 +41,7 @@ def run_of_folder(path: str) -> tuple[str, int | None] | None:
     if named and os.path.isfile(train_state_file(given)):
         recipe = recipe_above(given)
         return (recipe, int(named.group(1))) if recipe else None
-    if os.path.isfile(os.path.join(given, RECIPE_FILE)):
+    if written_by_a_run(os.path.join(given, RECIPE_FILE)):
         return os.path.join(given, RECIPE_FILE), None
     try:
         names = os.listdir(given)

@@ -99,6 +99,37 @@ def test_a_run_folder_given_for_a_recipe_names_the_runs_recipe(run, tmp_path, ca
         assert cli.main(["export", recipe, "--checkpoint.load_step=1", *extra]) == 0
 
 
+def test_a_folder_holding_a_users_own_recipe_toml_is_no_run(tmp_path, capsys, monkeypatch):
+    """A user's experiment folder with its own recipe.toml (no run wrote it) was called a training run's folder, with
+    a --job.dump_folder fix that the run-folder check then refused; a saved recipe whose [job] is not a table crashed
+    the fix's lookup with a traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exp1").mkdir()
+    (tmp_path / "exp1" / "recipe.toml").write_text(f'extends = ["{DEBUG}"]\n[job]\nname = "exp1"\n')
+    for command in ("train", "doctor"):
+        err = refused(capsys, [command, "exp1"], "exp1': is a folder, not a recipe file. Fix: check the path")
+        assert "training run" not in err and "--job.dump_folder" not in err, err
+    err = refused(capsys, ["sample", "exp1"])
+    assert "training run" not in err and "--job.dump_folder" not in err, err
+    step = tmp_path / "odd" / "checkpoint" / "step-1"
+    step.mkdir(parents=True)
+    (step / "train_state.json").write_text('{"step": 1}')
+    (tmp_path / "odd" / "recipe.toml").write_text('# resolved recipe, hash 0123456789ab\njob = "x"\n')
+    for args in (["train", "odd"], ["sample", "odd"], ["train", str(step)]):
+        refused(capsys, args, "odd")
+
+
+def test_a_folder_given_with_job_dump_folder_is_not_blamed_on_the_saved_recipe(run, tmp_path, capsys):
+    """export of a run's recipe with --job.dump_folder naming a folder without checkpoints said that the recipe's
+    job.dump_folder 'is read from the current folder' (it was the flag, an absolute path) and to add the flag given."""
+    argv, _, _ = run
+    recipe = os.path.join(next(a for a in argv if a.startswith("--job.dump_folder=")).split("=", 1)[1], "recipe.toml")
+    nowhere = tmp_path / "nowhere"
+    err = refused(capsys, ["export", recipe, f"--job.dump_folder={nowhere}", "--output", str(tmp_path / "m.pt")],
+                  f"no complete checkpoint in {nowhere / 'checkpoint'}")
+    assert "is read from the current folder" not in err and "saved" not in err, err
+
+
 def test_a_run_that_named_its_folder_relatively_is_found_from_elsewhere(run, tmp_path, capsys, monkeypatch):
     """A run started elsewhere with a relative job.dump_folder (the shipped recipes' ./outputs/NAME): its saved
     recipe read from here names another folder. The fixes named its recipe alone, which then found no checkpoint

@@ -69,7 +69,8 @@ def run_folder_flag(recipe: str) -> str:
     folder = os.path.dirname(recipe) or "."
     try:
         with open(recipe, "rb") as fh:
-            named = tomllib.load(fh).get("job", {}).get("dump_folder")
+            job = tomllib.load(fh).get("job")
+        named = job.get("dump_folder") if isinstance(job, dict) else None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         named = None
     if isinstance(named, str) and os.path.realpath(named) == os.path.realpath(folder):
