@@ -48,11 +48,15 @@ def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> boo
     made = not os.path.lexists(os.path.realpath(folder))
     try:
         os.makedirs(folder, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):  # strerror said 'File exists' of a file where the folder goes
-        blocking = _file_in_the_way(folder)
-        raise UserError(f"cannot create job.dump_folder {folder!r}: {blocking!r} is a file, not a folder. Fix: "
-                        f"choose another folder with --job.dump_folder=PATH, or move that file away.") from None
     except OSError as exc:
+        blocking = _file_in_the_way(folder)
+        if os.path.islink(blocking):  # a link to a folder that is gone (an unmounted scratch disk, say)
+            raise UserError(f"cannot create job.dump_folder {folder!r}: {blocking!r} is a symbolic link to "
+                            f"{os.readlink(blocking)!r}, which does not exist. Fix: mount or create what it points "
+                            f"to, remove the link, or choose another folder with --job.dump_folder=PATH.") from None
+        if isinstance(exc, (FileExistsError, NotADirectoryError)):  # strerror: 'File exists', of a file in the way
+            raise UserError(f"cannot create job.dump_folder {folder!r}: {blocking!r} is a file, not a folder. Fix: "
+                            f"choose another folder with --job.dump_folder=PATH, or move that file away.") from None
         raise UserError(f"cannot create job.dump_folder {folder!r}: {exc.strerror}. Fix: choose a writable folder "
                         f"with --job.dump_folder=PATH.") from None
     _check_recipe_slot(folder)
