@@ -163,3 +163,30 @@ def test_rows_reordered_and_repeated_after_the_tails_dropped_tokens_go_on_as_the
     with torch.no_grad():
         expected = model(rows[:, :165])[:, 150:]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_crop_takes_back_columns_before_a_rows_left_padding_or_its_standing_apart_end_of_text(modeling):
+    """A row's tokens start past column 0 after left padding, and a leading end of text that stands apart is seen but
+    not held: while the tails have dropped nothing, neither stops crop() from going back past them (it did: a crop
+    into the padding, or of every token, was refused as if the tails had lost what it keeps)."""
+    model, hf = _pair(modeling, {"window_size": 5}, (4, 2), max_seq_len=256)
+    tokens = torch.randint(1, VOCAB - 1, (2, 30), generator=torch.Generator().manual_seed(18))
+    mask = torch.ones_like(tokens)
+    mask[1, :25] = tokens[1, :25] = 0  # row 1: 25 pads, then 5 tokens
+    after = torch.randint(1, VOCAB - 1, (2, 3), generator=torch.Generator().manual_seed(19))
+    with torch.no_grad():
+        cache = hf(input_ids=tokens, attention_mask=mask, use_cache=True).past_key_values
+        cache.crop(-10)  # 20 columns: row 0 keeps 20 tokens, row 1 none
+        logits = hf(input_ids=after, attention_mask=torch.cat([mask[:, :20], torch.ones_like(after)], 1),
+                    past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(logits[:1], model(torch.cat([tokens[:1, :20], after[:1]], 1))[:, -3:],
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits[1:], model(after[1:]), rtol=1e-4, atol=1e-4)
+
+        hf.config.leading_eos_apart, hf.config.eos_token_id = True, VOCAB - 1
+        opened = torch.cat([torch.full((1, 1), VOCAB - 1), tokens[:1, :9]], 1)
+        cache = hf(input_ids=opened, use_cache=True).past_key_values
+        assert (cache.length, cache.skipped) == (10, 1)
+        cache.crop(-10)  # the end of text goes too: the cache starts over
+        logits = hf(input_ids=after[:1], past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(logits, model(after[:1]), rtol=1e-4, atol=1e-4)

@@ -340,10 +340,13 @@ class NSATitanCache:
         self._keep(keep)
 
     def _earliest_crop(self) -> int:
-        """The fewest tokens (columns) crop() can keep."""
+        """The fewest tokens (columns) crop() can keep: 0 while no tail has dropped a token, whatever columns (left
+        padding, an end of text standing apart) come before the tokens held."""
         if self.rows is not None:  # a row's tokens end at its `end` column
-            return max([row._earliest_crop() + row.end - row.length for row in self.rows if row.length], default=0)
-        return max([layer.earliest_crop() for layer in self.layers], default=0) + self.skipped
+            earliest = [(row._earliest_crop(), row) for row in self.rows]
+            return max([held + row.end - row.length for held, row in earliest if held], default=0)
+        earliest = max([layer.earliest_crop() for layer in self.layers], default=0)
+        return earliest + self.skipped if earliest else 0
 
     def _keep(self, keep: int) -> None:
         """Keep the first `keep` tokens (columns)."""
