@@ -190,3 +190,30 @@ def test_crop_takes_back_columns_before_a_rows_left_padding_or_its_standing_apar
         cache.crop(-10)  # the end of text goes too: the cache starts over
         logits = hf(input_ids=after[:1], past_key_values=cache, use_cache=True).logits
         torch.testing.assert_close(logits, model(after[:1]), rtol=1e-4, atol=1e-4)
+
+
+SHORT = {  # contexts shorter than a tail's bound: the window's reaches past the sequence, or past max_seq_len
+    "window_past_max_seq_len": ({"window_size": 50}, 64, [10] + [1] * 54),
+    "spec_defaults": ({"block_size": 32, "block_stride": 16, "sel_block_size": 64, "num_selected": 16,
+                       "window_size": 512}, 1024, [100] + [1] * 50),
+    "shared_kv": ({"kv_per_branch": False, "window_size": 40}, 128, [3] + [1] * 60 + [20]),
+}
+
+
+@pytest.mark.parametrize("setting", list(SHORT))
+def test_bounded_tails_never_hold_more_than_the_full_length_buffers_beside_them(modeling, setting):
+    """A window or raw tail grows by doubling, like the selection's full-length buffer (which holds every token, as
+    every name did before the tails were bounded), up to its bound and never past max_seq_len: at a short context
+    it holds no more bytes than before (it held up to 2 * (w - 1 + CROP_ROOM) + 1 entries from the first step)."""
+    nsa, max_seq_len, sizes = SHORT[setting]
+    _, hf = _pair(modeling, nsa, (4, 2), max_seq_len=max_seq_len)
+    tokens = torch.randint(0, VOCAB, (1, sum(sizes)), generator=torch.Generator().manual_seed(20))
+    cache = None
+    for step, size in enumerate(sizes):
+        _, cache = _steps(hf, tokens, [size], cache)
+        for layer in cache.layers:
+            full = layer.buffers["k_sel"]
+            for name in layer.keeps:
+                tail = layer.buffers[name]
+                assert tail.shape[1] <= min(full.shape[1], max_seq_len), (name, step, tail.shape, full.shape)
+                assert tail[0, 0].numel() * tail.element_size() == full[0, 0].numel() * full.element_size()

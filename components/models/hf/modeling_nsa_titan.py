@@ -243,26 +243,33 @@ class LayerCache:
             self.counts[name] = need
         return [self.buffers[name][:, :self.counts[name]] for name in new]
 
-    def extend_recent(self, keep: int, **new):
+    def extend_recent(self, keep: int, limit: int, **new):
         """extend() for names whose later steps read only the `keep` entries before their own: returns (the views
         from position `first` on, first), first <= the step's start - keep (or 0). A buffer holds those, CROP_ROOM
-        more for crop() to take back and, while recording (activate_past_recording), the whole last step; it is at
-        most 2 * (keep + CROP_ROOM) + 1 entries long between steps, so it does not grow with the context."""
+        more for crop() to take back and, while recording (activate_past_recording), the whole last step. It grows by
+        doubling from the first step's size, as extend()'s do, up to 2 * (keep + CROP_ROOM) + 1 entries and never
+        past `limit` (max_seq_len), and is no longer than that between steps: a short context holds no more than a
+        full-length buffer would, a long one no more than this bound."""
         self._prepare(new)
         tail = keep + CROP_ROOM
-        small = 2 * tail + 1
+        bound = min(2 * tail + 1, limit)
         views = []
         for name, x in new.items():
             buffer, start, end = self.buffers.get(name), self.starts.get(name, 0), self.count(name)
-            held, n = end - start, x.shape[1]
-            if buffer is not None and held + n <= buffer.shape[1] and _writable(buffer, x):
+            held, n, size = end - start, x.shape[1], 0 if buffer is None else buffer.shape[1]
+            writable = buffer is None or _writable(buffer, x)
+            if buffer is not None and held + n <= size and writable:
                 buffer[:, held:held + n] = x
-            else:  # a new buffer: the tail still needed, then the step's own
+            else:  # the tail still needed, then the step's own
                 lead = min(held, tail)
-                if buffer is not None and not _writable(buffer, x):  # earlier steps' views must keep their values
+                room = max(lead + n, min(2 * size, bound))
+                if not writable:  # earlier steps' views must keep their values
                     buffer = torch.cat([buffer[:, held - lead:held], x], dim=1)
+                elif room == size:  # full at its bound: move the tail to the front
+                    buffer[:, :lead] = buffer[:, held - lead:held].clone()
+                    buffer[:, lead:lead + n] = x
                 else:
-                    grown = x.new_empty((x.shape[0], max(small, lead + n)) + tuple(x.shape[2:]))
+                    grown = x.new_empty((x.shape[0], room) + tuple(x.shape[2:]))
                     if lead:
                         grown[:, :lead] = buffer[:, held - lead:held]
                     grown[:, lead:lead + n] = x
@@ -270,7 +277,7 @@ class LayerCache:
                 start = end - lead
             views.append(buffer[:, :end + n - start])
             first = start  # the same for every name: they hold the same positions
-            if buffer.shape[1] > small and not self.recording:  # a long step: keep its last entries alone
+            if buffer.shape[1] > bound and not self.recording:  # a long step: keep its last entries alone
                 kept = min(end + n - start, tail)
                 buffer, start = buffer[:, end + n - start - kept:end + n - start].clone(), end + n - kept
             self.buffers[name], self.starts[name], self.counts[name], self.keeps[name] = buffer, start, end + n, keep
@@ -519,11 +526,11 @@ class NSAAttention(nn.Module):
             # a step), for the window the w - 1 before a step: bounded tails.
             k_sel, v_sel = cache.extend(c.max_seq_len, k_sel=k_sel, v_sel=v_sel)
             if self.per_branch:
-                (k_raw, v_raw), raw_start = cache.extend_recent(self.l - 1, k_raw=k_raw, v_raw=v_raw)
-                (k_win, v_win), win_start = cache.extend_recent(self.w - 1, k_win=k_win, v_win=v_win)
+                (k_raw, v_raw), raw_start = cache.extend_recent(self.l - 1, c.max_seq_len, k_raw=k_raw, v_raw=v_raw)
+                (k_win, v_win), win_start = cache.extend_recent(self.w - 1, c.max_seq_len, k_win=k_win, v_win=v_win)
                 v_start = raw_start
             else:  # shared K/V: the window reads the selection's keys and values, compression the values too
-                (k_raw,), raw_start = cache.extend_recent(self.l - 1, k_raw=k_raw)
+                (k_raw,), raw_start = cache.extend_recent(self.l - 1, c.max_seq_len, k_raw=k_raw)
                 k_win, v_win, v_raw, v_start = k_sel, v_sel, v_sel, 0
             new_blocks = self._compressed(k_raw, v_raw, cache.count("k_cmp"), raw_start, v_start)
             most = max(0, (c.max_seq_len - self.l) // self.d + 1)  # the blocks max_seq_len tokens hold
