@@ -217,3 +217,50 @@ def test_bounded_tails_never_hold_more_than_the_full_length_buffers_beside_them(
                 tail = layer.buffers[name]
                 assert tail.shape[1] <= min(full.shape[1], max_seq_len), (name, step, tail.shape, full.shape)
                 assert tail[0, 0].numel() * tail.element_size() == full[0, 0].numel() * full.element_size()
+
+
+@pytest.mark.parametrize("recording", [False, True])
+@pytest.mark.parametrize("setting", ["short_window", "small_stride", "shared_kv"])
+def test_crop_keeps_any_count_it_promises_after_any_forwards_and_crops(modeling, setting, recording):
+    """crop() keeps any count of tokens at least length - CROP_ROOM and at least what the last crop kept (while
+    recording, also any from the last forward's first token on): random forwards and crops within that are all
+    accepted, and each forward after them gives the trainer's logits for the tokens kept."""
+    model, hf = _pair(modeling, SETTINGS[setting], (4, 2), max_seq_len=1024)
+    room, draw = modeling.CROP_ROOM, torch.Generator().manual_seed(21)
+    sequence, cache, last_kept = torch.zeros(1, 0, dtype=torch.long), None, 0
+    if recording:
+        cache = modeling.NSATitanCache(len(hf.model.layers))
+        cache.activate_past_recording()
+    for _ in range(80):
+        size = min([1, 1, 1, 2, 5, 20, 70, 150][int(torch.randint(8, (1,), generator=draw))], 1024 - sequence.shape[1])
+        if size == 0:
+            break
+        sequence = torch.cat([sequence, torch.randint(0, VOCAB, (1, size), generator=draw)], 1)
+        logits, cache = _steps(hf, sequence, [size], cache)
+        with torch.no_grad():
+            torch.testing.assert_close(logits, model(sequence)[:, -size:], rtol=1e-4, atol=1e-4)
+        length = sequence.shape[1]
+        floor = max(length - room, last_kept)
+        if recording:
+            floor = min(floor, length - size)
+        keep = [floor, floor, int(torch.randint(floor, length + 1, (1,), generator=draw)), length, length]
+        keep = keep[int(torch.randint(len(keep), (1,), generator=draw))]  # the floor, anything above it, or no crop
+        if keep < length:
+            cache.crop(keep - length if keep % 2 else keep or -length)  # transformers 5's crop(-n) and 4's crop(n)
+            sequence, last_kept = sequence[:, :keep], keep
+            assert cache.length == keep
+
+
+def test_a_crop_below_what_the_last_crop_kept_may_be_refused(modeling):
+    """A crop of CROP_ROOM tokens leaves the tails only what the next step reads before the tokens kept: one token
+    later, crop() goes back to what that crop kept but not further (it promises no more, and says so)."""
+    _, hf = _pair(modeling, {"window_size": 5}, (4, 2), max_seq_len=256)
+    tokens = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(22))
+    _, cache = _steps(hf, tokens, [150])
+    cache.crop(-modeling.CROP_ROOM)
+    _, cache = _steps(hf, tokens, [1], cache)
+    cache.crop(-1)
+    _, cache = _steps(hf, tokens, [1], cache)
+    with pytest.raises(ValueError, match=r"crop\(-2\) would keep 85 .* not below what the last crop kept"):
+        cache.crop(-2)
+    assert cache.length == 87

@@ -54,7 +54,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 QUERY_CHUNK = 256  # queries per attention chunk
-CROP_ROOM = 64  # tokens crop() can always take back from a cache (more of them while it records: assisted decoding)
+# crop() keeps any count of tokens at least length - CROP_ROOM and at least what the last crop kept (while the cache
+# records, as assisted decoding has it do, also any from the last forward's first token on); fewer may be refused
+CROP_ROOM = 64
 # generate() arguments that verify draft tokens, then crop the cache back to those accepted
 _DRAFTING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
@@ -298,8 +300,8 @@ class NSATitanCache:
 
     It answers what transformers' generate() asks of a cache: its length, whether torch.compile or linear attention
     apply (neither does), reorder_cache (beam search), crop (assisted and prompt-lookup decoding take back the draft
-    tokens the model did not accept; NSA's window and raw keys/values are held only CROP_ROOM tokens further back than
-    the next step reads, or while recording as far as the last forward's first token, so a deeper crop is refused),
+    tokens the model did not accept; NSA's window and raw keys/values are held only as far back as CROP_ROOM says, so
+    a deeper crop is refused),
     batch_repeat_interleave and batch_select_indices."""
 
     is_compileable = False
@@ -333,17 +335,18 @@ class NSATitanCache:
 
     def crop(self, tokens: int) -> None:
         """Drop tokens from the end: crop(-n) the last n (transformers 5), crop(n) all but the first n (transformers
-        4); crop(0) drops nothing."""
+        4); crop(0) drops nothing. Any count CROP_ROOM's comment names is kept; a count the tails no longer reach
+        back to is refused, the cache left as it was."""
         keep = self.length + tokens if tokens < 0 else tokens if tokens > 0 else self.length
         if keep < 0:
             raise ValueError(f"crop({tokens}) asks to drop more than the cache's {self.length} tokens")
         earliest = self._earliest_crop()
         if keep < min(earliest, self.length):
             raise ValueError(f"crop({tokens}) would keep {keep} of the cache's {self.length} tokens, but the tokens "
-                             f"before {earliest} have left its window and raw key/value buffers (they hold "
-                             f"{CROP_ROOM} tokens more than the next step reads, or while recording the last "
-                             f"forward's): keep at least {earliest}, or call activate_past_recording() before the "
-                             f"forward that crop() takes back")
+                             f"before {earliest} have left its window and raw key/value buffers (a crop may keep any "
+                             f"count from {CROP_ROOM} tokens before the end on, not below what the last crop kept, "
+                             f"or while recording from the last forward's first token): keep at least {earliest}, "
+                             f"or call activate_past_recording() before the forward that crop() takes back")
         self._keep(keep)
 
     def _earliest_crop(self) -> int:
