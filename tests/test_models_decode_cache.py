@@ -67,3 +67,35 @@ def test_a_recent_stream_returns_every_needed_token_in_order():
     stream.reset()
     tokens, first = stream.extend(0, _positions(0, 2))
     assert first == 0 and torch.equal(tokens, _positions(0, 2))
+
+
+@pytest.mark.parametrize("kv_per_branch", [True, False])
+def test_a_step_that_fails_midway_leaves_the_cache_as_it_was(kv_per_branch, monkeypatch):
+    """A forward_step that raises after some layers took its tokens (out of memory, say) leaves every layer's cache
+    as before it: the same step, or a shorter one, then gives the full forward's logits (the streams were left ahead
+    of the cache's length and refused it: "tokens at position ... do not follow")."""
+    torch.manual_seed(0)
+    model = build_transformer(tiny_args("nsa", nsa=small_nsa(kv_per_branch=kv_per_branch, window_size=3)),
+                              VOCAB).double().eval()
+    tokens = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens)
+    last = model.layers[-1].attention
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    # tokens appended in place, or after moving the held tail to the front (5 and 7 tokens fill the window's and the
+    # raw streams' buffers, 3 more write over where that tail was); 30: longer than the buffers
+    for before, step, retry in ((20, 1, 1), (5, 1, 1), (5, 3, 3), (7, 4, 4), (5, 30, 30), (5, 30, 2)):
+        cache = model.new_kv_cache(2)
+        model.forward_step(tokens[:, :before], cache)
+        monkeypatch.setattr(last, "forward_step", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            model.forward_step(tokens[:, before:before + step], cache)
+        monkeypatch.undo()
+        assert cache.length == before
+        logits = model.forward_step(tokens[:, before:before + retry], cache)
+        torch.testing.assert_close(logits, full[:, before:before + retry], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(model.forward_step(tokens[:, before + retry:T], cache), full[:, before + retry:],
+                                   rtol=1e-9, atol=1e-10)

@@ -37,12 +37,27 @@ class RecentTokens:
             self.data[:, self.count:self.count + n] = x
             self.count += n
             return self.data[:, :self.count], self.first
-        # a chunk longer than the buffer: read it whole with the held tail, keep its last `keep` tokens
+        # a chunk longer than the buffer: read it whole with the held tail, keep its last `keep` tokens in a new
+        # buffer (the old one stays whole for rewind())
         tokens = torch.cat([self.data[:, self.count - held:self.count], x], dim=1)
         kept = min(self.keep, tokens.shape[1])
+        self.data = torch.empty_like(self.data)
         self.data[:, :kept] = tokens[:, tokens.shape[1] - kept:]
         self.first, self.count = start + n - kept, kept
         return tokens, start - held
+
+    def state(self) -> tuple[torch.Tensor, int, int]:
+        """What rewind() goes back to: no copy, since extend() keeps the held tokens a step reads before its own (in
+        this buffer, or for a long chunk in the one it replaces)."""
+        return self.data, self.first, self.count
+
+    def rewind(self, state: tuple[torch.Tensor, int, int]) -> None:
+        """Forget the tokens extend() appended since state() (a step that failed midway)."""
+        data, first, count = state
+        if data is self.data:  # appended in place, perhaps after moving the held tail to the front
+            self.count = first + count - self.first
+        else:
+            self.data, self.first, self.count = state
 
     def reset(self) -> None:
         self.first = self.count = 0
@@ -67,6 +82,16 @@ class LayerKV:
         """RecentTokens.extend of the stream `name`."""
         return self.recent[name].extend(start, x)
 
+    def state(self) -> tuple:
+        """What rewind() goes back to: the compressed blocks emitted and each stream's state (the full-length buffers
+        need nothing: a step writes them only at its own positions)."""
+        return self.num_compressed, {name: stream.state() for name, stream in self.recent.items()}
+
+    def rewind(self, state: tuple) -> None:
+        self.num_compressed, streams = state
+        for name, stream in streams.items():
+            self.recent[name].rewind(stream)
+
     def nbytes(self) -> int:
         """Bytes the layer's buffers hold."""
         tensors = list(self.buffers.values()) + [r.data for r in self.recent.values()]
@@ -86,6 +111,15 @@ class KVCache:
         self.batch_size = batch_size
         self.capacity = capacity
         self.length = 0
+
+    def state(self) -> list:
+        """What rewind() goes back to: every layer's state (taken before a step)."""
+        return [layer.state() for layer in self.layers]
+
+    def rewind(self, state: list) -> None:
+        """Back to `state`, as if the steps since had not run (one that failed after some layers took its tokens)."""
+        for layer, saved in zip(self.layers, state):
+            layer.rewind(saved)
 
     def nbytes(self) -> int:
         """Bytes every layer's buffers hold."""

@@ -229,8 +229,13 @@ class Transformer(nn.Module):
             raise UserError(f"{start + Tn} tokens exceed the cache capacity {cache.capacity}; "
                             f"make the cache larger (new_kv_cache(capacity=...))")
         h = self.tok_embeddings(tokens)
-        for layer, layer_cache in zip(self.layers, cache.layers):
-            h = layer.forward_step(h, self.rope.cos, self.rope.sin, layer_cache, start)
+        saved = cache.state()
+        try:
+            for layer, layer_cache in zip(self.layers, cache.layers):
+                h = layer.forward_step(h, self.rope.cos, self.rope.sin, layer_cache, start)
+        except BaseException:  # out of memory, say, after some layers took the tokens: as if the step never ran
+            cache.rewind(saved)
+            raise
         cache.length = start + Tn
         return self.output(self.norm(h))
 
