@@ -264,3 +264,55 @@ def test_a_crop_below_what_the_last_crop_kept_may_be_refused(modeling):
     with pytest.raises(ValueError, match=r"crop\(-2\) would keep 85 .* not below what the last crop kept"):
         cache.crop(-2)
     assert cache.length == 87
+
+
+def test_a_forward_that_fails_midway_leaves_the_cache_as_it_was(modeling, monkeypatch):
+    """A forward that raises after some layers took its tokens (out of memory, say) leaves the cache as before it:
+    the same tokens then give the trainer's logits, for a cache whose tails dropped tokens, one per padded row, and
+    an empty one given a sequence that opens with an end of text standing apart (a retry failed on mismatched
+    shapes, or read the failed forward's keys)."""
+    model, hf = _pair(modeling, {"window_size": 5}, (4, 2), max_seq_len=256)
+    hf.config.leading_eos_apart, hf.config.eos_token_id = True, VOCAB - 1
+    tokens = torch.randint(1, VOCAB - 1, (2, T), generator=torch.Generator().manual_seed(23))
+    last = hf.model.layers[-1].attention
+
+    def fail_then_retry(cache, new, runs=0, **kwargs):
+        """The logits of `new` after a first try whose last layer raised once it had run `runs` times."""
+        forward, calls = last.forward, []
+
+        def out_of_memory(*args, **kwargs):
+            calls.append(1)
+            if len(calls) > runs:
+                raise RuntimeError("out of memory")
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(last, "forward", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            hf(input_ids=new, past_key_values=cache, use_cache=True, **kwargs)
+        monkeypatch.undo()
+        with torch.no_grad():
+            return hf(input_ids=new, past_key_values=cache, use_cache=True, **kwargs).logits
+
+    _, cache = _steps(hf, tokens, [150] + [1] * 10)
+    with torch.no_grad():
+        expected = model(tokens)
+    for size in (1, 19):
+        start = cache.length
+        torch.testing.assert_close(fail_then_retry(cache, tokens[:, start:start + size]),
+                                   expected[:, start:start + size], rtol=1e-4, atol=1e-4)
+
+    mask = torch.ones_like(tokens[:, :40])
+    mask[1, :15] = 0  # row 1: 15 pads, then 25 tokens
+    with torch.no_grad():
+        cache = hf(input_ids=tokens[:, :30], attention_mask=mask[:, :30], use_cache=True).past_key_values
+    logits = fail_then_retry(cache, tokens[:, 30:40], attention_mask=mask)
+    with torch.no_grad():
+        torch.testing.assert_close(logits[:1], model(tokens[:1, :40])[:, 30:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits[1:], model(tokens[1:, 15:40])[:, 15:], rtol=1e-4, atol=1e-4)
+
+    opened = torch.cat([torch.full((1, 1), VOCAB - 1), tokens[:1, :20]], 1)
+    cache = modeling.NSATitanCache(len(hf.model.layers))
+    logits = fail_then_retry(cache, opened, runs=1)  # after the end of text, read alone
+    with torch.no_grad():
+        torch.testing.assert_close(logits[:, 1:], model(tokens[:1, :20]), rtol=1e-4, atol=1e-4)
+    assert (cache.length, cache.skipped) == (21, 1)

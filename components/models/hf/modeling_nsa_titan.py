@@ -208,6 +208,15 @@ class LayerCache:
             if name in self.counts:
                 self.counts[name] = min(self.counts[name], count)
 
+    def state(self) -> tuple:
+        """What rewind() goes back to: no copy, since a forward writes a buffer only past the entries it holds, or
+        into a new one."""
+        return dict(self.buffers), dict(self.counts), dict(self.starts), dict(self.keeps), self.shared
+
+    def rewind(self, state: tuple) -> None:
+        buffers, counts, starts, keeps, self.shared = state
+        self.buffers, self.counts, self.starts, self.keeps = dict(buffers), dict(counts), dict(starts), dict(keeps)
+
     def copy(self) -> "LayerCache":
         """A cache of the same tokens sharing this one's buffers: neither writes into them again."""
         twin = self._like(dict(self.buffers))
@@ -267,10 +276,7 @@ class LayerCache:
                 room = max(lead + n, min(2 * size, bound))
                 if not writable:  # earlier steps' views must keep their values
                     buffer = torch.cat([buffer[:, held - lead:held], x], dim=1)
-                elif room == size:  # full at its bound: move the tail to the front
-                    buffer[:, :lead] = buffer[:, held - lead:held].clone()
-                    buffer[:, lead:lead + n] = x
-                else:
+                else:  # a new buffer (the old one stays whole for rewind())
                     grown = x.new_empty((x.shape[0], room) + tuple(x.shape[2:]))
                     if lead:
                         grown[:, :lead] = buffer[:, held - lead:held]
@@ -348,6 +354,20 @@ class NSATitanCache:
                              f"or while recording from the last forward's first token): keep at least {earliest}, "
                              f"or call activate_past_recording() before the forward that crop() takes back")
         self._keep(keep)
+
+    def state(self) -> tuple:
+        """What rewind() goes back to (taken before a forward): counts, rows and every layer's state."""
+        rows = None if self.rows is None else [(row, row.state()) for row in self.rows]
+        return self.length, self.skipped, self.end, rows, [layer.state() for layer in self.layers]
+
+    def rewind(self, state: tuple) -> None:
+        """Back to `state`, as if the forward since had not run (one that failed after some layers took its tokens)."""
+        self.length, self.skipped, self.end, rows, layers = state
+        self.rows = None if rows is None else [row for row, _ in rows]
+        for row, saved in rows or []:
+            row.rewind(saved)
+        for layer, saved in zip(self.layers, layers):
+            layer.rewind(saved)
 
     def _earliest_crop(self) -> int:
         """The fewest tokens (columns) crop() can keep: 0 while no tail has dropped a token, whatever columns (left
@@ -714,6 +734,30 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         caching = cache is not None or ((use_cache if use_cache is not None else self.config.use_cache)
                                         and not self.training)
         padded = attention_mask is not None and not bool(attention_mask.all())
+        saved = None if cache is None else cache.state()
+        try:
+            logits, cache = self._logits(input_ids, attention_mask, cache, caching, padded)
+        except BaseException:  # out of memory, say, after some layers took the tokens: as if the call never ran
+            if saved is not None:
+                cache.rewind(saved)
+            raise
+        loss = None
+        if labels is not None:
+            targets = labels[:, 1:]
+            if padded:  # a pad neither predicts nor is predicted
+                real = attention_mask[:, -input_ids.shape[1]:].bool()
+                targets = targets.masked_fill(~(real[:, :-1] & real[:, 1:]), -100)
+            # transformers' Trainer passes num_items_in_batch (the label tokens of every micro-batch of a step)
+            # to a forward that takes **kwargs, and then leaves the division over accumulation to the model.
+            items = kwargs.get("num_items_in_batch")
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                                   reduction="mean" if items is None else "sum")
+            loss = loss if items is None else loss / items
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+        return output if return_dict is not False else output.to_tuple()
+
+    def _logits(self, input_ids, attention_mask, cache, caching: bool, padded: bool):
+        """The logits [B, T, V] and the cache (a new one when caching and none was given)."""
         apart = self._opens_apart(input_ids, cache)
         if padded and attention_mask.shape == input_ids.shape:  # a row of pads alone opens with nothing
             apart &= attention_mask[:, 0].bool()
@@ -734,20 +778,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
             if cache is None and caching:
                 cache = NSATitanCache(self.config.n_layers, recording=self._drafting)
             logits = self._decode(input_ids, cache, bool(apart.any()))
-        loss = None
-        if labels is not None:
-            targets = labels[:, 1:]
-            if padded:  # a pad neither predicts nor is predicted
-                real = attention_mask[:, -input_ids.shape[1]:].bool()
-                targets = targets.masked_fill(~(real[:, :-1] & real[:, 1:]), -100)
-            # transformers' Trainer passes num_items_in_batch (the label tokens of every micro-batch of a step)
-            # to a forward that takes **kwargs, and then leaves the division over accumulation to the model.
-            items = kwargs.get("num_items_in_batch")
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
-                                   reduction="mean" if items is None else "sum")
-            loss = loss if items is None else loss / items
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
-        return output if return_dict is not False else output.to_tuple()
+        return logits, cache
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
         """transformers' generate, refused before any work when the prompt and max_new_tokens (or max_length)
