@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import os
 import re
@@ -9,7 +10,6 @@ import uuid
 from typing import Callable
 
 from components.errors import UserError
-from components.problems import suggest
 
 
 def take_option(argv: list[str], name: str, default: str | None = None) -> str | None:
@@ -54,10 +54,13 @@ def refuse_unknown_options(argv: list[str], command: str, known: str, overrides:
         [n for n in names if n.startswith("-")]
     if unknown:
         # the options `known` names, not the placeholders of its overrides (--section.field=VALUE is no --section);
-        # a word that opens one of those (--data of --data.FIELD=VALUE) is shown the whole form
-        whole = [p for p in re.findall(r"--[a-z][\w-]*\.[\w.=]+", known) if p.startswith(unknown[0] + ".")]
-        close = f" (did you mean {whole[0]}?)" if whole else \
-            suggest(unknown[0], re.findall(r"--[a-z][a-z-]*(?![\w.-])", known))
+        # a word near one that opens a literal placeholder (--dat, --data of --data.FIELD=VALUE) is shown its whole form
+        options = re.findall(r"--[a-z][a-z-]*(?![\w.-])", known)
+        openers = {p.split(".")[0]: p for p in re.findall(r"--[a-z][\w-]*\.[\w.=]+", known)
+                   if not p.startswith("--section.")}
+        close = difflib.get_close_matches(unknown[0], options + list(openers), n=1, cutoff=0.6)
+        close = "" if not close else f" (did you mean {openers[close[0]]}?)" if close[0] in openers else \
+            f" (did you mean {close[0]!r}?)"
         raise UserError(f"{command} has no option {unknown[0]!r}{close}. Fix: remove it, or use one of {known}.")
 
 

@@ -572,6 +572,8 @@ def test_an_unknown_option_is_never_told_a_placeholder_of_the_usage(capsys, run,
     assert "'--section'" not in err, err
     refused(capsys, ["eval", run[1], "--out", str(tmp_path / "out"), "--data"],
             "eval has no option '--data' (did you mean --data.FIELD=VALUE?). Fix:")
+    refused(capsys, ["eval", run[1], "--out", str(tmp_path / "out"), "--dat"],  # was told '--depths'
+            "eval has no option '--dat' (did you mean --data.FIELD=VALUE?). Fix:")
     refused(capsys, ["export", DEBUG, "--output", "x.pt", "--formt=hf"], "(did you mean '--format'?)")
 
 
