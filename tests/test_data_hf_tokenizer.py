@@ -249,3 +249,13 @@ def test_the_lost_text_check_reads_a_source_that_prepares_its_documents():
                 yield prepare(f"document {shard}/{j}"), j + 1
 
     assert first_texts(Preparing(), 2, 0) == [f"document {s}/{j}" for s in range(2) for j in range(3)]
+
+
+def test_a_tokenizer_under_the_home_folder_is_read_with_a_tilde(trained, tmp_path, monkeypatch):
+    """data.hf_tokenizer.path = '~/tok' was "'~/tok' does not exist" (data sources read '~' as the home folder)."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(trained, tmp_path / "tok")
+    tok = HFTokenizer(HFTokenizerArgs(path="~/tok"))
+    assert tok.decode(tok.encode("def f(x):")) == "def f(x):"

@@ -247,3 +247,14 @@ def test_doctor_says_a_tokenizer_that_cannot_be_built_once():
     check, tokenizer, _ = check_data(recipe, make_runtime("cpu", "float32"))
     assert tokenizer is None and check.status == FAIL
     assert check.detail.startswith("tokenizer tiktoken: 'no_such_encoding_x' is neither a known encoding"), check.detail
+
+
+def test_a_tiktoken_file_under_the_home_folder_is_read_with_a_tilde(tmp_path, monkeypatch):
+    """The README says data paths read a leading '~' as the home folder; data.tiktoken.encoding = '~/x.tiktoken'
+    was 'does not exist'."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copy(_offline_file(), tmp_path / "mine.tiktoken")
+    tok = TiktokenTokenizer(TiktokenArgs(encoding="~/mine.tiktoken"))
+    assert tok.decode(tok.encode("hello world")) == "hello world"

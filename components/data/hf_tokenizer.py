@@ -37,6 +37,7 @@ def _tokenizer_file(path: str) -> str:
     if not path:
         raise UserError("tokenizer hf_tokenizer needs a path. Fix: set data.hf_tokenizer.path to a tokenizer.json "
                         "file or to a folder holding one.")
+    path = os.path.expanduser(path)  # as the data sources' paths: a recipe's '~/tok' is the home folder's
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise UserError(f"tokenizer hf_tokenizer: {file!r} does not exist{read_from(file)}. Fix: point "

