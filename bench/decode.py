@@ -9,7 +9,8 @@ forward_step (as generate prefills a prompt), then --steps tokens are decoded on
 (the first a warm-up; each goes on from the last). Per length: the median over the repeats of the per-token thread
 CPU time (the least disturbed by other processes on a shared machine) and of the wall time. With --hf, the same
 model and weights as an `export --format hf` folder runs them: the model part's modeling file through transformers,
-prefilled and stepped with its own cache as generate() calls it. JSON goes to bench/results/.
+prefilled and stepped with its own cache as generate() calls it. Per length also the bytes the cache's tensors
+take once the last token is in (`cache_mib`): what a longer context costs in memory. JSON goes to bench/results/.
 """
 
 from __future__ import annotations
@@ -38,19 +39,19 @@ def build_model(recipe):
 
 
 def package_decoder(model):
-    """(prefill, step) of cached decoding as sample runs it: prefill(tokens, capacity) fills a new cache of room for
-    `capacity` tokens, step(token) goes on."""
+    """(prefill, step, held) of cached decoding as sample runs it: prefill(tokens, capacity) fills a new cache of room
+    for `capacity` tokens, step(token) goes on, held() is the bytes its tensors take."""
     cache = []
 
     def prefill(tokens, capacity: int):
         cache[:] = [model.new_kv_cache(1, capacity=capacity)]
         model.forward_step(tokens, cache[0])
 
-    return prefill, lambda token: model.forward_step(token, cache[0])
+    return prefill, lambda token: model.forward_step(token, cache[0]), lambda: cache[0].nbytes()
 
 
 def hf_decoder(recipe, model, vocab: int):
-    """(prefill, step) of the model as its `export --format hf` folder computes it, with the same weights: the
+    """(prefill, step, held) of the model as its `export --format hf` folder computes it, with the same weights: the
     part's modeling file through transformers, forwards with its cache as generate() makes them."""
     import importlib.util
 
@@ -82,12 +83,15 @@ def hf_decoder(recipe, model, vocab: int):
         cache.clear()
         forward(tokens)
 
-    return prefill, forward
+    def held() -> int:  # every layer's buffers (one cache: the batch of one row has no per-row caches)
+        return sum(x.numel() * x.element_size() for layer in cache[0].layers for x in layer.buffers.values())
+
+    return prefill, forward, held
 
 
 @torch.no_grad()
 def measure(decoder, vocab: int, context: int, steps: int, repeats: int) -> dict:
-    prefill, step = decoder
+    prefill, step, held = decoder
     tokens = torch.randint(0, vocab, (1, context + steps * (repeats + 1)), generator=torch.Generator().manual_seed(0))
     prefill(tokens[:, :context], tokens.shape[1])
     cpu, wall = [], []
@@ -100,7 +104,7 @@ def measure(decoder, vocab: int, context: int, steps: int, repeats: int) -> dict
         cpu.append((time.thread_time() - cpu_start) / steps * 1e3)
         wall.append((time.perf_counter() - wall_start) / steps * 1e3)
     cpu, wall = cpu[1:], wall[1:]  # the first run warms up
-    return {"context": context, "cpu_ms_per_token": statistics.median(cpu),
+    return {"context": context, "cache_mib": held() / 2**20, "cpu_ms_per_token": statistics.median(cpu),
             "wall_ms_per_token": statistics.median(wall), "cpu_ms_runs": cpu, "wall_ms_runs": wall}
 
 
@@ -139,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         for context in args.contexts:
             results.append(measure(decoder, vocab, context, args.steps, args.repeats))
             r = results[-1]
-            print(f"context {context:>6}: {r['cpu_ms_per_token']:.2f} ms/token CPU, {r['wall_ms_per_token']:.2f} wall",
-                  flush=True)
+            print(f"context {context:>6}: {r['cpu_ms_per_token']:.2f} ms/token CPU, {r['wall_ms_per_token']:.2f} wall, "
+                  f"cache {r['cache_mib']:.1f} MiB", flush=True)
     except (RecipeError, UserError) as exc:
         return say_refusal(exc)
     report = {"benchmark": "decode", "environment": describe_environment(), "recipe": args.recipe,

@@ -242,6 +242,8 @@ def test_decode_bench_times_each_context(tmp_path, capsys):
         assert len(r["cpu_ms_runs"]) == len(r["wall_ms_runs"]) == 2
         assert all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in r["cpu_ms_runs"] + r["wall_ms_runs"])
         assert min(r["cpu_ms_runs"]) <= r["cpu_ms_per_token"] <= max(r["cpu_ms_runs"])
+    short, long = (r["cache_mib"] for r in result["results"])
+    assert 0 < short < long, result["results"]  # room for more tokens takes more memory
     # max_seq_len is the benchmark's own (the longest run, at least the recipe's)
     assert decode.main(["--override=--model.max_seq_len=64", "--out", str(out)]) == 2
     assert "sets model.max_seq_len, which this benchmark sets itself" in capsys.readouterr().err
@@ -256,6 +258,8 @@ def test_decode_bench_times_the_hf_folders_model(tmp_path):
     assert decode.main(["--hf", "--contexts", "5", "40", "--steps", "2", "--repeats", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["form"] == "hf" and [r["context"] for r in result["results"]] == [5, 40]
+    short, long = (r["cache_mib"] for r in result["results"])
+    assert 0 < short < long, result["results"]
     assert all(math.isfinite(t) and t > 0 for r in result["results"] for t in r["cpu_ms_runs"])
 
 
