@@ -321,6 +321,7 @@ class Checkpointer:
             path = self.step_dir(step)
             if os.path.exists(os.path.join(path, COMPLETE)):
                 raise  # written and marked complete: a later error (pruning, say) must not cost the checkpoint
+            full = _nearly_full(self.folder)  # looked at before the partial save is removed (and frees space)
             if self.rank == 0:
                 _remove_step(path)
             cause = exc
@@ -330,8 +331,12 @@ class Checkpointer:
                 raise cause.with_traceback(None) from None
             if worker_died(cause):  # a loader worker's death, raised wherever this process was: not a write
                 raise cause
-            why = cause.strerror if isinstance(cause, OSError) and cause.strerror else \
-                " ".join(str(cause).split())[:200] or type(cause).__name__
+            if isinstance(cause, OSError) and cause.strerror:
+                why = cause.strerror
+            elif full:  # torch's zip writer says a full disk in its own terms ('unexpected pos 704 vs 598')
+                why = "the file system is full"
+            else:
+                why = " ".join(str(cause).split())[:200] or type(cause).__name__
             try:
                 free = f"; {shutil.disk_usage(self.folder).free / 2**30:.1f} GiB free there"
             except OSError:
@@ -841,6 +846,18 @@ def _marker_being_written(path: str) -> bool:
     """A save cut while its COMPLETE marker was being put in place: every file whole, only the rename
     missing. Not removed with the other cut-short saves (it is kept aside: the checksums are there)."""
     return any(name.startswith(COMPLETE + ".tmp") for name in os.listdir(path))
+
+
+# With less than this left for this user, a save that failed without an OSError (torch's zip writer raises a
+# RuntimeError whose text is its own: 'unexpected pos 704 vs 598') is said as a full disk: that is the cause.
+NEARLY_FULL_BYTES = 64 * 2**20
+
+
+def _nearly_full(folder: str) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
 def _remove_step(step_dir: str, set_aside: Callable[[], str] | None = None,

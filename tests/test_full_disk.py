@@ -49,6 +49,35 @@ def test_a_full_disk_at_start_up(tmp_path, capsys, monkeypatch):
              "the file system is full while writing", ".run.lock")
 
 
+TORCH_ZIP_ERROR = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+
+
+@pytest.mark.parametrize("free_bytes, said", [(0, "(the file system is full; 0.0 GiB free there)"),
+                                              (50 * 2**30, f"({TORCH_ZIP_ERROR}; 50.0 GiB free there)")])
+def test_a_save_that_fails_without_an_os_error_on_a_full_disk_says_the_disk_is_full(tmp_path, capsys, monkeypatch,
+                                                                                    free_bytes, said):
+    """torch's zip writer meets a full disk as a RuntimeError in its own words: said as the full file system it
+    is (with the free space), while the same error with space to spare keeps its text (the cause is elsewhere)."""
+    import shutil
+
+    from nsa_titan import checkpoint
+
+    real_save = checkpoint.dcp.save
+
+    def save(tensors, checkpoint_id, **kw):
+        if "step-2" in checkpoint_id:
+            raise RuntimeError(TORCH_ZIP_ERROR)
+        return real_save(tensors, checkpoint_id=checkpoint_id, **kw)
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage._replace(free=free_bytes))
+    refused(capsys, ["train", DEBUG, *TINY, "--training.steps=2", "--checkpoint.enable=true",
+                     "--checkpoint.interval=1", "--checkpoint.async_mode=disabled", f"--job.dump_folder={tmp_path}/run"],
+            f"cannot save the checkpoint of step 2 in {tmp_path}/run/checkpoint/step-2 {said}",
+            "the last complete checkpoint (step 1) is kept", "Fix: free space on that file system")
+
+
 def test_a_plot_that_fills_the_disk_leaves_nothing_and_can_be_retried(run, tmp_path, capsys,  # noqa: F811
                                                                       monkeypatch):
     from nsa_titan.observe import plots
