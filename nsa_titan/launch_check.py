@@ -1,6 +1,6 @@
 """`python -m nsa_titan.launch_check PROCESSES_PER_NODE < RESOLVED_RECIPE`: what run_train.sh asks once for a node
-before it starts the ranks. Prints the run's dump folder; refuses a device the node cannot give every process,
-in one line, rather than once per rank."""
+before it starts the ranks. Prints the run's dump folder; refuses a device the node cannot give every process, or
+a dump folder whose path a file holds (every rank writes there), in one line, rather than once per rank."""
 
 from __future__ import annotations
 
@@ -12,16 +12,19 @@ def main(argv: list[str] | None = None) -> int:
 
     processes_per_node = int((sys.argv[1:] if argv is None else argv)[0])
     recipe = tomllib.loads(sys.stdin.read())
-    if recipe["training"]["device"] != "cpu":  # a CPU run asks nothing of the node's devices
-        from components.errors import UserError
-        from nsa_titan.cli import INPUT_ERROR, say_error_line
-        from nsa_titan.runtime import uses_cuda
+    from components.errors import UserError
+    from nsa_titan.cli import INPUT_ERROR, say_error_line
+    from nsa_titan.run_folder import refuse_file_in_the_way
 
-        try:
+    try:
+        if recipe["training"]["device"] != "cpu":  # a CPU run asks nothing of the node's devices
+            from nsa_titan.runtime import uses_cuda
+
             uses_cuda(recipe["training"]["device"], processes_per_node)
-        except UserError as exc:
-            say_error_line(f"error: {exc}")
-            return INPUT_ERROR
+        refuse_file_in_the_way(recipe["job"]["dump_folder"])
+    except UserError as exc:
+        say_error_line(f"error: {exc}")
+        return INPUT_ERROR
     print(recipe["job"]["dump_folder"])
     return 0
 

@@ -41,6 +41,20 @@ def _file_in_the_way(folder: str) -> str:
     return next((p for p in reversed(parts) if os.path.lexists(p) and not os.path.isdir(p)), folder)
 
 
+def refuse_file_in_the_way(folder: str) -> None:
+    """A file (or a link to nothing) at the dump folder's path or above it: no folder can be made there. Asked by
+    the launch once per node before its ranks start, and by the run as it creates the folder."""
+    blocking = _file_in_the_way(folder)
+    if not os.path.lexists(blocking) or os.path.isdir(blocking):
+        return
+    if os.path.islink(blocking):  # a link to a folder that is gone (an unmounted scratch disk, say)
+        raise UserError(f"cannot create job.dump_folder {folder!r}: {blocking!r} is a symbolic link to "
+                        f"{os.readlink(blocking)!r}, which does not exist. Fix: mount or create what it points "
+                        f"to, remove the link, or choose another folder with --job.dump_folder=PATH.")
+    raise UserError(f"cannot create job.dump_folder {folder!r}: {blocking!r} is a file, not a folder. Fix: "
+                    f"choose another folder with --job.dump_folder=PATH, or move that file away.")
+
+
 def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> bool:
     """The dump folder, and the output folders the run will write inside it ({recipe field: its value},
     e.g. checkpoint.folder when checkpoints are on): found unwritable now, not at the first save after
@@ -49,14 +63,7 @@ def create_run_folder(folder: str, outputs: dict[str, str] | None = None) -> boo
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        blocking = _file_in_the_way(folder)
-        if os.path.islink(blocking):  # a link to a folder that is gone (an unmounted scratch disk, say)
-            raise UserError(f"cannot create job.dump_folder {folder!r}: {blocking!r} is a symbolic link to "
-                            f"{os.readlink(blocking)!r}, which does not exist. Fix: mount or create what it points "
-                            f"to, remove the link, or choose another folder with --job.dump_folder=PATH.") from None
-        if isinstance(exc, (FileExistsError, NotADirectoryError)):  # strerror: 'File exists', of a file in the way
-            raise UserError(f"cannot create job.dump_folder {folder!r}: {blocking!r} is a file, not a folder. Fix: "
-                            f"choose another folder with --job.dump_folder=PATH, or move that file away.") from None
+        refuse_file_in_the_way(folder)
         raise UserError(f"cannot create job.dump_folder {folder!r}: {exc.strerror}. Fix: choose a writable folder "
                         f"with --job.dump_folder=PATH.") from None
     _check_recipe_slot(folder)

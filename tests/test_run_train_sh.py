@@ -129,6 +129,21 @@ def test_a_device_the_node_cannot_give_every_rank_is_one_line_before_any_starts(
     assert done.stderr.count("\n") == 1 and done.stdout == "" and not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("where", ["run", "run/inner"])
+def test_a_dump_folder_a_file_holds_is_one_line_before_any_rank_starts(tmp_path, where):
+    """--job.dump_folder at a file's path (or below one) was rank 0's message, rank 1's 'lost contact' and the
+    launcher's line: the launch checks the path once before it starts the ranks, with the run's own words."""
+    (tmp_path / "run").write_text("a file\n")
+    done = subprocess.run([SCRIPT, "recipes/debug.toml", f"--job.dump_folder={tmp_path / where}"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                          env={**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"error: cannot create job.dump_folder '{tmp_path / where}': '{tmp_path / 'run'}' is a "
+                           f"file, not a folder. Fix: choose another folder with --job.dump_folder=PATH, or move that "
+                           f"file away.\n"), done.stderr
+    assert done.stdout == "" and (tmp_path / "run").read_text() == "a file\n"
+
+
 @pytest.mark.parametrize("choice, gpus, processes, uses, message", [
     ("cuda", 0, 1, None, "training.device = 'cuda' but no CUDA device is visible"),
     ("auto", 0, 4, False, None),
