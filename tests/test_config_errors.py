@@ -241,6 +241,40 @@ def test_bad_recipe_is_reported(tmp_path, capsys, name, text, overrides, expecte
     assert "Fix:" in err
 
 
+@pytest.mark.parametrize("text, flags, fix, not_said", [
+    # a recipe file cannot say $HOME, nor take a flag's form
+    ("[checkpoint]\ninitial_load_path = \"~/ck/step-8\"\n", [],
+     f"Fix: write the path in full, e.g. checkpoint.initial_load_path = '{os.path.expanduser('~/ck/step-8')}', or",
+     ["--checkpoint", "$HOME", "shell"]),
+    # another user's home is not $HOME
+    ("", ["--job.dump_folder=~root/runs/x"],
+     f"Fix: write the path in full, e.g. --job.dump_folder={os.path.expanduser('~root/runs/x')}, or", ["$HOME"]),
+    ("", ["--job.dump_folder=~no_such_user_here/x"],
+     "Fix: write the path in full ('~no_such_user_here' names no user known here), or", ["$HOME"]),
+])
+def test_a_tilde_path_is_refused_with_the_fix_for_where_it_was_written(tmp_path, capsys, text, flags, fix, not_said):
+    """The fix was --FIELD=$HOME/... for every '~' path: a flag's form for a value written in a recipe file, and
+    the user's own home for '~bob/x', bob's."""
+    code, err = run_cli(capsys, [write(tmp_path, text), *flags])
+    problem = next(line for line in err.splitlines() if "starts with '~'" in line)
+    assert code == 2 and fix in problem, err
+    assert not any(word in problem for word in not_said), problem
+
+
+@pytest.mark.parametrize("recipe_tables, named", [(True, "(its tables: 'web', 'code')"),
+                                                  (False, "(NAME: a name of your choice)")])
+def test_a_flag_naming_the_named_tables_field_shows_their_fields_form(tmp_path, capsys, recipe_tables, named):
+    """--data.mixture.sources alone was told to write --data.mixture.sources.FIELD=VALUE (or, with no tables in the
+    recipe, [data.mixture.sources.NAME] as in a file): its fields sit one name further down."""
+    text = "[data]\nsource = \"mixture\"\n" + ("".join(
+        f"[data.mixture.sources.{name}]\nsource = \"python_stdlib\"\nweight = 1.0\n" for name in ("web", "code"))
+        if recipe_tables else "")
+    code, err = run_cli(capsys, [write(tmp_path, text), "--data.mixture.sources"])
+    assert code == 2, err
+    assert ("flag '--data.mixture.sources': data.mixture.sources: is a table, not a value. Fix: override a field of "
+            f"one of its tables, e.g. --data.mixture.sources.NAME.FIELD=VALUE {named}.") in err, err
+
+
 @pytest.mark.parametrize("flags, note", [
     (["--model.nsa.block_size=512", "--model.nsa.sel_block_size=512"],
      "model.nsa.block_size = 512 is more than max_seq_len = 256: no row holds a compressed block"),

@@ -156,6 +156,10 @@ class RecipeBuilder:
 
     def _named_tables(self, entry: type, raw: Any, path: str) -> dict[str, Any]:
         """[path.NAME] tables, each built as an `entry`."""
+        self._name_the_tables_in_flag_fixes(path, raw)
+        if isinstance(raw, CliText):  # a flag named the field itself (--data.mixture.sources)
+            self.problem(path, None, "is a table, not a value", _named_tables_fix(path, {}))
+            return {}
         if not isinstance(raw, dict):
             self.problem(path, raw, "must hold named tables", f"write each as [{path}.NAME] with its fields under it")
             return {}
@@ -170,6 +174,13 @@ class RecipeBuilder:
                 self.problem(_join(path, name), value, "must be a table",
                              f"write it as [{_join(path, name)}] with its fields under it")
         return built
+
+    def _name_the_tables_in_flag_fixes(self, path: str, raw: Any) -> None:
+        """A flag that named this field while the recipe holds its tables was refused before the schema was known
+        (overrides.apply_overrides), with a table's fix (--path.FIELD=VALUE): its fields are a level further."""
+        for i, found in enumerate(self.problems):
+            if found.field == path and found.why == "is a table, not a value" and is_flag(found.where):
+                self.problems[i] = dataclasses.replace(found, fix=_named_tables_fix(path, raw))
 
     def _misspelled_table(self, path: str, name: str, raw: dict, before: int) -> None:
         """[path.name] is incomplete and only flags wrote it, beside tables a recipe file wrote: most likely
@@ -458,6 +469,12 @@ def _fields_named(name: str) -> list[str]:
     from nsa_titan.config.help import help_text
 
     return sorted(set(re.findall(rf"^  --([a-z_.A-Z0-9]+\.{re.escape(name)}):", help_text(), re.M)))
+
+
+def _named_tables_fix(path: str, raw: Any) -> str:
+    names = ", ".join(repr(name) for name in raw) if isinstance(raw, dict) else ""
+    return (f"override a field of one of its tables, e.g. --{path}.NAME.FIELD=VALUE"
+            + (f" (its tables: {names})" if names else " (NAME: a name of your choice)"))
 
 
 def _join(path: str, key: str) -> str:

@@ -110,6 +110,24 @@ def data_parallel_degrees(recipe: Recipe, world_size: int) -> tuple[int, int]:
     return rep, shard
 
 
+def _tilde_refusal(key: str, value: str, flag: bool) -> tuple[str, str]:
+    """Why a path starting with '~' is refused, and the fix for where it was written: a flag can say $HOME (the
+    shell expands it), a recipe file needs the path itself; '~bob/x' is bob's home, which $HOME is not."""
+    user, _, rest = value[1:].partition("/")
+    whose = "the home folder" if not user else f"{user}'s home folder"
+    why = f"starts with '~', which is not read as {whose}" + (" (nor does the shell expand it after '=')" if flag
+                                                              else "")
+    relative = "or a path relative to the directory the run starts in"
+    full = os.path.expanduser(value)
+    if full == value:  # '~name' of no user known here
+        return why, f"write the path in full ('~{user}' names no user known here), {relative}"
+    if flag and not user:
+        home = "$HOME" + value[1:]
+        return why, f"write the path in full, e.g. --{key}={home} (the shell expands $HOME), {relative}"
+    example = f"--{key}={full}" if flag else f"{key} = {full!r}"
+    return why, f"write the path in full, e.g. {example}, {relative}"
+
+
 def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: list[Problem],
                 notes: list[str] | None = None, training: bool = False) -> None:
     """world_size None: a one-process reader of a run (export, plot); the layout rules do not apply.
@@ -244,10 +262,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     for key, value in (("job.dump_folder", recipe.job.dump_folder),
                        ("checkpoint.initial_load_path", recipe.checkpoint.initial_load_path)):
         if value.startswith("~"):  # read as it stands: a folder named '~' where the run starts, not the home folder
-            rest = value[1:] if value[1:2] in ("", "/") else "/..."
-            add(key, value, "starts with '~', which is not read as the home folder (nor does the shell expand it "
-                "after '=')", f"write the path in full, e.g. --{key}=$HOME{rest} (the shell expands $HOME), or a "
-                "path relative to the directory the run starts in")
+            add(key, value, *_tilde_refusal(key, value, source_of(key).startswith("flag ")))
     for section, name in _RUN_SUBFOLDERS:
         table = getattr(recipe, section)
         value = getattr(table, name)
