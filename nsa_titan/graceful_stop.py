@@ -10,11 +10,38 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from nsa_titan.start_up import detach_from_terminal, launcher_pid
 
 HALT_FILE = "HALT"
 LAUNCHER_ENDED = "its launcher ended"
+# File systems that keep coarse times (whole seconds, or two) may date a halt file written just after the start
+# before it: only one older by more than this is taken for an earlier launch's.
+_TIME_SLACK_S = 2.0
+
+
+def set_aside_stale_halt_file(dump_folder: str, started_at: float | None = None) -> str | None:
+    """A halt file from an earlier launch, which ended before it read it (run_train.sh turns a stop into the file;
+    a crash or a kill -9 then leaves it), would stop this run after its first step: it is set aside as
+    HALT.handled, and the note saying so returned (None: nothing set aside). started_at: when this launch began
+    (a file written since, a stop asked while it started, stays); None: no rank has started yet, so any halt file
+    is an earlier launch's."""
+    path = os.path.join(dump_folder, HALT_FILE)
+    try:
+        written = os.stat(path).st_mtime
+    except OSError:
+        return None
+    if started_at is not None and written >= started_at - _TIME_SLACK_S:
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written))
+    try:
+        os.replace(path, path + ".handled")
+    except OSError as exc:
+        return (f"{path} (written {when}) is from an earlier launch but could not be set aside ({exc.strerror}): "
+                f"this run stops after its first step. Fix: remove it, then run the same command again")
+    return (f"{path} (written {when}) is from an earlier launch, which ended before reading it: set aside as "
+            f"{HALT_FILE}.handled, and this run trains on (a halt file written while a run trains stops it)")
 
 
 class GracefulStop:

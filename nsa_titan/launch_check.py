@@ -1,6 +1,7 @@
 """`python -m nsa_titan.launch_check PROCESSES_PER_NODE < RESOLVED_RECIPE`: what run_train.sh asks once for a node
 before it starts the ranks. Prints the run's dump folder; refuses a device the node cannot give every process, or
-a dump folder whose path a file holds (every rank writes there), in one line, rather than once per rank."""
+a dump folder whose path a file holds (every rank writes there), in one line, rather than once per rank. A halt
+file already in the dump folder is an earlier launch's (this one has started no rank): set aside, with a note."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe = tomllib.loads(sys.stdin.read())
     from components.errors import UserError
     from nsa_titan.cli import INPUT_ERROR, say_error_line
-    from nsa_titan.run_folder import refuse_file_in_the_way
+    from nsa_titan.graceful_stop import set_aside_stale_halt_file
+    from nsa_titan.run_folder import held_by_a_run, refuse_file_in_the_way
 
     try:
         if recipe["training"]["device"] != "cpu":  # a CPU run asks nothing of the node's devices
@@ -25,7 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         say_error_line(f"error: {exc}")
         return INPUT_ERROR
-    print(recipe["job"]["dump_folder"])
+    dump = recipe["job"]["dump_folder"]
+    if not held_by_a_run(dump):  # the launch will be refused: that run's halt file is its own
+        stale = set_aside_stale_halt_file(dump)  # no rank has started: any halt file is an earlier launch's
+        if stale:
+            print(f"note: {stale}", file=sys.stderr)
+    print(dump)
     return 0
 
 

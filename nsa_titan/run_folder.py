@@ -233,6 +233,23 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def held_by_a_run(folder: str) -> bool:
+    """Whether a running run holds the folder's lock now (a launch it refuses leaves that run's files alone)."""
+    try:
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR)
+    except OSError:
+        return False  # no lock file: no run has held it
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        return True
+    except OSError:  # a file system without locks: no run can be told
+        return False
+    finally:
+        os.close(fd)  # closing the file releases a lock taken here
+    return False
+
+
 class RunFolderLock:
     """Held by a run's main process from start-up until it ends (the system releases it when the process
     dies, however it dies): a second run started in the same dump folder, say a requeued job while the

@@ -18,12 +18,14 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 
 INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 INTERRUPTED_WHILE_STARTING = "error: interrupted while starting (nothing ran)."
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _launcher: int | None = None
 _before_start_up: dict = {}  # {signal: the handler hear_stops_while_starting replaced}
+_started_at = time.time()  # this module is the command's first import
 
 
 class StoppedWhileStarting(BaseException):
@@ -77,6 +79,11 @@ def prepare_process() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     if sys.argv[1:2] == ["train"]:
         hear_stops_while_starting()
+
+
+def process_started_at() -> float:
+    """When this process began (to within its first import): what a file written before it predates."""
+    return _started_at
 
 
 def launcher_pid() -> int | None:

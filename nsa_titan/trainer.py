@@ -22,7 +22,7 @@ from nsa_titan.attention_probe import AttentionProbe
 from nsa_titan.checkpoint import Checkpointer, RunState
 from nsa_titan.config import ResolvedRecipe
 from nsa_titan.config.rules import data_parallel_degrees
-from nsa_titan.graceful_stop import GracefulStop
+from nsa_titan.graceful_stop import GracefulStop, set_aside_stale_halt_file
 from nsa_titan.loss import IGNORE_INDEX, token_cross_entropy_sum
 from nsa_titan.missed_results import (log_missed_telemetry, log_missed_validation, take_missed_telemetry,
                                       take_missed_validation)
@@ -48,7 +48,7 @@ from nsa_titan.resume import data_layout, restore
 from nsa_titan.resume_notes import way_on
 from nsa_titan.run_folder import RunFolderLock, create_run_folder, model_fields_of, toml_differences, write_run_recipe
 from nsa_titan.scheduled_gc import ScheduledGC
-from nsa_titan.start_up import StoppedWhileStarting
+from nsa_titan.start_up import StoppedWhileStarting, process_started_at
 from nsa_titan.runtime import Runtime
 from nsa_titan.training_faults import (OUT_OF_MEMORY_EXIT, TrainingFault, nan_fixes, out_of_memory_message,
                                        worker_lost_message)
@@ -102,6 +102,10 @@ class Trainer:
                        "profiling.folder": recipe.profiling.folder if recipe.profiling.enable else None}
             made = create_run_folder(dump, {field: name for field, name in outputs.items() if name is not None})
             self.folder_lock = RunFolderLock(dump, warn)  # refused: another run's folder, left alone
+            if runtime.world_size == 1:  # (run_train.sh's launch check does it for several, before they start)
+                stale = set_aside_stale_halt_file(dump, process_started_at())
+                if stale:
+                    self._say(f"note: {stale}")
             self._made_folder = made
             records_pending = os.path.exists(os.path.join(dump, MANIFEST_FILE))
             if not records_pending:
