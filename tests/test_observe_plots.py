@@ -73,6 +73,28 @@ def test_the_pictures_draw_those_numbers(tmp_path):
     assert matplotlib.image.imread(path, format="png").shape[2] in (3, 4)
 
 
+def _ticks_shown(axis) -> list[float]:
+    low, high = sorted(axis.get_view_interval())
+    return [t for t in axis.get_ticklocs() if low <= t <= high]
+
+
+@pytest.mark.parametrize("tokens, blocks", [(1, 1), (3, 1), (4, 2)])
+def test_token_and_block_axes_of_a_short_text_are_ticked_at_whole_numbers(tokens, blocks):
+    """`plot --text ab` ticked the selection picture's block axis at -0.4..0.4 and its query axis at halves, and
+    eval's loss picture ticked context positions at quarters: every tick is now a token or block number."""
+    from nsa_titan.evaluate.plots import position_loss_figure
+
+    colors = plots.selection_colors(torch.zeros(tokens, blocks, dtype=torch.long), num_groups=2, block_tokens=2)
+    chosen = AttentionMap(gates=torch.zeros(1, tokens, 2, 3), selected=torch.zeros(1, tokens, 2, 1, dtype=torch.long),
+                          block_tokens=2, groups=2, branches=("cmp", "sel", "win"))
+    selection = plots.selection_figure(colors, 0, chosen).axes[0]
+    assert _ticks_shown(selection.xaxis) == list(range(blocks))
+    assert _ticks_shown(selection.yaxis) == list(range(tokens))
+    loss = position_loss_figure({"positions": list(range(tokens)), "mean_loss": [1.0] * tokens,
+                                 "tokens": [1] * tokens}, "t").axes[0]
+    assert _ticks_shown(loss.xaxis) == list(range(tokens))
+
+
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_the_plotted_text_is_a_document_as_the_run_trained_on(monkeypatch, add_bos):
     """With data.add_bos, training put BOS before each document: the plotted positions and block 0 hold it."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nsa_titan.observe.plots import pyplot
+from nsa_titan.observe.plots import pyplot, whole_number_ticks
 
 
 def position_loss_figure(positions: dict, title: str):
@@ -18,6 +18,7 @@ def position_loss_figure(positions: dict, title: str):
         smooth = np.convolve(y, np.ones(window) / window, mode="valid")
         ax.plot(x[window - 1:], smooth, lw=1.6, label=f"running mean of {window}")
     ax.set_xlabel("context (tokens of its own document the prediction sees)")
+    whole_number_ticks(ax.xaxis)
     ax.set_ylabel("held-out loss (nats)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

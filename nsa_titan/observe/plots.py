@@ -52,6 +52,15 @@ def pyplot():
     return plt
 
 
+def whole_number_ticks(*axes) -> None:
+    """Ticks at whole numbers only on token and block axes: matplotlib's default ticks a short axis at fractions
+    (-0.4..0.4 for one block), and its integer mode alone falls back to them where one whole number fits."""
+    from matplotlib.ticker import MaxNLocator
+
+    for axis in axes:
+        axis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+
+
 def require_matplotlib() -> None:
     """A training run's check at start-up, when TensorBoard is to get the telemetry steps' pictures."""
     try:
@@ -101,8 +110,8 @@ def selection_figure(colors: np.ndarray, layer: int, chosen: AttentionMap):
                            layout="constrained")
     ax.imshow(colors, interpolation="nearest", aspect="auto", extent=(-0.5, nb - 0.5, T - 0.5, -0.5))
     ax.set_xlabel(f"selection block ({chosen.block_tokens} tokens)")
-    ax.xaxis.get_major_locator().set_params(integer=True)  # blocks are whole numbers: no -0.5, 0.25 ticks
     ax.set_ylabel("query position")
+    whole_number_ticks(ax.xaxis, ax.yaxis)
     ax.set_title(f"layer {layer}: the blocks each query selected (n = {chosen.selected.shape[-1]})\n"
                  f"white: no group, darkest: all {chosen.groups} key/value groups, grey: future",
                  fontsize=9)
