@@ -246,7 +246,7 @@ def sample(argv: list[str]) -> int:
     # (option, type, default, lowest, highest, example): nan or inf would reach the sampler, --top-k 0 would
     # silently mean "no top-k" (leave it out for that), a seed past 64 bits overflows torch's generator.
     for name, kind, default, low, high, example in (
-            ("--max-new-tokens", int, str(DEFAULT_NEW_TOKENS), 0, None, "200"),
+            ("--max-new-tokens", int, str(DEFAULT_NEW_TOKENS), 1, None, "200"),
             ("--temperature", float, "0.8", 0, None, "0.8"),
             ("--top-k", int, None, 1, None, "40"), ("--seed", int, "0", 0, 2**64 - 1, "0")):
         text = numbers[name] = take_option(argv, name, default)

@@ -516,11 +516,15 @@ def test_an_export_of_a_plugin_model_loads_in_a_fresh_process(tmp_path):
 
 
 @pytest.mark.parametrize("option, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-k", "0"),
-                                           ("--seed", str(2**70)), ("--max-new-tokens", "-1")])
+                                           ("--seed", str(2**70)), ("--max-new-tokens", "-1"),
+                                           ("--max-new-tokens", "0")])
 def test_sample_refuses_out_of_range_numbers(run, capsys, option, value):
+    """--max-new-tokens 0 printed an empty line and exited 0: no new token is no sample."""
     short = [] if option == "--max-new-tokens" else ["--max-new-tokens=4"]
     what = "a finite number" if option == "--temperature" else "a whole number"
-    refused(capsys, ["sample", run[1], option, value, *short], f"{option} = {value!r} must be {what}", "Fix: e.g.")
+    low = {"--temperature": ">= 0", "--top-k": ">= 1", "--seed": "in 0..", "--max-new-tokens": ">= 1"}[option]
+    refused(capsys, ["sample", run[1], option, value, *short], f"{option} = {value!r} must be {what} {low}",
+            "Fix: e.g.")
 
 
 def test_sample_refuses_a_top_k_past_the_vocabulary(run, capsys):
