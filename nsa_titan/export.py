@@ -24,7 +24,8 @@ from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe, resol
 from nsa_titan.config.toml_io import run_folder_flag
 from nsa_titan.export_paths import RUN_DIR, data_read_from, made_in, plugins_read_from, tokenizer_read_from
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
-from nsa_titan.run_recipe import run_of_folder
+from nsa_titan.run_recipe import run_of_folder, unsaved_step_of
+from nsa_titan.step_folders import TRAIN_STATE
 
 __all__ = ["FORMAT", "ExportedRun", "export_checkpoint", "load_checkpoint_model", "load_exported", "load_exported_run"]
 
@@ -150,7 +151,7 @@ def _run_folder_refusal(path: str) -> UserError | None:
     the way from it to one (they were told only that the folder is no Hugging Face folder)."""
     run = run_of_folder(path)
     if run is None:
-        return None
+        return _unsaved_step_refusal(path)
     recipe, step = run
     given = os.path.abspath(path)
     folder = os.path.dirname(recipe)
@@ -162,6 +163,25 @@ def _run_folder_refusal(path: str) -> UserError | None:
     return UserError(f"{path!r} is {what}, not an exported model. Fix: export it first, `nsa-titan export {recipe}"
                      f"{load_step} --output model.pt`, and give model.pt here (eval and plot also read it through "
                      f"the run's recipe: `nsa-titan eval {recipe}{load_step} --out DIR`).")
+
+
+def _unsaved_step_refusal(path: str) -> UserError | None:
+    """A folder named as a checkpoint step that holds no train state, where an exported model goes: what it is, and
+    the way to an export of the run's complete checkpoint (they were told it is no Hugging Face folder)."""
+    unsaved = unsaved_step_of(path)
+    if unsaved is None:
+        return None
+    recipe, step = unsaved
+    if recipe is None:
+        return UserError(f"{path!r} is named as a checkpoint step but holds no {TRAIN_STATE}, and no training run's "
+                         f"recipe.toml lies above it: a checkpoint step whose save was cut short, or no step folder; "
+                         f"not an exported model. Fix: export a complete checkpoint of the run it belongs to, "
+                         f"`nsa-titan export RECIPE --output model.pt`, and give model.pt here (or a folder of "
+                         f"--format hf).")
+    return UserError(f"{path!r} is named as checkpoint step {step} of the run in {os.path.dirname(recipe)!r} but "
+                     f"holds no {TRAIN_STATE}: an incomplete checkpoint (its save was cut short), or no step folder; "
+                     f"not an exported model. Fix: export the run's newest complete checkpoint, `nsa-titan export "
+                     f"{recipe}{run_folder_flag(recipe)} --output model.pt`, and give model.pt here.")
 
 
 # What an export file must hold, by type (step is an int, or None for weights of no checkpoint step).

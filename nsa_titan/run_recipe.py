@@ -51,3 +51,14 @@ def run_of_folder(path: str) -> tuple[str, int | None] | None:
         recipe = recipe_above(given)
         return (recipe, None) if recipe else None
     return None
+
+
+def unsaved_step_of(path: str) -> tuple[str | None, int] | None:
+    """(the recipe file of the run above it or None, the step) where `path` is a folder named as a checkpoint step
+    (step-N) that holds no train state: a save cut short before it wrote one, or another folder named so; None for
+    any other path."""
+    given = os.path.abspath(path)
+    named = STEP_DIR.match(os.path.basename(given))
+    if not named or not os.path.isdir(given) or os.path.isfile(train_state_file(given)):
+        return None
+    return recipe_above(given), int(named.group(1))

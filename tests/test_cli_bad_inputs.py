@@ -177,6 +177,37 @@ def test_a_step_folder_of_a_nested_checkpoint_folder_names_its_run(run, tmp_path
             f"`nsa-titan export {nested / 'recipe.toml'} --checkpoint.load_step=1 --output model.pt`")
 
 
+@pytest.mark.parametrize("command, extra", [("sample", []), ("plot", ["--text", "hi", "--out", "OUT"]),
+                                            ("eval", ["--out", "OUT"])])
+def test_a_step_folder_without_a_train_state_is_named_an_incomplete_step(run, tmp_path, capsys, command, extra):
+    """A step folder whose save was cut short before its train state (or another folder named step-N) was called
+    'not a Hugging Face model folder': it is named as the unfinished step it is, with the export of the run's newest
+    complete checkpoint, which works as given."""
+    argv, _, _ = run
+    folder = next(a for a in argv if a.startswith("--job.dump_folder=")).split("=", 1)[1]
+    copy = tmp_path / "run"
+    shutil.copytree(os.path.join(folder, "checkpoint"), copy / "checkpoint")
+    saved = open(os.path.join(folder, "recipe.toml")).read()
+    (copy / "recipe.toml").write_text(saved.replace(f'dump_folder = "{folder}"', f'dump_folder = "{copy}"'))
+    cut = copy / "checkpoint" / "step-2"
+    shutil.copytree(copy / "checkpoint" / "step-1" / "model", cut / "model")  # a save cut short after the weights
+    extra = [str(tmp_path / "out") if x == "OUT" else x for x in extra]
+    refused(capsys, [command, str(cut), *extra],
+            f"error: {str(cut)!r} is named as checkpoint step 2 of the run in {str(copy)!r} but holds no "
+            f"train_state.json: an incomplete checkpoint (its save was cut short), or no step folder; not an exported "
+            f"model. Fix: export the run's newest complete checkpoint, `nsa-titan export {copy / 'recipe.toml'} "
+            f"--output model.pt`, and give model.pt here.\n")
+    loose = tmp_path / "elsewhere" / "step-3"
+    loose.mkdir(parents=True)
+    refused(capsys, [command, str(loose), *extra],
+            f"{str(loose)!r} is named as a checkpoint step but holds no train_state.json, and no training run's "
+            f"recipe.toml lies above it", "Fix: export a complete checkpoint of the run it belongs to")
+    assert not (tmp_path / "out").exists()
+    if command == "sample":  # the fix, as given
+        assert cli.main(["export", str(copy / "recipe.toml"), "--output", str(tmp_path / "model.pt")]) == 0
+        assert cli.main(["sample", str(tmp_path / "model.pt"), "--max-new-tokens", "2"]) == 0
+
+
 def test_run_train_sh_passes_other_commands_their_arguments_as_given(tmp_path):
     """Only train defaults to the debug recipe: sample, eval and plot get no recipe slipped in front. (Each
     call first checks the environment, importing every package: the time limits only catch a hang.)"""
