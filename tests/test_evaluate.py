@@ -288,8 +288,8 @@ def test_a_source_holding_out_nothing_names_a_fix_eval_can_use(checkpointed_run,
     # It gave `nsa-titan eval recipes/debug.toml --out outputs/debug/eval` whatever was evaluated.
     ([], "eval needs --out DIR for its results. Fix: add --out DIR (e.g. --out eval) to the command."),
     (["--out", "X", "--depths", "0,2"], "--depths must lie in"),
-    (["--out", "X", "--lengths", "abc"], "is not a comma-separated list of ints"),
-    (["--out", "X", "--depths", "0.5,,"], "--depths = '0.5,,' is not a comma-separated list of floats"),
+    (["--out", "X", "--lengths", "abc"], "is not a comma-separated list of whole numbers"),
+    (["--out", "X", "--depths", "0.5,,"], "--depths = '0.5,,' is not a comma-separated list of numbers"),
     (["--out", "X", "--lengths", "500"], "--lengths must lie in"),
     (["--out", "X", "--batchs", "2"], "eval has no option '--batchs' (did you mean '--batches'?)"),
     (["--out", "X", "--trials", "-1"], "--trials must be at least 0 (0 skips the passkey probe), got -1"),
@@ -303,8 +303,7 @@ def test_eval_bad_options(checkpointed_run, tmp_path, capsys, extra, message):
 
 
 @pytest.mark.parametrize("name, default, one", [("--batches", None, True), ("--limit", None, True),
-                                                ("--trials", "5", True), ("--lengths", None, False),
-                                                ("--depths", "0,0.25,0.5,0.75,1", False)])
+                                                ("--trials", "5", True), ("--depths", "0,0.25,0.5,0.75,1", False)])
 def test_an_unreadable_number_names_an_example_the_option_takes(name, default, one):
     """--batches x said 'Fix: e.g. --batches=64,128', which --batches (one value) refuses in turn."""
     from nsa_titan.evaluate.command import _numbers
@@ -315,6 +314,21 @@ def test_an_unreadable_number_names_an_example_the_option_takes(name, default, o
     example = re.search(r"Fix: e\.g\. (\S+)\.$", str(refused.value)).group(1)
     assert example.startswith(f"{name}=")
     assert _numbers([example], name, kind, default, one)  # the example is taken as it is written
+
+
+def test_unreadable_lengths_are_given_no_example_the_model_may_refuse(checkpointed_run, tmp_path, capsys):
+    """--lengths abc said 'Fix: e.g. --lengths=64,128', which the debug model then refuses (its lengths lie in
+    74..120): which lengths fit is the model's to say, and leaving --lengths out always fits."""
+    def refused(*extra: str) -> str:
+        assert cli.main(["eval", *checkpointed_run, *extra]) == 2
+        return capsys.readouterr().err
+
+    err = refused("--out", str(tmp_path / "a"), "--lengths", "abc")
+    assert err == ("error: --lengths = 'abc' is not a comma-separated list of whole numbers. Fix: give passkey prompt "
+                   "lengths in tokens that fit the model (eval names its range when one does not), or leave --lengths "
+                   "out for up to four that do, the longest what max_seq_len leaves the answer.\n")
+    err = refused("--out", str(tmp_path / "b"), "--lengths", "64,128")
+    assert "--lengths must lie in 74..120" in err and "Fix: e.g. --lengths 74,120." in err
 
 
 def test_a_triton_trained_model_is_read_on_the_cpu_with_the_reference_backend(monkeypatch):

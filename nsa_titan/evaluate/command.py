@@ -39,8 +39,9 @@ OPTIONS = "--out, --batches, --lengths, --depths, --trials, --tasks, --task-dir,
 RESULT_FILES = ("eval.json", "position_loss.png", "passkey.png", "lm_eval.json")
 
 
-def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = False):
-    """The comma-separated values of option `name` (None when absent); one: exactly one value."""
+def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = False, fix: str | None = None):
+    """The comma-separated values of option `name` (None when absent); one: exactly one value; fix: what to do
+    when the list cannot be read (default: e.g. the default)."""
     text = take_option(argv, name, default)
     if text is None:
         return None
@@ -50,8 +51,9 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
         if one:  # an option of one value: its example is one value too
             what = "a whole number" if kind is int else "a number"
             raise UserError(f"{name} = {text!r} is not {what}. Fix: e.g. {name}={default or 1}.") from None
-        raise UserError(f"{name} = {text!r} is not a comma-separated list of {kind.__name__}s. Fix: e.g. "
-                        f"{name}={default or '64,128'}.") from None
+        what = "whole numbers" if kind is int else "numbers"
+        raise UserError(f"{name} = {text!r} is not a comma-separated list of {what}. Fix: "
+                        f"{fix or f'e.g. {name}={default}'}.") from None
     if not values:
         raise UserError(f"{name} is empty. Fix: give at least one value.")
     if one and len(values) > 1:
@@ -96,7 +98,10 @@ def _evaluate(argv: list[str]) -> int:
     check_output("--out", out, folder=True)
     overwrite = take_flag(argv, "--overwrite")
     batches = _numbers(argv, "--batches", int, None, one=True)
-    lengths = _numbers(argv, "--lengths", int, None)
+    # Which lengths fit is the model's and its tokenizer's to say, so the fix gives no numbers that may not.
+    lengths = _numbers(argv, "--lengths", int, None, fix="give passkey prompt lengths in tokens that fit the model "
+                       "(eval names its range when one does not), or leave --lengths out for up to four that do, the "
+                       "longest what max_seq_len leaves the answer")
     depths = _numbers(argv, "--depths", float, "0,0.25,0.5,0.75,1")
     trials = _numbers(argv, "--trials", int, "5", one=True)[0]
     task_limit = _numbers(argv, "--limit", int, None, one=True)
