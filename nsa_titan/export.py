@@ -81,13 +81,18 @@ def load_exported(path: str, device: str | torch.device = "cpu",
     """Rebuild an exported model (a .pt file, or a folder of --format hf) on one device, computing as it can
     there (`say` gets the note when that differs from training); returns (model in eval mode, its
     metadata: model_name, model_args, vocab_size, step, recipe_toml)."""
+    return _rebuilt(path, _read_exported(path), device, say)
+
+
+def _read_exported(path: str) -> dict:
+    """What an export holds, its weights as a state dict under 'state_dict' (no model is built yet)."""
     if os.path.isdir(path):
         from nsa_titan.hf_folder import is_hf_folder
 
         refusal = None if is_hf_folder(path) else _run_folder_refusal(path)
         if refusal is not None:
             raise refusal
-        return _load_hf_folder(path, device, say)
+        return _read_hf_folder(path)
     if path.endswith(".toml"):
         raise UserError(f"{path!r} is a recipe, not an exported model. Fix: run `nsa-titan export {path} --output "
                         f"FILE` first and give FILE here.")
@@ -105,9 +110,14 @@ def load_exported(path: str, device: str | torch.device = "cpu",
                         f"type). Fix: export the run again with `nsa-titan export RECIPE --output FILE`.")
     payload["recipe_toml"] = plugins_read_from(payload["recipe_toml"], payload.get(RUN_DIR), repr(path))
     import_plugins_of(payload["recipe_toml"])  # a plugin may register the model
-    model = rebuild_model(payload["model_name"], payload["model_args"], payload["vocab_size"], payload["state_dict"],
-                          device, path, say)
-    return model, {k: v for k, v in payload.items() if k != "state_dict"}
+    return payload
+
+
+def _rebuilt(path: str, saved: dict, device, say) -> tuple[nn.Module, dict]:
+    """(the model, the metadata) of what _read_exported read."""
+    model = rebuild_model(saved["model_name"], saved["model_args"], saved["vocab_size"], saved["state_dict"], device,
+                          path, say)
+    return model, {k: v for k, v in saved.items() if k != "state_dict"}
 
 
 @dataclasses.dataclass
@@ -121,29 +131,32 @@ class ExportedRun:
 
 
 def load_exported_run(path: str, device: str | torch.device = "cpu",
-                      say: Callable[[str], None] | None = None, data_flags: list[str] | tuple[str, ...] = ()
-                      ) -> ExportedRun:
+                      say: Callable[[str], None] | None = None, data_flags: list[str] | tuple[str, ...] = (),
+                      before_model: Callable[[Recipe, object], None] | None = None) -> ExportedRun:
     """load_exported, with the recipe saved beside the weights and the tokenizer the model was trained with.
     A Hugging Face folder's tokenizer is read from the folder's own files, so a folder copied to another
     machine needs nothing else (hf_files.tokenizer_in_folder). data_flags: overrides of the saved recipe's data
     fields (--data.text_files.paths=...: where the data is now), checked as a recipe's; the caller chooses which
-    fields it lets change."""
+    fields it lets change. before_model(recipe, tokenizer): a check of the caller's, before the model is built."""
     from components.data.hf_files import tokenizer_in_folder
     from nsa_titan.config.overrides import parse_args
 
-    model, meta = load_exported(path, device, say)
-    recipe = read_saved_recipe(meta["recipe_toml"], path, data_flags)
+    exported = _read_exported(path)
+    recipe_toml, run_dir = exported["recipe_toml"], exported.get(RUN_DIR)
+    recipe = read_saved_recipe(recipe_toml, path, data_flags)
     name, args = recipe.data.tokenizer, recipe.data.tokenizer_args
-    if meta.get("format") == "hf":
+    if exported.get("format") == "hf":
         name, args = tokenizer_in_folder(name, args, path)
     else:
-        args = tokenizer_read_from(args, meta.get(RUN_DIR), repr(path))
+        args = tokenizer_read_from(args, run_dir, repr(path))
     given = frozenset(key for _, key, _ in parse_args(list(data_flags), []).overrides)
-    data, gone = data_read_from(recipe.data, meta.get(RUN_DIR), path, given)
-    saved = data_read_from(resolve_text(meta["recipe_toml"]).recipe.data, meta.get(RUN_DIR), path)[0] if given \
-        else data
-    return ExportedRun(model, meta, dataclasses.replace(recipe, data=data), registry.build("tokenizer", name, args),
-                       gone, saved)
+    data, gone = data_read_from(recipe.data, run_dir, path, given)
+    saved = data_read_from(resolve_text(recipe_toml).recipe.data, run_dir, path)[0] if given else data
+    recipe, tokenizer = dataclasses.replace(recipe, data=data), registry.build("tokenizer", name, args)
+    if before_model is not None:
+        before_model(recipe, tokenizer)
+    model, meta = _rebuilt(path, exported, device, say)
+    return ExportedRun(model, meta, recipe, tokenizer, gone, saved)
 
 
 def _run_folder_refusal(path: str) -> UserError | None:
@@ -188,7 +201,7 @@ def _unsaved_step_refusal(path: str) -> UserError | None:
 _PAYLOAD = {"model_name": str, "model_args": dict, "vocab_size": int, "state_dict": dict, "recipe_toml": str}
 
 
-def _load_hf_folder(path: str, device, say=None) -> tuple[nn.Module, dict]:
+def _read_hf_folder(path: str) -> dict:
     from nsa_titan.hf_folder import RECIPE, read_hf_folder
 
     folder = read_hf_folder(path)
@@ -197,8 +210,6 @@ def _load_hf_folder(path: str, device, say=None) -> tuple[nn.Module, dict]:
                         f"save_pretrained does not copy it). Fix: copy it there from the exported folder, or the "
                         f"run's recipe as {RECIPE}, or export the run again with `nsa-titan export RECIPE --format hf "
                         f"--output DIR`.")
-    model = rebuild_model(folder.model_name, folder.model_args, folder.vocab_size, folder.state_dict, device, path,
-                          say)
-    return model, {"format": "hf", "model_name": folder.model_name, "model_args": folder.model_args,
-                   "vocab_size": folder.vocab_size, "step": folder.step, "recipe_toml": folder.recipe_toml,
-                   RUN_DIR: folder.run_dir}
+    return {"format": "hf", "model_name": folder.model_name, "model_args": folder.model_args,
+            "vocab_size": folder.vocab_size, "step": folder.step, "recipe_toml": folder.recipe_toml,
+            RUN_DIR: folder.run_dir, "state_dict": folder.state_dict}

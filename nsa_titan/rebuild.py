@@ -13,7 +13,7 @@ from torch import nn
 from components.errors import UserError, read_from
 from nsa_titan import assemble, registry
 from nsa_titan.checkpoint import COMPLETE, complete_steps, incomplete_steps, read_model_weights
-from nsa_titan.config import ResolvedRecipe
+from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.build import RecipeBuilder
 from nsa_titan.config.errors import RecipeError
 from nsa_titan.config.resolve import TOKENIZER_ARGS, run_identity_notes, unread_flags_note
@@ -54,9 +54,11 @@ def say_unread_flags(resolved: ResolvedRecipe, command: str, also_reads: tuple[s
         say_on_stderr(f"note: {note}")
 
 
-def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] | None = None):
+def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] | None = None,
+                          before_model: Callable[[Recipe, object], None] | None = None):
     """The run's newest complete checkpoint (or checkpoint.load_step) as a full model on the CPU, computing as
-    the CPU can (runnable_args; `say` gets the note).
+    the CPU can (runnable_args; `say` gets the note). before_model(recipe, tokenizer): a check of the caller's,
+    before the model is built.
 
     Returns (model in eval mode, tokenizer, step). Needs no process group: DCP reads the shards of
     any layout into the unsharded model.
@@ -88,6 +90,8 @@ def load_checkpoint_model(resolved: ResolvedRecipe, say: Callable[[str], None] |
                       f"one cut short)")
     _check_model_fields(resolved, step_path(folder, step))
     tokenizer = assemble.build_tokenizer(recipe)
+    if before_model is not None:
+        before_model(recipe, tokenizer)
     model = assemble.build_model_on_meta(recipe, tokenizer.vocab_size)
     model.to_empty(device="cpu")
     model.init_weights()  # buffers; every parameter is then overwritten from the checkpoint

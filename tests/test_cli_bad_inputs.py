@@ -638,6 +638,22 @@ def test_eval_refuses_numbers_it_would_misread(run, tmp_path, capsys, extra, mes
     refused(capsys, ["eval", run[1], "--out", str(tmp_path / "out"), *extra], message)
 
 
+def test_eval_refuses_passkey_lengths_out_of_range_before_building_the_model(run, tmp_path, capsys, monkeypatch):
+    """--lengths past what max_seq_len leaves was refused only once the weights were read and the model built (the
+    range is the recipe's and the tokenizer's): now before, from an export or from a run's recipe."""
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before --lengths was checked")
+
+    monkeypatch.setattr("nsa_titan.export.rebuild_model", never)
+    monkeypatch.setattr("nsa_titan.assemble.build_model_on_meta", never)
+    argv, exported, _ = run
+    for model in ([exported], argv):
+        refused(capsys, ["eval", *model, "--out", str(tmp_path / "out"), "--lengths", "64,500"],
+                "error: --lengths must lie in 74..120 (the needle and question take 74 tokens; the answer needs room "
+                "within max_seq_len 128). Fix: e.g. --lengths 74,120.")
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_to_a_folder_is_refused_without_a_stray_file(run, tmp_path, capsys):
     folder = tmp_path / "existing"
     folder.mkdir()

@@ -61,9 +61,10 @@ def _numbers(argv: list[str], name: str, kind, default: str | None, one: bool = 
     return values
 
 
-def _load(argv: list[str]):
+def _load(argv: list[str], before_model=None):
     """(model, tokenizer, recipe, what was loaded, the resolved recipe or None, an export's saved data settings
-    without its data flags or None) from a recipe's checkpoint or an exported file (with its data flags)."""
+    without its data flags or None) from a recipe's checkpoint or an exported file (with its data flags);
+    before_model(recipe, tokenizer) checks the options before the model is built."""
     from nsa_titan.evaluate.export_flags import refuse_other_flags
     from nsa_titan.export import load_checkpoint_model, load_exported_run
     from nsa_titan.rebuild import say_on_stderr
@@ -71,14 +72,14 @@ def _load(argv: list[str]):
 
     if argv and argv[0].endswith(".toml"):
         resolved = resolve(argv, world_size=None)
-        model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr)
+        model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr, before_model)
         note = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (eval reads the model, "
                                             "tokenizer and data fields)")
         if note:
             print(note)
         return (model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}",
                 resolved, None)
-    run = load_exported_run(argv[0], say=say_on_stderr, data_flags=argv[1:])
+    run = load_exported_run(argv[0], say=say_on_stderr, data_flags=argv[1:], before_model=before_model)
     refuse_other_flags(argv[1:])  # again: the export's plugins may have registered a tokenizer
     if run.missing_data is not None:  # eval reads the held-out set
         raise run.missing_data
@@ -144,14 +145,21 @@ def _evaluate(argv: list[str]) -> int:
         manager = task_manager(task_names, task_dir)
         check_tasks_load(task_names, manager)
     pyplot()  # fail before the work when matplotlib is missing
-    model, tokenizer, recipe, loaded, resolved, saved = _load(argv)
+    def check_lengths(recipe, tokenizer) -> None:
+        """The passkey lengths, the tokenizer's and the recipe's to check: refused before the weights are read. A
+        model whose arguments name no max_seq_len cannot decode: check_decodes says so once it is built."""
+        if hasattr(recipe.model.args, "max_seq_len"):
+            _passkey_lengths(tokenizer, recipe, lengths)
+
+    model, tokenizer, recipe, loaded, resolved, saved = _load(argv, check_lengths if trials else None)
     note = None if saved is None else held_out_note(saved, recipe.data)
     if note:  # said before the work, and kept in eval.json with the numbers
         from nsa_titan.rebuild import say_on_stderr
 
         say_on_stderr(f"note: {note}")
     if trials:
-        lengths = _passkey_lengths(model, tokenizer, recipe, lengths)
+        _check_decodes(model)
+        lengths = _passkey_lengths(tokenizer, recipe, lengths)
 
     documents = documents_of(registry.get("model", recipe.model.name), model)
     from nsa_titan.runtime import make_runtime
@@ -271,15 +279,19 @@ def _say_short_set(recipe, held_out: list[dict], batches: int | None, more: str 
         say_on_stderr(f"note: {note}")
 
 
-def _passkey_lengths(model, tokenizer, recipe, lengths: list[int] | None) -> list[int]:
-    """The passkey prompt lengths to probe (given, or up to four up to max_seq_len), checked before any work."""
+def _check_decodes(model) -> None:
+    """The passkey probe decodes: a model that cannot is refused before any work."""
     from components.models.generate import check_decodes
 
     try:
-        check_decodes(model)  # the passkey probe decodes
+        check_decodes(model)
     except UserError as exc:  # the held-out loss needs no decoding: eval still runs without the probe
         raise UserError(f"{exc}. Or add --trials 0: eval then skips the passkey probe, the one part that "
                         f"decodes.") from None
+
+
+def _passkey_lengths(tokenizer, recipe, lengths: list[int] | None) -> list[int]:
+    """The passkey prompt lengths to probe (given, or up to four up to max_seq_len), checked before any work."""
     read = unwritable_keys(tokenizer)
     if read is not None:
         raise UserError(f"tokenizer {tokenizer.name!r} cannot write a passkey: it reads the digits ' 0123456789' as "
