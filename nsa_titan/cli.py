@@ -42,7 +42,7 @@ COMMANDS = {
     "plot": "draw NSA selection and gates as PNGs: nsa-titan plot RECIPE.toml [overrides]|EXPORTED_FILE|HF_DIR "
             "--text TEXT|--text-file FILE [--layer N] --out DIR [--overwrite (replace an earlier plot's files in DIR)]",
     "eval": "loss by context position, a passkey probe and lm-eval tasks: nsa-titan eval "
-            "RECIPE.toml [overrides]|EXPORTED_FILE|HF_DIR [data flags] --out DIR [--batches N] [--lengths 64,128] "
+            "RECIPE.toml [overrides]|EXPORTED_FILE|HF_DIR [data flags] --out DIR [--batches N] [--lengths 100,200] "
             "[--depths 0,0.5,1] [--trials N] [--tasks a,b [--task-dir DIR] [--limit N]] [--overwrite (replace an "
             "earlier eval's results in DIR)]",
     "inspect": "compile-graph inspection: nsa-titan inspect RECIPE.toml [overrides] [--seq-lens 64,96] "

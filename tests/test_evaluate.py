@@ -331,6 +331,21 @@ def test_unreadable_lengths_are_given_no_example_the_model_may_refuse(checkpoint
     assert "--lengths must lie in 74..120" in err and "Fix: e.g. --lengths 74,120." in err
 
 
+def test_the_help_gives_passkey_lengths_the_shipped_debug_model_takes():
+    """eval's help showed --lengths 64,128, shorter than the debug model's passkey prompt (its lengths lie in
+    74..248)."""
+    from nsa_titan import assemble
+    from nsa_titan.config import resolve
+    from nsa_titan.evaluate import command
+
+    recipe = resolve([DEBUG], world_size=None).recipe
+    shown = {re.search(r"--lengths (\S+) \(", command.__doc__).group(1),
+             re.search(r"\[--lengths (\S+)\]", cli.COMMANDS["eval"]).group(1)}
+    assert len(shown) == 1
+    lengths = [int(n) for n in shown.pop().split(",")]
+    assert command._passkey_lengths(assemble.build_tokenizer(recipe), recipe, lengths) == lengths
+
+
 def test_a_triton_trained_model_is_read_on_the_cpu_with_the_reference_backend(monkeypatch):
     """eval, plot and the harness read a model on the CPU: one trained with the Triton backend (the 125M
     recipes') computes there with the reference backend, the same function of the same weights, and says

@@ -4,7 +4,7 @@
     nsa-titan eval EXPORTED.pt|HF_DIR [data flags] --out DIR [options]   an exported model or hf folder
 data flags: the recipe fields that choose the held-out text, over the recipe the export records (export_flags.py),
 e.g. --data.text_files.paths=corpus/*.jsonl where the data is now (a relative path read from the current folder).
-options: --batches N (global batches of held-out rows, default validation.steps), --lengths 64,128 (passkey prompt
+options: --batches N (global batches of held-out rows, default validation.steps), --lengths 100,200 (passkey prompt
 lengths, default up to four, the longest max_seq_len less the answer), --depths 0,0.5,1 (default 0 to 1
 by 0.25), --trials N (keys per cell, default 5; 0 skips the probe); --tasks a,b runs lm-evaluation-harness tasks too
 (--task-dir DIR for your own task YAML files, --limit N documents per task). Writes eval.json, position_loss.png
