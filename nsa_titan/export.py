@@ -23,6 +23,7 @@ from nsa_titan.config import Recipe, ResolvedRecipe
 from nsa_titan.config.resolve import import_plugins_of, read_saved_recipe, resolve_text
 from nsa_titan.config.toml_io import run_folder_flag
 from nsa_titan.export_paths import RUN_DIR, data_read_from, made_in, plugins_read_from, tokenizer_read_from
+from nsa_titan.checkpoint import COMPLETE, complete_steps
 from nsa_titan.rebuild import load_checkpoint_model, rebuild_model
 from nsa_titan.run_recipe import run_of_folder, unsaved_step_of
 from nsa_titan.step_folders import TRAIN_STATE
@@ -167,6 +168,8 @@ def _run_folder_refusal(path: str) -> UserError | None:
         return _unsaved_step_refusal(path)
     recipe, step = run
     given = os.path.abspath(path)
+    if step is not None and step not in complete_steps(os.path.dirname(given)):  # export would refuse that step
+        return _incomplete_step_refusal(path, recipe, step, f"{COMPLETE} marker")
     folder = os.path.dirname(recipe)
     if step is not None:
         what = f"checkpoint step {step} of the run in {folder!r}"
@@ -191,10 +194,15 @@ def _unsaved_step_refusal(path: str) -> UserError | None:
                          f"not an exported model. Fix: export a complete checkpoint of the run it belongs to, "
                          f"`nsa-titan export RECIPE --output model.pt`, and give model.pt here (or a folder of "
                          f"--format hf).")
+    return _incomplete_step_refusal(path, recipe, step, TRAIN_STATE)
+
+
+def _incomplete_step_refusal(path: str, recipe: str, step: int, missing: str) -> UserError:
+    """A step folder of the run of `recipe` that lacks `missing`, which every complete save writes."""
     return UserError(f"{path!r} is named as checkpoint step {step} of the run in {os.path.dirname(recipe)!r} but "
-                     f"holds no {TRAIN_STATE}: an incomplete checkpoint (its save was cut short), or no step folder; "
-                     f"not an exported model. Fix: export the run's newest complete checkpoint, `nsa-titan export "
-                     f"{recipe}{run_folder_flag(recipe)} --output model.pt`, and give model.pt here.")
+                     f"holds no {missing}: an incomplete checkpoint (a save under way, or one cut short), or no step "
+                     f"folder; not an exported model. Fix: export the run's newest complete checkpoint, `nsa-titan "
+                     f"export {recipe}{run_folder_flag(recipe)} --output model.pt`, and give model.pt here.")
 
 
 # What an export file must hold, by type (step is an int, or None for weights of no checkpoint step).

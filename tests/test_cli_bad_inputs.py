@@ -181,8 +181,9 @@ def test_a_step_folder_of_a_nested_checkpoint_folder_names_its_run(run, tmp_path
                                             ("eval", ["--out", "OUT"])])
 def test_a_step_folder_without_a_train_state_is_named_an_incomplete_step(run, tmp_path, capsys, command, extra):
     """A step folder whose save was cut short before its train state (or another folder named step-N) was called
-    'not a Hugging Face model folder': it is named as the unfinished step it is, with the export of the run's newest
-    complete checkpoint, which works as given."""
+    'not a Hugging Face model folder', and one without its COMPLETE marker was told to export that step, which export
+    refuses: each is named as the unfinished step it is, with the export of the run's newest complete checkpoint,
+    which works as given."""
     argv, _, _ = run
     folder = next(a for a in argv if a.startswith("--job.dump_folder=")).split("=", 1)[1]
     copy = tmp_path / "run"
@@ -192,12 +193,16 @@ def test_a_step_folder_without_a_train_state_is_named_an_incomplete_step(run, tm
     cut = copy / "checkpoint" / "step-2"
     shutil.copytree(copy / "checkpoint" / "step-1" / "model", cut / "model")  # a save cut short after the weights
     extra = [str(tmp_path / "out") if x == "OUT" else x for x in extra]
-    refused(capsys, [command, str(cut), *extra],
-            f"error: {str(cut)!r} is named as checkpoint step 2 of the run in {str(copy)!r} but holds no "
-            f"train_state.json: an incomplete checkpoint (its save was cut short), or no step folder; not an exported "
-            f"model. Fix: export the run's newest complete checkpoint, `nsa-titan export {copy / 'recipe.toml'} "
-            f"--output model.pt`, and give model.pt here.\n")
-    loose = tmp_path / "elsewhere" / "step-3"
+    unmarked = copy / "checkpoint" / "step-3"  # a save under way: its train state written, not yet its marker
+    shutil.copytree(copy / "checkpoint" / "step-1", unmarked)
+    os.remove(unmarked / "COMPLETE")
+    for given, missing in ((cut, "train_state.json"), (unmarked, "COMPLETE marker")):
+        refused(capsys, [command, str(given), *extra],
+                f"error: {str(given)!r} is named as checkpoint step {given.name[5:]} of the run in {str(copy)!r} but "
+                f"holds no {missing}: an incomplete checkpoint (a save under way, or one cut short), or no step "
+                f"folder; not an exported model. Fix: export the run's newest complete checkpoint, `nsa-titan export "
+                f"{copy / 'recipe.toml'} --output model.pt`, and give model.pt here.\n")
+    loose = tmp_path / "elsewhere" / "step-4"
     loose.mkdir(parents=True)
     refused(capsys, [command, str(loose), *extra],
             f"{str(loose)!r} is named as a checkpoint step but holds no train_state.json, and no training run's "
