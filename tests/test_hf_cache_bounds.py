@@ -4,13 +4,10 @@ crop() may take back (CROP_ROOM tokens, or while recording the whole last forwar
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-from components.models.hf import MODELING_FILE
-from tests.test_hf_modeling_shapes import _pair
+from tests.test_hf_modeling_shapes import _pair, counted_crops, load_modeling_file
 from tests.test_models_helpers import VOCAB
 
 pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]')")
@@ -18,10 +15,7 @@ pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]'
 
 @pytest.fixture(scope="module")
 def modeling():
-    spec = importlib.util.spec_from_file_location("modeling_nsa_titan_cache_bounds", MODELING_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_modeling_file("modeling_nsa_titan_cache_bounds")
 
 
 T = 180  # past 2 * (keep + CROP_ROOM) + 1 tokens: the tails drop tokens
@@ -130,14 +124,7 @@ def test_drafts_longer_than_crop_room_are_taken_back_where_transformers_does_not
     tokens (without it crop() refused them mid-generation)."""
     _, hf = _pair(modeling, {"window_size": 5}, (4, 2), max_seq_len=512)
     monkeypatch.setattr(modeling.NSATitanCache, "activate_past_recording", lambda self: None)
-    dropped, crop = [], modeling.NSATitanCache.crop
-
-    def counted(cache, tokens):
-        before = cache.length
-        crop(cache, tokens)
-        dropped.append(before - cache.length)
-
-    monkeypatch.setattr(modeling.NSATitanCache, "crop", counted)
+    dropped = counted_crops(monkeypatch, modeling)
     motif = torch.randint(1, VOCAB, (1, 100), generator=torch.Generator().manual_seed(16))
     prompt = torch.cat([motif, motif[:, :50], motif], 1)  # its end recurs: prompt lookup drafts what followed
     greedy = dict(do_sample=False, pad_token_id=0, eos_token_id=VOCAB - 1, max_new_tokens=90)

@@ -33,12 +33,30 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def modeling():
-    spec = importlib.util.spec_from_file_location("modeling_nsa_titan_shapes", MODELING_FILE)
+def load_modeling_file(name: str):
+    """The modeling file an hf folder ships, imported as module `name` (each test file its own copy)."""
+    spec = importlib.util.spec_from_file_location(name, MODELING_FILE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def counted_crops(monkeypatch, modeling) -> list[int]:
+    """The tokens each NSATitanCache.crop() call drops, appended as generate() crops."""
+    dropped, crop = [], modeling.NSATitanCache.crop
+
+    def counted(cache, tokens):
+        before = cache.length
+        crop(cache, tokens)
+        dropped.append(before - cache.length)
+
+    monkeypatch.setattr(modeling.NSATitanCache, "crop", counted)
+    return dropped
+
+
+@pytest.fixture(scope="module")
+def modeling():
+    return load_modeling_file("modeling_nsa_titan_shapes")
 
 
 def _pair(modeling, nsa, heads, **overrides):
@@ -255,14 +273,7 @@ def test_assisted_and_prompt_lookup_decoding_give_the_greedy_tokens(modeling, mo
     accepted (the cache had no crop(): AttributeError, or transformers 5's 'Assisted decoding requires a cache'): the
     tokens and logits are greedy decoding's."""
     _, hf = _pair(modeling, {}, (4, 2))
-    dropped, crop = [], modeling.NSATitanCache.crop
-
-    def counted(cache, tokens):
-        before = cache.length
-        crop(cache, tokens)
-        dropped.append(before - cache.length)
-
-    monkeypatch.setattr(modeling.NSATitanCache, "crop", counted)
+    dropped = counted_crops(monkeypatch, modeling)
     prompt = torch.randint(1, VOCAB, (1, 14), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(prompt)
     if padded:

@@ -3,23 +3,18 @@ size rather than at every call."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-from components.models.hf import MODELING_FILE
 from components.models.rope import RotaryEmbedding, apply_rope
+from tests.test_hf_modeling_shapes import load_modeling_file
 
 pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]')")
 
 
 @pytest.fixture(scope="module")
 def modeling():
-    spec = importlib.util.spec_from_file_location("modeling_nsa_titan_rope", MODELING_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_modeling_file("modeling_nsa_titan_rope")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
