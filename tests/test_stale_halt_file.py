@@ -100,3 +100,18 @@ def test_run_train_sh_trains_on_past_an_earlier_launchs_halt_file(tmp_path):
     assert "stopping after step" not in done.stdout, done.stdout
     assert [r["step"] for r in metrics(str(tmp_path)) if "loss" in r][-1] == 2
     assert os.path.exists(halt + ".handled")
+
+
+def test_a_halt_file_written_while_the_launch_script_sets_up_still_stops_the_run(tmp_path):
+    """run_train.sh sets up (its environment check, the GPU count: seconds) and then execs the run in its own
+    process: a halt file the user wrote in those seconds was taken for an earlier launch's and set aside, the stop
+    ignored. The process's start is the script's."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    script = (f"touch {folder}/HALT; sleep 4; exec {sys.executable} -c \"from nsa_titan.graceful_stop import "
+              f"set_aside_stale_halt_file; from nsa_titan.start_up import process_started_at; "
+              f"print(set_aside_stale_halt_file('{folder}', process_started_at()))\"")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stdout + done.stderr
+    assert (folder / "HALT").exists() and not (folder / "HALT.handled").exists()
