@@ -207,6 +207,12 @@ def test_a_step_folder_without_a_train_state_is_named_an_incomplete_step(run, tm
     refused(capsys, [command, str(loose), *extra],
             f"{str(loose)!r} is named as a checkpoint step but holds no train_state.json, and no training run's "
             f"recipe.toml lies above it", "Fix: export a complete checkpoint of the run it belongs to")
+    # an hf folder named after its step and missing its weights (a copy cut short) is an export, not a step
+    export = copy / "exports" / "step-1"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    err = refused(capsys, [command, str(export), *extra], f"{str(export)!r} is not a Hugging Face model folder")
+    assert "checkpoint step" not in err, err
     assert not (tmp_path / "out").exists()
     if command == "sample":  # the fix, as given
         assert cli.main(["export", str(copy / "recipe.toml"), "--output", str(tmp_path / "model.pt")]) == 0
