@@ -7,7 +7,7 @@
 #              compile, FlexAttention over documents), `doctor` on the 125M recipe, `inspect
 #              --fail-on-break` and a 200-step run of the debug model with the Triton backend,
 #              compiled, in bf16 (profiling steps 100-102 with a memory snapshot), 50 steps of it as
-#              FSDP2 on a mesh of this one GPU (NCCL), then 20 with the Muon optimizer. Four groups
+#              FSDP2 on a mesh of this one GPU (NCCL), then 20 with the Muon optimizer. Six groups
 #              run side by side: they check results, they time nothing.
 #   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens, 125M and paper heads
 #              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
@@ -122,9 +122,18 @@ step() {
 
 debug_run=("$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton)
 
-check_group_tests() {
-  STEP_SIGNAL=INT step gpu_tests 300 "$py" -m pytest -v -rfE --durations=15 -p no:cacheprovider \
-    tests/test_nsa_triton_gpu.py tests/test_nsa_triton.py \
+# The GPU tests in three processes side by side: most of their time is Triton compiling each test's
+# kernels on the host (one process took 380 s on an H200, past the step's cap).
+check_group_tests_kernels() {
+  STEP_SIGNAL=INT step gpu_tests_kernels 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
+    tests/test_nsa_triton_gpu.py
+}
+check_group_tests_op() {
+  STEP_SIGNAL=INT step gpu_tests_op 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
+    tests/test_nsa_triton.py
+}
+check_group_tests_more() {
+  STEP_SIGNAL=INT step gpu_tests_more 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
     tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py \
     tests/test_dense_documents_gpu.py
 }
@@ -147,7 +156,8 @@ check_group_tools() {
 }
 
 phase_check() {
-  check_group_tests & check_group_train & check_group_fsdp & check_group_tools &
+  check_group_tests_kernels & check_group_tests_op & check_group_tests_more &
+  check_group_train & check_group_fsdp & check_group_tools &
   wait
 }
 phase_attention() {

@@ -56,7 +56,7 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
     proc, root = _suite(tmp_path, "--budget", "200", "--pack", str(pack))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = [line.split(":")[0] for line in _summary(root)]
-    assert sorted(steps) == sorted(["gpu_tests", "train_200_steps", "fsdp_single_gpu", "muon_single_gpu", "doctor",
+    assert sorted(steps) == sorted(["gpu_tests_kernels", "gpu_tests_op", "gpu_tests_more", "train_200_steps", "fsdp_single_gpu", "muon_single_gpu", "doctor",
                                     "inspect", "attention_125m", "attention_stages", "attention_paper",
                                     "attention_stages_paper", "train_throughput", "loss_memory",
                                     "train_reduce_overhead"])
@@ -65,7 +65,15 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
     # The GPU runs use the Triton backend on CUDA, compiled with the default backend.
     assert "-m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton " \
            "--compile.enable=true --training.steps=200" in commands
-    assert "--fail-on-break" in commands and "tests/test_nsa_triton_gpu.py" in commands
+    assert "--fail-on-break" in commands
+    # Every GPU test file runs, each in one of the test steps.
+    tests = SCRIPT.parents[1] / "tests"
+    host_only = {"test_nsa_triton_host.py", "test_nsa_triton_gpu_build.py"}  # launch no kernel: the CPU suite's
+    gpu_test_files = sorted({p.name for p in [*tests.glob("test_nsa_triton*.py"), *tests.glob("test_*_gpu.py")]}
+                            - host_only)
+    assert len(gpu_test_files) >= 6, gpu_test_files
+    missing = [name for name in gpu_test_files if f"tests/{name}" not in commands]
+    assert not missing, missing
     with tarfile.open(pack) as tar:
         names = tar.getnames()
     assert "bench/results/logs/summary.txt" in names and "bench/results/logs/report.md" in names
