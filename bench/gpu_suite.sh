@@ -12,7 +12,8 @@
 #   attention  python -m bench.attention: NSA (Triton) vs SDPA, 2k to 64k tokens, 125M and paper heads
 #              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
 #              where the NSA op's time goes, the selected branch's two layouts side by side, and whether
-#              the host's launches set the op's pace (2k, 8k, 64k)
+#              the host's launches set the op's pace (2k, 8k, 64k); both again for 32 rows of 2k tokens
+#              (nsa_125m's training shape)
 #   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k;
 #              python -m bench.loss_memory at 65,536 tokens; nsa_125m at 2k with CUDA graphs
 #              (compile.mode = reduce-overhead)
@@ -165,6 +166,9 @@ phase_attention() {
   step attention_stages 60 "$py" -m bench.attention_stages --seq-lens 2048 8192 65536
   step attention_paper 120 "$py" -m bench.attention --preset paper --seq-lens 2048 8192 32768 65536
   step attention_stages_paper 60 "$py" -m bench.attention_stages --preset paper --seq-lens 8192 65536
+  # nsa_125m's training shape at 2k (32 rows a step), where it trails dense_125m most.
+  step attention_32_rows 60 "$py" -m bench.attention --batch 32 --seq-lens 2048
+  step attention_stages_32_rows 60 "$py" -m bench.attention_stages --batch 32 --seq-lens 2048
 }
 phase_train() {
   step train_throughput 240 "$py" -m bench.train_throughput --seq-lens 2048 32768

@@ -40,6 +40,22 @@ def test_the_op_table_and_its_targets():
     assert "break-even at 8192 tokens or below: from 16384 tokens on, MISSED" in missed
 
 
+def test_a_batch_of_rows_is_named_and_not_checked_against_the_one_row_targets():
+    """The training shape (32 rows of 2k) is timed beside the one-row lengths the op's targets are set for."""
+    batched = _attention_report({2048: 4.0})
+    batched["config"]["batch"] = 32
+    text = report.render(batched)
+    assert "NSA op vs SDPA (12 / 4 heads, D = 64, bf16, 32 rows):" in text
+    assert "target" not in text.replace("targets are set for one row", "")
+    assert "the op's targets are set for one row" in text
+    one_row = report.render(_attention_report({2048: 4.0}))
+    assert "NSA op vs SDPA (12 / 4 heads, D = 64, bf16):" in one_row and "- target: break-even" in one_row
+    stages = {"benchmark": "attention_stages", "environment": ENV, "config": {"batch": 32},
+              "results": [{"seq_len": 2048, "stage": "selected", "fwd_ms": 1.0, "bwd_ms": 2.0, "share_of_fwd": 1.0,
+                           "share_of_bwd": 1.0}]}
+    assert "NSA op stages, 32 rows (ms; share of the op's forward / backward):" in report.render(stages)
+
+
 def test_the_training_table_and_its_targets():
     def row(recipe, T, rate, *overrides):
         return {"recipe": f"recipes/{recipe}.toml", "seq_len": T, "local_batch_size": 65536 // T,
