@@ -120,10 +120,24 @@ def host_overhead(args, T: int, dtype: torch.dtype, device: str, calls: int = 20
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             call()
             torch.cuda.synchronize()
-        row["kernels"] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                             and not e.name.startswith(("Memcpy", "Memset")))
+        kernels = [(e.name, e.time_range.elapsed_us() / 1e3) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+        row["kernels"] = len(kernels)
+        row["busiest_kernels"] = busiest_kernels(kernels)
     row["issue_share"] = row["issue_ms"] / row["total_ms"]
     return row
+
+
+def busiest_kernels(kernels: list[tuple[str, float]], top: int = 8) -> list[dict]:
+    """The kernels (name, GPU ms of one launch) that took the most GPU time, summed by name: where a
+    faster kernel would pay."""
+    by_name: dict[str, list[float]] = {}
+    for name, ms in kernels:
+        by_name.setdefault(name, []).append(ms)
+    total = sum(ms for _, ms in kernels) or 1.0
+    rows = [{"name": name, "ms": sum(times), "calls": len(times), "share": sum(times) / total}
+            for name, times in by_name.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:

@@ -136,6 +136,12 @@ def stage_tables(report: dict) -> list[str]:
         for r in host:
             lines.append(f"| {r['seq_len']} | {_ms(r['total_ms'])} | {_ms(r['issue_ms'])} | {r['issue_share']:.0%} | "
                          f"{r.get('kernels', '-')} |")
+        for r in host:
+            if r.get("busiest_kernels"):
+                lines += ["", f"The busiest kernels of one forward + backward at {r['seq_len']} tokens (GPU time):", "",
+                          "| kernel | ms | launches | share |", "| --- | --- | --- | --- |"]
+                lines += [f"| {k['name'][:60]} | {_ms(k['ms'])} | {k['calls']} | {k['share']:.0%} |"
+                          for k in r["busiest_kernels"]]
     return lines
 
 

@@ -153,6 +153,21 @@ def test_attention_stages_times_every_stage(tmp_path):
     assert "| 40 | " in table.split("host's time to issue it")[1]
 
 
+def test_the_busiest_kernels_are_summed_by_name_and_ranked_by_gpu_time():
+    from bench.attention_stages import busiest_kernels
+    from bench.report import render
+
+    launches = [("selected_fwd", 2.0), ("gate_fwd", 0.5), ("selected_fwd", 3.0), ("cumsum", 0.1), ("gate_fwd", 0.5)]
+    top = busiest_kernels(launches, top=2)
+    assert top == [{"name": "selected_fwd", "ms": 5.0, "calls": 2, "share": 5.0 / 6.1},
+                   {"name": "gate_fwd", "ms": 1.0, "calls": 2, "share": 1.0 / 6.1}]
+    host = {"seq_len": 2048, "total_ms": 6.5, "issue_ms": 1.0, "issue_share": 0.15, "kernels": 5,
+            "busiest_kernels": top}
+    table = render({"benchmark": "attention_stages", "environment": {}, "results": [], "host_overhead": [host]})
+    assert "The busiest kernels of one forward + backward at 2048 tokens (GPU time):" in table
+    assert "| selected_fwd | 5.000 | 2 | 82% |" in table and "| gate_fwd | 1.000 | 2 | 16% |" in table
+
+
 def test_attention_speedups_pair_each_nsa_timing_with_sdpa_at_the_same_length_and_mode():
     from bench.attention import speedups
 
