@@ -15,6 +15,7 @@ import time
 from nsa_titan.start_up import detach_from_terminal, launcher_pid
 
 HALT_FILE = "HALT"
+HANDLED_HALT_FILE = HALT_FILE + ".handled"  # where a halt file goes once read (kept: the user wrote it)
 LAUNCHER_ENDED = "its launcher ended"
 # File systems that keep coarse times (whole seconds, or two) may date a halt file written just after the start
 # before it: only one older by more than this is taken for an earlier launch's.
@@ -36,17 +37,18 @@ def set_aside_stale_halt_file(dump_folder: str, started_at: float | None = None)
         return None
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written))
     try:
-        os.replace(path, path + ".handled")
+        os.replace(path, os.path.join(dump_folder, HANDLED_HALT_FILE))
     except OSError as exc:
         return (f"{path} (written {when}) is from an earlier launch but could not be set aside ({exc.strerror}): "
                 f"this run stops after its first step. Fix: remove it, then run the same command again")
     return (f"{path} (written {when}) is from an earlier launch, which ended before reading it: set aside as "
-            f"{HALT_FILE}.handled, and this run trains on (a halt file written while a run trains stops it)")
+            f"{HANDLED_HALT_FILE}, and this run trains on (a halt file written while a run trains stops it)")
 
 
 class GracefulStop:
     def __init__(self, dump_folder: str, saves: bool = True, world_size: int = 1):
         self.halt_path = os.path.join(dump_folder, HALT_FILE)
+        self.handled_path = os.path.join(dump_folder, HANDLED_HALT_FILE)
         self.saves = saves  # whether the run saves a checkpoint when it stops (checkpoint.enable)
         # Under a launcher, a SIGTERM is as likely torchrun ending the ranks after one failed (no step
         # completes then): only a stop the agreement carries through is said, by the trainer.
@@ -103,7 +105,7 @@ class GracefulStop:
     def consume_halt_file(self) -> None:
         """Keep the halt file from stopping the resumed run, without deleting what the user wrote."""
         if os.path.exists(self.halt_path):
-            os.replace(self.halt_path, self.halt_path + ".handled")
+            os.replace(self.halt_path, self.handled_path)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
