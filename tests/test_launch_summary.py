@@ -47,7 +47,8 @@ def test_a_cpu_launch_without_omp_num_threads_opens_without_torchrun_banner():
     ranks still get its one thread each."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = REPO_ROOT
-    probe = "import os; print('threads', os.environ.get('OMP_NUM_THREADS'))"
+    # One write(2) each, which a pipe keeps whole: the two ranks' prints could interleave ("threadsthreads  11").
+    probe = "import os; os.write(1, f\"threads {os.environ.get('OMP_NUM_THREADS')}\\n\".encode())"
     done = subprocess.run([sys.executable, "-m", "nsa_titan.launch", "--standalone", "--nproc_per_node=2",
                            "--no-python", sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                           timeout=120)
