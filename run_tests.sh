@@ -5,4 +5,5 @@ root=$(cd "$(dirname "$0")" && pwd)
 py=$("$root/scripts/ensure_env.sh")
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
-exec "$py" -m pytest -q "$@"
+# The slowest tests close every run, so a slow newcomer shows in the CI log.
+exec "$py" -m pytest -q --durations=25 "$@"

@@ -90,12 +90,12 @@ def test_failed_steps_are_counted_in_the_exit_status(tmp_path):
 
 
 def test_a_step_is_cut_at_the_budget_and_later_ones_are_skipped(tmp_path):
-    # 30 s of budget: the slow step is cut at what is left (less a grace), the steps after it are skipped.
-    proc, root = _suite(tmp_path, "--budget", "30", "attention", slow="--preset paper")
+    # 18 s of budget: the slow step is cut at what is left (less a grace), the steps after it are skipped.
+    proc, root = _suite(tmp_path, "--budget", "18", "attention", slow="--preset paper")
     summary = _summary(root)
     assert summary[0].startswith("attention_125m: ok") and summary[1].startswith("attention_stages: ok")
     assert summary[2].startswith("attention_paper: FAILED (cut at")
-    assert summary[3:] == [f"{name}: SKIPPED (no time left of --budget 30)"
+    assert summary[3:] == [f"{name}: SKIPPED (no time left of --budget 18)"
                            for name in ("attention_stages_paper", "attention_32_rows", "attention_stages_32_rows")]
     assert proc.returncode == 4  # one cut, three skipped
 
