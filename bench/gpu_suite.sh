@@ -124,19 +124,20 @@ step() {
 debug_run=("$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton)
 
 # The GPU tests in three processes side by side: most of their time is Triton compiling each test's
-# kernels on the host (one process took 380 s on an H200, past the step's cap).
+# kernels on the host (one process took 380 s on an H200, past the step's cap). Each has its own
+# temporary folder: pytest's shared one prunes other sessions' folders when it starts.
 check_group_tests_kernels() {
   STEP_SIGNAL=INT step gpu_tests_kernels 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
-    tests/test_nsa_triton_gpu.py
+    --basetemp="$dump/pytest_kernels" tests/test_nsa_triton_gpu.py
 }
 check_group_tests_op() {
   STEP_SIGNAL=INT step gpu_tests_op 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
-    tests/test_nsa_triton.py
+    --basetemp="$dump/pytest_op" tests/test_nsa_triton.py
 }
 check_group_tests_more() {
   STEP_SIGNAL=INT step gpu_tests_more 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
-    tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py \
-    tests/test_dense_documents_gpu.py
+    --basetemp="$dump/pytest_more" tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py \
+    tests/test_nsa_triton_gating.py tests/test_dense_documents_gpu.py
 }
 check_group_train() {
   step train_200_steps 240 "${debug_run[@]}" --compile.enable=true --training.steps=200 \

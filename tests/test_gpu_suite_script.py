@@ -74,6 +74,10 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
     assert len(gpu_test_files) >= 6, gpu_test_files
     missing = [name for name in gpu_test_files if f"tests/{name}" not in commands]
     assert not missing, missing
+    # Side by side, each pytest keeps its own temporary folder (the shared one prunes other sessions' folders).
+    temps = [word for line in commands.splitlines() if "-m pytest" in line
+             for word in line.split() if word.startswith("--basetemp=")]
+    assert len(temps) == 3 and len(set(temps)) == 3, temps
     with tarfile.open(pack) as tar:
         names = tar.getnames()
     assert "bench/results/logs/summary.txt" in names and "bench/results/logs/report.md" in names
