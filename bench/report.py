@@ -140,7 +140,7 @@ def stage_tables(report: dict) -> list[str]:
             if r.get("busiest_kernels"):
                 lines += ["", f"The busiest kernels of one forward + backward at {r['seq_len']} tokens (GPU time):", "",
                           "| kernel | ms | launches | share |", "| --- | --- | --- | --- |"]
-                lines += [f"| {k['name'][:60]} | {_ms(k['ms'])} | {k['calls']} | {k['share']:.0%} |"
+                lines += [f"| {k['name'].replace('|', '/')} | {_ms(k['ms'])} | {k['calls']} | {k['share']:.0%} |"
                           for k in r["busiest_kernels"]]
     return lines
 
