@@ -184,8 +184,10 @@ def _run_folder_refusal(path: str) -> UserError | None:
 def _unsaved_step_refusal(path: str) -> UserError | None:
     """A folder named as a checkpoint step that holds no train state, where an exported model goes: what it is, and
     the way to an export of the run's complete checkpoint (they were told it is no Hugging Face folder)."""
+    from nsa_titan.hf_folder import CONFIG
+
     unsaved = unsaved_step_of(path)
-    if unsaved is None:
+    if unsaved is None or os.path.exists(os.path.join(path, CONFIG)):  # an hf export's file: a folder meant as one
         return None
     recipe, step = unsaved
     if recipe is None:

@@ -59,7 +59,6 @@ def unsaved_step_of(path: str) -> tuple[str | None, int] | None:
     any other path."""
     given = os.path.abspath(path)
     named = STEP_DIR.match(os.path.basename(given))
-    if not named or not os.path.isdir(given) or os.path.isfile(train_state_file(given)) or \
-            os.path.exists(os.path.join(given, "config.json")):  # an hf export's file: a folder meant as one
+    if not named or not os.path.isdir(given) or os.path.isfile(train_state_file(given)):
         return None
     return recipe_above(given), int(named.group(1))
