@@ -59,12 +59,12 @@ def attention_tables(report: dict) -> list[str]:
     """NSA against SDPA per length: forward + backward times, speedups, peak memory; the op targets."""
     config = report.get("config", {})
     heads = f"{config.get('heads')} / {config.get('kv_heads')} heads, D = {config.get('head_dim')}"
-    rows = config.get("batch", 1)
+    batch = config.get("batch", 1)
     results = [r for r in report["results"] if "ms" in r]
     by = {(r["seq_len"], r["backend"], r["mode"]): r for r in results}
     speed = {(s["seq_len"], s["backend"], s["mode"]): s for s in report.get("speedups", [])}
     backends = sorted({r["backend"] for r in results if r["backend"].startswith("nsa-")})
-    lines = [f"NSA op vs SDPA ({heads}, {config.get('dtype', 'bf16')}{_rows(rows)}):", "",
+    lines = [f"NSA op vs SDPA ({heads}, {config.get('dtype', 'bf16')}{_rows(batch)}):", "",
              "| tokens | op | fwd ms | fwd+bwd ms | SDPA fwd+bwd ms | speedup fwd | speedup fwd+bwd | peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for T in sorted({r["seq_len"] for r in report["results"]}):
@@ -81,7 +81,7 @@ def attention_tables(report: dict) -> list[str]:
         for r in report["results"]:
             if r["seq_len"] == T and "error" in r:
                 lines.append(f"| {T} | {r['backend']} | {r['error']} | | | | | |")
-    if rows == 1:
+    if batch == 1:
         lines += [""] + op_targets(report.get("speedups", []))
     else:
         lines += ["", "- not checked: the op's targets are set for one row"]
@@ -112,8 +112,7 @@ def op_targets(speedups: list[dict]) -> list[str]:
 
 def stage_tables(report: dict) -> list[str]:
     batch = report.get("config", {}).get("batch", 1)
-    lines = [f"NSA op stages{_rows(batch)} (ms; share of the op's forward / backward):",
-             "",
+    lines = [f"NSA op stages{_rows(batch)} (ms; share of the op's forward / backward):", "",
              "| tokens | stage | fwd ms | bwd ms | share fwd | share bwd |", "| --- | --- | --- | --- | --- | --- |"]
     for r in report["results"]:
         share_bwd = f"{r['share_of_bwd']:.0%}" if "share_of_bwd" in r else "-"
