@@ -13,6 +13,11 @@ if not torch.cuda.is_available():  # CPU-only torch, or a machine whose GPU this
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers share the machine's cores (run_tests.sh starts one per core): a second torch thread in
+    # each would only make them fight. The processes the tests launch pick their own thread counts.
+    torch.set_num_threads(1)
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
