@@ -17,8 +17,12 @@
 #   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k;
 #              python -m bench.loss_memory at 65,536 tokens; nsa_125m at 2k with CUDA graphs
 #              (compile.mode = reduce-overhead)
+#   tiles      python -m bench.tile_variants: each kernel's shipped launch shape against its neighbours
+#              (time, determinism, result against the shipped shape's): the interval kernels and the
+#              selection at 64k with the paper's heads, the selection and the selected branch's kernels at
+#              32 rows of 2k with the 125M heads. Only when named.
 #
-# No phase named: all three. Timed steps run one after another. Every step has a time cap, cut to
+# No phase named: check, attention and train. Timed steps run one after another. Every step has a time cap, cut to
 # what is left of --budget (default 540 s, counted from the start, set-up included), so a run cut
 # short still keeps the steps that ran; a step with no time left is skipped and says so. The caps
 # add up to more than 540 s: within a 10-minute limit run one or two phases, e.g. `check`, then
@@ -38,7 +42,7 @@ while [ $# -gt 0 ]; do
       if [ "$1" = --budget ]; then budget=$2; else pack=$(realpath -m -- "$2"); fi
       shift 2 ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    -*) echo "error: unknown option '$1'; usage: $0 [--budget SECONDS] [--pack FILE] [check attention train]" >&2
+    -*) echo "error: unknown option '$1'; usage: $0 [--budget SECONDS] [--pack FILE] [check attention train tiles]" >&2
         exit 2 ;;
     *) break ;;
   esac
@@ -48,8 +52,8 @@ phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(check attention train)
 for phase in "${phases[@]}"; do
   case "$phase" in
-    check|attention|train) ;;
-    *) echo "error: unknown phase '$phase'; choose from: check attention train" >&2; exit 2 ;;
+    check|attention|train|tiles) ;;
+    *) echo "error: unknown phase '$phase'; choose from: check attention train tiles" >&2; exit 2 ;;
   esac
 done
 cd "$root"
@@ -176,6 +180,12 @@ phase_train() {
   step loss_memory 60 "$py" -m bench.loss_memory --tokens 65536
   step train_reduce_overhead 150 "$py" -m bench.train_throughput --seq-lens 2048 --recipes recipes/nsa_125m.toml \
     --override=--compile.mode=reduce-overhead
+}
+phase_tiles() {
+  step tiles_paper 240 "$py" -m bench.tile_variants --preset paper --seq-lens 65536 --rep-ms 100 \
+    --kernels interval_fwd interval_dq interval_dkdv selection
+  step tiles_125m_32_rows 180 "$py" -m bench.tile_variants --batch 32 --seq-lens 2048 --rep-ms 100 \
+    --kernels selection selected_fwd_blocks selected_dkdv interval_dq interval_dkdv
 }
 
 for phase in "${phases[@]}"; do

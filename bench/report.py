@@ -2,7 +2,7 @@
 
     python -m bench.report bench/results/attention-*.json bench/results/train_throughput-*.json ...
 
-Reads what every benchmark writes (bench.attention, attention_stages, train_throughput, loss_memory,
+Reads what every benchmark writes (bench.attention, attention_stages, tile_variants, train_throughput, loss_memory,
 context_parallel, data_resume, data_throughput, decode, reference_vs_sdpa_cpu and kernel_resources --json) and
 prints, per file, where it was measured (GPU, versions, commit; a GPU benchmark run on the CPU, or with Triton
 interpreted, is marked as a smoke run) and one table of its numbers. Targets (checked
@@ -283,10 +283,34 @@ def kernel_tables(report: dict) -> list[str]:
     return lines
 
 
+def tile_tables(report: dict) -> list[str]:
+    """Each kernel's candidate launch shapes against the shipped one, per length and branch."""
+    config = report.get("config", {})
+    lines = [f"Launch shapes (rows, keys, warps, stages), {config.get('heads')} / {config.get('kv_heads')} heads, "
+             f"D = {config.get('head_dim')}{_rows(config.get('batch', 1))}; against the shipped shape:", "",
+             "| tokens | kernel | branch | shape | ms | vs shipped | deterministic | result vs shipped |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    shipped = {(r["seq_len"], r["kernel"], r["branch"]): r.get("ms") for r in report["results"] if r["shipped"]}
+    for r in report["results"]:
+        shape = ",".join(map(str, r["tiles"])) + (" (shipped)" if r["shipped"] else "")
+        if "error" in r:
+            lines.append(f"| {r['seq_len']} | {r['kernel']} | {r['branch']} | {shape} | failed: "
+                         f"{_one_line(r['error']).replace('|', '/')} | - | - | - |")
+            continue
+        base = shipped.get((r["seq_len"], r["kernel"], r["branch"]))
+        ratio = f"{base / r['ms']:.2f}x" if base and r["ms"] else "-"
+        close = (f"rel RMS {r['rel_rms']:.1e}" if "rel_rms" in r else
+                 f"{r['equal_share']:.1%} equal" if "equal_share" in r else "-")
+        lines.append(f"| {r['seq_len']} | {r['kernel']} | {r['branch']} | {shape} | {_ms(r['ms'])} | {ratio} | "
+                     f"{'yes' if r['deterministic'] else 'NO'} | {close} |")
+    return lines
+
+
 TABLES = {"attention": attention_tables, "attention_stages": stage_tables, "train_throughput": train_tables,
           "loss_memory": loss_tables, "context_parallel": context_parallel_tables, "data_resume": data_resume_tables,
           "data_throughput": data_throughput_tables, "decode": decode_tables,
-          "nsa_reference_vs_sdpa_cpu": reference_tables, "kernel_resources": kernel_tables}
+          "nsa_reference_vs_sdpa_cpu": reference_tables, "kernel_resources": kernel_tables,
+          "tile_variants": tile_tables}
 
 
 def report_kind(report) -> str:

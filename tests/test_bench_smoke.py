@@ -550,3 +550,51 @@ def test_kernel_resources_refuses_to_run_under_the_interpreter(monkeypatch, caps
     monkeypatch.setattr(kernel_resources, "interpreting", lambda: True)
     assert kernel_resources.main([]) == 2
     assert "TRITON_INTERPRET is set" in capsys.readouterr().err
+
+
+def test_tile_variants_times_the_shipped_shape_and_its_neighbours(tmp_path):
+    """Under the interpreter: each kernel runs as shipped, then as each neighbour and each candidate given;
+    every shape that builds gives deterministic results equal to the shipped one's up to fp32 summation
+    order; a shape that cannot be built is recorded and the next one runs; the shipped shapes are back
+    afterwards, and bench.report tables it. No time is asserted."""
+    from components.nsa.triton import tile_configs
+    from components.nsa.triton.launch import interpreting
+
+    from bench import tile_variants
+    from bench.report import render
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    out = tmp_path / "tiles.json"
+    shipped = tuple(tile_configs.tiles("interval_dkdv", 16, 4))
+    code = tile_variants.main(["--allow-cpu", "--seq-lens", "40", "--dtype", "fp32", "--heads", "2",
+                               "--kv-heads", "1", "--head-dim", "16", "--block-size", "8", "--block-stride", "4",
+                               "--sel-block-size", "8", "--num-selected", "2", "--window-size", "8",
+                               "--kernels", "interval_dkdv", "selection", "--rep-ms", "1",
+                               "--candidates", "interval_dkdv=16,16,4,1", "interval_dkdv=24,16,4,1", "--out", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["results"]
+    dkdv = [r for r in rows if r["kernel"] == "interval_dkdv"]
+    shapes = [tuple(r["tiles"]) for r in dkdv if r["branch"] == "compressed"]
+    assert shapes == [*tile_variants.neighbours(shipped), (16, 16, 4, 1), (24, 16, 4, 1)]
+    assert [r["branch"] for r in dkdv[:2]] == ["compressed", "window"] and dkdv[0]["shipped"]
+    built = [r for r in dkdv if "error" not in r]
+    assert len(built) == len(dkdv) - 2  # rows of 24: tl.arange takes powers of two only
+    assert all(r["deterministic"] and r["ms"] > 0 for r in built)
+    assert all(r["rel_rms"] < 1e-5 for r in built if not r["shipped"])
+    assert all(r["tiles"] == [24, 16, 4, 1] for r in dkdv if "error" in r)
+    selection = [r for r in rows if r["kernel"] == "selection"]
+    assert all(r["equal_share"] == 1.0 for r in selection if not r["shipped"]) and len(selection) > 1
+    assert tuple(tile_configs.tiles("interval_dkdv", 16, 4)) == shipped
+    table = render(json.loads(out.read_text()))
+    assert f"| 40 | interval_dkdv | compressed | {','.join(map(str, shipped))} (shipped) |" in table
+    assert "| 40 | interval_dkdv | window | 24,16,4,1 | failed: " in table
+
+
+def test_tile_variants_refuses_a_malformed_candidate(capsys):
+    from bench import tile_variants
+
+    with pytest.raises(SystemExit) as stop:
+        tile_variants.parse_args(["--candidates", "interval_dkdv=32,64,8"])
+    assert stop.value.code == 2
+    assert "give KERNEL=ROWS,KEYS,WARPS,STAGES" in capsys.readouterr().err

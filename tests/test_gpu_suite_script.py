@@ -86,6 +86,16 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
     assert "| stub report |" in proc.stdout
 
 
+def test_the_tiles_phase_runs_only_when_named(tmp_path):
+    proc, root = _suite(tmp_path, "--budget", "200", "tiles")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line.split(":")[0] for line in _summary(root)] == ["tiles_paper", "tiles_125m_32_rows"]
+    commands = (tmp_path / "commands.log").read_text()
+    assert "-m bench.tile_variants --preset paper --seq-lens 65536" in commands
+    assert "-m bench.tile_variants --batch 32 --seq-lens 2048" in commands
+    assert "| stub report |" in proc.stdout
+
+
 def test_failed_steps_are_counted_in_the_exit_status(tmp_path):
     proc, root = _suite(tmp_path, "--budget", "200", "check", fail="--compile.enable=true")
     failed = [line for line in _summary(root) if "FAILED (exit 3)" in line]

@@ -14,7 +14,8 @@ fp32 is there for exactness checks.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 
 class Tiles(NamedTuple):
@@ -89,6 +90,20 @@ def tiles(kernel: str, block_d: int, element_bytes: int) -> Tiles:
     """The launch shape of `kernel` for padded head dim block_d (16 to 256) and input element size."""
     table = _HALF if element_bytes <= 2 else _FP32
     return table[kernel][max(32, block_d)]
+
+
+@contextmanager
+def overridden(kernel: str, block_d: int, element_bytes: int, shape: Tiles) -> Iterator[None]:
+    """Launch `kernel` with `shape` where tiles() would give its own, until the block ends: for timing
+    candidate shapes side by side (bench.tile_variants), not for training."""
+    table = (_HALF if element_bytes <= 2 else _FP32)[kernel]
+    key = max(32, block_d)
+    own = table[key]
+    table[key] = shape
+    try:
+        yield
+    finally:
+        table[key] = own
 
 
 BLOCK_LAYOUT_MAX_GROUP = 4

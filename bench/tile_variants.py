@@ -1,0 +1,215 @@
+"""Candidate launch shapes of the NSA kernels, timed side by side against the shapes they ship with.
+
+    python -m bench.tile_variants [--preset 125m|paper] [--seq-lens 65536] [--batch N]
+                                  [--kernels interval_dkdv ...] [--candidates interval_dkdv=32,64,8,2 ...]
+
+Every kernel's launch shape (rows, keys, warps, stages: components/nsa/triton/tile_configs.py) is
+tried as shipped, then as each of its neighbours (one field doubled or halved, the other warp count,
+a pipeline stage more or less), then as any --candidates given for it. Each try runs the launcher
+that uses the kernel (the compressed and the window branch for the interval kernels; the selected
+branch's forward or backward) on the same inputs, and records its time, whether two calls give the
+same bits (every kernel here is meant to be deterministic: a shape that is not, was built wrong) and
+how far its result lies from the shipped shape's (relative RMS; for the selection, the share of
+equal block indices). A shape the GPU cannot build (shared memory, registers) is recorded with its
+error and the next one runs. Results go to bench/results/tile_variants-<gpu>-<time>.json, after
+every kernel. Needs CUDA; --allow-cpu runs it under Triton's interpreter at tiny sizes as a smoke
+test (times mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+import torch
+
+from bench import environment
+from bench.attention import DTYPES, add_shape_args, finish_shape_args, nsa_inputs
+from bench.attention_stages import timer
+from bench.environment import describe_environment, write_report
+
+KERNELS = ("interval_fwd", "interval_dq", "interval_dkdv", "selection", "selected_fwd", "selected_fwd_blocks",
+           "selected_dq", "selected_dkdv")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_args(p)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[65536])
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    p.add_argument("--candidates", nargs="+", default=[], metavar="KERNEL=ROWS,KEYS,WARPS,STAGES",
+                   help="more shapes to try, beside the shipped one and its neighbours")
+    p.add_argument("--allow-cpu", action="store_true", help="smoke test under TRITON_INTERPRET=1 (not a benchmark)")
+    p.add_argument("--out", help="output JSON path (default bench/results/tile_variants-<gpu>-<time>.json)")
+    args = finish_shape_args(p, p.parse_args(argv))
+    try:
+        args.extra = parse_candidates(args.candidates)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def parse_candidates(texts: list[str]) -> dict[str, list[tuple[int, int, int, int]]]:
+    """{kernel: [shape, ...]} from KERNEL=ROWS,KEYS,WARPS,STAGES texts; ValueError naming a bad one."""
+    extra: dict[str, list[tuple[int, int, int, int]]] = {}
+    for text in texts:
+        kernel, _, shape = text.partition("=")
+        parts = shape.split(",")
+        if kernel not in KERNELS or len(parts) != 4 or not all(x.isdigit() for x in parts):
+            raise ValueError(f"--candidates {text!r}: give KERNEL=ROWS,KEYS,WARPS,STAGES with KERNEL one of "
+                             f"{', '.join(KERNELS)}, e.g. interval_dkdv=32,64,8,2")
+        extra.setdefault(kernel, []).append(tuple(int(x) for x in parts))
+    return extra
+
+
+def neighbours(shape: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """The shipped shape first, then each one-field change of it: rows and keys doubled and halved (not
+    below 16; a 0, which the launcher sizes itself, stays), the other warp count, one stage more or less."""
+    rows, keys, warps, stages = shape
+    out = [shape]
+    for r in (rows * 2, rows // 2):
+        if rows and r >= 16:
+            out.append((r, keys, warps, stages))
+    for k in (keys * 2, keys // 2):
+        if keys and k >= 16:
+            out.append((rows, k, warps, stages))
+    out.append((rows, keys, 4 if warps == 8 else 8, stages))
+    for s in (stages + 1, stages - 1):
+        if s >= 1:
+            out.append((rows, keys, warps, s))
+    return out
+
+
+def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dict[str, Callable[[], tuple]]:
+    """{branch: call}: the launcher calls that run `kernel`, each returning its result tensors, on
+    inputs made once (the selection and the forward results a backward needs, with shipped shapes)."""
+    from components.nsa.triton import tile_configs
+    from components.nsa.triton.interval_attention import interval_attention_bwd, interval_attention_fwd
+    from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
+    from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
+    from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
+    from components.nsa.triton.selection_kernel import select_blocks_kernel
+
+    l, d, lp, n, w = args.block_size, args.block_stride, args.sel_block_size, args.num_selected, args.window_size
+    scale = args.head_dim ** -0.5
+    with torch.no_grad():
+        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, _ = (x.detach() for x in nsa_inputs(args, T, dtype, device))
+        branches = {"compressed": (k_cmp, v_cmp, d, l - 1, 0), "window": (k_win, v_win, 1, 0, w)}
+        if kernel == "interval_fwd":
+            return {name: (lambda b=b: interval_attention_fwd(q, b[0], b[1], *b[2:], scale))
+                    for name, b in branches.items()}
+        if kernel in ("interval_dq", "interval_dkdv"):
+            calls = {}
+            for name, b in branches.items():
+                o, lse2 = interval_attention_fwd(q, b[0], b[1], *b[2:], scale)
+                do = torch.randn_like(o)
+                calls[name] = (lambda b=b, o=o, lse2=lse2, do=do:
+                               interval_attention_bwd(do, q, b[0], b[1], o, lse2, *b[2:], scale))
+            return calls
+        _, lse2_cmp = interval_attention_fwd(q, k_cmp, k_cmp, d, l - 1, 0, scale)
+        hyper = dict(block_size=l, block_stride=d, sel_block_size=lp, num_selected=n, sm_scale=scale)
+        if kernel == "selection":
+            return {"selection": lambda: (select_blocks_kernel(q, k_cmp, lse2_cmp, **hyper),)}
+        selection = select_blocks_kernel(q, k_cmp, lse2_cmp, **hyper)
+        if kernel == "selected_fwd":
+            return {"selected": lambda: selected_attention_fwd(q, k_sel, v_sel, selection, lp, scale)}
+        if kernel == "selected_fwd_blocks":
+            return {"selected": lambda: selected_attention_fwd_blocks(q, k_sel, v_sel, selection, lp, scale)}
+        o, lse2 = selected_attention_fwd(q, k_sel, v_sel, selection, lp, scale)
+        do = torch.randn_like(o)
+        B, _, H, D = q.shape
+        layout = "query" if kernel == "selected_dq" else tile_configs.selected_layout_for(
+            B * T, H, k_sel.shape[2], n, D, lp, q.element_size())
+        return {"selected": lambda: selected_attention_bwd(do, q, k_sel, v_sel, o, lse2, selection, lp, scale,
+                                                           dq_layout=layout)}
+
+
+def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """RMS of a - b over RMS of b, in fp32; entries not finite in b (an lse2 of +inf) are left out."""
+    a, b = a.float(), b.float()
+    keep = torch.isfinite(b)
+    diff, ref = (a - b)[keep], b[keep]
+    return float(diff.square().mean().sqrt() / ref.square().mean().sqrt().clamp_min(1e-30)) if ref.numel() else 0.0
+
+
+def compare(result: tuple, again: tuple, shipped: tuple | None) -> dict:
+    """deterministic (two calls, the same bits) and the distance from the shipped shape's result."""
+    row = {"deterministic": all(torch.equal(x, y) for x, y in zip(result, again))}
+    if shipped is not None:
+        if result[0].dtype == torch.int64:  # a selection: block indices, equal up to ties
+            row["equal_share"] = float((result[0] == shipped[0]).float().mean())
+        else:
+            row["rel_rms"] = max(relative_rms(x, y) for x, y in zip(result, shipped))
+    return row
+
+
+def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
+    from components.nsa.triton import tile_configs
+
+    block_d = tile_configs.head_block(args.head_dim)
+    element_bytes = torch.tensor([], dtype=dtype).element_size()
+    shipped_shape = tuple(tile_configs.tiles(kernel, block_d, element_bytes))
+    shapes = neighbours(shipped_shape)
+    shapes += [s for s in args.extra.get(kernel, []) if s not in shapes]
+    calls = workloads(kernel, args, T, dtype, device)
+    measure = timer(device, args.rep_ms)
+    shipped_results: dict[str, tuple] = {}
+    rows = []
+    for shape in shapes:
+        for branch, call in calls.items():
+            row = {"seq_len": T, "kernel": kernel, "branch": branch, "tiles": list(shape),
+                   "shipped": shape == shipped_shape}
+            try:
+                with tile_configs.overridden(kernel, block_d, element_bytes, tile_configs.Tiles(*shape)):
+                    result, again = call(), call()
+                    row["ms"] = measure(call)
+            except Exception as exc:  # a shape this GPU cannot build or launch: recorded, the next one runs
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            else:
+                row.update(compare(result, again, shipped_results.get(branch)))
+                if row["shipped"]:
+                    shipped_results[branch] = result
+            rows.append(row)
+            print(_line(row), flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _line(row: dict) -> str:
+    shape = ",".join(map(str, row["tiles"]))
+    head = f"T={row['seq_len']:6d} {row['kernel']:19s} {row['branch']:10s} {shape:14s}"
+    if "error" in row:
+        return f"{head} failed: {row['error']}"
+    close = (f"rel RMS {row['rel_rms']:.1e}" if "rel_rms" in row else
+             f"equal {row['equal_share']:.1%}" if "equal_share" in row else "shipped")
+    return f"{head} {row['ms']:9.3f} ms  {'deterministic' if row['deterministic'] else 'NOT DETERMINISTIC'}  {close}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from components.nsa.triton.launch import interpreting
+
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif args.allow_cpu and interpreting():
+        device = "cpu"
+    else:
+        print("bench.tile_variants needs a CUDA GPU (or --allow-cpu with TRITON_INTERPRET=1 for a smoke test)",
+              file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    config = {k: v for k, v in vars(args).items() if k != "extra"}
+    report = {"benchmark": "tile_variants", "environment": describe_environment(), "config": config, "results": []}
+    path = args.out or environment.results_path("tile_variants")
+    for T in args.seq_lens:
+        for kernel in args.kernels:
+            report["results"] += try_kernel(kernel, args, T, dtype, device)
+            write_report(report, "tile_variants", path)  # after every kernel: a run cut short keeps what ran
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
