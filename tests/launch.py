@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 from tests.conftest import REPO_ROOT
 
@@ -23,6 +24,9 @@ TINY = ["--training.device=cpu", "--model.dim=32", "--model.n_layers=2", "--mode
 
 
 def free_port() -> int:
+    """A port free now, for a launch that must name its endpoint (several nodes): it may be taken before the
+    launch binds it, by this or another test run, so such a launch also takes a rendezvous id of its own
+    (rendezvous_id). One node's launches use --standalone, which binds its own port."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -34,11 +38,17 @@ def env() -> dict:
 
 def train_command(args: list[str], nproc: int = 1) -> list[str]:
     """`nsa-titan train ARGS` in one process, or through torchrun (as run_train.sh launches it, by
-    nsa_titan.launch) on loopback with nproc ranks."""
+    nsa_titan.launch, --standalone) with nproc ranks."""
     if nproc == 1:
         return [sys.executable, "-m", "nsa_titan.cli", "train", *args]
-    return [sys.executable, "-m", "nsa_titan.launch", f"--nproc_per_node={nproc}", "--nnodes=1",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "nsa_titan.cli", "train", *args]
+    return [sys.executable, "-m", "nsa_titan.launch", f"--nproc_per_node={nproc}", "--standalone", "-m",
+            "nsa_titan.cli", "train", *args]
+
+
+def rendezvous_id() -> str:
+    """A rendezvous id for one launch of several nodes: should its free_port be taken by another launch's store,
+    its nodes still meet only each other there, never joining that launch's rendezvous."""
+    return uuid.uuid4().hex
 
 
 def train(args: list[str], nproc: int = 1, timeout: float | None = None, **popen) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import torch
 
 from components.sequence_shard import SequenceShard
 from components.nsa.triton.launch import interpreting
-from tests.launch import DEBUG, REPO_ROOT, TINY, assert_resumed_at, env, free_port, metrics, train, train_each
+from tests.launch import DEBUG, REPO_ROOT, TINY, assert_resumed_at, env, metrics, train, train_each
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def worker_checks():
         if nproc not in launched:
             checks = [f"{attention}:{masking}" for attention, masking in SPLIT_ROWS] + ["saved:nsa"]
             command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-                       "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                       "--standalone",
                        os.path.join(REPO_ROOT, "tests", "context_parallel_worker.py"), *checks]
             launched[nproc] = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT,
                                              timeout=300)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses_and_norms, metrics, start_training,
-                          stop_all, train)
+from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses_and_norms, metrics, rendezvous_id,
+                          start_training, stop_all, train)
 
 pytestmark = pytest.mark.slow
 
@@ -137,12 +137,12 @@ def test_muon_when_sharded_matches_single_process(tmp_path, single_process_muon_
 
 
 def test_two_node_launch_on_loopback(tmp_path, single_process_losses):
-    port = free_port()
+    port, run_id = free_port(), rendezvous_id()
     procs, logs = [], []
     for node in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
                "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-               "--rdzv_id=loopback", "-m", "nsa_titan.cli", "train", *COMMON, f"--job.dump_folder={tmp_path / 'run'}"]
+               f"--rdzv_id={run_id}", "-m", "nsa_titan.cli", "train", *COMMON, f"--job.dump_folder={tmp_path / 'run'}"]
         # Each node's output goes to a file: a pipe left unread while the other node's is read could fill and
         # stall its node in a collective.
         logs.append(tmp_path / f"node-{node}.log")

@@ -7,22 +7,22 @@ import socket
 import subprocess
 import sys
 
-from tests.launch import DEBUG, REPO_ROOT, TINY, env, finish, free_port
+from tests.launch import DEBUG, REPO_ROOT, TINY, env, finish, free_port, rendezvous_id
 
 
-def _node(port: int, args: list[str]) -> subprocess.Popen:
+def _node(port: int, run_id: str, args: list[str]) -> subprocess.Popen:
     """One node of two, one rank each, meeting at a c10d rendezvous on loopback (as run_train.sh starts them)."""
     command = [sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node=1", "--nnodes=2", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=agreement", "-m", "nsa_titan.cli", "train", *args]
+               f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={run_id}", "-m", "nsa_titan.cli", "train", *args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                             cwd=REPO_ROOT, start_new_session=True)
 
 
 def test_nodes_launched_with_different_recipes_are_refused_on_every_node(tmp_path):
     """One node given another learning rate trained its shards apart in silence; another step count hung."""
-    port = free_port()
+    port, run_id = free_port(), rendezvous_id()
     args = [DEBUG, *TINY, "--training.steps=2", f"--job.dump_folder={tmp_path / 'run'}"]
-    nodes = [_node(port, args), _node(port, [*args, "--optimizer.lr=0.01"])]
+    nodes = [_node(port, run_id, args), _node(port, run_id, [*args, "--optimizer.lr=0.01"])]
     results = [finish(node, 300) for node in nodes]
     host = socket.gethostname()
     for node, (_, err) in zip(nodes, results):
@@ -43,7 +43,7 @@ def test_a_dump_folder_a_rank_cannot_see_is_refused_on_every_rank(tmp_path):
     for folders, expected in (([shared, shared], ["shared", "shared"]),
                               ([shared, other], ["job.dump_folder", "job.dump_folder"])):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-                   "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", worker, *map(str, folders)]
+                   "--standalone", worker, *map(str, folders)]
         proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         said = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
@@ -57,8 +57,8 @@ def test_a_dump_folder_a_rank_cannot_see_is_refused_on_every_rank(tmp_path):
 def test_a_node_that_never_joins_ends_the_launch_with_one_line(tmp_path):
     """torchrun's own end was a rendezvous traceback of 41 lines (after 600 s; 5 s here)."""
     command = [sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node=1", "--nnodes=2", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_conf=join_timeout=5", "-m", "nsa_titan.cli",
-               "train", DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'run'}"]
+               f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_id={rendezvous_id()}", "--rdzv_conf=join_timeout=5",
+               "-m", "nsa_titan.cli", "train", DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'run'}"]
     proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

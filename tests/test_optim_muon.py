@@ -202,10 +202,10 @@ def test_sharded_matrices_are_dealt_out_and_come_back_exact(layout, nproc):
     import subprocess
     import sys
 
-    from tests.launch import REPO_ROOT, env, free_port
+    from tests.launch import REPO_ROOT, env
 
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+               "--standalone",
                os.path.join(REPO_ROOT, "tests", "sharded_orthogonalize_worker.py"), layout]
     proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

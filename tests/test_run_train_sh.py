@@ -69,12 +69,12 @@ def test_a_stop_while_the_nodes_meet_ends_the_launch_at_once():
     import signal
     import time
 
-    from tests.launch import free_port
+    from tests.launch import free_port, rendezvous_id
 
     proc = subprocess.Popen([SCRIPT, "recipes/debug.toml", "--training.device=cpu"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, start_new_session=True,
                             env={**os.environ, "NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
-                                 "OMP_NUM_THREADS": "1"})
+                                 "RDZV_ID": rendezvous_id(), "OMP_NUM_THREADS": "1"})
     try:
         said = ""
         while "waiting at" not in said:
