@@ -23,13 +23,23 @@ for name, target in want.items():  # the script itself (this directory's metadat
     module, function = target.split(':')
     with open(os.path.join(sysconfig.get_path('scripts'), name), encoding='utf-8') as fh:
         assert f'from {module} import {function}' in fh.read()"
-for py in python3 "$root/.venv/bin/python"; do
-  if command -v "$py" >/dev/null 2>&1 && (cd "$root" && "$py" -c "$probe" >/dev/null 2>&1); then
-    # The package must come from this checkout, not a stale copy elsewhere.
-    where=$(cd "$root" && "$py" -c "import nsa_titan, os; print(os.path.dirname(os.path.dirname(os.path.abspath(nsa_titan.__file__))))")
-    if [ "$where" = "$root" ]; then command -v "$py"; exit 0; fi
-  fi
-done
+ready() {
+  local py
+  for py in python3 "$root/.venv/bin/python"; do
+    if command -v "$py" >/dev/null 2>&1 && (cd "$root" && "$py" -c "$probe" >/dev/null 2>&1); then
+      # The package must come from this checkout, not a stale copy elsewhere.
+      where=$(cd "$root" && "$py" -c "import nsa_titan, os; print(os.path.dirname(os.path.dirname(os.path.abspath(nsa_titan.__file__))))")
+      if [ "$where" = "$root" ]; then command -v "$py"; return 0; fi
+    fi
+  done
+  return 1
+}
+ready && exit 0
+# One set-up at a time (two launches or test processes at once would install into one .venv together): the
+# one that waited finds the other's environment ready.
+exec 9<"${BASH_SOURCE[0]}"
+if command -v flock >/dev/null 2>&1; then flock 9; fi
+ready && exit 0
 
 echo "setting up $root/.venv (missing, or short of what pyproject.toml names) ..." >&2
 [ -x "$root/.venv/bin/python" ] || python3 -m venv "$root/.venv" >&2
