@@ -16,6 +16,10 @@ from nsa_titan import cli
 from tests.launch import DEBUG, TINY
 from tests.test_hf_export import trained_logits
 
+# Not "hf", as tests/test_hf_export.py names its folder: transformers copies a folder's remote code into a
+# cache named by the folder, unlocked across processes, and the suite may run both files at once.
+HF_FOLDER = "hf_for_lm_eval"
+
 lm_eval = pytest.importorskip("lm_eval", reason="the lm_eval extra (pip install -e '.[lm_eval]')")
 
 RUN = [DEBUG, *[a for a in TINY if "seq_len" not in a], "--training.seq_len=128", "--model.max_seq_len=256",
@@ -64,7 +68,7 @@ def _setup(root, run):
     argv = [*run, f"--job.dump_folder={root}/run"]
     assert cli.main(["train", *argv]) == 0
     assert cli.main(["export", *argv, "--output", str(root / "model.pt")]) == 0
-    assert cli.main(["export", *argv, "--format", "hf", "--output", str(root / "hf")]) == 0
+    assert cli.main(["export", *argv, "--format", "hf", "--output", str(root / HF_FOLDER)]) == 0
     tasks = root / "tasks"
     tasks.mkdir()
     _task_files(str(tasks))
@@ -97,12 +101,12 @@ def test_the_registered_model_and_the_hf_folder_agree(setup):
     _, root = setup
     lm_class()  # registers "nsa_titan" with the harness
     ours = _evaluate("nsa_titan", f"pretrained={root / 'model.pt'}", root)
-    hf = _evaluate("hf", {"pretrained": str(root / "hf"), "trust_remote_code": True, "device": "cpu",
+    hf = _evaluate("hf", {"pretrained": str(root / HF_FOLDER), "trust_remote_code": True, "device": "cpu",
                           "dtype": "float32"}, root)
     _assert_same(ours, hf)
     assert 1 < ours["toy_rolling"]["byte_perplexity,none"] < 258  # a byte model, better than uniform
     # The registered model reads the folder too.
-    _assert_same(ours, _evaluate("nsa_titan", f"pretrained={root / 'hf'}", root))
+    _assert_same(ours, _evaluate("nsa_titan", f"pretrained={root / HF_FOLDER}", root))
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +135,7 @@ def test_a_model_trained_with_bos_is_evaluated_with_it_both_ways(bos_setup):
     lm = lm_class()(pretrained=str(root / "model.pt"))
     assert lm.tok_encode("import os")[0] == 256 and lm.prefix_token_id == 256  # the byte tokenizer's BOS
     ours = _evaluate("nsa_titan", f"pretrained={root / 'model.pt'}", root)
-    hf = _evaluate("hf", {"pretrained": str(root / "hf"), "trust_remote_code": True, "device": "cpu",
+    hf = _evaluate("hf", {"pretrained": str(root / HF_FOLDER), "trust_remote_code": True, "device": "cpu",
                           "dtype": "float32"}, root)
     _assert_same(ours, hf, ["toy_choice", "toy_generate"])
 
