@@ -81,8 +81,9 @@ logs="$root/bench/results/logs"
 mkdir -p "$logs"
 rm -f "$logs"/*.log "$logs/report.md"  # an earlier run's logs would be packed as this one's
 : > "$logs/summary.txt"
-dump=$(mktemp -d)
+dump=$(mktemp -d)  # the steps' own runs and pytest folders: what is kept is in bench/results
 stamp=$(mktemp)  # results newer than this are this run's
+trap 'rm -rf -- "$dump" "$stamp"' EXIT
 
 fresh_results() { find bench/results -maxdepth 1 -name '*.json' -newer "$stamp" | sort; }
 

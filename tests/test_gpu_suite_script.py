@@ -41,7 +41,9 @@ def _suite(tmp_path: Path, *args: str, fail: str = "", slow: str = "") -> tuple[
     (stubs / "python3").write_text(STUB)
     (stubs / "python3").chmod(0o755)
     log = tmp_path / "commands.log"
-    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", STUB_LOG=str(log), STUB_FAIL=fail, STUB_SLOW=slow)
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", STUB_LOG=str(log), STUB_FAIL=fail, STUB_SLOW=slow,
+               TMPDIR=str(tmp_path / "tmp"))
     proc = subprocess.run(["bash", str(root / "bench" / "gpu_suite.sh"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     return proc, root
@@ -84,6 +86,7 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
     assert "bench/results/logs/summary.txt" in names and "bench/results/logs/report.md" in names
     assert "bench/results/attention-stub.json" in names and "bench/results/train_throughput-stub.json" in names
     assert "| stub report |" in proc.stdout
+    assert os.listdir(tmp_path / "tmp") == []  # its scratch folder and time stamp are gone
 
 
 def test_the_tiles_phase_runs_only_when_named(tmp_path):
