@@ -11,6 +11,7 @@ cd "$root"
 workers=$(nproc 2>/dev/null || echo 1)
 workers=$(( workers > 4 ? 4 : workers ))
 parallel=()
-if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
+# Files go to workers in the order tests/conftest.py gives them, the slowest first.
+if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 # The slowest tests close every run, so a slow newcomer shows in the CI log.
 exec "$py" -m pytest -q --durations=25 ${parallel[@]+"${parallel[@]}"} "$@"

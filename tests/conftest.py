@@ -21,6 +21,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The files that take a minute or more (one process, a 2-core machine), slowest first. They run first, so
+# that with several workers (run_tests.sh) no worker is left at the end with one of them while the others
+# idle; run_tests.sh turns off xdist's own order (most tests first), which put the few-but-slow files last.
+SLOWEST_FILES_FIRST = ("test_distributed.py", "test_checkpoint.py", "test_compile_training.py",
+                       "test_context_parallel.py", "test_run_train_sh.py", "test_observe_training.py",
+                       "test_lm_eval.py", "test_nsa_triton_gpu_build.py", "test_inspect.py", "test_nsa_opcheck.py",
+                       "test_nsa_query_offsets.py", "test_nsa_packed.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     torch.manual_seed(0)
