@@ -50,6 +50,19 @@ def timer(device: str, rep_ms: int):
     return once
 
 
+def kernel_device(benchmark: str, allow_cpu: bool) -> str | None:
+    """Where the kernels run: "cuda", or "cpu" for a smoke test under Triton's interpreter (--allow-cpu);
+    None, said on stderr, where neither can."""
+    from components.nsa.triton.launch import interpreting
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if allow_cpu and interpreting():
+        return "cpu"
+    print(f"{benchmark} needs a CUDA GPU (or --allow-cpu with TRITON_INTERPRET=1 for a smoke test)", file=sys.stderr)
+    return None
+
+
 def stage_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
     from components.nsa.triton import ops
 
@@ -187,15 +200,8 @@ def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from components.nsa.triton.launch import interpreting
-
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif args.allow_cpu and interpreting():
-        device = "cpu"
-    else:
-        print("bench.attention_stages needs a CUDA GPU (or --allow-cpu with TRITON_INTERPRET=1 for a smoke test)",
-              file=sys.stderr)
+    device = kernel_device("bench.attention_stages", args.allow_cpu)
+    if device is None:
         return 2
     dtype = DTYPES[args.dtype]
     report = {"benchmark": "attention_stages", "environment": describe_environment(), "config": vars(args),

@@ -26,7 +26,7 @@ import torch
 
 from bench import environment
 from bench.attention import DTYPES, add_shape_args, finish_shape_args, nsa_inputs
-from bench.attention_stages import timer
+from bench.attention_stages import kernel_device, timer
 from bench.environment import describe_environment, write_report
 
 KERNELS = ("interval_fwd", "interval_dq", "interval_dkdv", "selection", "selected_fwd", "selected_fwd_blocks",
@@ -206,15 +206,8 @@ def _line(row: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from components.nsa.triton.launch import interpreting
-
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif args.allow_cpu and interpreting():
-        device = "cpu"
-    else:
-        print("bench.tile_variants needs a CUDA GPU (or --allow-cpu with TRITON_INTERPRET=1 for a smoke test)",
-              file=sys.stderr)
+    device = kernel_device("bench.tile_variants", args.allow_cpu)
+    if device is None:
         return 2
     dtype = DTYPES[args.dtype]
     config = {k: v for k, v in vars(args).items() if k != "extra"}
