@@ -12,7 +12,7 @@ same bits (every kernel here is meant to be deterministic: a shape that is not, 
 how far its result lies from the shipped shape's (relative RMS; for the selection, the share of
 equal block indices). A shape the GPU cannot build (shared memory, registers) is recorded with its
 error and the next one runs. Results go to bench/results/tile_variants-<gpu>-<time>.json, after
-every kernel. Needs CUDA; --allow-cpu runs it under Triton's interpreter at tiny sizes as a smoke
+every row. Needs CUDA; --allow-cpu runs it under Triton's interpreter at tiny sizes as a smoke
 test (times mean nothing there).
 """
 
@@ -166,7 +166,7 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
     from components.nsa.triton import tile_configs
 
     block_d = tile_configs.head_block(args.head_dim)
-    element_bytes = torch.tensor([], dtype=dtype).element_size()
+    element_bytes = dtype.itemsize
     shipped_shape = tuple(tile_configs.tiles(kernel, block_d, element_bytes))
     shapes = neighbours(shipped_shape) + args.extra.get(kernel, [])
     shapes = distinct_launches(kernel, shapes, args.sel_block_size)

@@ -86,18 +86,22 @@ def key_tile(sel_block_size: int, cap: int) -> int:
     return max(16, min(cap, next_pow2(sel_block_size)))
 
 
+def _shapes_of(kernel: str, block_d: int, element_bytes: int) -> tuple[dict[int, Tiles], int]:
+    """(the table of `kernel`'s shapes by head dim for this element size, the entry block_d reads)."""
+    return (_HALF if element_bytes <= 2 else _FP32)[kernel], max(32, block_d)
+
+
 def tiles(kernel: str, block_d: int, element_bytes: int) -> Tiles:
     """The launch shape of `kernel` for padded head dim block_d (16 to 256) and input element size."""
-    table = _HALF if element_bytes <= 2 else _FP32
-    return table[kernel][max(32, block_d)]
+    table, key = _shapes_of(kernel, block_d, element_bytes)
+    return table[key]
 
 
 @contextmanager
 def overridden(kernel: str, block_d: int, element_bytes: int, shape: Tiles) -> Iterator[None]:
     """Launch `kernel` with `shape` where tiles() would give its own, until the block ends: for timing
     candidate shapes side by side (bench.tile_variants), not for training."""
-    table = (_HALF if element_bytes <= 2 else _FP32)[kernel]
-    key = max(32, block_d)
+    table, key = _shapes_of(kernel, block_d, element_bytes)
     own = table[key]
     table[key] = shape
     try:
