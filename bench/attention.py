@@ -2,15 +2,16 @@
 
     python -m bench.attention [--preset 125m|paper] [--seq-lens 2048 4096 ...] [--backends triton]
                               [--modes fwd bwd fwd+bwd] [--heads H --kv-heads Hkv --head-dim D]
-                              [--packed MIN MAX]
+                              [--packed MIN MAX] [--tiles FILE]
 
 Presets: 125m = 12 query heads, 4 KV heads, head dim 64 (recipes/nsa_125m.toml; the default); paper = 64 query heads,
 4 KV heads, head dim 128. --heads/--kv-heads/--head-dim override the preset. NSA uses the paper's
 hyperparameters unless overridden. SDPA is timed with cuDNN and with flash attention separately
 (each where it runs) and the faster one is reported as "sdpa". --packed MIN MAX also times NSA on
 each length as one packed row of documents MIN to MAX tokens long (cu_seqlens; seeded lengths),
-reported as "nsa-<backend>-packed" with the number of documents; SDPA stays the dense causal baseline. Results go to
-bench/results/attention-<gpu>-<time>.json with the GPU name, torch/triton/CUDA versions and the
+reported as "nsa-<backend>-packed" with the number of documents; SDPA stays the dense causal baseline. --tiles
+FILE launches the Triton kernels with a launch shapes file's shapes (bench.tile_choice) in place of the shipped
+ones. Results go to bench/results/attention-<gpu>-<time>.json with the GPU name, torch/triton/CUDA versions and the
 git commit. Needs CUDA: exits with status 2 and a message otherwise.
 """
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from bench import environment
 from bench.arguments import positive_int
 from bench.environment import describe_environment, write_report
+from bench.launch_shapes import add_tiles_arg, applied, config_of, finish_tiles_arg
 
 PRESETS = {"125m": (12, 4, 64), "paper": (64, 4, 128)}
 SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
@@ -111,7 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--packed", type=int, nargs=2, metavar=("MIN", "MAX"),
                    help="also time NSA on a packed row of documents MIN to MAX tokens long (batch 1)")
     p.add_argument("--out", help="output JSON path (default bench/results/attention-<gpu>-<time>.json)")
-    args = finish_shape_args(p, p.parse_args(argv))
+    add_tiles_arg(p)
+    args = finish_tiles_arg(p, finish_shape_args(p, p.parse_args(argv)))
     if args.packed and (args.batch != 1 or not 1 <= args.packed[0] <= args.packed[1]):
         p.error(f"--packed MIN MAX needs 1 <= MIN <= MAX and --batch 1 (one packed row), got {args.packed} "
                 f"and --batch {args.batch}")
@@ -214,8 +217,14 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with applied(args.shapes):
+        return measure(args)
+
+
+def measure(args) -> int:
     dtype = DTYPES[args.dtype]
-    report = {"benchmark": "attention", "environment": describe_environment(), "config": vars(args), "results": []}
+    report = {"benchmark": "attention", "environment": describe_environment(), "config": config_of(args),
+              "results": []}
     path = args.out or environment.results_path("attention")
     for T in args.seq_lens:
         cases = [(f"nsa-{b}", lambda b=b: time_modes(lambda: nsa_case(args, T, b, dtype), args.modes, args.rep_ms),

@@ -1,6 +1,6 @@
 """Where the Triton NSA op spends its time: each stage's forward and backward, timed on its own.
 
-    python -m bench.attention_stages [--preset 125m|paper] [--seq-lens 8192 65536] [--dtype bf16]
+    python -m bench.attention_stages [--preset 125m|paper] [--seq-lens 8192 65536] [--dtype bf16] [--tiles FILE]
 
 Stages, in the order the op runs them: the compressed branch (interval attention over the
 compressed keys), block selection, the selected branch, the window branch, and the gating. Each is
@@ -8,7 +8,8 @@ timed forward, and backward from a random output gradient (selection has no back
 branch's launchers are also timed in both of its layouts (query- and block-major forward and dQ,
 tile_configs.selected_layout), side by side; and the whole op's forward + backward against the host's time to
 issue it (and the kernels it launches), which shows a length where launches, not kernels, set the pace. Results go to
-bench/results/attention_stages-<gpu>-<time>.json with the environment. Needs CUDA; --allow-cpu
+bench/results/attention_stages-<gpu>-<time>.json with the environment. --tiles FILE launches the kernels with a
+launch shapes file's shapes (bench.tile_choice) in place of the shipped ones. Needs CUDA; --allow-cpu
 runs it under Triton's interpreter at tiny sizes as a smoke test (times mean nothing there).
 """
 
@@ -23,6 +24,7 @@ import torch
 from bench import environment
 from bench.attention import DTYPES, add_shape_args, finish_shape_args, nsa_inputs
 from bench.environment import describe_environment, write_report
+from bench.launch_shapes import add_tiles_arg, applied, config_of, finish_tiles_arg
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--allow-cpu", action="store_true", help="smoke test under TRITON_INTERPRET=1 (not a benchmark)")
     p.add_argument("--out", help="output JSON path (default bench/results/attention_stages-<gpu>-<time>.json)")
-    return finish_shape_args(p, p.parse_args(argv))
+    add_tiles_arg(p)
+    return finish_tiles_arg(p, finish_shape_args(p, p.parse_args(argv)))
 
 
 def timer(device: str, rep_ms: int):
@@ -203,8 +206,13 @@ def main(argv=None) -> int:
     device = kernel_device("bench.attention_stages", args.allow_cpu)
     if device is None:
         return 2
+    with applied(args.shapes):
+        return measure(args, device)
+
+
+def measure(args, device: str) -> int:
     dtype = DTYPES[args.dtype]
-    report = {"benchmark": "attention_stages", "environment": describe_environment(), "config": vars(args),
+    report = {"benchmark": "attention_stages", "environment": describe_environment(), "config": config_of(args),
               "results": [], "selected_layouts": [], "host_overhead": []}
     path = args.out or environment.results_path("attention_stages")
     for T in args.seq_lens:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks and benchmarks that need a CUDA GPU, in one go, within a time budget:
 #
-#   ./bench/gpu_suite.sh [--budget SECONDS] [--pack FILE] [PHASE ...]
+#   ./bench/gpu_suite.sh [--budget SECONDS] [--pack FILE] [--tiles FILE] [PHASE ...]
 #
 #   check      the GPU tests (Triton kernels in bf16 at 2k-32k against the reference, determinism,
 #              compile, FlexAttention over documents), `doctor` on the 125M recipe, `inspect
@@ -21,6 +21,16 @@
 #              (time, determinism, result against the shipped shape's): the interval kernels and the
 #              selection at 64k with the paper's heads; the selection, the selected branch's kernels and
 #              the interval backward at 32 rows of 2k with the 125M heads. Only when named.
+#   tuned      python -m bench.tile_choice on this run's tiles results (name tiles before it): the fastest shape
+#              of each kernel that is deterministic and as close to the exact result as the shipped one, where
+#              it gains 3% or more; then bench.attention with the shipped shapes and with the chosen ones, side
+#              by side, for the paper's heads at 32k and 64k and for 32 rows of 2k. Only when named.
+#
+# --tiles FILE: the launch shapes file (bench/launch_shapes.py) the check and attention phases' GPU tests and
+# benchmarks launch with instead of the shipped shapes (the training runs keep the shipped ones: a shape ships
+# in tile_configs.py); the tuned phase writes its choice there. Without it, phases after tuned use its choice.
+# A GPU machine kept between two runs keeps the file, e.g. `--tiles /tmp/tiles.json tiles tuned`, then
+# `--tiles /tmp/tiles.json check`.
 #
 # No phase named: check, attention and train. Timed steps run one after another. Every step has a time cap, cut to
 # what is left of --budget (default 540 s, counted from the start, set-up included), so a run cut
@@ -34,15 +44,20 @@
 # any step runs for a bad argument or a machine without a CUDA GPU.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-budget=540 pack=""
+budget=540 pack="" tiles=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --budget|--pack)
+    --budget|--pack|--tiles)
       if [ $# -lt 2 ]; then echo "error: $1 needs a value" >&2; exit 2; fi
-      if [ "$1" = --budget ]; then budget=$2; else pack=$(realpath -m -- "$2"); fi
+      case "$1" in
+        --budget) budget=$2 ;;
+        --pack) pack=$(realpath -m -- "$2") ;;
+        --tiles) tiles=$(realpath -m -- "$2") ;;
+      esac
       shift 2 ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    -*) echo "error: unknown option '$1'; usage: $0 [--budget SECONDS] [--pack FILE] [check attention train tiles]" >&2
+    -*) echo "error: unknown option '$1'; usage: $0 [--budget SECONDS] [--pack FILE] [--tiles FILE]" \
+             "[check attention train tiles tuned]" >&2
         exit 2 ;;
     *) break ;;
   esac
@@ -52,10 +67,15 @@ phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(check attention train)
 for phase in "${phases[@]}"; do
   case "$phase" in
-    check|attention|train|tiles) ;;
-    *) echo "error: unknown phase '$phase'; choose from: check attention train tiles" >&2; exit 2 ;;
+    check|attention|train|tiles|tuned) ;;
+    *) echo "error: unknown phase '$phase'; choose from: check attention train tiles tuned" >&2; exit 2 ;;
   esac
 done
+if [ -n "$tiles" ] && [ ! -f "$tiles" ] && [[ " ${phases[*]} " != *" tuned "* ]]; then
+  echo "error: --tiles $tiles: no such file. Fix: give the file bench.tile_choice wrote, or name the tuned phase" \
+       "(with tiles before it), which writes it." >&2
+  exit 2
+fi
 cd "$root"
 # A GPU image that already holds the core packages (bench/gpu_wheels.sh carries the ones it lacks) runs
 # as it is; elsewhere the project's environment is set up.
@@ -133,16 +153,16 @@ debug_run=("$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cud
 # temporary folder: pytest's shared one prunes other sessions' folders when it starts.
 check_group_tests_kernels() {
   STEP_SIGNAL=INT step gpu_tests_kernels 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
-    --basetemp="$dump/pytest_kernels" tests/test_nsa_triton_gpu.py
+    --basetemp="$dump/pytest_kernels" ${tiles_pytest[@]+"${tiles_pytest[@]}"} tests/test_nsa_triton_gpu.py
 }
 check_group_tests_op() {
   STEP_SIGNAL=INT step gpu_tests_op 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
-    --basetemp="$dump/pytest_op" tests/test_nsa_triton.py
+    --basetemp="$dump/pytest_op" ${tiles_pytest[@]+"${tiles_pytest[@]}"} tests/test_nsa_triton.py
 }
 check_group_tests_more() {
   STEP_SIGNAL=INT step gpu_tests_more 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
-    --basetemp="$dump/pytest_more" tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py \
-    tests/test_nsa_triton_gating.py tests/test_dense_documents_gpu.py tests/test_nsa_packed.py tests/test_bitonic_sort.py
+    --basetemp="$dump/pytest_more" ${tiles_pytest[@]+"${tiles_pytest[@]}"} tests/test_nsa_triton_compile.py \
+    tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py tests/test_dense_documents_gpu.py tests/test_nsa_packed.py tests/test_bitonic_sort.py
 }
 check_group_train() {
   step train_200_steps 240 "${debug_run[@]}" --compile.enable=true --training.steps=200 \
@@ -162,19 +182,38 @@ check_group_tools() {
     --model.nsa.backend=triton --compile.enable=true --job.dump_folder="$dump/inspect" --fail-on-break
 }
 
+# tiles_pytest / tiles_bench: the options that hand --tiles FILE to the GPU tests / the op's benchmarks (none
+# without it). False, said in the summary, when FILE is named but missing (the tuned phase wrote none).
+tile_args() {
+  tiles_pytest=() tiles_bench=()
+  [ -n "$tiles" ] || return 0
+  if [ ! -f "$tiles" ]; then
+    echo "$1: SKIPPED (--tiles $tiles does not exist: the tuned phase wrote no choice)" | tee -a "$logs/summary.txt"
+    return 1
+  fi
+  tiles_pytest=(--nsa-tiles "$tiles") tiles_bench=(--tiles "$tiles")
+}
+
 phase_check() {
+  tile_args check || return 1
   check_group_tests_kernels & check_group_tests_op & check_group_tests_more &
   check_group_train & check_group_fsdp & check_group_tools &
   wait
 }
 phase_attention() {
-  step attention_125m 150 "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 --packed 1024 8192
-  step attention_stages 60 "$py" -m bench.attention_stages --seq-lens 2048 8192 65536
-  step attention_paper 120 "$py" -m bench.attention --preset paper --seq-lens 2048 8192 32768 65536
-  step attention_stages_paper 60 "$py" -m bench.attention_stages --preset paper --seq-lens 8192 65536
+  tile_args attention || return 1
+  local shapes=(${tiles_bench[@]+"${tiles_bench[@]}"})
+  step attention_125m 150 "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 --packed 1024 8192 \
+    ${shapes[@]+"${shapes[@]}"}
+  step attention_stages 60 "$py" -m bench.attention_stages --seq-lens 2048 8192 65536 ${shapes[@]+"${shapes[@]}"}
+  step attention_paper 120 "$py" -m bench.attention --preset paper --seq-lens 2048 8192 32768 65536 \
+    ${shapes[@]+"${shapes[@]}"}
+  step attention_stages_paper 60 "$py" -m bench.attention_stages --preset paper --seq-lens 8192 65536 \
+    ${shapes[@]+"${shapes[@]}"}
   # nsa_125m's training shape at 2k (32 rows a step), where it trails dense_125m most.
-  step attention_32_rows 60 "$py" -m bench.attention --batch 32 --seq-lens 2048
-  step attention_stages_32_rows 60 "$py" -m bench.attention_stages --batch 32 --seq-lens 2048
+  step attention_32_rows 60 "$py" -m bench.attention --batch 32 --seq-lens 2048 ${shapes[@]+"${shapes[@]}"}
+  step attention_stages_32_rows 60 "$py" -m bench.attention_stages --batch 32 --seq-lens 2048 \
+    ${shapes[@]+"${shapes[@]}"}
 }
 phase_train() {
   step train_throughput 240 "$py" -m bench.train_throughput --seq-lens 2048 32768
@@ -187,6 +226,30 @@ phase_tiles() {
     --kernels interval_fwd interval_dq interval_dkdv selection
   step tiles_125m_32_rows 180 "$py" -m bench.tile_variants --batch 32 --seq-lens 2048 --rep-ms 100 \
     --kernels selection selected_fwd_blocks selected_dkdv interval_dq interval_dkdv
+}
+
+# The choice from this run's tile_variants results, then the op timed with the shipped shapes and with the chosen
+# ones, one after the other, where the paper's heads (32k, 64k) and nsa_125m's training shape (32 rows of 2k) run.
+phase_tuned() {
+  local variants chosen
+  mapfile -t variants < <(fresh_results | grep '/tile_variants-')
+  if [ ${#variants[@]} -eq 0 ]; then
+    echo "tile_choice: SKIPPED (no tile_variants results from this run: name the tiles phase before tuned)" |
+      tee -a "$logs/summary.txt"
+    return 1
+  fi
+  [ -z "$tiles" ] || rm -f -- "$tiles"  # an earlier run's choice must not pass for this one's
+  step tile_choice 30 "$py" -m bench.tile_choice "${variants[@]}" || return 1
+  chosen=$(fresh_results | grep '/tile_choice-' | tail -n 1)
+  if [ -z "$chosen" ]; then
+    echo "attention_tuned: SKIPPED (bench.tile_choice wrote no file)" | tee -a "$logs/summary.txt"
+    return 1
+  fi
+  if [ -n "$tiles" ]; then mkdir -p "$(dirname "$tiles")" && cp "$chosen" "$tiles"; else tiles=$chosen; fi
+  step attention_paper_shipped 90 "$py" -m bench.attention --preset paper --seq-lens 32768 65536
+  step attention_paper_tuned 90 "$py" -m bench.attention --preset paper --seq-lens 32768 65536 --tiles "$tiles"
+  step attention_32_rows_shipped 60 "$py" -m bench.attention --batch 32 --seq-lens 2048
+  step attention_32_rows_tuned 60 "$py" -m bench.attention --batch 32 --seq-lens 2048 --tiles "$tiles"
 }
 
 for phase in "${phases[@]}"; do

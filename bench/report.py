@@ -2,8 +2,8 @@
 
     python -m bench.report bench/results/attention-*.json bench/results/train_throughput-*.json ...
 
-Reads what every benchmark writes (bench.attention, attention_stages, tile_variants, train_throughput, loss_memory,
-context_parallel, data_resume, data_throughput, decode, reference_vs_sdpa_cpu and kernel_resources --json) and
+Reads what every benchmark writes (bench.attention, attention_stages, tile_variants, tile_choice, train_throughput,
+loss_memory, context_parallel, data_resume, data_throughput, decode, reference_vs_sdpa_cpu and kernel_resources --json) and
 prints, per file, where it was measured (GPU, versions, commit; a GPU benchmark run on the CPU, or with Triton
 interpreted, is marked as a smoke run) and one table of its numbers. Targets (checked
 where the file has the lengths): the NSA op's forward + backward at least 6x SDPA's speed at 64k
@@ -35,9 +35,10 @@ def _verdict(met: bool) -> str:
 
 
 # Benchmarks that measure the CPU, or compile without a GPU: a result from a machine without one is what they are for
-# (loss_memory measures either: the process's peak resident set on the CPU).
+# (loss_memory measures either: the process's peak resident set on the CPU; tile_choice measures nothing, it reads
+# tile_variants' files).
 CPU_BENCHMARKS = ("data_resume", "data_throughput", "decode", "nsa_reference_vs_sdpa_cpu", "kernel_resources",
-                  "loss_memory")
+                  "loss_memory", "tile_choice")
 
 
 def environment_line(env: dict, kind: str | None = None) -> str:
@@ -64,7 +65,7 @@ def attention_tables(report: dict) -> list[str]:
     by = {(r["seq_len"], r["backend"], r["mode"]): r for r in results}
     speed = {(s["seq_len"], s["backend"], s["mode"]): s for s in report.get("speedups", [])}
     backends = sorted({r["backend"] for r in results if r["backend"].startswith("nsa-")})
-    lines = [f"NSA op vs SDPA ({heads}, {config.get('dtype', 'bf16')}{_rows(batch)}):", "",
+    lines = [f"NSA op vs SDPA ({heads}, {config.get('dtype', 'bf16')}{_rows(batch)}){_launch_shapes(config)}:", "",
              "| tokens | op | fwd ms | fwd+bwd ms | SDPA fwd+bwd ms | speedup fwd | speedup fwd+bwd | peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for T in sorted({r["seq_len"] for r in report["results"]}):
@@ -86,6 +87,15 @@ def attention_tables(report: dict) -> list[str]:
     else:
         lines += ["", "- not checked: the op's targets are set for one row"]
     return lines
+
+
+def _launch_shapes(config: dict) -> str:
+    """', launch shapes from FILE (kernel D shape; ...)' for a run with --tiles; '' for the shipped shapes."""
+    shapes = config.get("launch_shapes") or []
+    if not shapes:
+        return ""
+    listed = "; ".join(f"{s['kernel']} D {s['head_block']} {','.join(map(str, s['tiles']))}" for s in shapes)
+    return f", launch shapes from {os.path.basename(str(config.get('tiles')))} ({listed})"
 
 
 def _rows(batch: int) -> str:
@@ -112,7 +122,8 @@ def op_targets(speedups: list[dict]) -> list[str]:
 
 def stage_tables(report: dict) -> list[str]:
     batch = report.get("config", {}).get("batch", 1)
-    lines = [f"NSA op stages{_rows(batch)} (ms; share of the op's forward / backward):", "",
+    lines = [f"NSA op stages{_rows(batch)}{_launch_shapes(report.get('config', {}))} (ms; share of the op's forward / "
+             f"backward):", "",
              "| tokens | stage | fwd ms | bwd ms | share fwd | share bwd |", "| --- | --- | --- | --- | --- | --- |"]
     for r in report["results"]:
         share_bwd = f"{r['share_of_bwd']:.0%}" if "share_of_bwd" in r else "-"
@@ -288,21 +299,45 @@ def tile_tables(report: dict) -> list[str]:
     config = report.get("config", {})
     lines = [f"Launch shapes (rows, keys, warps, stages), {config.get('heads')} / {config.get('kv_heads')} heads, "
              f"D = {config.get('head_dim')}{_rows(config.get('batch', 1))}; against the shipped shape:", "",
-             "| tokens | kernel | branch | shape | ms | vs shipped | deterministic | result vs shipped |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| tokens | kernel | branch | shape | ms | vs shipped | deterministic | result vs shipped | vs fp32 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     shipped = {(r["seq_len"], r["kernel"], r["branch"]): r.get("ms") for r in report["results"] if r["shipped"]}
     for r in report["results"]:
         shape = ",".join(map(str, r["tiles"])) + (" (shipped)" if r["shipped"] else "")
         if "error" in r:
             lines.append(f"| {r['seq_len']} | {r['kernel']} | {r['branch']} | {shape} | failed: "
-                         f"{_one_line(r['error']).replace('|', '/')} | - | - | - |")
+                         f"{_one_line(r['error']).replace('|', '/')} | - | - | - | - |")
             continue
         base = shipped.get((r["seq_len"], r["kernel"], r["branch"]))
         ratio = f"{base / r['ms']:.2f}x" if base and r["ms"] else "-"
         close = (f"rel RMS {r['rel_rms']:.1e}" if "rel_rms" in r else
                  f"{r['equal_share']:.1%} equal" if "equal_share" in r else "-")
+        exact = f"{r['rel_rms_exact']:.1e}" if "rel_rms_exact" in r else "-"
         lines.append(f"| {r['seq_len']} | {r['kernel']} | {r['branch']} | {shape} | {_ms(r['ms'])} | {ratio} | "
-                     f"{'yes' if r['deterministic'] else 'NO'} | {close} |")
+                     f"{'yes' if r['deterministic'] else 'NO'} | {close} | {exact} |")
+    errors = sorted({r["exact_error"] for r in report["results"] if "exact_error" in r})
+    lines += [f"- no exact (fp32) result: {_one_line(e)}" for e in errors]
+    return lines
+
+
+def _shape(tiles) -> str:
+    return ",".join(map(str, tiles)) if tiles else "-"
+
+
+def tile_choice_tables(report: dict) -> list[str]:
+    """The launch shape chosen for each kernel from tile_variants' measurements, and why others were passed over."""
+    files = ", ".join(os.path.basename(f) for f in report.get("config", {}).get("files", []))
+    lines = [f"Launch shapes chosen from {files} (times summed over the workloads measured):", "",
+             "| kernel | head dim | bytes | shipped | ms | chosen | ms | speed-up | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for k in report["kernels"]:
+        speedup = f"{k['speedup']:.2f}x" if k["verdict"] == "changed" else "-"
+        lines.append(f"| {k['kernel']} | {k['head_block']} | {k['element_bytes']} | {_shape(k.get('shipped'))} | "
+                     f"{_ms(k.get('shipped_ms'))} | {_shape(k.get('chosen'))} | {_ms(k.get('chosen_ms'))} | "
+                     f"{speedup} | {k['verdict'].replace('|', '/')} |")
+    for k in report["kernels"]:
+        lines += [f"- {k['kernel']} (D {k['head_block']}) {_shape(r['tiles'])}: {_one_line(r['why'])}"
+                  for r in k["rejected"]]
     return lines
 
 
@@ -310,7 +345,7 @@ TABLES = {"attention": attention_tables, "attention_stages": stage_tables, "trai
           "loss_memory": loss_tables, "context_parallel": context_parallel_tables, "data_resume": data_resume_tables,
           "data_throughput": data_throughput_tables, "decode": decode_tables,
           "nsa_reference_vs_sdpa_cpu": reference_tables, "kernel_resources": kernel_tables,
-          "tile_variants": tile_tables}
+          "tile_variants": tile_tables, "tile_choice": tile_choice_tables}
 
 
 def report_kind(report) -> str:

@@ -10,17 +10,19 @@ that uses the kernel (the compressed and the window branch for the interval kern
 branch's forward or backward) on the same inputs, and records its time, whether two calls give the
 same bits (every kernel here is meant to be deterministic: a shape that is not, was built wrong) and
 how far its result lies from the shipped shape's (relative RMS; for the selection, the share of
-equal block indices). A shape the GPU cannot build (shared memory, registers) is recorded with its
-error and the next one runs. Results go to bench/results/tile_variants-<gpu>-<time>.json, after
-every row. Needs CUDA; --allow-cpu runs it under Triton's interpreter at tiny sizes as a smoke
-test (times mean nothing there).
+equal block indices) and, for bf16 and fp16, from the exact result: the same call on the inputs in
+fp32, which runs the fp32 kernels (true fp32 products). A shape the GPU cannot build (shared memory,
+registers) is recorded with its error and the next one runs. Results go to
+bench/results/tile_variants-<gpu>-<time>.json, after every row. Needs CUDA; --allow-cpu runs it under
+Triton's interpreter at tiny sizes as a smoke test (times mean nothing there). bench.tile_choice picks
+from the results.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -28,9 +30,8 @@ from bench import environment
 from bench.attention import DTYPES, add_shape_args, finish_shape_args, nsa_inputs
 from bench.attention_stages import kernel_device, timer
 from bench.environment import describe_environment, write_report
-
-KERNELS = ("interval_fwd", "interval_dq", "interval_dkdv", "selection", "selected_fwd", "selected_fwd_blocks",
-           "selected_dq", "selected_dkdv")
+from components.nsa.triton import tile_configs
+from components.nsa.triton.tile_configs import KERNELS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,9 +83,25 @@ def neighbours(shape: tuple[int, int, int, int]) -> list[tuple[int, int, int, in
     return out
 
 
-def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dict[str, Callable[[], tuple]]:
-    """{branch: call}: the launcher calls that run `kernel`, each returning its result tensors, on
-    inputs made once (the selection and the forward results a backward needs, with shipped shapes)."""
+class Workload(NamedTuple):
+    """One launcher call that runs the kernel: fn(*inputs, **options) returns its result tensors."""
+    fn: Callable[..., tuple]
+    inputs: tuple
+    options: dict
+
+    def __call__(self) -> tuple:
+        return self.fn(*self.inputs, **self.options)
+
+    def in_fp32(self) -> tuple:
+        """The same call on the inputs in fp32: the fp32 kernels, whose products are true fp32 (launch.dot_precision),
+        the exact result a half-type shape is held to."""
+        return self.fn(*(x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                         for x in self.inputs), **self.options)
+
+
+def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dict[str, Workload]:
+    """{branch: call}: the launcher calls that run `kernel`, on inputs made once (the selection and the
+    forward results a backward needs, with shipped shapes)."""
     from components.nsa.triton.interval_attention import interval_attention_bwd, interval_attention_fwd
     from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
     from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
@@ -95,35 +112,33 @@ def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dic
     scale = args.head_dim ** -0.5
     with torch.no_grad():
         q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, _ = (x.detach() for x in nsa_inputs(args, T, dtype, device))
-        branches = {"compressed": (k_cmp, v_cmp, d, l - 1, 0), "window": (k_win, v_win, 1, 0, w)}
+        branches = {"compressed": ((k_cmp, v_cmp), (d, l - 1, 0)), "window": ((k_win, v_win), (1, 0, w))}
         if kernel == "interval_fwd":
-            return {name: (lambda b=b: interval_attention_fwd(q, b[0], b[1], *b[2:], scale))
-                    for name, b in branches.items()}
+            return {name: Workload(interval_attention_fwd, (q, *kv, *mask, scale), {})
+                    for name, (kv, mask) in branches.items()}
         if kernel in ("interval_dq", "interval_dkdv"):
             calls = {}
-            for name, b in branches.items():
-                o, lse2 = interval_attention_fwd(q, b[0], b[1], *b[2:], scale)
-                do = torch.randn_like(o)
-                calls[name] = (lambda b=b, o=o, lse2=lse2, do=do:
-                               interval_attention_bwd(do, q, b[0], b[1], o, lse2, *b[2:], scale))
+            for name, (kv, mask) in branches.items():
+                o, lse2 = interval_attention_fwd(q, *kv, *mask, scale)
+                calls[name] = Workload(interval_attention_bwd, (torch.randn_like(o), q, *kv, o, lse2, *mask, scale), {})
             return calls
         _, lse2_cmp = interval_attention_fwd(q, k_cmp, k_cmp, d, l - 1, 0, scale)
         hyper = dict(block_size=l, block_stride=d, sel_block_size=lp, num_selected=n, sm_scale=scale)
         if kernel == "selection":
-            return {"selection": lambda: (select_blocks_kernel(q, k_cmp, lse2_cmp, **hyper),)}
+            return {"selection": Workload(lambda *x, **kw: (select_blocks_kernel(*x, **kw),), (q, k_cmp, lse2_cmp),
+                                          hyper)}
         selection = select_blocks_kernel(q, k_cmp, lse2_cmp, **hyper)
         if kernel == "selected_fwd":
-            return {"selected": lambda: selected_attention_fwd(q, k_sel, v_sel, selection, lp, scale)}
+            return {"selected": Workload(selected_attention_fwd, (q, k_sel, v_sel, selection, lp, scale), {})}
         if kernel == "selected_fwd_blocks":
-            return {"selected": lambda: selected_attention_fwd_blocks(q, k_sel, v_sel, selection, lp, scale)}
+            return {"selected": Workload(selected_attention_fwd_blocks, (q, k_sel, v_sel, selection, lp, scale), {})}
         o, lse2 = selected_attention_fwd(q, k_sel, v_sel, selection, lp, scale)
-        do = torch.randn_like(o)
+        backward = (torch.randn_like(o), q, k_sel, v_sel, o, lse2, selection, lp, scale)
         if kernel == "selected_dq":  # the query-major dQ kernel runs in the query layout only
-            return {"selected": lambda: selected_attention_bwd(do, q, k_sel, v_sel, o, lse2, selection, lp, scale,
-                                                               dq_layout="query")}
+            return {"selected": Workload(selected_attention_bwd, backward, {"dq_layout": "query"})}
         # dK/dV in the layout training would take with the shape tried (its key tile sizes the block layout's
         # partials, which past their limit send training to the query layout).
-        return {"selected": lambda: selected_attention_bwd(do, q, k_sel, v_sel, o, lse2, selection, lp, scale)}
+        return {"selected": Workload(selected_attention_bwd, backward, {})}
 
 
 def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -134,27 +149,42 @@ def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff.square().mean().sqrt() / ref.square().mean().sqrt().clamp_min(1e-30)) if ref.numel() else 0.0
 
 
-def compare(result: tuple, again: tuple, shipped: tuple | None) -> dict:
-    """deterministic (two calls, the same bits) and the distance from the shipped shape's result."""
+def compare(result: tuple, again: tuple, shipped: tuple | None, exact: tuple | None) -> dict:
+    """deterministic (two calls, the same bits), the distance from the shipped shape's result and from the
+    exact (fp32) one where there is one."""
     row = {"deterministic": all(torch.equal(x, y) for x, y in zip(result, again))}
     if shipped is not None:
         if result[0].dtype == torch.int64:  # a selection: block indices, equal up to ties
             row["equal_share"] = float((result[0] == shipped[0]).float().mean())
         else:
             row["rel_rms"] = max(relative_rms(x, y) for x, y in zip(result, shipped))
+    if exact is not None:
+        row["rel_rms_exact"] = max(relative_rms(x, y) for x, y in zip(result, exact))
     return row
+
+
+def exact_results(kernel: str, calls: dict[str, Workload], dtype: torch.dtype) -> tuple[dict[str, tuple], str | None]:
+    """({branch: the fp32 kernels' result}, None), for half-type inputs: what every shape is held to, so that a
+    shape built wrong shows even where it is deterministic and near the shipped one. ({}, why) where there is
+    none: fp32 inputs (the shipped shape's result is the reference then), the selection (block indices, near
+    ties decided by rounding), or an fp32 call that failed (said in every row)."""
+    if dtype == torch.float32 or kernel == "selection":
+        return {}, None
+    try:
+        return {branch: call.in_fp32() for branch, call in calls.items()}, None
+    except Exception as exc:  # out of memory, say: the shapes are still timed and compared with the shipped one
+        return {}, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
 def distinct_launches(kernel: str, shapes: list[tuple[int, int, int, int]],
                       sel_block_size: int) -> list[tuple[int, int, int, int]]:
     """shapes less those that launch as an earlier one does: the selected kernels take at most a selection
     block's keys a tile (tile_configs.key_tile), so more keys than that change nothing."""
-    from components.nsa.triton.tile_configs import key_tile
-
     seen, kept = set(), []
     for shape in shapes:
         rows, keys, warps, stages = shape
-        launch = (rows, key_tile(sel_block_size, keys) if kernel.startswith("selected") else keys, warps, stages)
+        keys = tile_configs.key_tile(sel_block_size, keys) if kernel.startswith("selected") else keys
+        launch = (rows, keys, warps, stages)
         if launch not in seen:
             seen.add(launch)
             kept.append(shape)
@@ -163,8 +193,6 @@ def distinct_launches(kernel: str, shapes: list[tuple[int, int, int, int]],
 
 def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
     """Each shape's rows (one per branch), as they are measured."""
-    from components.nsa.triton import tile_configs
-
     block_d = tile_configs.head_block(args.head_dim)
     element_bytes = dtype.itemsize
     shipped_shape = tuple(tile_configs.tiles(kernel, block_d, element_bytes))
@@ -172,11 +200,16 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
     shapes = distinct_launches(kernel, shapes, args.sel_block_size)
     calls = workloads(kernel, args, T, dtype, device)
     measure = timer(device, args.rep_ms)
+    exact, exact_error = exact_results(kernel, calls, dtype)
+    if exact_error:
+        print(f"T={T:6d} {kernel}: no exact (fp32) result to hold the shapes to: {exact_error}", flush=True)
     shipped_results: dict[str, tuple] = {}
     for shape in shapes:
         for branch, call in calls.items():
             row = {"seq_len": T, "kernel": kernel, "branch": branch, "tiles": list(shape),
                    "shipped": shape == shipped_shape}
+            if exact_error:
+                row["exact_error"] = exact_error
             try:
                 with tile_configs.overridden(kernel, block_d, element_bytes, tile_configs.Tiles(*shape)):
                     result, again = call(), call()
@@ -184,7 +217,7 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
             except Exception as exc:  # a shape this GPU cannot build or launch: recorded, the next one runs
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
             else:
-                row.update(compare(result, again, shipped_results.get(branch)))
+                row.update(compare(result, again, shipped_results.get(branch), exact.get(branch)))
                 if row["shipped"]:
                     shipped_results[branch] = result
             print(_line(row), flush=True)
@@ -201,7 +234,9 @@ def _line(row: dict) -> str:
     close = (f"rel RMS {row['rel_rms']:.1e}" if "rel_rms" in row else
              f"equal {row['equal_share']:.1%}" if "equal_share" in row else
              "shipped" if row["shipped"] else "(the shipped shape gave no result)")
-    return f"{head} {row['ms']:9.3f} ms  {'deterministic' if row['deterministic'] else 'NOT DETERMINISTIC'}  {close}"
+    exact = f"  vs fp32 {row['rel_rms_exact']:.1e}" if "rel_rms_exact" in row else ""
+    return (f"{head} {row['ms']:9.3f} ms  {'deterministic' if row['deterministic'] else 'NOT DETERMINISTIC'}  "
+            f"{close}{exact}")
 
 
 def main(argv=None) -> int:

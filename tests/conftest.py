@@ -30,6 +30,44 @@ SLOWEST_FILES_FIRST = ("test_distributed.py", "test_checkpoint.py", "test_compil
                        "test_nsa_query_offsets.py", "test_nsa_packed.py")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--nsa-tiles", metavar="FILE",
+                     help="launch the NSA Triton kernels with this launch shapes file's shapes (bench.tile_choice "
+                          "writes it) instead of the shipped ones, to hold a candidate shape to the tests")
+
+
+def pytest_configure(config):
+    path = config.getoption("--nsa-tiles")
+    if not path:
+        return
+    from contextlib import ExitStack
+
+    from bench.launch_shapes import ShapesFileError, applied, read_shapes
+
+    try:
+        shapes = read_shapes(path)
+    except ShapesFileError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.nsa_launch_shapes = shapes
+    config.nsa_launch_stack = ExitStack()
+    config.nsa_launch_stack.enter_context(applied(shapes))
+
+
+def pytest_unconfigure(config):
+    stack = getattr(config, "nsa_launch_stack", None)
+    if stack is not None:
+        stack.close()
+
+
+def pytest_report_header(config):
+    shapes = getattr(config, "nsa_launch_shapes", None)
+    if shapes is not None:
+        from bench.launch_shapes import describe
+
+        return f"NSA launch shapes from {config.getoption('--nsa-tiles')}: {describe(shapes)}"
+    return None
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept

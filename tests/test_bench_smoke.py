@@ -12,6 +12,11 @@ import torch
 from bench import train_throughput
 from tests.conftest import REPO_ROOT
 
+# A tiny NSA layout for the kernel benchmarks' smoke runs under Triton's interpreter.
+TINY_NSA = ["--allow-cpu", "--seq-lens", "40", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+            "--block-size", "8", "--block-stride", "4", "--sel-block-size", "8", "--num-selected", "2",
+            "--window-size", "8"]
+
 
 def _debug_model_parameters(vocab_size: int) -> int:
     from nsa_titan import assemble
@@ -131,10 +136,7 @@ def test_attention_stages_times_every_stage(tmp_path):
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
     out = tmp_path / "stages.json"
-    code = attention_stages.main(["--allow-cpu", "--seq-lens", "40", "--dtype", "fp32", "--heads", "2",
-                                  "--kv-heads", "1", "--head-dim", "16", "--block-size", "8", "--block-stride", "4",
-                                  "--sel-block-size", "8", "--num-selected", "2", "--window-size", "8",
-                                  "--out", str(out)])
+    code = attention_stages.main([*TINY_NSA, "--dtype", "fp32", "--out", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["stage"] for r in rows] == ["compressed", "selection", "selected", "window", "gating"]
@@ -567,10 +569,7 @@ def test_tile_variants_times_the_shipped_shape_and_its_neighbours(tmp_path):
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
     out = tmp_path / "tiles.json"
     shipped = tuple(tile_configs.tiles("interval_dkdv", 16, 4))
-    code = tile_variants.main(["--allow-cpu", "--seq-lens", "40", "--dtype", "fp32", "--heads", "2",
-                               "--kv-heads", "1", "--head-dim", "16", "--block-size", "8", "--block-stride", "4",
-                               "--sel-block-size", "8", "--num-selected", "2", "--window-size", "8",
-                               "--kernels", "interval_dkdv", "selection", "--rep-ms", "1",
+    code = tile_variants.main([*TINY_NSA, "--dtype", "fp32", "--kernels", "interval_dkdv", "selection", "--rep-ms", "1",
                                "--candidates", "interval_dkdv=16,16,4,1", "interval_dkdv=24,16,4,1", "--out", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["results"]

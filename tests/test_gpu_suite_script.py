@@ -99,6 +99,37 @@ def test_the_tiles_phase_runs_only_when_named(tmp_path):
     assert "| stub report |" in proc.stdout
 
 
+def test_the_tuned_phase_chooses_from_this_runs_tiles_and_times_both_shapes(tmp_path):
+    """tiles, then tuned: tile_choice reads the tile_variants files this run wrote, its file goes to --tiles FILE,
+    the op is timed with the shipped shapes and with FILE's, and a later phase's GPU tests and benchmarks take FILE."""
+    chosen = tmp_path / "kept" / "tiles.json"
+    proc, root = _suite(tmp_path, "--budget", "200", "--tiles", str(chosen), "tiles", "tuned", "check", "attention")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = [line.split(":")[0] for line in _summary(root)]
+    assert steps[:7] == ["tiles_paper", "tiles_125m_32_rows", "tile_choice", "attention_paper_shipped",
+                         "attention_paper_tuned", "attention_32_rows_shipped", "attention_32_rows_tuned"]
+    assert chosen.read_text() == "{}\n"  # the stub's tile_choice file, copied
+    commands = (tmp_path / "commands.log").read_text().splitlines()
+    assert any(line.endswith("-m bench.tile_choice bench/results/tile_variants-stub.json") for line in commands)
+    paper = [line for line in commands if "-m bench.attention --preset paper --seq-lens 32768 65536" in line]
+    assert [line.endswith(f"--tiles {chosen}") for line in paper] == [False, True]
+    tests = [line for line in commands if "-m pytest" in line]
+    assert len(tests) == 3 and all(f"--nsa-tiles {chosen}" in line for line in tests)
+    benchmarks = [line for line in commands if "-m bench.attention" in line]
+    assert len(benchmarks) == 10 and all(f"--tiles {chosen}" in line for line in benchmarks[4:])
+    trains = [line for line in commands if "nsa_titan.cli" in line]
+    assert trains and all("tiles" not in line for line in trains)  # training keeps the shipped shapes
+
+
+def test_the_tuned_phase_without_tiles_results_says_so(tmp_path):
+    proc, root = _suite(tmp_path, "--budget", "200", "tuned", "attention")
+    assert _summary(root)[0] == ("tile_choice: SKIPPED (no tile_variants results from this run: name the tiles phase "
+                                 "before tuned)")
+    commands = (tmp_path / "commands.log").read_text()
+    assert "bench.tile_choice" not in commands and "--tiles" not in commands  # attention ran with the shipped shapes
+    assert proc.returncode == 1
+
+
 def test_failed_steps_are_counted_in_the_exit_status(tmp_path):
     proc, root = _suite(tmp_path, "--budget", "200", "check", fail="--compile.enable=true")
     failed = [line for line in _summary(root) if "FAILED (exit 3)" in line]
@@ -123,6 +154,7 @@ def test_a_step_is_cut_at_the_budget_and_later_ones_are_skipped(tmp_path):
     (["--pack"], "--pack needs a value"),
     (["warmup"], "unknown phase 'warmup'"),
     (["--fast"], "unknown option '--fast'"),
+    (["--tiles", "absent.json", "check"], "absent.json: no such file. Fix: give the file bench.tile_choice wrote"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message):
     proc, root = _suite(tmp_path, *args)
@@ -133,7 +165,7 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message)
 def test_help_prints_the_usage_and_runs_nothing(tmp_path):
     proc, root = _suite(tmp_path, "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("The checks and benchmarks that need a CUDA GPU")
-    assert "./bench/gpu_suite.sh [--budget SECONDS] [--pack FILE] [PHASE ...]" in proc.stdout
+    assert "./bench/gpu_suite.sh [--budget SECONDS] [--pack FILE] [--tiles FILE] [PHASE ...]" in proc.stdout
     assert "set -uo" not in proc.stdout and not (tmp_path / "commands.log").exists()
 
 

@@ -68,6 +68,10 @@ _FP32 = {
 }
 
 
+KERNELS = tuple(_HALF)
+HEAD_BLOCKS = tuple(_HALF["interval_fwd"])  # the padded head dims with a shape of their own (16 reads 32's)
+
+
 def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
