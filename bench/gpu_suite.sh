@@ -14,7 +14,8 @@
 #              where the NSA op's time goes, the selected branch's two layouts side by side, and whether
 #              the host's launches set the op's pace (2k, 8k, 64k); both again for 32 rows of 2k tokens
 #              (nsa_125m's training shape)
-#   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k;
+#   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k, with
+#              one step of each profiled (where its GPU time goes, by kernel and kind);
 #              python -m bench.loss_memory at 65,536 tokens; nsa_125m at 2k with CUDA graphs
 #              (compile.mode = reduce-overhead)
 #   tiles      python -m bench.tile_variants: each kernel's shipped launch shape against its neighbours
@@ -216,7 +217,7 @@ phase_attention() {
     ${shapes[@]+"${shapes[@]}"}
 }
 phase_train() {
-  step train_throughput 240 "$py" -m bench.train_throughput --seq-lens 2048 32768
+  step train_throughput 240 "$py" -m bench.train_throughput --seq-lens 2048 32768 --profile
   step loss_memory 60 "$py" -m bench.loss_memory --tokens 65536
   step train_reduce_overhead 150 "$py" -m bench.train_throughput --seq-lens 2048 --recipes recipes/nsa_125m.toml \
     --override=--compile.mode=reduce-overhead

@@ -3,12 +3,11 @@
     python -m bench.report bench/results/attention-*.json bench/results/train_throughput-*.json ...
 
 Reads what every benchmark writes (bench.attention, attention_stages, tile_variants, tile_choice, train_throughput,
-loss_memory, context_parallel, data_resume, data_throughput, decode, reference_vs_sdpa_cpu and kernel_resources --json) and
-prints, per file, where it was measured (GPU, versions, commit; a GPU benchmark run on the CPU, or with Triton
-interpreted, is marked as a smoke run) and one table of its numbers. Targets (checked
-where the file has the lengths): the NSA op's forward + backward at least 6x SDPA's speed at 64k
-tokens and at least SDPA's speed at 8k or below; nsa_125m at least 0.8x dense_125m's tokens/s at
-2k and at least 2x at 32k. Nothing here measures anything.
+loss_memory, context_parallel, data_resume, data_throughput, decode, reference_vs_sdpa_cpu and kernel_resources
+--json) and prints, per file, where it was measured (GPU, versions, commit; a GPU benchmark run on the CPU, or with
+Triton interpreted, is marked as a smoke run) and one table of its numbers. Targets (checked where the file has the
+lengths): the NSA op's forward + backward at least 6x SDPA's speed at 64k tokens and at least SDPA's speed at 8k or
+below; nsa_125m at least 0.8x dense_125m's tokens/s at 2k and at least 2x at 32k. Nothing here measures anything.
 """
 
 from __future__ import annotations
@@ -185,6 +184,29 @@ def train_tables(report: dict) -> list[str]:
         if nsa and dense:
             lines.append(f"- target: nsa_125m >= {target}x dense_125m at {T} tokens: {nsa / dense:.2f}x, "
                          f"{_verdict(nsa / dense >= target)}")
+    for r in results:
+        if r.get("step_profile"):
+            lines += [""] + step_profile_lines(r)
+    return lines
+
+
+STEP_PROFILE_KERNELS = 10
+
+
+def step_profile_lines(case: dict) -> list[str]:
+    """Where one profiled step of a case spent its GPU time (bench.train_throughput --profile), by kind and kernel."""
+    p = case["step_profile"]
+    step = f"step {', '.join(map(str, p['steps']))}" if p["steps"] else "a step"
+    wall = f" in a {p['step_ms']:.1f} ms step" if p.get("step_ms") else ""
+    head = (f"GPU time of {step} of {_model(case['recipe'])} at {case['seq_len']} tokens: {p['gpu_ms']:.1f} ms of "
+            f"kernels")
+    if not p["gpu_ms"]:
+        return [f"{head}{wall} (no GPU kernels recorded: a CPU run)"]
+    kinds = ", ".join(f"{kind} {ms:.1f} ms ({ms / p['gpu_ms']:.0%})"
+                      for kind, ms in sorted(p["kinds"].items(), key=lambda item: -item[1]) if ms > 0)
+    lines = [f"{head}{wall}: {kinds}.", "", "| kernel | kind | ms | calls |", "| --- | --- | --- | --- |"]
+    lines += [f"| {k['name'].replace('|', '/')} | {k['kind']} | {k['ms']:.2f} | {k['calls']:g} |"
+              for k in p["kernels"][:STEP_PROFILE_KERNELS]]
     return lines
 
 

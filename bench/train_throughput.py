@@ -14,7 +14,9 @@ the median tokens/s over the steps after warmup (compilation and autotuning excl
 JSON into bench/results/ with the GPU, library versions and the commit (rewritten after every case,
 so a run cut short keeps the cases that ran). A case that runs out of memory
 is run again with half the micro-batch and twice the gradient accumulation (the same tokens a step),
-down to one row, unless --no-fit; the micro-batches that did not fit are recorded with it.
+down to one row, unless --no-fit; the micro-batches that did not fit are recorded with it. --profile
+runs two steps more after the timed ones, the profiler's warmup and one profiled step, and records where
+that step's GPU time goes, kernel by kernel and by kind (bench.step_kernels).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from bench import environment
 from bench.arguments import VOCAB_SIZE_RANGE, non_negative_int, positive_int, recipe_problems, refuse_overrides
 from bench.arguments import vocab_size as vocab_size_type
 from bench.environment import describe_environment, write_report
+from bench.step_kernels import summarize
 from nsa_titan.training_faults import OUT_OF_MEMORY_EXIT, TrainingFault
 
 DEFAULT_RECIPES = ["nsa_125m.toml", "dense_125m.toml"]  # the checkout's recipes/
@@ -77,7 +80,9 @@ OWNED_FIELDS = {"training.steps": "--steps", "training.seq_len": "--seq-lens",
                 "training.local_batch_size": "--tokens-per-step", "training.global_batch_size": "--tokens-per-step",
                 "data.source": "", "data.tokenizer": "", "data.tiktoken.encoding": "--vocab-size",
                 "data.synthetic.vocab_size": "--vocab-size", "checkpoint.enable": "", "validation.enable": "",
-                "metrics.log_freq": "", "job.dump_folder": ""}  # each case trains in a temporary folder
+                "metrics.log_freq": "", "job.dump_folder": "",  # each case trains in a temporary folder
+                "profiling.enable": "--profile", "profiling.start_step": "--profile", "profiling.steps": "--profile",
+                "profiling.folder": "--profile"}
 ROW_FIELDS = {"data.synthetic.min_length": "--documents", "data.synthetic.max_length": "--documents"}
 
 
@@ -116,14 +121,26 @@ def case_overrides(overrides: list[str], seq_len: int) -> list[str]:
     return extra
 
 
+# --profile: after the timed steps, one warmup step of the profiler and one step profiled, both left out of the median.
+PROFILE_STEPS = 2
+
+
+def profile_overrides(steps: int) -> list[str]:
+    """The trainer's [profiling] for the step after the timed ones and the profiler's warmup step."""
+    return ["--profiling.enable=true", f"--profiling.start_step={steps + PROFILE_STEPS}", "--profiling.steps=1",
+            "--profiling.folder=profile"]
+
+
 def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batch: int, vocab_size: int,
-             extra: list[str], documents: str = "row", global_batch: int = 0) -> dict:
+             extra: list[str], documents: str = "row", global_batch: int = 0, profile: bool = False) -> dict:
     from nsa_titan.config import resolve
     from nsa_titan.runtime import make_runtime
     from nsa_titan.trainer import Trainer
 
+    run_steps = steps + PROFILE_STEPS if profile else steps
     with tempfile.TemporaryDirectory() as dump:
-        resolved = resolve(synthetic_run_argv(recipe_path, seq_len, steps, local_batch, vocab_size, dump, extra,
+        resolved = resolve(synthetic_run_argv(recipe_path, seq_len, run_steps, local_batch, vocab_size, dump,
+                                              [*extra, *(profile_overrides(steps) if profile else [])],
                                               one_document_per_row=documents == "row", global_batch=global_batch),
                            training=True)
         runtime = make_runtime(resolved.recipe.training.device, resolved.recipe.training.dtype)
@@ -138,8 +155,10 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
         wall = time.perf_counter() - start
         with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as fh:
             records = [json.loads(line) for line in fh if '"loss"' in line]
-    steady = [r["tokens_per_second"] for r in records if r["step"] > warmup]
-    return {
+        step_profile = summarize(os.path.join(dump, "profile", "trace_rank0.json.gz")) if profile else None
+    timed = [r for r in records if warmup < r["step"] <= steps]
+    steady = [r["tokens_per_second"] for r in timed]
+    result = {
         "recipe": recipe_path,
         "seq_len": seq_len,
         "documents": "one per row" if documents == "row" else "packed (synthetic 64-1024 tokens)",
@@ -148,6 +167,7 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
         "steps": steps,
         "warmup_steps_excluded": warmup,
         "tokens_per_second": statistics.median(steady) if steady else None,
+        "timed_steps": [r["step"] for r in timed],
         "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if runtime.device.type == "cuda" else None,
         "wall_seconds": wall,
         "parameters": trainer.num_params,
@@ -155,6 +175,9 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
         "final_loss": records[-1]["loss"] if records else None,
         "overrides": extra,
     }
+    if step_profile is not None:
+        result["step_profile"] = step_profile
+    return result
 
 
 def release_device_memory() -> None:
@@ -170,7 +193,7 @@ def run_or_record_oom(recipe: str, seq_len: int, args, micro: int, batch: int, e
     """One case, or its out-of-memory error as the case's record."""
     try:
         return run_case(recipe, seq_len, args.steps, args.warmup, micro, args.vocab_size, extra, args.documents,
-                        global_batch=batch)
+                        global_batch=batch, profile=args.profile)
     except (torch.OutOfMemoryError, TrainingFault) as exc:
         # The trainer ends a step, or a model build, that runs out of memory with a TrainingFault (the
         # allocator's own error may still escape elsewhere). Either way the case is recorded and the next runs.
@@ -214,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--documents", choices=("row", "packed"), default="row",
                         help="row: every row one seq_len-token document; packed: short documents, masked apart")
     parser.add_argument("--override", action="append", default=[], help="extra recipe override, repeatable")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one step after the timed ones and record where its GPU time goes, by kernel "
+                             "and kind (bench.step_kernels)")
     parser.add_argument("--no-fit", action="store_true",
                         help="record an out-of-memory case as it is instead of halving its micro-batch")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test, not a benchmark)")

@@ -69,6 +69,7 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
     assert "-m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton " \
            "--compile.enable=true --training.steps=200" in commands
     assert "--fail-on-break" in commands
+    assert "-m bench.train_throughput --seq-lens 2048 32768 --profile" in commands
     # Every GPU test file runs, each in one of the test steps: the GPU-only ones and those that run their kernels on
     # CUDA when there is a GPU (the interpreter's otherwise).
     tests = SCRIPT.parents[1] / "tests"
