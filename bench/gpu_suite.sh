@@ -24,8 +24,9 @@
 #              the interval backward at 32 rows of 2k with the 125M heads. Only when named.
 #   tuned      python -m bench.tile_choice on this run's tiles results (name tiles before it): the fastest shape
 #              of each kernel that is deterministic and as close to the exact result as the shipped one, where
-#              it gains 3% or more; then bench.attention with the shipped shapes and with the chosen ones, side
-#              by side, for the paper's heads at 32k and 64k and for 32 rows of 2k. Only when named.
+#              it gains 3% or more; then, where a shape changed, the op's forward + backward (bench.attention,
+#              no SDPA) with the shipped shapes and with the chosen ones, one after the other, for the paper's
+#              heads at 32k and 64k and for 32 rows of 2k. Only when named.
 #
 # --tiles FILE: the launch shapes file (bench/launch_shapes.py) the check and attention phases' GPU tests and
 # benchmarks launch with instead of the shipped shapes (the training runs keep the shipped ones: a shape ships
@@ -233,13 +234,13 @@ phase_tiles() {
 # ones, one after the other, where the paper's heads (32k, 64k) and nsa_125m's training shape (32 rows of 2k) run.
 phase_tuned() {
   local variants chosen
+  [ -z "$tiles" ] || rm -f -- "$tiles"  # an earlier run's choice must not pass for this one's
   mapfile -t variants < <(fresh_results | grep '/tile_variants-')
   if [ ${#variants[@]} -eq 0 ]; then
     echo "tile_choice: SKIPPED (no tile_variants results from this run: name the tiles phase before tuned)" |
       tee -a "$logs/summary.txt"
     return 1
   fi
-  [ -z "$tiles" ] || rm -f -- "$tiles"  # an earlier run's choice must not pass for this one's
   step tile_choice 30 "$py" -m bench.tile_choice "${variants[@]}" || return 1
   chosen=$(fresh_results | grep '/tile_choice-' | tail -n 1)
   if [ -z "$chosen" ]; then
@@ -247,10 +248,16 @@ phase_tuned() {
     return 1
   fi
   if [ -n "$tiles" ]; then mkdir -p "$(dirname "$tiles")" && cp "$chosen" "$tiles"; else tiles=$chosen; fi
-  step attention_paper_shipped 90 "$py" -m bench.attention --preset paper --seq-lens 32768 65536
-  step attention_paper_tuned 90 "$py" -m bench.attention --preset paper --seq-lens 32768 65536 --tiles "$tiles"
-  step attention_32_rows_shipped 60 "$py" -m bench.attention --batch 32 --seq-lens 2048
-  step attention_32_rows_tuned 60 "$py" -m bench.attention --batch 32 --seq-lens 2048 --tiles "$tiles"
+  if ! "$py" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["shapes"] else 1)' "$chosen"; then
+    echo "attention_tuned: ok in 0 s (no shape changed: nothing to compare)" | tee -a "$logs/summary.txt"
+    return 0
+  fi
+  # The op alone, forward + backward, without SDPA: the comparison is shipped against chosen.
+  local op=("$py" -m bench.attention --no-sdpa --modes fwd+bwd)
+  step attention_paper_shipped 90 "${op[@]}" --preset paper --seq-lens 32768 65536
+  step attention_paper_tuned 90 "${op[@]}" --preset paper --seq-lens 32768 65536 --tiles "$tiles"
+  step attention_32_rows_shipped 60 "${op[@]}" --batch 32 --seq-lens 2048
+  step attention_32_rows_tuned 60 "${op[@]}" --batch 32 --seq-lens 2048 --tiles "$tiles"
 }
 
 for phase in "${phases[@]}"; do

@@ -142,11 +142,14 @@ def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dic
 
 
 def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    """RMS of a - b over RMS of b, in fp32; entries not finite in b (an lse2 of +inf) are left out."""
+    """RMS of a - b over RMS of b, in fp32; entries not finite in b (an lse2 of +inf) are left out. NaN where b
+    has entries but none finite (a broken reference holds no shape to anything); 0 where both are empty."""
     a, b = a.float(), b.float()
     keep = torch.isfinite(b)
+    if not keep.any():
+        return float("nan") if b.numel() else 0.0
     diff, ref = (a - b)[keep], b[keep]
-    return float(diff.square().mean().sqrt() / ref.square().mean().sqrt().clamp_min(1e-30)) if ref.numel() else 0.0
+    return float(diff.square().mean().sqrt() / ref.square().mean().sqrt().clamp_min(1e-30))
 
 
 def compare(result: tuple, again: tuple, shipped: tuple | None, exact: tuple | None) -> dict:
@@ -212,6 +215,8 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
                 row["exact_error"] = exact_error
             try:
                 with tile_configs.overridden(kernel, block_d, element_bytes, tile_configs.Tiles(*shape)):
+                    if kernel.startswith("selected"):
+                        row["selected_layout"] = selected_layout(args, T, element_bytes)
                     result, again = call(), call()
                     row["ms"] = measure(call)
             except Exception as exc:  # a shape this GPU cannot build or launch: recorded, the next one runs
@@ -224,6 +229,14 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
             yield row
             if device == "cuda":
                 torch.cuda.empty_cache()
+
+
+def selected_layout(args, T: int, element_bytes: int) -> str:
+    """The selected branch's layout training takes for this call with the shapes in force: selected dK/dV's key
+    tile sizes the block layout's partials, so a shape of it can move the forward (not timed here) to the
+    other layout; bench.tile_choice keeps to the shipped shape's layout."""
+    return tile_configs.selected_layout_for(args.batch * T, args.heads, args.kv_heads, args.num_selected,
+                                            args.head_dim, args.sel_block_size, element_bytes)
 
 
 def _line(row: dict) -> str:

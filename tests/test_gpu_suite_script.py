@@ -112,8 +112,9 @@ def test_the_tuned_phase_chooses_from_this_runs_tiles_and_times_both_shapes(tmp_
     assert chosen.read_text() == "{}\n"  # the stub's tile_choice file, copied
     commands = (tmp_path / "commands.log").read_text().splitlines()
     assert any(line.endswith("-m bench.tile_choice bench/results/tile_variants-stub.json") for line in commands)
-    paper = [line for line in commands if "-m bench.attention --preset paper --seq-lens 32768 65536" in line]
+    paper = [line for line in commands if "--preset paper --seq-lens 32768 65536" in line]
     assert [line.endswith(f"--tiles {chosen}") for line in paper] == [False, True]
+    assert all("-m bench.attention --no-sdpa --modes fwd+bwd" in line for line in paper)
     tests = [line for line in commands if "-m pytest" in line]
     assert len(tests) == 3 and all(f"--nsa-tiles {chosen}" in line for line in tests)
     benchmarks = [line for line in commands if "-m bench.attention" in line]
@@ -129,6 +130,23 @@ def test_the_tuned_phase_without_tiles_results_says_so(tmp_path):
     commands = (tmp_path / "commands.log").read_text()
     assert "bench.tile_choice" not in commands and "--tiles" not in commands  # attention ran with the shipped shapes
     assert proc.returncode == 1
+
+
+def test_the_tuned_phase_leaves_no_earlier_choice_behind(tmp_path):
+    """A --tiles file from an earlier run must not pass for this run's choice when this run made none."""
+    stale = tmp_path / "tiles.json"
+    stale.write_text('{"shapes": []}')
+    proc, root = _suite(tmp_path, "--budget", "200", "--tiles", str(stale), "tuned", "check")
+    assert not stale.exists()
+    assert _summary(root)[1] == f"check: SKIPPED (--tiles {stale} does not exist: the tuned phase wrote no choice)"
+    assert "-m pytest" not in (tmp_path / "commands.log").read_text()
+
+
+def test_the_tuned_phase_times_nothing_when_no_shape_changed(tmp_path):
+    proc, root = _suite(tmp_path, "--budget", "200", "tiles", "tuned", fail='["shapes"]')
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _summary(root)[-1] == "attention_tuned: ok in 0 s (no shape changed: nothing to compare)"
+    assert "-m bench.attention" not in (tmp_path / "commands.log").read_text()
 
 
 def test_failed_steps_are_counted_in_the_exit_status(tmp_path):

@@ -5,6 +5,7 @@ shapes file, and bench.report tables it. The last test runs the measurement itse
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -90,11 +91,34 @@ def test_a_shipped_shape_that_is_itself_wrong_changes_nothing(extra, why):
 
 def test_selections_must_agree_with_the_shipped_shape():
     rows = [_row(SHIPPED, 10.0, kernel="selection", branch="selection", rel_rms_exact=None),
-            _row([32, 0, 8, 1], 5.0, kernel="selection", branch="selection", equal_share=0.95),
-            _row([128, 0, 8, 1], 8.0, kernel="selection", branch="selection", equal_share=0.995)]
+            _row([32, 0, 8, 1], 5.0, kernel="selection", branch="selection", equal_share=0.995),
+            _row([128, 0, 8, 1], 8.0, kernel="selection", branch="selection", equal_share=0.9995)]
     changes, summary = _choose(rows)
     assert changes == [LaunchShape("selection", 128, 2, Tiles(128, 0, 8, 1))]
-    assert summary["rejected"] == [{"tiles": [32, 0, 8, 1], "why": "selects 95.0% of the shipped shape's blocks"}]
+    assert summary["rejected"] == [{"tiles": [32, 0, 8, 1], "why": "selects 99.50% of the shipped shape's blocks"}]
+
+
+def test_a_selected_dkdv_shape_that_moves_the_forward_to_another_layout_is_passed_over():
+    """Its key tile sizes the block layout's partials: past their limit training runs the forward query-major,
+    which the backward's rows do not time."""
+    rows = [_row(SHIPPED, 10.0, kernel="selected_dkdv", branch="selected", selected_layout="block"),
+            _row([32, 32, 8, 1], 6.0, kernel="selected_dkdv", branch="selected", selected_layout="query"),
+            _row([32, 64, 4, 1], 9.0, kernel="selected_dkdv", branch="selected", selected_layout="block")]
+    changes, summary = _choose(rows)
+    assert changes == [LaunchShape("selected_dkdv", 128, 2, Tiles(32, 64, 4, 1))]
+    assert summary["rejected"][0]["tiles"] == [32, 32, 8, 1]
+    assert summary["rejected"][0]["why"].startswith("moves the selected branch to the query layout (the shipped "
+                                                    "shape's: block)")
+
+
+def test_a_distance_that_is_not_a_number_qualifies_nothing():
+    nan = float("nan")
+    changes, summary = _choose(_both_branches(SHIPPED, 10.0, 4.0) + _both_branches([32, 64, 8, 2], 5.0, 2.0,
+                                                                                     rel_rms_exact=nan))
+    assert changes == [] and "relative RMS nan from the exact result" in summary["rejected"][0]["why"]
+    rows = _both_branches(SHIPPED, 10.0, 4.0, rel_rms_exact=nan) + _both_branches([32, 64, 8, 2], 5.0, 2.0)
+    changes, summary = _choose(rows)
+    assert changes == [] and summary["verdict"].startswith("kept: the shipped shape itself relative RMS nan")
 
 
 def test_fp32_shapes_are_held_to_the_shipped_fp32_result():
@@ -105,6 +129,16 @@ def test_fp32_shapes_are_held_to_the_shipped_fp32_result():
     changes, summary = _choose(rows, dtype="fp32", head_dim=100)
     assert changes == [LaunchShape("interval_dkdv", 128, 4, Tiles(16, 64, 8, 1))]
     assert summary["rejected"][0]["why"] == "relative RMS 2.0e-05 from the shipped fp32 result"
+
+
+def test_a_reference_with_nothing_finite_holds_no_shape_to_anything():
+    import torch
+
+    from bench.tile_variants import relative_rms
+
+    assert math.isnan(relative_rms(torch.ones(3), torch.full((3,), float("inf"))))
+    assert relative_rms(torch.ones(0), torch.ones(0)) == 0.0
+    assert relative_rms(torch.tensor([1.0, 5.0]), torch.tensor([1.0, float("inf")])) == 0.0  # +inf entries left out
 
 
 def test_main_writes_a_launch_shapes_file_and_report_tables_it(tmp_path, capsys):
@@ -142,8 +176,8 @@ def test_measured_under_the_interpreter_in_fp16_every_shape_is_held_to_the_fp32_
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
     variants = tmp_path / "tile_variants.json"
-    code = tile_variants.main([*TINY_NSA, "--dtype", "fp16", "--kernels", "interval_fwd", "selection", "--rep-ms", "1",
-                               "--out", str(variants)])
+    code = tile_variants.main([*TINY_NSA, "--dtype", "fp16", "--kernels", "interval_fwd", "selection", "selected_dkdv",
+                               "--rep-ms", "1", "--out", str(variants)])
     assert code == 0
     rows = json.loads(variants.read_text())["results"]
     interval = [r for r in rows if r["kernel"] == "interval_fwd"]
@@ -151,13 +185,16 @@ def test_measured_under_the_interpreter_in_fp16_every_shape_is_held_to_the_fp32_
     # fp16 products against true fp32 ones: within fp16's rounding, for every shape alike.
     assert all(0 < r["rel_rms_exact"] < 2e-3 for r in interval), [r["rel_rms_exact"] for r in interval]
     assert all("rel_rms_exact" not in r for r in rows if r["kernel"] == "selection")
+    dkdv = [r for r in rows if r["kernel"] == "selected_dkdv"]
+    assert len(dkdv) > 2 and all(r["deterministic"] and 0 < r["rel_rms_exact"] < 2e-3 for r in dkdv)
+    assert {r["selected_layout"] for r in dkdv} == {"block"}  # 40 tokens: partials far below the limit
     shipped = next(r for r in interval if r["shipped"] and r["branch"] == "window")
     assert (f"| 40 | interval_fwd | window | {','.join(map(str, shipped['tiles']))} (shipped) | {shipped['ms']:.3f} | "
             f"1.00x | yes | - | {shipped['rel_rms_exact']:.1e} |") in render(json.loads(variants.read_text()))
     out = tmp_path / "choice.json"
     assert tile_choice.main([str(variants), "--out", str(out), "--min-gain", "0"]) == 0
     summaries = json.loads(out.read_text())["kernels"]
-    assert {(s["kernel"], s["head_block"], s["element_bytes"]) for s in summaries} == {("interval_fwd", 32, 2),
-                                                                                       ("selection", 32, 2)}
+    assert {(s["kernel"], s["head_block"], s["element_bytes"]) for s in summaries} == {
+        ("interval_fwd", 32, 2), ("selection", 32, 2), ("selected_dkdv", 32, 2)}
     assert all(s["verdict"] == "changed" or s["verdict"].startswith("kept: no shape") for s in summaries), summaries
     read_shapes(str(out))  # what it wrote is a launch shapes file the tools take
