@@ -164,7 +164,8 @@ check_group_tests_op() {
 check_group_tests_more() {
   STEP_SIGNAL=INT step gpu_tests_more 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
     --basetemp="$dump/pytest_more" ${tiles_pytest[@]+"${tiles_pytest[@]}"} tests/test_nsa_triton_compile.py \
-    tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py tests/test_dense_documents_gpu.py tests/test_nsa_packed.py tests/test_bitonic_sort.py
+    tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py tests/test_dense_documents_gpu.py \
+    tests/test_nsa_packed.py tests/test_bitonic_sort.py
 }
 check_group_train() {
   step train_200_steps 240 "${debug_run[@]}" --compile.enable=true --training.steps=200 \

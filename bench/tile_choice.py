@@ -10,8 +10,8 @@ SELECTION_AGREEMENT of the shipped shape's indices; fp32 inputs: FP32_BOUND of t
 keeps the selected branch in the shipped shape's layout (selected dK/dV's key tile sizes the block
 layout's partials, so it can move the forward, which its rows do not time, to the other layout).
 The times are those of the launcher calls tile_variants makes (the interval backward's dQ and dK/dV
-kernels run in one call), so a gain is a gain of the call. The qualifying shape with the least time summed over the workloads is chosen where it beats the
-shipped shape's by --min-gain; otherwise the shipped shape stays. The file (bench/results/
+kernels run in one call), so a gain is a gain of the call. The qualifying shape with the least time
+summed over the workloads is chosen where it beats the shipped shape's by --min-gain; otherwise the shipped shape stays. The file (bench/results/
 tile_choice-<gpu>-<time>.json by default) lists the changed shapes under "shapes", which
 bench.attention --tiles, bench.attention_stages --tiles and the tests' --nsa-tiles read
 (bench/launch_shapes.py), and why each other shape was passed over. Nothing here changes what
