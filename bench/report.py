@@ -191,11 +191,19 @@ def train_tables(report: dict) -> list[str]:
 
 
 STEP_PROFILE_KERNELS = 10
+KERNEL_NAME_LIMIT = 100
+
+
+def _short(name: str) -> str:
+    """A templated kernel's name cut for a table (the JSON keeps it whole)."""
+    return name if len(name) <= KERNEL_NAME_LIMIT else name[:KERNEL_NAME_LIMIT - 3] + "..."
 
 
 def step_profile_lines(case: dict) -> list[str]:
     """Where one profiled step of a case spent its GPU time (bench.train_throughput --profile), by kind and kernel."""
     p = case["step_profile"]
+    if "error" in p:
+        return [f"GPU time of {_model(case['recipe'])} at {case['seq_len']} tokens: {p['error']}"]
     step = f"step {', '.join(map(str, p['steps']))}" if p["steps"] else "a step"
     wall = f" in a {p['step_ms']:.1f} ms step" if p.get("step_ms") else ""
     head = (f"GPU time of {step} of {_model(case['recipe'])} at {case['seq_len']} tokens: {p['gpu_ms']:.1f} ms of "
@@ -205,7 +213,7 @@ def step_profile_lines(case: dict) -> list[str]:
     kinds = ", ".join(f"{kind} {ms:.1f} ms ({ms / p['gpu_ms']:.0%})"
                       for kind, ms in sorted(p["kinds"].items(), key=lambda item: -item[1]) if ms > 0)
     lines = [f"{head}{wall}: {kinds}.", "", "| kernel | kind | ms | calls |", "| --- | --- | --- | --- |"]
-    lines += [f"| {k['name'].replace('|', '/')} | {k['kind']} | {k['ms']:.2f} | {k['calls']:g} |"
+    lines += [f"| {_short(k['name']).replace('|', '/')} | {k['kind']} | {k['ms']:.2f} | {k['calls']:g} |"
               for k in p["kernels"][:STEP_PROFILE_KERNELS]]
     return lines
 

@@ -2,8 +2,9 @@
 [profiling] writes one), summed by name and by kind, per profiled step.
 
 Kinds: nsa_triton (the NSA op's own Triton kernels, components/nsa/triton), attention (flash, cuDNN or other
-fused attention), matmul (cuBLAS / CUTLASS GEMMs), compiled (inductor's generated Triton kernels), communication
-(NCCL), memory (copies and fills) and other (eager torch kernels: sorts, scans, elementwise ops).
+fused attention), matmul (cuBLAS / CUTLASS GEMMs), compiled (inductor's generated Triton kernels, FlexAttention's
+and max-autotune's matmul templates among them), communication (NCCL), memory (copies and fills) and other (eager
+torch kernels: sorts, scans, elementwise ops).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from functools import lru_cache
 KINDS = ("nsa_triton", "attention", "matmul", "compiled", "communication", "memory", "other")
 _ATTENTION = re.compile(r"flash|fmha|cudnn|attention|attn", re.I)
 _MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|wgmma|splitk", re.I)
-NAME_LIMIT = 120
 
 
 @lru_cache(maxsize=1)
@@ -62,11 +62,13 @@ def read_trace(path: str) -> list[dict]:
 
 
 def summarize(path: str, top: int = 15) -> dict:
-    """Per profiled step: the GPU's kernel time, the step's wall time, both by kind and the `top` kernels
-    (name, kind, ms, calls). A CPU-only trace has no kernels: its gpu_ms is 0."""
+    """Per profiled step: the GPU's kernel time, the step's time on the host (step_ms), the kernel time by kind
+    and the `top` kernels (name, kind, ms, calls). A CPU-only trace has no kernels: its gpu_ms is 0."""
     events = read_trace(path)
-    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e),
-                   key=lambda e: e["ts"])
+    # The host's step spans; on CUDA each also has a copy on the GPU's timeline (gpu_user_annotation, one per
+    # stream), which is not a step of its own.
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation"
+                    and str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e), key=lambda e: e["ts"])
     count = max(1, len(steps))
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     kinds = dict.fromkeys(KINDS, 0.0)
@@ -88,6 +90,6 @@ def summarize(path: str, top: int = 15) -> dict:
         "step_ms": sum(e["dur"] for e in steps) / 1e3 / count if steps else None,
         "gpu_ms": gpu_ms / count,
         "kinds": {kind: ms / count for kind, ms in kinds.items()},
-        "kernels": [{"name": name[:NAME_LIMIT], "kind": kind, "ms": ms / count, "calls": calls / count}
+        "kernels": [{"name": name, "kind": kind, "ms": ms / count, "calls": calls / count}
                     for (name, kind), (ms, calls) in ranked],
     }

@@ -131,6 +131,13 @@ def profile_overrides(steps: int) -> list[str]:
             "--profiling.folder=profile"]
 
 
+def profile_of(trace: str) -> dict:
+    """bench.step_kernels' summary of the profiled step, or why there is none (the run ended before it)."""
+    if not os.path.exists(trace):
+        return {"error": "no trace written: the run ended before its profiled step"}
+    return summarize(trace)
+
+
 def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batch: int, vocab_size: int,
              extra: list[str], documents: str = "row", global_batch: int = 0, profile: bool = False) -> dict:
     from nsa_titan.config import resolve
@@ -155,7 +162,7 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
         wall = time.perf_counter() - start
         with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as fh:
             records = [json.loads(line) for line in fh if '"loss"' in line]
-        step_profile = summarize(os.path.join(dump, "profile", "trace_rank0.json.gz")) if profile else None
+        step_profile = profile_of(os.path.join(dump, "profile", "trace_rank0.json.gz")) if profile else None
     timed = [r for r in records if warmup < r["step"] <= steps]
     steady = [r["tokens_per_second"] for r in timed]
     result = {
@@ -172,7 +179,7 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
         "wall_seconds": wall,
         "parameters": trainer.num_params,
         "vocab_size": vocab_size,
-        "final_loss": records[-1]["loss"] if records else None,
+        "final_loss": next((r["loss"] for r in reversed(records) if r["step"] <= steps), None),
         "overrides": extra,
     }
     if step_profile is not None:

@@ -23,10 +23,13 @@ def _trace(tmp_path, events):
 
 
 def test_a_trace_is_summed_by_kernel_and_kind_per_step(tmp_path):
-    long_name = "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_nn_align8>" + "x" * 200
+    long_name = "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_nn_align8>" + "x" * 99
     events = [
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#21", "ts": 0, "dur": 500_000},
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#22", "ts": 600_000, "dur": 300_000},
+        # CUDA traces copy each step onto the GPU's timeline, once per stream: no step of its own.
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#21", "ts": 1_000, "dur": 450_000},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#22", "ts": 601_000, "dur": 250_000},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10, "dur": 90_000},  # host time: not a kernel
         _kernel("_selected_attn_fwd_kernel", 120_000), _kernel("_selected_attn_fwd_kernel", 100_000),
         _kernel("_interval_attn_bwd_dkdv_kernel", 40_000),
@@ -45,10 +48,17 @@ def test_a_trace_is_summed_by_kernel_and_kind_per_step(tmp_path):
     assert summary["gpu_ms"] == sum(summary["kinds"].values()) == 275.0
     assert summary["kernels"] == [
         {"name": "_selected_attn_fwd_kernel", "kind": "nsa_triton", "ms": 110.0, "calls": 1.0},
-        {"name": long_name[:step_kernels.NAME_LIMIT], "kind": "matmul", "ms": 80.0, "calls": 0.5},
+        {"name": long_name, "kind": "matmul", "ms": 80.0, "calls": 0.5},
         {"name": "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "kind": "attention", "ms": 25.0,
          "calls": 0.5},
     ]
+
+
+def test_a_missing_trace_is_said_and_the_benchmark_goes_on(tmp_path):
+    case = {"recipe": "recipes/nsa_125m.toml", "seq_len": 2048, "local_batch_size": 32, "tokens_per_second": 1.0,
+            "step_profile": train_throughput.profile_of(str(tmp_path / "absent.json.gz"))}
+    assert render({"benchmark": "train_throughput", "results": [case]}).endswith(
+        "GPU time of nsa_125m at 2048 tokens: no trace written: the run ended before its profiled step")
 
 
 def test_every_nsa_triton_kernel_is_known_by_name():
@@ -67,6 +77,7 @@ def test_train_throughput_profiles_one_step_after_the_timed_ones(tmp_path):
     report = json.loads(out.read_text())
     (case,) = report["results"]
     assert case["steps"] == 3 and case["timed_steps"] == [2, 3] and case["tokens_per_second"] > 0
+    assert case["final_loss"] is not None
     profile = case["step_profile"]
     assert profile["steps"] == [5] and profile["step_ms"] > 0
     assert profile["gpu_ms"] == 0 and profile["kernels"] == []  # a CPU trace holds no GPU kernels
@@ -84,8 +95,12 @@ def test_report_tables_a_gpu_step_profile():
             "step_profile": {"steps": [22], "step_ms": 512.0, "gpu_ms": 500.0,
                              "kinds": {"nsa_triton": 200.0, "matmul": 250.0, "other": 50.0, "memory": 0.0},
                              "kernels": [{"name": "_selected_attn_bwd_dkdv_kernel", "kind": "nsa_triton", "ms": 90.0,
-                                          "calls": 12.0}]}}
+                                          "calls": 12.0},
+                                         {"name": "void at::native::elementwise_kernel<" + "x" * 150, "kind": "other",
+                                          "ms": 1.0, "calls": 2.0}]}}
     table = render({"benchmark": "train_throughput", "results": [case]})
     assert ("GPU time of step 22 of nsa_125m at 2048 tokens: 500.0 ms of kernels in a 512.0 ms step: matmul 250.0 ms "
             "(50%), nsa_triton 200.0 ms (40%), other 50.0 ms (10%).") in table
     assert "| _selected_attn_bwd_dkdv_kernel | nsa_triton | 90.00 | 12 |" in table
+    cut = ("void at::native::elementwise_kernel<" + "x" * 150)[:97] + "..."  # 100 characters in the table
+    assert f"| {cut} | other | 1.00 | 2 |" in table
