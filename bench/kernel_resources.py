@@ -4,14 +4,16 @@ Both layouts of the selected branch are compiled (tile_configs.selected_layout):
 other one's launchers on the same inputs.
 
     python -m bench.kernel_resources [--arch 90 80] [--head-dims 32 64 128 256] [--dtypes bf16 fp16 fp32]
-                                     [--heads 12 --kv-heads 4] [--packed] [--json FILE]
+                                     [--heads 12 --kv-heads 4] [--packed] [--tiles FILE] [--json FILE]
 
 No GPU needed: Triton compiles for the named architecture (sm_90 = H100/H200, sm_80 = A100) with the
 ptxas it ships, and nothing runs. Per kernel: warps, shared memory against the architecture's limit,
 registers and stack frame per thread (register spills and arrays kept in local memory). Exit
 status 1 when a kernel does not compile or needs more shared memory than the architecture has:
 such a kernel would fail at launch. --packed also compiles the kernels' packed-document variants
-(cu_seqlens: a row of three documents). Run without TRITON_INTERPRET.
+(cu_seqlens: a row of three documents). --tiles FILE compiles a launch shapes file's shapes in place of the
+shipped ones (bench/launch_shapes.py): a candidate's registers and spills, before any GPU time is spent on it.
+Run without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from bench.arguments import positive_int
 from bench.attention import DTYPES, add_nsa_args, cu_seqlens_of, nsa_hyper, nsa_inputs
 from bench.environment import describe_environment, write_report
+from bench.launch_shapes import add_tiles_arg, applied, config_of, finish_tiles_arg
 from components.errors import UserError
 from components.nsa.triton.launch import interpreting
 from components.nsa.triton_limits import TRITON_MAX_HEAD_DIM
@@ -68,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_nsa_args(p)
     p.add_argument("--packed", action="store_true", help="also compile the packed-document (cu_seqlens) variants")
     p.add_argument("--json", help="also write the rows as JSON to this file, with the machine, versions and commit")
-    args = p.parse_args(argv)
+    add_tiles_arg(p)
+    args = finish_tiles_arg(p, p.parse_args(argv))
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.packed and args.seq_len < 6:
@@ -79,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def compile_one(args: argparse.Namespace, arch: int, head_dim: int, dtype: torch.dtype) -> list:
     """The kernels one forward + backward launches, compiled for sm_<arch>."""
-    shape = argparse.Namespace(**vars(args), batch=1, head_dim=head_dim)
+    shape = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "shapes"}, batch=1, head_dim=head_dim)
     rows = [(None, None)]
     if args.packed:  # three documents of odd lengths
         third = args.seq_len // 3
@@ -118,7 +122,8 @@ def main(argv=None) -> int:
         for name in args.dtypes:
             for head_dim in args.head_dims:
                 try:
-                    kernels = compile_one(args, arch, head_dim, DTYPES[name])
+                    with applied(args.shapes):
+                        kernels = compile_one(args, arch, head_dim, DTYPES[name])
                 except UserError as exc:  # a configuration the op refuses (the same for every target): say so once
                     print(f"error: {exc}", file=sys.stderr)
                     return 2
@@ -143,7 +148,7 @@ def main(argv=None) -> int:
                           f"{k.stack_bytes if k.stack_bytes is not None else '?':>7}" + ("  OVER" if over else ""))
     if args.json:
         write_report({"benchmark": "kernel_resources", "environment": describe_environment(),
-                      "arguments": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows,
+                      "arguments": {k: v for k, v in config_of(args).items() if k != "json"}, "rows": rows,
                       "failures": failures}, "kernel_resources", args.json)
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)

@@ -88,6 +88,23 @@ def test_the_op_benchmarks_take_a_file_and_refuse_a_bad_one(tmp_path, module, ca
     assert "head_block 100 is none of" in capsys.readouterr().err
 
 
+def test_kernel_resources_compiles_a_files_shapes(tmp_path, monkeypatch):
+    """A candidate's registers and spills, offline: the kernels compile with the file's shapes, the shipped ones
+    are back afterwards, and the report records the shapes it compiled."""
+    from bench import kernel_resources
+
+    seen = []
+    monkeypatch.setattr(kernel_resources, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel_resources, "compile_one",
+                        lambda *args: seen.append(tile_configs.tiles("interval_dkdv", 128, 2)) or [])
+    shipped = tile_configs.tiles("interval_dkdv", 128, 2)
+    out = tmp_path / "kernels.json"
+    path = _write(tmp_path, {"shapes": [_entry()]})
+    assert kernel_resources.main(["--head-dims", "128", "--tiles", path, "--json", str(out)]) == 0
+    assert seen == [Tiles(32, 64, 8, 2)] and tile_configs.tiles("interval_dkdv", 128, 2) == shipped
+    assert json.loads(out.read_text())["arguments"]["launch_shapes"] == [_entry()]
+
+
 def _pytest_with_tiles(tmp_path, *tiles_args):
     probe = tmp_path / "test_probe.py"
     probe.write_text("from components.nsa.triton import tile_configs\n\n"
