@@ -224,11 +224,17 @@ phase_train() {
   step train_reduce_overhead 150 "$py" -m bench.train_throughput --seq-lens 2048 --recipes recipes/nsa_125m.toml \
     --override=--compile.mode=reduce-overhead
 }
+# Beside each shipped shape's neighbours, candidates two fields away that compile for sm_90 without spills
+# (bench.kernel_resources --tiles). The costliest kernels first: a step cut at its cap loses the others.
 phase_tiles() {
   step tiles_paper 240 "$py" -m bench.tile_variants --preset paper --seq-lens 65536 --rep-ms 100 \
-    --kernels interval_fwd interval_dq interval_dkdv selection
+    --kernels interval_dkdv interval_dq interval_fwd selection \
+    --candidates interval_dkdv=64,64,8,2 interval_dkdv=32,128,8,2 interval_dq=128,64,8,2 interval_dq=64,64,4,3 \
+    interval_fwd=128,64,8,2
   step tiles_125m_32_rows 180 "$py" -m bench.tile_variants --batch 32 --seq-lens 2048 --rep-ms 100 \
-    --kernels selection selected_fwd_blocks selected_dkdv interval_dq interval_dkdv
+    --kernels selected_dkdv selected_fwd_blocks selection interval_dkdv interval_dq \
+    --candidates selected_dkdv=64,64,8,3 selected_dkdv=32,64,4,3 selected_fwd_blocks=128,64,8,2 \
+    selected_fwd_blocks=64,64,8,3 interval_dkdv=64,64,8,3 interval_dq=128,64,8,3
 }
 
 # The choice from this run's tile_variants results, then the op timed with the shipped shapes and with the chosen

@@ -97,6 +97,23 @@ def test_the_tiles_phase_runs_only_when_named(tmp_path):
     commands = (tmp_path / "commands.log").read_text()
     assert "-m bench.tile_variants --preset paper --seq-lens 65536" in commands
     assert "-m bench.tile_variants --batch 32 --seq-lens 2048" in commands
+    # Each candidate is a launch shape the kernel takes, and none is the shipped shape or one of its neighbours
+    # (tried anyway): tile_variants' own parser reads them as the GPU run will.
+    from bench import tile_variants
+    from bench.launch_shapes import shape_problem
+    from components.nsa.triton import tile_configs
+
+    for line in commands.splitlines():
+        if "-m bench.tile_variants" in line:
+            args = tile_variants.parse_args(line.split("-m bench.tile_variants", 1)[1].split())
+            block_d = tile_configs.head_block(args.head_dim)
+            assert args.extra, line
+            for kernel, shapes in args.extra.items():
+                assert kernel in args.kernels
+                shipped = tuple(tile_configs.tiles(kernel, block_d, 2))
+                for shape in shapes:
+                    assert shape_problem(kernel, block_d, 2, list(shape)) is None, (kernel, shape)
+                    assert shape not in tile_variants.neighbours(shipped), (kernel, shape)
     assert "| stub report |" in proc.stdout
 
 
