@@ -18,15 +18,15 @@
 #              one step of each profiled (where its GPU time goes, by kernel and kind);
 #              python -m bench.loss_memory at 65,536 tokens; nsa_125m at 2k with CUDA graphs
 #              (compile.mode = reduce-overhead)
-#   tiles      python -m bench.tile_variants: each kernel's shipped launch shape against its neighbours
-#              (time, determinism, result against the shipped shape's): the interval kernels and the
-#              selection at 64k with the paper's heads; the selection, the selected branch's kernels and
-#              the interval backward at 32 rows of 2k with the 125M heads. Only when named.
+#   tiles      python -m bench.tile_variants: each kernel's shipped launch shape against its neighbours and a
+#              few candidates (time, determinism, result against the shipped shape's and the exact one): the
+#              interval backward, then the selected branch's kernels and the selection, at 64k with the paper's
+#              heads; the same at 32 rows of 2k with the 125M heads. Only when named.
 #   tuned      python -m bench.tile_choice on this run's tiles results (name tiles before it): the fastest shape
 #              of each kernel that is deterministic and as close to the exact result as the shipped one, where
 #              it gains 3% or more; then, where a shape changed, the op's forward + backward (bench.attention,
-#              no SDPA) with the shipped shapes and with the chosen ones, one after the other, for the paper's
-#              heads at 32k and 64k and for 32 rows of 2k. Only when named.
+#              no SDPA) with the shipped shapes and with the chosen ones, one after the other, for 32 rows of
+#              2k and for the paper's heads at 32k and 64k. Only when named.
 #
 # --tiles FILE: the launch shapes file (bench/launch_shapes.py) the check and attention phases' GPU tests and
 # benchmarks launch with instead of the shipped shapes (the training runs keep the shipped ones: a shape ships
@@ -227,18 +227,20 @@ phase_train() {
 # Beside each shipped shape's neighbours, candidates two fields away that compile for sm_90 without spills
 # (bench.kernel_resources --tiles). The costliest kernels first: a step cut at its cap loses the others.
 phase_tiles() {
-  step tiles_paper 240 "$py" -m bench.tile_variants --preset paper --seq-lens 65536 --rep-ms 100 \
-    --kernels interval_dkdv interval_dq interval_fwd selection \
-    --candidates interval_dkdv=64,64,8,2 interval_dkdv=32,128,8,2 interval_dq=128,64,8,2 interval_dq=64,64,4,3 \
-    interval_fwd=128,64,8,2
-  step tiles_125m_32_rows 180 "$py" -m bench.tile_variants --batch 32 --seq-lens 2048 --rep-ms 100 \
+  step tiles_paper 200 "$py" -m bench.tile_variants --preset paper --seq-lens 65536 --rep-ms 100 \
+    --kernels interval_dkdv interval_dq \
+    --candidates interval_dkdv=64,64,8,2 interval_dkdv=32,128,8,2 interval_dq=128,64,8,2 interval_dq=64,64,4,3
+  # The paper's group of 16 runs the selected branch query-major (tile_configs.selected_layout).
+  step tiles_paper_selected 150 "$py" -m bench.tile_variants --preset paper --seq-lens 65536 --rep-ms 100 \
+    --kernels selected_dkdv selected_dq selected_fwd selection
+  step tiles_125m_32_rows 150 "$py" -m bench.tile_variants --batch 32 --seq-lens 2048 --rep-ms 100 \
     --kernels selected_dkdv selected_fwd_blocks selection interval_dkdv interval_dq \
     --candidates selected_dkdv=64,64,8,3 selected_dkdv=32,64,4,3 selected_fwd_blocks=128,64,8,2 \
     selected_fwd_blocks=64,64,8,3 interval_dkdv=64,64,8,3 interval_dq=128,64,8,3
 }
 
 # The choice from this run's tile_variants results, then the op timed with the shipped shapes and with the chosen
-# ones, one after the other, where the paper's heads (32k, 64k) and nsa_125m's training shape (32 rows of 2k) run.
+# ones, one after the other, where nsa_125m's training shape (32 rows of 2k) and the paper's heads (32k, 64k) run.
 phase_tuned() {
   local variants chosen
   [ -z "$tiles" ] || rm -f -- "$tiles"  # an earlier run's choice must not pass for this one's
@@ -261,10 +263,10 @@ phase_tuned() {
   fi
   # The op alone, forward + backward, without SDPA: the comparison is shipped against chosen.
   local op=("$py" -m bench.attention --no-sdpa --modes fwd+bwd)
-  step attention_paper_shipped 90 "${op[@]}" --preset paper --seq-lens 32768 65536
-  step attention_paper_tuned 90 "${op[@]}" --preset paper --seq-lens 32768 65536 --tiles "$tiles"
   step attention_32_rows_shipped 60 "${op[@]}" --batch 32 --seq-lens 2048
   step attention_32_rows_tuned 60 "${op[@]}" --batch 32 --seq-lens 2048 --tiles "$tiles"
+  step attention_paper_shipped 90 "${op[@]}" --preset paper --seq-lens 32768 65536
+  step attention_paper_tuned 90 "${op[@]}" --preset paper --seq-lens 32768 65536 --tiles "$tiles"
 }
 
 for phase in "${phases[@]}"; do

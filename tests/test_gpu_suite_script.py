@@ -93,7 +93,8 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
 def test_the_tiles_phase_runs_only_when_named(tmp_path):
     proc, root = _suite(tmp_path, "--budget", "200", "tiles")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [line.split(":")[0] for line in _summary(root)] == ["tiles_paper", "tiles_125m_32_rows"]
+    assert [line.split(":")[0] for line in _summary(root)] == ["tiles_paper", "tiles_paper_selected",
+                                                               "tiles_125m_32_rows"]
     commands = (tmp_path / "commands.log").read_text()
     assert "-m bench.tile_variants --preset paper --seq-lens 65536" in commands
     assert "-m bench.tile_variants --batch 32 --seq-lens 2048" in commands
@@ -103,17 +104,19 @@ def test_the_tiles_phase_runs_only_when_named(tmp_path):
     from bench.launch_shapes import shape_problem
     from components.nsa.triton import tile_configs
 
+    candidates = 0
     for line in commands.splitlines():
         if "-m bench.tile_variants" in line:
             args = tile_variants.parse_args(line.split("-m bench.tile_variants", 1)[1].split())
             block_d = tile_configs.head_block(args.head_dim)
-            assert args.extra, line
+            candidates += sum(map(len, args.extra.values()))
             for kernel, shapes in args.extra.items():
                 assert kernel in args.kernels
                 shipped = tuple(tile_configs.tiles(kernel, block_d, 2))
                 for shape in shapes:
                     assert shape_problem(kernel, block_d, 2, list(shape)) is None, (kernel, shape)
                     assert shape not in tile_variants.neighbours(shipped), (kernel, shape)
+    assert candidates == 10
     assert "| stub report |" in proc.stdout
 
 
@@ -124,8 +127,9 @@ def test_the_tuned_phase_chooses_from_this_runs_tiles_and_times_both_shapes(tmp_
     proc, root = _suite(tmp_path, "--budget", "200", "--tiles", str(chosen), "tiles", "tuned", "check", "attention")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = [line.split(":")[0] for line in _summary(root)]
-    assert steps[:7] == ["tiles_paper", "tiles_125m_32_rows", "tile_choice", "attention_paper_shipped",
-                         "attention_paper_tuned", "attention_32_rows_shipped", "attention_32_rows_tuned"]
+    assert steps[:8] == ["tiles_paper", "tiles_paper_selected", "tiles_125m_32_rows", "tile_choice",
+                         "attention_32_rows_shipped", "attention_32_rows_tuned", "attention_paper_shipped",
+                         "attention_paper_tuned"]
     assert chosen.read_text() == "{}\n"  # the stub's tile_choice file, copied
     commands = (tmp_path / "commands.log").read_text().splitlines()
     assert any(line.endswith("-m bench.tile_choice bench/results/tile_variants-stub.json") for line in commands)
