@@ -4,8 +4,8 @@
                                   [--kernels interval_dkdv ...] [--candidates interval_dkdv=32,64,8,2 ...]
 
 Every kernel's launch shape (rows, keys, warps, stages: components/nsa/triton/tile_configs.py) is
-tried as shipped, then as each of its neighbours (one field doubled or halved, the other warp count,
-a pipeline stage more or less), then as any --candidates given for it. Each try runs the launcher
+tried as shipped, then as any --candidates given for it, then as each of its neighbours (one field
+doubled or halved, the other warp count, a pipeline stage more or less). Each try runs the launcher
 that uses the kernel (the compressed and the window branch for the interval kernels; the selected
 branch's forward or backward) on the same inputs, and records its time, whether two calls give the
 same bits (every kernel here is meant to be deterministic: a shape that is not, was built wrong) and
@@ -199,7 +199,9 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
     block_d = tile_configs.head_block(args.head_dim)
     element_bytes = dtype.itemsize
     shipped_shape = tuple(tile_configs.tiles(kernel, block_d, element_bytes))
-    shapes = neighbours(shipped_shape) + args.extra.get(kernel, [])
+    # The shipped shape first (the others are held to its result), then the candidates asked for: a run cut short
+    # at its time limit loses neighbours first.
+    shapes = [shipped_shape, *args.extra.get(kernel, []), *neighbours(shipped_shape)[1:]]
     shapes = distinct_launches(kernel, shapes, args.sel_block_size)
     calls = workloads(kernel, args, T, dtype, device)
     measure = timer(device, args.rep_ms)
