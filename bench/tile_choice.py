@@ -11,11 +11,13 @@ keeps the selected branch in the shipped shape's layout (selected dK/dV's key ti
 layout's partials, so it can move the forward, which its rows do not time, to the other layout).
 The times are those of the launcher calls tile_variants makes (the interval backward's dQ and dK/dV
 kernels run in one call), so a gain is a gain of the call. The qualifying shape with the least time
-summed over the workloads is chosen where it beats the shipped shape's by --min-gain; otherwise the shipped shape stays. The file (bench/results/
-tile_choice-<gpu>-<time>.json by default) lists the changed shapes under "shapes", which
-bench.attention --tiles, bench.attention_stages --tiles and the tests' --nsa-tiles read
-(bench/launch_shapes.py), and why each other shape was passed over. Nothing here changes what
-training runs: a shape ships when it is written into components/nsa/triton/tile_configs.py.
+summed over the workloads is chosen where it beats the shipped shape's by --min-gain; otherwise the
+shipped shape stays, and a kernel a run cut short did not reach, or reached with the shipped shape
+only, is said to be. The file (bench/results/tile_choice-<gpu>-<time>.json by default) lists the
+changed shapes under "shapes", which bench.attention --tiles, bench.attention_stages --tiles,
+bench.kernel_resources --tiles and the tests' --nsa-tiles read (bench/launch_shapes.py), and why each
+other shape was passed over. Nothing here changes what training runs: a shape ships when it is
+written into components/nsa/triton/tile_configs.py.
 """
 
 from __future__ import annotations
@@ -126,6 +128,14 @@ def choose(reports: list[tuple[str, dict]], min_gain: float) -> tuple[list[Launc
         summaries.append(summary)
         if summary["verdict"] == "changed":
             changes.append(LaunchShape(*key, Tiles(*summary["chosen"])))
+    for name, report in reports:  # kernels a run asked for but ended before (cut at its time limit)
+        config = report["config"]
+        for kernel in config.get("kernels", []):
+            key = _group_key({"kernel": kernel}, config)
+            if key not in groups:
+                summaries.append({"kernel": kernel, "head_block": key[1], "element_bytes": key[2], "rejected": [],
+                                  "verdict": f"kept: not measured ({name} ended before it)"})
+                groups[key] = {}
     return changes, summaries
 
 
@@ -153,6 +163,8 @@ def _choose_one(key: tuple[str, int, int], by_shape: dict, min_gain: float) -> d
         else:
             timed[shape] = sum(rows[w]["ms"] for w in shipped_rows)
     best = min(timed, key=timed.get, default=None)
+    if best is None and not summary["rejected"]:
+        return {**summary, "verdict": "kept: no other shape measured (the run ended after the shipped one)"}
     if best is None or summary["shipped_ms"] / timed[best] - 1 < min_gain:
         best_note = "" if best is None else f" (the best, {','.join(map(str, best))}, {timed[best]:.3f} ms)"
         return {**summary, "verdict": f"kept: no shape {min_gain:.0%} faster{best_note}"}

@@ -21,6 +21,7 @@ from the results.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Callable, NamedTuple
 
@@ -160,10 +161,16 @@ def compare(result: tuple, again: tuple, shipped: tuple | None, exact: tuple | N
         if result[0].dtype == torch.int64:  # a selection: block indices, equal up to ties
             row["equal_share"] = float((result[0] == shipped[0]).float().mean())
         else:
-            row["rel_rms"] = max(relative_rms(x, y) for x, y in zip(result, shipped))
+            row["rel_rms"] = _largest(relative_rms(x, y) for x, y in zip(result, shipped))
     if exact is not None:
-        row["rel_rms_exact"] = max(relative_rms(x, y) for x, y in zip(result, exact))
+        row["rel_rms_exact"] = _largest(relative_rms(x, y) for x, y in zip(result, exact))
     return row
+
+
+def _largest(distances) -> float:
+    """The largest of the outputs' distances, NaN if any is (max() keeps a NaN only where it comes first)."""
+    values = list(distances)
+    return float("nan") if any(math.isnan(v) for v in values) else max(values)
 
 
 def exact_results(kernel: str, calls: dict[str, Workload], dtype: torch.dtype) -> tuple[dict[str, tuple], str | None]:

@@ -19,9 +19,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_suite.sh"
 
 # The stand-in interpreter: says yes to the suite's package probe, logs each command line, writes a
 # result JSON for a benchmark (as the real ones do), and fails the commands whose line matches
-# $STUB_FAIL or sleeps in those matching $STUB_SLOW.
+# $STUB_FAIL, sleeps in those matching $STUB_SLOW or prints $STUB_SAY_TEXT for those matching $STUB_SAY.
 STUB = """#!/usr/bin/env bash
 echo "$*" >> "$STUB_LOG"
+if [ -n "${STUB_SAY:-}" ] && [[ "$*" == *"$STUB_SAY"* ]]; then echo "$STUB_SAY_TEXT"; exit 0; fi
 if [ -n "${STUB_FAIL:-}" ] && [[ "$*" == *"$STUB_FAIL"* ]]; then echo "stub failure" >&2; exit 3; fi
 if [ -n "${STUB_SLOW:-}" ] && [[ "$*" == *"$STUB_SLOW"* ]]; then sleep 30; fi
 case "$*" in
@@ -32,7 +33,8 @@ exit 0
 """
 
 
-def _suite(tmp_path: Path, *args: str, fail: str = "", slow: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+def _suite(tmp_path: Path, *args: str, fail: str = "", slow: str = "",
+           say: tuple[str, str] = ("", "")) -> tuple[subprocess.CompletedProcess, Path]:
     root = tmp_path / "tree"
     (root / "bench" / "results").mkdir(parents=True)
     shutil.copy(SCRIPT, root / "bench" / "gpu_suite.sh")
@@ -43,6 +45,7 @@ def _suite(tmp_path: Path, *args: str, fail: str = "", slow: str = "") -> tuple[
     log = tmp_path / "commands.log"
     (tmp_path / "tmp").mkdir()
     env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", STUB_LOG=str(log), STUB_FAIL=fail, STUB_SLOW=slow,
+               STUB_SAY=say[0], STUB_SAY_TEXT=say[1],
                TMPDIR=str(tmp_path / "tmp"))
     proc = subprocess.run(["bash", str(root / "bench" / "gpu_suite.sh"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -116,7 +119,7 @@ def test_the_tiles_phase_runs_only_when_named(tmp_path):
                 for shape in shapes:
                     assert shape_problem(kernel, block_d, 2, list(shape)) is None, (kernel, shape)
                     assert shape not in tile_variants.neighbours(shipped), (kernel, shape)
-    assert candidates == 10
+    assert candidates == 9
     assert "| stub report |" in proc.stdout
 
 
@@ -164,10 +167,16 @@ def test_the_tuned_phase_leaves_no_earlier_choice_behind(tmp_path):
 
 
 def test_the_tuned_phase_times_nothing_when_no_shape_changed(tmp_path):
-    proc, root = _suite(tmp_path, "--budget", "200", "tiles", "tuned", fail='["shapes"]')
+    proc, root = _suite(tmp_path, "--budget", "200", "tiles", "tuned", say=('["shapes"]', "0"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _summary(root)[-1] == "attention_tuned: ok in 0 s (no shape changed: nothing to compare)"
     assert "-m bench.attention" not in (tmp_path / "commands.log").read_text()
+
+
+def test_the_tuned_phase_says_when_it_cannot_read_its_choice(tmp_path):
+    proc, root = _suite(tmp_path, "--budget", "200", "tiles", "tuned", fail='["shapes"]')
+    assert _summary(root)[-1] == "attention_tuned: FAILED (cannot read bench/results/tile_choice-stub.json)"
+    assert "-m bench.attention" not in (tmp_path / "commands.log").read_text() and proc.returncode == 1
 
 
 def test_failed_steps_are_counted_in_the_exit_status(tmp_path):

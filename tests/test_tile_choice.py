@@ -131,12 +131,29 @@ def test_fp32_shapes_are_held_to_the_shipped_fp32_result():
     assert summary["rejected"][0]["why"] == "relative RMS 2.0e-05 from the shipped fp32 result"
 
 
+def test_a_run_cut_short_says_what_it_did_not_measure():
+    """A step cut at its time limit: a kernel with only its shipped shape timed, and one never reached."""
+    rows = _both_branches(SHIPPED, 10.0, 4.0) + [_row(SHIPPED, 3.0, kernel="interval_dq")]
+    config = {"dtype": "bf16", "head_dim": 128, "kernels": ["interval_dkdv", "interval_dq", "interval_fwd"]}
+    changes, summaries = tile_choice.choose([("run.json", {"config": config, "results": rows})], 0.03)
+    assert changes == []
+    assert {s["kernel"]: s["verdict"] for s in summaries} == {
+        "interval_dkdv": "kept: no other shape measured (the run ended after the shipped one)",
+        "interval_dq": "kept: no other shape measured (the run ended after the shipped one)",
+        "interval_fwd": "kept: not measured (run.json ended before it)"}
+
+
 def test_a_reference_with_nothing_finite_holds_no_shape_to_anything():
     import torch
 
-    from bench.tile_variants import relative_rms
+    from bench.tile_variants import compare, relative_rms
 
     assert math.isnan(relative_rms(torch.ones(3), torch.full((3,), float("inf"))))
+    # Whichever output's reference is broken (max() keeps a NaN only where it comes first).
+    good, broken = torch.ones(4) * 1.01, torch.full((4,), float("nan"))
+    ones = (torch.ones(4), torch.ones(4))
+    assert math.isnan(compare(ones, ones, None, (good, broken))["rel_rms_exact"])
+    assert math.isnan(compare(ones, ones, (good, broken), None)["rel_rms"])
     assert relative_rms(torch.ones(0), torch.ones(0)) == 0.0
     assert relative_rms(torch.tensor([1.0, 5.0]), torch.tensor([1.0, float("inf")])) == 0.0  # +inf entries left out
 
