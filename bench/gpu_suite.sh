@@ -21,8 +21,9 @@
 #   tiles      python -m bench.tile_variants: launch shapes against the shipped ones, each kernel's a few
 #              candidates and its neighbours (time, determinism, result against the shipped shape's and the exact
 #              one): at 64k with the paper's heads the interval backward, then the selected branch's kernels and
-#              the selection; at 32 rows of 2k with the 125M heads selected dK/dV, the block layout's forward and
-#              interval dK/dV. Steps capped at 190, 140 and 140 s. Only when named.
+#              the selection; at 32 rows of 2k with the 125M heads selected dK/dV, the block layout's forward, the
+#              interval backward and the selection. Steps capped at 190, 140 and 140 s, each compiling its shapes'
+#              kernels first in eight processes. Only when named.
 #   tuned      python -m bench.tile_choice on this run's tiles results (name tiles before it): the fastest shape
 #              of each kernel that is deterministic, within 5e-3 of the exact result and 1.5x the shipped shape's
 #              own distance from it, and in the shipped selected layout, where it gains 3% or more; then, where a
@@ -227,19 +228,21 @@ phase_train() {
     --override=--compile.mode=reduce-overhead
 }
 # Beside each shipped shape's neighbours, candidates two fields away that compile for sm_90 without spills
-# (bench.kernel_resources --tiles). The costliest kernels first: a step cut at its cap loses the others.
+# (bench.kernel_resources --tiles). The costliest kernels first: a step cut at its cap loses the others. Eight
+# processes compile every shape's kernels first (bench.tile_warmup): compiling, one kernel after another, was
+# most of such a step's time.
 phase_tiles() {
-  step tiles_paper 190 "$py" -m bench.tile_variants --preset paper --seq-lens 65536 --rep-ms 100 \
-    --kernels interval_dkdv interval_dq \
+  local variants=("$py" -m bench.tile_variants --rep-ms 100 --precompile-workers 8)
+  step tiles_paper 190 "${variants[@]}" --preset paper --seq-lens 65536 --kernels interval_dkdv interval_dq \
     --candidates interval_dkdv=64,64,8,2 interval_dkdv=32,128,8,2 interval_dq=128,64,8,2 interval_dq=64,64,4,3
   # The paper's group of 16 runs the selected branch query-major (tile_configs.selected_layout).
-  step tiles_paper_selected 140 "$py" -m bench.tile_variants --preset paper --seq-lens 65536 --rep-ms 100 \
+  step tiles_paper_selected 140 "${variants[@]}" --preset paper --seq-lens 65536 \
     --kernels selected_dkdv selected_dq selected_fwd selection
-  # Short calls: this step's time is Triton's compiles, about one per shape and branch.
-  step tiles_125m_32_rows 140 "$py" -m bench.tile_variants --batch 32 --seq-lens 2048 --rep-ms 100 \
-    --kernels selected_dkdv selected_fwd_blocks interval_dkdv \
+  # Calls of a few milliseconds: compiling is most of this step; the last kernels go first if it is cut.
+  step tiles_125m_32_rows 140 "${variants[@]}" --batch 32 --seq-lens 2048 \
+    --kernels selected_dkdv selected_fwd_blocks interval_dkdv interval_dq selection \
     --candidates selected_dkdv=64,64,8,3 selected_dkdv=32,64,4,3 selected_fwd_blocks=128,64,8,2 \
-    selected_fwd_blocks=64,64,8,3 interval_dkdv=64,64,8,3
+    selected_fwd_blocks=64,64,8,3 interval_dkdv=64,64,8,3 interval_dq=128,64,8,3
 }
 
 # The choice from this run's tile_variants results, then the op timed with the shipped shapes and with the chosen

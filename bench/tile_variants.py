@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from bench import environment
+from bench.arguments import non_negative_int
 from bench.attention import DTYPES, add_shape_args, finish_shape_args, nsa_inputs
 from bench.attention_stages import kernel_device, timer
 from bench.environment import describe_environment, write_report
@@ -43,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     p.add_argument("--candidates", nargs="+", default=[], metavar="KERNEL=ROWS,KEYS,WARPS,STAGES",
                    help="more shapes to try, beside the shipped one and its neighbours")
+    p.add_argument("--precompile-workers", type=non_negative_int, default=0, metavar="N",
+                   help="first compile every shape's kernels in N processes at once (bench.tile_warmup); 0: none")
     p.add_argument("--allow-cpu", action="store_true", help="smoke test under TRITON_INTERPRET=1 (not a benchmark)")
     p.add_argument("--out", help="output JSON path (default bench/results/tile_variants-<gpu>-<time>.json)")
     args = finish_shape_args(p, p.parse_args(argv))
@@ -201,15 +204,20 @@ def distinct_launches(kernel: str, shapes: list[tuple[int, int, int, int]],
     return kept
 
 
+def shapes_to_try(kernel: str, args, dtype: torch.dtype) -> list[tuple[int, int, int, int]]:
+    """The shipped shape first (the others are held to its result), then the candidates asked for, then the
+    neighbours: a run cut short at its time limit loses neighbours first."""
+    shipped = tuple(tile_configs.tiles(kernel, tile_configs.head_block(args.head_dim), dtype.itemsize))
+    shapes = [shipped, *args.extra.get(kernel, []), *neighbours(shipped)[1:]]
+    return distinct_launches(kernel, shapes, args.sel_block_size)
+
+
 def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
     """Each shape's rows (one per branch), as they are measured."""
     block_d = tile_configs.head_block(args.head_dim)
     element_bytes = dtype.itemsize
-    shipped_shape = tuple(tile_configs.tiles(kernel, block_d, element_bytes))
-    # The shipped shape first (the others are held to its result), then the candidates asked for: a run cut short
-    # at its time limit loses neighbours first.
-    shapes = [shipped_shape, *args.extra.get(kernel, []), *neighbours(shipped_shape)[1:]]
-    shapes = distinct_launches(kernel, shapes, args.sel_block_size)
+    shapes = shapes_to_try(kernel, args, dtype)
+    shipped_shape = shapes[0]
     calls = workloads(kernel, args, T, dtype, device)
     measure = timer(device, args.rep_ms)
     exact, exact_error = exact_results(kernel, calls, dtype)
@@ -267,6 +275,10 @@ def main(argv=None) -> int:
     if device is None:
         return 2
     dtype = DTYPES[args.dtype]
+    if args.precompile_workers:
+        from bench.tile_warmup import precompile
+
+        precompile(sys.argv[1:] if argv is None else argv, args.precompile_workers)
     config = {k: v for k, v in vars(args).items() if k != "extra"}
     report = {"benchmark": "tile_variants", "environment": describe_environment(), "config": config, "results": []}
     path = args.out or environment.results_path("tile_variants")

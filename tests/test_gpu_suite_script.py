@@ -99,8 +99,8 @@ def test_the_tiles_phase_runs_only_when_named(tmp_path):
     assert [line.split(":")[0] for line in _summary(root)] == ["tiles_paper", "tiles_paper_selected",
                                                                "tiles_125m_32_rows"]
     commands = (tmp_path / "commands.log").read_text()
-    assert "-m bench.tile_variants --preset paper --seq-lens 65536" in commands
-    assert "-m bench.tile_variants --batch 32 --seq-lens 2048" in commands
+    assert "-m bench.tile_variants --rep-ms 100 --precompile-workers 8 --preset paper --seq-lens 65536" in commands
+    assert "-m bench.tile_variants --rep-ms 100 --precompile-workers 8 --batch 32 --seq-lens 2048" in commands
     # Each candidate is a launch shape the kernel takes, and none is the shipped shape or one of its neighbours
     # (tried anyway): tile_variants' own parser reads them as the GPU run will.
     from bench import tile_variants
@@ -113,13 +113,14 @@ def test_the_tiles_phase_runs_only_when_named(tmp_path):
             args = tile_variants.parse_args(line.split("-m bench.tile_variants", 1)[1].split())
             block_d = tile_configs.head_block(args.head_dim)
             candidates += sum(map(len, args.extra.values()))
+            assert args.precompile_workers == 8, line
             for kernel, shapes in args.extra.items():
                 assert kernel in args.kernels
                 shipped = tuple(tile_configs.tiles(kernel, block_d, 2))
                 for shape in shapes:
                     assert shape_problem(kernel, block_d, 2, list(shape)) is None, (kernel, shape)
                     assert shape not in tile_variants.neighbours(shipped), (kernel, shape)
-    assert candidates == 9
+    assert candidates == 10
     assert "| stub report |" in proc.stdout
 
 
