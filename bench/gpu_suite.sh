@@ -102,6 +102,10 @@ if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The GPU tests spend most of their time compiling kernels on the host: where pytest-xdist is there (the GPU
+# image holds it), each test step runs four workers, tests dealt out one by one.
+xdist=()
+if "$py" -c "import xdist" >/dev/null 2>&1; then xdist=(-n 4 --dist load); fi
 logs="$root/bench/results/logs"
 mkdir -p "$logs"
 rm -f "$logs"/*.log "$logs/report.md"  # an earlier run's logs would be packed as this one's
@@ -153,22 +157,24 @@ step() {
 
 debug_run=("$py" -m nsa_titan.cli train recipes/debug.toml --training.device=cuda --model.nsa.backend=triton)
 
-# The GPU tests in three processes side by side: most of their time is Triton compiling each test's
-# kernels on the host (one process took 380 s on an H200, past the step's cap). Each has its own
-# temporary folder: pytest's shared one prunes other sessions' folders when it starts.
+# The GPU tests in three steps side by side (each with xdist's workers where it is there): most of their time is
+# Triton compiling each test's kernels on the host (one process took 380 s on an H200, past the step's cap). Each
+# has its own temporary folder: pytest's shared one prunes other sessions' folders when it starts.
+gpu_tests() {  # gpu_tests NAME FILE...
+  local name=$1
+  shift
+  STEP_SIGNAL=INT step "gpu_tests_$name" 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
+    --basetemp="$dump/pytest_$name" ${xdist[@]+"${xdist[@]}"} ${tiles_pytest[@]+"${tiles_pytest[@]}"} "$@"
+}
 check_group_tests_kernels() {
-  STEP_SIGNAL=INT step gpu_tests_kernels 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
-    --basetemp="$dump/pytest_kernels" ${tiles_pytest[@]+"${tiles_pytest[@]}"} tests/test_nsa_triton_gpu.py
+  gpu_tests kernels tests/test_nsa_triton_gpu.py
 }
 check_group_tests_op() {
-  STEP_SIGNAL=INT step gpu_tests_op 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
-    --basetemp="$dump/pytest_op" ${tiles_pytest[@]+"${tiles_pytest[@]}"} tests/test_nsa_triton.py
+  gpu_tests op tests/test_nsa_triton.py
 }
 check_group_tests_more() {
-  STEP_SIGNAL=INT step gpu_tests_more 240 "$py" -m pytest -v -rfE --durations=10 -p no:cacheprovider \
-    --basetemp="$dump/pytest_more" ${tiles_pytest[@]+"${tiles_pytest[@]}"} tests/test_nsa_triton_compile.py \
-    tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py tests/test_dense_documents_gpu.py \
-    tests/test_nsa_packed.py tests/test_bitonic_sort.py
+  gpu_tests more tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py \
+    tests/test_dense_documents_gpu.py tests/test_nsa_packed.py tests/test_bitonic_sort.py
 }
 check_group_train() {
   step train_200_steps 240 "${debug_run[@]}" --compile.enable=true --training.steps=200 \

@@ -85,6 +85,8 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
     temps = [word for line in commands.splitlines() if "-m pytest" in line
              for word in line.split() if word.startswith("--basetemp=")]
     assert len(temps) == 3 and len(set(temps)) == 3, temps
+    # pytest-xdist is there (the stub says yes to every import): each test step runs four workers.
+    assert all("-n 4 --dist load" in line for line in commands.splitlines() if "-m pytest" in line)
     with tarfile.open(pack) as tar:
         names = tar.getnames()
     assert "bench/results/logs/summary.txt" in names and "bench/results/logs/report.md" in names
@@ -178,6 +180,13 @@ def test_the_tuned_phase_says_when_it_cannot_read_its_choice(tmp_path):
     proc, root = _suite(tmp_path, "--budget", "200", "tiles", "tuned", fail='["shapes"]')
     assert _summary(root)[-1] == "attention_tuned: FAILED (cannot read bench/results/tile_choice-stub.json)"
     assert "-m bench.attention" not in (tmp_path / "commands.log").read_text() and proc.returncode == 1
+
+
+def test_without_xdist_each_test_step_runs_in_one_process(tmp_path):
+    proc, root = _suite(tmp_path, "--budget", "200", "check", fail="import xdist")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tests = [line for line in (tmp_path / "commands.log").read_text().splitlines() if "-m pytest" in line]
+    assert len(tests) == 3 and not any(" -n " in line for line in tests)
 
 
 def test_failed_steps_are_counted_in_the_exit_status(tmp_path):
