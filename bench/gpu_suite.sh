@@ -103,7 +103,7 @@ if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # The GPU tests spend most of their time compiling kernels on the host: where pytest-xdist is there (the GPU
-# image holds it), each test step runs four workers, tests dealt out one by one.
+# image holds it), each test step runs four workers (--dist load: tests dealt out in small batches).
 xdist=()
 if "$py" -c "import xdist" >/dev/null 2>&1; then xdist=(-n 4 --dist load); fi
 logs="$root/bench/results/logs"

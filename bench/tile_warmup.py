@@ -4,10 +4,12 @@
 
 Triton compiles a launch shape's kernel on the host the first time it launches: seconds each, one after another
 in the timing process, which spent most of a GPU run doing so, while the GPU host's other cores idled. Each
-worker takes every N-th (length, kernel, shape) of the run and launches its calls once, at a shorter length whose
-integer arguments Triton specializes alike (warm_length), so the same kernels land in Triton's on-disk cache,
-where the timing process finds them. Nothing here is timed or compared; a worker that fails costs only its time:
-the timing process compiles whatever it does not find.
+worker takes every N-th (length, kernel, shape) of the run and launches its calls once, so the same kernels land
+in Triton's on-disk cache, where the timing process finds them. The selection and the selected branch's kernels
+run at a shorter length whose integer arguments Triton specializes alike (warm_length); the interval kernels at
+the length itself, since how their dK/dV work is split (per query head or per group, in fp32 partials or not)
+follows the number of key tiles. Nothing here is timed or compared; a worker that fails, or is still running
+after PRECOMPILE_SECONDS, costs only its time: the timing process compiles whatever it does not find.
 """
 
 from __future__ import annotations
@@ -23,11 +25,26 @@ import torch
 # length, its compressed blocks (stride 16) and selection blocks (64 tokens), and products of them with heads and
 # dims: a length congruent to T modulo 4096 gives every one of them the class it has at T.
 WARM_MODULUS = 4096
+PRECOMPILE_SECONDS = 150  # then the timing starts whatever the workers have left
 
 
 def warm_length(T: int) -> int:
-    """A length at most 2 * WARM_MODULUS that compiles the kernels T does; T itself where that is no shorter."""
+    """A length at most 2 * WARM_MODULUS whose counts Triton specializes as T's; T itself where that is no shorter."""
     return T if T <= 2 * WARM_MODULUS else T % WARM_MODULUS + WARM_MODULUS
+
+
+def launch_length(kernel: str, T: int, args, element_bytes: int) -> int:
+    """The length a worker launches `kernel` at to compile what a run at T launches: the interval kernels' dK/dV
+    work split follows T itself (interval_attention_bwd), and so does the selected branch's layout past the
+    block layout's partials limit (tile_configs.selected_layout_for); otherwise only T's classes count."""
+    from components.nsa.triton import tile_configs
+
+    W = warm_length(T)
+    if kernel.startswith("interval"):
+        return T
+    layouts = {tile_configs.selected_layout_for(args.batch * t, args.heads, args.kv_heads, args.num_selected,
+                                                args.head_dim, args.sel_block_size, element_bytes) for t in (T, W)}
+    return W if len(layouts) == 1 else T
 
 
 def tasks(args) -> list[tuple[int, str, tuple | None]]:
@@ -55,7 +72,8 @@ def run_part(args, part: int, parts: int, device: str) -> int:
     calls, launched = {}, 0
     for T, kernel, shape in tasks(args)[part::parts]:
         if (T, kernel) not in calls:
-            calls[(T, kernel)] = workloads(kernel, args, warm_length(T), dtype, device)
+            length = launch_length(kernel, T, args, dtype.itemsize)
+            calls[(T, kernel)] = workloads(kernel, args, length, dtype, device)
         try:
             if shape is None:
                 exact_results(kernel, calls[(T, kernel)], dtype)
@@ -74,8 +92,15 @@ def precompile(argv: list[str], workers: int) -> None:
     start = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "bench.tile_warmup", *argv, "--part", f"{i}/{workers}"])
              for i in range(workers)]
-    failed = sum(proc.wait() != 0 for proc in procs)
-    note = f"; {failed} failed, their kernels compile as they are timed" if failed else ""
+    failed = 0
+    for proc in procs:
+        try:
+            failed += proc.wait(timeout=max(1.0, start + PRECOMPILE_SECONDS - time.perf_counter())) != 0
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            failed += 1
+    note = f"; {failed} failed or ran out of time, their kernels compile as they are timed" if failed else ""
     print(f"compiled the shapes' kernels in {time.perf_counter() - start:.0f} s with {workers} processes{note}",
           flush=True)
 
@@ -101,9 +126,10 @@ def main(argv=None) -> int:
     device = kernel_device("bench.tile_warmup", args.allow_cpu)
     if device is None:
         return 2
+    share = len(tasks(args)[own.part[0]::own.part[1]])
     with torch.no_grad():
-        run_part(args, *own.part, device)
-    return 0
+        launched = run_part(args, *own.part, device)
+    return 0 if launched or not share else 1  # nothing launched of a share: say so (the timing run says why)
 
 
 if __name__ == "__main__":

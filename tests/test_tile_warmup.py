@@ -29,6 +29,36 @@ def test_the_warm_length_specializes_every_launch_count_as_the_real_one(T):
             assert _class(count(W)) == _class(count(T)), (T, W)
 
 
+def test_decisions_the_launchers_make_from_the_length_are_kept():
+    """The interval kernels run at the length itself: their dK/dV work split (per query head or per group, fp32
+    partials or not) follows the number of key tiles, which the window branch of 64k rows with the paper's heads
+    has past 1024 and a shorter length does not. The selected branch's kernels run shorter only where their layout
+    comes out as at the length."""
+    paper = tile_variants.parse_args(["--preset", "paper"])
+    for kernel in ("interval_fwd", "interval_dq", "interval_dkdv"):
+        assert tile_warmup.launch_length(kernel, 65536, paper, 2) == 65536
+    for kernel in ("selection", "selected_fwd", "selected_dq", "selected_dkdv", "selected_fwd_blocks"):
+        assert tile_warmup.launch_length(kernel, 65536, paper, 2) == tile_warmup.warm_length(65536) < 65536
+    # The 125M heads (a group of 3) take the block layout at 64k and the query layout at 128k, past the partials'
+    # limit: a shorter length would compile the block layout's kernels for nothing.
+    small_groups = tile_variants.parse_args([])
+    assert tile_warmup.launch_length("selected_dkdv", 65536, small_groups, 2) == tile_warmup.warm_length(65536)
+    assert tile_warmup.launch_length("selected_dkdv", 131072, small_groups, 2) == 131072
+
+
+def test_a_worker_still_running_at_the_limit_is_stopped(monkeypatch, capsys):
+    import subprocess
+    import time
+
+    real = subprocess.Popen
+    monkeypatch.setattr(tile_warmup, "PRECOMPILE_SECONDS", 1)
+    monkeypatch.setattr(tile_warmup.subprocess, "Popen", lambda argv: real(["sleep", "60"]))
+    start = time.monotonic()
+    tile_warmup.precompile(["--seq-lens", "40"], 2)
+    assert time.monotonic() - start < 30
+    assert "with 2 processes; 2 failed or ran out of time" in capsys.readouterr().out
+
+
 def test_the_workers_share_out_every_launch_once():
     args = tile_variants.parse_args([*TINY_NSA, "--dtype", "fp16", "--kernels", "interval_fwd", "selection",
                                      "--candidates", "interval_fwd=64,32,4,2"])
