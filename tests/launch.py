@@ -6,11 +6,12 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
+from typing import Iterator
 
 from tests.conftest import REPO_ROOT
 
@@ -23,13 +24,20 @@ TINY = ["--training.device=cpu", "--model.dim=32", "--model.n_layers=2", "--mode
         "--checkpoint.enable=false", "--validation.enable=false"]
 
 
-def free_port() -> int:
-    """A port free now, for a launch that must name its endpoint (several nodes): it may be taken before the
-    launch binds it, by this or another test run, so such a launch also takes a rendezvous id of its own
-    (rendezvous_id). One node's launches use --standalone, which binds its own port."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@contextmanager
+def rendezvous_endpoint() -> Iterator[str]:
+    """127.0.0.1:PORT for a launch of several nodes to meet at, its TCP store hosted by this process on a port
+    it binds itself, from before the launch until after it. Each node's agent tries to host the store there,
+    finds the port taken and joins as a client (torch's c10d rendezvous backend does so), so no other launch can
+    take the port between its choice and the launch (a port picked free and bound later could be). One node's
+    launches use --standalone, which binds its own port."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield f"127.0.0.1:{store.port}"
+    finally:
+        del store
 
 
 def env() -> dict:
@@ -46,8 +54,7 @@ def train_command(args: list[str], nproc: int = 1) -> list[str]:
 
 
 def rendezvous_id() -> str:
-    """A rendezvous id for one launch of several nodes: should its free_port be taken by another launch's store,
-    its nodes still meet only each other there, never joining that launch's rendezvous."""
+    """A rendezvous id of one launch of several nodes, its own in any store."""
     return uuid.uuid4().hex
 
 

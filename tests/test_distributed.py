@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, free_port, losses_and_norms, metrics, rendezvous_id,
-                          start_training, stop_all, train)
+from tests.launch import (DEBUG, REPO_ROOT, TINY, env, finish, losses_and_norms, metrics, rendezvous_endpoint,
+                          rendezvous_id, start_training, stop_all, train)
 
 pytestmark = pytest.mark.slow
 
@@ -137,24 +137,25 @@ def test_muon_when_sharded_matches_single_process(tmp_path, single_process_muon_
 
 
 def test_two_node_launch_on_loopback(tmp_path, single_process_losses):
-    port, run_id = free_port(), rendezvous_id()
+    run_id = rendezvous_id()
     procs, logs = [], []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-               "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-               f"--rdzv_id={run_id}", "-m", "nsa_titan.cli", "train", *COMMON, f"--job.dump_folder={tmp_path / 'run'}"]
-        # Each node's output goes to a file: a pipe left unread while the other node's is read could fill and
-        # stall its node in a collective.
-        logs.append(tmp_path / f"node-{node}.log")
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env(),
-                                          start_new_session=True))
-    try:
-        for proc in procs:
-            proc.wait(timeout=600)
-    finally:
-        for proc in procs:  # a node left running would take the cores of every later test
-            stop_all(proc)
+    with rendezvous_endpoint() as endpoint:
+        for node in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                   "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}",
+                   "-m", "nsa_titan.cli", "train", *COMMON, f"--job.dump_folder={tmp_path / 'run'}"]
+            # Each node's output goes to a file: a pipe left unread while the other node's is read could fill and
+            # stall its node in a collective.
+            logs.append(tmp_path / f"node-{node}.log")
+            with open(logs[-1], "w") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env(),
+                                              start_new_session=True))
+        try:
+            for proc in procs:
+                proc.wait(timeout=600)
+        finally:
+            for proc in procs:  # a node left running would take the cores of every later test
+                stop_all(proc)
     outputs = [log.read_text() for log in logs]
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-4000:]

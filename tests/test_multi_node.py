@@ -7,23 +7,36 @@ import socket
 import subprocess
 import sys
 
-from tests.launch import DEBUG, REPO_ROOT, TINY, env, finish, free_port, rendezvous_id
+import pytest
+
+from tests.launch import DEBUG, REPO_ROOT, TINY, env, finish, rendezvous_endpoint, rendezvous_id
 
 
-def _node(port: int, run_id: str, args: list[str]) -> subprocess.Popen:
+def _node(endpoint: str, run_id: str, args: list[str]) -> subprocess.Popen:
     """One node of two, one rank each, meeting at a c10d rendezvous on loopback (as run_train.sh starts them)."""
     command = [sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node=1", "--nnodes=2", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={run_id}", "-m", "nsa_titan.cli", "train", *args]
+               f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}", "-m", "nsa_titan.cli", "train", *args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                             cwd=REPO_ROOT, start_new_session=True)
 
 
+def test_the_rendezvous_port_is_held_from_its_choice_to_the_end_of_the_launch():
+    """No other launch can take the port between its choice and the nodes' start: this process holds it."""
+    with rendezvous_endpoint() as endpoint:
+        host, port = endpoint.rsplit(":", 1)
+        with socket.socket() as sock, pytest.raises(OSError):
+            sock.bind((host, int(port)))
+    with socket.socket() as sock:  # given back after the launch
+        sock.bind((host, int(port)))
+
+
 def test_nodes_launched_with_different_recipes_are_refused_on_every_node(tmp_path):
     """One node given another learning rate trained its shards apart in silence; another step count hung."""
-    port, run_id = free_port(), rendezvous_id()
+    run_id = rendezvous_id()
     args = [DEBUG, *TINY, "--training.steps=2", f"--job.dump_folder={tmp_path / 'run'}"]
-    nodes = [_node(port, run_id, args), _node(port, run_id, [*args, "--optimizer.lr=0.01"])]
-    results = [finish(node, 300) for node in nodes]
+    with rendezvous_endpoint() as endpoint:
+        nodes = [_node(endpoint, run_id, args), _node(endpoint, run_id, [*args, "--optimizer.lr=0.01"])]
+        results = [finish(node, 300) for node in nodes]
     host = socket.gethostname()
     for node, (_, err) in zip(nodes, results):
         assert node.returncode == 2, err[-3000:]
@@ -56,10 +69,12 @@ def test_a_dump_folder_a_rank_cannot_see_is_refused_on_every_rank(tmp_path):
 
 def test_a_node_that_never_joins_ends_the_launch_with_one_line(tmp_path):
     """torchrun's own end was a rendezvous traceback of 41 lines (after 600 s; 5 s here)."""
-    command = [sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node=1", "--nnodes=2", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_id={rendezvous_id()}", "--rdzv_conf=join_timeout=5",
-               "-m", "nsa_titan.cli", "train", DEBUG, *TINY, f"--job.dump_folder={tmp_path / 'run'}"]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
+    with rendezvous_endpoint() as endpoint:
+        command = [sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node=1", "--nnodes=2",
+                   "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={rendezvous_id()}",
+                   "--rdzv_conf=join_timeout=5", "-m", "nsa_titan.cli", "train", DEBUG, *TINY,
+                   f"--job.dump_folder={tmp_path / 'run'}"]
+        proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(said) == 1 and said[0].startswith("error: the nodes did not meet at 127.0.0.1:"), proc.stderr[-3000:]

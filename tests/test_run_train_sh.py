@@ -69,24 +69,25 @@ def test_a_stop_while_the_nodes_meet_ends_the_launch_at_once():
     import signal
     import time
 
-    from tests.launch import free_port, rendezvous_id
+    from tests.launch import rendezvous_endpoint, rendezvous_id
 
-    proc = subprocess.Popen([SCRIPT, "recipes/debug.toml", "--training.device=cpu"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, start_new_session=True,
-                            env={**os.environ, "NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
-                                 "RDZV_ID": rendezvous_id(), "OMP_NUM_THREADS": "1"})
-    try:
-        said = ""
-        while "waiting at" not in said:
-            line = proc.stderr.readline()
-            assert line, "the launch ended before it waited"
-            said += line
-        time.sleep(3)  # torchrun is in its rendezvous now
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    with rendezvous_endpoint() as endpoint:
+        proc = subprocess.Popen([SCRIPT, "recipes/debug.toml", "--training.device=cpu"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, start_new_session=True,
+                                env={**os.environ, "NNODES": "2", "RDZV_ENDPOINT": endpoint,
+                                     "RDZV_ID": rendezvous_id(), "OMP_NUM_THREADS": "1"})
+        try:
+            said = ""
+            while "waiting at" not in said:
+                line = proc.stderr.readline()
+                assert line, "the launch ended before it waited"
+                said += line
+            time.sleep(3)  # torchrun is in its rendezvous now
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, said + err
     assert "error: stopped before any rank started; nothing ran." in err, err
     assert "Traceback" not in err
