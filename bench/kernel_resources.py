@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def compile_one(args: argparse.Namespace, arch: int, head_dim: int, dtype: torch.dtype) -> list:
     """The kernels one forward + backward launches, compiled for sm_<arch>."""
-    shape = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "shapes"}, batch=1, head_dim=head_dim)
+    shape = argparse.Namespace(**vars(args), batch=1, head_dim=head_dim)
     rows = [(None, None)]
     if args.packed:  # three documents of odd lengths
         third = args.seq_len // 3

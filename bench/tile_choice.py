@@ -29,15 +29,15 @@ import sys
 from collections import defaultdict
 
 from bench import environment
+from bench.attention import DTYPES
 from bench.environment import describe_environment, write_report
 from bench.launch_shapes import LaunchShape
-from components.nsa.triton.tile_configs import Tiles, head_block
+from components.nsa.triton.tile_configs import Tiles, head_block, table_head_block
 
 EXACT_BOUND = 5e-3  # the GPU tests' bound on bf16 results against the reference
 EXACT_SLACK = 1.5
 SELECTION_AGREEMENT = 0.999
 FP32_BOUND = 1e-5
-ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,14 +64,14 @@ def read_report(path: str) -> dict:
     if not isinstance(report, dict) or report.get("benchmark") != "tile_variants":
         raise ValueError(f"{path}: not a bench.tile_variants report; give the files it wrote")
     config = report.get("config", {})
-    if config.get("dtype") not in ELEMENT_BYTES or not isinstance(config.get("head_dim"), int):
+    if config.get("dtype") not in DTYPES or not isinstance(config.get("head_dim"), int):
         raise ValueError(f"{path}: its config names no dtype and head dim; give a file bench.tile_variants wrote")
     return report
 
 
 def _group_key(row: dict, config: dict) -> tuple[str, int, int]:
     """(kernel, the shape table's head dim entry, element bytes) the row measured."""
-    return row["kernel"], max(32, head_block(config["head_dim"])), ELEMENT_BYTES[config["dtype"]]
+    return row["kernel"], table_head_block(head_block(config["head_dim"])), DTYPES[config["dtype"]].itemsize
 
 
 def row_problem(row: dict, shipped: dict, element_bytes: int) -> str | None:

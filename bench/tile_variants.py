@@ -186,7 +186,12 @@ def exact_results(kernel: str, calls: dict[str, Workload], dtype: torch.dtype) -
     try:
         return {branch: call.in_fp32() for branch, call in calls.items()}, None
     except Exception as exc:  # out of memory, say: the shapes are still timed and compared with the shipped one
-        return {}, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        return {}, _failure(exc)
+
+
+def _failure(exc: Exception) -> str:
+    """The exception's type and first line, for a row of the report."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
 def distinct_launches(kernel: str, shapes: list[tuple[int, int, int, int]],
@@ -237,7 +242,7 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
                     result, again = call(), call()
                     row["ms"] = measure(call)
             except Exception as exc:  # a shape this GPU cannot build or launch: recorded, the next one runs
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                row["error"] = _failure(exc)
             else:
                 row.update(compare(result, again, shipped_results.get(branch), exact.get(branch)))
                 if row["shipped"]:

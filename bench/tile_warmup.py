@@ -37,14 +37,12 @@ def launch_length(kernel: str, T: int, args, element_bytes: int) -> int:
     """The length a worker launches `kernel` at to compile what a run at T launches: the interval kernels' dK/dV
     work split follows T itself (interval_attention_bwd), and so does the selected branch's layout past the
     block layout's partials limit (tile_configs.selected_layout_for); otherwise only T's classes count."""
-    from components.nsa.triton import tile_configs
+    from bench.tile_variants import selected_layout
 
     W = warm_length(T)
     if kernel.startswith("interval"):
         return T
-    layouts = {tile_configs.selected_layout_for(args.batch * t, args.heads, args.kv_heads, args.num_selected,
-                                                args.head_dim, args.sel_block_size, element_bytes) for t in (T, W)}
-    return W if len(layouts) == 1 else T
+    return W if selected_layout(args, T, element_bytes) == selected_layout(args, W, element_bytes) else T
 
 
 def tasks(args) -> list[tuple[int, str, tuple | None]]:

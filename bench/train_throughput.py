@@ -123,12 +123,13 @@ def case_overrides(overrides: list[str], seq_len: int) -> list[str]:
 
 # --profile: after the timed steps, one warmup step of the profiler and one step profiled, both left out of the median.
 PROFILE_STEPS = 2
+PROFILE_FOLDER = "profile"  # inside the case's temporary dump folder
 
 
 def profile_overrides(steps: int) -> list[str]:
     """The trainer's [profiling] for the step after the timed ones and the profiler's warmup step."""
     return ["--profiling.enable=true", f"--profiling.start_step={steps + PROFILE_STEPS}", "--profiling.steps=1",
-            "--profiling.folder=profile"]
+            f"--profiling.folder={PROFILE_FOLDER}"]
 
 
 def profile_of(trace: str) -> dict:
@@ -162,7 +163,7 @@ def run_case(recipe_path: str, seq_len: int, steps: int, warmup: int, local_batc
         wall = time.perf_counter() - start
         with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as fh:
             records = [json.loads(line) for line in fh if '"loss"' in line]
-        step_profile = profile_of(os.path.join(dump, "profile", "trace_rank0.json.gz")) if profile else None
+        step_profile = profile_of(os.path.join(dump, PROFILE_FOLDER, "trace_rank0.json.gz")) if profile else None
     timed = [r for r in records if warmup < r["step"] <= steps]
     steady = [r["tokens_per_second"] for r in timed]
     result = {

@@ -90,9 +90,14 @@ def key_tile(sel_block_size: int, cap: int) -> int:
     return max(16, min(cap, next_pow2(sel_block_size)))
 
 
+def table_head_block(block_d: int) -> int:
+    """The head dim entry of the shape tables that padded head dim block_d reads (16 reads 32's)."""
+    return max(32, block_d)
+
+
 def _shapes_of(kernel: str, block_d: int, element_bytes: int) -> tuple[dict[int, Tiles], int]:
     """(the table of `kernel`'s shapes by head dim for this element size, the entry block_d reads)."""
-    return (_HALF if element_bytes <= 2 else _FP32)[kernel], max(32, block_d)
+    return (_HALF if element_bytes <= 2 else _FP32)[kernel], table_head_block(block_d)
 
 
 def tiles(kernel: str, block_d: int, element_bytes: int) -> Tiles:
