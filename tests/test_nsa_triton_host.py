@@ -20,6 +20,20 @@ def test_work_items_are_short_for_short_rows_and_long_for_long_ones():
     assert work_item_segment(queries, 2**30) == queries * MAX_ITEM_STEPS
 
 
+def test_selected_dkdv_steps_hold_whole_head_groups_back_to_back():
+    from components.nsa.triton.selected_attention_bwd import dkdv_step_rows
+
+    assert dkdv_step_rows(32, 3) == (32, 10)  # the 125M layout: 30 of 32 rows used, not 24
+    assert dkdv_step_rows(32, 4) == (32, 8)
+    assert dkdv_step_rows(32, 16) == (32, 2)
+    assert dkdv_step_rows(16, 17) == (32, 1)  # a group wider than the tile takes a step of its own
+    for tile_rows in (16, 32, 64):
+        for group in range(1, 40):
+            rows, queries = dkdv_step_rows(tile_rows, group)
+            assert rows & (rows - 1) == 0 and rows >= tile_rows  # tl.arange needs a power of two
+            assert queries >= 1 and queries * group <= rows < (queries + 1) * group
+
+
 def test_dkdv_query_splits_only_where_programs_are_few_and_loops_long():
     from components.nsa.triton.interval_attention import (DKDV_MIN_SPLIT_QUERIES, DKDV_TARGET_PROGRAMS,
                                                           dkdv_query_split)

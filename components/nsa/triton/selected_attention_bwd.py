@@ -86,8 +86,8 @@ def _selected_attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, QUERY_LIST, LIST_START, ITEM_BIN, ITEM_START, PART_DK, PART_DV, PART_DQ, BLOCKS,
     STARTS, TOKEN_TABLE,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
-    T, H, HKV, G, NUM_BINS, NUM_SEL_BLOCKS, SEL_BLOCK, SEGMENT, qk_scale, sm_scale,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, QUERIES: tl.constexpr,
+    T, H, HKV, G: tl.constexpr, NUM_BINS, NUM_SEL_BLOCKS, SEL_BLOCK, SEGMENT, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_BLOCKS: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr,
     WRITE_DQ: tl.constexpr,
 ):
@@ -105,16 +105,17 @@ def _selected_attn_bwd_dkdv_kernel(
         k = load_rows(K + b * skb + hk * skh, pos.to(tl.int64), skt, offs_d, kv_mask)
         v = load_rows(V + b * svb + hk * svh, pos.to(tl.int64), svt, offs_d, kv_mask)
 
-        # Rows are (query slot, head) pairs: QUERIES queries of the list times the G heads.
-        rows = tl.arange(0, QUERIES * BLOCK_G)
-        slot = rows // BLOCK_G
-        g = rows % BLOCK_G
+        # Rows are (query slot, head) pairs: QUERIES queries of the list times the G heads, back to back
+        # (dkdv_step_rows); the rows past QUERIES * G stay empty.
+        rows = tl.arange(0, ROWS)
+        slot = rows // G
+        g = rows % G
         heads = (hk * G + g).to(tl.int64)
         dk = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
         for e0 in range(e_lo, e_hi, QUERIES):
             entry = e0 + slot
-            r_ok = (entry < e_hi) & (g < G)
+            r_ok = (entry < e_hi) & (slot < QUERIES)
             t = tl.load(QUERY_LIST + entry, mask=r_ok, other=0).to(tl.int64)
             row_mask = r_ok[:, None] & d_ok[None, :]
             q_ptrs = Q + b * sqb + t[:, None] * sqt + heads[:, None] * sqh + offs_d[None, :]
@@ -223,8 +224,7 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     tiles = tile_configs.tiles("selected_dkdv", block_d, q.element_size())
     block_k = key_tile(sel_block_size, tiles.keys)
     sub_blocks = cdiv(sel_block_size, block_k)
-    block_g = next_pow2(G)
-    queries = max(1, tiles.rows // block_g)  # (query, head) rows per step: whole padded head groups
+    rows, queries = dkdv_step_rows(tiles.rows, G)
     segment = segment or work_item_segment(queries, sel_idx.numel())
     lists = selection_lists(sel_idx, sel_block_size, k.shape[1], segment, cu_seqlens, cu_seqlens_q,
                             entries=dq_by_blocks)
@@ -241,7 +241,7 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         T, H, HKV, G, lists.num_bins, lists.num_sel_blocks, sel_block_size, segment, sm_scale * LOG2E, sm_scale,
-        D=D, BLOCK_D=block_d, BLOCK_G=block_g, QUERIES=queries, BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
+        D=D, BLOCK_D=block_d, ROWS=rows, QUERIES=queries, BLOCK_K=block_k, SUB_BLOCKS=sub_blocks,
         PRECISION=precision, PACKED=packed, WRITE_DQ=dq_by_blocks, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     # Both powers of two (tl.arange needs one); rows past part_rows are masked off in the kernel.
@@ -260,6 +260,16 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             D=D, BLOCK_D=block_d, BLOCK_N=next_pow2(num_sel), SUB_BLOCKS=sub_blocks, num_warps=4,
         )
     return dq, dk, dv
+
+
+def dkdv_step_rows(tile_rows: int, group_size: int) -> tuple[int, int]:
+    """(rows, queries) of one step of the dK/dV kernel: `rows` (query, head) rows, a power of two of at
+    least tile_rows, hold `queries` whole head groups back to back, queries * G <= rows. G = 3 in 32
+    rows: 10 queries (30 rows), where padding each group to 4 heads takes 8 (24). The forward's block
+    layout keeps padded groups: packing costs it ~64 more registers at 4 warps (bench.kernel_resources,
+    sm_90: 230 against 166), two blocks per SM instead of three, where this kernel stays at one."""
+    rows = max(tile_rows, next_pow2(group_size))
+    return rows, rows // group_size
 
 
 def _selected_dq(q, k, v, do, lse2, delta, sel_idx, dq, token_table, sel_block_size: int, sm_scale: float) -> None:

@@ -19,7 +19,7 @@ from typing import Iterator, NamedTuple
 
 
 class Tiles(NamedTuple):
-    rows: int  # queries per tile; selected dK/dV: (query, head) rows per step, whole padded head groups
+    rows: int  # queries per tile; block-major selected kernels: (query, head) rows per step, whole head groups
     keys: int  # keys per tile; selected kernels: keys per sub-tile of a selection block, at most
     warps: int
     stages: int
