@@ -166,6 +166,7 @@ def _every_kind() -> dict[str, dict]:
             "benchmark": "kernel_resources", "environment": CPU_ENV,
             "rows": [{"dtype": "bf16", "head_dim": 64, "name": "window_fwd", "target": "sm_90", "constants": {},
                       "num_warps": 4, "shared_bytes": 300 * 1024, "registers": 128, "stack_bytes": 0,
+                      "tensor_cores": "wgmma",
                       "shared_limit_bytes": 227 * 1024}],
             "failures": ["sm_90 bf16 D=64: window_fwd needs 307200 B of shared memory, the limit is 232448 B"]},
     }
@@ -184,7 +185,7 @@ def test_every_kind_of_result_the_benchmarks_write_is_rendered():
         report.render({**_every_kind()["decode"], "form": "hf"})
     assert "| 1 | 0.400 | 0.200 | 2.00 | 1.200 | 0.600 | 2.00 | selection 0.050 |" \
         in tables["nsa_reference_vs_sdpa_cpu"]
-    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 |" in tables["kernel_resources"]
+    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 | wgmma |" in tables["kernel_resources"]
     assert "- failed: sm_90 bf16 D=64: window_fwd needs" in tables["kernel_resources"]
     # data_resume's results written before it named itself are still recognised by their numbers
     unnamed = {k: v for k, v in _every_kind()["data_resume"].items() if k != "benchmark"}
@@ -199,7 +200,7 @@ def test_a_kernel_resources_result_of_an_older_release_is_rendered(tmp_path, cap
     assert report.main([str(path)]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "The machine, versions and commit were not recorded (a result of an older release)." in out
-    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 |" in out
+    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 | wgmma |" in out
     path.write_text(json.dumps({"rows": [], "failures": []}))
     assert report.main([str(path)]) == 0 and "NSA Triton kernels compiled offline" in capsys.readouterr().out
 

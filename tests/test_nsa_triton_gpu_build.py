@@ -4,7 +4,8 @@ The interpreter tests prove the kernels' arithmetic; this proves what only the c
 kernels of one forward + backward (the selected branch in both layouts) are compiled by Triton for sm_90 (H100/H200) and sm_80 (A100),
 ptxas included, at head dims 32 to 256 and in bf16, fp16 and fp32, and none needs more shared
 memory than the GPU has (that would fail at launch); on sm_90 in bf16 and fp16 none spills
-registers to local memory. Runs in subprocesses without TRITON_INTERPRET.
+registers to local memory, and the interval kernels' products use Hopper's warpgroup MMA (wgmma) up
+to head dim 128. Runs in subprocesses without TRITON_INTERPRET.
 """
 
 import json
@@ -60,3 +61,11 @@ def test_kernels_compile_for_hopper_and_ampere_within_shared_memory(tmp_path):
                 assert r["registers"] is None or 0 < r["registers"] <= 255, r
                 if r["target"] == "sm_90" and r["dtype"] in ("bf16", "fp16"):  # the shapes are tuned for Hopper
                     assert r["stack_bytes"] == 0, r
+                    if r["name"].startswith("_interval_attn") and r["head_dim"] <= 128:
+                        # The compressed and window branches, most of the op's products: Hopper's warpgroup
+                        # MMA, not the warp-level one a tile of too few rows falls back to.
+                        assert r["tensor_cores"] == "wgmma", r
+                if r["target"] == "sm_80":
+                    assert "wgmma" not in r["tensor_cores"], r  # Hopper's instruction: Ampere has none
+                if r["name"] in ("_gate_fwd_kernel", "_softmax_delta_kernel", "_sum_partials_kernel"):
+                    assert r["tensor_cores"] == "none", r  # no dot in them

@@ -45,6 +45,9 @@ class CompiledKernel:
     # Per-thread stack frame: ptxas puts register spills and arrays it cannot keep in registers there,
     # in local memory (slow). None without cuobjdump.
     stack_bytes: int | None
+    # The matrix instructions its dots became (tensor_cores): on sm_90 "wgmma" is Hopper's warpgroup MMA,
+    # "mma" the older warp-level one, which a dot of fewer than 64 rows per warpgroup falls back to.
+    tensor_cores: str
 
     @property
     def shared_limit_bytes(self) -> int:
@@ -53,6 +56,13 @@ class CompiledKernel:
 
 def target_for(arch: int) -> GPUTarget:
     return GPUTarget("cuda", arch, 32)
+
+
+def tensor_cores(ptx: str) -> str:
+    """"wgmma", "mma" or "none": the tensor-core instructions a kernel's PTX uses (both: "wgmma+mma")."""
+    kinds = [name for name, pattern in (("wgmma", r"\bwgmma\.mma_async\b"), ("mma", r"\bmma\.sync\b"))
+             if re.search(pattern, ptx)]
+    return "+".join(kinds) or "none"
 
 
 def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
@@ -88,7 +98,8 @@ def compile_only(target: GPUTarget):
         names = [p.name for p in self.params]
         constants = {names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
         compiled.append(CompiledKernel(self.fn.__name__, f"sm_{target.arch}", constants, options.num_warps,
-                                       kernel.metadata.shared, registers, stack_bytes))
+                                       kernel.metadata.shared, registers, stack_bytes,
+                                       tensor_cores(kernel.asm["ptx"])))
         return None
 
     jit.JITFunction.run = compile_instead
