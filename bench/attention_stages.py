@@ -183,8 +183,8 @@ def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list
             return selected_attention_bwd(do, q, k, v, o, lse2, selection, lp, scale, dq_layout=layout)
 
         def build_lists():  # what each of the layout's passes builds before its kernels run (the segment
-            # only sizes the item table: 8 (query, head) rows a step stands in for the launchers' own)
-            return selection_lists(selection, lp, k.shape[1], work_item_segment(8, selection.numel()),
+            # only sizes the item table: 10 queries a step stands in for the launchers' own)
+            return selection_lists(selection, lp, k.shape[1], work_item_segment(10, selection.numel()),
                                    entries=layout == "block")
 
         row = {"seq_len": T, "layout": layout, "fwd_ms": measure(run_forward), "bwd_ms": measure(run_backward),

@@ -24,7 +24,8 @@ pytestmark = [
 HYPER = dict(block_size=32, block_stride=16, sel_block_size=64, num_selected=16, window_size=512)
 SEL_HYPER = {k: v for k, v in HYPER.items() if k != "window_size"}
 # (T, H, Hkv, D): the paper's group size 16 at 2k, the 125M recipes' layout (12 / 4: a group of 3, padded
-# to 4 in the block layout) at 8k, then a group of 4 at 32k, keeping the reference's time sane.
+# to 4 in the block layout's forward, packed back to back in its dK/dV) at 8k, then a group of 4 at 32k,
+# keeping the reference's time sane.
 SIZES = [
     pytest.param(2048, 16, 1, 128, id="T2k-G16-D128"),
     pytest.param(8192, 12, 4, 64, id="T8k-G3-D64"),

@@ -14,9 +14,9 @@ from tests.test_nsa_triton import _hyper, _make_inputs
 def test_work_items_are_short_for_short_rows_and_long_for_long_ones():
     from components.nsa.triton.selection_lists import MAX_ITEM_STEPS, MIN_ITEM_STEPS, work_item_segment
 
-    queries = 8  # (query, head) rows per step / padded group
+    queries = 10  # queries per step: 32 (query, head) rows / a group of 3 (dkdv_step_rows)
     assert work_item_segment(queries, 2048 * 4 * 16) == queries * MIN_ITEM_STEPS  # 2k tokens, 4 groups, n = 16
-    assert work_item_segment(queries, 65536 * 4 * 16) == queries * 256
+    assert work_item_segment(queries, 65536 * 4 * 16) == queries * 204  # about 2048 items: 4M entries / (10 * 204)
     assert work_item_segment(queries, 2**30) == queries * MAX_ITEM_STEPS
 
 
