@@ -7,7 +7,9 @@ compressed keys), block selection, the selected branch, the window branch, and t
 timed forward, and backward from a random output gradient (selection has no backward). The selected
 branch's launchers are also timed in both of its layouts (query- and block-major forward and dQ,
 tile_configs.selected_layout), side by side; and the whole op's forward + backward against the host's time to
-issue it (and the kernels it launches), which shows a length where launches, not kernels, set the pace. Results go to
+issue it (and the kernels it launches), which shows a length where launches, not kernels, set the pace. Each
+branch and the selection also get their FLOPs, counted from the keys every query really sees (stage_flops), and
+the TFLOP/s that makes: how far each kernel is from the GPU's peak. Results go to
 bench/results/attention_stages-<gpu>-<time>.json with the environment. --tiles FILE launches the kernels with a
 launch shapes file's shapes (bench.tile_choice) in place of the shipped ones. Needs CUDA; --allow-cpu
 runs it under Triton's interpreter at tiny sizes as a smoke test (times mean nothing there).
@@ -66,6 +68,31 @@ def kernel_device(benchmark: str, allow_cpu: bool) -> str | None:
     return None
 
 
+# Backward FLOPs per forward FLOP, the usual convention for attention (dense benchmarks count the same):
+# dQ, dK and dV take five products of the forward's size against its two. The kernels do more (dQ and dK/dV
+# each recompute P), so a backward's TFLOP/s here is useful work, not what the tensor cores ran.
+BACKWARD_FLOPS = 2.5
+
+
+def stage_flops(args, T: int, selection: torch.Tensor) -> dict[str, float]:
+    """Forward FLOPs of one call per stage, counted from the keys each (query, head) really sees: 4 * D per key
+    (q.k and p.v) in the branches, 2 * D per compressed key in selection (its q.k; the small product folding
+    the compressed blocks onto selection blocks is left out). The selected branch counts the keys of
+    `selection` [B, T, Hkv, n] at or before each query; the gates do no products."""
+    l, d, lp, w = args.block_size, args.block_stride, args.sel_block_size, args.window_size
+    rows = args.batch * args.heads  # (row, head) pairs, each over the T queries
+    t = torch.arange(T, dtype=torch.float64)
+    num_cmp = max(0, (T - l) // d + 1)
+    compressed = (torch.floor((t - (l - 1)) / d) + 1).clamp(0, num_cmp).sum().item()  # blocks ending at or before t
+    window = t.add(1).clamp(max=w).sum().item() if w > 0 else t.add(1).sum().item()
+    blocks = selection.detach().to("cpu", torch.int64)
+    keys = (t.view(1, T, 1, 1) - blocks * lp + 1).clamp(0, lp)  # keys of each chosen block at or before t
+    selected = torch.where(blocks >= 0, keys, 0.0).sum().item() * (args.heads // args.kv_heads)
+    D = args.head_dim
+    return {"compressed": 4.0 * D * rows * compressed, "selection": 2.0 * D * rows * compressed,
+            "selected": 4.0 * D * selected, "window": 4.0 * D * rows * window}
+
+
 def stage_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
     from components.nsa.triton import ops
 
@@ -87,6 +114,7 @@ def stage_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
         "gating": (lambda: ops.gate(o_cmp, o_sel, o_win, gates), [gates]),
     }
     measure = timer(device, args.rep_ms)
+    flops = stage_flops(args, T, selection)
     rows = []
     for name, (fn, inputs) in stages.items():
         with torch.no_grad():
@@ -95,6 +123,11 @@ def stage_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
             out = fn()
             grad = torch.randn_like(out)
             row["bwd_ms"] = measure(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
+        if name in flops:
+            row["fwd_flops"] = flops[name]
+            row["fwd_tflops"] = flops[name] / row["fwd_ms"] / 1e9
+            if "bwd_ms" in row:
+                row["bwd_tflops"] = BACKWARD_FLOPS * flops[name] / row["bwd_ms"] / 1e9
         rows.append(row)
     total_fwd = sum(r["fwd_ms"] for r in rows)
     total_bwd = sum(r.get("bwd_ms", 0.0) for r in rows)

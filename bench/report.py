@@ -25,6 +25,10 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _tflops(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _speedup(row: dict | None) -> str:
     return "-" if row is None else f"{row['speedup_vs_sdpa']:.2f}x"
 
@@ -122,12 +126,14 @@ def op_targets(speedups: list[dict]) -> list[str]:
 def stage_tables(report: dict) -> list[str]:
     batch = report.get("config", {}).get("batch", 1)
     lines = [f"NSA op stages{_rows(batch)}{_launch_shapes(report.get('config', {}))} (ms; share of the op's forward / "
-             f"backward):", "",
-             "| tokens | stage | fwd ms | bwd ms | share fwd | share bwd |", "| --- | --- | --- | --- | --- | --- |"]
+             f"backward; TFLOP/s of the keys each query sees, the backward counted as 2.5 forwards):", "",
+             "| tokens | stage | fwd ms | bwd ms | share fwd | share bwd | fwd TFLOP/s | bwd TFLOP/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["results"]:
         share_bwd = f"{r['share_of_bwd']:.0%}" if "share_of_bwd" in r else "-"
         lines.append(f"| {r['seq_len']} | {r['stage']} | {_ms(r['fwd_ms'])} | {_ms(r.get('bwd_ms'))} | "
-                     f"{r['share_of_fwd']:.0%} | {share_bwd} |")
+                     f"{r['share_of_fwd']:.0%} | {share_bwd} | {_tflops(r.get('fwd_tflops'))} | "
+                     f"{_tflops(r.get('bwd_tflops'))} |")
     layouts = report.get("selected_layouts", [])
     if layouts:
         lines += ["", "Selected branch, both layouts (tile_configs.selected_layout):", "",

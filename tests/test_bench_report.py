@@ -52,8 +52,13 @@ def test_a_batch_of_rows_is_named_and_not_checked_against_the_one_row_targets():
     assert "NSA op vs SDPA (12 / 4 heads, D = 64, bf16):" in one_row and "- target: break-even" in one_row
     stages = {"benchmark": "attention_stages", "environment": ENV, "config": {"batch": 32},
               "results": [{"seq_len": 2048, "stage": "selected", "fwd_ms": 1.0, "bwd_ms": 2.0, "share_of_fwd": 1.0,
-                           "share_of_bwd": 1.0}]}
-    assert "NSA op stages, 32 rows (ms; share of the op's forward / backward):" in report.render(stages)
+                           "share_of_bwd": 1.0, "fwd_flops": 9e10, "fwd_tflops": 90.0, "bwd_tflops": 112.5},
+                          {"seq_len": 2048, "stage": "gating", "fwd_ms": 0.1, "bwd_ms": 0.2, "share_of_fwd": 0.1,
+                           "share_of_bwd": 0.1}]}  # no products: no TFLOP/s, as in a result written before them
+    text = report.render(stages)
+    assert "NSA op stages, 32 rows (ms; share of the op's forward / backward; TFLOP/s" in text
+    assert "| 2048 | selected | 1.000 | 2.000 | 100% | 100% | 90.0 | 112.5 |" in text
+    assert "| 2048 | gating | 0.100 | 0.200 | 10% | 10% | - | - |" in text
 
 
 def test_the_training_table_and_its_targets():

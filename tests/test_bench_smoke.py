@@ -143,6 +143,8 @@ def test_attention_stages_times_every_stage(tmp_path):
     assert all(r["fwd_ms"] > 0 for r in rows) and "bwd_ms" not in rows[1]
     assert all(r["bwd_ms"] > 0 for r in rows if r["stage"] != "selection")
     assert abs(sum(r["share_of_fwd"] for r in rows) - 1) < 1e-9
+    assert all(r["fwd_flops"] > 0 and r["fwd_tflops"] > 0 for r in rows[:4]) and "fwd_flops" not in rows[4]
+    assert all("bwd_tflops" in r for r in rows[:4] if r["stage"] != "selection")
     layouts = json.loads(out.read_text())["selected_layouts"]
     assert [(r["seq_len"], r["layout"]) for r in layouts] == [(40, "query"), (40, "block")]
     assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["lists_ms"] > 0 for r in layouts)
@@ -153,6 +155,33 @@ def test_attention_stages_times_every_stage(tmp_path):
     table = render(json.loads(out.read_text()))
     assert "| 40 | selected |" in table and "| 40 | block-major |" in table
     assert "| 40 | " in table.split("host's time to issue it")[1]
+
+
+def test_stage_flops_count_the_keys_each_query_sees():
+    """Against a count key by key: compressed blocks ending at or before the query, the window's keys, and the
+    keys of each chosen block at or before the query (unused slots -1 count nothing), times 4 D per key."""
+    import argparse
+
+    from bench.attention_stages import stage_flops
+
+    args = argparse.Namespace(batch=2, heads=6, kv_heads=2, head_dim=16, block_size=8, block_stride=4,
+                              sel_block_size=8, window_size=5)
+    T, G = 30, 3
+    gen = torch.Generator().manual_seed(0)
+    selection = torch.full((2, T, 2, 3), -1, dtype=torch.int64)
+    for b in range(2):
+        for t in range(T):
+            for h in range(2):
+                chosen = torch.randperm(t // 8 + 1, generator=gen)[:int(torch.randint(1, 4, (1,), generator=gen))]
+                selection[b, t, h, :len(chosen)] = chosen.sort().values
+    compressed = sum(1 for t in range(T) for i in range(T) if i * 4 + 8 <= T and i * 4 + 7 <= t)
+    window = sum(1 for t in range(T) for s in range(T) if t - 5 < s <= t)
+    selected = sum(1 for b in range(2) for t in range(T) for h in range(2) for blk in selection[b, t, h].tolist()
+                   if blk >= 0 for s in range(blk * 8, blk * 8 + 8) if s <= t) * G
+    flops = stage_flops(args, T, selection)
+    per_key = 4 * 16
+    assert flops == {"compressed": per_key * 2 * 6 * compressed, "selection": per_key / 2 * 2 * 6 * compressed,
+                     "selected": per_key * selected, "window": per_key * 2 * 6 * window}
 
 
 def test_the_busiest_kernels_are_summed_by_name_and_ranked_by_gpu_time():
