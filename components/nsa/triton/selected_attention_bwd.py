@@ -267,7 +267,7 @@ def dkdv_step_rows(tile_rows: int, group_size: int) -> tuple[int, int]:
     least tile_rows, hold `queries` whole head groups back to back, queries * G <= rows. G = 3 in 32
     rows: 10 queries (30 rows), where padding each group to 4 heads takes 8 (24). On sm_90 in bf16 with
     G = 3 (bench.kernel_resources) this kernel keeps one block of 8 warps per SM at head dims 64 to 256
-    (166 registers against 153 at 64), but at 32 it drops from two to one (142 against 126): unmeasured.
+    (169 registers against 158 at 64), but at 32 it drops from two to one (132 against 128): unmeasured.
     The forward's block layout keeps padded groups: packing cost it ~64 more registers at 4 warps (230
     against 166 at head dim 64), two blocks per SM instead of three."""
     rows = max(tile_rows, next_pow2(group_size))
