@@ -24,7 +24,7 @@ import time
 import torch
 
 from bench import environment
-from bench.attention import DTYPES, add_shape_args, finish_shape_args, nsa_inputs
+from bench.attention import BACKWARD_FLOPS, DTYPES, add_shape_args, finish_shape_args, nsa_inputs
 from bench.environment import describe_environment, write_report
 from bench.launch_shapes import add_tiles_arg, applied, config_of, finish_tiles_arg
 
@@ -68,23 +68,19 @@ def kernel_device(benchmark: str, allow_cpu: bool) -> str | None:
     return None
 
 
-# Backward FLOPs per forward FLOP, the usual convention for attention (dense benchmarks count the same):
-# dQ, dK and dV take five products of the forward's size against its two. The kernels do more (dQ and dK/dV
-# each recompute P), so a backward's TFLOP/s here is useful work, not what the tensor cores ran.
-BACKWARD_FLOPS = 2.5
-
-
 def stage_flops(args, T: int, selection: torch.Tensor) -> dict[str, float]:
     """Forward FLOPs of one call per stage, counted from the keys each (query, head) really sees: 4 * D per key
     (q.k and p.v) in the branches, 2 * D per compressed key in selection (its q.k; the small product folding
     the compressed blocks onto selection blocks is left out). The selected branch counts the keys of
-    `selection` [B, T, Hkv, n] at or before each query; the gates do no products."""
-    l, d, lp, w = args.block_size, args.block_stride, args.sel_block_size, args.window_size
+    `selection` [B, T, Hkv, n] at or before each query (the call's own, not the count a full one would
+    have: components.models.flops.visible_keys); the gates do no products."""
+    from components.models.flops import visible_keys
+
+    lp = args.sel_block_size
     rows = args.batch * args.heads  # (row, head) pairs, each over the T queries
+    seen = visible_keys(args, T)
+    compressed, window = float(seen["cmp"].sum()), float(seen["win"].sum())
     t = torch.arange(T, dtype=torch.float64)
-    num_cmp = max(0, (T - l) // d + 1)
-    compressed = (torch.floor((t - (l - 1)) / d) + 1).clamp(0, num_cmp).sum().item()  # blocks ending at or before t
-    window = t.add(1).clamp(max=w).sum().item() if w > 0 else t.add(1).sum().item()
     blocks = selection.detach().to("cpu", torch.int64)
     keys = (t.view(1, T, 1, 1) - blocks * lp + 1).clamp(0, lp)  # keys of each chosen block at or before t
     selected = torch.where(blocks >= 0, keys, 0.0).sum().item() * (args.heads // args.kv_heads)

@@ -165,7 +165,7 @@ def test_stage_flops_count_the_keys_each_query_sees():
     from bench.attention_stages import stage_flops
 
     args = argparse.Namespace(batch=2, heads=6, kv_heads=2, head_dim=16, block_size=8, block_stride=4,
-                              sel_block_size=8, window_size=5)
+                              sel_block_size=8, num_selected=3, window_size=5)
     T, G = 30, 3
     gen = torch.Generator().manual_seed(0)
     selection = torch.full((2, T, 2, 3), -1, dtype=torch.int64)

@@ -47,19 +47,25 @@ def _block_weights(args: TransformerArgs) -> tuple[int, int]:
     return _matmul_weights(block) - phi_weights, per_phi
 
 
-def average_keys(args: TransformerArgs, seq_len: int) -> dict[str, float]:
-    """Mean keys per query over positions 0..seq_len-1, by branch ('dense' or 'cmp', 'sel', 'win')."""
+def visible_keys(nsa, seq_len: int) -> dict[str, torch.Tensor]:
+    """Keys the query at position t sees in each NSA branch, t = 0..seq_len-1: int64 [seq_len] by branch
+    ('cmp', 'sel', 'win'; see the module docstring). `nsa` holds the hyperparameters by their NSA names
+    (block_size, block_stride, sel_block_size, num_selected, window_size)."""
     t = torch.arange(seq_len, dtype=torch.int64)
-    if args.attention == "dense":
-        return {"dense": (seq_len + 1) / 2}
-    nsa = args.nsa
     l, d, ls, n, w = nsa.block_size, nsa.block_stride, nsa.sel_block_size, nsa.num_selected, nsa.window_size
     cmp = torch.where(t + 1 >= l, (t + 1 - l) // d + 1, torch.zeros_like(t))
     current = t // ls
     partial = (n - 1) * ls + t % ls + 1
     sel = torch.where(current + 1 <= n, t + 1, partial)
     win = torch.clamp(t + 1, max=w)
-    return {name: int(k.sum()) / seq_len for name, k in (("cmp", cmp), ("sel", sel), ("win", win))}
+    return {"cmp": cmp, "sel": sel, "win": win}
+
+
+def average_keys(args: TransformerArgs, seq_len: int) -> dict[str, float]:
+    """Mean keys per query over positions 0..seq_len-1, by branch ('dense' or 'cmp', 'sel', 'win')."""
+    if args.attention == "dense":
+        return {"dense": (seq_len + 1) / 2}
+    return {name: int(k.sum()) / seq_len for name, k in visible_keys(args.nsa, seq_len).items()}
 
 
 def flops_per_token(args: TransformerArgs, vocab_size: int, seq_len: int) -> float:
