@@ -209,8 +209,11 @@ def test_inductor_fullgraph_matches_eager():
 def test_offsets_beyond_int32():
     """q with more than 2**31 elements: window branch forward and backward on the last queries."""
     T, H, Hkv, D, w = 65536, 256, 8, 128, 64
-    if torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
-        pytest.skip("needs a GPU of 60 GiB or more (the tensors and their gradients take about 40 GiB)")
+    # Free, not total, memory: other test workers and the GPU suite's training groups share the GPU.
+    free = torch.cuda.mem_get_info()[0]
+    if free < 48 * 2**30:
+        pytest.skip(f"needs 48 GiB of free GPU memory (the tensors and their gradients take about 40 GiB), "
+                    f"{free / 2**30:.1f} GiB free now")
     q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
     assert q.numel() >= 2**31
     k, v = (torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
