@@ -188,6 +188,22 @@ def test_a_link_to_a_file_that_is_gone_is_named_as_a_broken_link(tmp_path, entry
     assert "fix the link" in message and "sound copy" not in message and "No such file" not in message
 
 
+@pytest.mark.parametrize("entry", ["folder", "pipe", "glob", "nested"])
+def test_a_named_pipe_among_the_data_is_refused_naming_it(tmp_path, entry):
+    # In a folder, training hung for ever at start-up (opening the pipe to fingerprint it waits for a writer);
+    # a glob passed over it in silence; named itself it "does not exist".
+    write_jsonl(str(tmp_path / "good.jsonl"), unique_texts(5))
+    (tmp_path / "sub").mkdir()
+    pipe = tmp_path / ("sub" if entry == "nested" else "") / "part.jsonl"
+    os.mkfifo(pipe)
+    path = {"folder": tmp_path, "nested": tmp_path, "pipe": pipe, "glob": tmp_path / "*.jsonl"}[entry]
+    with pytest.raises(UserError) as refused:
+        TextFilesSource(TextFilesArgs(paths=[str(path)])).check()
+    message = str(refused.value)
+    assert f"{str(pipe)!r} is a named pipe, not a file of text to train on" in message, message
+    assert "does not exist" not in message
+
+
 def test_a_grown_file_is_a_different_corpus(tmp_path):
     path = str(tmp_path / "c.jsonl")
     write_jsonl(path, unique_texts(20))

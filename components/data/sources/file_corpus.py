@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 
 from components.errors import UserError, read_from
@@ -125,15 +126,15 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
             # A folder the pattern matches is searched like a folder entry: 'corpus/*' is all of corpus.
             # A link whose target is gone is kept, so that reading it names it rather than passing over it.
             matches = sorted({os.path.abspath(f) for m in glob.glob(path, recursive=True)  # '**' repeats folders
-                              for f in (_files_in(m) if os.path.isdir(m) else
-                                        [m] if os.path.isfile(m) or _dangling_link(m) else [])})
+                              for f in (_files_in(m, what) if os.path.isdir(m) else
+                                        [m] if os.path.isfile(m) or _dangling_link(m) else _refuse_special(m, what))})
             if not matches:
                 raise UserError(f"{what}: the pattern {entry!r} matches no file{read_from(entry)}; fix the pattern "
                                 f"or the folder")
             _refuse_unsupported(matches, entry, what)
             found.update(matches)
         elif os.path.isdir(path):
-            inside = _files_in(os.path.abspath(path))  # absolute and normalized as walked, not path by path
+            inside = _files_in(os.path.abspath(path), what)  # absolute and normalized as walked, not path by path
             if not inside:
                 raise UserError(f"{what}: the folder {entry!r} holds no file; it should hold {READABLE} files")
             _refuse_unsupported(inside, entry, what)
@@ -146,6 +147,8 @@ def expand_paths(entries: list[str], what: str) -> list[str]:
             found.add(os.path.abspath(path))
         elif _dangling_link(path):
             raise UserError(f"{what}: {_dangling_link(path)}; fix the link or the path, or remove it")
+        elif os.path.exists(path):
+            _refuse_special(path, what)
         else:
             raise UserError(f"{what}: the path {entry!r} does not exist{read_from(entry)}; fix the path or remove it")
     return sorted(found)
@@ -159,13 +162,39 @@ def _dangling_link(path: str) -> str | None:
     return f"{path!r} is a link to {os.readlink(path)!r}, which does not exist"
 
 
-def _files_in(folder: str) -> list[str]:
-    """The files under `folder`, at any depth, hidden files and folders (.cache, .git) left out, as glob does."""
-    found = []
-    for root, folders, files in os.walk(folder):
-        folders[:] = [name for name in folders if not name.startswith(".")]
-        found += [os.path.join(root, name) for name in files if not name.startswith(".")]
+def _files_in(folder: str, what: str) -> list[str]:
+    """The files under `folder`, at any depth, hidden files and folders (.cache, .git) left out, as glob does;
+    links to folders are not followed (as os.walk), links to gone files are kept (reading them names them). A
+    named pipe, socket or device among them is refused: opening a pipe waits for a writer, forever."""
+    found, pending = [], [folder]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError:  # unreadable below the top: os.walk passes over it too; reading the files says more
+            continue
+        for entry in entries:  # the entry's type comes from the listing: no stat per file but for links
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                if not entry.is_symlink():
+                    pending.append(entry.path)
+            elif entry.is_file() or _dangling_link(entry.path):
+                found.append(entry.path)
+            else:
+                _refuse_special(entry.path, what)
     return found
+
+
+_SPECIAL_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"))
+
+
+def _refuse_special(path: str, what: str) -> list[str]:
+    """Refuse `path`, which exists but is neither a file nor a folder (reading a named pipe would wait forever)."""
+    mode = os.stat(path).st_mode
+    kind = next((name for test, name in _SPECIAL_KINDS if test(mode)), "not a regular file")
+    raise UserError(f"{what}: {path!r} is {kind}, not a file of text to train on; remove it from the data folder "
+                    f"or narrow the paths to the data files")
 
 
 def corpus_files(paths: list[str]) -> list[CorpusFile]:
