@@ -140,7 +140,7 @@ def _plugin_hook(model: str, hook: str, fn: Callable[..., Any]) -> Callable[...,
             given = fn(*args, **kwargs)
         except (UserError, torch.OutOfMemoryError):
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin's sys.exit ended the command in silence
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 raise
             frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
@@ -271,7 +271,7 @@ def call(part: Part, *args: Any, **kwargs: Any) -> Any:
         if exc.errno == errno.ENOSPC:  # a full disk is the disk's, said as such by the command
             raise
         raise _failed_to_build(part, exc) from None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a plugin's sys.exit ended the command in silence
         raise _failed_to_build(part, exc) from None
     missing = [member for member in _MEMBERS.get(part.kind, ()) if not hasattr(built, member)]
     if missing:
@@ -290,7 +290,7 @@ def schedule_shape_problem(part: Part, samples: int = 101) -> tuple[str, str] | 
         progress = i / (samples - 1)
         try:
             given = part.build(progress)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             return f"fails at progress {progress:g}: {type(exc).__name__}: {exc}", fix
         # A real number only: float() would pass a text ("0.5") or a tensor here, which the optimizer's
         # step then fails on (a bool is no factor either).
@@ -306,7 +306,7 @@ def schedule_shape_problem(part: Part, samples: int = 101) -> tuple[str, str] | 
     return None
 
 
-def _failed_to_build(part: Part, exc: Exception) -> UserError:
+def _failed_to_build(part: Part, exc: BaseException) -> UserError:
     """The plugin's line where its builder failed (the deepest in the builder's own file; else the deepest
     outside this module; else the call itself, whose arguments the builder does not take)."""
     try:

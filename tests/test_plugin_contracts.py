@@ -4,6 +4,7 @@ and what its kind's builder is called with, with exit 2 and no traceback; a plug
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -110,9 +111,11 @@ register("lr_schedule", "straight", lambda progress: 1 - progress)
 register("lr_schedule", "text", lambda progress: str(1 - progress))
 register("lr_schedule", "tensor", lambda progress: torch.tensor(1 - progress))
 register("lr_schedule", "boolean", lambda progress: progress < 1)
+register("model", "exits", lambda args, vocab_size: exit(0), args=Args)
 '''
 BROKEN_LINE = PLUGIN.splitlines().index('    return {}["no such key"]') + 1
 FAILING_LINE = PLUGIN.splitlines().index('        raise KeyError("row 1 has no text")') + 1
+EXITS_LINE = PLUGIN.splitlines().index('register("model", "exits", lambda args, vocab_size: exit(0), args=Args)') + 1
 PICKY_LINE = PLUGIN.splitlines().index('        raise ValueError("cannot encode this")') + 1
 RECIPE = """
 [model]
@@ -157,6 +160,9 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
     (["--model.name=flops_of_args"],
      ["model 'flops_of_args' (a plugin's): its flops_per_token hook failed: TypeError: <lambda>() takes 1 positional "
       "argument but 3 were given (in the call: its parameters). Fix: components/model_hooks.py says how each hook"]),
+    # A builder that ends the process: the command ended, status 0, nothing said.
+    (["--model.name=exits"], ["model 'exits' (a plugin's) failed to build: SystemExit: 0 (",
+                              f"contract_plugin.py, line {EXITS_LINE})"]),
     (["--model.name=no_plan"], ["model 'no_plan' (a plugin's): its parallel_plan hook returned a NoneType, not the "
                                 "ParallelPlan the engine reads. Fix: components/model_hooks.py"]),
     (["--model.name=short", "--optimizer.name=no_betas"],
@@ -234,6 +240,26 @@ def test_a_plugin_that_fails_while_imported_is_named_at_its_line(tmp_path, capsy
                    f"raised ValueError while it was imported ({path}, line 3): optimizer 'adamw' is already "
                    "registered; pass replace=True to override it. Fix: mend the plugin there")
     assert "importable module name" not in err
+
+
+@pytest.mark.parametrize("script, line, code", [
+    ("import sys\n\nsys.exit(0)\n", 3, 0),
+    # A script's command line read as it is imported: argparse says the run's flags are not its own, then exits.
+    ("import argparse\n\nparser = argparse.ArgumentParser()\nparser.parse_args()\n", 4, 2),
+])
+def test_a_script_that_exits_while_imported_as_a_plugin_is_one_message(tmp_path, capsys, monkeypatch, script, line,
+                                                                        code):
+    """The command ended in silence with the script's status (0: as if it had trained)."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    argv = ["train", "--job.plugins=" + str(path), *TINY, f"--job.dump_folder={tmp_path / 'run'}"]
+    monkeypatch.setattr(sys, "argv", ["nsa-titan", *argv])  # what the script's argparse reads
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err  # argparse's own usage and error line come first
+    assert "Traceback" not in err and err.count("error: the recipe has 1 problem") == 1, err
+    assert (f"job.plugins = '{path}': called sys.exit({code}) while it was imported ({path}, line {line}). Fix: a "
+            "plugin is imported to register parts, not run: put the script's own work under `if __name__ == ") in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_missing_plugin_file_names_the_directory_it_was_looked_for_in(tmp_path, monkeypatch, capsys):

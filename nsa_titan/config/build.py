@@ -334,7 +334,7 @@ class RecipeBuilder:
             said = getattr(obj, method)() or []
             if isinstance(said, types.GeneratorType):  # a check written with yield: its items, as a list's
                 said = list(said)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin's sys.exit ended the command in silence
             owner = self._owner(path)
             if owner is None or not owner.plugin:
                 raise  # a built-in part's failure is a bug to see whole

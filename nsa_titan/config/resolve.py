@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import sysconfig
 import traceback
 from dataclasses import dataclass
 
@@ -224,7 +225,7 @@ def _finish(table: dict, origin: dict[str, str], problems: list[Problem], world_
     return ResolvedRecipe(recipe, text, digest, path, cmd, tuple(cmd.notes + builder.notes))
 
 
-def _plugin_import_problem(source: str, name: str, exc: Exception) -> Problem:
+def _plugin_import_problem(source: str, name: str, exc: BaseException) -> Problem:
     """A plugin that is not there, or one that is but raised while it was imported (then: where, in it)."""
     missing = isinstance(exc, ModuleNotFoundError) and (
         str(exc).startswith("no file ") or (exc.name is not None and (name + ".").startswith(exc.name + ".")))
@@ -235,11 +236,18 @@ def _plugin_import_problem(source: str, name: str, exc: Exception) -> Problem:
     if isinstance(exc, SyntaxError):
         where = f"{exc.filename}, line {exc.lineno}"
     else:
-        # The plugin's own line: past importlib's frames and the engine's (register raising for it, say).
+        # The plugin's own line: past importlib's frames and the engine's (register raising for it, say), and
+        # past the library's it called (argparse's sys.exit, say) where it has one of its own.
         engine = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         frames = [f for f in traceback.extract_tb(exc.__traceback__)
                   if "importlib" not in f.filename and not os.path.abspath(f.filename).startswith(engine + os.sep)]
+        libraries = tuple({os.path.abspath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "purelib")})
+        frames = [f for f in frames if not os.path.abspath(f.filename).startswith(libraries)] or frames
         where = f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else name
+    if isinstance(exc, SystemExit):  # a script taken for a plugin: its command-line part ran (and ended the run)
+        return Problem(source, "job.plugins", name, f"called sys.exit({exc.code!r}) while it was imported ({where})",
+                       "a plugin is imported to register parts, not run: put the script's own work under "
+                       "`if __name__ == \"__main__\":`, or remove the name from job.plugins")
     return Problem(source, "job.plugins", name, f"raised {type(exc).__name__} while it was imported ({where}): {exc}",
                    "mend the plugin there (parts it registers are missing until it imports)")
 
@@ -355,5 +363,5 @@ def _import_plugins(table: dict, origin: dict[str, str], problems: list[Problem]
                 passed_over = _working_directory_module_passed_over(name)
                 if passed_over:
                     problems.append(_passed_over_problem(source, name, *passed_over))
-        except Exception as exc:  # a plugin may fail in any way; report it as a recipe problem
-            problems.append(_plugin_import_problem(source, name, exc))
+        except (Exception, SystemExit) as exc:  # a plugin may fail in any way (a script's sys.exit, its argparse
+            problems.append(_plugin_import_problem(source, name, exc))  # too); report it as a recipe problem
