@@ -9,11 +9,12 @@
 # Other commands of the nsa-titan tool (inspect, doctor, ...) run as: ./run_train.sh COMMAND ARGS, exactly as
 # `nsa-titan COMMAND ARGS` (train alone defaults to recipes/debug.toml).
 set -euo pipefail
-# A scheduler's stop before the ranks start ends the launch (once the set-up or recipe check under way is done),
-# saying so; a terminal's Ctrl-C reaches that check too, which says it. The launch replaces these traps.
+# A scheduler's stop or a terminal's Ctrl-C before the ranks start ends the launch (once the set-up or recipe check
+# under way is done), saying so: a Ctrl-C during the set-up ended it in silence. The launch replaces these traps.
 stopped_early() { echo "error: stopped before any rank started; nothing ran." >&2; exit $((128 + $1)); }
 trap 'stopped_early 15' TERM
 trap 'stopped_early 1' HUP
+trap 'stopped_early 2' INT
 root=$(cd "$(dirname "$0")" && pwd)
 py=$("$root/scripts/ensure_env.sh")
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
@@ -87,10 +88,16 @@ if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
   # 124 hang) comes back.
   exec "$py" -m nsa_titan.cli train "$@"
 fi
-# Check the recipe once, for the whole job's world size, before starting any process.
+# Check the recipe once, for the whole job's world size, before starting any process. A Ctrl-C during a check is
+# said by the check, which exits 130; one between the checks is noted here and said before the next step.
+interrupted=0
+trap 'interrupted=1' INT
+stop_if_interrupted() { [ "$interrupted" -eq 0 ] || stopped_early 2; }
 config=$(WORLD_SIZE=$((NGPU * NNODES)) "$py" -m nsa_titan.cli train "$@" --print-config) || exit $?
+stop_if_interrupted
 # The node's devices, checked once here (not once per rank); the run's folder, for a stop request's halt file.
-dump=$(printf '%s' "$config" | "$py" -m nsa_titan.launch_check "$NGPU") || exit $?
+dump=$("$py" -m nsa_titan.launch_check "$NGPU" <<< "$config") || exit $?  # one process: it says a Ctrl-C itself
+stop_if_interrupted
 if [ "$NNODES" -gt 1 ]; then
   if [ -z "${RDZV_ENDPOINT:-}" ]; then
     echo "error: NNODES=$NNODES needs RDZV_ENDPOINT, the host:port every node meets at. Fix: set RDZV_ENDPOINT=host:port of node 0 (the same on every node)." >&2
@@ -119,6 +126,7 @@ fi
 # saving nothing, as a second Ctrl-C does to one process.
 own_session=()
 command -v setsid >/dev/null 2>&1 && own_session=(setsid)  # without it, a group signal reaches torchrun too
+stop_if_interrupted
 ${own_session[@]+"${own_session[@]}"} "$py" -m nsa_titan.launch "${launcher[@]}" --nproc_per_node="$NGPU" \
   -m nsa_titan.cli train "$@" &
 child=$!

@@ -37,4 +37,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:  # a Ctrl-C while it imports or checks: one line, as the recipe check says it
+        from nsa_titan.start_up import say_interrupted_while_starting
+
+        code = say_interrupted_while_starting()
+    sys.exit(code)

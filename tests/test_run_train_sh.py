@@ -93,24 +93,30 @@ def test_a_stop_while_the_nodes_meet_ends_the_launch_at_once():
     assert "Traceback" not in err
 
 
-def test_a_stop_while_the_launch_sets_up_says_so(tmp_path):
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_stop_while_the_launch_sets_up_says_so(tmp_path, name):
     """A scheduler's SIGTERM during the set-up and recipe check (seconds of imports) ended the launch with 143 and
-    not a word: it waits for the step under way, then says that nothing ran."""
+    not a word: it waits for the step under way, then says that nothing ran. A terminal's Ctrl-C (SIGINT to the
+    whole process group, the set-up's Python too) ended it with 130 and not a word."""
     import signal
     import time
 
+    sig = getattr(signal, name)
     dump = tmp_path / "run"
     proc = subprocess.Popen([SCRIPT, "recipes/debug.toml", "--training.device=cpu", f"--job.dump_folder={dump}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                             start_new_session=True, env={**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1"})
     try:
         time.sleep(0.5)  # in the set-up: the first seconds import torch
-        proc.send_signal(signal.SIGTERM)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # as a terminal sends it
+        else:
+            proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert proc.returncode == 128 + sig, err
     assert err == "error: stopped before any rank started; nothing ran.\n"
     assert out == "" and not dump.exists()
 
