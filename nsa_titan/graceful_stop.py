@@ -37,18 +37,37 @@ def set_aside_stale_halt_file(dump_folder: str, started_at: float | None = None)
         return None
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written))
     try:
-        os.replace(path, os.path.join(dump_folder, HANDLED_HALT_FILE))
+        aside = _set_aside(path)
     except OSError as exc:
         return (f"{path} (written {when}) is from an earlier launch but could not be set aside ({exc.strerror}): "
                 f"this run stops after its first step. Fix: remove it, then run the same command again")
     return (f"{path} (written {when}) is from an earlier launch, which ended before reading it: set aside as "
-            f"{HANDLED_HALT_FILE}, and this run trains on (a halt file written while a run trains stops it)")
+            f"{os.path.basename(aside)}, and this run trains on (a halt file written while a run trains stops it)")
+
+
+def _set_aside(path: str) -> str:
+    """Rename the halt file `path` to HALT.handled beside it, or where that cannot be replaced (a folder of that
+    name, say: a stop once asked with `mkdir HALT`) to HALT.handled-<time>; returns the new path."""
+    handled = os.path.join(os.path.dirname(path), HANDLED_HALT_FILE)
+    try:
+        os.replace(path, handled)
+        return handled
+    except OSError as exc:  # e.g. IsADirectoryError, or a folder that is not empty
+        if not os.path.lexists(handled) or not os.path.lexists(path):
+            raise  # not in the way of an older one: the folder's own problem, for the caller to say
+        first = exc
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(100):
+        aside = f"{handled}-{stamp}" + (f"-{n}" if n else "")
+        if not os.path.lexists(aside):
+            os.rename(path, aside)
+            return aside
+    raise first
 
 
 class GracefulStop:
     def __init__(self, dump_folder: str, saves: bool = True, world_size: int = 1):
         self.halt_path = os.path.join(dump_folder, HALT_FILE)
-        self.handled_path = os.path.join(dump_folder, HANDLED_HALT_FILE)
         self.saves = saves  # whether the run saves a checkpoint when it stops (checkpoint.enable)
         # Under a launcher, a SIGTERM is as likely torchrun ending the ranks after one failed (no step
         # completes then): only a stop the agreement carries through is said, by the trainer.
@@ -102,10 +121,17 @@ class GracefulStop:
             self.reason = "another rank was asked to stop"
         return any_rank_asked
 
-    def consume_halt_file(self) -> None:
-        """Keep the halt file from stopping the resumed run, without deleting what the user wrote."""
-        if os.path.exists(self.halt_path):
-            os.replace(self.halt_path, self.handled_path)
+    def consume_halt_file(self) -> str | None:
+        """Keep the halt file from stopping the resumed run, without deleting what the user wrote. A note when it
+        could not be renamed: the stop and its save go on (the next launch sets an older halt file aside)."""
+        if not os.path.lexists(self.halt_path):
+            return None
+        try:
+            _set_aside(self.halt_path)
+        except OSError as exc:
+            return (f"the halt file {self.halt_path} could not be renamed ({exc.strerror or exc}); the next launch "
+                    f"sets it aside as one from before it, or remove it")
+        return None
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -564,7 +564,9 @@ class Trainer:
     def _handle_halt_file(self) -> None:
         """Once a stop is agreed, the halt file (if that was the request) is renamed, not to stop the resume."""
         if self._stop_agreed and self.runtime.is_main:
-            self.stop.consume_halt_file()
+            note = self.stop.consume_halt_file()
+            if note:
+                self._say(f"note: {note}")
 
     # -- helpers ---------------------------------------------------------------------------------
     def _write_records(self) -> None:

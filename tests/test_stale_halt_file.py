@@ -115,3 +115,34 @@ def test_a_halt_file_written_while_the_launch_script_sets_up_still_stops_the_run
                           env={**os.environ, "PYTHONPATH": REPO_ROOT})
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stdout + done.stderr
     assert (folder / "HALT").exists() and not (folder / "HALT.handled").exists()
+
+
+@pytest.mark.parametrize("in_the_way", ["empty folder", "folder with a file"])
+def test_a_halt_file_read_where_a_handled_folder_stands_still_saves_and_is_set_aside(tmp_path, capsys, in_the_way):
+    """A HALT.handled folder (a stop once asked with `mkdir HALT`) made the rename after a halt a traceback, exit 1,
+    and the stop's save was lost."""
+    from nsa_titan.checkpoint import complete_steps
+
+    folder = tmp_path / "run"
+    (folder / "HALT.handled").mkdir(parents=True)
+    if in_the_way == "folder with a file":
+        (folder / "HALT.handled" / "note.txt").write_text("kept")
+    halt = _halt(folder)  # a stop asked of the run now starting: obeyed after its first step, with a save
+    code = cli.main(["train", DEBUG, *TINY, "--training.steps=3", f"--job.dump_folder={folder}",
+                     "--checkpoint.enable=true"])
+    out = capsys.readouterr().out
+    assert code == 0 and f"stopping after step 1 (halt file {halt}" in out, out
+    assert complete_steps(str(folder / "checkpoint")) == [1], os.listdir(folder)
+    aside = [name for name in os.listdir(folder) if name.startswith("HALT.handled-")]
+    assert not os.path.exists(halt) and len(aside) == 1 and os.path.isfile(folder / aside[0]), os.listdir(folder)
+    assert (folder / "HALT.handled").is_dir()
+
+
+def test_the_launch_check_sets_a_halt_file_aside_where_a_handled_folder_stands(tmp_path, capsys, monkeypatch):
+    (tmp_path / "HALT.handled" / "inside").mkdir(parents=True)
+    halt = _halt(tmp_path)
+    code, out, err = _check(capsys, monkeypatch, tmp_path)
+    assert code == 0 and out == f"{tmp_path}\n", err
+    aside = [name for name in os.listdir(tmp_path) if name.startswith("HALT.handled-")]
+    assert len(aside) == 1 and f"set aside as {aside[0]}, and this run trains on" in err, err
+    assert not os.path.exists(halt)
