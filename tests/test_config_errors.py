@@ -467,6 +467,37 @@ def test_a_run_name_that_names_a_folder_outside_outputs_is_refused(tmp_path, nam
     assert resolve([str(path), f"--job.name={name}", "--job.dump_folder=./outputs/x"]).recipe.job.name == name
 
 
+@pytest.mark.parametrize("text", ["", "# a comment only\n", "[training]\n[model.nsa]\n"])
+def test_a_recipe_that_sets_nothing_is_refused_as_no_recipe_is(tmp_path, capsys, text):
+    """An empty (or truncated) file trained the built-in defaults' model without a word, where naming no recipe
+    is refused: an extended file that sets nothing is refused the same way."""
+    path = tmp_path / "empty.toml"
+    path.write_text(text)
+    code, err = run_cli(capsys, [str(path), f"--job.dump_folder={tmp_path / 'out'}"])
+    assert code == 2 and "empty.toml: recipe: sets nothing (it is empty, or holds only comments and empty tables), " \
+        "so the run would be the built-in defaults. Fix: write the recipe's fields in it" in err, err
+    assert not (tmp_path / "out").exists()
+    code, err = run_cli(capsys, [write(tmp_path, 'extends = ["empty.toml"]\n[training]\nsteps = 1\n', name="outer.toml",
+                                       base=False)])
+    assert code == 2 and "empty.toml: recipe: sets nothing" in err, err
+
+
+def test_a_binary_file_named_as_the_recipe_is_told_apart(tmp_path, capsys):
+    """An exported model was told to check its permissions and encoding (UTF-8)."""
+    import torch
+
+    exported = tmp_path / "model.pt"
+    torch.save({"weights": torch.zeros(2)}, exported)
+    code, err = run_cli(capsys, [str(exported)])
+    assert code == 2 and "model.pt: recipe: is a zip archive (an exported model, as `export` writes one?), not a " \
+        "recipe. Fix: name the run's recipe (TOML); `sample`, `eval` and `plot` read an exported model" in err, err
+    garbage = tmp_path / "garbage.toml"
+    garbage.write_bytes(bytes([0x83, 0xFF, 0x00]))
+    code, err = run_cli(capsys, [str(garbage)])
+    assert code == 2 and "garbage.toml: recipe: cannot be read as text: 'utf-8' codec can't decode byte 0x83" in err
+    assert "Fix: a recipe is TOML text in UTF-8" in err and "permissions" not in err, err
+
+
 def test_missing_recipe_file(tmp_path, capsys):
     code, err = run_cli(capsys, [str(tmp_path / "nope.toml")])
     assert code == 2 and "file not found" in err and "nope.toml" in err

@@ -518,7 +518,7 @@ def test_a_list_flag_takes_commas_or_a_toml_list(tmp_path):
     '"b"]'; [] is the empty list."""
     def paths(value: str) -> list[str]:
         argv = [str(tmp_path / "r.toml"), "--data.source=text_files", f"--data.text_files.paths={value}"]
-        (tmp_path / "r.toml").write_text("")
+        (tmp_path / "r.toml").write_text("[training]\nsteps = 1\n")
         return resolve(argv).recipe.data.source_args.paths
 
     assert paths("a.txt,b.txt") == paths('["a.txt", "b.txt"]') == paths("[ 'a.txt' , 'b.txt' ]") == ["a.txt", "b.txt"]

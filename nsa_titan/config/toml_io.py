@@ -108,14 +108,41 @@ def read_toml(path: str, problems: list[Problem], where: str, extended_by: str |
         return None
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            table = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         problems.append(Problem(shown_path(path), "recipe", None, f"is not valid TOML: {exc}",
                                 "fix the syntax at the line and column given"))
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        if _starts_with(path, b"PK\x03\x04"):  # a zip archive: what `export` writes (torch.save's format)
+            problems.append(Problem(shown_path(path), "recipe", None, "is a zip archive (an exported model, as "
+                                    "`export` writes one?), not a recipe", "name the run's recipe (TOML); `sample`, "
+                                    "`eval` and `plot` read an exported model"))
+        else:
+            problems.append(Problem(shown_path(path), "recipe", None, f"cannot be read as text: {exc}",
+                                    "a recipe is TOML text in UTF-8: name the recipe, or convert the file"))
+    except OSError as exc:
         problems.append(Problem(shown_path(path), "recipe", None, f"cannot be read: {exc}",
-                                "check the file's permissions and encoding (UTF-8)"))
+                                "check the file's permissions"))
+    else:
+        if _sets_something(table):
+            return table
+        # The command refuses to train the built-in defaults with no recipe named: an empty file is no recipe either.
+        problems.append(Problem(shown_path(path), "recipe", None, "sets nothing (it is empty, or holds only comments "
+                                "and empty tables), so the run would be the built-in defaults",
+                                f"write the recipe's fields in it, or name the recipe meant; {shipped_recipes()}"))
     return None
+
+
+def _sets_something(table: dict) -> bool:
+    return any(not isinstance(value, dict) or _sets_something(value) for value in table.values())
+
+
+def _starts_with(path: str, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(magic)) == magic
+    except OSError:
+        return False
 
 
 def _merge(into: dict, table: dict, origin: dict[str, str], source: str, prefix: str) -> None:
