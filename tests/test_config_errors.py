@@ -326,6 +326,13 @@ def test_warmup_longer_than_the_run_is_a_note_not_an_error(tmp_path):
     assert "step 2/2" in proc.stdout
 
 
+def test_a_warmup_far_longer_than_the_run_names_its_peak_not_zero(tmp_path):
+    """nsa_125m shortened to one step said the learning rate 'peaks at 0% of optimizer.lr' (1/700 is 0.143%)."""
+    notes = resolve([write(tmp_path, "[lr_scheduler]\nwarmup_steps = 700\n"), "--training.steps=1"]).notes
+    note = next(n for n in notes if n.startswith("lr_scheduler.warmup_steps = 700"))
+    assert note.endswith("peaks at 0.143% of optimizer.lr"), note
+
+
 def test_warmup_as_long_as_the_run_says_there_is_no_decay():
     """Not that a shorter decay_steps still ends at min_lr_factor: no step is left after warmup to decay in."""
     notes = resolve([DEBUG, "--training.steps=4", "--lr_scheduler.warmup_steps=4", "--lr_scheduler.decay_steps=2"],

@@ -236,7 +236,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         notes.append(f"lr_scheduler.warmup_steps = {recipe.lr_scheduler.warmup_steps} from "
                      f"{source_of('lr_scheduler.warmup_steps')} is longer than the run (training.steps = {t.steps}): "
                      f"the learning rate stays in warmup and peaks at "
-                     f"{t.steps / recipe.lr_scheduler.warmup_steps:.0%} of optimizer.lr")
+                     f"{100 * t.steps / recipe.lr_scheduler.warmup_steps:.3g}% of optimizer.lr")  # 1 of 700: not 0%
     elif recipe.lr_scheduler.warmup_steps == t.steps and recipe.lr_scheduler.decay_type != "constant":
         notes.append(f"lr_scheduler.warmup_steps = {t.steps} from {source_of('lr_scheduler.warmup_steps')} is the "
                      f"whole run (training.steps = {t.steps}): the learning rate reaches optimizer.lr at the last "
