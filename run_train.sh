@@ -163,6 +163,9 @@ request_stop() {  # SIGNAL_NUMBER
       kill -KILL -- "-$rank" 2>/dev/null || kill -KILL "$rank" 2>/dev/null || true
     done
     kill -KILL "$child" 2>/dev/null || true
+    # The ranks' stack dump files no dump went to (they remove their own at a clean end, which this is not).
+    find "$dump/stacks" -maxdepth 1 -type f -name 'rank-*.txt' -empty -delete 2>/dev/null || true
+    rmdir "$dump/stacks" 2>/dev/null || true
   fi
 }
 trap 'request_stop 15' TERM

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     from components.errors import UserError
     from nsa_titan.cli import INPUT_ERROR, say_error_line
     from nsa_titan.graceful_stop import set_aside_stale_halt_file
+    from nsa_titan.observe.stack_dump import remove_empty_dump_files
     from nsa_titan.run_folder import held_by_a_run, refuse_file_in_the_way
 
     try:
@@ -28,10 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         say_error_line(f"error: {exc}")
         return INPUT_ERROR
     dump = recipe["job"]["dump_folder"]
-    if not held_by_a_run(dump):  # the launch will be refused: that run's halt file is its own
+    if not held_by_a_run(dump):  # the launch will be refused: that run's halt file (and stack dumps) are its own
         stale = set_aside_stale_halt_file(dump)  # no rank has started: any halt file is an earlier launch's
         if stale:
             print(f"note: {stale}", file=sys.stderr)
+        remove_empty_dump_files(dump)  # a killed launch's ranks could not remove theirs
     print(dump)
     return 0
 

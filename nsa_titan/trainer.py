@@ -33,7 +33,7 @@ from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog
 from nsa_titan.observe.mfu import peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.run_sinks import open_metrics_log, open_tensorboard, open_wandb
-from nsa_titan.observe.stack_dump import install_sigusr1, uninstall_sigusr1
+from nsa_titan.observe.stack_dump import STACKS_FOLDER, install_sigusr1, remove_empty_dump_files, uninstall_sigusr1
 from nsa_titan.observe.telemetry_log import telemetry_line
 from nsa_titan.observe.step_profiler import StepProfiler
 from nsa_titan.observe.step_record import StepRecorder
@@ -102,10 +102,11 @@ class Trainer:
                        "profiling.folder": recipe.profiling.folder if recipe.profiling.enable else None}
             made = create_run_folder(dump, {field: name for field, name in outputs.items() if name is not None})
             self.folder_lock = RunFolderLock(dump, warn)  # refused: another run's folder, left alone
-            if runtime.world_size == 1:  # (run_train.sh's launch check does it for several, before they start)
+            if runtime.world_size == 1:  # (run_train.sh's launch check does both for several, before they start)
                 stale = set_aside_stale_halt_file(dump, process_started_at())
                 if stale:
                     self._say(f"note: {stale}")
+                remove_empty_dump_files(dump)  # a killed run's, which could not remove them itself
             self._made_folder = made
             records_pending = os.path.exists(os.path.join(dump, MANIFEST_FILE))
             if not records_pending:
@@ -125,7 +126,7 @@ class Trainer:
         if recipe.checkpoint.enable:  # every rank writes a checkpoint's files; the rest is rank 0's own
             refuse_unshared_folder(dump, runtime.is_main)
         cp = recipe.parallelism.context_parallel_degree
-        self.stacks_path = os.path.join(dump, "stacks", f"rank-{runtime.rank}.txt")
+        self.stacks_path = os.path.join(dump, STACKS_FOLDER, f"rank-{runtime.rank}.txt")
         install_sigusr1(self.stacks_path)
         self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0,
                                    world_size=runtime.world_size)

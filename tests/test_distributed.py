@@ -334,6 +334,7 @@ def test_a_second_stop_signal_to_run_train_sh_ends_every_process_at_once(tmp_pat
     saved = tmp_path / "checkpoint"
     assert not saved.exists() or not any((saved / d / "COMPLETE").is_file() for d in os.listdir(saved))
     assert not os.path.exists(os.path.join(tmp_path, "HALT"))
+    assert not os.path.exists(os.path.join(tmp_path, "stacks"))  # the killed ranks' empty dump files went too
 
 
 def test_ranks_whose_launcher_is_killed_stop_with_a_save(tmp_path):

@@ -92,3 +92,32 @@ def test_sigusr1_during_start_up_writes_the_stacks_and_the_process_goes_on():
                                      "components.errors", signal.SIGUSR1)
     assert code == 2 and "training.steps = 0: must be at least 1" in err, err[-3000:]
     assert "most recent call first" in err, err[-3000:]
+
+
+def test_a_killed_runs_empty_dump_files_are_removed_before_the_next_run_starts(tmp_path, capsys, monkeypatch):
+    """A rank killed (a second stop request, kill -9, the out-of-memory killer) cannot remove its empty dump file:
+    the next launch's check (several ranks) or the next single-process run removes them; dumps stay."""
+    import io
+    import sys
+
+    from nsa_titan import cli, launch_check
+    from nsa_titan.observe.stack_dump import remove_empty_dump_files
+    from tests.launch import DEBUG, TINY
+
+    folder = tmp_path / "stacks"
+    folder.mkdir()
+    for rank in (0, 1):
+        (folder / f"rank-{rank}.txt").write_text("")
+    remove_empty_dump_files(str(tmp_path))
+    assert not folder.exists()
+    folder.mkdir()
+    (folder / "rank-0.txt").write_text("")
+    (folder / "rank-1.txt").write_text("Thread 0x1 (most recent call first):\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f'[training]\ndevice = "cpu"\n[job]\ndump_folder = "{tmp_path}"\n'))
+    assert launch_check.main(["2"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["rank-1.txt"]
+    (folder / "rank-1.txt").write_text("")
+    (folder / "rank-3.txt").write_text("")
+    assert cli.main(["train", DEBUG, *TINY, "--training.steps=1", f"--job.dump_folder={tmp_path}"]) == 0
+    capsys.readouterr()
+    assert not folder.exists()

@@ -49,6 +49,31 @@ def install_sigusr1(dump_path: str) -> None:
     _installed.update(state)
 
 
+STACKS_FOLDER = "stacks"  # in the run's folder: one file per rank, rank-R.txt
+
+
+def remove_empty_dump_files(dump_folder: str) -> None:
+    """Remove the stack dump files no dump was written to (and the folder, if left empty): those of ranks killed
+    before they could remove their own (a second stop request, kill -9, the out-of-memory killer). Only while no
+    rank of the run is alive: a live rank's file is empty until its first dump."""
+    folder = os.path.join(dump_folder, STACKS_FOLDER)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if name.startswith("rank-") and os.path.isfile(path) and os.path.getsize(path) == 0:
+                os.remove(path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(folder)  # refused while a dump is there
+    except OSError:
+        pass
+
+
 def uninstall_sigusr1() -> None:
     """Restore the SIGUSR1 handling from before install_sigusr1 and close the dump file; a file no dump
     was written to is removed (with its folder, if that is left empty), so an empty one never reads as a
