@@ -33,9 +33,17 @@ def test_invalid_utf8_stops_the_data_naming_the_file_unless_the_recipe_says_repl
         fh.write(b'{"text": "latin-1 byte \xe9 here"}\n')
         fh.write(b'{"text": "plain text"}\n')
     strict = TextFilesSource(TextFilesArgs(paths=[str(path)], validation_fraction=0.0))
-    with pytest.raises(UserError, match=r"odd\.jsonl is not UTF-8 text \(byte 59 of the file, line 2.*"
+    # JSON's escape of a lone surrogate is no Unicode text either: it trained as "?" under "error".
+    with pytest.raises(UserError, match=r"odd\.jsonl line 1: field 'text' holds a lone surrogate \(\\ud83d, at "
+                                        r"character 7\), which is not Unicode text\. Fix: mend or remove that line.*"
                                         r"invalid_utf8 = 'replace'"):
         next(iter(build_dataloader(strict, ByteTokenizer(), seq_len=16, batch_size=2, logical_shards=1)))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(path.read_bytes().split(b"\n", 1)[1])
+    with pytest.raises(UserError, match=r"latin\.jsonl is not UTF-8 text \(byte 23 of the file, line 1.*"
+                                        r"invalid_utf8 = 'replace'"):
+        next(iter(build_dataloader(TextFilesSource(TextFilesArgs(paths=[str(latin)], validation_fraction=0.0)),
+                                   ByteTokenizer(), seq_len=16, batch_size=2, logical_shards=1)))
     binary = tmp_path / "noise.txt"
     binary.write_bytes(bytes(range(128, 256)) * 8)
     with pytest.raises(UserError, match=r"noise\.txt is not UTF-8 text \(byte 0 of the file"):
@@ -48,7 +56,7 @@ def test_invalid_utf8_stops_the_data_naming_the_file_unless_the_recipe_says_repl
     # With one shard, the targets in order are its token stream (documents in this epoch's order).
     stream = [t for _ in range(4) for row in next(batches)["target"] for t in row.tolist()]
     text = ByteTokenizer().decode(stream)
-    for document in ("a lone ? surrogate", "latin-1 byte \ufffd here", "plain text"):
+    for document in ("a lone \ufffd surrogate", "latin-1 byte \ufffd here", "plain text"):
         assert f"{document}<|endoftext|>" in text, text
 
 

@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass
 
@@ -215,6 +216,7 @@ def corpus_files(paths: list[str]) -> list[CorpusFile]:
 
 _SCAN_CHUNK = 16 * 2**20
 _LINE_PIECE = 1 << 20  # a .jsonl line is read and decoded this many bytes at a time
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _past_next_newline(f, end: int) -> bool:
@@ -389,7 +391,7 @@ class FileCorpus:
 
     def _text_of(self, record, path: str, offset: int) -> str:
         if isinstance(record, dict) and isinstance(record.get(self.text_field), str):
-            return record[self.text_field]
+            return self._unicode(record[self.text_field], path, offset)
         where = f"line {_line_number(path, offset)}"  # counted only on the error path
         if not isinstance(record, dict):
             raise UserError(f"{self.what}: {path} {where} is {_json_kind(record)}, not a JSON object. Fix: write each "
@@ -409,6 +411,21 @@ class FileCorpus:
                 f"Fix: set text_field to the field holding the text, or write the text as a string there"
             )
         return text
+
+    def _unicode(self, text: str, path: str, offset: int) -> str:
+        """JSON may escape a lone surrogate ("\\ud800"), which is no Unicode text (UTF-8 cannot encode it): with
+        invalid_utf8 = "error" it stops the data as a bad byte does; with "replace" it reads as U+FFFD, as such a
+        byte does (the byte tokenizer made it "?", tiktoken and Hugging Face tokenizers U+FFFD)."""
+        if text.isascii():
+            return text
+        found = _LONE_SURROGATE.search(text)
+        if found is None:
+            return text
+        if self.invalid_utf8 != "error":
+            return _LONE_SURROGATE.sub("\ufffd", text)
+        raise UserError(f"{self.what}: {path} line {_line_number(path, offset)}: field {self.text_field!r} holds a "
+                        f"lone surrogate (\\u{ord(found.group()):04x}, at character {found.start()}), which is not "
+                        f"Unicode text. Fix: mend or remove that line{self.fix}")
 
     def _jsonl_texts(self, path: str, start: int, end: int):
         """Texts of the lines that start in [start, end), with their byte offsets."""
