@@ -491,8 +491,13 @@ def test_the_full_scan_finds_a_cut_last_line_and_a_broken_row_group(tmp_path):
         fh.write(b"\x13" * chunk.total_compressed_size)
     source = TextFilesSource(TextFilesArgs(paths=[str(broken)]))
     source.check()
-    with pytest.raises(UserError, match=r"cannot read row group 8 of .*broken\.parquet"):
+    with pytest.raises(UserError, match=r"cannot read row group 8 of .*broken\.parquet") as refused:
         source.scan()
+    assert "\n" not in str(refused.value)
+    # Arrow's thrift errors run over lines ("...\nDeserializing page header failed.\n"): the message stays one.
+    thrift = OSError("Couldn't deserialize thrift: x\nDeserializing page header failed.\n")
+    said = str(source.corpus()._unreadable_group(str(broken), 8, thrift))
+    assert "(OSError: Couldn't deserialize thrift: x Deserializing page header failed.); replace it" in said, said
     pq.write_table(table, broken, row_group_size=100)
     assert "(1,000 documents, " in TextFilesSource(TextFilesArgs(paths=[str(broken)])).scan()
 

@@ -500,7 +500,8 @@ class FileCorpus:
         return self._values(rows, path, group, start)
 
     def _unreadable_group(self, path: str, group: int, e: Exception) -> UserError:
-        return UserError(f"{self.what}: cannot read row group {group} of {path} ({type(e).__name__}: {e}); "
+        said = " ".join(str(e).split())  # Arrow's messages run over lines: the error stays one line
+        return UserError(f"{self.what}: cannot read row group {group} of {path} ({type(e).__name__}: {said}); "
                          f"replace it with a sound copy, or remove it ({ANOTHER_STREAM})")
 
     def _values(self, rows, path: str, group: int, start: int) -> list:
