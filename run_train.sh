@@ -109,6 +109,7 @@ if [ "$NNODES" -gt 1 ]; then
     exit 2
   fi
   if ! "$py" -c 'import socket, sys; socket.getaddrinfo(sys.argv[1].strip("[]"), None)' "$host" 2>/dev/null; then
+    stop_if_interrupted  # a Ctrl-C during a slow lookup is not a host that is not known
     echo "error: RDZV_ENDPOINT=$RDZV_ENDPOINT: the host '$host' is not known here. Fix: give node 0's address or a name this node resolves." >&2
     exit 2
   fi
@@ -171,6 +172,7 @@ request_stop() {  # SIGNAL_NUMBER
 trap 'request_stop 15' TERM
 trap 'request_stop 2' INT
 trap 'request_stop 1' HUP
+[ "$interrupted" -eq 0 ] || request_stop 2  # a Ctrl-C between the last check and these traps
 forward_to_ranks() {  # SIGNAL: `kill -USR1` of this script dumps every rank's stacks (its default would end it)
   for rank in $(children_of "$child"); do kill "-$1" "$rank" 2>/dev/null || true; done
 }

@@ -24,6 +24,14 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
+def raised(error: BaseException) -> str:
+    """What a part's exception was, for a one-line message: 'Type: first line', or for a sys.exit, that call (its
+    text alone is the exit code, or nothing)."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({'' if error.code is None else repr(error.code)})"
+    return f"{type(error).__name__}: {first_line(error)}"
+
+
 def read_from(path: str) -> str:
     """'' for an absolute path; for a relative one, where it was read from: every path in a recipe but extends is
     relative to the directory the run starts in (not the recipe's folder), which a message must say to be fixed."""

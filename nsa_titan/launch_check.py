@@ -1,7 +1,8 @@
 """`python -m nsa_titan.launch_check PROCESSES_PER_NODE < RESOLVED_RECIPE`: what run_train.sh asks once for a node
 before it starts the ranks. Prints the run's dump folder; refuses a device the node cannot give every process, or
 a dump folder whose path a file holds (every rank writes there), in one line, rather than once per rank. A halt
-file already in the dump folder is an earlier launch's (this one has started no rank): set aside, with a note."""
+file already in the dump folder is an earlier launch's (this one has started no rank): set aside, with a note; the
+empty stack dump files of an earlier launch's killed ranks are removed."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from components import nsa
-from components.errors import UserError
+from components.errors import UserError, raised
 
 KINDS = ("model", "attention_backend", "data_source", "tokenizer", "optimizer", "lr_schedule")
 
@@ -145,7 +145,7 @@ def _plugin_hook(model: str, hook: str, fn: Callable[..., Any]) -> Callable[...,
                 raise
             frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
             where = f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else "in the call: its parameters"
-            raise UserError(f"model {model!r} (a plugin's): its {hook} hook failed: {type(exc).__name__}: {exc} "
+            raise UserError(f"model {model!r} (a plugin's): its {hook} hook failed: {raised(exc)} "
                             f"({where}). {fix}") from None
         if record is not None and not isinstance(given, record):
             raise UserError(f"model {model!r} (a plugin's): its {hook} hook returned a {type(given).__name__}, not "
@@ -291,7 +291,7 @@ def schedule_shape_problem(part: Part, samples: int = 101) -> tuple[str, str] | 
         try:
             given = part.build(progress)
         except (Exception, SystemExit) as exc:
-            return f"fails at progress {progress:g}: {type(exc).__name__}: {exc}", fix
+            return f"fails at progress {progress:g}: {raised(exc)}", fix
         # A real number only: float() would pass a text ("0.5") or a tensor here, which the optimizer's
         # step then fails on (a bool is no factor either).
         if isinstance(given, bool) or not isinstance(given, numbers.Real):
@@ -316,7 +316,7 @@ def _failed_to_build(part: Part, exc: BaseException) -> UserError:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
     inside = [f for f in frames if own_file and f.filename == own_file] or frames
     where = f"{inside[-1].filename}, line {inside[-1].lineno}" if inside else "in the call: its parameters"
-    return UserError(f"{part.kind} {part.name!r} (a plugin's) failed to build: {type(exc).__name__}: {exc} "
+    return UserError(f"{part.kind} {part.name!r} (a plugin's) failed to build: {raised(exc)} "
                      f"({where}). Fix: {contract_of(part)}")
 
 

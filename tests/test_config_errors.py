@@ -326,11 +326,13 @@ def test_warmup_longer_than_the_run_is_a_note_not_an_error(tmp_path):
     assert "step 2/2" in proc.stdout
 
 
-def test_a_warmup_far_longer_than_the_run_names_its_peak_not_zero(tmp_path):
-    """nsa_125m shortened to one step said the learning rate 'peaks at 0% of optimizer.lr' (1/700 is 0.143%)."""
-    notes = resolve([write(tmp_path, "[lr_scheduler]\nwarmup_steps = 700\n"), "--training.steps=1"]).notes
-    note = next(n for n in notes if n.startswith("lr_scheduler.warmup_steps = 700"))
-    assert note.endswith("peaks at 0.143% of optimizer.lr"), note
+@pytest.mark.parametrize("warmup, steps, peak", [(700, 1, "0.142"), (2000, 1999, "99.9"), (10, 5, "50")])
+def test_a_warmup_longer_than_the_run_names_its_peak_rounded_down(tmp_path, warmup, steps, peak):
+    """nsa_125m shortened to one step said the learning rate 'peaks at 0% of optimizer.lr' (1/700 is 0.1428...%);
+    one step short of the warmup is not 100%."""
+    notes = resolve([write(tmp_path, f"[lr_scheduler]\nwarmup_steps = {warmup}\n"), f"--training.steps={steps}"]).notes
+    note = next(n for n in notes if n.startswith(f"lr_scheduler.warmup_steps = {warmup}"))
+    assert note.endswith(f"peaks at {peak}% of optimizer.lr"), note
 
 
 def test_warmup_as_long_as_the_run_says_there_is_no_decay():
@@ -481,8 +483,8 @@ def test_a_recipe_that_sets_nothing_is_refused_as_no_recipe_is(tmp_path, capsys,
     path = tmp_path / "empty.toml"
     path.write_text(text)
     code, err = run_cli(capsys, [str(path), f"--job.dump_folder={tmp_path / 'out'}"])
-    assert code == 2 and "empty.toml: recipe: sets nothing (it is empty, or holds only comments and empty tables), " \
-        "so the run would be the built-in defaults. Fix: write the recipe's fields in it" in err, err
+    assert code == 2 and "empty.toml: recipe: sets nothing (it is empty, or holds only comments and empty tables)" \
+        ": a run of it would train the built-in defaults. Fix: write the recipe's fields in it" in err, err
     assert not (tmp_path / "out").exists()
     code, err = run_cli(capsys, [write(tmp_path, 'extends = ["empty.toml"]\n[training]\nsteps = 1\n', name="outer.toml",
                                        base=False)])

@@ -212,6 +212,15 @@ def test_a_named_pipe_among_the_data_is_refused_naming_it(tmp_path, entry):
     assert "does not exist" not in message
 
 
+def test_a_link_that_cannot_be_followed_in_a_folder_is_named_not_a_traceback(tmp_path):
+    # The folder walk asks each entry whether it is a folder: for a link that cannot be followed (a loop, or a target
+    # past a folder this user may not enter) that raised OSError, where os.walk had kept it as a file to name.
+    write_jsonl(str(tmp_path / "good.jsonl"), unique_texts(5))
+    (tmp_path / "loop.jsonl").symlink_to("loop.jsonl")
+    with pytest.raises(UserError, match=r"loop\.jsonl"):
+        TextFilesSource(TextFilesArgs(paths=[str(tmp_path)])).check()
+
+
 def test_a_grown_file_is_a_different_corpus(tmp_path):
     path = str(tmp_path / "c.jsonl")
     write_jsonl(path, unique_texts(20))

@@ -91,6 +91,15 @@ class FailsMidway:
 register("data_source", "fails_midway", FailsMidway)
 
 
+class ExitsMidway(FailsMidway):
+    def documents(self, shard, num_shards, split, seed, epoch, cursor):
+        yield "hi", 0
+        exit(0)
+
+
+register("data_source", "exits_midway", ExitsMidway)
+
+
 class Picky:
     name, vocab_size, bos_id, eos_id = "picky", 258, 256, 257
 
@@ -161,7 +170,7 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
      ["model 'flops_of_args' (a plugin's): its flops_per_token hook failed: TypeError: <lambda>() takes 1 positional "
       "argument but 3 were given (in the call: its parameters). Fix: components/model_hooks.py says how each hook"]),
     # A builder that ends the process: the command ended, status 0, nothing said.
-    (["--model.name=exits"], ["model 'exits' (a plugin's) failed to build: SystemExit: 0 (",
+    (["--model.name=exits"], ["model 'exits' (a plugin's) failed to build: called sys.exit(0) (",
                               f"contract_plugin.py, line {EXITS_LINE})"]),
     (["--model.name=no_plan"], ["model 'no_plan' (a plugin's): its parallel_plan hook returned a NoneType, not the "
                                 "ParallelPlan the engine reads. Fix: components/model_hooks.py"]),
@@ -191,6 +200,8 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
     (["--model.name=plain", "--data.source=fails_midway"],
      ["the data source (FailsMidway) failed reading logical shard 0 (train split, epoch 0): KeyError: 'row 1 has no "
       "text' (", f"contract_plugin.py, line {FAILING_LINE}). Fix: mend the data it reads, or the source there"]),
+    (["--model.name=plain", "--data.source=exits_midway"],
+     ["the data source (ExitsMidway) failed reading logical shard 0 (train split, epoch 0): called sys.exit(0) ("]),
     (["--model.name=plain", "--data.tokenizer=picky"],
      ["the tokenizer (Picky) failed encoding a document: ValueError: cannot encode this (",
       f"contract_plugin.py, line {PICKY_LINE}). Fix: mend the tokenizer there, or the data it cannot encode"]),

@@ -10,7 +10,7 @@ import os
 import traceback
 from typing import Iterator
 
-from components.errors import UserError, first_line
+from components.errors import UserError, raised
 
 
 @contextlib.contextmanager
@@ -20,8 +20,8 @@ def failures_named(part, kind: str, doing: str, fix: str) -> Iterator[None]:
         yield
     except (UserError, MemoryError):
         raise
-    except Exception as exc:
-        raise UserError(f"the {kind} ({type(part).__name__}) failed {doing}: {type(exc).__name__}: {first_line(exc)}"
+    except (Exception, SystemExit) as exc:  # a plugin's sys.exit ended the command in silence
+        raise UserError(f"the {kind} ({type(part).__name__}) failed {doing}: {raised(exc)}"
                         f"{raised_at(exc, part)}. Fix: {fix}") from None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from nsa_titan import registry
@@ -128,6 +129,15 @@ def _tilde_refusal(key: str, value: str, flag: bool) -> tuple[str, str]:
     return why, f"write the path in full, e.g. {example}, {relative}"
 
 
+
+def _percent_below(percent: float) -> str:
+    """`percent` (0 < percent < 100) to three figures, rounded down: never 100 for a peak below it, never 0 for one
+    step of a long warmup (1 of 700 is 0.142), no trailing zeros."""
+    exponent = math.floor(math.log10(percent))
+    unit = 10.0 ** (exponent - 2)
+    text = f"{math.floor(percent / unit + 1e-9) * unit:.{max(0, 2 - exponent)}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
 def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: list[Problem],
                 notes: list[str] | None = None, training: bool = False) -> None:
     """world_size None: a one-process reader of a run (export, plot); the layout rules do not apply.
@@ -236,7 +246,7 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         notes.append(f"lr_scheduler.warmup_steps = {recipe.lr_scheduler.warmup_steps} from "
                      f"{source_of('lr_scheduler.warmup_steps')} is longer than the run (training.steps = {t.steps}): "
                      f"the learning rate stays in warmup and peaks at "
-                     f"{100 * t.steps / recipe.lr_scheduler.warmup_steps:.3g}% of optimizer.lr")  # 1 of 700: not 0%
+                     f"{_percent_below(100 * t.steps / recipe.lr_scheduler.warmup_steps)}% of optimizer.lr")
     elif recipe.lr_scheduler.warmup_steps == t.steps and recipe.lr_scheduler.decay_type != "constant":
         notes.append(f"lr_scheduler.warmup_steps = {t.steps} from {source_of('lr_scheduler.warmup_steps')} is the "
                      f"whole run (training.steps = {t.steps}): the learning rate reaches optimizer.lr at the last "

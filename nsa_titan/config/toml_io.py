@@ -128,7 +128,7 @@ def read_toml(path: str, problems: list[Problem], where: str, extended_by: str |
             return table
         # The command refuses to train the built-in defaults with no recipe named: an empty file is no recipe either.
         problems.append(Problem(shown_path(path), "recipe", None, "sets nothing (it is empty, or holds only comments "
-                                "and empty tables), so the run would be the built-in defaults",
+                                "and empty tables): a run of it would train the built-in defaults",
                                 f"write the recipe's fields in it, or name the recipe meant; {shipped_recipes()}"))
     return None
 

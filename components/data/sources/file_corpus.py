@@ -176,14 +176,25 @@ def _files_in(folder: str, what: str) -> list[str]:
         for entry in entries:  # the entry's type comes from the listing: no stat per file but for links
             if entry.name.startswith("."):
                 continue
-            if entry.is_dir():
+            try:
+                is_dir = entry.is_dir()
+            except OSError:  # a link whose target cannot be reached: kept as a file, as os.walk does (reading names it)
+                is_dir = False
+            if is_dir:
                 if not entry.is_symlink():
                     pending.append(entry.path)
-            elif entry.is_file() or _dangling_link(entry.path):
+            elif _is_file(entry) or _dangling_link(entry.path):
                 found.append(entry.path)
             else:
                 _refuse_special(entry.path, what)
     return found
+
+
+def _is_file(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_file()
+    except OSError:  # as for folders: a link that cannot be followed is kept, and reading it names the problem
+        return True
 
 
 _SPECIAL_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
@@ -239,6 +250,10 @@ def _without_mark(text: str, offset: int) -> str:
     return text[1:] if offset == 0 and text.startswith("\ufeff") else text
 
 
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())  # Arrow's messages (thrift's) run over lines: the error stays one line
+
+
 def _line_number(path: str, offset: int) -> int:
     with open(path, "rb") as f:
         return f.read(offset).count(b"\n") + 1
@@ -285,8 +300,8 @@ class FileCorpus:
                 raise UserError(f"{self.what}: {_dangling_link(f.path)}; fix the link, or remove it "
                                 f"({ANOTHER_STREAM})") from None
             raise UserError(
-                f"{self.what}: cannot read {f.path} ({type(e).__name__}: {e}); replace it with a sound copy, or "
-                f"remove it ({ANOTHER_STREAM})"
+                f"{self.what}: cannot read {f.path} ({type(e).__name__}: {_one_line(e)}); replace it with a sound "
+                f"copy, or remove it ({ANOTHER_STREAM})"
             ) from e
         names = schema.names  # the top-level columns (the Parquet schema's names are its leaves: a struct's fields)
         if self.text_field not in names:
@@ -500,8 +515,7 @@ class FileCorpus:
         return self._values(rows, path, group, start)
 
     def _unreadable_group(self, path: str, group: int, e: Exception) -> UserError:
-        said = " ".join(str(e).split())  # Arrow's messages run over lines: the error stays one line
-        return UserError(f"{self.what}: cannot read row group {group} of {path} ({type(e).__name__}: {said}); "
+        return UserError(f"{self.what}: cannot read row group {group} of {path} ({type(e).__name__}: {_one_line(e)}); "
                          f"replace it with a sound copy, or remove it ({ANOTHER_STREAM})")
 
     def _values(self, rows, path: str, group: int, start: int) -> list:
