@@ -33,7 +33,7 @@ from nsa_titan.observe.metrics_log import MetricsLog, TensorBoardLog
 from nsa_titan.observe.mfu import peak_flops_per_second
 from nsa_titan.observe.nan_guard import OK, SKIP, STOP, NanGuard, nonfinite_flag
 from nsa_titan.observe.run_sinks import open_metrics_log, open_tensorboard, open_wandb
-from nsa_titan.observe.stack_dump import STACKS_FOLDER, install_sigusr1, remove_empty_dump_files, uninstall_sigusr1
+from nsa_titan.observe.stack_dump import dump_file, install_sigusr1, remove_empty_dump_files, uninstall_sigusr1
 from nsa_titan.observe.telemetry_log import telemetry_line
 from nsa_titan.observe.step_profiler import StepProfiler
 from nsa_titan.observe.step_record import StepRecorder
@@ -126,7 +126,7 @@ class Trainer:
         if recipe.checkpoint.enable:  # every rank writes a checkpoint's files; the rest is rank 0's own
             refuse_unshared_folder(dump, runtime.is_main)
         cp = recipe.parallelism.context_parallel_degree
-        self.stacks_path = os.path.join(dump, STACKS_FOLDER, f"rank-{runtime.rank}.txt")
+        self.stacks_path = dump_file(dump, runtime.rank)
         install_sigusr1(self.stacks_path)
         self.heartbeat = Heartbeat(dump, runtime.rank, runtime.device, min_interval_s=5.0,
                                    world_size=runtime.world_size)

@@ -10,7 +10,7 @@ import sysconfig
 import traceback
 from dataclasses import dataclass
 
-from components.errors import read_from
+from components.errors import raised, read_from
 from nsa_titan.config.build import RecipeBuilder, coerce, is_flag
 from nsa_titan.config.errors import NO_LONGER_PASSES, Problem, RecipeError
 from nsa_titan.config.overrides import ACTIONS, CliText, CommandLine, apply_overrides, parse_args
@@ -245,7 +245,7 @@ def _plugin_import_problem(source: str, name: str, exc: BaseException) -> Proble
         frames = [f for f in frames if not os.path.abspath(f.filename).startswith(libraries)] or frames
         where = f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else name
     if isinstance(exc, SystemExit):  # a script taken for a plugin: its command-line part ran (and ended the run)
-        return Problem(source, "job.plugins", name, f"called sys.exit({exc.code!r}) while it was imported ({where})",
+        return Problem(source, "job.plugins", name, f"{raised(exc)} while it was imported ({where})",
                        "a plugin is imported to register parts, not run: put the script's own work under "
                        "`if __name__ == \"__main__\":`, or remove the name from job.plugins")
     return Problem(source, "job.plugins", name, f"raised {type(exc).__name__} while it was imported ({where}): {exc}",

@@ -129,7 +129,6 @@ def _tilde_refusal(key: str, value: str, flag: bool) -> tuple[str, str]:
     return why, f"write the path in full, e.g. {example}, {relative}"
 
 
-
 def _percent_below(percent: float) -> str:
     """`percent` (0 < percent < 100) to three figures, rounded down: never 100 for a peak below it, never 0 for one
     step of a long warmup (1 of 700 is 0.142), no trailing zeros."""
@@ -137,6 +136,7 @@ def _percent_below(percent: float) -> str:
     unit = 10.0 ** (exponent - 2)
     text = f"{math.floor(percent / unit + 1e-9) * unit:.{max(0, 2 - exponent)}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
+
 
 def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: list[Problem],
                 notes: list[str] | None = None, training: bool = False) -> None:

@@ -49,7 +49,12 @@ def install_sigusr1(dump_path: str) -> None:
     _installed.update(state)
 
 
-STACKS_FOLDER = "stacks"  # in the run's folder: one file per rank, rank-R.txt
+STACKS_FOLDER = "stacks"  # in the run's folder: one file per rank
+
+
+def dump_file(dump_folder: str, rank: int) -> str:
+    """Where rank `rank` of the run in `dump_folder` writes its stacks."""
+    return os.path.join(dump_folder, STACKS_FOLDER, f"rank-{rank}.txt")
 
 
 def remove_empty_dump_files(dump_folder: str) -> None:
@@ -62,14 +67,17 @@ def remove_empty_dump_files(dump_folder: str) -> None:
     except OSError:
         return
     for name in names:
-        path = os.path.join(folder, name)
-        try:
-            if name.startswith("rank-") and os.path.isfile(path) and os.path.getsize(path) == 0:
-                os.remove(path)
-        except OSError:
-            pass
+        if name.startswith("rank-"):
+            _remove_if_empty(os.path.join(folder, name))
+
+
+def _remove_if_empty(path: str) -> None:
+    """Remove a dump file no dump was written to, and its folder if that is left empty (an empty file would read
+    as a dump that failed)."""
     try:
-        os.rmdir(folder)  # refused while a dump is there
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            os.remove(path)
+            os.rmdir(os.path.dirname(os.path.abspath(path)))  # refused while another rank's file is there
     except OSError:
         pass
 
@@ -85,9 +93,4 @@ def uninstall_sigusr1() -> None:
     _installed["file"].close()
     path = _installed["path"]
     _installed.clear()
-    try:
-        if os.path.getsize(path) == 0:
-            os.remove(path)
-            os.rmdir(os.path.dirname(os.path.abspath(path)))  # refused while another rank's file is there
-    except OSError:
-        pass
+    _remove_if_empty(path)

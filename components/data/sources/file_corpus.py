@@ -32,6 +32,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass
+from typing import NoReturn
 
 from components.errors import UserError, read_from
 from components.data.sources.base import ANOTHER_STREAM, digest, order_rng, split_of
@@ -176,32 +177,32 @@ def _files_in(folder: str, what: str) -> list[str]:
         for entry in entries:  # the entry's type comes from the listing: no stat per file but for links
             if entry.name.startswith("."):
                 continue
-            try:
-                is_dir = entry.is_dir()
-            except OSError:  # a link whose target cannot be reached: kept as a file, as os.walk does (reading names it)
-                is_dir = False
-            if is_dir:
-                if not entry.is_symlink():
-                    pending.append(entry.path)
-            elif _is_file(entry) or _dangling_link(entry.path):
+            kind = _kind_of_entry(entry)
+            if kind == "folder":
+                pending.append(entry.path)
+            elif kind == "file" or _dangling_link(entry.path):
                 found.append(entry.path)
-            else:
+            elif kind == "special":
                 _refuse_special(entry.path, what)
     return found
 
 
-def _is_file(entry: os.DirEntry) -> bool:
+def _kind_of_entry(entry: os.DirEntry) -> str:
+    """'folder' (to walk), 'link to folder' (not followed, as os.walk), 'file', or 'special' (a pipe, a socket, a
+    device, or a link to nothing)."""
     try:
-        return entry.is_file()
-    except OSError:  # as for folders: a link that cannot be followed is kept, and reading it names the problem
-        return True
+        if entry.is_dir():
+            return "link to folder" if entry.is_symlink() else "folder"
+        return "file" if entry.is_file() else "special"
+    except OSError:  # a link that cannot be followed (a loop, a folder it may not enter): kept, reading names it
+        return "file"
 
 
 _SPECIAL_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
                   (stat.S_ISBLK, "a block device"))
 
 
-def _refuse_special(path: str, what: str) -> list[str]:
+def _refuse_special(path: str, what: str) -> NoReturn:
     """Refuse `path`, which exists but is neither a file nor a folder (reading a named pipe would wait forever)."""
     mode = os.stat(path).st_mode
     kind = next((name for test, name in _SPECIAL_KINDS if test(mode)), "not a regular file")
