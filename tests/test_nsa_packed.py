@@ -198,11 +198,12 @@ def test_bad_cu_seqlens_are_refused(cu, message):
 
 
 @triton_only
+@triton_only
 def test_eager_calls_read_the_offsets_from_the_device_once(monkeypatch):
     """A model passes one cu_seqlens to every layer: an eager call reads its values (a wait for a GPU) once
     per tensor, not once per layer and check; the Triton path itself reads none. An in-place change of
     the tensor is read again, and still checked."""
-    docs = _documents(LENGTHS, dtype=torch.float32)
+    docs = _documents(LENGTHS, dtype=torch.float32, device=DEVICE)
     packed, cu_seqlens = _packed(docs)
     reads = []
     tolist = torch.Tensor.tolist
