@@ -51,7 +51,10 @@ class _TokenCrossEntropySum(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_total: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
+        # In the logits' own layout: a model may give rows padded for its matmuls (a view of wider rows),
+        # and its backward then reads this gradient as it is.
+        grad = torch.empty_strided(logits.shape, logits.stride(), dtype=logits.dtype, device=logits.device) \
+            if logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1] else torch.empty_like(logits)
         for rows in _chunks(*logits.shape):
             target = targets[rows]
             counted = target != IGNORE_INDEX

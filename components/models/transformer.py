@@ -21,6 +21,7 @@ from components.models.dense_documents import DenseDocuments, dense_documents, f
 from components.models.kv_cache import KVCache, LayerKV
 from components.models.mlp import SwiGLU
 from components.models.norms import RMSNorm
+from components.models.output_head import OutputHead
 from components.models.nsa_attention import NSAAttention
 from components.models.rope import RotaryEmbedding
 from components.nsa.documents import DocumentLayout, rows_layout
@@ -72,7 +73,7 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(args.head_dim, args.max_seq_len, args.rope_theta)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, vocab_size, bias=False)
+        self.output = OutputHead(args.dim, vocab_size)
         # Dense attention masks documents through FlexAttention where flex_attention_runs says (the
         # `compiled` hook tells the blocks' backend); otherwise through an explicit mask.
         self.compile_backend: str | None = None
