@@ -38,8 +38,9 @@ def test_logits_are_a_view_of_padded_rows_with_the_plain_layers_values():
     torch.testing.assert_close(logits, F.linear(x, weight), rtol=0, atol=1e-12)
 
 
-def test_loss_and_gradients_equal_the_plain_layers():
-    x, weight, targets = _case()
+@pytest.mark.parametrize("vocab", [VOCAB, 2 * ROW_MULTIPLE + 8], ids=["odd", "multiple-of-8"])
+def test_loss_and_gradients_equal_the_plain_layers(vocab):
+    x, weight, targets = _case(vocab=vocab)
     torch.testing.assert_close(_loss_and_grads(padded_rows_linear, x, weight, targets),
                                _loss_and_grads(F.linear, x, weight, targets), rtol=1e-12, atol=1e-12)
 
