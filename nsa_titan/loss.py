@@ -3,9 +3,10 @@ with its gradient for training (token_cross_entropy_sum), per token for evaluati
 
 F.cross_entropy(logits.float(), ...) holds an fp32 copy of the logits and saves an fp32 log-softmax
 for the backward: at 65,536 tokens a step and a 50,257-token vocabulary that is 26 GB beside the
-6.6 GB of bf16 logits. Here the logits are read in row chunks of about CHUNK_ELEMENTS values, each
-upcast to fp32 on its own; the backward keeps the logits (which exist anyway) and one fp32
-log-sum-exp per row, and rebuilds each chunk's softmax from them. The result is the same function in
+6.6 GB of bf16 logits. Here the backward keeps the logits (which exist anyway) and one fp32
+log-sum-exp per row, and rebuilds the softmax from them. On a GPU one Triton kernel a pass reads each
+row in fp32 registers (nsa_titan/loss_kernels.py); elsewhere the logits are read in row chunks of
+about CHUNK_ELEMENTS values, each upcast to fp32 on its own. The result is the same function in
 fp32 (only the order of the sum differs), targets equal to IGNORE_INDEX count nothing, as in
 F.cross_entropy.
 """
@@ -36,16 +37,30 @@ def _chunk_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     return lse, torch.where(counted, lse - picked, 0.0)
 
 
+def _on_kernels(logits: torch.Tensor) -> bool:
+    """Whether the Triton kernels do the work: on a GPU. (Triton is imported only then.)"""
+    return logits.is_cuda
+
+
+def _row_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, loss) per row of logits [N, V], in fp32: on a GPU one kernel, elsewhere in chunks."""
+    if _on_kernels(logits):
+        from nsa_titan.loss_kernels import row_losses
+
+        return row_losses(logits, targets, IGNORE_INDEX)
+    lse = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+    losses = torch.empty_like(lse)
+    for rows in _chunks(*logits.shape):
+        lse[rows], losses[rows] = _chunk_losses(logits[rows], targets[rows])
+    return lse, losses
+
+
 class _TokenCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros((), device=logits.device, dtype=torch.float32)
-        lse = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
-        for rows in _chunks(*logits.shape):
-            lse[rows], losses = _chunk_losses(logits[rows], targets[rows])
-            total += losses.sum()
+        lse, losses = _row_losses(logits, targets)
         ctx.save_for_backward(logits, targets, lse)
-        return total
+        return losses.sum()
 
     @staticmethod
     @once_differentiable
@@ -55,6 +70,11 @@ class _TokenCrossEntropySum(torch.autograd.Function):
         # and its backward then reads this gradient as it is.
         grad = torch.empty_strided(logits.shape, logits.stride(), dtype=logits.dtype, device=logits.device) \
             if logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1] else torch.empty_like(logits)
+        if _on_kernels(logits):
+            from nsa_titan.loss_kernels import row_gradients
+
+            row_gradients(grad, logits, targets, lse, grad_total, IGNORE_INDEX)
+            return grad, None
         for rows in _chunks(*logits.shape):
             target = targets[rows]
             counted = target != IGNORE_INDEX
@@ -74,15 +94,17 @@ def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torc
         raise UserError(f"the model returned logits of shape {list(logits.shape)} for targets of shape "
                         f"{list(targets.shape)}. Fix: a model's forward returns logits [batch, tokens, vocab], one "
                         f"row per input token")
-    return _TokenCrossEntropySum.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return _TokenCrossEntropySum.apply(*_rows(logits, targets))
+
+
+def _rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits as rows [N, V] with unit column stride (the kernels' layout; a view where it can be), targets [N]."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    return (rows if rows.stride(-1) == 1 else rows.contiguous()), targets.reshape(-1).contiguous()
 
 
 @torch.no_grad()
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Each token's -log softmax(logits)[target] in fp32, shaped like targets (0 where ignored); no
-    gradient, chunked as token_cross_entropy_sum."""
-    flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    losses = torch.empty(flat.shape[0], device=logits.device, dtype=torch.float32)
-    for rows in _chunks(*flat.shape):
-        losses[rows] = _chunk_losses(flat[rows], flat_targets[rows])[1]
-    return losses.view(targets.shape)
+    gradient, computed as token_cross_entropy_sum."""
+    return _row_losses(*_rows(logits, targets))[1].view(targets.shape)
