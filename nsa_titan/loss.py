@@ -8,7 +8,7 @@ log-sum-exp per row, and rebuilds the softmax from them. On a GPU one Triton ker
 row in fp32 registers (nsa_titan/loss_kernels.py); elsewhere the logits are read in row chunks of
 about CHUNK_ELEMENTS values, each upcast to fp32 on its own. The result is the same function in
 fp32 (only the order of the sum differs), targets equal to IGNORE_INDEX count nothing, as in
-F.cross_entropy.
+F.cross_entropy; a target outside the vocabulary raises on the CPU and gives NaN on a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from components.errors import UserError
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 2**26  # fp32 values per chunk: 256 MiB, a few times over while a chunk is worked on
+PADDING_LIMIT = 128  # columns past the vocabulary that still count as a padded row, not a wider tensor's slice
 
 
 def _chunks(num_rows: int, vocab: int):
@@ -35,6 +36,11 @@ def _chunk_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     counted = targets != IGNORE_INDEX
     picked = x.gather(1, torch.where(counted, targets, 0).unsqueeze(1)).squeeze(1)
     return lse, torch.where(counted, lse - picked, 0.0)
+
+
+def _padded_rows(logits: torch.Tensor) -> bool:
+    """Rows a few columns longer than the vocabulary (aligned for the matmuls), not a slice of wider rows."""
+    return logits.stride(1) == 1 and logits.shape[1] <= logits.stride(0) < logits.shape[1] + PADDING_LIMIT
 
 
 def _on_kernels(logits: torch.Tensor) -> bool:
@@ -69,7 +75,7 @@ class _TokenCrossEntropySum(torch.autograd.Function):
         # In the logits' own layout: a model may give rows padded for its matmuls (a view of wider rows),
         # and its backward then reads this gradient as it is.
         grad = torch.empty_strided(logits.shape, logits.stride(), dtype=logits.dtype, device=logits.device) \
-            if logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1] else torch.empty_like(logits)
+            if _padded_rows(logits) else torch.empty_like(logits)
         if _on_kernels(logits):
             from nsa_titan.loss_kernels import row_gradients
 

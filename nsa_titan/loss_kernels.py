@@ -6,6 +6,8 @@ The chunked torch form (nsa_titan/loss.py) runs some ten kernels per chunk, each
 80 ms of a 470 ms nsa_125m step at 65,536 tokens and GPT-2's vocabulary. These read the logits once
 forward and once backward and write the gradient once. One program per row; rows may be longer than
 their vocabulary (a padded layout, see components/models/output_head.py), so each takes a row stride.
+A NaN logit gives its row a NaN loss, as F.cross_entropy does; a target outside the vocabulary (which
+F.cross_entropy refuses, and a GPU could only refuse by waiting for the host) gives a NaN loss and gradient.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _row_losses_kernel(logits_ptr, row_stride, targets_ptr, lse_ptr, losses_ptr,
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab, BLOCK):
         x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
-        new_peak = tl.maximum(peak, x)
+        new_peak = tl.maximum(peak, x, propagate_nan=tl.PropagateNan.ALL)  # a NaN logit makes the loss NaN
         # A lane that has seen only -inf keeps a zero sum (and no NaN from -inf - -inf).
         keep = tl.where(new_peak == float("-inf"), 0.0, tl.exp(peak - new_peak))
         add = tl.where(new_peak == float("-inf"), 0.0, tl.exp(x - new_peak))
@@ -40,9 +42,12 @@ def _row_losses_kernel(logits_ptr, row_stride, targets_ptr, lse_ptr, losses_ptr,
     lse = row_peak + tl.log(row_total)
     target = tl.load(targets_ptr + row)
     counted = target != ignore_index
-    picked = tl.load(base + tl.where(counted, target, 0)).to(tl.float32)
+    valid = (target >= 0) & (target < vocab)
+    picked = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
+    # A target outside the vocabulary has no logit to read: its loss is NaN (the training's NaN guard names it).
+    loss = tl.where(valid, lse - picked, float("nan"))
     tl.store(lse_ptr + row, lse)
-    tl.store(losses_ptr + row, tl.where(counted, lse - picked, 0.0))
+    tl.store(losses_ptr + row, tl.where(counted, loss, 0.0))
 
 
 @triton.jit
@@ -54,7 +59,8 @@ def _row_gradients_kernel(logits_ptr, row_stride, grad_ptr, grad_row_stride, tar
     cols = tl.arange(0, BLOCK)
     target = tl.load(targets_ptr + row)
     counted = target != ignore_index
-    scale = tl.where(counted, tl.load(scale_ptr).to(tl.float32), 0.0)
+    valid = (target >= 0) & (target < vocab)
+    scale = tl.where(counted, tl.where(valid, tl.load(scale_ptr).to(tl.float32), float("nan")), 0.0)
     lse = tl.load(lse_ptr + row)
     for start in range(0, vocab, BLOCK):
         mask = start + cols < vocab

@@ -84,6 +84,28 @@ def test_masked_logits_and_a_whole_masked_block_count_nothing(kernels):
     torch.testing.assert_close(mine_grad, ref_grad, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("column", [0, 100], ids=["first-block", "last-block"])
+def test_a_nan_logit_makes_its_rows_loss_nan_as_in_f_cross_entropy(kernels, column):
+    """Where a NaN is a lane's first value too (a maximum that skipped NaNs would drop it)."""
+    logits, targets = _case(torch.float32)
+    with torch.no_grad():
+        logits[1, 2, column] = float("nan")
+    per_token = token_cross_entropy(logits, targets)
+    assert per_token[1, 2].isnan() and per_token[1, :2].isfinite().all()
+    assert token_cross_entropy_sum(logits, targets).isnan()
+
+
+def test_a_target_outside_the_vocabulary_gives_nan_not_a_neighbours_logit(kernels):
+    logits, targets = _case(torch.float32, padded_to=128)
+    targets = targets.clone()
+    targets[1, 0], targets[1, 1], targets[1, 2] = 101, -1, 127  # past the vocabulary, negative, in the padding
+    per_token = token_cross_entropy(logits, targets)
+    assert per_token[1, :3].isnan().all() and per_token[1, 3:].isfinite().all()
+    total = token_cross_entropy_sum(logits, targets)
+    (grad,) = torch.autograd.grad(total, logits)
+    assert total.isnan() and grad[1, :3].isnan().all() and grad[1, 3:].isfinite().all()
+
+
 def test_no_rows_is_zero(kernels):
     logits = torch.zeros(0, 7, requires_grad=True, device=DEVICE)
     total = token_cross_entropy_sum(logits, torch.zeros(0, dtype=torch.long, device=DEVICE))
