@@ -7,7 +7,9 @@ dense_125m at 65,536 tokens (bench.train_throughput --profile). On a GPU the log
 into rows padded to a multiple of ROW_MULTIPLE and returned as a view of their first vocab_size columns;
 the backward works in that layout too, padding the incoming gradient only where it lacks it (the
 training loss gives it). The function and the weight ([vocab, dim], as checkpoints and exports hold it)
-are unchanged; on the CPU, where alignment costs nothing, it is a plain linear layer.
+are unchanged; on the CPU, where alignment costs nothing, and for fewer than MIN_ROWS tokens (a decoding
+step), it is a plain linear layer. The logits it returns with padded rows are a view: change them out of
+place (logits * c, not logits.mul_(c)) where autograd records it, as for any custom function's view.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 ROW_MULTIPLE = 64  # elements: 128 bytes in bf16, a whole number of the matmul's tiles' columns
+MIN_ROWS = 1024  # tokens from which the padded rows are used
 
 
 def aligned_rows(t: torch.Tensor) -> bool:
@@ -42,10 +45,10 @@ def _input_gradient(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows are padded (39 ms of a 470 ms nsa_125m step on an H200); the rest (at most 7 terms) is a small
     rank-k update."""
     whole = grad.shape[1] - grad.shape[1] % 8
-    out = grad[:, :whole] @ weight[:whole]
-    if whole < grad.shape[1]:
-        out.addmm_(grad[:, whole:], weight[whole:])
-    return out
+    if whole == grad.shape[1]:
+        return grad @ weight
+    # The rest first, so the large product's fp32 sum is rounded once, with it.
+    return torch.addmm(grad[:, whole:] @ weight[whole:], grad[:, :whole], weight[:whole])
 
 
 class _PaddedRowsLinear(torch.autograd.Function):
@@ -85,6 +88,7 @@ class OutputHead(nn.Linear):
         super().__init__(dim, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.weight.shape[0] % ROW_MULTIPLE:
+        # A few rows (a decoding step) gain nothing from alignment and would pay for the padded weight's copy.
+        if x.is_cuda and self.weight.shape[0] % ROW_MULTIPLE and x.dim() > 1 and x.numel() >= MIN_ROWS * x.shape[-1]:
             return padded_rows_linear(x, self.weight)
         return F.linear(x, self.weight)
