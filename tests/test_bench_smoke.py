@@ -157,6 +157,26 @@ def test_attention_stages_times_every_stage(tmp_path):
     assert "| 40 | " in table.split("host's time to issue it")[1]
 
 
+def test_selected_flex_runs_the_selected_branch_both_ways_to_the_same_output(tmp_path):
+    """Under the interpreter, FlexAttention eager (no backward on the CPU): the block mask built from the op's
+    selection gives the op's selected branch output, over query tiles and KV blocks of two selection blocks."""
+    from components.nsa.triton.launch import interpreting
+
+    from bench import selected_flex
+    from bench.report import render
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    out = tmp_path / "flex.json"
+    tiny = [a if a != "40" else "48" for a in TINY_NSA]  # three query tiles of 16, KV blocks of 16
+    assert selected_flex.main([*tiny, "--q-block", "16", "--kv-block", "16", "--rep-ms", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["seq_len"] == 48 and row["flex_fwd_bwd_ms"] is None and list(row["max_abs_difference"]) == ["o"]
+    assert row["max_abs_difference"]["o"] < 1e-5
+    assert 1 <= row["kv_blocks_per_q_tile"] <= 3
+    assert "| 48 | 1 |" in render(json.loads(out.read_text()))
+
+
 def test_stage_flops_count_the_keys_each_query_sees():
     """Against a count key by key: compressed blocks ending at or before the query, the window's keys, and the
     keys of each chosen block at or before the query (unused slots -1 count nothing), times 4 D per key."""
@@ -361,7 +381,7 @@ def test_loss_memory_bench_measures_both_ways_on_the_same_logits(tmp_path):
     out = tmp_path / "loss_memory.json"
     assert loss_memory.main(["--tokens", "64", "--vocab-size", "300", "--out", str(out)]) == 0
     old, new = json.loads(out.read_text())["results"]
-    assert (old["way"], new["way"]) == ("fp32_copy", "chunked")
+    assert (old["way"], new["way"]) == ("fp32_copy", "nsa_titan")
     assert new["loss"] == pytest.approx(old["loss"], rel=1e-5)
     assert new["peak_above_logits_gib"] >= 0 and new["seconds"] > 0
 
