@@ -2,8 +2,8 @@
 
     python -m bench.report bench/results/attention-*.json bench/results/train_throughput-*.json ...
 
-Reads what every benchmark writes (bench.attention, attention_stages, tile_variants, tile_choice, train_throughput,
-loss_memory, context_parallel, data_resume, data_throughput, decode, reference_vs_sdpa_cpu and kernel_resources
+Reads what every benchmark writes (bench.attention, attention_stages, selected_flex, tile_variants, tile_choice,
+train_throughput, loss_memory, context_parallel, data_resume, data_throughput, decode, reference_vs_sdpa_cpu and kernel_resources
 --json) and prints, per file, where it was measured (GPU, versions, commit; a GPU benchmark run on the CPU, or with
 Triton interpreted, is marked as a smoke run) and one table of its numbers. Targets (checked where the file has the
 lengths): the NSA op's forward + backward at least 6x SDPA's speed at 64k tokens and at least SDPA's speed at 8k or
@@ -234,6 +234,21 @@ def loss_tables(report: dict) -> list[str]:
     return lines
 
 
+def selected_flex_tables(report: dict) -> list[str]:
+    c = report.get("config", {})
+    lines = [f"The selected branch, the op's kernels against FlexAttention over a block mask ({c.get('heads')} / "
+             f"{c.get('kv_heads')} heads, D = {c.get('head_dim')}, {c.get('dtype')}; ms forward / forward + backward):",
+             "", "| tokens | rows | op | flex | flex / op fwd+bwd | mask build ms | KV blocks a query tile (selected) | "
+             "max abs difference o / dq / dk / dv |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["results"]:
+        ratio = "-" if r["flex_fwd_bwd_ms"] is None else f"{r['flex_fwd_bwd_ms'] / r['op_fwd_bwd_ms']:.2f}"
+        diff = " / ".join(f"{v:.2e}" for v in r["max_abs_difference"].values())
+        lines.append(f"| {r['seq_len']} | {r['batch']} | {_ms(r['op_fwd_ms'])} / {_ms(r['op_fwd_bwd_ms'])} | "
+                     f"{_ms(r['flex_fwd_ms'])} / {_ms(r['flex_fwd_bwd_ms'])} | {ratio} | {_ms(r['mask_build_ms'])} | "
+                     f"{r['kv_blocks_per_q_tile']:.1f} ({r['selected_blocks_as_kv_blocks']:.1f}) | {diff} |")
+    return lines
+
+
 def _s(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -381,7 +396,7 @@ TABLES = {"attention": attention_tables, "attention_stages": stage_tables, "trai
           "loss_memory": loss_tables, "context_parallel": context_parallel_tables, "data_resume": data_resume_tables,
           "data_throughput": data_throughput_tables, "decode": decode_tables,
           "nsa_reference_vs_sdpa_cpu": reference_tables, "kernel_resources": kernel_tables,
-          "tile_variants": tile_tables, "tile_choice": tile_choice_tables}
+          "tile_variants": tile_tables, "tile_choice": tile_choice_tables, "selected_flex": selected_flex_tables}
 
 
 def report_kind(report) -> str:

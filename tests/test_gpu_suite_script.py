@@ -64,7 +64,8 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
     steps = [line.split(":")[0] for line in _summary(root)]
     assert sorted(steps) == sorted(["gpu_tests_kernels", "gpu_tests_op", "gpu_tests_more", "train_200_steps", "fsdp_single_gpu", "muon_single_gpu", "doctor",
                                     "inspect", "attention_125m", "attention_stages", "attention_paper",
-                                    "attention_stages_paper", "attention_32_rows", "attention_stages_32_rows", "train_throughput", "loss_memory",
+                                    "attention_stages_paper", "attention_32_rows", "attention_stages_32_rows", "selected_flex_32_rows",
+                                    "selected_flex", "train_throughput", "loss_memory",
                                     "train_reduce_overhead"])
     assert all(": ok in " in line for line in _summary(root))
     commands = (tmp_path / "commands.log").read_text()
@@ -204,8 +205,9 @@ def test_a_step_is_cut_at_the_budget_and_later_ones_are_skipped(tmp_path):
     assert summary[0].startswith("attention_125m: ok") and summary[1].startswith("attention_stages: ok")
     assert summary[2].startswith("attention_paper: FAILED (cut at")
     assert summary[3:] == [f"{name}: SKIPPED (no time left of --budget 22)"
-                           for name in ("attention_stages_paper", "attention_32_rows", "attention_stages_32_rows")]
-    assert proc.returncode == 4  # one cut, three skipped
+                           for name in ("attention_stages_paper", "attention_32_rows", "attention_stages_32_rows",
+                                        "selected_flex_32_rows", "selected_flex")]
+    assert proc.returncode == 6  # one cut, five skipped
 
 
 @pytest.mark.parametrize("args, message", [
