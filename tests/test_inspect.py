@@ -224,6 +224,7 @@ def test_blocks_that_run_eagerly_are_a_problem(dense_recipe, tmp_path, capsys):
 
 @pytest.mark.parametrize("lengths, message", [("32,x", "--seq-lens '32,x'"), ("0", "--seq-lens '0'"),
                                               ("32,,48", "--seq-lens '32,,48'"),
+                                              ("32,48,32", "--seq-lens '32,48,32' names 32 twice"),
                                               ("32,65", "--seq-lens value 65 is outside 1..max_seq_len (64)")])
 def test_bad_seq_lens_are_input_errors(tmp_path, capsys, lengths, message):
     code, _, err = _inspect(capsys, DEBUG, *TINY_NSA, f"--job.dump_folder={tmp_path}", f"--seq-lens={lengths}")

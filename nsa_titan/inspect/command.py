@@ -32,6 +32,10 @@ def parse_seq_lens(text: str) -> list[int]:
     if not lengths or any(n < 1 for n in lengths):
         raise UserError(f"--seq-lens {text!r} is not a comma-separated list of positive lengths. Fix: e.g. "
                         "`--seq-lens 64,96`.")
+    repeated = sorted({n for n in lengths if lengths.count(n) > 1})
+    if repeated:  # a second run at a length would only recompile or reuse the first: likely a typo for another
+        raise UserError(f"--seq-lens {text!r} names {', '.join(map(str, repeated))} twice. Fix: give each length "
+                        f"once.")
     return lengths
 
 
