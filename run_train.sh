@@ -142,8 +142,7 @@ request_stop() {  # SIGNAL_NUMBER
   if [ "$ranks_seen" -eq 0 ] && [ "$stopping" -eq 0 ]; then
     kill -STOP "$child" 2>/dev/null || true  # frozen: no rank starts while this looks
     if [ -z "$(children_of "$child")" ]; then  # none ever started (the nodes may still be meeting): nothing to save
-      kill -KILL "$child" 2>/dev/null || true
-      wait "$child" 2>/dev/null || true
+      { kill -KILL "$child"; wait "$child"; } 2>/dev/null || true
       echo "error: stopped before any rank started; nothing ran." >&2
       exit $((128 + $1))
     fi
@@ -163,7 +162,9 @@ request_stop() {  # SIGNAL_NUMBER
     for rank in $(children_of "$child"); do
       kill -KILL -- "-$rank" 2>/dev/null || kill -KILL "$rank" 2>/dev/null || true
     done
-    kill -KILL "$child" 2>/dev/null || true
+    # Reaped here, stderr closed around both: bash's "Killed" job line for it, printed at whichever command
+    # follows its end, goes nowhere (the line below says what happened).
+    { kill -KILL "$child"; wait "$child"; } 2>/dev/null || true
     # The ranks' stack dump files no dump went to (they remove their own at a clean end, which this is not).
     find "$dump/stacks" -maxdepth 1 -type f -name 'rank-*.txt' -empty -delete 2>/dev/null || true
     rmdir "$dump/stacks" 2>/dev/null || true
