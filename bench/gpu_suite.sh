@@ -13,8 +13,8 @@
 #              (125M also as packed rows of 1k-8k token documents), and python -m bench.attention_stages:
 #              where the NSA op's time goes, the selected branch's two layouts side by side, and whether
 #              the host's launches set the op's pace (2k, 8k, 64k); both again for 32 rows of 2k tokens
-#              (nsa_125m's training shape); python -m bench.selected_flex: the selected branch as FlexAttention
-#              over a block mask against the op's kernels (32 rows of 2k; 8k and 64k)
+#              (nsa_125m's training shape). First, python -m bench.selected_flex: the selected branch as
+#              FlexAttention over a block mask against the op's kernels (32 rows of 2k; 64k)
 #   train      python -m bench.train_throughput: nsa_125m vs dense_125m, bf16 + compile, at 2k and 32k, with
 #              one step of each profiled (where its GPU time goes, by kernel and kind);
 #              python -m bench.loss_memory at 65,536 tokens; nsa_125m at 2k with CUDA graphs
@@ -217,6 +217,9 @@ phase_check() {
 phase_attention() {
   tile_args attention || return 1
   local shapes=(${tiles_bench[@]+"${tiles_bench[@]}"})
+  # First: the other steps' numbers were measured before (README); FlexAttention compiles fwd + bwd per length.
+  step selected_flex_32_rows 150 "$py" -m bench.selected_flex --batch 32 --seq-lens 2048
+  step selected_flex_64k 150 "$py" -m bench.selected_flex --seq-lens 65536
   step attention_125m 150 "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 --packed 1024 8192 \
     ${shapes[@]+"${shapes[@]}"}
   step attention_stages 60 "$py" -m bench.attention_stages --seq-lens 2048 8192 65536 ${shapes[@]+"${shapes[@]}"}
@@ -228,8 +231,6 @@ phase_attention() {
   step attention_32_rows 60 "$py" -m bench.attention --batch 32 --seq-lens 2048 ${shapes[@]+"${shapes[@]}"}
   step attention_stages_32_rows 60 "$py" -m bench.attention_stages --batch 32 --seq-lens 2048 \
     ${shapes[@]+"${shapes[@]}"}
-  step selected_flex_32_rows 90 "$py" -m bench.selected_flex --batch 32 --seq-lens 2048
-  step selected_flex 90 "$py" -m bench.selected_flex --seq-lens 8192 65536
 }
 phase_train() {
   step train_throughput 240 "$py" -m bench.train_throughput --seq-lens 2048 32768 --profile

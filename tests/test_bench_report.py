@@ -95,7 +95,7 @@ def test_the_command_reads_files_and_names_what_it_cannot_read(tmp_path, capsys)
     assert "## attention.json" in captured.out and "8.00x, met" in captured.out
     assert "other.json: ValueError: a 'nonesuch' report; this tool makes tables of attention, attention_stages, " \
            "train_throughput, loss_memory, context_parallel, data_resume, data_throughput, decode, " \
-           "nsa_reference_vs_sdpa_cpu, kernel_resources, tile_variants, tile_choice reports (read the others' JSON as " \
+           "nsa_reference_vs_sdpa_cpu, kernel_resources, tile_variants, tile_choice, selected_flex reports (read the others' JSON as " \
            "it is)" in captured.err
     assert "unnamed.json: ValueError: no benchmark report (it names no 'benchmark')" in captured.err
     assert "missing.json: FileNotFoundError" in captured.err

@@ -65,7 +65,7 @@ def test_every_phase_runs_its_steps_and_packs_them(tmp_path):
     assert sorted(steps) == sorted(["gpu_tests_kernels", "gpu_tests_op", "gpu_tests_more", "train_200_steps", "fsdp_single_gpu", "muon_single_gpu", "doctor",
                                     "inspect", "attention_125m", "attention_stages", "attention_paper",
                                     "attention_stages_paper", "attention_32_rows", "attention_stages_32_rows", "selected_flex_32_rows",
-                                    "selected_flex", "train_throughput", "loss_memory",
+                                    "selected_flex_64k", "train_throughput", "loss_memory",
                                     "train_reduce_overhead"])
     assert all(": ok in " in line for line in _summary(root))
     commands = (tmp_path / "commands.log").read_text()
@@ -202,12 +202,13 @@ def test_a_step_is_cut_at_the_budget_and_later_ones_are_skipped(tmp_path):
     # 22 s of budget: the slow step is cut at what is left (less a grace), the steps after it are skipped.
     proc, root = _suite(tmp_path, "--budget", "22", "attention", slow="--preset paper")
     summary = _summary(root)
-    assert summary[0].startswith("attention_125m: ok") and summary[1].startswith("attention_stages: ok")
-    assert summary[2].startswith("attention_paper: FAILED (cut at")
-    assert summary[3:] == [f"{name}: SKIPPED (no time left of --budget 22)"
-                           for name in ("attention_stages_paper", "attention_32_rows", "attention_stages_32_rows",
-                                        "selected_flex_32_rows", "selected_flex")]
-    assert proc.returncode == 6  # one cut, five skipped
+    assert [line.split(":")[0] for line in summary[:4]] == ["selected_flex_32_rows", "selected_flex_64k",
+                                                            "attention_125m", "attention_stages"]
+    assert all(": ok in " in line for line in summary[:4])
+    assert summary[4].startswith("attention_paper: FAILED (cut at")
+    assert summary[5:] == [f"{name}: SKIPPED (no time left of --budget 22)"
+                           for name in ("attention_stages_paper", "attention_32_rows", "attention_stages_32_rows")]
+    assert proc.returncode == 4  # one cut, three skipped
 
 
 @pytest.mark.parametrize("args, message", [
