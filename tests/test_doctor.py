@@ -409,6 +409,9 @@ def test_memory_estimate_matches_what_a_training_step_holds():
         kept[dtype] += logits.grad.nbytes
         estimated = estimate_memory(shard=1, ac_mode="none", **{**common, "bf16": dtype == torch.bfloat16}).logits
         assert 0 < estimated - kept[dtype] <= 3 * tokens * vocab * 4, (dtype, estimated, kept[dtype])
+    # On a GPU the loss's kernels keep no chunk: the logits and their gradient alone.
+    on_gpu = estimate_memory(shard=1, ac_mode="none", chunked_loss=False, **common).logits
+    assert on_gpu == tokens * vocab * 2 * 4 and plain.logits - on_gpu == 12 * tokens * vocab
     # The part in the logits' dtype is exactly the logits the loss keeps and their gradient.
     assert plain.logits - estimate_memory(shard=1, ac_mode="none", **{**common, "bf16": True}).logits == \
         kept[torch.float32] - kept[torch.bfloat16]

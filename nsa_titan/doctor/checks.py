@@ -280,7 +280,8 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
                                block_params=block_params, vocab_size=tokenizer.vocab_size, shard=shard,
                                tokens=t.local_batch_size * t.seq_len // cp, bf16=runtime.autocast_dtype is not None,
                                ac_mode=ac.mode, ac_every=ac.selective_every,
-                               buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()))
+                               buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+                               chunked_loss=runtime.device.type != "cuda")
     capacity, where = device_memory(runtime.device)
     if runtime.device.type == "cpu" and capacity:
         capacity //= world_size  # the processes of one node share its memory

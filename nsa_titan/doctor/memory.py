@@ -18,9 +18,10 @@
                                            its row) pair, e.g. an explicit attention mask (T = seq_len)
     workspace   = W                        bytes one block's call holds beside what blocks save, at N
                                            tokens (the model part's hook says, e.g. a kernel's partials)
-    logits      = N x V x 2 x a_bytes      logits and their gradient (nsa_titan/loss.py upcasts
-                + 12 x min(N x V, C)       one chunk of C values at a time: an fp32 chunk, its
-                                           exponentials and slack)
+    logits      = N x V x 2 x a_bytes      logits and their gradient (on the CPU nsa_titan/loss.py
+                + 12 x min(N x V, C)       upcasts one chunk of C values at a time: an fp32 chunk,
+                                           its exponentials and slack; on a GPU its kernels hold
+                                           a row in registers, and the last term is 0)
     buffers     = B                        the model's buffers as built (e.g. RoPE tables for every
                                            position up to max_seq_len); FSDP does not shard them
 a, r, m, W and the blocks' count L come from the model part's activation_memory hook (the transformer's
@@ -74,7 +75,7 @@ def checkpointed_blocks(blocks: int, mode: str, every: int) -> int:
 
 def estimate_memory(*, activation: ActivationMemory, num_params: int, block_params: int, vocab_size: int, shard: int,
                     tokens: int, bf16: bool, ac_mode: str, ac_every: int, context_parallel: int = 1,
-                    seq_len: int = 0, buffer_bytes: float = 0.0) -> MemoryEstimate:
+                    seq_len: int = 0, buffer_bytes: float = 0.0, chunked_loss: bool = True) -> MemoryEstimate:
     """Bytes per device for one training step of a model made of blocks (see the module docstring);
     tokens: those the rank holds per micro-batch, of rows of seq_len tokens."""
     a_bytes = 2 if bf16 else 4
@@ -86,7 +87,7 @@ def estimate_memory(*, activation: ActivationMemory, num_params: int, block_para
     activations = (blocks - ckpt) * per_block + ckpt * tokens * activation.block_input * a_bytes
     if ckpt:
         activations += per_block
-    logits = tokens * vocab_size * 2 * a_bytes + 12 * min(tokens * vocab_size, CHUNK_ELEMENTS)
+    logits = tokens * vocab_size * 2 * a_bytes + (12 * min(tokens * vocab_size, CHUNK_ELEMENTS) if chunked_loss else 0)
     masks = tokens * seq_len * activation.per_row_pair * a_bytes
     return MemoryEstimate(num_params, shard, states, gathered, activations, logits, masks, activation.workspace_bytes,
                           buffer_bytes)
