@@ -218,8 +218,8 @@ phase_attention() {
   tile_args attention || return 1
   local shapes=(${tiles_bench[@]+"${tiles_bench[@]}"})
   # First: the other steps' numbers were measured before (README); FlexAttention compiles fwd + bwd per length.
-  step selected_flex_32_rows 150 "$py" -m bench.selected_flex --batch 32 --seq-lens 2048
-  step selected_flex_64k 150 "$py" -m bench.selected_flex --seq-lens 65536
+  step selected_flex_32_rows 150 "$py" -m bench.selected_flex --batch 32 --seq-lens 2048 ${shapes[@]+"${shapes[@]}"}
+  step selected_flex_64k 150 "$py" -m bench.selected_flex --seq-lens 65536 ${shapes[@]+"${shapes[@]}"}
   step attention_125m 150 "$py" -m bench.attention --seq-lens 2048 4096 8192 16384 32768 65536 --packed 1024 8192 \
     ${shapes[@]+"${shapes[@]}"}
   step attention_stages 60 "$py" -m bench.attention_stages --seq-lens 2048 8192 65536 ${shapes[@]+"${shapes[@]}"}

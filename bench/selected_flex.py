@@ -1,6 +1,6 @@
 """The selected branch as FlexAttention over a block mask: is it faster than the op's own kernels?
 
-    python -m bench.selected_flex [--preset 125m|paper] [--batch 32] [--seq-lens 2048] [--kv-block 128]
+    python -m bench.selected_flex [--preset 125m|paper] [--batch 32] [--seq-lens 2048] [--kv-block 128] [--tiles FILE]
 
 The op's selected branch gathers each query's n selected blocks (tile_configs.selected_layout's layouts). An
 alternative runs it as dense flash attention that skips what no query of a tile selected: a FlexAttention
@@ -15,7 +15,8 @@ their input gradients (the same function: only rounding may differ), also relati
 In a model the mask is built in every forward: the report's ratio counts it with FlexAttention's time.
 FlexAttention runs with its default kernel settings (not autotuned). The selection is the op's own
 (ops.select_blocks) over random inputs, whose selections spread wider than a trained model's. Results go
-to bench/results/selected_flex-<gpu>-<time>.json. Needs CUDA; --allow-cpu runs it at tiny sizes, FlexAttention
+to bench/results/selected_flex-<gpu>-<time>.json. --tiles FILE launches the op's kernels with a launch shapes
+file's shapes in place of the shipped ones (bench.tile_choice). Needs CUDA; --allow-cpu runs it at tiny sizes, FlexAttention
 eager and the Triton kernels under the interpreter, as a smoke test (times mean nothing there).
 """
 
@@ -31,6 +32,7 @@ from bench.arguments import positive_int
 from bench.attention import DTYPES, add_shape_args, finish_shape_args, nsa_inputs
 from bench.attention_stages import kernel_device, timer
 from bench.environment import describe_environment, write_report
+from bench.launch_shapes import add_tiles_arg, applied, config_of, finish_tiles_arg
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the block mask's KV block: a multiple of --sel-block-size")
     p.add_argument("--allow-cpu", action="store_true", help="smoke test under TRITON_INTERPRET=1 (not a benchmark)")
     p.add_argument("--out", help="output JSON path (default bench/results/selected_flex-<gpu>-<time>.json)")
-    args = finish_shape_args(p, p.parse_args(argv))
+    add_tiles_arg(p)
+    args = finish_tiles_arg(p, finish_shape_args(p, p.parse_args(argv)))
     if args.kv_block % args.sel_block_size:
         p.error(f"--kv-block {args.kv_block} must be a multiple of --sel-block-size {args.sel_block_size}")
     return args
@@ -142,11 +145,14 @@ def main(argv=None) -> int:
     device = kernel_device("selected_flex", args.allow_cpu)
     if device is None:
         return 1
+    with applied(args.shapes):
+        return measure(args, device)
+
+
+def measure(args, device: str) -> int:
     dtype = DTYPES[args.dtype] if device == "cuda" else torch.float32
     report = {"benchmark": "selected_flex", "environment": describe_environment(),
-              "config": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                         "dtype": str(dtype).replace("torch.", ""), "sel_block_size": args.sel_block_size,
-                         "num_selected": args.num_selected}, "results": []}
+              "config": {**config_of(args), "dtype": str(dtype).replace("torch.", "")}, "results": []}
     path = args.out or environment.results_path("selected_flex")
     for T in args.seq_lens:
         row = measure_length(args, T, dtype, device)
