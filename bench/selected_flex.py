@@ -142,9 +142,9 @@ def measure_length(args, T: int, dtype: torch.dtype, device: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = kernel_device("selected_flex", args.allow_cpu)
+    device = kernel_device("bench.selected_flex", args.allow_cpu)
     if device is None:
-        return 1
+        return 2
     with applied(args.shapes):
         return measure(args, device)
 
