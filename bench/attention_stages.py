@@ -5,9 +5,9 @@
 Stages, in the order the op runs them: the compressed branch (interval attention over the
 compressed keys), block selection, the selected branch, the window branch, and the gating. Each is
 timed forward, and backward from a random output gradient (selection has no backward). The selected
-branch's launchers are also timed in both of its layouts (query- and block-major forward and dQ,
-tile_configs.selected_layout), side by side; and the whole op's forward + backward against the host's time to
-issue it (and the kernels it launches), which shows a length where launches, not kernels, set the pace. Each
+branch's launchers are also timed in each of its layouts (query- and block-major forward and dQ, and masked:
+causal flash attention hiding the unselected blocks; tile_configs.selected_layout_for), side by side; and the
+whole op's forward + backward against the host's time to issue it (and the kernels it launches), which shows a length where launches, not kernels, set the pace. Each
 branch and the selection also get their FLOPs, counted from the keys every query really sees (stage_flops), and
 the TFLOP/s that makes: how far each kernel is from the GPU's peak. Results go to
 bench/results/attention_stages-<gpu>-<time>.json with the environment. --tiles FILE launches the kernels with a
@@ -187,11 +187,14 @@ def busiest_kernels(kernels: list[tuple[str, float]], top: int = 8) -> list[dict
 
 def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list[dict]:
     """The selected branch's forward and backward launchers, once per layout, on one selection."""
-    from components.nsa.triton import ops
+    from components.nsa.triton import ops, tile_configs
     from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
     from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
     from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
+    from components.nsa.triton.selected_attention_masked import (selected_attention_bwd_masked,
+                                                                  selected_attention_fwd_masked)
     from components.nsa.triton.selection_lists import selection_lists, work_item_segment
+    from components.nsa.triton.selection_mask import Chosen
 
     l, d, lp, n = args.block_size, args.block_stride, args.sel_block_size, args.num_selected
     scale = args.head_dim ** -0.5
@@ -201,18 +204,23 @@ def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list
         selection = ops.select_blocks(q, k_cmp, lse_cmp, l, d, lp, n, scale)
         o, lse2 = selected_attention_fwd(q, k, v, selection, lp, scale)
         do = torch.randn_like(o)
-    forward = {"query": selected_attention_fwd, "block": selected_attention_fwd_blocks}
+    forward = {"query": selected_attention_fwd, "block": selected_attention_fwd_blocks,
+               "masked": selected_attention_fwd_masked}
     measure = timer(device, args.rep_ms)
     rows = []
-    for layout in ("query", "block"):
+    for layout in ("query", "block", "masked") if tile_configs.masked_layout_fits(lp) else ("query", "block"):
         def run_forward():
             return forward[layout](q, k, v, selection, lp, scale)
 
         def run_backward():
+            if layout == "masked":
+                return selected_attention_bwd_masked(do, q, k, v, o, lse2, selection, lp, scale)
             return selected_attention_bwd(do, q, k, v, o, lse2, selection, lp, scale, dq_layout=layout)
 
         def build_lists():  # what each of the layout's passes builds before its kernels run (the segment
             # only sizes the item table: 10 queries a step stands in for the launchers' own)
+            if layout == "masked":
+                return Chosen.of(selection, lp, k.shape[1])
             return selection_lists(selection, lp, k.shape[1], work_item_segment(10, selection.numel()),
                                    entries=layout == "block")
 
@@ -254,7 +262,7 @@ def measure(args, device: str) -> int:
             report["selected_layouts"].append(row)
             memory = (f"  (+{row['fwd_extra_gib']:.2f} / +{row['bwd_extra_gib']:.2f} GiB during fwd / bwd)"
                       if "fwd_extra_gib" in row else "")
-            print(f"T={T:6d} selected, {row['layout']}-major forward and dQ: {row['fwd_ms']:9.3f} ms fwd  "
+            print(f"T={T:6d} selected, {row['layout']} layout: {row['fwd_ms']:9.3f} ms fwd  "
                   f"{row['bwd_ms']:9.3f} ms bwd{memory}", flush=True)
         write_report(report, "attention_stages", path)  # the stages first: the whole op may not fit in memory
         try:

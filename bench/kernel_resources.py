@@ -37,6 +37,8 @@ from components.nsa.triton import nsa_attention_triton
 from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
 from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
 from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
+from components.nsa.triton.selected_attention_masked import selected_attention_bwd_masked, selected_attention_fwd_masked
+from components.nsa.triton.tile_configs import masked_layout_fits
 from components.nsa.triton.offline_compile import SHARED_LIMIT_BYTES, compile_only, target_for
 
 
@@ -100,14 +102,18 @@ def compile_one(args: argparse.Namespace, arch: int, head_dim: int, dtype: torch
 
 
 def compile_selected_layouts(args: argparse.Namespace, inputs: list, cu_seqlens) -> None:
-    """The selected branch's forward and backward launchers in both layouts (launch shapes do not
-    depend on which blocks are chosen: every query takes block 0)."""
+    """The selected branch's forward and backward launchers in each layout (launch shapes do not
+    depend on which blocks are chosen: every query takes block 0); the masked layout where it fits."""
     q, _, _, k, v, *_ = (x.detach() for x in inputs)
     sel = torch.zeros(1, q.shape[1], k.shape[2], args.num_selected, dtype=torch.int64)
     scale = q.shape[-1] ** -0.5
+    lp = args.sel_block_size
     for layout, forward in (("query", selected_attention_fwd), ("block", selected_attention_fwd_blocks)):
-        o, lse2 = forward(q, k, v, sel, args.sel_block_size, scale, cu_seqlens)
-        selected_attention_bwd(o, q, k, v, o, lse2, sel, args.sel_block_size, scale, cu_seqlens, dq_layout=layout)
+        o, lse2 = forward(q, k, v, sel, lp, scale, cu_seqlens)
+        selected_attention_bwd(o, q, k, v, o, lse2, sel, lp, scale, cu_seqlens, dq_layout=layout)
+    if masked_layout_fits(lp):
+        o, lse2 = selected_attention_fwd_masked(q, k, v, sel, lp, scale, cu_seqlens)
+        selected_attention_bwd_masked(o, q, k, v, o, lse2, sel, lp, scale, cu_seqlens)
 
 
 def main(argv=None) -> int:

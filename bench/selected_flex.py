@@ -2,13 +2,13 @@
 
     python -m bench.selected_flex [--preset 125m|paper] [--batch 32] [--seq-lens 2048] [--kv-block 128] [--tiles FILE]
 
-The op's selected branch gathers each query's n selected blocks (tile_configs.selected_layout's layouts). An
-alternative runs it as dense flash attention that skips what no query of a tile selected: a FlexAttention
-block mask whose KV blocks per query tile are the union of the tile's queries' selections (per KV head
-group, which shares a selection), and a mask_mod that keeps, per query, the causal keys of its own
-selected blocks. That does more products than the gather (the union over a tile against each query's n
-blocks) in a kernel that runs near the GPU's peak. For each length: the op's selected branch forward and
-forward + backward (ops.selected_attention, its chosen layout), FlexAttention compiled (inductor) forward
+The op's selected branch gathers each query's n selected blocks, or for short rows runs as causal flash
+attention hiding the unselected blocks (tile_configs.selected_layout_for's layouts). FlexAttention can run it
+as dense flash attention that also skips what no query of a tile selected: a block mask whose KV blocks per
+query tile are the union of the tile's queries' selections (per KV head group, which shares a selection), and
+a mask_mod that keeps, per query, the causal keys of its own selected blocks. That does more products than
+the gather (the union over a tile against each query's n blocks) in a kernel that runs near the GPU's peak.
+For each length: the op's selected branch forward and forward + backward (ops.selected_attention, its chosen layout), FlexAttention compiled (inductor) forward
 and forward + backward, the block mask's build from a selection (once per forward in a model), the union's
 size (KV blocks a query tile visits against n), and the largest difference between the two outputs and
 their input gradients (the same function: only rounding may differ), also relative to the op's largest value.

@@ -253,12 +253,19 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
                 torch.cuda.empty_cache()
 
 
+def gather_layout(args, T: int, element_bytes: int) -> str:
+    """The layout ("query" or "block") the selected branch's launchers take by default for this call: the one
+    whose kernels a selected kernel's workload runs (training takes the masked layout instead for short rows)."""
+    return tile_configs.gather_layout_for(args.batch * T, args.heads, args.kv_heads, args.num_selected,
+                                          args.head_dim, args.sel_block_size, element_bytes)
+
+
 def selected_layout(args, T: int, element_bytes: int) -> str:
     """The selected branch's layout training takes for this call with the shapes in force: selected dK/dV's key
     tile sizes the block layout's partials, so a shape of it can move the forward (not timed here) to the
     other layout; bench.tile_choice keeps to the shipped shape's layout."""
     return tile_configs.selected_layout_for(args.batch * T, args.heads, args.kv_heads, args.num_selected,
-                                            args.head_dim, args.sel_block_size, element_bytes)
+                                            args.head_dim, args.sel_block_size, element_bytes, row_keys=T)
 
 
 def _line(row: dict) -> str:

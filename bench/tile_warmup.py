@@ -36,13 +36,13 @@ def warm_length(T: int) -> int:
 def launch_length(kernel: str, T: int, args, element_bytes: int) -> int:
     """The length a worker launches `kernel` at to compile what a run at T launches: the interval kernels' dK/dV
     work split follows T itself (interval_attention_bwd), and so does the selected branch's layout past the
-    block layout's partials limit (tile_configs.selected_layout_for); otherwise only T's classes count."""
-    from bench.tile_variants import selected_layout
+    block layout's partials limit (tile_configs.gather_layout_for); otherwise only T's classes count."""
+    from bench.tile_variants import gather_layout
 
     W = warm_length(T)
     if kernel.startswith("interval"):
         return T
-    return W if selected_layout(args, T, element_bytes) == selected_layout(args, W, element_bytes) else T
+    return W if gather_layout(args, T, element_bytes) == gather_layout(args, W, element_bytes) else T
 
 
 def tasks(args) -> list[tuple[int, str, tuple | None]]:

@@ -88,6 +88,7 @@ class MemoryLayout:
     device_type: str = "cuda"
     tokens: int = 0  # tokens the rank holds per micro-batch (0: not known)
     compute_bytes: int = 2  # bytes per element the blocks compute in: 2 under bf16 autocast, 4 in fp32
+    seq_len: int = 0  # tokens per sample, the whole row's even where context parallelism splits it (0: not known)
 
 
 @dataclass(frozen=True)

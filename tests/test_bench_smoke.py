@@ -127,8 +127,8 @@ def test_attention_bench_refuses_without_cuda(capsys):
 
 def test_attention_stages_times_every_stage(tmp_path):
     """Under the interpreter (the CPU suite's Triton): every stage runs forward and, but for
-    selection, backward; the shares add up; the selected branch runs in both layouts. No time is
-    asserted."""
+    selection, backward; the shares add up; the selected branch runs in each layout (l' = 16: the masked one
+    too). No time is asserted."""
     from components.nsa.triton.launch import interpreting
 
     from bench import attention_stages
@@ -136,7 +136,7 @@ def test_attention_stages_times_every_stage(tmp_path):
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
     out = tmp_path / "stages.json"
-    code = attention_stages.main([*TINY_NSA, "--dtype", "fp32", "--out", str(out)])
+    code = attention_stages.main([*TINY_NSA, "--sel-block-size", "16", "--dtype", "fp32", "--out", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["stage"] for r in rows] == ["compressed", "selection", "selected", "window", "gating"]
@@ -146,14 +146,14 @@ def test_attention_stages_times_every_stage(tmp_path):
     assert all(r["fwd_flops"] > 0 and r["fwd_tflops"] > 0 for r in rows[:4]) and "fwd_flops" not in rows[4]
     assert all("bwd_tflops" in r for r in rows[:4] if r["stage"] != "selection")
     layouts = json.loads(out.read_text())["selected_layouts"]
-    assert [(r["seq_len"], r["layout"]) for r in layouts] == [(40, "query"), (40, "block")]
+    assert [(r["seq_len"], r["layout"]) for r in layouts] == [(40, "query"), (40, "block"), (40, "masked")]
     assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["lists_ms"] > 0 for r in layouts)
     from bench.report import render  # the README's table reads this file
 
     (host,) = json.loads(out.read_text())["host_overhead"]
     assert host["seq_len"] == 40 and host["total_ms"] > 0 and host["issue_ms"] > 0
     table = render(json.loads(out.read_text()))
-    assert "| 40 | selected |" in table and "| 40 | block-major |" in table
+    assert "| 40 | selected |" in table and "| 40 | block-major |" in table and "| 40 | masked |" in table
     assert "| 40 | " in table.split("host's time to issue it")[1]
 
 

@@ -50,9 +50,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("lengths,counts,H,Hkv,D,lp,n,dtype", CASES)
-def test_block_major_forward_and_dq_equal_query_major(lengths, counts, H, Hkv, D, lp, n, dtype):
-    gen = torch.Generator().manual_seed(len(lengths) * 100 + H)
+def layout_case(lengths, counts, H, Hkv, D, lp, n, dtype, seed):
+    """(q, k, v, do, selection, docs, scale, tolerance) of one case: documents of `lengths` keys whose last
+    `counts` tokens (None: all) are the queries; docs the (cu_seqlens, cu_seqlens_q) to pass, () for one row."""
+    gen = torch.Generator().manual_seed(seed)
     counts = counts or lengths
     T, Tq = sum(lengths), sum(counts)
     q = torch.randn(1, Tq, H, D, generator=gen).to(DEVICE, dtype)
@@ -64,8 +65,14 @@ def test_block_major_forward_and_dq_equal_query_major(lengths, counts, H, Hkv, D
         cu = torch.tensor([0, *accumulate(lengths)], device=DEVICE, dtype=torch.int32)
         cu_q = torch.tensor([0, *accumulate(counts)], device=DEVICE, dtype=torch.int32)
         docs = (cu, None if counts == lengths else cu_q)
-    scale = D ** -0.5
     tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    return q, k, v, do, sel, docs, D ** -0.5, tol
+
+
+@pytest.mark.parametrize("lengths,counts,H,Hkv,D,lp,n,dtype", CASES)
+def test_block_major_forward_and_dq_equal_query_major(lengths, counts, H, Hkv, D, lp, n, dtype):
+    q, k, v, do, sel, docs, scale, tol = layout_case(lengths, counts, H, Hkv, D, lp, n, dtype,
+                                                     seed=len(lengths) * 100 + H)
 
     o_ref, lse_ref = selected_attention_fwd(q, k, v, sel, lp, scale, *docs)
     for segment in (None, 3):  # one item per list, and lists cut into many items
@@ -88,7 +95,7 @@ def test_the_op_in_the_block_layout_matches_the_reference(monkeypatch, packed):
     from components.nsa.triton import ops, selected_attention_bwd as backward, tile_configs
     from tests.test_nsa_packed import ORDER, _grad_out, _documents, _output_and_grads, _packed
 
-    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size, partial_bytes: "block")
+    monkeypatch.setattr(tile_configs, "selected_layout_for", lambda *args, **kwargs: "block")
     calls = []
 
     def spy(name, fn):
@@ -107,15 +114,21 @@ def test_the_op_in_the_block_layout_matches_the_reference(monkeypatch, packed):
     assert calls == ["forward"]  # the block-major forward ran, and dQ did not take the query-major kernel
 
 
-@pytest.mark.parametrize("limit, expected", [(None, ["forward"]), (0, ["query-major dq"])],
-                         ids=["small-group-block", "over-the-partials-limit-query"])
-def test_the_default_layout_takes_blocks_for_small_groups_within_the_partials_limit(monkeypatch, limit, expected):
-    """Groups of up to BLOCK_LAYOUT_MAX_GROUP heads run block-major, unless the call's partials pass
+@pytest.mark.parametrize("row_limit, limit, expected",
+                         [(0, None, ["forward"]), (0, 0, ["query-major dq"]), (None, None, ["masked", "masked"])],
+                         ids=["small-group-block", "over-the-partials-limit-query", "short-row-masked"])
+def test_the_default_layout_takes_blocks_for_small_groups_within_the_partials_limit(monkeypatch, row_limit, limit,
+                                                                                   expected):
+    """Rows of at most MASKED_LAYOUT_MAX_ROW x n x l' keys run masked, forward and backward; longer ones in
+    groups of up to BLOCK_LAYOUT_MAX_GROUP heads run block-major, unless the call's partials pass
     BLOCK_LAYOUT_MAX_PARTIAL_BYTES: then the forward and dQ run query-major."""
     from components.nsa.triton import ops, selected_attention_bwd as backward, tile_configs
-    from tests.test_nsa_packed import H, HKV, _documents, _grad_out, _output_and_grads, _packed
+    from tests.test_nsa_packed import H, HKV, HP, _documents, _grad_out, _output_and_grads, _packed
 
     assert H // HKV <= tile_configs.BLOCK_LAYOUT_MAX_GROUP
+    assert 20 <= tile_configs.MASKED_LAYOUT_MAX_ROW * HP["num_selected"] * HP["sel_block_size"]
+    if row_limit is not None:
+        monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", row_limit)
     if limit is not None:
         monkeypatch.setattr(tile_configs, "BLOCK_LAYOUT_MAX_PARTIAL_BYTES", limit)
     calls = []
@@ -125,6 +138,8 @@ def test_the_default_layout_takes_blocks_for_small_groups_within_the_partials_li
 
     monkeypatch.setattr(ops, "selected_attention_fwd_blocks", spy("forward", ops.selected_attention_fwd_blocks))
     monkeypatch.setattr(backward, "_selected_dq", spy("query-major dq", backward._selected_dq))
+    monkeypatch.setattr(ops, "selected_attention_fwd_masked", spy("masked", ops.selected_attention_fwd_masked))
+    monkeypatch.setattr(ops, "selected_attention_bwd_masked", spy("masked", ops.selected_attention_bwd_masked))
     docs = _documents([20], dtype=torch.float32, device=DEVICE)
     inputs, _ = _packed(docs)
     _output_and_grads(inputs, _grad_out(docs), "triton", None)

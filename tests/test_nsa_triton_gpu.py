@@ -100,8 +100,21 @@ def test_branches_match_reference_in_the_selected_block_layout(T, H, Hkv, D, mon
     wider heads whose dK/dV tiles (and its dQ share, k^T.dS^T) build differently."""
     from components.nsa.triton import tile_configs
 
-    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size, partial_bytes: "block")
+    monkeypatch.setattr(tile_configs, "selected_layout_for", lambda *args, **kwargs: "block")
     _assert_branches_match_reference(*_inputs(T, H, Hkv, D)[:7])
+
+
+@pytest.mark.parametrize("T,H,Hkv,D", [pytest.param(8192, 12, 4, 64, id="T8k-G3-D64"),
+                                        pytest.param(4096, 8, 2, 256, id="T4k-G4-D256"),
+                                        pytest.param(None, None, None, None, id="packed")])
+def test_branches_match_reference_in_the_selected_masked_layout(T, H, Hkv, D, monkeypatch):
+    """The selected branch as causal flash attention hiding unselected blocks (selection_mask.py), where the
+    default takes it only for short rows: the 125M heads at 8k, packed documents, the widest heads."""
+    from components.nsa.triton import tile_configs
+
+    monkeypatch.setattr(tile_configs, "selected_layout_for", lambda *args, **kwargs: "masked")
+    xs, cu_seqlens = _packed_row() if T is None else (_inputs(T, H, Hkv, D), None)
+    _assert_branches_match_reference(*xs[:7], cu_seqlens=cu_seqlens)
 
 
 def _assert_branches_match_reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cu_seqlens=None):
@@ -168,12 +181,12 @@ def test_whole_op_matches_reference_with_the_same_selection(T, H, Hkv, D):
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("layout", ["query", "block"])
+@pytest.mark.parametrize("layout", ["query", "block", "masked"])
 def test_backward_is_deterministic_and_sync_free(layout, D, monkeypatch):
     """Bitwise equal twice: a race inside a kernel (a compiler's pipelining included) shows here."""
     from components.nsa.triton import tile_configs
 
-    monkeypatch.setattr(tile_configs, "selected_layout", lambda group_size, partial_bytes: layout)
+    monkeypatch.setattr(tile_configs, "selected_layout_for", lambda *args, **kwargs: layout)
     xs = _inputs(4096, 16, 2, D)
     grad_out = torch.randn(1, 4096, 16, D, device="cuda", dtype=torch.bfloat16)
     out = nsa_attention_triton(*xs, **HYPER)  # compile every kernel outside the checked region

@@ -77,7 +77,7 @@ def activation_memory(args: TransformerArgs, layout: MemoryLayout = MemoryLayout
     mask = args.attention != "nsa" and args.document_masking and \
         not flex_attention_runs(layout.compile_backend, layout.device_type)
     pairs = 1.0 if mask else 0.0
-    workspace = _nsa_workspace_bytes(args, layout.tokens, layout.compute_bytes)
+    workspace = _nsa_workspace_bytes(args, layout.tokens, layout.seq_len or layout.tokens, layout.compute_bytes)
     if context_parallel == 1:
         return ActivationMemory(blocks=args.n_layers, per_block=per_block + keys, block_input=d, per_row_pair=pairs,
                                 workspace_bytes=workspace)
@@ -85,14 +85,15 @@ def activation_memory(args: TransformerArgs, layout: MemoryLayout = MemoryLayout
                             per_row_pair=pairs, workspace_bytes=workspace)
 
 
-def _nsa_workspace_bytes(args: TransformerArgs, tokens: int, element_bytes: int) -> float:
+def _nsa_workspace_bytes(args: TransformerArgs, tokens: int, row_keys: int, element_bytes: int) -> float:
     """The Triton selected branch's fp32 partials when it takes the block layout for these tokens."""
     if args.attention != "nsa" or args.nsa.backend != "triton":
         return 0.0
     from components.nsa.triton import tile_configs
 
     shape = (tokens, args.n_heads, args.slots_used, args.head_dim, args.nsa.sel_block_size, element_bytes)
-    if tile_configs.selected_layout_for(tokens, args.n_heads, args.n_kv_heads, *shape[2:]) != "block":
+    layout = tile_configs.selected_layout_for(tokens, args.n_heads, args.n_kv_heads, *shape[2:], row_keys=row_keys)
+    if layout != "block":
         return 0.0
     return float(tile_configs.block_layout_partial_bytes(*shape))
 

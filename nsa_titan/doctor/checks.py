@@ -266,7 +266,7 @@ def check_memory(recipe, world_size: int, runtime, tokenizer) -> Check:
         compute_bytes = (runtime.autocast_dtype or torch.float32).itemsize
         activation = part.activation_memory(recipe.model.args, MemoryLayout(cp, compiled, runtime.device.type,
                                                                             t.local_batch_size * t.seq_len // cp,
-                                                                            compute_bytes))
+                                                                            compute_bytes, t.seq_len))
     except UserError as e:  # a plugin's hook, said by the registry with the hook's line
         return Check("memory estimate", FAIL, f"{e}; activation_memory is called as (args, layout), layout a "
                                               "components.model_hooks.MemoryLayout")

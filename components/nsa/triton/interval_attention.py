@@ -10,6 +10,10 @@ lse2/delta [B, H, T] fp32. lse2 is the base-2 logsumexp of the scaled logits, +i
 that sees no key (so exp2(s - lse2) is 0 there without a NaN anywhere); such a query gets o = 0.
 Offsets are formed in int64 so that B*T*H*D beyond 2**31 elements cannot overflow.
 
+Masked (chosen, selection_mask.py): the selected branch's masked layout, key_stride 1 and an unbounded
+window (causal), each key tile lying inside one selection block and hidden from the queries whose KV
+group did not select that block.
+
 Packed documents (cu_seqlens, B = 1): positions count from each document's start and a document's
 keys follow one another in k/v (its compressed blocks, or its tokens); programs take tiles of one
 document (packing.py), so each document is computed exactly as on its own. With query offsets
@@ -26,6 +30,7 @@ from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, dot_precision, flat_grid
 from components.nsa.triton.tile_configs import cdiv, head_block
 from components.nsa.triton.packing import DocumentTables
+from components.nsa.triton.selection_mask import Chosen
 from components.nsa.triton.softmax_delta import softmax_delta
 from components.nsa.triton.tiles import (document_tile, load_rows, online_softmax_step, softmax_grads,
                                         softmax_grads_by_key, softmax_result)
@@ -58,12 +63,20 @@ def _visible_key_range(t_first, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW):
 
 
 @triton.jit
+def _chosen(CHOSEN, b, hk, block, rows, rows_ok, scb, sch, scj):
+    """[rows] bool: whether the queries at these rows of the batch row chose key block `block` of their
+    document (selection_mask's bytes, the masked layout of the selected branch)."""
+    at = CHOSEN + b * scb + hk * sch + block.to(tl.int64) * scj + rows
+    return tl.load(at, mask=rows_ok, other=0) != 0
+
+
+@triton.jit
 def _interval_attn_fwd_kernel(
-    Q, K, V, O, LSE2, TILES, Q_STARTS, K_STARTS, Q_POS0,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
-    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale,
+    Q, K, V, O, LSE2, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, scj,
+    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, qk_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, PACKED: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr,
 ):
     # Positions below are within the tile's document: q0 / k0 rows into the row's queries / keys.
     tile, pid_bh, q0, num_q, k0, num_k, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
@@ -98,6 +111,8 @@ def _interval_attn_fwd_kernel(
         v = load_rows(v_base, offs_n.to(tl.int64), svt, offs_d, kv_mask)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         seen = _visible(offs_m + pos0, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
+        if SELECTED:
+            seen &= _chosen(CHOSEN, b, hk, start // SEL_BLOCK, q0 + offs_m, m_ok, scb, sch, scj)[:, None]
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, tl.where(seen, s, float("-inf")), v, PRECISION)
 
     o, lse2 = softmax_result(m_i, l_i, acc)
@@ -108,11 +123,11 @@ def _interval_attn_fwd_kernel(
 
 @triton.jit
 def _interval_attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ, TILES, Q_STARTS, K_STARTS, Q_POS0,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh,
-    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
+    Q, K, V, DO, LSE2, DELTA, DQ, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh, scb, sch, scj,
+    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, PACKED: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr,
 ):
     tile, pid_bh, q0, num_q, k0, num_k, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
                                                              tl.cdiv(T, BLOCK_M), T, NK, PACKED)
@@ -146,6 +161,8 @@ def _interval_attn_bwd_dq_kernel(
         k = load_rows(k_base, offs_n.to(tl.int64), skt, offs_d, kv_mask)
         v = load_rows(v_base, offs_n.to(tl.int64), svt, offs_d, kv_mask)
         seen = _visible(offs_m + pos0, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
+        if SELECTED:
+            seen &= _chosen(CHOSEN, b, hk, start // SEL_BLOCK, q0 + offs_m, m_ok, scb, sch, scj)[:, None]
         _, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
@@ -155,12 +172,13 @@ def _interval_attn_bwd_dq_kernel(
 
 @triton.jit
 def _interval_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, TILES, Q_STARTS, K_STARTS, Q_POS0,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
-    sdks, sdkb, sdkt, sdkh, sdvs, sdvb, sdvt, sdvh,
-    T, NK, H, G, HO, NUM_ROWS, SPLIT_QUERIES, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
+    sdks, sdkb, sdkt, sdkh, sdvs, sdvb, sdvt, sdvh, scb, sch, scj,
+    T, NK, H, G, HO, NUM_ROWS, SPLIT_QUERIES, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, qk_scale,
+    sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, PACKED: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr,
 ):
     # One program per (key tile, output head, query split). HO output heads: Hkv (each program sums
     # its G query heads itself) or H (one query head each; the caller sums groups in a fixed order).
@@ -210,6 +228,8 @@ def _interval_attn_bwd_dkdv_kernel(
             delta = tl.load(DELTA + (b * H + h64) * T + q0 + offs_m, mask=m_ok, other=0.0)
             seen_t = (_seen_by_keys(offs_n, offs_m + pos0, KEY_STRIDE, KEY_OFFSET, WINDOW)
                       & n_ok[:, None] & m_ok[None, :])
+            if SELECTED:
+                seen_t &= _chosen(CHOSEN, b, hk, tile * BLOCK_N // SEL_BLOCK, q0 + offs_m, m_ok, scb, sch, scj)[None, :]
             p_t, ds_t = softmax_grads_by_key(q, k, v, do, lse2, delta, seen_t, qk_scale, PRECISION)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
@@ -242,10 +262,11 @@ def _effective_window(window: int, num_queries: int, query_offsets: bool) -> int
 
 def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_stride: int, key_offset: int,
                            window: int, sm_scale: float, cu_seqlens: torch.Tensor | None = None,
-                           cu_seqlens_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           cu_seqlens_q: torch.Tensor | None = None,
+                           chosen: Chosen | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, T, H, D] in q's dtype, lse2 [B, H, T] fp32) of the interval-masked attention; with
     cu_seqlens (B = 1), of each packed document on its own; with cu_seqlens_q too, each document's
-    queries are its last ones."""
+    queries are its last ones. `chosen` hides, per query, the key blocks its group did not select."""
     B, T, H, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -254,16 +275,17 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
         return o, lse2
     k, v = _nonempty(k, v)
     block_m, block_n, warps, stages = tile_configs.tiles("interval_fwd", head_block(D), q.element_size())
+    block_n = chosen.key_tile(block_n) if chosen else block_n
     docs = DocumentTables(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
     *tables, num_tiles = docs.tiles(block_m, T)
     _interval_attn_fwd_kernel[flat_grid(num_tiles or cdiv(T, block_m), B * H)](
-        q, k, v, o, lse2, *tables,
+        q, k, v, o, lse2, *tables, *Chosen.arguments(chosen),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), *Chosen.strides(chosen),
         T, NK, H, H // Hkv, num_tiles, key_stride, key_offset, _effective_window(window, T, cu_seqlens_q is not None),
-        sm_scale * LOG2E,
+        *Chosen.block(chosen), sm_scale * LOG2E,
         D=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        PACKED=docs.packed, num_warps=warps, num_stages=stages,
+        PACKED=docs.packed, SELECTED=chosen is not None, num_warps=warps, num_stages=stages,
     )
     return o, lse2
 
@@ -271,11 +293,12 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
 def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                            lse2: torch.Tensor, key_stride: int, key_offset: int, window: int, sm_scale: float,
                            cu_seqlens: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                           per_head: bool | None = None,
-                           split_queries: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           per_head: bool | None = None, split_queries: int | None = None,
+                           chosen: Chosen | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v). `per_head` forces how dK/dV work is split (one
     program per query head, or per KV group) and `split_queries` how many of the queries that see a
-    key tile one program takes; by default both follow the amount of parallelism (dkdv_query_split)."""
+    key tile one program takes; by default both follow the amount of parallelism (dkdv_query_split).
+    `chosen` as for the forward."""
     B, T, H, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -288,16 +311,18 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     k, v = _nonempty(k, v)
     window = _effective_window(window, T, cu_seqlens_q is not None)
     docs = DocumentTables(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
-    common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype), PACKED=docs.packed)
+    common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype), PACKED=docs.packed,
+                  SELECTED=chosen is not None)
 
     block_m, block_n, warps, stages = tile_configs.tiles("interval_dq", head_block(D), q.element_size())
+    block_n = chosen.key_tile(block_n) if chosen else block_n
     *tables, num_tiles = docs.tiles(block_m, T)
     _interval_attn_bwd_dq_kernel[flat_grid(num_tiles or cdiv(T, block_m), B * H)](
-        q, k, v, do, lse2, delta, dq, *tables,
+        q, k, v, do, lse2, delta, dq, *tables, *Chosen.arguments(chosen),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        T, NK, H, G, num_tiles, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
+        dq.stride(0), dq.stride(1), dq.stride(2), *Chosen.strides(chosen),
+        T, NK, H, G, num_tiles, key_stride, key_offset, window, *Chosen.block(chosen), sm_scale * LOG2E, sm_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
     if NK == 0:
@@ -306,6 +331,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     # Few key tiles (the compressed branch has T/d keys) leave the GPU idle when a program owns
     # a whole group; then give each query head its own program and sum the group afterwards.
     block_m, block_n, warps, stages = tile_configs.tiles("interval_dkdv", head_block(D), q.element_size())
+    block_n = chosen.key_tile(block_n) if chosen else block_n
     *tables, num_tiles = docs.tiles(block_n, NK, over_keys=True)
     key_tiles = num_tiles or cdiv(NK, block_n)
     if per_head is None:
@@ -321,11 +347,12 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     else:
         dk_out, dv_out = dk.unsqueeze(0), dv.unsqueeze(0)
     _interval_attn_bwd_dkdv_kernel[flat_grid(key_tiles, B * HO * splits)](
-        q, k, v, do, lse2, delta, dk_out, dv_out, *tables,
+        q, k, v, do, lse2, delta, dk_out, dv_out, *tables, *Chosen.arguments(chosen),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        *dk_out.stride()[:4], *dv_out.stride()[:4],
-        T, NK, H, G, HO, B * HO, split_queries, num_tiles, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
+        *dk_out.stride()[:4], *dv_out.stride()[:4], *Chosen.strides(chosen),
+        T, NK, H, G, HO, B * HO, split_queries, num_tiles, key_stride, key_offset, window, *Chosen.block(chosen),
+        sm_scale * LOG2E, sm_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
     if partials:

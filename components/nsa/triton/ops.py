@@ -29,6 +29,7 @@ from components.nsa.triton.launch import last_dim_contiguous
 from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
 from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
 from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
+from components.nsa.triton.selected_attention_masked import selected_attention_bwd_masked, selected_attention_fwd_masked
 from components.nsa.triton.selection_kernel import select_blocks_kernel
 
 Tensor = torch.Tensor
@@ -117,11 +118,15 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel_idx: Tensor, sel_blo
                        sm_scale: float, cu_seqlens: Optional[Tensor] = None,
                        cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     q, k, v = _dense(q, k, v)
-    B, T, H, D = q.shape
-    by_blocks = tile_configs.selected_layout_for(B * T, H, k.shape[2], sel_idx.shape[-1], D, sel_block_size,
-                                                 q.element_size()) == "block"
-    forward = selected_attention_fwd_blocks if by_blocks else selected_attention_fwd
+    forward = {"query": selected_attention_fwd, "block": selected_attention_fwd_blocks,
+               "masked": selected_attention_fwd_masked}[_selected_layout(q, k, sel_idx, sel_block_size)]
     return forward(q, k, v, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q)
+
+
+def _selected_layout(q: Tensor, k: Tensor, sel_idx: Tensor, sel_block_size: int) -> str:
+    B, T, H, D = q.shape
+    return tile_configs.selected_layout_for(B * T, H, k.shape[2], sel_idx.shape[-1], D, sel_block_size,
+                                            q.element_size(), row_keys=k.shape[1])
 
 
 @selected_attention.register_fake
@@ -135,8 +140,12 @@ def selected_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: 
                                 cu_seqlens: Optional[Tensor] = None,
                                 cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     do, q, k, v, o = _dense(do, q, k, v, o)
+    layout = _selected_layout(q, k, sel_idx, sel_block_size)
+    if layout == "masked":
+        return selected_attention_bwd_masked(do, q, k, v, o, lse2, sel_idx.contiguous(), sel_block_size, sm_scale,
+                                             cu_seqlens, cu_seqlens_q)
     return selected_attention_bwd(do, q, k, v, o, lse2, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens,
-                                  cu_seqlens_q)
+                                  cu_seqlens_q, dq_layout=layout)
 
 
 @selected_attention_backward.register_fake

@@ -200,8 +200,8 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                            dq_layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v); with cu_seqlens (B = 1) sel_idx counts blocks from
     each query's document start. `segment` (queries per dK/dV work item) and `dq_layout` ("query" or
-    "block"; default tile_configs.selected_layout) only change the work split, not the result beyond
-    fp32 summation order."""
+    "block"; default tile_configs.selected_layout's of the two) only change the work split, not the result
+    beyond fp32 summation order. The masked layout is selected_attention_masked's."""
     B, T, H, D = q.shape
     HKV = k.shape[2]
     G = H // HKV
@@ -216,8 +216,9 @@ def selected_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     precision = dot_precision(q.dtype)
     packed = cu_seqlens is not None
     token_table = query_documents(cu_seqlens, cu_seqlens_q, T)
-    dq_by_blocks = (dq_layout or tile_configs.selected_layout_for(B * T, H, HKV, num_sel, D, sel_block_size,
-                                                                  q.element_size())) == "block"
+    dq_layout = dq_layout or tile_configs.gather_layout_for(B * T, H, HKV, num_sel, D, sel_block_size,
+                                                            q.element_size())
+    dq_by_blocks = dq_layout == "block"
     if not dq_by_blocks:
         _selected_dq(q, k, v, do, lse2, delta, sel_idx, dq, token_table, sel_block_size, sm_scale)
 

@@ -150,8 +150,36 @@ def selected_layout(group_size: int, partial_bytes: int) -> str:
     return "block" if small else "query"
 
 
+MASKED_LAYOUT_MAX_ROW = 4  # rows of at most this many times n * l' keys take the masked layout
+
+
+def masked_layout_pays(row_keys: int, num_selected: int, sel_block_size: int) -> bool:
+    """Whether the selected branch runs as causal flash attention hiding the unselected blocks
+    (selection_mask.py) rather than gathering the selected ones: where a row's keys are few against
+    the n * l' keys a query selects, the masked layout does at most about twice the gather's products
+    (MASKED_LAYOUT_MAX_ROW = 4) in kernels built like dense flash attention. Estimated from the H200
+    run of bench.attention_stages at 32 rows of 2k (125M heads, bf16): the window branch, the same
+    kernels over ~450 keys a query, took 0.46 / 1.72 ms forward / backward against the block layout's
+    4.38 / 6.97 over ~770; the masked layout visits ~1,020 a query."""
+    return masked_layout_fits(sel_block_size) and row_keys <= MASKED_LAYOUT_MAX_ROW * num_selected * sel_block_size
+
+
+def masked_layout_fits(sel_block_size: int) -> bool:
+    """The masked layout's key tiles (16 keys or more: tl.dot's least size) lie inside one selection block."""
+    return sel_block_size % 16 == 0
+
+
 def selected_layout_for(tokens: int, heads: int, kv_heads: int, num_selected: int, head_dim: int,
-                        sel_block_size: int, element_bytes: int) -> str:
-    """selected_layout for one call of B x T = tokens queries: its group size and its partials."""
+                        sel_block_size: int, element_bytes: int, row_keys: int) -> str:
+    """The selected branch's layout for one call of B x T = tokens queries over rows of row_keys keys:
+    "masked" where masked_layout_pays, else selected_layout's from its group size and partials."""
+    if masked_layout_pays(row_keys, num_selected, sel_block_size):
+        return "masked"
+    return gather_layout_for(tokens, heads, kv_heads, num_selected, head_dim, sel_block_size, element_bytes)
+
+
+def gather_layout_for(tokens: int, heads: int, kv_heads: int, num_selected: int, head_dim: int,
+                      sel_block_size: int, element_bytes: int) -> str:
+    """selected_layout ("query" or "block") for one call of B x T = tokens queries: its group size and partials."""
     partials = block_layout_partial_bytes(tokens, heads, num_selected, head_dim, sel_block_size, element_bytes)
     return selected_layout(heads // kv_heads, partials)
