@@ -22,8 +22,8 @@
 #   tiles      python -m bench.tile_variants: launch shapes against the shipped ones, each kernel's a few
 #              candidates and its neighbours (time, determinism, result against the shipped shape's and the exact
 #              one): at 64k with the paper's heads the interval backward, then the selected branch's kernels and
-#              the selection; at 32 rows of 2k with the 125M heads selected dK/dV, the block layout's forward, the
-#              interval backward and the selection. Steps capped at 190, 140 and 140 s, each compiling its shapes'
+#              the selection; at 32 rows of 2k with the 125M heads the interval kernels (there also the selected
+#              branch's, in its masked layout) and the selection. Steps capped at 190, 140 and 140 s, each compiling its shapes'
 #              kernels first in eight processes. Only when named.
 #   tuned      python -m bench.tile_choice on this run's tiles results (name tiles before it): the fastest shape
 #              of each kernel that is deterministic, within 5e-3 of the exact result and 1.5x the shipped shape's
@@ -249,11 +249,11 @@ phase_tiles() {
   # The paper's group of 16 runs the selected branch query-major (tile_configs.selected_layout).
   step tiles_paper_selected 140 "${variants[@]}" --preset paper --seq-lens 65536 \
     --kernels selected_dkdv selected_dq selected_fwd selection
-  # Calls of a few milliseconds: compiling is most of this step; the last kernels go first if it is cut.
+  # Calls of a few milliseconds: compiling is most of this step; the last kernels go first if it is cut. Rows of
+  # 2k run the selected branch in its masked layout, on the interval kernels (their workloads include it).
   step tiles_125m_32_rows 140 "${variants[@]}" --batch 32 --seq-lens 2048 \
-    --kernels selected_dkdv selected_fwd_blocks interval_dkdv interval_dq selection \
-    --candidates selected_dkdv=64,64,8,3 selected_dkdv=32,64,4,3 selected_fwd_blocks=128,64,8,2 \
-    selected_fwd_blocks=64,64,8,3 interval_dkdv=64,64,8,3 interval_dq=128,64,8,3
+    --kernels interval_dkdv interval_dq interval_fwd selection \
+    --candidates interval_dkdv=64,64,8,3 interval_dkdv=64,64,4,2 interval_dq=128,64,8,3 interval_fwd=128,64,4,3
 }
 
 # The choice from this run's tile_variants results, then the op timed with the shipped shapes and with the chosen

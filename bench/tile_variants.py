@@ -6,8 +6,8 @@
 Every kernel's launch shape (rows, keys, warps, stages: components/nsa/triton/tile_configs.py) is
 tried as shipped, then as any --candidates given for it, then as each of its neighbours (one field
 doubled or halved, the other warp count, a pipeline stage more or less). Each try runs the launcher
-that uses the kernel (the compressed and the window branch for the interval kernels; the selected
-branch's forward or backward) on the same inputs, and records its time, whether two calls give the
+that uses the kernel (the compressed and the window branch for the interval kernels, and the selected
+branch where the length takes its masked layout; the selected branch's forward or backward) on the same inputs, and records its time, whether two calls give the
 same bits (every kernel here is meant to be deterministic: a shape that is not, was built wrong) and
 how far its result lies from the shipped shape's (relative RMS; for the selection, the share of
 equal block indices) and, for bf16 and fp16, from the exact result: the same call on the inputs in
@@ -111,23 +111,29 @@ def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dic
     from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
     from components.nsa.triton.selected_attention_fwd_blocks import selected_attention_fwd_blocks
     from components.nsa.triton.selection_kernel import select_blocks_kernel
+    from components.nsa.triton.selection_mask import Chosen
 
     l, d, lp, n, w = args.block_size, args.block_stride, args.sel_block_size, args.num_selected, args.window_size
     scale = args.head_dim ** -0.5
     with torch.no_grad():
         q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, _ = (x.detach() for x in nsa_inputs(args, T, dtype, device))
-        branches = {"compressed": ((k_cmp, v_cmp), (d, l - 1, 0)), "window": ((k_win, v_win), (1, 0, w))}
-        if kernel == "interval_fwd":
-            return {name: Workload(interval_attention_fwd, (q, *kv, *mask, scale), {})
-                    for name, (kv, mask) in branches.items()}
-        if kernel in ("interval_dq", "interval_dkdv"):
-            calls = {}
-            for name, (kv, mask) in branches.items():
-                o, lse2 = interval_attention_fwd(q, *kv, *mask, scale)
-                calls[name] = Workload(interval_attention_bwd, (torch.randn_like(o), q, *kv, o, lse2, *mask, scale), {})
-            return calls
         _, lse2_cmp = interval_attention_fwd(q, k_cmp, k_cmp, d, l - 1, 0, scale)
         hyper = dict(block_size=l, block_stride=d, sel_block_size=lp, num_selected=n, sm_scale=scale)
+        branches = {"compressed": ((k_cmp, v_cmp), (d, l - 1, 0), {}), "window": ((k_win, v_win), (1, 0, w), {})}
+        if kernel.startswith("interval") and tile_configs.masked_layout_pays(T, n, lp):
+            # Rows this short run the selected branch on the interval kernels too (the masked layout).
+            chosen = Chosen.of(select_blocks_kernel(q, k_cmp, lse2_cmp, **hyper), lp, T)
+            branches["selected"] = ((k_sel, v_sel), (1, 0, 0), {"chosen": chosen})
+        if kernel == "interval_fwd":
+            return {name: Workload(interval_attention_fwd, (q, *kv, *mask, scale), options)
+                    for name, (kv, mask, options) in branches.items()}
+        if kernel in ("interval_dq", "interval_dkdv"):
+            calls = {}
+            for name, (kv, mask, options) in branches.items():
+                o, lse2 = interval_attention_fwd(q, *kv, *mask, scale, **options)
+                calls[name] = Workload(interval_attention_bwd, (torch.randn_like(o), q, *kv, o, lse2, *mask, scale),
+                                       options)
+            return calls
         if kernel == "selection":
             return {"selection": Workload(lambda *x, **kw: (select_blocks_kernel(*x, **kw),), (q, k_cmp, lse2_cmp),
                                           hyper)}

@@ -215,3 +215,21 @@ def test_measured_under_the_interpreter_in_fp16_every_shape_is_held_to_the_fp32_
         ("interval_fwd", 32, 2), ("selection", 32, 2), ("selected_dkdv", 32, 2)}
     assert all(s["verdict"] == "changed" or s["verdict"].startswith("kept: no shape") for s in summaries), summaries
     read_shapes(str(out))  # what it wrote is a launch shapes file the tools take
+
+
+def test_rows_that_take_the_masked_layout_time_the_interval_kernels_on_the_selected_branch_too(tmp_path):
+    """Where the length takes the selected branch's masked layout (l' = 16 at 40 tokens), the interval kernels'
+    workloads add that branch, held like the others to the fp32 kernels' result."""
+    from bench import tile_variants
+    from components.nsa.triton.launch import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    variants = tmp_path / "tile_variants.json"
+    code = tile_variants.main([*TINY_NSA, "--sel-block-size", "16", "--dtype", "fp16", "--kernels", "interval_dq",
+                               "--rep-ms", "1", "--out", str(variants)])
+    assert code == 0
+    rows = json.loads(variants.read_text())["results"]
+    assert {r["branch"] for r in rows} == {"compressed", "window", "selected"}
+    selected = [r for r in rows if r["branch"] == "selected"]
+    assert len(selected) > 2 and all(r["deterministic"] and 0 < r["rel_rms_exact"] < 2e-3 for r in selected)
