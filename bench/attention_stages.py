@@ -7,7 +7,8 @@ compressed keys), block selection, the selected branch, the window branch, and t
 timed forward, and backward from a random output gradient (selection has no backward). The selected
 branch's launchers are also timed in each of its layouts (query- and block-major forward and dQ, and masked:
 causal flash attention hiding the unselected blocks; tile_configs.selected_layout_for), side by side; and the
-whole op's forward + backward against the host's time to issue it (and the kernels it launches), which shows a length where launches, not kernels, set the pace. Each
+whole op's forward + backward against the host's time to issue it (and the kernels it launches), which shows a
+length where launches, not kernels, set the pace (the masked layout up to twice the rows it is chosen for). Each
 branch and the selection also get their FLOPs, counted from the keys every query really sees (stage_flops), and
 the TFLOP/s that makes: how far each kernel is from the GPU's peak. Results go to
 bench/results/attention_stages-<gpu>-<time>.json with the environment. --tiles FILE launches the kernels with a
@@ -208,7 +209,9 @@ def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list
                "masked": selected_attention_fwd_masked}
     measure = timer(device, args.rep_ms)
     rows = []
-    for layout in ("query", "block", "masked") if tile_configs.masked_layout_fits(lp) else ("query", "block"):
+    # The masked layout where it fits, up to twice the rows it is chosen for: past them it is dense attention.
+    masked = tile_configs.masked_layout_pays(T // 2, n, lp)
+    for layout in ("query", "block", "masked") if masked else ("query", "block"):
         def run_forward():
             return forward[layout](q, k, v, selection, lp, scale)
 
@@ -220,7 +223,7 @@ def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list
         def build_lists():  # what each of the layout's passes builds before its kernels run (the segment
             # only sizes the item table: 10 queries a step stands in for the launchers' own)
             if layout == "masked":
-                return Chosen.of(selection, lp, k.shape[1])
+                return Chosen.of(selection, lp)
             return selection_lists(selection, lp, k.shape[1], work_item_segment(10, selection.numel()),
                                    entries=layout == "block")
 

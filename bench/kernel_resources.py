@@ -1,7 +1,7 @@
 """Compile every NSA Triton kernel of one forward + backward for a GPU target and report its resources.
 
-Both layouts of the selected branch are compiled (tile_configs.selected_layout): the op's, and the
-other one's launchers on the same inputs.
+Every layout of the selected branch is compiled (tile_configs.selected_layout_for): the op's, and the
+others' launchers on the same inputs (the masked layout's: the interval kernels with a selection).
 
     python -m bench.kernel_resources [--arch 90 80] [--head-dims 32 64 128 256] [--dtypes bf16 fp16 fp32]
                                      [--heads 12 --kv-heads 4] [--packed] [--tiles FILE] [--json FILE]

@@ -3,19 +3,18 @@
     python -m bench.tile_variants [--preset 125m|paper] [--seq-lens 65536] [--batch N]
                                   [--kernels interval_dkdv ...] [--candidates interval_dkdv=32,64,8,2 ...]
 
-Every kernel's launch shape (rows, keys, warps, stages: components/nsa/triton/tile_configs.py) is
-tried as shipped, then as any --candidates given for it, then as each of its neighbours (one field
-doubled or halved, the other warp count, a pipeline stage more or less). Each try runs the launcher
-that uses the kernel (the compressed and the window branch for the interval kernels, and the selected
-branch where the length takes its masked layout; the selected branch's forward or backward) on the same inputs, and records its time, whether two calls give the
-same bits (every kernel here is meant to be deterministic: a shape that is not, was built wrong) and
-how far its result lies from the shipped shape's (relative RMS; for the selection, the share of
-equal block indices) and, for bf16 and fp16, from the exact result: the same call on the inputs in
-fp32, which runs the fp32 kernels (true fp32 products). A shape the GPU cannot build (shared memory,
-registers) is recorded with its error and the next one runs. Results go to
-bench/results/tile_variants-<gpu>-<time>.json, after every row. Needs CUDA; --allow-cpu runs it under
-Triton's interpreter at tiny sizes as a smoke test (times mean nothing there). bench.tile_choice picks
-from the results.
+Every kernel's launch shape (rows, keys, warps, stages: components/nsa/triton/tile_configs.py) is tried as
+shipped, then as any --candidates given for it, then as each of its neighbours (one field doubled or halved,
+the other warp count, a pipeline stage more or less). Each try runs the launcher that uses the kernel (the
+compressed and the window branch for the interval kernels, and the selected branch where the length takes its
+masked layout; the selected branch's forward or backward) on the same inputs, and records its time, whether
+two calls give the same bits (every kernel here is meant to be deterministic: a shape that is not, was built
+wrong) and how far its result lies from the shipped shape's (relative RMS; for the selection, the share of
+equal block indices) and, for bf16 and fp16, from the exact result: the same call on the inputs in fp32, which
+runs the fp32 kernels (true fp32 products). A shape the GPU cannot build (shared memory, registers) is
+recorded with its error and the next one runs. Results go to bench/results/tile_variants-<gpu>-<time>.json,
+after every row. Needs CUDA; --allow-cpu runs it under Triton's interpreter at tiny sizes as a smoke test
+(times mean nothing there). bench.tile_choice picks from the results.
 """
 
 from __future__ import annotations
@@ -122,7 +121,7 @@ def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dic
         branches = {"compressed": ((k_cmp, v_cmp), (d, l - 1, 0), {}), "window": ((k_win, v_win), (1, 0, w), {})}
         if kernel.startswith("interval") and tile_configs.masked_layout_pays(T, n, lp):
             # Rows this short run the selected branch on the interval kernels too (the masked layout).
-            chosen = Chosen.of(select_blocks_kernel(q, k_cmp, lse2_cmp, **hyper), lp, T)
+            chosen = Chosen.of(select_blocks_kernel(q, k_cmp, lse2_cmp, **hyper), lp)
             branches["selected"] = ((k_sel, v_sel), (1, 0, 0), {"chosen": chosen})
         if kernel == "interval_fwd":
             return {name: Workload(interval_attention_fwd, (q, *kv, *mask, scale), options)
@@ -244,7 +243,7 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
             try:
                 with tile_configs.overridden(kernel, block_d, element_bytes, tile_configs.Tiles(*shape)):
                     if kernel.startswith("selected"):
-                        row["selected_layout"] = selected_layout(args, T, element_bytes)
+                        row["selected_layout"] = gather_layout(args, T, element_bytes)
                     result, again = call(), call()
                     row["ms"] = measure(call)
             except Exception as exc:  # a shape this GPU cannot build or launch: recorded, the next one runs
@@ -260,18 +259,12 @@ def try_kernel(kernel: str, args, T: int, dtype: torch.dtype, device: str):
 
 
 def gather_layout(args, T: int, element_bytes: int) -> str:
-    """The layout ("query" or "block") the selected branch's launchers take by default for this call: the one
-    whose kernels a selected kernel's workload runs (training takes the masked layout instead for short rows)."""
+    """The layout ("query" or "block") the selected branch's launchers take by default for this call with the
+    shapes in force: the one whose kernels a selected kernel's workload runs (training takes the masked layout
+    instead for short rows). Selected dK/dV's key tile sizes the block layout's partials, so a shape of it can
+    move the forward (not timed here) to the other layout; bench.tile_choice keeps to the shipped shape's."""
     return tile_configs.gather_layout_for(args.batch * T, args.heads, args.kv_heads, args.num_selected,
                                           args.head_dim, args.sel_block_size, element_bytes)
-
-
-def selected_layout(args, T: int, element_bytes: int) -> str:
-    """The selected branch's layout training takes for this call with the shapes in force: selected dK/dV's key
-    tile sizes the block layout's partials, so a shape of it can move the forward (not timed here) to the
-    other layout; bench.tile_choice keeps to the shipped shape's layout."""
-    return tile_configs.selected_layout_for(args.batch * T, args.heads, args.kv_heads, args.num_selected,
-                                            args.head_dim, args.sel_block_size, element_bytes, row_keys=T)
 
 
 def _line(row: dict) -> str:

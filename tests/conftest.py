@@ -116,6 +116,18 @@ def _no_run_written_into_the_checkout():
     assert not written, f"the test wrote into {os.path.join(REPO_ROOT, 'outputs')}: {', '.join(written)}"
 
 
+@pytest.fixture(params=["shipped", "gather"])
+def selected_layouts(request, monkeypatch):
+    """Runs a Triton test twice: with the shipped layout rule (short rows take the selected branch's masked layout,
+    tile_configs.masked_layout_pays) and with the masked layout off, so the gather layouts (block- or query-major
+    by group size) meet the same checks on the same short rows."""
+    if request.param == "gather":
+        from components.nsa.triton import tile_configs
+
+        monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", 0)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny ops on a shared 2-core machine: a second thread only adds synchronisation (and, when the

@@ -93,3 +93,18 @@ def test_compiled_blocks_take_new_boundaries_without_recompiling(attention):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6)
             p.grad = q.grad = None
     assert counter.frame_count == 1, f"{counter.frame_count} compiles over {len(batches)} batches"
+
+
+def test_packed_rows_tell_the_op_that_no_document_is_longer_than_a_row(monkeypatch):
+    """The B rows go to the op as one packed row; max_seqlen = T bounds its documents (the Triton backend's
+    selected-branch layout reads it: a packed row of short rows is not one long row)."""
+    from components.models import nsa_attention as layer_module
+
+    seen = []
+    real = layer_module.nsa_attention
+    monkeypatch.setattr(layer_module, "nsa_attention",
+                        lambda *args, **kwargs: seen.append(kwargs.get("max_seqlen")) or real(*args, **kwargs))
+    model = build_transformer(tiny_args("nsa"), VOCAB)
+    tokens = torch.randint(0, VOCAB, (len(ROWS), T))
+    model(tokens, starts_of(ROWS, T))
+    assert seen and set(seen) == {T}

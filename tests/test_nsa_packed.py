@@ -83,7 +83,7 @@ def test_packed_equals_separate_outputs_selections_and_gradients():
 
 
 @triton_only
-def test_triton_packed_equals_separate_and_the_reference():
+def test_triton_packed_equals_separate_and_the_reference(selected_layouts):
     """The Triton backend on the packed row: its run on each document alone (the same tiles, so equal
     but for fp32 rounding), and the reference's packed row (fp32 tolerance); selections equal."""
     from components.nsa.triton import select_blocks_triton

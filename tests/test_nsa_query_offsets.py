@@ -61,7 +61,7 @@ def test_last_queries_of_each_document_equal_the_full_packed_op(backend, dtype, 
 
 
 @triton_only
-def test_triton_offsets_select_the_reference_blocks_and_match_it():
+def test_triton_offsets_select_the_reference_blocks_and_match_it(selected_layouts):
     """The Triton kernels' selection with query offsets is the reference's, and so are o and gradients."""
     from components.nsa.triton import ops
 

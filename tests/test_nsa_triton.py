@@ -74,7 +74,7 @@ def _assert_matches(mine, ref, dtype, what):
 
 
 @pytest.mark.parametrize("B,T,H,Hkv,D,l,d,lp,n,w,dtype", CASES)
-def test_output_and_gradients_match_reference(B, T, H, Hkv, D, l, d, lp, n, w, dtype):
+def test_output_and_gradients_match_reference(B, T, H, Hkv, D, l, d, lp, n, w, dtype, selected_layouts):
     hyper = _hyper(l, d, lp, n, w)
     xs = _make_inputs(B, T, H, Hkv, D, l, d, dtype)
     # The reference runs in fp32 on the very same (rounded) values.

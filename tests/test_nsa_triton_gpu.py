@@ -104,12 +104,26 @@ def test_branches_match_reference_in_the_selected_block_layout(T, H, Hkv, D, mon
     _assert_branches_match_reference(*_inputs(T, H, Hkv, D)[:7])
 
 
+@pytest.mark.parametrize("T,H,Hkv,D", [pytest.param(2048, 16, 1, 128, id="T2k-G16-D128"),
+                                        pytest.param(8192, 12, 4, 64, id="T8k-G3-D64"),
+                                        pytest.param(None, None, None, None, id="packed")])
+def test_branches_match_reference_in_the_selected_query_layout(T, H, Hkv, D, monkeypatch):
+    """Query-major forward and dQ, which the default gives groups of more than 4 heads past the masked layout's
+    rows (the paper's heads at 8k and 64k), forced: the paper's group at 2k, the 125M heads, packed documents."""
+    from components.nsa.triton import tile_configs
+
+    monkeypatch.setattr(tile_configs, "selected_layout_for", lambda *args, **kwargs: "query")
+    xs, cu_seqlens = _packed_row() if T is None else (_inputs(T, H, Hkv, D), None)
+    _assert_branches_match_reference(*xs[:7], cu_seqlens=cu_seqlens)
+
+
 @pytest.mark.parametrize("T,H,Hkv,D", [pytest.param(8192, 12, 4, 64, id="T8k-G3-D64"),
                                         pytest.param(4096, 8, 2, 256, id="T4k-G4-D256"),
                                         pytest.param(None, None, None, None, id="packed")])
 def test_branches_match_reference_in_the_selected_masked_layout(T, H, Hkv, D, monkeypatch):
-    """The selected branch as causal flash attention hiding unselected blocks (selection_mask.py), where the
-    default takes it only for short rows: the 125M heads at 8k, packed documents, the widest heads."""
+    """The selected branch as causal flash attention hiding unselected blocks (selection_mask.py), forced at
+    lengths the default gives the gather layouts (it takes it for rows of at most 4 x n x l' = 4,096 keys): the
+    125M heads at 8k, packed documents, the widest heads."""
     from components.nsa.triton import tile_configs
 
     monkeypatch.setattr(tile_configs, "selected_layout_for", lambda *args, **kwargs: "masked")

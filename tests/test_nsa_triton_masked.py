@@ -14,7 +14,7 @@ from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
 from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
 from components.nsa.triton.selected_attention_masked import selected_attention_bwd_masked, selected_attention_fwd_masked
 from components.nsa.triton.selection_mask import Chosen
-from tests.test_nsa_triton_block_major import layout_case
+from tests.test_nsa_triton_block_major import DEVICE, layout_case
 
 pytestmark = [
     pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
@@ -50,16 +50,68 @@ def test_masked_layout_equals_query_major(lengths, counts, H, Hkv, D, lp, n, dty
         torch.testing.assert_close(mine, ref, **tol, msg=name)
 
 
-def test_the_mask_holds_each_querys_selected_blocks_and_nothing_else():
-    """chosen[b, g, j, t] is 1 exactly where query t of row b chose block j for group g; -1 slots mark nothing."""
-    sel = torch.tensor([[[[0, -1]], [[0, 1]], [[1, -1]]], [[[0, -1]], [[-1, -1]], [[0, 1]]]])  # [B=2, T=3, Hkv=1, 2]
-    chosen = Chosen.of(sel, 2, 3)
-    expected = torch.tensor([[[[1, 1, 0], [0, 1, 1]]], [[[1, 0, 1], [0, 0, 1]]]], dtype=torch.uint8)
-    assert chosen.mask.shape == (2, 1, 2, 3) and torch.equal(chosen.mask, expected)
-    # Queries that are their rows' last ones (context parallelism) choose among the blocks of more keys.
-    assert Chosen.of(torch.tensor([[[[2]]]]), 2, 6).mask.view(-1).tolist() == [0, 0, 1]
-
-
 @pytest.mark.parametrize("block_n, lp, tile", [(64, 64, 64), (128, 64, 64), (64, 48, 16), (32, 96, 32), (64, 16, 16)])
 def test_a_key_tile_lies_inside_one_selection_block(block_n, lp, tile):
     assert Chosen(torch.empty(0), lp).key_tile(block_n) == tile
+
+
+@pytest.mark.parametrize("max_seqlen, layout", [(None, "block"), (48, "masked")])
+def test_a_packed_row_of_short_documents_takes_the_masked_layout_given_max_seqlen(monkeypatch, max_seqlen, layout):
+    """A packed row longer than MASKED_LAYOUT_MAX_ROW x n x l' keys whose documents are short: max_seqlen (a bound
+    on their lengths, a hint) moves it to the masked layout, forward and backward; without it the row's length
+    counts. The same result either way: the reference's."""
+    from components.nsa import nsa_attention
+    from components.nsa.triton import ops, selected_attention_bwd as backward, tile_configs
+    from tests.test_nsa_packed import HP, ORDER, _documents, _grad_out, _output_and_grads, _packed
+
+    monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", 1)  # rows of at most n x l' = 48 keys
+    assert HP["num_selected"] * HP["sel_block_size"] == 48
+    calls = []
+
+    def spy(name, fn):
+        return lambda *args, **kwargs: calls.append(name) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "selected_attention_fwd_blocks", spy("block", ops.selected_attention_fwd_blocks))
+    monkeypatch.setattr(backward, "_selected_dq", spy("query", backward._selected_dq))
+    monkeypatch.setattr(ops, "selected_attention_fwd_masked", spy("masked", ops.selected_attention_fwd_masked))
+    monkeypatch.setattr(ops, "selected_attention_bwd_masked", spy("masked", ops.selected_attention_bwd_masked))
+    docs = _documents([30, 40, 20], dtype=torch.float32, device=DEVICE)
+    packed, cu_seqlens = _packed(docs)
+    grad_o = _grad_out(docs)
+    out = nsa_attention(**packed, **HP, backend="triton", cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    mine = [out.detach(), *torch.autograd.grad(out, [packed[k] for k in ORDER], grad_o)]
+    reference = _output_and_grads(packed, grad_o, "reference", cu_seqlens)
+    for name, a, b in zip(("o",) + ORDER, mine, reference):
+        torch.testing.assert_close(a, b, rtol=5e-5, atol=5e-5, msg=name)
+    assert calls == [layout] * (2 if layout == "masked" else 1)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"])
+def test_max_seqlen_must_be_a_positive_int(bad):
+    from components.errors import UserError
+    from components.nsa import nsa_attention
+    from tests.test_nsa_packed import HP, _documents, _packed
+
+    packed, cu_seqlens = _packed(_documents([5, 7]))
+    with pytest.raises(UserError, match="max_seqlen must be a positive int"):
+        nsa_attention(**packed, **HP, backend="reference", cu_seqlens=cu_seqlens, max_seqlen=bad)
+
+
+def test_a_backend_that_does_not_name_max_seqlen_is_not_passed_it():
+    from components.nsa import nsa_attention
+    from components.nsa.backends import register_backend, unregister_backend
+    from components.nsa.reference_op import reference_attention
+    from tests.test_nsa_packed import HP, _documents, _packed
+
+    def plain(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size, block_stride, sel_block_size,
+              num_selected, window_size, cu_seqlens=None):
+        return reference_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_size, block_stride,
+                                   sel_block_size, num_selected, window_size, cu_seqlens, None)
+
+    register_backend("plain_for_test", plain)
+    try:
+        packed, cu_seqlens = _packed(_documents([5, 7]))
+        out = nsa_attention(**packed, **HP, backend="plain_for_test", cu_seqlens=cu_seqlens, max_seqlen=7)
+        torch.testing.assert_close(out, nsa_attention(**packed, **HP, backend="reference", cu_seqlens=cu_seqlens))
+    finally:
+        unregister_backend("plain_for_test")

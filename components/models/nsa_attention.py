@@ -131,9 +131,10 @@ class NSAAttention(nn.Module):
             return self._context_parallel(x, cos, sin, context)
         B, T, _ = x.shape
         p, k_cmp, v_cmp, packed = self._branch_inputs(x, cos, sin, documents)
+        # Every document lies within one of the B rows: T bounds their lengths (the Triton backend's layout).
         o = nsa_attention(
             p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, self.gates(x).view(p.q.shape[:3] + (3,)),
-            **self.hyper, backend=self.backend, **packed,
+            **self.hyper, backend=self.backend, **packed, max_seqlen=T,
         )
         return self.wo(o.reshape(B, T, -1))
 

@@ -6,8 +6,8 @@ properties); the name only picks the speed. Built in: 'reference' (exact PyTorch
 are added with `register_backend` (the engine's registry does it for plugins' attention_backend
 parts). A backend's function takes the op's eight tensors and its five hyperparameters as keywords
 (nsa_attention's signature minus `backend`) and gets inputs the op has already checked; it is passed
-`cu_seqlens=` only for packed documents, so a backend that does not take them keeps working, and
-`cu_seqlens_q=` only under context parallelism.
+`cu_seqlens=` only for packed documents, so a backend that does not take them keeps working,
+`cu_seqlens_q=` only under context parallelism, and `max_seqlen=` (a hint) only if it names it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ class Backend:
         parallelism); only an explicit parameter counts."""
         return "cu_seqlens_q" in inspect.signature(self.attention).parameters
 
+    @property
+    def takes_max_seqlen(self) -> bool:
+        """Whether the function names max_seqlen (a bound on the documents' lengths: a hint, no result depends
+        on it); only an explicit parameter counts."""
+        return "max_seqlen" in inspect.signature(self.attention).parameters
+
 
 def _reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
                sel_block_size: int, num_selected: int, window_size: int, cu_seqlens=None, cu_seqlens_q=None):
@@ -48,7 +54,7 @@ def _reference(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size
                                sel_block_size, num_selected, window_size, cu_seqlens, cu_seqlens_q)
 
 
-def _triton(*tensors, cu_seqlens=None, cu_seqlens_q=None, **hyper):
+def _triton(*tensors, cu_seqlens=None, cu_seqlens_q=None, max_seqlen=None, **hyper):
     try:
         import components.nsa.triton as nsa_triton
     except ImportError as exc:
@@ -56,7 +62,8 @@ def _triton(*tensors, cu_seqlens=None, cu_seqlens_q=None, **hyper):
             f"NSA backend 'triton' is not available here ({exc}); install triton and run on a CUDA GPU, "
             "or choose backend 'reference'"
         ) from exc
-    return nsa_triton.attention_on_checked_inputs(*tensors, cu_seqlens=cu_seqlens, cu_seqlens_q=cu_seqlens_q, **hyper)
+    return nsa_triton.attention_on_checked_inputs(*tensors, cu_seqlens=cu_seqlens, cu_seqlens_q=cu_seqlens_q,
+                                                  max_seqlen=max_seqlen, **hyper)
 
 
 _TABLE: dict[str, Backend] = {

@@ -18,7 +18,8 @@ from components.nsa.selection import select_blocks_at_reference
 
 def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
                   sel_block_size: int, num_selected: int, window_size: int, backend: str = "reference",
-                  cu_seqlens: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                  max_seqlen: int | None = None) -> torch.Tensor:
     """NSA over a whole sequence: o [B, T, H, D] in q's dtype. Inputs already compressed and rotated.
 
     cu_seqlens (document starts [N + 1], B = 1): a packed row, computed as each document on its own,
@@ -26,6 +27,9 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_s
     cu_seqlens_q (with cu_seqlens; beyond the spec): q and gates hold only each document's last
     cu_seqlens_q[k+1] - cu_seqlens_q[k] queries, o likewise (documents.py). Context parallelism
     runs a rank's queries against the gathered keys this way.
+    max_seqlen (beyond the spec, as flash-attn's): a bound on every document's length (a packed row's
+    documents are on the device, out of the host's sight). It changes no result: a backend may size its
+    work by it (the Triton backend's selected-branch layout) and is passed it only if its function names it.
     """
     chosen = get_backend(backend)
     hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
@@ -44,6 +48,14 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_s
                             f"cu_seqlens parameter). Fix: choose backend 'reference' or 'triton', or set "
                             f"model.document_masking = false.")
         hyper["cu_seqlens"] = cu_seqlens  # passed only when given: a backend without packing keeps working
+    if max_seqlen is not None:
+        # A SymInt under torch.compile once a length has changed.
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 1:
+            raise UserError(f"nsa_attention: max_seqlen must be a positive int (a bound on the documents' lengths), "
+                            f"not {max_seqlen!r}. Fix: pass the longest document's length or the row's, or leave it "
+                            f"out.")
+        if chosen.takes_max_seqlen:
+            hyper["max_seqlen"] = max_seqlen
     return chosen.attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
 
 

@@ -39,9 +39,11 @@ def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, 
 def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int,
                                 block_stride: int, sel_block_size: int, num_selected: int, window_size: int,
                                 cu_seqlens: torch.Tensor | None = None,
-                                cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+                                cu_seqlens_q: torch.Tensor | None = None,
+                                max_seqlen: int | None = None) -> torch.Tensor:
     """The backend table's entry: the op (components.nsa.op) has checked the call; only what the
-    kernels need beyond the op's contract (device, dtype, head dim) is checked here."""
+    kernels need beyond the op's contract (device, dtype, head dim) is checked here. max_seqlen (a bound
+    on the documents' lengths) picks the selected branch's layout, nothing else."""
     _check_kernel_inputs(q)
     # tl.dot wants one dtype per product; a no-op (and no copy) in the usual all-same case.
     k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (x.to(q.dtype) for x in (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
@@ -51,7 +53,7 @@ def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gat
     o_cmp, lse2_cmp = ops.interval_attention(q, k_cmp, v_cmp, block_stride, block_size - 1, 0, sm_scale, *docs)
     selection = ops.select_blocks(q.detach(), k_cmp.detach(), lse2_cmp.detach(), block_size, block_stride,
                                   sel_block_size, num_selected, sm_scale, *docs)
-    o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, sel_block_size, sm_scale, *docs)
+    o_sel, _ = ops.selected_attention(q, k_sel, v_sel, selection, sel_block_size, sm_scale, *docs, max_seqlen)
     o_win, _ = ops.interval_attention(q, k_win, v_win, 1, 0, window_size, sm_scale, *docs)
 
     return ops.gate(o_cmp, o_sel, o_win, gates)  # in fp32, stored in q's dtype (the branches')

@@ -63,20 +63,27 @@ def _visible_key_range(t_first, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW):
 
 
 @triton.jit
-def _chosen(CHOSEN, b, hk, block, rows, rows_ok, scb, sch, scj):
-    """[rows] bool: whether the queries at these rows of the batch row chose key block `block` of their
-    document (selection_mask's bytes, the masked layout of the selected branch)."""
-    at = CHOSEN + b * scb + hk * sch + block.to(tl.int64) * scj + rows
-    return tl.load(at, mask=rows_ok, other=0) != 0
+def _selections(CHOSEN, b, hk, rows, rows_ok, scb, sct, sch, NUM_SEL, BLOCK_S: tl.constexpr):
+    """[rows, BLOCK_S] int32: the key blocks (counted from the document start) that the queries at these
+    rows of batch row b chose for KV group hk; -1 in unused and padding slots (selection_mask.Chosen)."""
+    slots = tl.arange(0, BLOCK_S)
+    at = CHOSEN + b * scb + rows.to(tl.int64)[:, None] * sct + hk * sch + slots[None, :]
+    return tl.load(at, mask=rows_ok[:, None] & (slots < NUM_SEL)[None, :], other=-1)
+
+
+@triton.jit
+def _chose(selections, block):
+    """[rows] bool: whether each row's selections hold key block `block`."""
+    return tl.max((selections == block).to(tl.int32), 1) > 0
 
 
 @triton.jit
 def _interval_attn_fwd_kernel(
     Q, K, V, O, LSE2, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, scj,
-    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, qk_scale,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sct, sch,
+    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, NUM_SEL, qk_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Positions below are within the tile's document: q0 / k0 rows into the row's queries / keys.
     tile, pid_bh, q0, num_q, k0, num_k, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
@@ -98,6 +105,8 @@ def _interval_attn_fwd_kernel(
     n_lo, n_hi = _visible_key_range(tile * BLOCK_M + pos0, BLOCK_M, num_q + pos0, num_k, KEY_STRIDE, KEY_OFFSET,
                                     WINDOW)
 
+    if SELECTED:
+        picks = _selections(CHOSEN, b, hk, q0 + offs_m, m_ok, scb, sct, sch, NUM_SEL, BLOCK_S)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -112,7 +121,7 @@ def _interval_attn_fwd_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         seen = _visible(offs_m + pos0, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
         if SELECTED:
-            seen &= _chosen(CHOSEN, b, hk, start // SEL_BLOCK, q0 + offs_m, m_ok, scb, sch, scj)[:, None]
+            seen &= _chose(picks, start // SEL_BLOCK)[:, None]
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, tl.where(seen, s, float("-inf")), v, PRECISION)
 
     o, lse2 = softmax_result(m_i, l_i, acc)
@@ -124,10 +133,10 @@ def _interval_attn_fwd_kernel(
 @triton.jit
 def _interval_attn_bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh, scb, sch, scj,
-    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, qk_scale, sm_scale,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh, scb, sct, sch,
+    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, NUM_SEL, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     tile, pid_bh, q0, num_q, k0, num_k, pos0 = document_tile(TILES, Q_STARTS, K_STARTS, Q_POS0, NUM_TILES,
                                                              tl.cdiv(T, BLOCK_M), T, NK, PACKED)
@@ -151,6 +160,8 @@ def _interval_attn_bwd_dq_kernel(
     n_lo, n_hi = _visible_key_range(tile * BLOCK_M + pos0, BLOCK_M, num_q + pos0, num_k, KEY_STRIDE, KEY_OFFSET,
                                     WINDOW)
 
+    if SELECTED:
+        picks = _selections(CHOSEN, b, hk, q0 + offs_m, m_ok, scb, sct, sch, NUM_SEL, BLOCK_S)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + b * skb + hk * skh + k0 * skt
     v_base = V + b * svb + hk * svh + k0 * svt
@@ -162,7 +173,7 @@ def _interval_attn_bwd_dq_kernel(
         v = load_rows(v_base, offs_n.to(tl.int64), svt, offs_d, kv_mask)
         seen = _visible(offs_m + pos0, offs_n, KEY_STRIDE, KEY_OFFSET, WINDOW) & n_ok[None, :]
         if SELECTED:
-            seen &= _chosen(CHOSEN, b, hk, start // SEL_BLOCK, q0 + offs_m, m_ok, scb, sch, scj)[:, None]
+            seen &= _chose(picks, start // SEL_BLOCK)[:, None]
         _, ds = softmax_grads(q, k, v, do, lse2, delta, seen, qk_scale, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
@@ -174,11 +185,11 @@ def _interval_attn_bwd_dq_kernel(
 def _interval_attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
-    sdks, sdkb, sdkt, sdkh, sdvs, sdvb, sdvt, sdvh, scb, sch, scj,
-    T, NK, H, G, HO, NUM_ROWS, SPLIT_QUERIES, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, qk_scale,
-    sm_scale,
+    sdks, sdkb, sdkt, sdkh, sdvs, sdvb, sdvt, sdvh, scb, sct, sch,
+    T, NK, H, G, HO, NUM_ROWS, SPLIT_QUERIES, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, NUM_SEL,
+    qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # One program per (key tile, output head, query split). HO output heads: Hkv (each program sums
     # its G query heads itself) or H (one query head each; the caller sums groups in a fixed order).
@@ -229,7 +240,8 @@ def _interval_attn_bwd_dkdv_kernel(
             seen_t = (_seen_by_keys(offs_n, offs_m + pos0, KEY_STRIDE, KEY_OFFSET, WINDOW)
                       & n_ok[:, None] & m_ok[None, :])
             if SELECTED:
-                seen_t &= _chosen(CHOSEN, b, hk, tile * BLOCK_N // SEL_BLOCK, q0 + offs_m, m_ok, scb, sch, scj)[None, :]
+                picks = _selections(CHOSEN, b, hk, q0 + offs_m, m_ok, scb, sct, sch, NUM_SEL, BLOCK_S)
+                seen_t &= _chose(picks, tile * BLOCK_N // SEL_BLOCK)[None, :]
             p_t, ds_t = softmax_grads_by_key(q, k, v, do, lse2, delta, seen_t, qk_scale, PRECISION)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
@@ -285,7 +297,8 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
         T, NK, H, H // Hkv, num_tiles, key_stride, key_offset, _effective_window(window, T, cu_seqlens_q is not None),
         *Chosen.block(chosen), sm_scale * LOG2E,
         D=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        PACKED=docs.packed, SELECTED=chosen is not None, num_warps=warps, num_stages=stages,
+        PACKED=docs.packed, SELECTED=chosen is not None, BLOCK_S=Chosen.slots_block(chosen), num_warps=warps,
+        num_stages=stages,
     )
     return o, lse2
 
@@ -312,7 +325,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     window = _effective_window(window, T, cu_seqlens_q is not None)
     docs = DocumentTables(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
     common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype), PACKED=docs.packed,
-                  SELECTED=chosen is not None)
+                  SELECTED=chosen is not None, BLOCK_S=Chosen.slots_block(chosen))
 
     block_m, block_n, warps, stages = tile_configs.tiles("interval_dq", head_block(D), q.element_size())
     block_n = chosen.key_tile(block_n) if chosen else block_n

@@ -8,7 +8,9 @@ allocated and contiguous, matching the fake kernels.
     nsa_triton::interval_attention(q, k, v, key_stride, key_offset, window, sm_scale, cu_seqlens) -> (o, lse2)
     nsa_triton::select_blocks(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_size,
                               num_selected, sm_scale, cu_seqlens) -> LongTensor [B, T, Hkv, n]
-    nsa_triton::selected_attention(q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens) -> (o, lse2)
+    nsa_triton::selected_attention(q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q,
+                                   max_seqlen) -> (o, lse2): max_seqlen, a bound on the documents' lengths,
+                                   only picks the layout (tile_configs.selected_layout_for)
     nsa_triton::gate(o_cmp, o_sel, o_win, gates) -> o: the gated sum of the branches (gating.py)
 and the backward ops. lse2 outputs carry no gradient. cu_seqlens (optional, B = 1): packed
 documents, each computed on its own (NSA_SPEC.md section 4); the ops derive their tables from it
@@ -116,31 +118,36 @@ def _select_blocks_fake(q, k_cmp, lse2_cmp, block_size, block_stride, sel_block_
 @torch.library.custom_op("nsa_triton::selected_attention", mutates_args=())
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel_idx: Tensor, sel_block_size: int,
                        sm_scale: float, cu_seqlens: Optional[Tensor] = None,
-                       cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       cu_seqlens_q: Optional[Tensor] = None,
+                       max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor]:
     q, k, v = _dense(q, k, v)
+    layout = _selected_layout(q, k, sel_idx, sel_block_size, max_seqlen)
     forward = {"query": selected_attention_fwd, "block": selected_attention_fwd_blocks,
-               "masked": selected_attention_fwd_masked}[_selected_layout(q, k, sel_idx, sel_block_size)]
+               "masked": selected_attention_fwd_masked}[layout]
     return forward(q, k, v, sel_idx.contiguous(), sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q)
 
 
-def _selected_layout(q: Tensor, k: Tensor, sel_idx: Tensor, sel_block_size: int) -> str:
+def _selected_layout(q: Tensor, k: Tensor, sel_idx: Tensor, sel_block_size: int, max_seqlen: Optional[int]) -> str:
+    """tile_configs.selected_layout_for this call: its rows' keys are k's, or at most max_seqlen a document."""
     B, T, H, D = q.shape
+    row_keys = k.shape[1] if max_seqlen is None else min(k.shape[1], max_seqlen)
     return tile_configs.selected_layout_for(B * T, H, k.shape[2], sel_idx.shape[-1], D, sel_block_size,
-                                            q.element_size(), row_keys=k.shape[1])
+                                            q.element_size(), row_keys=row_keys)
 
 
 @selected_attention.register_fake
-def _selected_attention_fake(q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens=None, cu_seqlens_q=None):
+def _selected_attention_fake(q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens=None, cu_seqlens_q=None,
+                             max_seqlen=None):
     return q.new_empty(q.shape), _lse_like(q)
 
 
 @torch.library.custom_op("nsa_triton::selected_attention_backward", mutates_args=())
 def selected_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse2: Tensor,
                                 sel_idx: Tensor, sel_block_size: int, sm_scale: float,
-                                cu_seqlens: Optional[Tensor] = None,
-                                cu_seqlens_q: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                                cu_seqlens: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+                                max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     do, q, k, v, o = _dense(do, q, k, v, o)
-    layout = _selected_layout(q, k, sel_idx, sel_block_size)
+    layout = _selected_layout(q, k, sel_idx, sel_block_size, max_seqlen)
     if layout == "masked":
         return selected_attention_bwd_masked(do, q, k, v, o, lse2, sel_idx.contiguous(), sel_block_size, sm_scale,
                                              cu_seqlens, cu_seqlens_q)
@@ -150,22 +157,24 @@ def selected_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: 
 
 @selected_attention_backward.register_fake
 def _selected_attention_backward_fake(do, q, k, v, o, lse2, sel_idx, sel_block_size, sm_scale, cu_seqlens=None,
-                                      cu_seqlens_q=None):
+                                      cu_seqlens_q=None, max_seqlen=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _selected_setup(ctx, inputs, output):
-    q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q = inputs
+    q, k, v, sel_idx, sel_block_size, sm_scale, cu_seqlens, cu_seqlens_q, max_seqlen = inputs
     o, lse2 = output
     ctx.save_for_backward(q, k, v, o, lse2, sel_idx, cu_seqlens, cu_seqlens_q)
     ctx.params = (sel_block_size, sm_scale)
+    ctx.max_seqlen = max_seqlen
     ctx.mark_non_differentiable(lse2)
 
 
 def _selected_backward(ctx, do, _dlse2):
     q, k, v, o, lse2, sel_idx, cu_seqlens, cu_seqlens_q = ctx.saved_tensors
-    dq, dk, dv = selected_attention_backward(do, q, k, v, o, lse2, sel_idx, *ctx.params, cu_seqlens, cu_seqlens_q)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = selected_attention_backward(do, q, k, v, o, lse2, sel_idx, *ctx.params, cu_seqlens, cu_seqlens_q,
+                                             ctx.max_seqlen)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 selected_attention.register_autograd(_selected_backward, setup_context=_selected_setup)
