@@ -253,7 +253,7 @@ phase_tiles() {
   # 2k run the selected branch in its masked layout, on the interval kernels (their workloads include it).
   step tiles_125m_32_rows 140 "${variants[@]}" --batch 32 --seq-lens 2048 \
     --kernels interval_dkdv interval_dq interval_fwd selection \
-    --candidates interval_dkdv=64,64,8,3 interval_dkdv=64,64,4,2 interval_dq=128,64,8,3 interval_fwd=128,64,4,3
+    --candidates interval_dkdv=64,64,8,3 interval_dkdv=64,64,4,2 interval_dq=128,64,8,3 interval_fwd=128,64,4,2
 }
 
 # The choice from this run's tile_variants results, then the op timed with the shipped shapes and with the chosen

@@ -114,23 +114,11 @@ def test_the_op_in_the_block_layout_matches_the_reference(monkeypatch, packed):
     assert calls == ["forward"]  # the block-major forward ran, and dQ did not take the query-major kernel
 
 
-@pytest.mark.parametrize("row_limit, limit, expected",
-                         [(0, None, ["forward"]), (0, 0, ["query-major dq"]), (None, None, ["masked", "masked"])],
-                         ids=["small-group-block", "over-the-partials-limit-query", "short-row-masked"])
-def test_the_default_layout_takes_blocks_for_small_groups_within_the_partials_limit(monkeypatch, row_limit, limit,
-                                                                                   expected):
-    """Rows of at most MASKED_LAYOUT_MAX_ROW x n x l' keys run masked, forward and backward; longer ones in
-    groups of up to BLOCK_LAYOUT_MAX_GROUP heads run block-major, unless the call's partials pass
-    BLOCK_LAYOUT_MAX_PARTIAL_BYTES: then the forward and dQ run query-major."""
-    from components.nsa.triton import ops, selected_attention_bwd as backward, tile_configs
-    from tests.test_nsa_packed import H, HKV, HP, _documents, _grad_out, _output_and_grads, _packed
+def spy_on_layouts(monkeypatch) -> list[str]:
+    """The list each selected-branch launch the op makes appends its layout's name to: "forward" (the block
+    layout's forward), "query-major dq" (the query layout's dQ) and "masked" (that layout, each way)."""
+    from components.nsa.triton import ops, selected_attention_bwd as backward
 
-    assert H // HKV <= tile_configs.BLOCK_LAYOUT_MAX_GROUP
-    assert 20 <= tile_configs.MASKED_LAYOUT_MAX_ROW * HP["num_selected"] * HP["sel_block_size"]
-    if row_limit is not None:
-        monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", row_limit)
-    if limit is not None:
-        monkeypatch.setattr(tile_configs, "BLOCK_LAYOUT_MAX_PARTIAL_BYTES", limit)
     calls = []
 
     def spy(name, fn):
@@ -140,6 +128,27 @@ def test_the_default_layout_takes_blocks_for_small_groups_within_the_partials_li
     monkeypatch.setattr(backward, "_selected_dq", spy("query-major dq", backward._selected_dq))
     monkeypatch.setattr(ops, "selected_attention_fwd_masked", spy("masked", ops.selected_attention_fwd_masked))
     monkeypatch.setattr(ops, "selected_attention_bwd_masked", spy("masked", ops.selected_attention_bwd_masked))
+    return calls
+
+
+@pytest.mark.parametrize("row_limit, limit, expected",
+                         [(0, None, ["forward"]), (0, 0, ["query-major dq"]), (None, None, ["masked", "masked"])],
+                         ids=["small-group-block", "over-the-partials-limit-query", "short-row-masked"])
+def test_the_default_layout_takes_blocks_for_small_groups_within_the_partials_limit(monkeypatch, row_limit, limit,
+                                                                                   expected):
+    """Rows of at most MASKED_LAYOUT_MAX_ROW x n x l' keys run masked, forward and backward; longer ones in
+    groups of up to BLOCK_LAYOUT_MAX_GROUP heads run block-major, unless the call's partials pass
+    BLOCK_LAYOUT_MAX_PARTIAL_BYTES: then the forward and dQ run query-major."""
+    from components.nsa.triton import tile_configs
+    from tests.test_nsa_packed import H, HKV, HP, _documents, _grad_out, _output_and_grads, _packed
+
+    assert H // HKV <= tile_configs.BLOCK_LAYOUT_MAX_GROUP
+    assert 20 <= tile_configs.MASKED_LAYOUT_MAX_ROW * HP["num_selected"] * HP["sel_block_size"]
+    if row_limit is not None:
+        monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", row_limit)
+    if limit is not None:
+        monkeypatch.setattr(tile_configs, "BLOCK_LAYOUT_MAX_PARTIAL_BYTES", limit)
+    calls = spy_on_layouts(monkeypatch)
     docs = _documents([20], dtype=torch.float32, device=DEVICE)
     inputs, _ = _packed(docs)
     _output_and_grads(inputs, _grad_out(docs), "triton", None)

@@ -14,7 +14,7 @@ from components.nsa.triton.selected_attention_bwd import selected_attention_bwd
 from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
 from components.nsa.triton.selected_attention_masked import selected_attention_bwd_masked, selected_attention_fwd_masked
 from components.nsa.triton.selection_mask import Chosen
-from tests.test_nsa_triton_block_major import DEVICE, layout_case
+from tests.test_nsa_triton_block_major import DEVICE, layout_case, spy_on_layouts
 
 pytestmark = [
     pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
@@ -55,26 +55,18 @@ def test_a_key_tile_lies_inside_one_selection_block(block_n, lp, tile):
     assert Chosen(torch.empty(0), lp).key_tile(block_n) == tile
 
 
-@pytest.mark.parametrize("max_seqlen, layout", [(None, "block"), (48, "masked")])
-def test_a_packed_row_of_short_documents_takes_the_masked_layout_given_max_seqlen(monkeypatch, max_seqlen, layout):
+@pytest.mark.parametrize("max_seqlen, layouts", [(None, ["forward"]), (48, ["masked", "masked"])])
+def test_a_packed_row_of_short_documents_takes_the_masked_layout_given_max_seqlen(monkeypatch, max_seqlen, layouts):
     """A packed row longer than MASKED_LAYOUT_MAX_ROW x n x l' keys whose documents are short: max_seqlen (a bound
     on their lengths, a hint) moves it to the masked layout, forward and backward; without it the row's length
     counts. The same result either way: the reference's."""
     from components.nsa import nsa_attention
-    from components.nsa.triton import ops, selected_attention_bwd as backward, tile_configs
+    from components.nsa.triton import tile_configs
     from tests.test_nsa_packed import HP, ORDER, _documents, _grad_out, _output_and_grads, _packed
 
     monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", 1)  # rows of at most n x l' = 48 keys
     assert HP["num_selected"] * HP["sel_block_size"] == 48
-    calls = []
-
-    def spy(name, fn):
-        return lambda *args, **kwargs: calls.append(name) or fn(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "selected_attention_fwd_blocks", spy("block", ops.selected_attention_fwd_blocks))
-    monkeypatch.setattr(backward, "_selected_dq", spy("query", backward._selected_dq))
-    monkeypatch.setattr(ops, "selected_attention_fwd_masked", spy("masked", ops.selected_attention_fwd_masked))
-    monkeypatch.setattr(ops, "selected_attention_bwd_masked", spy("masked", ops.selected_attention_bwd_masked))
+    calls = spy_on_layouts(monkeypatch)
     docs = _documents([30, 40, 20], dtype=torch.float32, device=DEVICE)
     packed, cu_seqlens = _packed(docs)
     grad_o = _grad_out(docs)
@@ -83,7 +75,7 @@ def test_a_packed_row_of_short_documents_takes_the_masked_layout_given_max_seqle
     reference = _output_and_grads(packed, grad_o, "reference", cu_seqlens)
     for name, a, b in zip(("o",) + ORDER, mine, reference):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=5e-5, msg=name)
-    assert calls == [layout] * (2 if layout == "masked" else 1)
+    assert calls == layouts  # the block layout's forward (and dQ), or the masked layout both ways
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"])
