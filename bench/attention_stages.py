@@ -223,7 +223,7 @@ def selected_layout_times(args, T: int, dtype: torch.dtype, device: str) -> list
         def build_lists():  # what each of the layout's passes builds before its kernels run (the segment
             # only sizes the item table: 10 queries a step stands in for the launchers' own)
             if layout == "masked":
-                return Chosen.of(selection, lp)
+                return Chosen.of(selection, lp, k.shape[1])
             return selection_lists(selection, lp, k.shape[1], work_item_segment(10, selection.numel()),
                                    entries=layout == "block")
 

@@ -6,18 +6,19 @@ The op's selected branch gathers each query's n selected blocks, or for short ro
 attention hiding the unselected blocks (tile_configs.selected_layout_for's layouts). FlexAttention can run it
 as dense flash attention that also skips what no query of a tile selected: a block mask whose KV blocks per
 query tile are the union of the tile's queries' selections (per KV head group, which shares a selection), and
-a mask_mod that keeps, per query, the causal keys of its own selected blocks. That does more products than
-the gather (the union over a tile against each query's n blocks) in a kernel that runs near the GPU's peak.
-For each length: the op's selected branch forward and forward + backward (ops.selected_attention, its chosen layout), FlexAttention compiled (inductor) forward
-and forward + backward, the block mask's build from a selection (once per forward in a model), the union's
-size (KV blocks a query tile visits against n), and the largest difference between the two outputs and
-their input gradients (the same function: only rounding may differ), also relative to the op's largest value.
-In a model the mask is built in every forward: the report's ratio counts it with FlexAttention's time.
-FlexAttention runs with its default kernel settings (not autotuned). The selection is the op's own
-(ops.select_blocks) over random inputs, whose selections spread wider than a trained model's. Results go
-to bench/results/selected_flex-<gpu>-<time>.json. --tiles FILE launches the op's kernels with a launch shapes
-file's shapes in place of the shipped ones (bench.tile_choice). Needs CUDA; --allow-cpu runs it at tiny sizes, FlexAttention
-eager and the Triton kernels under the interpreter, as a smoke test (times mean nothing there).
+a mask_mod that keeps, per query, the causal keys of its own selected blocks. That does more products than the
+gather (the union over a tile against each query's n blocks) in a kernel that runs near the GPU's peak. For
+each length: the op's selected branch forward and forward + backward (ops.selected_attention, its chosen
+layout), FlexAttention compiled (inductor) forward and forward + backward, the block mask's build from a
+selection (once per forward in a model), the union's size (KV blocks a query tile visits against n), and the
+largest difference between the two outputs and their input gradients (the same function: only rounding may
+differ), also relative to the op's largest value. In a model the mask is built in every forward: the report's
+ratio counts it with FlexAttention's time. FlexAttention runs with its default kernel settings (not
+autotuned). The selection is the op's own (ops.select_blocks) over random inputs, whose selections spread
+wider than a trained model's. Results go to bench/results/selected_flex-<gpu>-<time>.json. --tiles FILE
+launches the op's kernels with a launch shapes file's shapes in place of the shipped ones (bench.tile_choice).
+Needs CUDA; --allow-cpu runs it at tiny sizes, FlexAttention eager and the Triton kernels under the
+interpreter, as a smoke test (times mean nothing there).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def workloads(kernel: str, args, T: int, dtype: torch.dtype, device: str) -> dic
         branches = {"compressed": ((k_cmp, v_cmp), (d, l - 1, 0), {}), "window": ((k_win, v_win), (1, 0, w), {})}
         if kernel.startswith("interval") and tile_configs.masked_layout_pays(T, n, lp):
             # Rows this short run the selected branch on the interval kernels too (the masked layout).
-            chosen = Chosen.of(select_blocks_kernel(q, k_cmp, lse2_cmp, **hyper), lp)
+            chosen = Chosen.of(select_blocks_kernel(q, k_cmp, lse2_cmp, **hyper), lp, T)
             branches["selected"] = ((k_sel, v_sel), (1, 0, 0), {"chosen": chosen})
         if kernel == "interval_fwd":
             return {name: Workload(interval_attention_fwd, (q, *kv, *mask, scale), options)

@@ -73,8 +73,23 @@ def _assert_matches(mine, ref, dtype, what):
         assert _rel_rms(mine, ref) < 2e-3, f"{what}: relative RMS error {_rel_rms(mine, ref):.2e}"
 
 
-@pytest.mark.parametrize("B,T,H,Hkv,D,l,d,lp,n,w,dtype", CASES)
-def test_output_and_gradients_match_reference(B, T, H, Hkv, D, l, d, lp, n, w, dtype, selected_layouts):
+def _with_the_gather_layouts_too(cases):
+    """Each case as it is (the shipped layout rule), then, where that gives the selected branch its masked layout,
+    again with the masked layout off: the gather layouts (block- or query-major by group size) meet the same check."""
+    from components.nsa.triton.tile_configs import masked_layout_pays
+
+    shipped = [pytest.param(*c.values, False, id=c.id, marks=c.marks) for c in cases]
+    gather = [pytest.param(*c.values, True, id=f"{c.id}-gather", marks=c.marks) for c in cases
+              if masked_layout_pays(c.values[1], c.values[8], c.values[7])]
+    return shipped + gather
+
+
+@pytest.mark.parametrize("B,T,H,Hkv,D,l,d,lp,n,w,dtype,gather", _with_the_gather_layouts_too(CASES))
+def test_output_and_gradients_match_reference(B, T, H, Hkv, D, l, d, lp, n, w, dtype, gather, monkeypatch):
+    if gather:
+        from components.nsa.triton import tile_configs
+
+        monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", 0)
     hyper = _hyper(l, d, lp, n, w)
     xs = _make_inputs(B, T, H, Hkv, D, l, d, dtype)
     # The reference runs in fp32 on the very same (rounded) values.

@@ -15,6 +15,7 @@ from components.nsa.documents import document_slices
 from components.nsa.reference import compressed_attention, selected_attention, window_attention
 from components.nsa.selection import selection_scores_at
 from components.nsa.triton import nsa_attention_triton, ops, select_blocks_triton
+from components.nsa.triton.selected_attention_masked import selected_attention_fwd_masked
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,9 +122,9 @@ def test_branches_match_reference_in_the_selected_query_layout(T, H, Hkv, D, mon
                                         pytest.param(4096, 8, 2, 256, id="T4k-G4-D256"),
                                         pytest.param(None, None, None, None, id="packed")])
 def test_branches_match_reference_in_the_selected_masked_layout(T, H, Hkv, D, monkeypatch):
-    """The selected branch as causal flash attention hiding unselected blocks (selection_mask.py), forced at
-    lengths the default gives the gather layouts (it takes it for rows of at most 4 x n x l' = 4,096 keys): the
-    125M heads at 8k, packed documents, the widest heads."""
+    """The selected branch as causal flash attention hiding unselected blocks (selection_mask.py), forced: the 125M
+    heads at 8k and the packed 32k row (the default takes the gather layouts there: rows of more than 4 x n x l' =
+    4,096 keys), the widest heads at 4k."""
     from components.nsa.triton import tile_configs
 
     monkeypatch.setattr(tile_configs, "selected_layout_for", lambda *args, **kwargs: "masked")
@@ -231,6 +232,34 @@ def test_inductor_fullgraph_matches_eager():
     compiled = run(torch.compile(lambda *a: nsa_attention_triton(*a, **HYPER), fullgraph=True))
     for a, b in zip(compiled, eager):  # same kernels; only the fused fp32 gating may round differently
         assert _rel_rms(a, b) < 2e-3
+
+
+def test_inductor_fullgraph_packed_rows_with_max_seqlen_match_eager(monkeypatch):
+    """The model's call: 4 rows of 2k as one packed row with max_seqlen = 2048 (the masked layout), compiled with
+    the default backend at two lengths (the second symbolic), forward and backward equal to eager."""
+    from components.nsa import nsa_attention
+    from components.nsa.triton import ops
+
+    torch._dynamo.reset()
+    masked = []
+    monkeypatch.setattr(ops, "selected_attention_fwd_masked",
+                        lambda *a, **k: masked.append(1) or selected_attention_fwd_masked(*a, **k))
+    compiled_fn = torch.compile(lambda *a, **k: nsa_attention(*a, **k), fullgraph=True)
+    for rows in (4, 3):
+        T = 2048
+        xs = _inputs(rows * T, 8, 2, 64, lengths=[T] * rows)
+        cu_seqlens = torch.arange(0, rows * T + 1, T, device="cuda", dtype=torch.int32)
+        grad_out = torch.randn(1, rows * T, 8, 64, device="cuda", dtype=torch.bfloat16)
+
+        def run(fn):
+            out = fn(*xs, **HYPER, backend="triton", cu_seqlens=cu_seqlens, max_seqlen=T)
+            return [out] + list(torch.autograd.grad(out, xs, grad_out))
+
+        eager = run(nsa_attention)
+        compiled = run(compiled_fn)
+        for a, b in zip(compiled, eager):  # same kernels; only the fused fp32 gating may round differently
+            assert _rel_rms(a, b) < 2e-3
+    assert len(masked) == 4  # the masked layout's forward, eager and compiled, at both lengths
 
 
 def test_offsets_beyond_int32():

@@ -107,3 +107,20 @@ def test_a_backend_that_does_not_name_max_seqlen_is_not_passed_it():
         torch.testing.assert_close(out, nsa_attention(**packed, **HP, backend="reference", cu_seqlens=cu_seqlens))
     finally:
         unregister_backend("plain_for_test")
+
+
+@pytest.mark.parametrize("max_seqlen", [None, 20, 200], ids=["none-gather", "masked", "past-the-row-gather"])
+def test_the_selected_ops_pass_opcheck_with_max_seqlen(monkeypatch, max_seqlen):
+    """nsa_triton::selected_attention and its backward with the max_seqlen hint (a SymInt under torch.compile):
+    schema, fake kernels, autograd registration, in each layout it picks for a packed row of 58 keys."""
+    from components.nsa.triton import ops, tile_configs
+
+    monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", 1)  # rows of at most n x l' = 48 keys
+    q, k, v, do, sel, (cu_seqlens, _), scale, _ = layout_case([18, 20, 20], None, 4, 2, 16, 16, 3, torch.float32,
+                                                             seed=5)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(ops.selected_attention, (*leaves, sel, 16, scale, cu_seqlens, None, max_seqlen))
+    o, lse2 = (x.detach() for x in ops.selected_attention(*leaves, sel, 16, scale, cu_seqlens, None, max_seqlen))
+    detached = (x.detach() for x in (q, k, v))
+    torch.library.opcheck(ops.selected_attention_backward,
+                          (do, *detached, o, lse2, sel, 16, scale, cu_seqlens, None, max_seqlen))

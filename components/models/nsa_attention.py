@@ -146,6 +146,7 @@ class NSAAttention(nn.Module):
         B, Tl, _ = x.shape
         H, D = self.n_heads, self.head_dim
         q, p, k_cmp, v_cmp = self._context_inputs(x, cos, sin, context)
+        row_length = p.k_sel.shape[1] // B  # the whole rows' keys are gathered: every document lies in one row
         gates = self.gates(x).view(B, 2, Tl // 2, H, 3)
         out = []
         for half, chunk in enumerate(context.chunks):
@@ -160,7 +161,7 @@ class NSAAttention(nn.Module):
                 q[:, half].reshape(1, -1, H, D), pick(k_cmp, chunk.blocks), pick(v_cmp, chunk.blocks),
                 pick(p.k_sel, chunk.tokens), pick(p.v_sel, chunk.tokens), pick(p.k_win, chunk.tokens),
                 pick(p.v_win, chunk.tokens), gates[:, half].reshape(1, -1, H, 3), **self.hyper, backend=self.backend,
-                cu_seqlens=chunk.cu_seqlens, cu_seqlens_q=chunk.cu_seqlens_q,
+                cu_seqlens=chunk.cu_seqlens, cu_seqlens_q=chunk.cu_seqlens_q, max_seqlen=row_length,
             )
             out.append(o.view(B, Tl // 2, H, D))
         return self.wo(torch.stack(out, dim=1).reshape(B, Tl, H * D))

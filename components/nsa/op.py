@@ -49,14 +49,21 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_s
                             f"model.document_masking = false.")
         hyper["cu_seqlens"] = cu_seqlens  # passed only when given: a backend without packing keeps working
     if max_seqlen is not None:
-        # A SymInt under torch.compile once a length has changed.
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 1:
-            raise UserError(f"nsa_attention: max_seqlen must be a positive int (a bound on the documents' lengths), "
-                            f"not {max_seqlen!r}. Fix: pass the longest document's length or the row's, or leave it "
-                            f"out.")
+        _check_max_seqlen(max_seqlen)
         if chosen.takes_max_seqlen:
             hyper["max_seqlen"] = max_seqlen
     return chosen.attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper)
+
+
+def _check_max_seqlen(max_seqlen) -> None:
+    problem = (f"nsa_attention: max_seqlen must be a positive int (a bound on the documents' lengths), not "
+               f"{max_seqlen!r}. Fix: pass the longest document's length or the row's, or leave it out.")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)):
+        raise UserError(problem)
+    if torch.compiler.is_compiling():  # a size, or a value read from the device (.item()), symbolic: no branch on it
+        torch._check(max_seqlen >= 1, lambda: problem)
+    elif max_seqlen < 1:
+        raise UserError(problem)
 
 
 def nsa_attention_at(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int, block_size: int,

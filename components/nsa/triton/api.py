@@ -25,15 +25,15 @@ def _check_kernel_inputs(q: torch.Tensor) -> None:
 
 def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int, block_stride: int,
                          sel_block_size: int, num_selected: int, window_size: int,
-                         cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """o [B, T, H, D] in q's dtype; shapes and semantics (cu_seqlens included) as
+                         cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+    """o [B, T, H, D] in q's dtype; shapes and semantics (cu_seqlens and the max_seqlen hint included) as
     components.nsa.nsa_attention, inputs checked."""
     hyper = dict(block_size=block_size, block_stride=block_stride, sel_block_size=sel_block_size,
                  num_selected=num_selected, window_size=window_size)
     check_attention_call(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=0, cu_seqlens=cu_seqlens,
                          **hyper)
     return attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, cu_seqlens=cu_seqlens,
-                                       **hyper)
+                                       max_seqlen=max_seqlen, **hyper)
 
 
 def attention_on_checked_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_size: int,

@@ -64,8 +64,8 @@ def _visible_key_range(t_first, BLOCK_M, T, NK, KEY_STRIDE, KEY_OFFSET, WINDOW):
 
 @triton.jit
 def _selections(CHOSEN, b, hk, rows, rows_ok, scb, sct, sch, NUM_SEL, BLOCK_S: tl.constexpr):
-    """[rows, BLOCK_S] int32: the key blocks (counted from the document start) that the queries at these
-    rows of batch row b chose for KV group hk; -1 in unused and padding slots (selection_mask.Chosen)."""
+    """[rows, BLOCK_S] int16 or int32: the key blocks (counted from the document start) that the queries at
+    these rows of batch row b chose for KV group hk; -1 in unused and padding slots (selection_mask.Chosen)."""
     slots = tl.arange(0, BLOCK_S)
     at = CHOSEN + b * scb + rows.to(tl.int64)[:, None] * sct + hk * sch + slots[None, :]
     return tl.load(at, mask=rows_ok[:, None] & (slots < NUM_SEL)[None, :], other=-1)

@@ -16,7 +16,7 @@ def selected_attention_fwd_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   cu_seqlens_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse2) as selected_attention_fwd's."""
     return interval_attention_fwd(q, k, v, sm_scale=sm_scale, cu_seqlens=cu_seqlens, cu_seqlens_q=cu_seqlens_q,
-                                  chosen=Chosen.of(sel_idx, sel_block_size), **CAUSAL)
+                                  chosen=Chosen.of(sel_idx, sel_block_size, k.shape[1]), **CAUSAL)
 
 
 def selected_attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -25,6 +25,6 @@ def selected_attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Te
                                   cu_seqlens_q: torch.Tensor | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) as selected_attention_bwd's."""
-    chosen = Chosen.of(sel_idx, sel_block_size)
+    chosen = Chosen.of(sel_idx, sel_block_size, k.shape[1])
     return interval_attention_bwd(do, q, k, v, o, lse2, sm_scale=sm_scale, cu_seqlens=cu_seqlens,
                                   cu_seqlens_q=cu_seqlens_q, chosen=chosen, **CAUSAL)

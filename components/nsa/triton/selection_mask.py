@@ -7,8 +7,8 @@ each key block from the queries that did not select it: more products than the g
 kernels built like dense flash attention. Selections hold distinct blocks, so the masked sum is the
 gathered one.
 
-A program loads the n selected blocks of each of its queries once (as int32, counted from the
-document start) and, per key tile, tests whether the tile's block is among them: no mask to build or
+A program loads the n selected blocks of each of its queries once (as int16 where the blocks fit, counted
+from the document start) and, per key tile, tests whether the tile's block is among them: no mask to build or
 to size by a document's length, which a packed row's tables hold only on the device.
 """
 
@@ -22,13 +22,15 @@ from components.nsa.triton.tile_configs import next_pow2
 
 
 class Chosen(NamedTuple):
-    selection: torch.Tensor  # int32 [B, T, Hkv, n], contiguous; -1 for unused slots
+    selection: torch.Tensor  # int16 or int32 [B, T, Hkv, n], contiguous; -1 for unused slots
     sel_block_size: int
 
     @staticmethod
-    def of(sel_idx: torch.Tensor, sel_block_size: int) -> "Chosen":
-        """From a selection [B, T, Hkv, n] (block indices, -1 for unused slots)."""
-        return Chosen(sel_idx.to(torch.int32).contiguous(), sel_block_size)
+    def of(sel_idx: torch.Tensor, sel_block_size: int, num_keys: int) -> "Chosen":
+        """From a selection [B, T, Hkv, n] (block indices, -1 for unused slots) over rows of num_keys keys:
+        int16 where every block index fits (half the bytes each program loads per query), else int32."""
+        narrow = -(-num_keys // sel_block_size) <= torch.iinfo(torch.int16).max
+        return Chosen(sel_idx.to(torch.int16 if narrow else torch.int32).contiguous(), sel_block_size)
 
     def key_tile(self, block_n: int) -> int:
         """The key tile (at most block_n) that lies inside one selection block: the largest power of
