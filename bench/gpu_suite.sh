@@ -23,8 +23,8 @@
 #              candidates and its neighbours (time, determinism, result against the shipped shape's and the exact
 #              one): at 64k with the paper's heads the interval backward, then the selected branch's kernels and
 #              the selection; at 32 rows of 2k with the 125M heads the interval kernels (there also the selected
-#              branch's, in its masked layout) and the selection. Steps capped at 190, 140 and 140 s, each compiling its shapes'
-#              kernels first in eight processes. Only when named.
+#              branch's, in its masked layout) and the selection. Steps capped at 190, 140 and 140 s, each
+#              compiling its shapes' kernels first in eight processes. Only when named.
 #   tuned      python -m bench.tile_choice on this run's tiles results (name tiles before it): the fastest shape
 #              of each kernel that is deterministic, within 5e-3 of the exact result and 1.5x the shipped shape's
 #              own distance from it, and in the shipped selected layout, where it gains 3% or more; then, where a

@@ -138,7 +138,7 @@ def stage_tables(report: dict) -> list[str]:
     if layouts:
         lines += ["", "Selected branch, each layout (tile_configs.selected_layout_for):", "",
                   "| tokens | layout | fwd ms | bwd ms | lists ms (one build: block in fwd and bwd, query in bwd; "
-                  "masked: its mask, in both) | extra GiB fwd / bwd |",
+                  "masked: its narrow copy of the selection, in both) | extra GiB fwd / bwd |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for r in layouts:
             extra = (f"{r['fwd_extra_gib']:.2f} / {r['bwd_extra_gib']:.2f}" if "fwd_extra_gib" in r else "-")

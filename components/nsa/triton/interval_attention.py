@@ -79,9 +79,9 @@ def _chose(selections, block):
 
 @triton.jit
 def _interval_attn_fwd_kernel(
-    Q, K, V, O, LSE2, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sct, sch,
-    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, NUM_SEL, qk_scale,
+    Q, K, V, O, LSE2, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN, scb, sct, sch, SEL_BLOCK, NUM_SEL,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
+    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -132,9 +132,9 @@ def _interval_attn_fwd_kernel(
 
 @triton.jit
 def _interval_attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh, scb, sct, sch,
-    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, NUM_SEL, qk_scale, sm_scale,
+    Q, K, V, DO, LSE2, DELTA, DQ, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN, scb, sct, sch, SEL_BLOCK, NUM_SEL,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh,
+    T, NK, H, G, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -183,11 +183,10 @@ def _interval_attn_bwd_dq_kernel(
 
 @triton.jit
 def _interval_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, TILES, Q_STARTS, K_STARTS, Q_POS0, CHOSEN, scb, sct, sch, SEL_BLOCK, NUM_SEL,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
-    sdks, sdkb, sdkt, sdkh, sdvs, sdvb, sdvt, sdvh, scb, sct, sch,
-    T, NK, H, G, HO, NUM_ROWS, SPLIT_QUERIES, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, SEL_BLOCK, NUM_SEL,
-    qk_scale, sm_scale,
+    sdks, sdkb, sdkt, sdkh, sdvs, sdvb, sdvt, sdvh,
+    T, NK, H, G, HO, NUM_ROWS, SPLIT_QUERIES, NUM_TILES, KEY_STRIDE, KEY_OFFSET, WINDOW, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, PACKED: tl.constexpr, SELECTED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -293,12 +292,11 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     _interval_attn_fwd_kernel[flat_grid(num_tiles or cdiv(T, block_m), B * H)](
         q, k, v, o, lse2, *tables, *Chosen.arguments(chosen),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), *Chosen.strides(chosen),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         T, NK, H, H // Hkv, num_tiles, key_stride, key_offset, _effective_window(window, T, cu_seqlens_q is not None),
-        *Chosen.block(chosen), sm_scale * LOG2E,
+        sm_scale * LOG2E,
         D=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        PACKED=docs.packed, SELECTED=chosen is not None, BLOCK_S=Chosen.slots_block(chosen), num_warps=warps,
-        num_stages=stages,
+        PACKED=docs.packed, **Chosen.constants(chosen), num_warps=warps, num_stages=stages,
     )
     return o, lse2
 
@@ -325,7 +323,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     window = _effective_window(window, T, cu_seqlens_q is not None)
     docs = DocumentTables(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
     common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype), PACKED=docs.packed,
-                  SELECTED=chosen is not None, BLOCK_S=Chosen.slots_block(chosen))
+                  **Chosen.constants(chosen))
 
     block_m, block_n, warps, stages = tile_configs.tiles("interval_dq", head_block(D), q.element_size())
     block_n = chosen.key_tile(block_n) if chosen else block_n
@@ -334,8 +332,8 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         q, k, v, do, lse2, delta, dq, *tables, *Chosen.arguments(chosen),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2), *Chosen.strides(chosen),
-        T, NK, H, G, num_tiles, key_stride, key_offset, window, *Chosen.block(chosen), sm_scale * LOG2E, sm_scale,
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        T, NK, H, G, num_tiles, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
     if NK == 0:
@@ -363,9 +361,8 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         q, k, v, do, lse2, delta, dk_out, dv_out, *tables, *Chosen.arguments(chosen),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        *dk_out.stride()[:4], *dv_out.stride()[:4], *Chosen.strides(chosen),
-        T, NK, H, G, HO, B * HO, split_queries, num_tiles, key_stride, key_offset, window, *Chosen.block(chosen),
-        sm_scale * LOG2E, sm_scale,
+        *dk_out.stride()[:4], *dv_out.stride()[:4],
+        T, NK, H, G, HO, B * HO, split_queries, num_tiles, key_stride, key_offset, window, sm_scale * LOG2E, sm_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
     if partials:

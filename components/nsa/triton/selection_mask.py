@@ -40,22 +40,19 @@ class Chosen(NamedTuple):
             tile //= 2
         return tile
 
-    # The kernels' arguments, with stand-ins where no selection masks the keys (the compressed and window branches).
+    # The interval kernels' arguments, with stand-ins where no selection masks the keys (the compressed and window
+    # branches).
     @staticmethod
     def arguments(chosen: "Chosen | None") -> tuple:
-        return (None if chosen is None else chosen.selection,)
+        """(CHOSEN, its strides of the batch row, query and KV group (a query's slots are contiguous),
+        SEL_BLOCK, NUM_SEL)."""
+        if chosen is None:
+            return None, 0, 0, 0, 0, 0
+        return (chosen.selection, *chosen.selection.stride()[:3], chosen.sel_block_size, chosen.selection.shape[-1])
 
     @staticmethod
-    def strides(chosen: "Chosen | None") -> tuple[int, int, int]:
-        """Strides of the batch row, query and KV group; a query's slots are contiguous."""
-        return (0, 0, 0) if chosen is None else chosen.selection.stride()[:3]
-
-    @staticmethod
-    def block(chosen: "Chosen | None") -> tuple[int, int]:
-        """(sel_block_size, n)."""
-        return (0, 0) if chosen is None else (chosen.sel_block_size, chosen.selection.shape[-1])
-
-    @staticmethod
-    def slots_block(chosen: "Chosen | None") -> int:
-        """The slots a program loads per query: n padded to a power of two."""
-        return 2 if chosen is None else max(2, next_pow2(chosen.selection.shape[-1]))
+    def constants(chosen: "Chosen | None") -> dict:
+        """SELECTED, and BLOCK_S: the slots a program loads per query, n padded to a power of two."""
+        if chosen is None:
+            return {"SELECTED": False, "BLOCK_S": 2}
+        return {"SELECTED": True, "BLOCK_S": max(2, next_pow2(chosen.selection.shape[-1]))}
