@@ -287,7 +287,7 @@ def interval_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     k, v = _nonempty(k, v)
     block_m, block_n, warps, stages = tile_configs.tiles("interval_fwd", head_block(D), q.element_size())
     block_n = chosen.key_tile(block_n) if chosen else block_n
-    docs = DocumentTables(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
+    docs = DocumentTables.of(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
     *tables, num_tiles = docs.tiles(block_m, T)
     _interval_attn_fwd_kernel[flat_grid(num_tiles or cdiv(T, block_m), B * H)](
         q, k, v, o, lse2, *tables, *Chosen.arguments(chosen),
@@ -321,7 +321,7 @@ def interval_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     delta = softmax_delta(do, o)  # [B, H, T]
     k, v = _nonempty(k, v)
     window = _effective_window(window, T, cu_seqlens_q is not None)
-    docs = DocumentTables(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
+    docs = DocumentTables.of(cu_seqlens, key_stride, key_offset, cu_seqlens_q)
     common = dict(D=D, BLOCK_D=head_block(D), PRECISION=dot_precision(q.dtype), PACKED=docs.packed,
                   **Chosen.constants(chosen))
 

@@ -18,13 +18,58 @@ query position (its key count minus its query count; 0 without offsets and for t
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from components.nsa.triton.tile_configs import cdiv
 
 Tensor = torch.Tensor
+Built = TypeVar("Built")
+
+# Tables kept by their offsets tensors. A model passes one cu_seqlens to every layer, and each layer's forward
+# and backward launch some ten kernels over it: building the same tables for each launch was ~450 small device
+# ops a packed layer (host time and tiny kernels, every layer of every step). They are built again after an
+# in-place change of either tensor (its version counter), and never kept from inside a CUDA graph capture (a
+# table the graph allocated is the graph's), for an inference tensor (no version counter) or a tensor subclass.
+# Weak keys: an entry goes with its tensor, so a later tensor at the same address is never taken for it.
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cu_seqlens -> _Kept
+
+
+class _Kept:
+    def __init__(self, version: int):
+        self.version = version
+        self.without_queries: dict = {}  # key -> what build gave
+        self.by_queries = WeakIdKeyDictionary()  # cu_seqlens_q -> (its version, {key -> what build gave})
+
+
+def _keepable(t: Tensor | None) -> bool:
+    if t is None:
+        return True
+    if type(t) is not torch.Tensor or t.is_inference():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def kept(cu_seqlens: Tensor, cu_seqlens_q: Tensor | None, key: tuple, build: Callable[[], Built]) -> Built:
+    """build(), made once per (cu_seqlens, cu_seqlens_q) tensors, their versions and `key` (which names what
+    build makes and every other argument it reads). What build returns must not hold either tensor."""
+    if not (_keepable(cu_seqlens) and _keepable(cu_seqlens_q)):
+        return build()
+    entry = _KEPT.get(cu_seqlens)
+    if entry is None or entry.version != cu_seqlens._version:
+        entry = _KEPT[cu_seqlens] = _Kept(cu_seqlens._version)
+    if cu_seqlens_q is None:
+        tables = entry.without_queries
+    else:
+        held = entry.by_queries.get(cu_seqlens_q)
+        if held is None or held[0] != cu_seqlens_q._version:
+            held = entry.by_queries[cu_seqlens_q] = (cu_seqlens_q._version, {})
+        tables = held[1]
+    if key not in tables:
+        tables[key] = build()
+    return tables[key]
 
 
 def document_starts(cu_seqlens: Tensor) -> Tensor:
@@ -118,11 +163,24 @@ class DocumentTables:
         self.q_starts = document_starts(queries) if self.packed else None
         self.k_starts = key_starts(cu_seqlens, key_stride, key_offset) if self.packed else None
         self.q_pos0 = query_positions_zero(cu_seqlens, cu_seqlens_q) if self.packed else None
+        self._tile_tables: dict[tuple[int, int, bool], Tensor] = {}
+
+    @classmethod
+    def of(cls, cu_seqlens: Tensor | None, key_stride: int, key_offset: int,
+           cu_seqlens_q: Tensor | None = None) -> DocumentTables:
+        """The tables of these offsets tensors, kept with them (see `kept`): one set for every layer and launch."""
+        if cu_seqlens is None:
+            return cls(None, key_stride, key_offset)
+        return kept(cu_seqlens, cu_seqlens_q, ("documents", key_stride, key_offset),
+                    lambda: cls(cu_seqlens, key_stride, key_offset, cu_seqlens_q))
 
     def tiles(self, block: int, total: int, over_keys: bool = False) -> tuple:
         """(tile table, query starts, key starts, first query positions, tiles in the table) for tiles
         of `block` queries (or keys) out of `total`; all None without packing."""
         if not self.packed:
             return None, None, None, None, None
-        table = tile_table(self.k_starts if over_keys else self.q_starts, block, total)
+        table = self._tile_tables.get((block, total, over_keys))
+        if table is None:
+            table = tile_table(self.k_starts if over_keys else self.q_starts, block, total)
+            self._tile_tables[block, total, over_keys] = table
         return table, self.q_starts, self.k_starts, self.q_pos0, table.shape[1]

@@ -17,7 +17,7 @@ import triton.language as tl
 from components.nsa.triton import tile_configs
 from components.nsa.triton.launch import LOG2E, dot_precision, flat_grid
 from components.nsa.triton.tile_configs import cdiv, head_block, next_pow2
-from components.nsa.triton.packing import query_token_table
+from components.nsa.triton.packing import kept, query_token_table
 from components.nsa.triton.tiles import (grid_position, load_rows, online_softmax_step, softmax_result,
                                          token_in_document)
 
@@ -72,7 +72,10 @@ def _selected_attn_fwd_kernel(
 def query_documents(cu_seqlens: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                     num_queries: int) -> torch.Tensor | None:
     """The kernels' TOKEN_TABLE (packing.query_token_table), or None for one unpacked row."""
-    return None if cu_seqlens is None else query_token_table(cu_seqlens, cu_seqlens_q, num_queries)
+    if cu_seqlens is None:
+        return None
+    return kept(cu_seqlens, cu_seqlens_q, ("query tokens", num_queries),
+                lambda: query_token_table(cu_seqlens, cu_seqlens_q, num_queries))
 
 
 def forward_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -138,7 +138,8 @@ def select_blocks_kernel(q: torch.Tensor, k_cmp: torch.Tensor, lse2_cmp: torch.T
         k_cmp = q.new_zeros(B, 1, HKV, D)  # every load is masked off; the kernel only needs an address
     top_pad, block_c, chunk = _chunk_sizes(block_size, block_stride, sel_block_size, num_selected)
     tiles = tile_configs.tiles("selection", head_block(D), q.element_size())
-    *tables, num_tiles = DocumentTables(cu_seqlens, block_stride, block_size - 1, cu_seqlens_q).tiles(tiles.rows, T)
+    docs = DocumentTables.of(cu_seqlens, block_stride, block_size - 1, cu_seqlens_q)
+    *tables, num_tiles = docs.tiles(tiles.rows, T)
     _select_blocks_kernel[flat_grid(num_tiles or cdiv(T, tiles.rows), B * HKV)](
         q, k_cmp, lse2_cmp, out, *tables,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),

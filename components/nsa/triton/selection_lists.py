@@ -27,7 +27,7 @@ import triton.language as tl
 
 from components.errors import UserError
 from components.nsa.triton.tile_configs import cdiv
-from components.nsa.triton.packing import document_starts, selection_blocks
+from components.nsa.triton.packing import SelectionBlocks, document_starts, kept, selection_blocks
 from components.nsa.triton.tiles import grid_position
 
 Tensor = torch.Tensor
@@ -47,6 +47,14 @@ class SelectionLists(NamedTuple):
     starts: Tensor | None  # packed: each document's first key, then the end twice; else None
 
 
+def _document_blocks(cu_seqlens: Tensor, cu_seqlens_q: Tensor | None, sel_block_size: int, num_keys: int,
+                     num_queries: int) -> tuple[Tensor, SelectionBlocks]:
+    """(each document's first key, then the end twice; the documents' selection blocks)."""
+    starts = document_starts(cu_seqlens)
+    query_starts = starts if cu_seqlens_q is None else document_starts(cu_seqlens_q)
+    return starts, selection_blocks(starts, sel_block_size, num_keys, query_starts, num_queries)
+
+
 def selection_lists(sel_idx: Tensor, sel_block_size: int, num_keys: int, segment: int,
                     cu_seqlens: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
                     entries: bool = False) -> SelectionLists:
@@ -59,9 +67,10 @@ def selection_lists(sel_idx: Tensor, sel_block_size: int, num_keys: int, segment
         raise UserError(f"the selected branch's block layout numbers {sel_idx.numel()} (query, slot) entries, more "
                         f"than its int32 tables hold ({MAX_ENTRIES}); use a smaller batch or sequence per step")
     if cu_seqlens is not None:
-        starts = document_starts(cu_seqlens)
-        query_starts = starts if cu_seqlens_q is None else document_starts(cu_seqlens_q)
-        blocks, token_first_block = selection_blocks(starts, sel_block_size, num_keys, query_starts, T)
+        starts, (blocks, token_first_block) = kept(cu_seqlens, cu_seqlens_q, ("selection blocks", sel_block_size,
+                                                                              num_keys, T),
+                                                   lambda: _document_blocks(cu_seqlens, cu_seqlens_q, sel_block_size,
+                                                                            num_keys, T))
         num_sel_blocks = blocks.shape[1]
     else:
         starts = blocks = token_first_block = None
