@@ -50,6 +50,70 @@ def test_masked_layout_equals_query_major(lengths, counts, H, Hkv, D, lp, n, dty
         torch.testing.assert_close(mine, ref, **tol, msg=name)
 
 
+def test_masked_layout_equals_query_major_on_several_rows():
+    """Rows of a batch with selections of their own: each program reads its own row's."""
+    rows = [layout_case([45], None, 6, 2, 16, 16, 3, torch.float32, seed=seed) for seed in (1, 2)]
+    q, k, v, do, sel = (torch.cat([row[i] for row in rows]) for i in range(5))
+    assert not torch.equal(sel[0], sel[1])
+    scale, tol = rows[0][6], rows[0][7]
+    o_ref, lse_ref = selected_attention_fwd(q, k, v, sel, 16, scale)
+    o, lse = selected_attention_fwd_masked(q, k, v, sel, 16, scale)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(o, o_ref, **tol)
+    grads_ref = selected_attention_bwd(do, q, k, v, o_ref, lse_ref, sel, 16, scale, dq_layout="query")
+    grads = selected_attention_bwd_masked(do, q, k, v, o_ref, lse_ref, sel, 16, scale)
+    for name, mine, ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        torch.testing.assert_close(mine, ref, **tol, msg=name)
+
+
+@pytest.mark.parametrize("per_head, split_queries", [(False, None), (True, None), (False, 7), (True, 7)],
+                         ids=["group-programs", "head-programs", "group-programs-split", "head-programs-split"])
+@pytest.mark.parametrize("packed", [False, True], ids=["one-row", "packed"])
+def test_the_masked_dkdv_equals_query_major_in_every_work_split(per_head, split_queries, packed):
+    """The dK/dV kernel's programs per KV group (summing the group's heads themselves) or per query head (summed
+    afterwards), each over all the queries that see its key tile or over runs of them: the default picks one by
+    the amount of parallelism, so short test rows would reach only some."""
+    from components.nsa.triton.interval_attention import interval_attention_bwd
+    from components.nsa.triton.selected_attention_masked import CAUSAL
+
+    lengths = [30, 1, 40] if packed else [70]
+    q, k, v, do, sel, docs, scale, tol = layout_case(lengths, None, 6, 2, 16, 16, 3, torch.float32, seed=11)
+    o, lse = selected_attention_fwd(q, k, v, sel, 16, scale, *docs)
+    _, dk_ref, dv_ref = selected_attention_bwd(do, q, k, v, o, lse, sel, 16, scale, *docs, dq_layout="query")
+    _, dk, dv = interval_attention_bwd(do, q, k, v, o, lse, sm_scale=scale, cu_seqlens=docs[0] if docs else None,
+                                       chosen=Chosen.of(sel, 16, k.shape[1]), per_head=per_head,
+                                       split_queries=split_queries, **CAUSAL)
+    torch.testing.assert_close(dk, dk_ref, **tol)
+    torch.testing.assert_close(dv, dv_ref, **tol)
+
+
+def test_selections_of_rows_past_int16_blocks_are_int32():
+    """Block numbers past int16 (rows of more than 32,767 selection blocks) are kept as int32, and the kernels
+    read them as such: the masked layout on a selection stored wide equals the narrow one."""
+    sel = torch.tensor([[[[0, 5, -1]]]])
+    assert Chosen.of(sel, 16, 16 * 32767).selection.dtype == torch.int16
+    assert Chosen.of(sel, 16, 16 * 32767 + 1).selection.dtype == torch.int32
+    q, k, v, do, sel, _, scale, tol = layout_case([45], None, 6, 2, 16, 16, 3, torch.float32, seed=3)
+    from components.nsa.triton.interval_attention import interval_attention_fwd
+    from components.nsa.triton.selected_attention_masked import CAUSAL
+
+    narrow = interval_attention_fwd(q, k, v, sm_scale=scale, chosen=Chosen.of(sel, 16, 45), **CAUSAL)
+    wide = interval_attention_fwd(q, k, v, sm_scale=scale, chosen=Chosen(sel.to(torch.int32), 16), **CAUSAL)
+    for a, b in zip(narrow, wide):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("lp, fits", [(8, False), (24, False), (40, False), (16, True), (48, True), (64, True)])
+def test_the_masked_layout_needs_key_tiles_of_16_inside_a_block(lp, fits):
+    """tl.dot's tiles are 16 keys or more: a selection block of 8 (or not a multiple of 16) keeps the gather
+    layouts however short the row. (The interpreter would run 8-key tiles; a GPU build would not.)"""
+    from components.nsa.triton import tile_configs
+
+    assert tile_configs.masked_layout_fits(lp) is fits
+    layout = tile_configs.selected_layout_for(64, 6, 2, 2, 16, lp, 4, row_keys=lp)
+    assert (layout == "masked") is fits
+
+
 @pytest.mark.parametrize("block_n, lp, tile", [(64, 64, 64), (128, 64, 64), (64, 48, 16), (32, 96, 32), (64, 16, 16)])
 def test_a_key_tile_lies_inside_one_selection_block(block_n, lp, tile):
     assert Chosen(torch.empty(0), lp).key_tile(block_n) == tile
@@ -116,6 +180,7 @@ def test_the_selected_ops_pass_opcheck_with_max_seqlen(monkeypatch, max_seqlen):
     from components.nsa.triton import ops, tile_configs
 
     monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", 1)  # rows of at most n x l' = 48 keys
+    calls = spy_on_layouts(monkeypatch)
     q, k, v, do, sel, (cu_seqlens, _), scale, _ = layout_case([18, 20, 20], None, 4, 2, 16, 16, 3, torch.float32,
                                                              seed=5)
     leaves = [x.requires_grad_() for x in (q, k, v)]
@@ -124,3 +189,34 @@ def test_the_selected_ops_pass_opcheck_with_max_seqlen(monkeypatch, max_seqlen):
     detached = (x.detach() for x in (q, k, v))
     torch.library.opcheck(ops.selected_attention_backward,
                           (do, *detached, o, lse2, sel, 16, scale, cu_seqlens, None, max_seqlen))
+    assert set(calls) == ({"masked"} if max_seqlen == 20 else {"forward"})  # G = 2: the block layout's gather
+
+
+def test_a_max_seqlen_read_from_a_shape_compiles_and_picks_the_layout(monkeypatch):
+    """Under torch.compile (fullgraph, the default inductor backend, dynamic shapes) max_seqlen taken from a
+    size is a SymInt: the op still picks the masked layout from it, both ways, at two lengths, with the eager
+    op's numbers."""
+    from components.nsa import nsa_attention
+    from tests.test_nsa_packed import HP, ORDER, _documents, _grad_out, _output_and_grads, _packed
+
+    def attention(cu_seqlens, *xs):
+        return nsa_attention(*xs, **HP, backend="triton", cu_seqlens=cu_seqlens, max_seqlen=xs[0].shape[1])
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(attention, fullgraph=True, dynamic=True)
+    calls = spy_on_layouts(monkeypatch)
+    for lengths in ([20, 17], [25, 20]):
+        docs = _documents(lengths, dtype=torch.float32, device=DEVICE)
+        packed, cu_seqlens = _packed(docs)
+        grad_o = _grad_out(docs)
+        inputs = [packed[name] for name in ORDER]
+        out = compiled(cu_seqlens, *inputs)
+        mine = [out.detach(), *torch.autograd.grad(out, inputs, grad_o)]
+        assert calls == ["masked", "masked"], lengths
+        calls.clear()
+        eager = _output_and_grads(packed, grad_o, "triton", cu_seqlens)
+        for name, a, b in zip(("o",) + ORDER, mine, eager):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+        calls.clear()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for both lengths
