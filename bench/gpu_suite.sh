@@ -171,12 +171,13 @@ check_group_tests_kernels() {
   gpu_tests kernels tests/test_nsa_triton_gpu.py
 }
 check_group_tests_op() {
-  gpu_tests op tests/test_nsa_triton.py
+  gpu_tests op tests/test_nsa_triton.py tests/test_nsa_triton_masked.py
 }
 check_group_tests_more() {
   gpu_tests more tests/test_nsa_triton_compile.py tests/test_nsa_triton_block_major.py tests/test_nsa_triton_gating.py \
     tests/test_dense_documents_gpu.py tests/test_nsa_packed.py tests/test_bitonic_sort.py tests/test_loss_kernels.py \
-    tests/test_output_head.py tests/test_nsa_triton_packing_kept.py
+    tests/test_output_head.py tests/test_nsa_triton_packing_kept.py tests/test_nsa_query_offsets.py \
+    tests/test_nsa_opcheck.py
 }
 check_group_train() {
   step train_200_steps 240 "${debug_run[@]}" --compile.enable=true --training.steps=200 \

@@ -34,22 +34,22 @@ def _layout(x: torch.Tensor, layout: str, gen: torch.Generator) -> torch.Tensor:
         return x
     B, T, H, D = x.shape
     if layout == "fused_projection":  # a slice of a wider [B, T, H, 3D] buffer: last dim dense, others strided
-        wide = torch.randn(B, T, H, 3 * D, generator=gen, dtype=x.dtype)
+        wide = torch.randn(B, T, H, 3 * D, generator=gen, dtype=x.dtype).to(x.device)
         wide[..., D:2 * D] = x
         return wide[..., D:2 * D].detach().requires_grad_(x.requires_grad)
     # stored as [B, H, D, T]: no dim is dense
     return x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2).detach().requires_grad_(x.requires_grad)
 
 
-def _inputs(shape, layout: str, dtype=torch.float32, requires_grad=True, lengths=None):
-    """The op's inputs for shape; with document lengths (B = 1), k_cmp / v_cmp hold their blocks."""
+def _inputs(shape, layout: str, dtype=torch.float32, requires_grad=True, lengths=None, device="cpu"):
+    """The op's inputs for shape on `device`; with document lengths (B = 1), k_cmp / v_cmp hold their blocks."""
     B, T, H, Hkv, D, l, d, lp, n, w = shape
     gen = torch.Generator().manual_seed(T)
     Tc = sum(num_compressed_blocks(length, l, d) for length in (lengths or [T]))
     shapes = dict(q=(B, T, H, D), k_cmp=(B, Tc, Hkv, D), v_cmp=(B, Tc, Hkv, D), k_sel=(B, T, Hkv, D),
                   v_sel=(B, T, Hkv, D), k_win=(B, T, Hkv, D), v_win=(B, T, Hkv, D))
-    xs = {name: torch.randn(*s, generator=gen).to(dtype) for name, s in shapes.items()}
-    xs["gates"] = torch.rand(B, T, H, 3, generator=gen).to(dtype)
+    xs = {name: torch.randn(*s, generator=gen).to(device, dtype) for name, s in shapes.items()}
+    xs["gates"] = torch.rand(B, T, H, 3, generator=gen).to(device, dtype)
     out = {}
     for name, x in xs.items():
         x.requires_grad_(requires_grad)
@@ -76,6 +76,7 @@ triton_only = pytest.mark.skipif(
     not (torch.cuda.is_available() or interpreting()),
     reason="Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)",
 )
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton ops' (the interpreter's on CPU tensors)
 
 
 # The interpreter runs each program in Python: the largest shape (B*T = 38) takes the plain layout only.
@@ -86,7 +87,7 @@ TRITON_CASES += [(SHAPES[1], "contiguous")]
 @triton_only
 @pytest.mark.parametrize("shape, layout", TRITON_CASES, ids=[f"{_id(s)}-{lay}" for s, lay in TRITON_CASES])
 def test_triton_ops(shape, layout):
-    xs, hp = _inputs(shape, layout)
+    xs, hp = _inputs(shape, layout, device=DEVICE)
     _opcheck_triton_ops(xs, hp, layout)
 
 
@@ -94,8 +95,8 @@ def test_triton_ops(shape, layout):
 def test_triton_ops_with_cu_seqlens():
     """Packed documents (a document of one token, one without a compressed block), strided inputs."""
     lengths = [9, 1, 22]
-    xs, hp = _inputs((1, sum(lengths), 2, 1, 8, 8, 4, 8, 2, 6), "fused_projection", lengths=lengths)
-    _opcheck_triton_ops(xs, hp, "fused_projection", torch.tensor([0, 9, 10, 32]))
+    xs, hp = _inputs((1, sum(lengths), 2, 1, 8, 8, 4, 8, 2, 6), "fused_projection", lengths=lengths, device=DEVICE)
+    _opcheck_triton_ops(xs, hp, "fused_projection", torch.tensor([0, 9, 10, 32], device=DEVICE))
 
 
 def _opcheck_triton_ops(xs, hp, layout, cu_seqlens=None):
@@ -111,7 +112,7 @@ def _opcheck_triton_ops(xs, hp, layout, cu_seqlens=None):
     for k, v, mask in ((k_cmp, v_cmp, (d, l - 1, 0)), (k_sel, v_sel, (1, 0, w))):
         torch.library.opcheck(ops.interval_attention, (q, k, v, *mask, scale, cu_seqlens))
         o, lse2 = (x.detach() for x in ops.interval_attention(q, k, v, *mask, scale, cu_seqlens))
-        do = _layout(torch.randn(*o.shape, generator=gen), layout, gen).detach()
+        do = _layout(torch.randn(*o.shape, generator=gen).to(q.device), layout, gen).detach()
         args = (do, q.detach(), k.detach(), v.detach(), o, lse2, *mask, scale, cu_seqlens)
         torch.library.opcheck(ops.interval_attention_backward, args)
 
@@ -122,6 +123,6 @@ def _opcheck_triton_ops(xs, hp, layout, cu_seqlens=None):
     selection = ops.select_blocks(*args)
     torch.library.opcheck(ops.selected_attention, (q, k_sel, v_sel, selection, lp, scale, cu_seqlens))
     o, lse2 = (x.detach() for x in ops.selected_attention(q, k_sel, v_sel, selection, lp, scale, cu_seqlens))
-    do = _layout(torch.randn(*o.shape, generator=gen), layout, gen).detach()
+    do = _layout(torch.randn(*o.shape, generator=gen).to(q.device), layout, gen).detach()
     args = (do, q.detach(), k_sel.detach(), v_sel.detach(), o, lse2, selection, lp, scale, cu_seqlens)
     torch.library.opcheck(ops.selected_attention_backward, args)
