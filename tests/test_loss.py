@@ -35,6 +35,23 @@ def test_matches_fp32_cross_entropy_and_its_gradient(dtype, chunk_rows, monkeypa
     assert (mine_grad[0, ::5] == 0).all()  # ignored targets give no gradient
 
 
+@pytest.mark.parametrize("width", [128, 101 + loss_module.PADDING_LIMIT + 99], ids=["padded-rows", "slice-of-wider"])
+def test_rows_wider_than_the_vocabulary_match_fp32_cross_entropy(width, monkeypatch):
+    """The chunked form on a view of wider rows: an output layer's padded rows keep their layout in the gradient,
+    a slice of some wider tensor gets a dense gradient."""
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 16 * 101)
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 37, width, generator=g) * 4)[..., :101].detach().requires_grad_()
+    targets = torch.randint(0, 101, (3, 37), generator=g)
+    mine = token_cross_entropy_sum(logits, targets)
+    (mine_grad,) = torch.autograd.grad(mine, logits)
+    ref = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+    (ref_grad,) = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(mine_grad, ref_grad, rtol=0, atol=1e-6)
+    assert mine_grad.stride() == (logits.stride() if width == 128 else (37 * 101, 101, 1))
+
+
 def test_saves_the_logits_and_one_float_per_row_only():
     logits, targets = _case(torch.bfloat16, rows=3 * 200, vocab=1000)
     saved = []

@@ -43,17 +43,22 @@ def _reference(logits, targets, grad_out):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("padded_to", [None, 128], ids=["rows", "padded-rows"])
+@pytest.mark.parametrize("padded_to", [None, 128, 101 + loss_module.PADDING_LIMIT + 99],
+                         ids=["rows", "padded-rows", "slice-of-wider-rows"])
 def test_loss_and_gradient_match_fp32_cross_entropy(kernels, dtype, padded_to):
+    """Rows padded a few columns (an output layer's aligned rows) get their gradient in that layout; a slice of
+    wider rows (some other tensor's columns) a dense gradient of its own."""
     logits, targets = _case(dtype, padded_to=padded_to)
-    assert (logits.stride(-2) == 128) == (padded_to is not None)
+    assert logits.stride(-2) == (padded_to or 101)
     grad_out = torch.tensor(0.37, device=DEVICE)
     mine = token_cross_entropy_sum(logits, targets)
     (mine_grad,) = torch.autograd.grad(mine, logits, grad_out)
     ref, ref_grad = _reference(logits, targets, grad_out)
     assert mine.dtype == torch.float32 and mine.shape == ()
     torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-4)
-    assert mine_grad.dtype == dtype and mine_grad.stride() == logits.stride()  # the gradient keeps padded rows
+    padded = padded_to is not None and padded_to < 101 + loss_module.PADDING_LIMIT
+    assert mine_grad.dtype == dtype
+    assert mine_grad.stride() == (logits.stride() if padded else (9 * 101, 101, 1))
     # The same fp32 gradient, rounded to the logits' dtype once.
     tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-10, atol=1e-6)
     torch.testing.assert_close(mine_grad.float(), ref_grad.float(), **tol)
@@ -113,9 +118,20 @@ def test_no_rows_is_zero(kernels):
     assert total.item() == 0.0 and logits.grad.shape == (0, 7)
 
 
+def _spy_on_kernels(monkeypatch) -> list[str]:
+    """The names of the loss kernels' launchers as they are called."""
+    calls = []
+    for name in ("row_losses", "row_gradients"):
+        launcher = getattr(loss_kernels, name)
+        monkeypatch.setattr(loss_kernels, name,
+                            lambda *args, _name=name, _launcher=launcher: calls.append(_name) or _launcher(*args))
+    return calls
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_the_loss_runs_its_kernels_in_bf16_at_gpt2s_vocabulary():
+def test_on_a_gpu_the_loss_runs_its_kernels_in_bf16_at_gpt2s_vocabulary(monkeypatch):
     """What a GPU training step runs (no forcing, the shipped block size): GPT-2's 50,257 columns, bf16."""
+    calls = _spy_on_kernels(monkeypatch)
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(64, 50257, generator=g) * 4).to(torch.bfloat16).cuda().requires_grad_()
     targets = torch.randint(0, 50257, (64,), generator=g).cuda()
@@ -127,6 +143,32 @@ def test_on_a_gpu_the_loss_runs_its_kernels_in_bf16_at_gpt2s_vocabulary():
     (ref_grad,) = torch.autograd.grad(ref, logits, grad_out)
     torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-3)
     torch.testing.assert_close(mine_grad.float(), ref_grad.float(), rtol=2**-7, atol=1e-7)
+    assert calls == ["row_losses", "row_gradients"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_rows_past_two_to_the_31_elements_are_their_own(monkeypatch):
+    """A training step's logits (65,536 rows of GPT-2's vocabulary in padded rows of 50,304, bf16) span more than
+    2**31 elements: the last rows' losses and gradients are read and written where those rows stand."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 24 * 2**30:
+        pytest.skip(f"needs 24 GiB of free GPU memory, {free / 2**30:.1f} free")
+    calls = _spy_on_kernels(monkeypatch)
+    rows, vocab = 65536, 50257
+    torch.manual_seed(0)
+    logits = torch.randn(rows, 50304, device="cuda", dtype=torch.bfloat16)[:, :vocab].mul_(4).detach()
+    logits.requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    tail = slice(rows - 8, rows)
+    losses = token_cross_entropy(logits.detach(), targets)[tail]
+    (grad,) = torch.autograd.grad(token_cross_entropy_sum(logits, targets), logits)
+    assert logits.storage_offset() + (rows - 1) * logits.stride(0) >= 2**31
+    last = logits.detach()[tail].float().requires_grad_()
+    ref = F.cross_entropy(last, targets[tail], reduction="none")
+    (ref_grad,) = torch.autograd.grad(ref.sum(), last)
+    torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad[tail].float(), ref_grad, rtol=2**-7, atol=1e-7)
+    assert calls == ["row_losses", "row_losses", "row_gradients"]
 
 
 _COMPILE = """
