@@ -120,12 +120,20 @@ def _no_run_written_into_the_checkout():
 def selected_layouts(request, monkeypatch):
     """Runs a Triton test twice: with the shipped layout rule (short rows take the selected branch's masked layout,
     tile_configs.masked_layout_pays) and with the masked layout off, so the gather layouts (block- or query-major
-    by group size) meet the same checks on the same short rows."""
+    by group size) meet the same checks on the same short rows. Each run asserts that it took its layouts: a test
+    whose rows grew past the masked layout's would otherwise stop covering it in silence."""
+    from tests.test_nsa_triton_block_major import spy_on_layouts
+
     if request.param == "gather":
         from components.nsa.triton import tile_configs
 
         monkeypatch.setattr(tile_configs, "MASKED_LAYOUT_MAX_ROW", 0)
-    return request.param
+    calls = spy_on_layouts(monkeypatch)
+    yield request.param
+    if request.param == "shipped":
+        assert "masked" in calls, f"the shipped rule never took the masked layout: {calls}"
+    else:
+        assert calls and "masked" not in calls, f"the masked layout ran with it off, or no layout did: {calls}"
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from bench import tile_choice
 from bench.launch_shapes import LaunchShape, read_shapes
@@ -233,3 +234,27 @@ def test_rows_that_take_the_masked_layout_time_the_interval_kernels_on_the_selec
     assert {r["branch"] for r in rows} == {"compressed", "window", "selected"}
     selected = [r for r in rows if r["branch"] == "selected"]
     assert len(selected) > 2 and all(r["deterministic"] and 0 < r["rel_rms_exact"] < 2e-3 for r in selected)
+
+
+def test_the_selected_workload_is_the_selected_branch():
+    """The interval kernels' "selected" workload computes the selected branch (the masked layout of the selection
+    it made), not causal attention: with SELECTED a constant of the kernels' build, tuning it would otherwise time
+    another kernel."""
+    from bench import tile_variants
+    from components.nsa.triton.launch import interpreting
+    from components.nsa.triton.selected_attention_fwd import selected_attention_fwd
+    from components.nsa.triton.selected_attention_masked import CAUSAL
+    from components.nsa.triton.interval_attention import interval_attention_fwd
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    args = tile_variants.parse_args([*TINY_NSA, "--sel-block-size", "16", "--dtype", "fp32"])
+    work = tile_variants.workloads("interval_fwd", args, 40, torch.float32, "cpu")["selected"]
+    q, k, v, *_, scale = work.inputs
+    selection = work.options["chosen"].selection.long()
+    o, lse2 = work()
+    o_ref, lse2_ref = selected_attention_fwd(q, k, v, selection, 16, scale)
+    torch.testing.assert_close(o, o_ref, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse2, lse2_ref, rtol=2e-6, atol=2e-6)
+    causal, _ = interval_attention_fwd(q, k, v, sm_scale=scale, **CAUSAL)
+    assert not torch.allclose(o, causal)  # the selection hides some blocks from some queries
