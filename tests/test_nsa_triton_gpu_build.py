@@ -56,6 +56,10 @@ def test_kernels_compile_for_hopper_and_ampere_within_shared_memory(tmp_path):
         for config in configs:
             rows = [r for r in report["rows"] if (r["target"], r["dtype"], r["head_dim"]) == config]
             assert {r["name"] for r in rows} == KERNELS, config
+            # The interval kernels built again with a selection: the selected branch's masked layout.
+            masked = {r["name"] for r in rows if r["constants"].get("SELECTED")}
+            assert masked == {"_interval_attn_fwd_kernel", "_interval_attn_bwd_dq_kernel",
+                              "_interval_attn_bwd_dkdv_kernel"}, config
             for r in rows:
                 assert 0 <= r["shared_bytes"] <= r["shared_limit_bytes"], r
                 assert r["registers"] is None or 0 < r["registers"] <= 255, r
