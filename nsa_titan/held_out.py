@@ -2,7 +2,8 @@
 
 A validation reads `rows` windows (held_out_rows: validation.steps global batches), drawn evenly from
 the logical shards: shard s gives the first rows // S of its held-out stream, one more for the first
-rows % S shards. A shard's stream does not depend on the layout, so neither does the set: each
+rows % S shards, and at most one pass over its held-out documents (a shard with fewer gives fewer rows, its
+last one short: never a document twice). A shard's stream does not depend on the layout, so neither does the set: each
 data-parallel rank reads its own shards' share through one loader that ends there (its workers reading
 shards side by side), and the loss is the mean over every token of the set. A resumed run at another
 world size, micro-batch size or worker count therefore continues the same validation curve. A shard
@@ -85,19 +86,19 @@ def empty_set_error(recipe, rows: int | None = None, without: str | None = None,
 
 def short_set_note(recipe, found: int, batches: int | None = None, asked: str = "validation.steps",
                    fewer: str = "validation.steps", more: str = MORE_HELD_OUT) -> str | None:
-    """What a held-out set of `found` real rows that its shards cannot fill (few held-out documents, most shards
-    holding none) means for its loss; None when it holds the rows asked for: `batches` batches (validation.steps
-    by default), which `asked` names, `fewer` is the setting that asks for fewer and `more` the way to more
-    held-out documents."""
+    """What a held-out set of `found` counted tokens that its shards cannot fill (few held-out documents, most
+    shards holding none; a shard's set is one pass over its documents) means for its loss; None when it holds
+    the tokens asked for: `batches` batches of rows (validation.steps by default), which `asked` names, `fewer` is
+    the setting that asks for fewer and `more` the way to more held-out documents."""
     per_batch, seq_len = rows_per_batch(recipe), recipe.training.seq_len
     rows = per_batch * (recipe.validation.steps if batches is None else batches)
-    if found >= rows:
+    if found >= rows * seq_len:
         return None
-    fits = found // per_batch  # 0: not one batch is filled, so asking for fewer cannot fill the set
+    fits = found // (per_batch * seq_len)  # 0: not one batch is filled, so asking for fewer cannot fill the set
     ask_fewer = f"ask for fewer ({fewer} {fits} at most), or " if fits else ""
-    return (f"the held-out set holds {found} of the {rows} rows {asked} asks for: the logical shards' held-out "
-            f"documents do not fill their share, so the loss covers {found} rows of {seq_len} tokens. Fix: "
-            f"{ask_fewer}{more}.")
+    return (f"the held-out set holds {found:,} of the {rows * seq_len:,} tokens ({rows} rows of {seq_len}) {asked} "
+            f"asks for: the logical shards' held-out documents do not fill their share (each is read once), so "
+            f"the loss covers those {found:,} tokens. Fix: {ask_fewer}{more}.")
 
 
 def batches_per_rank(rows: int, logical_shards: int, dp_size: int, batch_size: int) -> int:

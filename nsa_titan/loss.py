@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from components.data.dataset import IGNORED_TARGET
 from components.errors import UserError
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = IGNORED_TARGET  # what the data gives for a position that counts nothing (-100, F.cross_entropy's)
 CHUNK_ELEMENTS = 2**26  # fp32 values per chunk: 256 MiB, a few times over while a chunk is worked on
 PADDING_LIMIT = 128  # columns past the vocabulary that still count as a padded row, not a wider tensor's slice
 

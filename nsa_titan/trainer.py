@@ -345,8 +345,8 @@ class Trainer:
 
     def _say_short_held_out_set(self, tokens: float) -> None:
         """A held-out set its shards cannot fill (few held-out documents, most shards holding none) gives a loss
-        over far fewer tokens than validation.steps asks for: said once. (A real row's targets all count.)"""
-        note = held_out.short_set_note(self.recipe, round(tokens / self.recipe.training.seq_len))
+        over far fewer tokens than validation.steps asks for: said once."""
+        note = held_out.short_set_note(self.recipe, round(tokens))
         if note:
             self._say(f"note: {note}")
 

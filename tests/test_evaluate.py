@@ -206,25 +206,32 @@ def test_eval_says_where_its_recipe_differs_from_the_runs(checkpointed_run, tmp_
 
 
 def test_a_held_out_set_short_of_the_rows_asked_for_is_said(checkpointed_run, tmp_path, capsys):
-    """--batches beyond what the shards hold out measures the rows there are and says how many of those asked for,
-    as training says it of validation.steps (it was silent); a set that fills its rows says nothing."""
+    """--batches beyond what the shards hold out measures the tokens there are, each document once, and says how
+    many of those asked for, as training says it of validation.steps (it was silent); a set that fills its rows
+    says nothing."""
+    from tests.test_held_out import synthetic_held_out_tokens
+
     for documents, short in ((256, False), (2, True)):  # two held-out documents: two of the four shards hold none
         out = tmp_path / str(documents)
         assert cli.main(["eval", *checkpointed_run, f"--data.synthetic.validation_documents={documents}", "--out",
                          str(out), "--batches", "4", "--trials", "0"]) == 0
         err = capsys.readouterr().err
-        found = re.search(r"note: the held-out set holds (\d+) of the 32 rows --batches asks for", err)
+        found = re.search(r"note: the held-out set holds (\d+) of the 2,048 tokens \(32 rows of 64\) --batches asks "
+                          r"for", err)
         assert (found is not None) == short, err
-    rows = int(found.group(1))
-    tokens = sum(json.loads((out / "eval.json").read_text())["position_loss"]["tokens"])
-    assert rows == 16 and 16 * 64 > tokens > 15 * 64, tokens  # the two shards' 8 rows each, less ends of text
-    assert "Fix: ask for fewer (--batches 2 at most)" in err
-    # Not one batch filled: fewer batches cannot help (it said 'ask for fewer (--batches 1 at most)' at --batches 1).
-    assert cli.main(["eval", *checkpointed_run, "--data.synthetic.validation_documents=2", "--out", str(tmp_path / "1"),
-                     "--batches", "1", "--trials", "0"]) == 0
+    tokens = synthetic_held_out_tokens(2, 32, min_length=5, max_length=40)
+    assert int(found.group(1)) == tokens < 64  # the two documents, once
+    measured = sum(json.loads((out / "eval.json").read_text())["position_loss"]["tokens"])
+    assert measured == tokens  # each shard's one document ends its stream: its end of text is a target only
+    assert "ask for fewer" not in err and "Fix: hold out more documents (the source's validation_fraction" in err, err
+    # A batch's worth held out: fewer batches fill the set.
+    many = synthetic_held_out_tokens(40, 32, min_length=5, max_length=40)
+    assert 512 <= many < 2048
+    assert cli.main(["eval", *checkpointed_run, "--data.synthetic.validation_documents=40", "--out",
+                     str(tmp_path / "40"), "--batches", "4", "--trials", "0"]) == 0
     err = capsys.readouterr().err
-    assert "holds 4 of the 8 rows --batches asks for" in err and "ask for fewer" not in err, err
-    assert "Fix: hold out more documents (the source's validation_fraction or split)" in err, err
+    assert f"holds {many:,} of the 2,048 tokens (32 rows of 64) --batches asks for" in err, err
+    assert f"Fix: ask for fewer (--batches {many // 512} at most), or hold out more documents" in err, err
 
 
 def test_a_held_out_set_of_no_rows_names_fixes_that_eval_can_use(checkpointed_run, tmp_path, capsys):

@@ -95,15 +95,26 @@ def test_the_set_follows_the_global_batch_or_with_minus_one_the_local_batch():
     assert held_out.held_out_rows(recipe(-1, 8)) == 24
 
 
-@pytest.mark.parametrize("held_out_documents, steps, note, fix", [
-    (2, 2, "holds 4 of the 8 rows", "Fix: ask for fewer (validation.steps 1 at most), or hold out more documents "
-                                    "(the source's validation_fraction or split)."),
-    # Not one batch filled: a lower validation.steps (it said 'lower validation.steps to fit them' at 1) cannot help.
-    (2, 1, "holds 2 of the 4 rows", "Fix: hold out more documents (the source's validation_fraction or split)."),
-    (200, 2, None, None)])
-def test_a_held_out_set_its_shards_cannot_fill_is_told_once(tmp_path, capsys, held_out_documents, steps, note, fix):
-    """Two held-out documents over four logical shards fill 4 of the 8 rows asked for: the loss covered half
-    the set in silence. A full set says nothing."""
+def synthetic_held_out_tokens(documents: int, rows: int, seq_len: int = 64, min_length: int = 3,
+                               max_length: int = 30) -> int:
+    """The targets a set of `rows` rows holds over the synthetic source's held-out documents, counted from their
+    lengths: shard s (documents i = s mod S) gives one pass over its stream (each document and its EOS), i.e.
+    all but the stream's first token as targets, up to its share of the rows."""
+    source = SyntheticSource(SyntheticArgs(num_documents=40, validation_documents=documents, min_length=min_length,
+                                           max_length=max_length))
+    total = 0
+    for shard, quota in enumerate(held_out.rows_per_shard(rows, S)):
+        stream = sum(len(source.document("validation", i)) + 1 for i in range(shard, documents, S))
+        total += min(quota * seq_len, max(stream - 1, 0))
+    return total
+
+
+@pytest.mark.parametrize("held_out_documents, steps", [(2, 2), (2, 1), (24, 2), (200, 2)])
+def test_a_held_out_set_its_shards_cannot_fill_is_told_once(tmp_path, capsys, held_out_documents, steps):
+    """Few held-out documents over four logical shards fill part of the rows asked for, each read once (they were
+    read again and again to fill the rows, and the note's fix of fewer steps never filled them): the note says how
+    many tokens the loss covers, and asks for fewer steps only where a batch's worth is there. A full set says
+    nothing."""
     from nsa_titan import cli
     from tests.launch import DEBUG, TINY
 
@@ -113,8 +124,36 @@ def test_a_held_out_set_its_shards_cannot_fill_is_told_once(tmp_path, capsys, he
             "--data.synthetic.min_length=3", "--data.synthetic.max_length=30", f"--job.dump_folder={tmp_path}"]
     assert cli.main(argv) == 0
     said = capsys.readouterr().out
-    if note:
-        note = f"note: the held-out set {note} validation.steps asks for"
-        assert said.count(note) == 1 and f"the loss covers {steps * 2} rows of 64 tokens. {fix}" in said, said
-    else:
+    asked = steps * 4 * 64
+    tokens = synthetic_held_out_tokens(held_out_documents, steps * 4)
+    if tokens == asked:
         assert "the held-out set holds" not in said, said
+        return
+    assert 0 < tokens < asked
+    more = "hold out more documents (the source's validation_fraction or split)."
+    fix = f"ask for fewer (validation.steps {tokens // 256} at most), or {more}" if tokens >= 256 else more
+    note = f"note: the held-out set holds {tokens:,} of the {asked:,} tokens ({steps * 4} rows of 64) validation.steps"
+    assert said.count(note) == 1 and f"so the loss covers those {tokens:,} tokens. Fix: {fix}" in said, said
+
+
+def test_a_shard_gives_its_held_out_documents_once_its_last_row_short():
+    """A shard whose held-out documents fill fewer rows than its share gives them once: the last row holds the
+    rest of the stream, its remaining targets counting nothing (never the documents again from the start)."""
+    source = SyntheticSource(SyntheticArgs(num_documents=40, validation_documents=5, min_length=9, max_length=9,
+                                           vocab_size=200))
+    tokenizer = ByteTokenizer()
+    # Shard 0 holds documents 0 and 4: a stream of 2 x (9 tokens + EOS) = 20 tokens, 19 targets; its share is 5
+    # rows of 8 (40 targets).
+    stream = [t for i in (0, 4) for t in [*source.document("validation", i).tolist(), tokenizer.eos_id]]
+    loader = build_dataloader(source, tokenizer, seq_len=T, batch_size=1, dp_rank=0, dp_world_size=S,
+                              logical_shards=S, split="validation", quotas=held_out.quotas_of_rank(20, S, 0, S))
+    rows = list(loader)
+    assert len(rows) == 3
+    targets = torch.cat([row["target"][0] for row in rows])
+    counted = targets[targets != IGNORE_INDEX]
+    assert len(counted) == 19 and (targets[19:] == IGNORE_INDEX).all()
+    inputs = torch.cat([row["input"][0] for row in rows])
+    # Each document's tokens once (in the shard's order of its two documents): the stream's first token is the
+    # first input, the rest are the targets, each target the next row position's input.
+    assert sorted([int(inputs[0]), *counted.tolist()]) == sorted(stream)
+    assert inputs[1:19].tolist() == counted[:18].tolist()

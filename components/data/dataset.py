@@ -3,7 +3,8 @@
 It runs inside each DataLoader worker (tokenization happens there) on that worker's shards, and its
 state_dict()/load_state_dict() are what StatefulDataLoader snapshots per worker after every batch.
 The stream never ends: shards restart in a new epoch with a new order when their documents run out
-(unless `quotas` fix a set: each shard's first windows, after which the stream ends). A worker's shards
+(unless `quotas` fix a set: each shard's first windows, at most one pass over its documents, after which the
+stream ends; the last window of a pass is short, the rest of its row counting nothing). A worker's shards
 keep in step: one that finished its epoch waits until the others have, so no document comes twice
 before every document of those shards came once.
 """
@@ -22,6 +23,7 @@ from components.data.part_failures import failures_named
 from components.data.sharding import next_shard, shards_of_worker
 from components.data.tokenizers import encode_array
 
+IGNORED_TARGET = -100  # a target no loss counts (F.cross_entropy's ignore_index; the trainer's loss follows it)
 _STATE_KEYS = ("epoch", "cursor", "skip", "windows", "empty")  # and epoch_start_windows, absent from older states
 
 
@@ -196,16 +198,17 @@ class PackedShardsDataset(IterableDataset):
     def __iter__(self):
         self._sync_states()  # iterating again continues where the last iteration stopped
         shards = self._my_shards()
-        self._packers = {s: ShardPacker(self._open_documents(s), self.seq_len, self._states[s]) for s in shards}
+        self._packers = {s: ShardPacker(self._open_documents(s), self.seq_len, self._states[s],
+                                        one_pass=self.quotas is not None) for s in shards}
         return self._windows(self._packers)
 
     def _windows(self, packers: dict[int, ShardPacker]):
         quotas = self.quotas
         while True:
             live = {s: (p.epoch, p.windows - p.epoch_start_windows) for s, p in packers.items()
-                    if not p.empty and (quotas is None or p.windows < quotas.get(s, 0))}
+                    if not p.empty and not p.ended and (quotas is None or p.windows < quotas.get(s, 0))}
             if not live and quotas is not None:
-                return  # every shard gave its share, or holds no document
+                return  # every shard gave its share, ran out of documents, or holds none
             if not live:
                 worker = torch.utils.data.get_worker_info()
                 if worker is not None and worker.num_workers > 1:
@@ -217,8 +220,12 @@ class PackedShardsDataset(IterableDataset):
             if window is None:
                 continue
             tokens = torch.from_numpy(window[0])
-            yield {"input": tokens[:-1], "target": tokens[1:],
-                   "document_starts": row_document_starts(window[1], self.seq_len)}
+            inputs, targets = tokens[:-1], tokens[1:]
+            if len(inputs) < self.seq_len:  # a fixed set's last, short window: the rest of the row counts nothing
+                pad = self.seq_len - len(inputs)
+                inputs = torch.cat([inputs, inputs.new_zeros(pad)])
+                targets = torch.cat([targets, targets.new_full((pad,), IGNORED_TARGET)])
+            yield {"input": inputs, "target": targets, "document_starts": row_document_starts(window[1], self.seq_len)}
 
 
 def encode_document(tokenizer, text: str) -> np.ndarray:

@@ -36,10 +36,15 @@ def fresh_shard_state() -> dict:
 class ShardPacker:
     """Windows of seq_len + 1 tokens from one shard; `open_documents(epoch, cursor)` gives token arrays."""
 
-    def __init__(self, open_documents: OpenDocuments, seq_len: int, state: dict | None = None):
+    def __init__(self, open_documents: OpenDocuments, seq_len: int, state: dict | None = None,
+                 one_pass: bool = False):
         state = dict(state or fresh_shard_state())
         self._open = open_documents
         self.seq_len = seq_len
+        # One pass (a fixed set): the stream ends with its first epoch, its last window short, where an endless
+        # stream would begin the documents again; `ended` then.
+        self.one_pass = one_pass
+        self.ended = False
         self.windows = int(state["windows"])
         # States saved before the count was kept: in the first epoch every window is in it; in a later one the
         # shard joins its epoch as if it had just begun it (not with all its windows, which would hold it back
@@ -85,6 +90,9 @@ class ShardPacker:
             if self._reader_from_start and self._reader_count == 0:
                 self.empty = True  # a whole epoch without documents: the shard owns none
                 return False
+            if self.one_pass:
+                self.ended = True
+                return False
             self._read_epoch += 1
             self._read_cursor = None
             self._reader = None
@@ -102,12 +110,16 @@ class ShardPacker:
 
     def next_window_with_starts(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(the next window, the offsets in it where a document of the stream starts, ascending int64),
-        or None when the shard has no documents."""
+        or None when the shard has no documents (or, one pass, no more). One pass: the last window holds what
+        is left, two tokens or more, short of seq_len + 1."""
         need = self.seq_len + 1
         if self.empty:
             return None
         while self._buffered - self._offset < need:
             if not self._read_document():
+                if self.ended and self._buffered - self._offset >= 2:
+                    need = self._buffered - self._offset
+                    break
                 return None
         parts, starts = [], []
         start, remaining = self._offset, need

@@ -26,6 +26,7 @@ from nsa_titan.command_options import (check_output, refuse_earlier_results, ref
                                        take_option, write_results)
 from nsa_titan.config import resolve
 from nsa_titan.document_start import documents_of
+from nsa_titan.loss import IGNORE_INDEX
 from nsa_titan.evaluate.export_flags import empty_set_fix, held_out_note, more_held_out
 from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length, unwritable_keys
 from nsa_titan.evaluate.position_loss import loss_by_position
@@ -272,7 +273,7 @@ def _say_short_set(recipe, held_out: list[dict], batches: int | None, more: str 
     (training's by default)."""
     from nsa_titan.rebuild import say_on_stderr
 
-    found = sum(int(batch["input"].shape[0]) for batch in held_out)
+    found = sum(int((batch["target"] != IGNORE_INDEX).sum()) for batch in held_out)
     asked = "--batches" if batches is not None else "validation.steps (eval's default --batches)"
     note = held_out_set.short_set_note(recipe, found, batches, asked, "--batches", more or held_out_set.MORE_HELD_OUT)
     if note:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nsa_titan.loss import token_cross_entropy
+from nsa_titan.loss import IGNORE_INDEX, token_cross_entropy
 
 
 def context_positions(document_starts: torch.Tensor | None, shape: tuple[int, int], masked: bool) -> torch.Tensor:
@@ -30,7 +30,7 @@ def context_positions(document_starts: torch.Tensor | None, shape: tuple[int, in
 def loss_by_position(model, documents_of, batches, seq_len: int, progress, eos_id: int,
                      bos_id: int | None = None) -> dict:
     """Mean loss per context position 1 .. seq_len over `batches` (loader batches on the host), the
-    predictions made at an end of text (eos_id) left out. bos_id: the BOS documents start with (the run's
+    predictions made at an end of text (eos_id) and ignored targets left out. bos_id: the BOS documents start with (the run's
     data.add_bos), None without. documents_of(document_starts) gives the forward's documents argument, or
     None."""
     total = torch.zeros(seq_len + 1, dtype=torch.float64)
@@ -47,7 +47,7 @@ def loss_by_position(model, documents_of, batches, seq_len: int, progress, eos_i
         at_end = batch["input"] == eos_id
         if bos_id == eos_id and batch["document_starts"] is not None:
             at_end &= ~batch["document_starts"]
-        within = ~at_end.flatten()
+        within = ~(at_end | (batch["target"] == IGNORE_INDEX)).flatten()  # nor the rest of a set's last short row
         total.index_add_(0, positions[within], loss[within])
         count.index_add_(0, positions[within], torch.ones_like(positions[within]))
     seen = count > 0
