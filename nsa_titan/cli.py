@@ -20,8 +20,9 @@ try:
     from nsa_titan.checkout_hints import no_recipe, shipped_recipes
     from nsa_titan.config import RecipeError, resolve
     from nsa_titan.full_disk import full_disk_message, space_error
-    from nsa_titan.start_up import (INTERRUPTED, StoppedWhileStarting, hear_stops_while_starting,
-                                    stop_hearing_stops_while_starting, stopped_while_starting_message)
+    from nsa_titan.start_up import (INTERRUPTED, StoppedWhileStarting, answer_stops_after_the_run,
+                                    hear_stops_while_starting, stop_hearing_stops_while_starting,
+                                    stopped_while_starting_message)
 except BaseException as exc:  # a Ctrl-C, or a stop signal (start_up.StoppedWhileStarting), while importing
     if __name__ != "__main__":  # imported by a program (or the console script, which says so itself)
         raise
@@ -140,6 +141,7 @@ def _train(argv: list[str], rank: int, world_size: int) -> int:
         finally:
             trainer.close()  # puts back the handlers the trainer found: the start-up's
             stop_hearing_stops_while_starting()  # a stop now is no longer one before the first step
+        answer_stops_after_the_run()  # everything is written: a late stop ends the process with 0, saying so
         # A finished run: no rank tears the process group down while another still uses it, and gloo's
         # threads get the time to free the last collectives' tensors (one still freeing when the
         # interpreter shuts down aborts the process).

@@ -8,7 +8,8 @@
 - A Ctrl-C during the imports ends in one line, not the import's traceback.
 - `train` run alone: a SIGTERM or SIGHUP before the trainer answers it itself (GracefulStop, at the end of its
   set-up) ends the process at once, as its default action would, but with one line saying nothing was saved
-  (a scheduler's log would otherwise show only exit code 143).
+  (a scheduler's log would otherwise show only exit code 143); after the run has ended, one says so and
+  exits 0 (answer_stops_after_the_run).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ INTERRUPTED_WHILE_STARTING = "error: interrupted while starting (nothing ran)."
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _launcher: int | None = None
 _before_start_up: dict = {}  # {signal: the handler hear_stops_while_starting replaced}
+_training_program = False  # this process was started as `train` (prepare_process), not a program calling main()
 _started_at = time.time()  # this module is the command's first import
 
 
@@ -52,7 +54,7 @@ def hear_stops_while_starting() -> None:
     """SIGTERM and SIGHUP raise StoppedWhileStarting from now on, in a process that trains alone. Under a launcher
     a rank's SIGTERM is the launcher ending it after another rank failed (which that rank says), and run_train.sh
     turns a user's stop into the halt file; a hang-up ignored (nohup) stays ignored."""
-    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1") or "TORCHELASTIC_RUN_ID" in os.environ:
+    if not _trains_alone():
         return  # (a garbled WORLD_SIZE is named by the command, not here)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         try:
@@ -71,6 +73,37 @@ def stop_hearing_stops_while_starting() -> None:
         signal.signal(sig, handler)
 
 
+def _trains_alone() -> bool:
+    return os.environ.get("WORLD_SIZE", "1").strip() in ("", "1") and "TORCHELASTIC_RUN_ID" not in os.environ
+
+
+def _already_ended(signum, frame) -> None:
+    if signum == signal.SIGHUP:
+        detach_from_terminal()
+    try:
+        os.write(2, f"{signal.Signals(signum).name}: the run had already ended (its checkpoint and records are "
+                    f"written); exiting.\n".encode())
+    except OSError:
+        pass
+    os._exit(0)
+
+
+def answer_stops_after_the_run() -> None:
+    """A run that ended (finished, or stopped and saved) has put back the handlers it found: a SIGTERM or SIGHUP
+    in the second or so the process takes to exit would end it with 143 and no word, and a scheduler would count a
+    finished job killed. From now on one says so and exits 0 at once (everything is written). A process that
+    trains alone, started as `train` (a program calling main() keeps its own handlers): a launcher's SIGTERM to a
+    rank keeps its default action."""
+    if not (_training_program and _trains_alone()):
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(sig) != signal.SIG_IGN:  # a hang-up ignored (nohup) stays ignored
+                signal.signal(sig, _already_ended)
+        except ValueError:  # not the main thread
+            return
+
+
 def prepare_process() -> None:
     global _launcher
     if _launcher is None and "TORCHELASTIC_RUN_ID" in os.environ and _signal_on_parent_death(signal.SIGTERM):
@@ -78,6 +111,8 @@ def prepare_process() -> None:
     if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     if sys.argv[1:2] == ["train"]:
+        global _training_program
+        _training_program = True
         hear_stops_while_starting()
 
 

@@ -37,3 +37,25 @@ def test_the_launcher_is_judged_by_the_pid_noted_at_start_up(tmp_path, monkeypat
     monkeypatch.setattr(start_up, "_launcher", 4242)
     stop = _stop(tmp_path)
     assert stop.local_request() and stop.reason == graceful_stop.LAUNCHER_ENDED
+
+
+def test_a_stop_after_the_run_has_ended_exits_0_saying_so(tmp_path):
+    """A SIGTERM in the second or so a finished run takes to exit (the handlers put back, the process group and
+    loader torn down) ended it with 143 and no word: a scheduler counted the finished job killed. Sent here from
+    an exit handler a plugin registers, once the command has returned."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.launch import DEBUG, REPO_ROOT, TINY, env
+
+    plugin = tmp_path / "late_stop.py"
+    plugin.write_text("import atexit, os, signal, time\n"
+                      "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n")
+    proc = subprocess.run([sys.executable, "-m", "nsa_titan.cli", "train", DEBUG, *TINY, "--training.steps=1",
+                           f"--job.plugins={plugin}", f"--job.dump_folder={tmp_path / 'run'}"],
+                          capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SIGTERM: the run had already ended (its checkpoint and records are written); exiting." in proc.stderr
+    assert "step 1/1" in proc.stdout
