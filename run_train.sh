@@ -190,7 +190,7 @@ done
 # A halt the run never read (it had already ended) must not stop the next run.
 [ "$stopping" -eq 0 ] || rm -f "$dump/HALT"
 if [ -n "$stopped_by" ]; then
-  echo "error: train interrupted at once: nothing was saved since the last complete checkpoint, which a rerun resumes (if checkpoints are on)." >&2
+  echo "error: train interrupted at once: nothing was saved since the last complete checkpoint: a rerun resumes from it, or starts afresh where there is none." >&2
   exit $((128 + stopped_by))
 fi
 exit "$rc"

@@ -460,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         say_error_line(stopped_while_starting_message(stop.signum, command))
         return 128 + stop.signum
     except KeyboardInterrupt:  # Ctrl-C before training set its own handler, or a second one during it
-        after = (" at once: nothing was saved since the last complete checkpoint, which a rerun resumes (if "
-                 "checkpoints are on)") if command == "train" else ""
+        after = (" at once: nothing was saved since the last complete checkpoint: a rerun resumes from it, or starts "
+                 "afresh where there is none") if command == "train" else ""
         _fail(f"error: {command} interrupted{after}.")
         return INTERRUPTED
 

@@ -746,8 +746,8 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
         _, err = proc.communicate(timeout=120)
         err = "".join(said) + err
         assert proc.returncode == 130, err
-        assert "error: train interrupted at once: nothing was saved since the last complete checkpoint, which a " \
-               "rerun resumes (if checkpoints are on)." in err
+        assert "error: train interrupted at once: nothing was saved since the last complete checkpoint: a rerun " \
+               "resumes from it, or starts afresh where there is none." in err
         assert "Traceback" not in err and err.count("error:") == 1 and err.count("SIGINT: ") == 1, err
         assert complete_steps(ckpt_dir(folder)) == saved
     finally:

@@ -326,10 +326,11 @@ def test_warmup_longer_than_the_run_is_a_note_not_an_error(tmp_path):
     assert "step 2/2" in proc.stdout
 
 
-@pytest.mark.parametrize("warmup, steps, peak", [(700, 1, "0.142"), (2000, 1999, "99.9"), (10, 5, "50")])
-def test_a_warmup_longer_than_the_run_names_its_peak_rounded_down(tmp_path, warmup, steps, peak):
+@pytest.mark.parametrize("warmup, steps, peak", [(700, 1, "0.143"), (2000, 1999, "99.9"), (10, 5, "50"),
+                                                 (30, 20, "66.7"), (700, 2, "0.286"), (3000, 2999, "99.9")])
+def test_a_warmup_longer_than_the_run_names_its_peak_to_three_figures(tmp_path, warmup, steps, peak):
     """nsa_125m shortened to one step said the learning rate 'peaks at 0% of optimizer.lr' (1/700 is 0.1428...%);
-    one step short of the warmup is not 100%."""
+    2 of 3 is 66.7%, not 66.6% (it was rounded down throughout); one step short of the warmup is not 100%."""
     notes = resolve([write(tmp_path, f"[lr_scheduler]\nwarmup_steps = {warmup}\n"), f"--training.steps={steps}"]).notes
     note = next(n for n in notes if n.startswith(f"lr_scheduler.warmup_steps = {warmup}"))
     assert note.endswith(f"peaks at {peak}% of optimizer.lr"), note

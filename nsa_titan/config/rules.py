@@ -130,11 +130,15 @@ def _tilde_refusal(key: str, value: str, flag: bool) -> tuple[str, str]:
 
 
 def _percent_below(percent: float) -> str:
-    """`percent` (0 < percent < 100) to three figures, rounded down: never 100 for a peak below it, never 0 for one
-    step of a long warmup (1 of 700 is 0.142), no trailing zeros."""
+    """`percent` (0 < percent < 100) to three figures, rounded to the nearest (2 of 3 is 66.7, 1 of 700 is 0.143:
+    never 0 for one step of a long warmup) but down where that would say 100 (1999 of 2000 is 99.9); no trailing
+    zeros."""
     exponent = math.floor(math.log10(percent))
     unit = 10.0 ** (exponent - 2)
-    text = f"{math.floor(percent / unit + 1e-9) * unit:.{max(0, 2 - exponent)}f}"
+    figures = math.floor(percent / unit + 0.5 + 1e-9)
+    if figures * unit >= 100:
+        figures = math.floor(percent / unit + 1e-9)
+    text = f"{figures * unit:.{max(0, 2 - exponent)}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
