@@ -115,13 +115,15 @@ def _train(argv: list[str], rank: int, world_size: int) -> int:
     if "--print-config" not in argv:  # which reads WORLD_SIZE alone, as the size of a launch to check for
         check_launched(world_size)
     resolved = resolve(argv, world_size=world_size, actions=("print_config",), training=True)
+    # Before the notes, which are about the defaults, not a recipe of the user's; --print-config too, which printed
+    # the built-in defaults as a recipe (naming the debug recipe's folder) that train then refused.
+    if resolved.path is None:
+        return _fail(f"error: {no_recipe('train')}")
     if "print_config" in resolved.command_line.actions:
         # Every line of a note a comment (a plugin's may hold several): the output stays a recipe TOML reads.
         notes = "".join("# note: " + note.replace("\n", "\n#   ") + "\n" for note in resolved.notes)
         print(f"# resolved recipe, hash {resolved.hash}\n{notes}{resolved.toml}", end="")
         return 0
-    if resolved.path is None:  # before the notes, which are about the defaults, not a recipe of the user's
-        return _fail(f"error: {no_recipe('train')}")
     if rank == 0:
         for line in resolved.start_lines():
             print(line, flush=True)

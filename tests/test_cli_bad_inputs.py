@@ -42,11 +42,14 @@ def refused(capsys, args: list[str], *fragments: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("command", ["train", "doctor", "inspect"])
-def test_no_recipe_is_said_alone_with_where_the_shipped_recipes_are(capsys, monkeypatch, command):
-    """train printed notes about the defaults' NSA settings first, as if a recipe had been read."""
+@pytest.mark.parametrize("argv", [["train"], ["doctor"], ["inspect"], ["train", "--print-config"]],
+                         ids=["train", "doctor", "inspect", "train-print-config"])
+def test_no_recipe_is_said_alone_with_where_the_shipped_recipes_are(capsys, monkeypatch, argv):
+    """train printed notes about the defaults' NSA settings first, as if a recipe had been read; with --print-config
+    it printed the built-in defaults as a recipe (in the debug recipe's folder) that train itself refused."""
     monkeypatch.chdir(REPO_ROOT)
-    assert cli.main([command]) == 2
+    command = argv[0]
+    assert cli.main(argv) == 2
     said = capsys.readouterr()
     assert said.out == "" and said.err == (f"error: no recipe given. Fix: name one, `nsa-titan {command} "
                                            f"RECIPE.toml`; the shipped recipes are in recipes/ (e.g. "
