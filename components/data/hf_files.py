@@ -55,8 +55,12 @@ def _byte_level_bpe(ranks: dict[bytes, int], specials: dict[str, int], split_pat
                 merges.append((rank, ranks[left], ranks[right], spell(left), spell(right)))
     merges.sort()
     vocab = {spell(token): rank for token, rank in ranks.items()}
-    vocab.update(specials)
-    tok = Tokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], fuse_unk=False, ignore_merges=True))
+    vocab.update(specials)  # at their own ids (tiktoken's leave gaps); only added-token matching yields them
+    # ignore_merges takes a split piece found whole in the vocabulary as that token, as tiktoken does. Without a
+    # split (bytes) a whole document is one piece: one that reads "<|endoftext|>" became the special token, so the
+    # folder could not serve as data.hf_tokenizer (its end of text "an ordinary token"); bytes have no merges.
+    tok = Tokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], fuse_unk=False,
+                               ignore_merges=split_pattern is not None))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.pre_tokenizer = byte_level if split_pattern is None else pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(split_pattern), behavior="isolated", invert=False), byte_level])
