@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from components.models import build_transformer
+from components.nsa.documents import written_once
 from components.nsa.triton import packing
 from components.nsa.triton.launch import interpreting
 from components.nsa.triton.packing import DocumentTables
@@ -25,8 +26,12 @@ triton_only = pytest.mark.skipif(
 )
 
 
-def _offsets(*values):
-    return torch.tensor(values, device=DEVICE)
+def _offsets(*values, mark: bool = True):
+    """Offsets as a model's layout makes them: marked written once (documents.written_once)."""
+    offsets = torch.tensor(values, device=DEVICE)
+    if mark:
+        written_once(offsets)
+    return offsets
 
 
 def _same_tables(a: DocumentTables, b: DocumentTables) -> None:
@@ -69,6 +74,25 @@ def test_inference_tensors_are_not_kept():
     with torch.inference_mode():
         cu = _offsets(0, 7, 20)
     assert DocumentTables.of(cu, 1, 0) is not DocumentTables.of(cu, 1, 0)
+
+
+def test_offsets_not_marked_written_once_are_not_kept():
+    """Offsets an op computed (inside a compiled graph, a buffer its own kernels may write again under the same
+    tensor and version) get fresh tables at every launch; so do those marked with queries that are not."""
+    cu = _offsets(0, 7, 20, mark=False)
+    assert DocumentTables.of(cu, 1, 0) is not DocumentTables.of(cu, 1, 0)
+    marked, unmarked_q = _offsets(0, 7, 20), _offsets(0, 3, 9, mark=False)
+    assert DocumentTables.of(marked, 1, 0, unmarked_q) is not DocumentTables.of(marked, 1, 0, unmarked_q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tables_are_not_kept_off_the_default_stream():
+    """CUDA graph trees warm up and capture on a stream of their own, allocating from the graph's pool: a table
+    kept from there would outlive the run the pool must account for (or be overwritten by a later graph)."""
+    cu = _offsets(0, 7, 20)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        assert DocumentTables.of(cu, 1, 0) is not DocumentTables.of(cu, 1, 0)
+    assert DocumentTables.of(cu, 1, 0) is DocumentTables.of(cu, 1, 0)
 
 
 def test_kept_tables_do_not_keep_their_offsets_alive():

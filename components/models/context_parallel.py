@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from components.models.dense_documents import FLEX_BLOCK, DenseDocuments, document_block_mask
-from components.nsa.documents import DocumentLayout, compressed_counts, rows_layout, token_documents
+from components.nsa.documents import DocumentLayout, compressed_counts, rows_layout, token_documents, written_once
 from components.sequence_shard import SequenceShard
 
 
@@ -102,12 +102,8 @@ def context_shard(document_starts: torch.Tensor | None, rows: int, shard: Sequen
         dense_documents = DenseDocuments(query_positions, put(doc, False), False, block_mask,
                                          put(query_ids, False), put(query_rows, False))
 
-    return ContextShard(
-        shard=shard,
-        layout=DocumentLayout(put(cu), put(layout.positions, False), put(layout.block_starts),
-                              put(layout.block_positions)),
-        query_positions=query_positions,
-        chunks=tuple(ChunkKeys(*(put(x) for x in (c.tokens, c.blocks, c.cu_seqlens, c.cu_seqlens_q)))
-                     for c in chunks),
-        dense=dense_documents,
-    )
+    chunks = tuple(ChunkKeys(*(put(x) for x in (c.tokens, c.blocks, c.cu_seqlens, c.cu_seqlens_q))) for c in chunks)
+    layout = DocumentLayout(put(cu), put(layout.positions, False), put(layout.block_starts), put(layout.block_positions))
+    written_once(layout.cu_seqlens, *(x for c in chunks for x in (c.cu_seqlens, c.cu_seqlens_q)))
+    return ContextShard(shard=shard, layout=layout, query_positions=query_positions, chunks=chunks,
+                        dense=dense_documents)

@@ -44,6 +44,24 @@ def check_cu_seqlens_tensor(cu_seqlens, batch: int, device: torch.device) -> Non
 _HOST_VALUES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+# Offsets tensors their maker never writes again once made (a model's layout, built on the host for each batch):
+# the Triton backend keeps its kernel tables with these (triton/packing.kept), one set for every layer. Only these:
+# an offsets tensor computed inside a compiled graph may be a buffer the graph's own kernels write again, under the
+# same tensor and version counter.
+_WRITTEN_ONCE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def written_once(*offsets: torch.Tensor) -> None:
+    """Marks offsets tensors (cu_seqlens, cu_seqlens_q) as never written after this: kernels may keep what they
+    derive from them for as long as the tensors live."""
+    for t in offsets:
+        _WRITTEN_ONCE[t] = True
+
+
+def is_written_once(offsets: torch.Tensor) -> bool:
+    return offsets in _WRITTEN_ONCE
+
+
 def host_values(offsets: torch.Tensor) -> tuple[int, ...]:
     """offsets.tolist() as Python ints, read from the device once per tensor and version."""
     if offsets.is_inference():  # no version counter to tell an in-place change by
@@ -198,5 +216,7 @@ def rows_layout(document_starts: torch.Tensor, block_size: int, block_stride: in
     when document_starts lives there, as the loader gives it) and then moved to `device`."""
     cu_seqlens = cu_seqlens_of_rows(document_starts)
     layout = document_layout(cu_seqlens, document_starts.numel(), block_size, block_stride)
-    return DocumentLayout(*(x.to(device, non_blocking=True) for x in (layout.cu_seqlens, layout.positions,
-                                                                       layout.block_starts, layout.block_positions)))
+    layout = DocumentLayout(*(x.to(device, non_blocking=True) for x in (layout.cu_seqlens, layout.positions,
+                                                                         layout.block_starts, layout.block_positions)))
+    written_once(layout.cu_seqlens)
+    return layout

@@ -64,8 +64,10 @@ def _check_max_seqlen(max_seqlen) -> None:
         raise UserError(problem(repr(max_seqlen)))
     if torch.compiler.is_compiling():
         # A size, or a value read from the device (.item()), is symbolic: no branch on it, and no formatting of it
-        # (which would fix it to this trace's value: a recompile for every length).
-        torch._check(max_seqlen >= 1, lambda: problem("a value below 1"))
+        # (which would fix it to this trace's value: a recompile for every length). No message either: inside an
+        # activation-checkpointed block the check is a graph node, and a function as its argument kept inductor
+        # from caching the compiled graph (it cannot pickle one).
+        torch._check(max_seqlen >= 1)
     elif max_seqlen < 1:
         raise UserError(problem(repr(max_seqlen)))
 

@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple, TypeVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from components.nsa.documents import is_written_once
 from components.nsa.triton.tile_configs import cdiv
 
 Tensor = torch.Tensor
@@ -30,9 +31,12 @@ Built = TypeVar("Built")
 
 # Tables kept by their offsets tensors. A model passes one cu_seqlens to every layer, and each layer's forward
 # and backward launch some ten kernels over it: building the same tables for each launch was ~450 small device
-# ops a packed layer (host time and tiny kernels, every layer of every step). They are built again after an
-# in-place change of either tensor (its version counter), and never kept from inside a CUDA graph capture (a
-# table the graph allocated is the graph's), for an inference tensor (no version counter) or a tensor subclass.
+# ops a packed layer (host time and tiny kernels, every layer of every step). Kept only for offsets their maker
+# marked written once (documents.written_once: a model's layout; a tensor a compiled graph computed may be a
+# buffer its kernels write again, unseen by the version counter), built again after an in-place change (the
+# version counter), and never kept for an inference tensor (no counter), a tensor subclass, or off the device's
+# default stream: CUDA graph trees warm up and capture on their own stream, allocating from the graph's pool, which
+# must hold nothing past the run.
 # Weak keys: an entry goes with its tensor, so a later tensor at the same address is never taken for it.
 _KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cu_seqlens -> _Kept
 
@@ -47,9 +51,9 @@ class _Kept:
 def _keepable(t: Tensor | None) -> bool:
     if t is None:
         return True
-    if type(t) is not torch.Tensor or t.is_inference():
+    if type(t) is not torch.Tensor or t.is_inference() or not is_written_once(t):
         return False
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not t.is_cuda or torch.cuda.current_stream(t.device) == torch.cuda.default_stream(t.device)
 
 
 def kept(cu_seqlens: Tensor, cu_seqlens_q: Tensor | None, key: tuple, build: Callable[[], Built]) -> Built:
