@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from components.data.dataset import IGNORED_TARGET
+from components.data import IGNORED_TARGET
 from components.errors import UserError
 
 IGNORE_INDEX = IGNORED_TARGET  # what the data gives for a position that counts nothing (-100, F.cross_entropy's)

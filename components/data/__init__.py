@@ -1,6 +1,6 @@
 """Data: sources, tokenizers, packing and the resumable per-rank sharded loader."""
 
-from components.data.dataset import DataStreamMismatch, NoDocuments, no_documents_error
+from components.data.dataset import IGNORED_TARGET, DataStreamMismatch, NoDocuments, no_documents_error
 from components.data.loader import build_dataloader, holds_split, no_split_error, stream_id
 from components.data.sharding import (
     loader_state_by_logical_shard,
@@ -19,6 +19,7 @@ from components.data.workers import (DeathsInFinalizers, death_hidden_in, restor
 
 __all__ = [
     "DataStreamMismatch",
+    "IGNORED_TARGET",
     "DeathsInFinalizers",
     "MIXTURE",
     "SOURCES",
