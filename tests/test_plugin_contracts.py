@@ -10,7 +10,7 @@ import pytest
 
 from nsa_titan import cli, registry
 from tests.registry_state import registry_restored
-from tests.launch import TINY
+from tests.launch import DEBUG, TINY
 
 PLUGIN = '''
 from dataclasses import dataclass, field
@@ -332,7 +332,6 @@ def test_switching_the_model_leaves_the_other_models_arguments_named_as_its(plug
     """debug.toml's [model] holds the transformer's arguments; --model.name=plain (a plugin's) makes them
     another model's arguments, said so, not 'is not a recipe field'."""
     _, path = plugin
-    from tests.launch import DEBUG
 
     err = _refused(capsys, [DEBUG, f"--job.plugins={path}", "--model.name=plain", "--print-config"],
                    "model.dim: is an argument of 'transformer', but model.name = 'plain' (from flag "
@@ -466,7 +465,7 @@ def test_a_check_or_notes_that_breaks_its_contract_is_one_message_naming_the_par
 
 def test_notes_written_with_yield_are_each_a_note(checks_plugin, capsys):
     """A generator is a list's items, as it was before the contract was checked."""
-    argv = [f"--job.plugins={checks_plugin}", *TINY, "--optimizer.name=yielded", "--print-config"]
+    argv = [DEBUG, f"--job.plugins={checks_plugin}", *TINY, "--optimizer.name=yielded", "--print-config"]
     assert cli.main(["train", *argv]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "# note: optimizer.yielded.k is note 1\n" in out and "# note: optimizer.yielded.k is note 2\n" in out, out
@@ -474,7 +473,7 @@ def test_notes_written_with_yield_are_each_a_note(checks_plugin, capsys):
 
 def test_one_text_from_notes_is_one_note(checks_plugin, capsys):
     """Was one note per character."""
-    argv = [f"--job.plugins={checks_plugin}", *TINY, "--optimizer.name=one_note", "--print-config"]
+    argv = [DEBUG, f"--job.plugins={checks_plugin}", *TINY, "--optimizer.name=one_note", "--print-config"]
     assert cli.main(["train", *argv]) == 0
     out = capsys.readouterr().out
     assert "# note: optimizer.one_note.k is notable\n" in out and "# note: optimizer.one_note.k\n" not in out, out
@@ -484,7 +483,7 @@ def test_a_note_of_two_lines_leaves_the_printed_recipe_readable(checks_plugin, c
     """Its second line was no comment: the launcher's read of --print-config's recipe was a TOML traceback."""
     from nsa_titan.config.toml_io import tomllib
 
-    argv = [f"--job.plugins={checks_plugin}", *TINY, "--optimizer.name=two_lines", "--print-config"]
+    argv = [DEBUG, f"--job.plugins={checks_plugin}", *TINY, "--optimizer.name=two_lines", "--print-config"]
     assert cli.main(["train", *argv]) == 0
     out = capsys.readouterr().out
     assert "# note: optimizer.two_lines.k is notable\n#   over two lines\n" in out, out
@@ -518,6 +517,6 @@ def test_a_plugin_file_named_as_a_plain_folder_is_imported(tmp_path, capsys, mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     with registry_restored():
-        code = cli.main(["train", f"--job.plugins={path}", *TINY, "--lr_scheduler.decay_type=from_data",
+        code = cli.main(["train", DEBUG, f"--job.plugins={path}", *TINY, "--lr_scheduler.decay_type=from_data",
                          "--print-config"])
         assert code == 0, capsys.readouterr().err
