@@ -103,7 +103,8 @@ def context_shard(document_starts: torch.Tensor | None, rows: int, shard: Sequen
                                          put(query_ids, False), put(query_rows, False))
 
     chunks = tuple(ChunkKeys(*(put(x) for x in (c.tokens, c.blocks, c.cu_seqlens, c.cu_seqlens_q))) for c in chunks)
-    layout = DocumentLayout(put(cu), put(layout.positions, False), put(layout.block_starts), put(layout.block_positions))
+    layout = DocumentLayout(put(cu), put(layout.positions, False), put(layout.block_starts),
+                            put(layout.block_positions))
     written_once(layout.cu_seqlens, *(x for c in chunks for x in (c.cu_seqlens, c.cu_seqlens_q)))
     return ContextShard(shard=shard, layout=layout, query_positions=query_positions, chunks=chunks,
                         dense=dense_documents)

@@ -56,20 +56,18 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_s
 
 
 def _check_max_seqlen(max_seqlen) -> None:
-    def problem(value: str) -> str:
-        return (f"nsa_attention: max_seqlen must be a positive int (a bound on the documents' lengths), not "
-                f"{value}. Fix: pass the longest document's length or the row's, or leave it out.")
-
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)):
-        raise UserError(problem(repr(max_seqlen)))
-    if torch.compiler.is_compiling():
-        # A size, or a value read from the device (.item()), is symbolic: no branch on it, and no formatting of it
-        # (which would fix it to this trace's value: a recompile for every length). No message either: inside an
-        # activation-checkpointed block the check is a graph node, and a function as its argument kept inductor
-        # from caching the compiled graph (it cannot pickle one).
-        torch._check(max_seqlen >= 1)
-    elif max_seqlen < 1:
-        raise UserError(problem(repr(max_seqlen)))
+    if isinstance(max_seqlen, (int, torch.SymInt)) and not isinstance(max_seqlen, bool):
+        if torch.compiler.is_compiling():
+            # A size, or a value read from the device (.item()), is symbolic: no branch on it, and no formatting of
+            # it (which would fix it to this trace's value: a recompile for every length). No message either: inside
+            # an activation-checkpointed block the check is a graph node, and a function as its argument kept
+            # inductor from caching the compiled graph (it cannot pickle one).
+            torch._check(max_seqlen >= 1)
+            return
+        if max_seqlen >= 1:
+            return
+    raise UserError(f"nsa_attention: max_seqlen must be a positive int (a bound on the documents' lengths), not "
+                    f"{max_seqlen!r}. Fix: pass the longest document's length or the row's, or leave it out.")
 
 
 def nsa_attention_at(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, q_start: int, block_size: int,

@@ -26,11 +26,11 @@ from nsa_titan.command_options import (check_output, refuse_earlier_results, ref
                                        take_option, write_results)
 from nsa_titan.config import resolve
 from nsa_titan.document_start import documents_of
-from nsa_titan.loss import IGNORE_INDEX
 from nsa_titan.evaluate.export_flags import empty_set_fix, held_out_note, more_held_out
 from nsa_titan.evaluate.passkey import answer_tokens, passkey_accuracy, shortest_length, unwritable_keys
-from nsa_titan.evaluate.position_loss import loss_by_position
 from nsa_titan.evaluate.plots import passkey_figure, position_loss_figure
+from nsa_titan.evaluate.position_loss import loss_by_position
+from nsa_titan.loss import IGNORE_INDEX
 from nsa_titan.observe.plots import figure_writer, pyplot
 from nsa_titan.observe.progress import progress
 

@@ -30,9 +30,9 @@ def context_positions(document_starts: torch.Tensor | None, shape: tuple[int, in
 def loss_by_position(model, documents_of, batches, seq_len: int, progress, eos_id: int,
                      bos_id: int | None = None) -> dict:
     """Mean loss per context position 1 .. seq_len over `batches` (loader batches on the host), the
-    predictions made at an end of text (eos_id) and ignored targets left out. bos_id: the BOS documents start with (the run's
-    data.add_bos), None without. documents_of(document_starts) gives the forward's documents argument, or
-    None."""
+    predictions made at an end of text (eos_id) and ignored targets left out. bos_id: the BOS documents start
+    with (the run's data.add_bos), None without. documents_of(document_starts) gives the forward's documents
+    argument, or None."""
     total = torch.zeros(seq_len + 1, dtype=torch.float64)
     count = torch.zeros(seq_len + 1, dtype=torch.int64)
     device = next(model.parameters()).device
