@@ -7,9 +7,10 @@ others' launchers on the same inputs (the masked layout's: the interval kernels 
                                      [--heads 12 --kv-heads 4] [--packed] [--tiles FILE] [--json FILE]
 
 No GPU needed: Triton compiles for the named architecture (sm_90 = H100/H200, sm_80 = A100) with the
-ptxas it ships, and nothing runs. Per kernel: warps, shared memory against the architecture's limit,
-registers and stack frame per thread (register spills and arrays kept in local memory), and the tensor-core
-instructions its products use (on sm_90, wgmma or the older warp-level mma of a dot too small for it). Exit
+ptxas it ships, and nothing runs. Per kernel: warps and pipeline stages, shared memory against the architecture's
+limit, registers and stack frame per thread (register spills and arrays kept in local memory), the tensor-core
+instructions its products use (on sm_90, wgmma or the older warp-level mma of a dot too small for it), and its
+asynchronous loads (those the software pipeliner prefetches ahead of their loop iteration; 0: none is). Exit
 status 1 when a kernel does not compile or needs more shared memory than the architecture has:
 such a kernel would fail at launch. --packed also compiles the kernels' packed-document variants
 (cu_seqlens: a row of three documents). --tiles FILE compiles a launch shapes file's shapes in place of the
@@ -123,8 +124,8 @@ def main(argv=None) -> int:
               "interpreter does not. Fix: run it without TRITON_INTERPRET.", file=sys.stderr)
         return 2
     rows, failures = [], []
-    print(f"{'target':7} {'dtype':5} {'D':>4}  {'kernel':32} {'warps':>5} {'shared KiB':>10} {'limit':>6} "
-          f"{'regs':>4} {'stack B':>7} {'tensor cores':>12}")
+    print(f"{'target':7} {'dtype':5} {'D':>4}  {'kernel':32} {'warps':>5} {'stages':>6} {'shared KiB':>10} "
+          f"{'limit':>6} {'regs':>4} {'stack B':>7} {'tensor cores':>12} {'async loads':>11}")
     for arch in args.arch:
         for name in args.dtypes:
             for head_dim in args.head_dims:
@@ -149,10 +150,11 @@ def main(argv=None) -> int:
                     if over:
                         failures.append(f"{k.target} {name} D={head_dim}: {k.name} needs {k.shared_bytes} B of "
                                         f"shared memory, the limit is {k.shared_limit_bytes} B")
-                    print(f"{k.target:7} {name:5} {head_dim:>4}  {k.name:32} {k.num_warps:>5} "
+                    print(f"{k.target:7} {name:5} {head_dim:>4}  {k.name:32} {k.num_warps:>5} {k.num_stages:>6} "
                           f"{k.shared_bytes / 1024:>10.1f} {k.shared_limit_bytes / 1024:>6.0f} "
                           f"{k.registers if k.registers is not None else '?':>4} "
-                          f"{k.stack_bytes if k.stack_bytes is not None else '?':>7} {k.tensor_cores:>12}"
+                          f"{k.stack_bytes if k.stack_bytes is not None else '?':>7} {k.tensor_cores:>12} "
+                          f"{k.async_loads:>11}"
                           + ("  OVER" if over else ""))
     if args.json:
         write_report({"benchmark": "kernel_resources", "environment": describe_environment(),

@@ -335,14 +335,17 @@ def reference_tables(report: dict) -> list[str]:
 
 def kernel_tables(report: dict) -> list[str]:
     lines = ["NSA Triton kernels compiled offline (no kernel ran):", "",
-             "| target | dtype | D | kernel | warps | shared KiB | limit KiB | registers | stack B | tensor cores |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| target | dtype | D | kernel | warps | stages | shared KiB | limit KiB | registers | stack B "
+             "| tensor cores | async loads |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["rows"]:
         over = " (OVER)" if r["shared_bytes"] > r["shared_limit_bytes"] else ""
         lines.append(f"| {r['target']} | {r['dtype']} | {r['head_dim']} | {r['name']} | {r['num_warps']} | "
-                     f"{r['shared_bytes'] / 1024:.1f}{over} | {r['shared_limit_bytes'] / 1024:.0f} | "
+                     f"{r.get('num_stages', '-')} | {r['shared_bytes'] / 1024:.1f}{over} | "
+                     f"{r['shared_limit_bytes'] / 1024:.0f} | "
                      f"{'-' if r.get('registers') is None else r['registers']} | "
-                     f"{'-' if r.get('stack_bytes') is None else r['stack_bytes']} | {r.get('tensor_cores', '-')} |")
+                     f"{'-' if r.get('stack_bytes') is None else r['stack_bytes']} | {r.get('tensor_cores', '-')} | "
+                     f"{r.get('async_loads', '-')} |")
     lines += [""] + [f"- failed: {_one_line(f)}" for f in report.get("failures", [])]
     return lines
 

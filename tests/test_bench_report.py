@@ -170,8 +170,8 @@ def _every_kind() -> dict[str, dict]:
         "kernel_resources": {
             "benchmark": "kernel_resources", "environment": CPU_ENV,
             "rows": [{"dtype": "bf16", "head_dim": 64, "name": "window_fwd", "target": "sm_90", "constants": {},
-                      "num_warps": 4, "shared_bytes": 300 * 1024, "registers": 128, "stack_bytes": 0,
-                      "tensor_cores": "wgmma",
+                      "num_warps": 4, "num_stages": 2, "shared_bytes": 300 * 1024, "registers": 128,
+                      "stack_bytes": 0, "tensor_cores": "wgmma", "async_loads": 6,
                       "shared_limit_bytes": 227 * 1024}],
             "failures": ["sm_90 bf16 D=64: window_fwd needs 307200 B of shared memory, the limit is 232448 B"]},
     }
@@ -190,7 +190,8 @@ def test_every_kind_of_result_the_benchmarks_write_is_rendered():
         report.render({**_every_kind()["decode"], "form": "hf"})
     assert "| 1 | 0.400 | 0.200 | 2.00 | 1.200 | 0.600 | 2.00 | selection 0.050 |" \
         in tables["nsa_reference_vs_sdpa_cpu"]
-    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 | wgmma |" in tables["kernel_resources"]
+    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 2 | 300.0 (OVER) | 227 | 128 | 0 | wgmma | 6 |" \
+        in tables["kernel_resources"]
     assert "- failed: sm_90 bf16 D=64: window_fwd needs" in tables["kernel_resources"]
     # data_resume's results written before it named itself are still recognised by their numbers
     unnamed = {k: v for k, v in _every_kind()["data_resume"].items() if k != "benchmark"}
@@ -198,16 +199,17 @@ def test_every_kind_of_result_the_benchmarks_write_is_rendered():
 
 
 def test_a_kernel_resources_result_of_an_older_release_is_rendered(tmp_path, capsys):
-    """Written before kernel_resources named itself (rows and failures, nothing else; no tensor-core column): its
-    table, with '-' for what was not recorded."""
+    """Written before kernel_resources named itself (rows and failures, nothing else; no tensor-core, stages or
+    async-load columns): its table, with '-' for what was not recorded."""
     old = {k: v for k, v in _every_kind()["kernel_resources"].items() if k in ("rows", "failures")}
-    old["rows"] = [{k: v for k, v in row.items() if k != "tensor_cores"} for row in old["rows"]]  # not recorded then
+    unrecorded = ("tensor_cores", "num_stages", "async_loads")
+    old["rows"] = [{k: v for k, v in row.items() if k not in unrecorded} for row in old["rows"]]
     path = tmp_path / "k.json"
     path.write_text(json.dumps(old))
     assert report.main([str(path)]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "The machine, versions and commit were not recorded (a result of an older release)." in out
-    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | 300.0 (OVER) | 227 | 128 | 0 | - |" in out
+    assert "| sm_90 | bf16 | 64 | window_fwd | 4 | - | 300.0 (OVER) | 227 | 128 | 0 | - | - |" in out
     path.write_text(json.dumps({"rows": [], "failures": []}))
     assert report.main([str(path)]) == 0 and "NSA Triton kernels compiled offline" in capsys.readouterr().out
 

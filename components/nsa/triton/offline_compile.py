@@ -40,6 +40,7 @@ class CompiledKernel:
     target: str
     constants: dict
     num_warps: int
+    num_stages: int
     shared_bytes: int
     registers: int | None
     # Per-thread stack frame: ptxas puts register spills and arrays it cannot keep in registers there,
@@ -48,6 +49,10 @@ class CompiledKernel:
     # The matrix instructions its dots became (tensor_cores): on sm_90 "wgmma" is Hopper's warpgroup MMA,
     # "mma" the older warp-level one, which a dot of fewer than 64 rows per warpgroup falls back to.
     tensor_cores: str
+    # Loads the software pipeliner turned into asynchronous copies (cp.async or TMA), prefetched stages ahead of
+    # the loop iteration that uses them. 0: every load waits for memory where it stands (a branch in a loop's
+    # body, or a loop nested inside the loop that loads, keeps the pipeliner out).
+    async_loads: int
 
     @property
     def shared_limit_bytes(self) -> int:
@@ -63,6 +68,11 @@ def tensor_cores(ptx: str) -> str:
     kinds = [name for name, pattern in (("wgmma", r"\bwgmma\.mma_async\b"), ("mma", r"\bmma\.sync\b"))
              if re.search(pattern, ptx)]
     return "+".join(kinds) or "none"
+
+
+def async_loads(ttgir: str) -> int:
+    """The asynchronous copies (cp.async, TMA) in a kernel's TTGIR: the loads the pipeliner prefetches."""
+    return len(re.findall(r"\b(?:ttg\.async_copy_global_to_local|ttng\.async_tma_copy_global_to_local)\b", ttgir))
 
 
 def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
@@ -98,8 +108,8 @@ def compile_only(target: GPUTarget):
         names = [p.name for p in self.params]
         constants = {names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
         compiled.append(CompiledKernel(self.fn.__name__, f"sm_{target.arch}", constants, options.num_warps,
-                                       kernel.metadata.shared, registers, stack_bytes,
-                                       tensor_cores(kernel.asm["ptx"])))
+                                       options.num_stages, kernel.metadata.shared, registers, stack_bytes,
+                                       tensor_cores(kernel.asm["ptx"]), async_loads(kernel.asm["ttgir"])))
         return None
 
     jit.JITFunction.run = compile_instead
