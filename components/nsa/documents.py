@@ -18,6 +18,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from components.nsa.compression import num_compressed_blocks
+from components.nsa.tensor_memo import TensorMemo
 
 # What dim 1 of a packed input counts: queries, key tokens, or compressed blocks.
 QUERY, TOKEN, BLOCK = "query", "token", "block"
@@ -38,10 +39,10 @@ def check_cu_seqlens_tensor(cu_seqlens, batch: int, device: torch.device) -> Non
                          f"rows into one, each row end a document end")
 
 
-# Host copies of offsets tensors, by tensor: a model passes one cu_seqlens to every layer, and reading a
-# GPU tensor's values waits for the GPU, so an eager forward reads it once, not once per layer and check.
-# An in-place change of the tensor (its version counter) reads it again.
-_HOST_VALUES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Host copies of offsets tensors: a model passes one cu_seqlens to every layer, and reading a GPU tensor's values
+# waits for the GPU, so an eager forward reads it once, not once per layer and check. An in-place change of the
+# tensor reads it again.
+_HOST_VALUES = TensorMemo()
 
 
 # Offsets tensors their maker never writes again once made (a model's layout, built on the host for each batch):
@@ -64,13 +65,12 @@ def is_written_once(offsets: torch.Tensor) -> bool:
 
 def host_values(offsets: torch.Tensor) -> tuple[int, ...]:
     """offsets.tolist() as Python ints, read from the device once per tensor and version."""
-    if offsets.is_inference():  # no version counter to tell an in-place change by
+    def read() -> tuple[int, ...]:
         return tuple(int(x) for x in offsets.tolist())
-    cached = _HOST_VALUES.get(offsets)
-    if cached is None or cached[0] != offsets._version:
-        cached = (offsets._version, tuple(int(x) for x in offsets.tolist()))
-        _HOST_VALUES[offsets] = cached
-    return cached[1]
+
+    if offsets.is_inference():  # no version counter to tell an in-place change by
+        return read()
+    return _HOST_VALUES.get(offsets, "values", read)
 
 
 def document_starts(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:

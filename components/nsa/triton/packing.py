@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, TypeVar
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from components.nsa.documents import is_written_once
+from components.nsa.tensor_memo import TensorMemo
 from components.nsa.triton.tile_configs import cdiv
 
 Tensor = torch.Tensor
@@ -37,15 +37,7 @@ Built = TypeVar("Built")
 # version counter), and never kept for an inference tensor (no counter), a tensor subclass, or off the device's
 # default stream: CUDA graph trees warm up and capture on their own stream, allocating from the graph's pool, which
 # must hold nothing past the run.
-# Weak keys: an entry goes with its tensor, so a later tensor at the same address is never taken for it.
-_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cu_seqlens -> _Kept
-
-
-class _Kept:
-    def __init__(self, version: int):
-        self.version = version
-        self.without_queries: dict = {}  # key -> what build gave
-        self.by_queries = WeakIdKeyDictionary()  # cu_seqlens_q -> (its version, {key -> what build gave})
+_KEPT = TensorMemo()  # cu_seqlens -> key -> what build gave; "queries" -> TensorMemo by cu_seqlens_q
 
 
 def _keepable(t: Tensor | None) -> bool:
@@ -61,19 +53,9 @@ def kept(cu_seqlens: Tensor, cu_seqlens_q: Tensor | None, key: tuple, build: Cal
     build makes and every other argument it reads). What build returns must not hold either tensor."""
     if not (_keepable(cu_seqlens) and _keepable(cu_seqlens_q)):
         return build()
-    entry = _KEPT.get(cu_seqlens)
-    if entry is None or entry.version != cu_seqlens._version:
-        entry = _KEPT[cu_seqlens] = _Kept(cu_seqlens._version)
     if cu_seqlens_q is None:
-        tables = entry.without_queries
-    else:
-        held = entry.by_queries.get(cu_seqlens_q)
-        if held is None or held[0] != cu_seqlens_q._version:
-            held = entry.by_queries[cu_seqlens_q] = (cu_seqlens_q._version, {})
-        tables = held[1]
-    if key not in tables:
-        tables[key] = build()
-    return tables[key]
+        return _KEPT.get(cu_seqlens, key, build)
+    return _KEPT.get(cu_seqlens, "queries", TensorMemo).get(cu_seqlens_q, key, build)
 
 
 def document_starts(cu_seqlens: Tensor) -> Tensor:
