@@ -84,7 +84,13 @@ def packed_lengths(total: int, low: int, high: int, seed: int = 0) -> list[int]:
 
 
 def cu_seqlens_of(lengths: list[int], device: str = "cuda") -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+    """Document starts of `lengths`, marked written once as a model marks its own (documents.written_once): the
+    Triton backend keeps its kernel tables with them, so a packed call is timed as the model's layers make it."""
+    from components.nsa.documents import written_once
+
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+    written_once(cu_seqlens)
+    return cu_seqlens
 
 
 def nsa_inputs(args, T: int, dtype: torch.dtype, device: str = "cuda",
