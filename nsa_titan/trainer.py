@@ -41,7 +41,8 @@ from nsa_titan.observe.watchdog import Watchdog, describe_stall
 from nsa_titan.parallel.compile import graph_break_message
 from nsa_titan.parallel.data_parallel import set_gradient_sync
 from nsa_titan.parallel.distributed import (NUMERICAL_FAULT_EXIT, all_reduce_mean, any_rank, build_mesh,
-                                            describe_data_parallel, init_process_group)
+                                            collective_seconds, describe_data_parallel, init_process_group,
+                                            set_collective_timeout)
 from nsa_titan.parallel.grad_clip import clip_grad_norm
 from nsa_titan.parallel.start_agreement import refuse_other_recipes, refuse_unshared_folder
 from nsa_titan.resume import data_layout, restore
@@ -75,12 +76,13 @@ class Trainer:
 
         fault = recipe.fault
         single = recipe.parallelism.fsdp_single_process
-        init_process_group(runtime, max(recipe.parallelism.init_timeout_seconds, fault.step_timeout_seconds + 60,
-                                        fault.first_step_timeout_seconds + 60), single)
+        init_process_group(runtime, recipe.parallelism.init_timeout_seconds, single)
         refuse_other_recipes(resolved.hash, resolved.toml, toml_differences)  # before the first layout collective
         replicate, shard = data_parallel_degrees(recipe, runtime.world_size)
         cp = recipe.parallelism.context_parallel_degree
         self.mesh, cp_mesh = build_mesh(runtime, replicate, shard, cp, single)
+        set_collective_timeout(collective_seconds(fault.step_timeout_seconds, fault.first_step_timeout_seconds),
+                               self.mesh, cp_mesh)
         # Ranks are (replicate, shard, cp) with cp varying fastest: a cp group shares one data rank.
         self.dp_rank, self.dp_size = runtime.rank // cp, runtime.world_size // cp
         self.shard = None if cp_mesh is None else SequenceShard(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp,

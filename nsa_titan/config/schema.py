@@ -43,8 +43,8 @@ class ParallelismConfig:
                                          "multi-device runs, on one device. Off: one process trains under autocast.")
     fsdp_reshard_after_forward: str = f("default", "Free gathered parameters after forward: default, always or never.",
                                         choices=("default", "always", "never"))
-    init_timeout_seconds: int = f(300, "Seconds to wait for all ranks at start-up (collectives get at least the "
-                                   "fault timeouts plus a minute).", gt=0)
+    init_timeout_seconds: int = f(300, "Seconds to wait for all ranks to join at start-up. Later collectives wait "
+                                       "a minute past the fault timeouts (a day where one is 0).", gt=0)
 
 
 @dataclass
@@ -147,8 +147,8 @@ class FaultConfig:
                                     "0 disables.", ge=0.0)
     first_step_timeout_seconds: float = f(3600.0, "The same for the first step, which includes compilation; "
                                           "0 disables.", ge=0.0)
-    max_bad_steps: int = f(0, "Skip up to this many steps whose loss or gradient norm is NaN/Inf before stopping.",
-                           ge=0)
+    max_bad_steps: int = f(0, "Skip up to this many steps in a row whose loss or gradient norm is NaN/Inf before "
+                              "stopping (a good step starts the count again).", ge=0)
 
 
 @dataclass

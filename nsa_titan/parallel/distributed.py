@@ -13,18 +13,51 @@ from nsa_titan.runtime import Runtime
 REPLICATE, SHARD, CONTEXT = "dp_replicate", "dp_shard", "cp"
 
 
-def init_process_group(runtime: Runtime, timeout_seconds: float, single_process: bool = False) -> None:
-    """Join the job; a rank that never arrives, or a collective that never completes, fails after
-    `timeout_seconds` (the caller makes it outlast the watchdog's limits, so a hang is diagnosed
-    with stack dumps before the communicator gives up). One process joins nothing unless
-    `single_process` asks for a group of its own (FSDP2 on a mesh of one rank)."""
+def init_process_group(runtime: Runtime, start_up_seconds: float, single_process: bool = False) -> None:
+    """Join the job; a rank that has not arrived after `start_up_seconds` fails the start. Collectives wait that
+    long too until set_collective_timeout. One process joins nothing unless `single_process` asks for a group of
+    its own (FSDP2 on a mesh of one rank)."""
     if (runtime.world_size == 1 and not single_process) or dist.is_initialized():
         return
     backend = "nccl" if runtime.device.type == "cuda" else "gloo"
     kwargs = {"device_id": runtime.device} if runtime.device.type == "cuda" else {}
     if runtime.world_size == 1:  # no launcher to meet: an in-memory store
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds), **kwargs)
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=start_up_seconds), **kwargs)
+
+
+UNWATCHED_COLLECTIVE_SECONDS = 24 * 3600  # what a collective may wait where no watchdog limit bounds a step
+
+
+def collective_seconds(step_timeout_s: float, first_step_timeout_s: float) -> float:
+    """How long a collective may wait once the job has met: a minute past the watchdog's limits (fault.*), so that
+    a hang is diagnosed with stack dumps before the communicator gives up; a day where a limit is 0 (off)."""
+    return max(limit + 60 if limit > 0 else UNWATCHED_COLLECTIVE_SECONDS
+               for limit in (step_timeout_s, first_step_timeout_s))
+
+
+_collective_timeout: timedelta | None = None  # set_collective_timeout's, for groups made after it
+
+
+def set_collective_timeout(seconds: float, *meshes: DeviceMesh | None) -> None:
+    """From now on a collective of the job's group, of any dimension of these meshes or of a group made by
+    new_group that has not completed after `seconds` fails. A mesh dimension spanning less than the job has a
+    group of its own, made with torch's default timeout (10 min on NCCL, 30 on gloo), not the job's."""
+    global _collective_timeout
+    if not dist.is_initialized():
+        return
+    _collective_timeout = timedelta(seconds=seconds)
+    groups = {id(g): g for mesh in meshes if mesh is not None for g in mesh.get_all_groups()}
+    groups[id(dist.group.WORLD)] = dist.group.WORLD
+    for group in groups.values():
+        # Private, in torch since 2.2 (the only way to change a live group's timeout); the meeting at
+        # start-up keeps its own, shorter wait.
+        dist.distributed_c10d._set_pg_timeout(_collective_timeout, group)
+
+
+def new_group(backend: str) -> dist.ProcessGroup:
+    """A group of every rank on `backend`, with the collective timeout (set_collective_timeout) where one is set."""
+    return dist.new_group(backend=backend, timeout=_collective_timeout)
 
 
 def destroy_process_group() -> None:
