@@ -237,7 +237,8 @@ def apply_recipe_optimizer_settings(recipe: Recipe, model: nn.Module, optimizer:
     if opt.args is not None:
         owned |= {f.name for f in dataclasses.fields(opt.args)}
     for group, wanted in zip(optimizer.param_groups, fresh, strict=True):
-        group.update({k: wanted[k] for k in owned if k in wanted}, initial_lr=opt.lr)
+        # A group's own base rate (a builder may give groups rates of their own), as a fresh run's schedule takes it.
+        group.update({k: wanted[k] for k in owned if k in wanted}, initial_lr=wanted["lr"])
     return build_lr_scheduler(recipe, optimizer, completed_steps=lr_scheduler.last_epoch)
 
 

@@ -873,7 +873,8 @@ def test_resume_takes_an_optimizers_own_arguments_from_the_recipe(tmp_path):
 
 def test_resume_keeps_running_state_an_optimizer_holds_in_its_groups(tmp_path):
     """Only the settings a recipe owns are set back on resume: a count the optimizer keeps in its param groups
-    (as schedule-free optimizers do) resumes with the rest of its state, so the run continues to the bit."""
+    (as schedule-free optimizers do) resumes with the rest of its state, and a group's own base rate stays its
+    own, so the run continues to the bit."""
     argv = [*BASE, "--job.plugins=tests.plugins.group_counter", "--optimizer.name=group_counter",
             "--training.steps=4", "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"]
     assert cli.main(["train", *argv]) == 0
