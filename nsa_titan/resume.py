@@ -102,7 +102,8 @@ def restore(recipe, resolved, checkpointer, state, nan_guard, vocab_size: int, g
         if note:
             say(note)
         say_derived_batch_change(recipe, say, record, step, global_batch, dp_size)
-        say_data_order_change(say, record, step, data_layout(dp_size, recipe.data), data_restarted)
+        say_data_order_change(say, record, step, data_layout(dp_size, recipe.data), recipe.training.local_batch_size,
+                              data_restarted)
         say_unchecked_data(say, state.dataloader, step, data_restarted)
         say_held_out_change(recipe, say, record, step)
         say_schedule_jump(recipe, say, state.optimizer, *saved_rates, step)

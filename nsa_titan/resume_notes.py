@@ -120,30 +120,39 @@ def say_derived_batch_change(recipe, say, record: dict, step: int, global_batch:
         f"the world size. {keep}")
 
 
-def say_data_order_change(say, record: dict, step: int, here: dict, data_restarted: bool) -> None:
+def say_data_order_change(say, record: dict, step: int, here: dict, local_batch_size: int,
+                          data_restarted: bool) -> None:
     """A resume at another data layout continues every logical shard where it stopped, but a loader with two or
     more workers takes each batch from one worker's shards: another worker count (or, with workers, another
-    data-parallel size) draws other rows into each step than the saved run would have. Fewer than two workers
-    give the same batches at every data-parallel size (a fixed global batch), so nothing is said there."""
+    data-parallel size or local batch size) draws other rows into each step than the saved run would have. Fewer
+    than two workers give the same batches at every data-parallel size and local batch size (a fixed global
+    batch), so nothing is said there."""
     saved = record.get("data_layout")
     if not isinstance(saved, dict) or data_restarted:
         return
+    saved_batch = record.get("local_batch_size", local_batch_size)  # absent from older checkpoints: as here
 
-    def order(layout: dict):
+    def order(layout: dict, batch: int):
         workers = layout.get("num_workers", 0)
-        return None if workers < 2 else (layout.get("world_size"), workers)
+        return None if workers < 2 else (layout.get("world_size"), workers, batch)
 
-    if order(saved) == order(here):
+    def batches(layout: dict, batch: int) -> str:
+        return f", {batch} sequences a batch" if layout.get("num_workers", 0) >= 2 else ""
+
+    if order(saved, saved_batch) == order(here, local_batch_size):
         return
     keep = f"--data.num_workers={saved.get('num_workers')}"
-    if order(saved) is not None and saved.get("world_size") != here["world_size"]:
-        keep += f" on {saved.get('world_size')} data-parallel rank(s)"
+    if order(saved, saved_batch) is not None:
+        if saved_batch != local_batch_size:
+            keep += f" --training.local_batch_size={saved_batch}"
+        if saved.get("world_size") != here["world_size"]:
+            keep += f" on {saved.get('world_size')} data-parallel rank(s)"
     say(f"note: the batches come in another order from here than the run that saved step {step} would have "
         f"drawn them: it read with data.num_workers = {saved.get('num_workers')} on "
-        f"{saved.get('world_size')} data-parallel rank(s), this run with {here['num_workers']} on "
-        f"{here['world_size']} (with 2 or more loader workers each batch comes from one worker's logical "
-        f"shards). Every shard continues where it stopped, no document repeated or skipped. To continue "
-        f"exactly, resume with {keep}.")
+        f"{saved.get('world_size')} data-parallel rank(s){batches(saved, saved_batch)}, this run with "
+        f"{here['num_workers']} on {here['world_size']}{batches(here, local_batch_size)} (with 2 or more loader "
+        f"workers each batch comes from one worker's logical shards). Every shard continues where it stopped, no "
+        f"document repeated or skipped. To continue exactly, resume with {keep}.")
 
 
 def say_unchecked_data(say, loader, step: int, data_restarted: bool) -> None:

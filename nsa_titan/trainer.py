@@ -168,6 +168,7 @@ class Trainer:
         # and the model fields its weights mean, which a moved step folder (without the run's recipe.toml) keeps
         self.state.extra["model"] = model_fields_of(resolved.toml)
         self.state.extra["global_batch_size"] = self.global_batch  # what -1 meant at the world size that saved
+        self.state.extra["local_batch_size"] = t.local_batch_size  # with loader workers, what each batch draws
         if recipe.validation.enable:  # the held-out set's size, which global_batch_size = -1 ties to the local batch
             self.state.extra["held_out_set"] = {"rows": held_out.held_out_rows(recipe), "seq_len": t.seq_len}
         self.checkpointer = None

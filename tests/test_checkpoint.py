@@ -150,9 +150,31 @@ def test_a_resume_with_another_worker_count_says_the_batches_come_in_another_ord
     assert cli.main(["train", *argv, "--training.steps=2", "--data.num_workers=1"]) == 0
     said = capsys.readouterr().out
     assert ("note: the batches come in another order from here than the run that saved step 1 would have drawn them: "
-            "it read with data.num_workers = 2 on 1 data-parallel rank(s), this run with 1 on 1") in said, said
+            "it read with data.num_workers = 2 on 1 data-parallel rank(s), 2 sequences a batch, this run with 1 on 1 "
+            "(with 2 or more") in said, said
     assert "To continue exactly, resume with --data.num_workers=2." in said, said
     assert cli.main(["train", *argv, "--training.steps=3", "--data.num_workers=0"]) == 0
+    assert "another order" not in capsys.readouterr().out
+
+
+def test_a_resume_with_workers_and_another_local_batch_size_says_the_batches_come_in_another_order(tmp_path, capsys):
+    """With two or more workers each batch is one worker's rows, so a fixed global batch split into micro-batches of
+    another size draws other rows into each step; without workers the batches are the same."""
+    argv = [*BASE, f"--job.dump_folder={tmp_path}", "--checkpoint.interval=1"]  # a global batch of 4
+
+    def layout(workers, local_batch):
+        return [f"--data.num_workers={workers}", f"--training.local_batch_size={local_batch}"]
+
+    assert cli.main(["train", *argv, "--training.steps=1", *layout(2, 2)]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=2", *layout(2, 4)]) == 0
+    said = capsys.readouterr().out
+    assert ("it read with data.num_workers = 2 on 1 data-parallel rank(s), 2 sequences a batch, this run with 2 on 1, "
+            "4 sequences a batch") in said, said
+    assert "To continue exactly, resume with --data.num_workers=2 --training.local_batch_size=2." in said, said
+    assert cli.main(["train", *argv, "--training.steps=3", *layout(0, 4)]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--training.steps=4", *layout(0, 2)]) == 0
     assert "another order" not in capsys.readouterr().out
 
 
