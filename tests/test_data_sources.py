@@ -582,7 +582,11 @@ def test_a_loader_worker_death_raised_inside_a_read_is_passed_on(hf_parquet):
 def test_huggingface_args_check(tmp_path):
     assert HuggingFaceArgs().check() == []
     assert [p.field for p in HuggingFaceArgs(validation_split="train").check()] == ["validation_split"]
-    assert [p.field for p in HuggingFaceArgs(path="parquet").check()] == ["data_files"]
+    assert [p.field for p in HuggingFaceArgs(path="parquet", name="").check()] == ["data_files"]
+    # The Hub dataset's configuration name (the default's) means nothing to a local builder: refused, not ignored.
+    named = HuggingFaceArgs(path="parquet", data_files=["a.parquet"]).check()
+    assert [(p.field, p.fix) for p in named] == [("name", "set name = ''")]
+    assert "the local builder 'parquet' has none" in named[0].why
     # A local pattern that matches nothing is named when the data is read (datasets would say StopIteration;
     # a recipe's check does not look for files, which export and sample never read); a Hub repository's
     # data_files are its own paths, not looked for here.

@@ -93,6 +93,10 @@ class HuggingFaceArgs:
         if self.path in _LOCAL_BUILDERS and not self.data_files:
             problems.append(problem("data_files", None, f"builder {self.path!r} needs data_files",
                                     "list the local files as paths or globs"))
+        if self.path in _LOCAL_BUILDERS and self.name:
+            # datasets reads the same rows whatever the name: it would be ignored (and still part of the stream's id)
+            problems.append(problem("name", self.name, f"names a Hub dataset's configuration, and the local builder "
+                                    f"{self.path!r} has none (it would be ignored)", "set name = ''"))
         return problems
 
 
