@@ -554,3 +554,21 @@ def test_a_run_folder_spelled_another_way_is_no_recipe_change(tmp_path, monkeypa
     moved = resolve([os.path.join(REPO_ROOT, "recipes", "debug.toml"), "--job.dump_folder=moved"])
     [change] = recipe_changes("moved", moved)  # a long path is cut short
     assert change.startswith(f"job.dump_folder: '{str(tmp_path)[:20]}") and change.endswith(" -> 'moved'"), change
+
+
+def test_a_recipe_files_settings_of_a_switched_off_feature_are_said_to_wait(tmp_path, capsys):
+    """A file may keep a feature's settings for when a flag turns it on; a training run says they are not used (a
+    flag for them is refused, tests/test_config_errors.py), and says nothing once the feature is on."""
+    debug = os.path.join(REPO_ROOT, "recipes", "debug.toml")
+    recipe = _write(tmp_path / "off.toml", f'extends = "{debug}"\n[checkpoint]\nenable = false\ninterval = 100\n'
+                                           f'keep_latest_k = 5\n[profiling]\nstart_step = 2\n')
+    assert cli.main(["train", str(recipe), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert (f"# note: checkpoint.interval = 100 from {recipe}, checkpoint.keep_latest_k = 5 from {recipe} wait for "
+            f"checkpoint.enable, which is false ({recipe}): not used in this run") in out, out
+    assert (f"# note: profiling.start_step = 2 from {recipe} waits for profiling.enable, which is false (defaults): "
+            f"not used in this run") in out, out
+    assert cli.main(["train", str(recipe), "--print-config", "--profiling.enable=true",
+                     "--checkpoint.enable=true"]) == 0
+    out = capsys.readouterr().out
+    assert "not used in this run" not in out and "start_step = 2" in out and "interval = 100" in out

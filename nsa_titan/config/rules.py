@@ -228,10 +228,10 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
     if recipe.checkpoint.keep_latest_k == 1:
         add("checkpoint.keep_latest_k", 1, "keeping one checkpoint loses it while the next one is written",
             "use 2 or more, or 0 to keep all")
-    # A flag for a feature the recipe switched off does nothing: say so (a recipe file may keep such
-    # settings for when the feature is on). Fields another command reads either way (checkpoint.folder and
-    # load_step for export, eval and plot, validation.steps for eval, compile.* for inspect) are listed only for
-    # training.
+    # A flag for a feature the recipe switched off does nothing: refused. A recipe file may keep such settings
+    # for when the feature is on (a flag turns it on for one run): a training run says they wait. Fields another
+    # command reads either way (checkpoint.folder and load_step for export, eval and plot, validation.steps for
+    # eval, compile.* for inspect) are listed only for training.
     refused_sections = set()
     for section, switch, names in _SWITCHED_FIELDS + (_SWITCHED_FIELDS_READ_ELSEWHERE if training else ()):
         table = getattr(recipe, section)
@@ -240,11 +240,18 @@ def check_rules(recipe: Recipe, world_size: int | None, source_of, problems: lis
         # A switch a flag turned off is the user's choice: adding the opposite flag would set it twice.
         fix = (f"remove this flag ({source_of(f'{section}.{switch}')} turns it off), or turn it on there instead"
                if _flagged(source_of, f"{section}.{switch}") else f"add --{section}.{switch}=true")
+        waiting = []
         for name in names:  # a flag counts as set even at the default value: it was asked for
             if _flagged(source_of, f"{section}.{name}"):
                 refused_sections.add(section)
                 add(f"{section}.{name}", getattr(table, name), f"is set on the command line but {section}.{switch} "
                     "is false, so it would be ignored", fix)
+            elif training and (section, switch, names) in _SWITCHED_FIELDS and _changed(table, name):
+                waiting.append(f"{section}.{name} = {toml_value(getattr(table, name))} from "
+                               f"{source_of(f'{section}.{name}')}")
+        if waiting:
+            notes.append(f"{', '.join(waiting)} {'waits' if len(waiting) == 1 else 'wait'} for {section}.{switch}, "
+                         f"which is false ({source_of(f'{section}.{switch}')}): not used in this run")
     if recipe.lr_scheduler.warmup_steps > t.steps:
         # A run shortened to try something (--training.steps=3) is still a run: it ends mid-warmup.
         notes.append(f"lr_scheduler.warmup_steps = {recipe.lr_scheduler.warmup_steps} from "

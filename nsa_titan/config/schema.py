@@ -128,7 +128,7 @@ class CheckpointConfig:
 
 @dataclass
 class MetricsConfig:
-    log_freq: int = f(10, "Log metrics every this many steps.", ge=1)
+    log_freq: int = f(10, "Log metrics every this many steps, and at a run's first and last step.", ge=1)
     enable_tensorboard: bool = f(False, "Also write TensorBoard event files.")
     save_tb_folder: str = f("tb", "TensorBoard folder inside job.dump_folder.")
     enable_wandb: bool = f(False, "Also log to Weights & Biases (pip install wandb); a resumed run continues "
@@ -154,7 +154,7 @@ class FaultConfig:
 @dataclass
 class ValidationConfig:
     enable: bool = f(False, "Evaluate on the held-out stream during training.")
-    freq: int = f(100, "Validate every this many steps.", ge=1)
+    freq: int = f(100, "Validate every this many steps, and at the last step.", ge=1)
     steps: int = f(10, "Batches of training.global_batch_size held-out rows per validation (of local_batch_size rows "
                        "when the global batch is -1), an equal share from each logical shard: the same rows at every "
                        "world size, micro-batch size and worker count.", ge=1)
