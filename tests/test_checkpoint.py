@@ -30,6 +30,9 @@ LAYOUTS = {
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree=2"]),
     # Muon's momentum is sharded like its matrices; its update is gathered whole
     "fsdp_muon": (2, ["--parallelism.data_parallel_shard_degree=2", "--optimizer.name=muon"]),
+    # Each batch one worker's rows: the workers' shard states and their turn resume with the run
+    "ddp_workers": (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2",
+                        "--data.num_workers=2"]),
 }
 
 
