@@ -31,14 +31,21 @@ if [ "$command" != train ]; then
 fi
 has_recipe=0  # a recipe anywhere among the arguments (flags may come first), not an override's value
 previous=""
+value=""  # a '--section.field VALUE' flag's value: files beside it with its extension are what a pattern expanded to
+extension() { local name=${1##*/}; case "$name" in *.*) echo ".${name##*.}" ;; *) echo "" ;; esac; }
+beside_value() {
+  [ -n "$value" ] && [ "$(dirname -- "$1")" = "$(dirname -- "$value")" ] &&
+    [ "$(extension "$1")" = "$(extension "$value")" ]
+}
 for arg in "$@"; do
   case "$arg" in
-    -*) ;;
+    -*) value="" ;;
     *) case "$previous" in
          --*=*) ;;  # an override with its value: this argument stands alone
-         --*.*) previous=""; continue ;;  # '--section.field VALUE': this is the value
+         --*.*) previous=""; value=$arg; continue ;;  # '--section.field VALUE': this is the value
        esac
-       if [[ "$arg" == *.toml || "$arg" == *.TOML ]] || [ -e "$arg" ]; then has_recipe=1; fi ;;
+       if [[ "$arg" == *.toml || "$arg" == *.TOML ]] || [ -d "$arg" ]; then has_recipe=1
+       elif [ -e "$arg" ] && ! beside_value "$arg"; then has_recipe=1; fi ;;  # the CLI names a pattern's files
   esac
   previous=$arg
 done

@@ -238,3 +238,22 @@ def test_the_debug_recipe_is_the_default_only_without_a_recipe(argv, name, tmp_p
                           cwd=REPO_ROOT, env={**os.environ, "NGPU": "1"})
     assert done.returncode == 0, done.stderr
     assert f'\nname = "{name}"\n' in done.stdout and "\nsteps = 5\n" in done.stdout
+
+
+@pytest.mark.parametrize("recipe", [["recipes/debug.toml"], []], ids=["recipe named", "no recipe"])
+def test_a_pattern_the_shell_expanded_after_a_flag_is_one_problem_with_the_quoting_fix(tmp_path, recipe):
+    """'--data.text_files.paths corpus/*.txt' unquoted reaches the program as one word per file: the files after
+    the first were taken for recipes (one refusal each, or a data file read as TOML)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    files = [str(corpus / f"{name}.txt") for name in "abcd"]
+    for path in files:
+        open(path, "w").write("x = 1\n")
+    done = subprocess.run([SCRIPT, *recipe, "--data.source=text_files", "--data.text_files.paths", *files,
+                           "--print-config"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                          env={**os.environ, "NGPU": "1"})
+    assert done.returncode == 2, done.stderr
+    assert "the recipe has 1 problem:" in done.stderr, done.stderr
+    assert (f"is followed by 3 more word(s) that are neither flags nor a recipe ('{files[1]}', '{files[2]}', "
+            f"'{files[3]}'): the shell expanded a pattern into one word per file. Fix: quote the pattern so that the "
+            f"shell passes it on, e.g. '--data.text_files.paths={corpus}/*.txt', or name the folder.") in done.stderr

@@ -7,6 +7,7 @@ serves ints, floats (3e-4), booleans (true / false), comma-separated lists and c
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field
 
 from nsa_titan.config.errors import Problem
@@ -30,6 +31,28 @@ class CommandLine:
     overrides: list[tuple[str, str, CliText]]  # (flag as typed, dotted key, value)
     actions: set[str]
     notes: list[str] = field(default_factory=list)  # worth telling the user (a field set twice)
+
+
+def _spilled_words(argv: list[str], i: int, value: str) -> list[str]:
+    """The words from argv[i] on, up to the next flag or option, that a space-form flag's `value` left behind: files
+    beside it with its extension (a pattern the shell expanded: corpus/*.txt), never a recipe (a .toml file, or a
+    folder: a run's)."""
+    spilled = []
+    while i < len(argv) and not argv[i].startswith("-") and argv[i] not in ACTIONS:
+        word = argv[i]
+        if (word.lower().endswith(".toml") or os.path.isdir(word) or os.path.dirname(word) != os.path.dirname(value)
+                or os.path.splitext(word)[1] != os.path.splitext(value)[1]):
+            break
+        spilled.append(word)
+        i += 1
+    return spilled
+
+
+def _pattern_like(path: str) -> str:
+    """A pattern of the files beside `path` with its extension: corpus/a.txt -> corpus/*.txt."""
+    folder, name = os.path.split(path)
+    extension = os.path.splitext(name)[1]
+    return os.path.join(folder, f"*{extension}")
 
 
 def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
@@ -81,6 +104,16 @@ def parse_args(argv: list[str], problems: list[Problem]) -> CommandLine:
                 value = argv[i]
                 flag = f"{arg} {value}"
                 i += 1
+                spilled = _spilled_words(argv, i, value)
+                if spilled:  # '--paths corpus/*.txt' unquoted: the shell made one word per file
+                    i += len(spilled)
+                    problems.append(Problem(
+                        f"flag {flag!r}", key, None,
+                        f"is followed by {len(spilled)} more word(s) that are neither flags nor a recipe "
+                        f"({', '.join(map(repr, spilled[:3]))}{', ...' if len(spilled) > 3 else ''}): the shell "
+                        f"expanded a pattern into one word per file",
+                        f"quote the pattern so that the shell passes it on, e.g. '--{key}={_pattern_like(value)}', "
+                        f"or name the folder"))
             else:
                 value = NoValue("")
         if not key or any(not part for part in key.split(".")):
