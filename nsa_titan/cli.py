@@ -216,17 +216,17 @@ def export(argv: list[str]) -> int:
         return _fail(f"error: export needs the recipe of the run whose checkpoint it exports. Fix: e.g. "
                      f"`nsa-titan export recipes/debug.toml {'--format hf ' if form == 'hf' else ''}--output "
                      f"{output}`.")
-    path, step = writers[form](resolved, output, *(() if dtype is None else (dtype,)), overwrite=overwrite)
-    print(f"exported step {step} to {path}")
     from nsa_titan.rebuild import HELD_OUT_READS, say_unread_flags
-    from nsa_titan.run_folder import recipe_change_note
-
-    # The export records the recipe whole: eval of the file reads its held-out data settings.
-    say_unread_flags(resolved, "export", HELD_OUT_READS, effect="nothing that reads the export (its recipe records "
-                                                                "them)")
+    from nsa_titan.run_folder import recipe_change_note, said_if_refused
 
     # e.g. a model field given here that the run did not train with: the export records it
     note = recipe_change_note(resolved, "the export's recipe differs from the run's recipe.toml")
+    with said_if_refused(note):
+        path, step = writers[form](resolved, output, *(() if dtype is None else (dtype,)), overwrite=overwrite)
+    print(f"exported step {step} to {path}")
+    # The export records the recipe whole: eval of the file reads its held-out data settings.
+    say_unread_flags(resolved, "export", HELD_OUT_READS, effect="nothing that reads the export (its recipe records "
+                                                                "them)")
     if note:
         print(note)
     return 0
@@ -356,12 +356,13 @@ def plot(argv: list[str]) -> int:
         from nsa_titan.export import load_checkpoint_model
         from nsa_titan.rebuild import say_on_stderr, say_unread_flags
         from nsa_titan.observe.plots import plot_model
-        from nsa_titan.run_folder import recipe_change_note
+        from nsa_titan.run_folder import recipe_change_note, said_if_refused
 
         resolved = resolve(argv, world_size=None)
-        model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr)
         change = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (plot reads the model "
                                               "and tokenizer fields)")
+        with said_if_refused(change):
+            model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr)
         if change:
             print(change)
         paths, note = plot_model(model, resolved.recipe.model, tokenizer, text, layer, out, overwrite,

@@ -3,10 +3,12 @@ of an earlier run, once this one is known to start)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from typing import Any, Callable
 
@@ -211,6 +213,19 @@ def recipe_change_note(resolved, lead: str) -> str | None:
     """'note: LEAD: field: old -> new; ...' for the fields recipe_changes finds in the run's folder, or None."""
     changes = recipe_changes(resolved.recipe.job.dump_folder, resolved)
     return f"note: {lead}: {'; '.join(changes)}" if changes else None
+
+
+@contextlib.contextmanager
+def said_if_refused(note: str | None):
+    """A recipe change note said (on stderr) before a refusal from within the block: a checkpoint that does not fit
+    the recipe is most often the run's fields changed, which the note names (an export's or eval's note otherwise
+    follows its result)."""
+    try:
+        yield
+    except UserError:
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        raise
 
 
 def flat_fields(table: dict, prefix: str = "") -> dict[str, Any]:

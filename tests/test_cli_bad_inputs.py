@@ -879,3 +879,20 @@ def test_version_names_the_package_torch_and_python(capsys):
     assert cli.main(["--version"]) == 0
     out = capsys.readouterr().out
     assert out.strip() == f"nsa-titan {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
+@pytest.mark.parametrize("command", ["export", "eval", "plot"])
+def test_a_checkpoint_the_changed_recipe_does_not_fit_names_the_changed_fields_first(run, tmp_path, capsys, command):
+    """export, eval or plot given the run's recipe without the training flags that shaped its model (here the
+    width): the shape refusal is what the user sees, so the fields that differ from the run's recipe.toml come
+    before it, as a resume's refusal gives them."""
+    argv, _, _ = run
+    changed = [arg for arg in argv if not arg.startswith("--model.dim=")] + ["--model.dim=96"]
+    extra = {"export": ["--output", str(tmp_path / "x.pt")], "eval": ["--out", str(tmp_path / "eval")],
+             "plot": ["--text", "def f(x):", "--out", str(tmp_path / "plots")]}[command]
+    code = cli.main([command, *changed, *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    note, error = err.split("\nerror: ", 1)
+    assert note.startswith("note: ") and "differs from the run's recipe.toml" in note and "model.dim: " in note, err
+    assert "-> 96" in note and "Fix:" in error, err

@@ -583,10 +583,13 @@ def test_huggingface_args_check(tmp_path):
     assert HuggingFaceArgs().check() == []
     assert [p.field for p in HuggingFaceArgs(validation_split="train").check()] == ["validation_split"]
     assert [p.field for p in HuggingFaceArgs(path="parquet", name="").check()] == ["data_files"]
-    # The Hub dataset's configuration name (the default's) means nothing to a local builder: refused, not ignored.
-    named = HuggingFaceArgs(path="parquet", data_files=["a.parquet"]).check()
-    assert [(p.field, p.fix) for p in named] == [("name", "set name = ''")]
-    assert "the local builder 'parquet' has none" in named[0].why
+    # The Hub dataset's configuration name (the default's) means nothing to a local builder: said, not refused
+    # (runs saved with it keep it in their stream's id).
+    named = HuggingFaceArgs(path="parquet", data_files=["a.parquet"])
+    assert named.check() == []
+    assert named.notes() == ["name = 'sample-10BT' is not used: the local builder 'parquet' has no configurations "
+                             "(a new run may set name = '')"]
+    assert HuggingFaceArgs(path="parquet", name="").notes() == HuggingFaceArgs().notes() == []
     # A local pattern that matches nothing is named when the data is read (datasets would say StopIteration;
     # a recipe's check does not look for files, which export and sample never read); a Hub repository's
     # data_files are its own paths, not looked for here.

@@ -69,13 +69,14 @@ def _load(argv: list[str], before_model=None):
     from nsa_titan.evaluate.export_flags import refuse_other_flags
     from nsa_titan.export import load_checkpoint_model, load_exported_run
     from nsa_titan.rebuild import say_on_stderr
-    from nsa_titan.run_folder import recipe_change_note
+    from nsa_titan.run_folder import recipe_change_note, said_if_refused
 
     if argv and argv[0].endswith(".toml"):
         resolved = resolve(argv, world_size=None)
-        model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr, before_model)
         note = recipe_change_note(resolved, "the recipe differs from the run's recipe.toml (eval reads the model, "
                                             "tokenizer and data fields)")
+        with said_if_refused(note):
+            model, tokenizer, step = load_checkpoint_model(resolved, say_on_stderr, before_model)
         if note:
             print(note)
         return (model, tokenizer, resolved.recipe, f"checkpoint step {step} of {resolved.recipe.job.dump_folder}",

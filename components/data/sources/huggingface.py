@@ -93,11 +93,15 @@ class HuggingFaceArgs:
         if self.path in _LOCAL_BUILDERS and not self.data_files:
             problems.append(problem("data_files", None, f"builder {self.path!r} needs data_files",
                                     "list the local files as paths or globs"))
-        if self.path in _LOCAL_BUILDERS and self.name:
-            # datasets reads the same rows whatever the name: it would be ignored (and still part of the stream's id)
-            problems.append(problem("name", self.name, f"names a Hub dataset's configuration, and the local builder "
-                                    f"{self.path!r} has none (it would be ignored)", "set name = ''"))
         return problems
+
+    def notes(self) -> list[str]:
+        """A configuration name given to a local builder: datasets reads the same rows whatever it is. Said, not
+        refused: it is the default's (a Hub dataset's), and runs saved with it keep it in their stream's id."""
+        if self.path in _LOCAL_BUILDERS and self.name:
+            return [f"name = {self.name!r} is not used: the local builder {self.path!r} has no configurations "
+                    f"(a new run may set name = '')"]
+        return []
 
 
 def _names_local_folder(path: str, folder: str) -> bool:
