@@ -39,7 +39,7 @@ from components.errors import UserError, read_from
 from nsa_titan.checkpoint_checks import (changed_files, file_checksum, shape_mismatches, tensor_shapes,
                                          truncated_shards)
 from nsa_titan.config.toml_io import tomllib
-from nsa_titan.parallel.distributed import new_group
+from nsa_titan.parallel.distributed import new_group_for_background_work
 from nsa_titan.run_folder import create_new
 from nsa_titan.run_recipe import recipe_above
 from nsa_titan.step_folders import STEP_DIR, TRAIN_STATE, step_name, step_path, train_state_file
@@ -268,7 +268,7 @@ class Checkpointer:
         self._async_group = None
         if async_mode == "async" and dist.is_initialized():
             # Background saves must not share a communicator with training's collectives.
-            self._async_group = new_group("gloo")
+            self._async_group = new_group_for_background_work("gloo")
 
     # -- paths -----------------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:

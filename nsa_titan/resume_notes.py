@@ -80,7 +80,8 @@ def say_schedule_jump(recipe, say, optimizer, saved_next: float, applied: float 
     peak leaves the span between the share the saved run stepped at, `applied`, and the one it would have
     gone on at) and the rate does too: a run extended in its stable stretch (warmup-stable-decay) goes on
     without a word, as does one whose peak (optimizer.lr) alone changed, which the recipe note names."""
-    now, peak = optimizer.param_groups[0]["lr"], recipe.optimizer.lr
+    group = optimizer.param_groups[0]  # its peak: the recipe's rate as the optimizer builder gave it to this group
+    now, peak = group["lr"], group.get("initial_lr", recipe.optimizer.lr)
     rates = [saved_next] + ([applied] if applied is not None else [])  # None: saved before it was recorded
     shares = [rate / saved_peak for rate in rates]
 
@@ -95,8 +96,9 @@ def say_schedule_jump(recipe, say, optimizer, saved_next: float, applied: float 
     advice = (". To extend a run without raising its learning rate again, resume from a checkpoint before "
               "its decay began (checkpoint.load_step; lr_scheduler.decay_steps keeps the rate at its peak until "
               "the last decay_steps steps)") if rises else ""
+    of = f"optimizer.lr = {peak:g}" if peak == recipe.optimizer.lr else f"the first param group's peak, {peak:g}"
     say(f"note: the learning rate {'rises' if rises else 'falls'} at step {step + 1} to {now:.3g} "
-        f"({100 * now / peak:.3g}% of optimizer.lr = {peak:g}), where this recipe's schedule has it "
+        f"({100 * now / peak:.3g}% of {of}), where this recipe's schedule has it "
         f"(lr_scheduler and training.steps); the run that saved step {step} {before}{advice}")
 
 

@@ -1,7 +1,8 @@
-"""Run under torch.distributed.run (4 ranks, gloo) by tests/test_collective_timeout.py. The job meets with a 7 s
-start-up timeout; set_collective_timeout(2 s) then covers the job's group, an HSDP mesh's groups (each dimension a
-group of 2 ranks of its own) and a group made after it. Every rank prints its groups' timeouts; rank 0 then waits in
-an all-reduce over its shard group, which rank 1 never joins, and prints how long it waited before failing."""
+"""Run under torch.distributed.run (4 ranks, gloo) by tests/test_collective_timeout.py. The job meets with a 60 s
+start-up timeout; set_collective_timeout(2 s) then covers the job's group and an HSDP mesh's groups (each dimension
+a group of 2 ranks of its own); a background group made after it keeps at least 30 min. Every rank prints its
+groups' timeouts; rank 0 then waits in an all-reduce over its shard group, which rank 1 never joins, and prints how
+long it waited before failing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from nsa_titan.parallel.distributed import build_mesh, init_process_group, new_group, set_collective_timeout
+from nsa_titan.parallel.distributed import (build_mesh, init_process_group, new_group_for_background_work,
+                                            set_collective_timeout)
 from nsa_titan.runtime import Runtime
 
 
@@ -22,11 +24,11 @@ def timeout_s(group) -> float:
 if __name__ == "__main__":
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     runtime = Runtime(rank=rank, local_rank=rank, world_size=world, device=torch.device("cpu"), autocast_dtype=None)
-    init_process_group(runtime, 7)
+    init_process_group(runtime, 60)
     start_up = timeout_s(dist.group.WORLD)
     mesh, _ = build_mesh(runtime, 2, 2)
     set_collective_timeout(2, mesh)
-    later = new_group("gloo")
+    later = new_group_for_background_work("gloo")
     said = [f"start-up {start_up:g}", f"world {timeout_s(dist.group.WORLD):g}",
             *(f"{name} {timeout_s(mesh.get_group(name)):g}" for name in mesh.mesh_dim_names),
             f"new {timeout_s(later):g}"]

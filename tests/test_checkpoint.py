@@ -909,6 +909,21 @@ def test_resume_keeps_running_state_an_optimizer_holds_in_its_groups(tmp_path):
     assert losses(tmp_path) == {3: straight[3], 4: straight[4]}
 
 
+def test_a_resume_at_another_peak_rate_of_an_optimizer_with_group_rates_notes_no_schedule_jump(tmp_path, capsys):
+    """A schedule's share of the peak is read against the group's own base rate (a tenth of optimizer.lr in the
+    first group here): a changed optimizer.lr alone is the recipe note's, not a jump of the schedule."""
+    argv = [*BASE, "--job.plugins=tests.plugins.group_counter", "--optimizer.name=group_counter",
+            "--training.steps=4", "--checkpoint.interval=2", "--lr_scheduler.warmup_steps=1",
+            f"--job.dump_folder={tmp_path}"]
+    assert cli.main(["train", *argv]) == 0
+    rewind_to(tmp_path, 2)
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--optimizer.lr=1e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "optimizer.lr" in out, out  # the recipe note names the change
+    assert "note: the learning rate" not in out, out
+
+
 def test_a_warmup_stable_decay_run_extended_on_resume_decays_at_its_new_end(tmp_path, capsys):
     argv = [*BASE, "--checkpoint.interval=2", "--lr_scheduler.decay_steps=1", "--lr_scheduler.decay_type=linear",
             "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}"]

@@ -30,7 +30,8 @@ def test_every_group_of_the_job_gets_the_collective_timeout_after_the_start_up_o
     proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank ") and ": start-up" in line)
-    assert said == [f"rank {r}: start-up 7, world 2, dp_replicate 2, dp_shard 2, new 2" for r in range(4)], proc.stdout
+    assert said == [f"rank {r}: start-up 60, world 2, dp_replicate 2, dp_shard 2, new 1800" for r in range(4)], \
+        proc.stdout
     waited = [line for line in proc.stdout.splitlines() if line.startswith("rank 0 waited")]
     assert len(waited) == 1 and "completed" not in waited[0], proc.stdout
     seconds = float(waited[0].split()[3])

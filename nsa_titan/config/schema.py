@@ -55,8 +55,8 @@ class DataConfig:
                                "data-parallel size must divide it.", ge=1,
                             le=65536)
     num_workers: int = f(0, "Data loader worker processes per rank (0 reads in the training process); the rank's "
-                            "shards are dealt out among them, so like the world size it is part of the batch order.",
-                         ge=0)
+                            "shards are dealt out among them, so like the world size (and, with 2 or more, "
+                            "training.local_batch_size) it is part of the batch order.", ge=0)
     prefetch_factor: int = f(2, "Batches each worker prepares ahead (needs num_workers > 0).", ge=1)
     pin_memory: bool = f(True, "Pin host batches for faster copies to a CUDA device (no effect on CPU).")
     add_bos: bool = f(False, "Start every document with the tokenizer's BOS token (documents always end with EOS).")

@@ -40,8 +40,8 @@ _collective_timeout: timedelta | None = None  # set_collective_timeout's, for gr
 
 
 def set_collective_timeout(seconds: float, *meshes: DeviceMesh | None) -> None:
-    """From now on a collective of the job's group, of any dimension of these meshes or of a group made by
-    new_group that has not completed after `seconds` fails. A mesh dimension spanning less than the job has a
+    """From now on a collective of the job's group or of any dimension of these meshes that has not completed after
+    `seconds` fails. A mesh dimension spanning less than the job has a
     group of its own, made with torch's default timeout (10 min on NCCL, 30 on gloo), not the job's."""
     global _collective_timeout
     if not dist.is_initialized():
@@ -55,9 +55,15 @@ def set_collective_timeout(seconds: float, *meshes: DeviceMesh | None) -> None:
         dist.distributed_c10d._set_pg_timeout(_collective_timeout, group)
 
 
-def new_group(backend: str) -> dist.ProcessGroup:
-    """A group of every rank on `backend`, with the collective timeout (set_collective_timeout) where one is set."""
-    return dist.new_group(backend=backend, timeout=_collective_timeout)
+BACKGROUND_COLLECTIVE_SECONDS = 1800  # torch's gloo default: a background group's least wait
+
+
+def new_group_for_background_work(backend: str) -> dist.ProcessGroup:
+    """A group of every rank on `backend` for work beside training (an async save's gather): its waits are ranks
+    waiting for a slow rank's background writes while training steps on, which the watchdog never sees, so the
+    collective timeout (set_collective_timeout) holds it only where that is longer than 30 min."""
+    seconds = max(BACKGROUND_COLLECTIVE_SECONDS, _collective_timeout.total_seconds() if _collective_timeout else 0)
+    return dist.new_group(backend=backend, timeout=timedelta(seconds=seconds))
 
 
 def destroy_process_group() -> None:

@@ -5,9 +5,9 @@ Load it and name it as the optimizer:
     --job.plugins=tests.plugins.group_counter --optimizer.name=group_counter
 
 AdamW whose step size shrinks with a count of steps kept in each param group ("k"): a resume that
-reset the count would move the weights differently from the run it continues. Its last group (no weight decay)
-has a base rate of its own, a tenth of the recipe's, as builders with per-group rates give theirs: a resume that
-took the recipe's rate for every group would step it ten times too far.
+reset the count would move the weights differently from the run it continues. Its first group (weight decay) has
+a base rate of its own, a tenth of the recipe's, as builders with per-group rates give theirs: a resume that took
+the recipe's rate for every group would step it ten times too far.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def build_group_counter(model, **kwargs):
     optimizer.__class__ = GroupCounter
     for group in optimizer.param_groups:
         group["k"] = 0  # in every group from the start, as such optimizers keep theirs
-    optimizer.param_groups[-1]["lr"] *= 0.1
+    optimizer.param_groups[0]["lr"] *= 0.1
     return optimizer
 
 
