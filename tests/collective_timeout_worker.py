@@ -7,11 +7,13 @@ long it waited before failing."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from components.errors import UserError
 from nsa_titan.parallel.distributed import (build_mesh, init_process_group, new_group_for_background_work,
                                             set_collective_timeout)
 from nsa_titan.runtime import Runtime
@@ -21,9 +23,26 @@ def timeout_s(group) -> float:
     return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
 
+def a_rank_never_starts(runtime: Runtime) -> None:
+    """argv "late": rank 1 never joins; the others' start fails after 3 s naming it."""
+    if runtime.rank == 1:
+        time.sleep(12)  # alive, never joining, until the others have given up
+        os._exit(0)
+    began = time.monotonic()
+    try:
+        init_process_group(runtime, 3)
+        said = "joined"
+    except UserError as exc:
+        said = str(exc)
+    os.write(1, f"rank {runtime.rank} after {time.monotonic() - began:.1f} s: {said}\n".encode())
+    os._exit(0)
+
+
 if __name__ == "__main__":
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     runtime = Runtime(rank=rank, local_rank=rank, world_size=world, device=torch.device("cpu"), autocast_dtype=None)
+    if sys.argv[1:] == ["late"]:
+        a_rank_never_starts(runtime)
     init_process_group(runtime, 60)
     start_up = timeout_s(dist.group.WORLD)
     mesh, _ = build_mesh(runtime, 2, 2)

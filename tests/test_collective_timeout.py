@@ -36,3 +36,19 @@ def test_every_group_of_the_job_gets_the_collective_timeout_after_the_start_up_o
     assert len(waited) == 1 and "completed" not in waited[0], proc.stdout
     seconds = float(waited[0].split()[3])
     assert 1.5 <= seconds < 10, waited[0]
+
+
+def test_a_rank_that_never_starts_fails_the_others_start_naming_it():
+    """NCCL's communicator set-up waits for a missing rank without a bound: the ranks meet on the launch's store
+    first, within parallelism.init_timeout_seconds, and the start ends with the missing rank named."""
+    worker = os.path.join(REPO_ROOT, "tests", "collective_timeout_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--nnodes=1", "--standalone",
+               worker, "late"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO_ROOT, timeout=180)
+    said = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert len(said) == 2, proc.stdout + proc.stderr[-3000:]
+    for rank, line in zip((0, 2), said):
+        assert line.startswith(f"rank {rank} after ") and (
+            f"rank(s) 1 of 3 did not start within parallelism.init_timeout_seconds = 3 s (this is rank {rank}). "
+            f"Fix: look at the missing ranks' own output") in line, line
+        assert 2.5 <= float(line.split()[3]) < 10, line

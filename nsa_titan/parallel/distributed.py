@@ -2,28 +2,56 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from components.errors import UserError
 from nsa_titan.runtime import Runtime
 
 REPLICATE, SHARD, CONTEXT = "dp_replicate", "dp_shard", "cp"
 
 
 def init_process_group(runtime: Runtime, start_up_seconds: float, single_process: bool = False) -> None:
-    """Join the job; a rank that has not arrived after `start_up_seconds` fails the start. Collectives wait that
-    long too until set_collective_timeout. One process joins nothing unless `single_process` asks for a group of
-    its own (FSDP2 on a mesh of one rank)."""
+    """Join the job: every rank meets every other within `start_up_seconds`, or the start fails naming the ranks
+    that did not come (_meet). Collectives wait that long too until set_collective_timeout. One process joins
+    nothing unless `single_process` asks for a group of its own (FSDP2 on a mesh of one rank)."""
     if (runtime.world_size == 1 and not single_process) or dist.is_initialized():
         return
     backend = "nccl" if runtime.device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=start_up_seconds)
     kwargs = {"device_id": runtime.device} if runtime.device.type == "cuda" else {}
     if runtime.world_size == 1:  # no launcher to meet: an in-memory store
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=start_up_seconds), **kwargs)
+    else:
+        kwargs.update(store=_meet(runtime, timeout), rank=runtime.rank, world_size=runtime.world_size)
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def _meet(runtime: Runtime, timeout: timedelta) -> dist.Store:
+    """The launch's store once every rank has reached it, within `timeout`. NCCL's communicator set-up (eager, with
+    device_id) waits for a missing rank without any bound, and gloo's names none: the ranks meet here first."""
+    store, _, _ = next(dist.rendezvous("env://", runtime.rank, runtime.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # A launcher's store outlives a restart of its workers (torchrun --max-restarts): each attempt meets anew.
+    prefix = f"nsa_titan/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.set(f"{prefix}/rank/{runtime.rank}", "1")
+    if store.add(f"{prefix}/joined", 1) == runtime.world_size:
+        store.set(f"{prefix}/all", "1")
+    try:
+        store.wait([f"{prefix}/all"], timeout)
+    except RuntimeError:  # the store's timeout (DistStoreError)
+        missing = [r for r in range(runtime.world_size) if not store.check([f"{prefix}/rank/{r}"])]
+        shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise UserError(
+            f"rank(s) {shown} of {runtime.world_size} did not start within parallelism.init_timeout_seconds = "
+            f"{timeout.total_seconds():g} s (this is rank {runtime.rank}). Fix: look at the missing ranks' own output "
+            f"(a node still starting, a stuck import or file system, a crash before the start), or raise "
+            f"parallelism.init_timeout_seconds where ranks start this slowly.") from None
+    return store
 
 
 UNWATCHED_COLLECTIVE_SECONDS = 24 * 3600  # what a collective may wait where no watchdog limit bounds a step
