@@ -241,11 +241,17 @@ def sample(argv: list[str]) -> int:
     from components.data import decode_text, document_prefix_id, encode_text
     from nsa_titan import registry
     from nsa_titan.document_start import documents_of, generate_document, leading_eos_apart
-    from nsa_titan.export import load_exported_run
+    from nsa_titan.export import load_exported_run, recipe_is_not_an_export
     from nsa_titan.rebuild import say_on_stderr
 
     prompt = take_option(argv, "--prompt", "")
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    if argv and argv[0].endswith(".toml"):  # a recipe's training flags come with it: they are not sample's options
+        overrides, words = [], iter(argv[1:])
+        for word in words:
+            if word.startswith("--") and "." in word.split("=", 1)[0]:  # --section.field=VALUE or VALUE after it
+                overrides += [word] if "=" in word else [word, next(words, "")]
+        raise recipe_is_not_an_export(argv[0], overrides)
     numbers = {}
     # (option, type, default, lowest, highest, example): nan or inf would reach the sampler, --top-k 0 would
     # silently mean "no top-k" (leave it out for that), a seed past 64 bits overflows torch's generator.

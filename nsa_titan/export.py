@@ -85,6 +85,16 @@ def load_exported(path: str, device: str | torch.device = "cpu",
     return _rebuilt(path, _read_exported(path), device, say)
 
 
+def recipe_is_not_an_export(path: str, flags: list[str] = ()) -> UserError:
+    """The refusal of a recipe given where an exported model belongs; `flags`, the recipe's overrides given with it,
+    go to export."""
+    import shlex
+
+    given = " ".join(map(shlex.quote, [path, *flags]))
+    return UserError(f"{path!r} is a recipe, not an exported model. Fix: run `nsa-titan export {given} --output "
+                     f"FILE` first and give FILE here.")
+
+
 def _read_exported(path: str) -> dict:
     """What an export holds, its weights as a state dict under 'state_dict' (no model is built yet)."""
     if os.path.isdir(path):
@@ -95,8 +105,7 @@ def _read_exported(path: str) -> dict:
             raise refusal
         return _read_hf_folder(path)
     if path.endswith(".toml"):
-        raise UserError(f"{path!r} is a recipe, not an exported model. Fix: run `nsa-titan export {path} --output "
-                        f"FILE` first and give FILE here.")
+        raise recipe_is_not_an_export(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch's unpickler fails on other files with any error (IndexError, UnpicklingError...)

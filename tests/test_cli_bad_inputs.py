@@ -58,6 +58,11 @@ def test_no_recipe_is_said_alone_with_where_the_shipped_recipes_are(capsys, monk
 
 def test_sample_of_a_recipe_says_export_first(capsys):
     refused(capsys, ["sample", DEBUG], "is a recipe, not an exported model", "nsa-titan export")
+    # With the training flags export, eval and plot take beside a recipe: one refusal, the flags carried to export
+    # (they were refused first as sample's unknown options, then the recipe).
+    err = refused(capsys, ["sample", DEBUG, "--data.source", "synthetic", "--training.steps=3", "--max-new-tokens",
+                           "5", "--prompt", "def "], "is a recipe, not an exported model")
+    assert f"Fix: run `nsa-titan export {DEBUG} --data.source synthetic --training.steps=3 --output FILE` first" in err
 
 
 @pytest.mark.parametrize("command, extra", [("sample", []), ("plot", ["--text", "hi", "--out", "OUT"]),
