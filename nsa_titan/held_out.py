@@ -80,8 +80,9 @@ def empty_set_error(recipe, rows: int | None = None, without: str | None = None,
     whole fix instead (eval of an export, whose settings are flags)."""
     data = recipe.data
     rows = held_out_rows(recipe) if rows is None else rows
+    fields = f"data.{data.source}" if hasattr(data.source_args, "validation_fraction") else None
     return no_documents_error("validation", shards_read(rows, data.logical_shards), None, data.logical_shards,
-                              data.min_document_tokens, without, fix)
+                              data.min_document_tokens, without, fix, source_fields=fields)
 
 
 def short_set_note(recipe, found: int, batches: int | None = None, asked: str = "validation.steps",

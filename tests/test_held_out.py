@@ -157,3 +157,19 @@ def test_a_shard_gives_its_held_out_documents_once_its_last_row_short():
     # first input, the rest are the targets, each target the next row position's input.
     assert sorted([int(inputs[0]), *counted.tolist()]) == sorted(stream)
     assert inputs[1:19].tolist() == counted[:18].tolist()
+
+
+def test_an_empty_held_out_set_names_the_sources_own_held_out_field():
+    """'raise the data source's validation_fraction' left the user to find where it sits: the source's fields are
+    named where it has them, and no field is made up for a source that has none (synthetic's are counts)."""
+    import os
+
+    from nsa_titan.config import resolve
+    from tests.conftest import REPO_ROOT
+
+    debug = os.path.join(REPO_ROOT, "recipes", "debug.toml")
+    files = resolve([debug, "--data.source=text_files", "--data.text_files.paths=a.txt"]).recipe
+    assert ("Fix: raise data.text_files.validation_fraction (or its validation_split), add data"
+            in str(held_out.empty_set_error(files)))
+    synthetic = resolve([debug, "--data.source=synthetic"]).recipe
+    assert "data.synthetic.validation_fraction" not in str(held_out.empty_set_error(synthetic))

@@ -245,12 +245,13 @@ def read_plainly(source, args: tuple, **kwargs) -> Iterator:
 
 
 def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logical_shards: int,
-                       min_document_tokens: int,
-                       without: str | None = None, instead: str | None = None) -> NoDocuments:
+                       min_document_tokens: int, without: str | None = None, instead: str | None = None,
+                       source_fields: str | None = None) -> NoDocuments:
     """The stream of a rank whose logical shards hold no document (it would wait forever for one); dp_rank
     None: shards read by no one rank (every rank's share of the held-out set). without: the fix of a held-out
     set that needs no data, when not training's (validation.enable = false); instead: the whole fix, in place of the
-    recipe fields named here (a caller that takes its settings otherwise, and knows which change works)."""
+    recipe fields named here (a caller that takes its settings otherwise, and knows which change works);
+    source_fields: where the source's held-out fields sit in the recipe (data.text_files), where it has them."""
     shards = sorted(shards)
     which = (f"all {logical_shards} logical shards" if len(shards) == logical_shards else
              f"logical shards {shards}" if len(shards) <= 8 else
@@ -258,8 +259,10 @@ def no_documents_error(split: str, shards: list[int], dp_rank: int | None, logic
     at_least = f" of at least data.min_document_tokens = {min_document_tokens} tokens" if min_document_tokens else ""
     if split == "validation":
         what = "there is no held-out data to validate on"
-        fix = ("raise the data source's validation_fraction (or its validation_split), add data, lower "
-               f"data.logical_shards, or {without or 'train without validation (validation.enable = false)'}")
+        held_out = (f"{source_fields}.validation_fraction (or its validation_split)" if source_fields else
+                    "the data source's validation_fraction (or its validation_split)")
+        fix = (f"raise {held_out}, add data, lower data.logical_shards, or "
+               f"{without or 'train without validation (validation.enable = false)'}")
     else:
         what = "this rank has nothing to train on"
         fix = "add data, or lower data.logical_shards or data.num_workers"
