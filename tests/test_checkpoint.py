@@ -30,6 +30,8 @@ LAYOUTS = {
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree=2"]),
     # Muon's momentum is sharded like its matrices; its update is gathered whole
     "fsdp_muon": (2, ["--parallelism.data_parallel_shard_degree=2", "--optimizer.name=muon"]),
+    # Saves written in the background (DCP's async save on a gloo group of its own) while training steps on
+    "fsdp_async": (2, ["--parallelism.data_parallel_shard_degree=2", "--checkpoint.async_mode=async"]),
     # Each batch one worker's rows: the workers' shard states and their turn resume with the run
     "ddp_workers": (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2",
                         "--data.num_workers=2"]),
