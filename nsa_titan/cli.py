@@ -247,11 +247,10 @@ def sample(argv: list[str]) -> int:
     prompt = take_option(argv, "--prompt", "")
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
     if argv and argv[0].endswith(".toml"):  # a recipe's training flags come with it: they are not sample's options
-        overrides, words = [], iter(argv[1:])
-        for word in words:
-            if word.startswith("--") and "." in word.split("=", 1)[0]:  # --section.field=VALUE or VALUE after it
-                overrides += [word] if "=" in word else [word, next(words, "")]
-        raise recipe_is_not_an_export(argv[0], overrides)
+        from nsa_titan.config.overrides import parse_args
+
+        flags = [flag for flag, key, _ in parse_args(list(argv), []).overrides if "." in key]
+        raise recipe_is_not_an_export(argv[0], [word for flag in flags for word in flag.split(" ", 1)])
     numbers = {}
     # (option, type, default, lowest, highest, example): nan or inf would reach the sampler, --top-k 0 would
     # silently mean "no top-k" (leave it out for that), a seed past 64 bits overflows torch's generator.

@@ -69,8 +69,8 @@ _collective_timeout: timedelta | None = None  # set_collective_timeout's, for gr
 
 def set_collective_timeout(seconds: float, *meshes: DeviceMesh | None) -> None:
     """From now on a collective of the job's group or of any dimension of these meshes that has not completed after
-    `seconds` fails. A mesh dimension spanning less than the job has a
-    group of its own, made with torch's default timeout (10 min on NCCL, 30 on gloo), not the job's."""
+    `seconds` fails. A mesh dimension spanning less than the job has a group of its own, made with torch's default
+    timeout (10 min on NCCL, 30 on gloo), not the job's."""
     global _collective_timeout
     if not dist.is_initialized():
         return
